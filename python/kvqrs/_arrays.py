@@ -1,0 +1,136 @@
+"""Adapters between caller arrays and the native kernels.
+
+The native module takes flat, C-contiguous float32/uint8 arrays. Everything here validates the
+caller's input, makes at most one explicit contiguous float32 staging copy, and restores the
+caller's leading shape and float dtype on the way out.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import numpy as np
+
+from ._native import KvqrsError
+
+__all__ = [
+    "KvqrsError",
+    "as_float_rows",
+    "as_code_rows",
+    "as_scalars",
+    "check_bits",
+    "check_seed",
+    "check_positive_int",
+    "restore",
+]
+
+_FLOAT_NAMES = ("float16", "bfloat16", "float32", "float64")
+
+
+def _dtype_name(dtype: np.dtype) -> str:
+    return str(dtype)
+
+
+def check_bits(bits: Any, arg: str = "bits", low: int = 1, high: int = 8) -> int:
+    """Return ``bits`` as an int in ``low..high`` or raise :class:`KvqrsError`."""
+    if isinstance(bits, bool):
+        raise KvqrsError(f"{arg}: expected an integer bit width in {low}..{high}, got bool {bits}")
+    try:
+        b = operator.index(bits)
+    except TypeError:
+        raise KvqrsError(f"{arg}: expected an integer bit width in {low}..{high}, got {bits!r}") from None
+    if not low <= b <= high:
+        raise KvqrsError(f"{arg}: expected a bit width in {low}..{high}, got {b}")
+    return b
+
+
+def check_positive_int(value: Any, arg: str, minimum: int = 1) -> int:
+    """Return ``value`` as an int >= ``minimum`` or raise :class:`KvqrsError`."""
+    if isinstance(value, bool):
+        raise KvqrsError(f"{arg}: expected an integer >= {minimum}, got bool {value}")
+    try:
+        v = operator.index(value)
+    except TypeError:
+        raise KvqrsError(f"{arg}: expected an integer >= {minimum}, got {value!r}") from None
+    if v < minimum:
+        raise KvqrsError(f"{arg}: expected an integer >= {minimum}, got {v}")
+    return v
+
+
+def check_seed(seed: Any, arg: str = "seed", optional: bool = True) -> int | None:
+    """Return a seed in ``[0, 2**64)`` (or None when allowed), else raise :class:`KvqrsError`."""
+    if seed is None:
+        if optional:
+            return None
+        raise KvqrsError(f"{arg}: expected an integer seed in [0, 2**64), got None")
+    if isinstance(seed, bool):
+        raise KvqrsError(f"{arg}: expected an integer seed in [0, 2**64), got bool {seed}")
+    try:
+        s = operator.index(seed)
+    except TypeError:
+        raise KvqrsError(f"{arg}: expected an integer seed in [0, 2**64), got {seed!r}") from None
+    if not 0 <= s < 2**64:
+        raise KvqrsError(f"{arg}: expected an integer seed in [0, 2**64), got {s}")
+    return s
+
+
+def as_float_rows(x: Any, arg: str, min_dim: int = 1) -> tuple[np.ndarray, tuple[int, ...], int, np.dtype]:
+    """Validate a float array of rows along the last axis.
+
+    Returns ``(flat float32 C-contiguous, leading shape, row length, caller dtype)``.
+    Accepts float16, bfloat16 (ml_dtypes), float32 and float64, any leading shape and strided
+    views; raises :class:`KvqrsError` for other dtypes, 0-d input or a row length < ``min_dim``.
+    """
+    arr = np.asarray(x)
+    if _dtype_name(arr.dtype) not in _FLOAT_NAMES:
+        raise KvqrsError(
+            f"{arg}: expected a float16, bfloat16, float32 or float64 array, got dtype {arr.dtype}"
+        )
+    if arr.ndim == 0:
+        raise KvqrsError(f"{arg}: expected an array of shape (..., head_dim), got a scalar")
+    dim = arr.shape[-1]
+    if dim < min_dim:
+        raise KvqrsError(f"{arg}: expected a last axis of length >= {min_dim}, got shape {arr.shape}")
+    flat = np.ascontiguousarray(arr, dtype=np.float32).reshape(-1)
+    return flat, tuple(arr.shape[:-1]), dim, arr.dtype
+
+
+def as_code_rows(codes: Any, arg: str, bits: int | None = None) -> tuple[np.ndarray, tuple[int, ...], int]:
+    """Validate an integer code array; returns ``(flat uint8, leading shape, row length)``.
+
+    Codes of any integer dtype are accepted if every value lies in ``[0, 2**bits)`` (``[0, 256)``
+    when ``bits`` is None); nothing is wrapped or truncated silently.
+    """
+    arr = np.asarray(codes)
+    if arr.dtype.kind not in "ui":
+        raise KvqrsError(f"{arg}: expected an integer array (uint8 codes), got dtype {arr.dtype}")
+    if arr.ndim == 0:
+        raise KvqrsError(f"{arg}: expected an array of shape (..., count), got a scalar")
+    limit = 256 if bits is None else 1 << bits
+    if arr.size and arr.dtype != np.uint8:
+        lo, hi = int(arr.min()), int(arr.max())
+        if lo < 0 or hi >= limit:
+            bad = lo if lo < 0 else hi
+            pos = np.unravel_index(int(np.argmax(arr == bad)), arr.shape)
+            raise KvqrsError(f"{arg}: code {bad} at index {tuple(int(p) for p in pos)} does not fit (expected 0 <= code < {limit})")
+    flat = np.ascontiguousarray(arr, dtype=np.uint8).reshape(-1)
+    return flat, tuple(arr.shape[:-1]), arr.shape[-1]
+
+
+def as_scalars(values: Any, arg: str, leading: tuple[int, ...]) -> np.ndarray:
+    """Validate stored scalars (norms, scales): float16 or float32, one per row of ``leading``."""
+    arr = np.asarray(values)
+    if arr.dtype not in (np.float16, np.float32):
+        raise KvqrsError(f"{arg}: expected float16 or float32 stored scalars, got dtype {arr.dtype}")
+    if arr.shape != leading:
+        raise KvqrsError(f"{arg}: expected shape {leading} (one per row), got {arr.shape}")
+    return np.ascontiguousarray(arr).reshape(-1)
+
+
+def restore(flat: np.ndarray, leading: tuple[int, ...], cols: int, dtype: np.dtype | None = None) -> np.ndarray:
+    """Reshape a flat native result to ``(*leading, cols)`` and cast to ``dtype`` if given."""
+    out = flat.reshape(*leading, cols)
+    if dtype is not None and out.dtype != dtype:
+        out = out.astype(dtype)
+    return out

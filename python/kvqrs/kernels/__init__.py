@@ -1,0 +1,39 @@
+"""The kernels of SPEC section 2, one module each, over the native Rust implementation."""
+
+from .hadamard import hadamard, inverse_hadamard, padded_dim
+from .headq import HeadQCode, headq_basis, headq_decode, headq_encode, headq_score_correction
+from .lloyd_max import Codebook, lloyd_max_codebook, lloyd_max_decode, lloyd_max_encode
+from .mse import MSECode, mse_decode, mse_encode
+from .pack import pack_bits, packed_size, unpack_bits
+from .qjl import QJLSketch, qjl_inner_product, qjl_sketch, qjl_vector_estimate
+from .rng import gaussians, philox4x32_10, qjl_matrix, random_orthonormal_basis, rotation_signs
+
+__all__ = [
+    "Codebook",
+    "HeadQCode",
+    "MSECode",
+    "QJLSketch",
+    "gaussians",
+    "hadamard",
+    "headq_basis",
+    "headq_decode",
+    "headq_encode",
+    "headq_score_correction",
+    "inverse_hadamard",
+    "lloyd_max_codebook",
+    "lloyd_max_decode",
+    "lloyd_max_encode",
+    "mse_decode",
+    "mse_encode",
+    "pack_bits",
+    "packed_size",
+    "padded_dim",
+    "philox4x32_10",
+    "qjl_inner_product",
+    "qjl_matrix",
+    "qjl_sketch",
+    "qjl_vector_estimate",
+    "random_orthonormal_basis",
+    "rotation_signs",
+    "unpack_bits",
+]

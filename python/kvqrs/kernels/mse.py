@@ -1,0 +1,96 @@
+"""Norm-and-direction quantization, the MSE stage (SPEC 2.4; docs/kernels.md section 5)."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from .. import _native
+from .._arrays import (
+    KvqrsError,
+    as_code_rows,
+    as_float_rows,
+    as_scalars,
+    check_bits,
+    check_positive_int,
+    check_seed,
+    restore,
+)
+from .hadamard import padded_dim
+
+
+class MSECode(NamedTuple):
+    """Output of :func:`mse_encode`.
+
+    Attributes:
+        codes: uint8 ``(..., code_dim)`` unpacked Lloyd-Max codes (``code_dim = d'`` with a
+            rotation, ``head_dim`` without).
+        norms: ``(...)`` stored norms, float16 when every non-zero norm lies in
+            ``[2**-14, 65504)``, float32 otherwise (16 or 32 bits per vector).
+    """
+
+    codes: np.ndarray
+    norms: np.ndarray
+
+
+def mse_encode(x: Any, bits: int, seed: int | None = None) -> MSECode:
+    """Quantize rows as ``(||x||, codes of R x / ||x||)``.
+
+    Equivalent to ``oracle.mse_encode``: rotate (``seed`` given) or not (``seed=None``, the
+    ``kv`` scheme), divide by the norm, bucketize each coordinate with the
+    ``(code_dim, bits)`` Lloyd-Max codebook. A zero row gives norm 0.
+
+    Args:
+        x: float array ``(..., head_dim)``, head_dim >= 2.
+        bits: 1..8 bits per coordinate.
+        seed: rotation seed, or None for no rotation.
+
+    Returns:
+        :class:`MSECode`.
+
+    Raises:
+        KvqrsError: bad dtype, bits or seed, NaN/Inf in ``x`` (position named), or a norm beyond
+            float32.
+    """
+    flat, leading, d, _ = as_float_rows(x, "x", min_dim=2)
+    b = check_bits(bits)
+    s = check_seed(seed)
+    codes, norms = _native.mse_encode(flat, d, b, s)
+    code_dim = d if s is None else padded_dim(d)
+    return MSECode(codes.reshape(*leading, code_dim), norms.reshape(leading))
+
+
+def mse_decode(
+    codes: Any,
+    norms: Any,
+    bits: int,
+    head_dim: int,
+    seed: int | None = None,
+    dtype: Any = np.float32,
+) -> np.ndarray:
+    """Reconstruct ``norm * R^T centroids[codes]`` (first ``head_dim`` coordinates).
+
+    Args:
+        codes: uint8 ``(..., code_dim)`` from :func:`mse_encode`.
+        norms: float16 or float32 ``(...)``.
+        bits, head_dim, seed: as given to :func:`mse_encode`.
+        dtype: output float dtype (default float32).
+
+    Returns:
+        array ``(..., head_dim)`` of ``dtype``.
+
+    Raises:
+        KvqrsError: codes of the wrong width or out of range, norms of the wrong shape or dtype,
+            negative or non-finite norms.
+    """
+    b = check_bits(bits)
+    d = check_positive_int(head_dim, "head_dim", minimum=2)
+    s = check_seed(seed)
+    flat, leading, width = as_code_rows(codes, "codes", b)
+    code_dim = d if s is None else padded_dim(d)
+    if width != code_dim:
+        raise KvqrsError(f"codes: expected a last axis of {code_dim} codes for head_dim {d}, got {width}")
+    n = as_scalars(norms, "norms", leading)
+    out = _native.mse_decode(flat, n, d, b, s)
+    return restore(out, leading, d, np.dtype(dtype))

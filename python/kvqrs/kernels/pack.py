@@ -1,0 +1,67 @@
+"""Bit packing of b-bit codes (SPEC 2.1; docs/kernels.md section 2)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .. import _native
+from .._arrays import KvqrsError, as_code_rows, check_bits, check_positive_int
+
+
+def packed_size(count: int, bits: int) -> int:
+    """Bytes per row for ``count`` codes of ``bits`` bits: ``ceil(count * bits / 8)``."""
+    return (count * bits + 7) // 8
+
+
+def pack_bits(codes: Any, bits: int) -> np.ndarray:
+    """Pack b-bit codes, little-endian within each row.
+
+    Args:
+        codes: integer array ``(..., m)``, every value in ``[0, 2**bits)``.
+        bits: code width, 1..8.
+
+    Returns:
+        uint8 array ``(..., ceil(m * bits / 8))``; code ``i`` occupies bits ``i*bits ..
+        i*bits+bits-1`` of the row's bit stream (bit 0 = least significant bit of byte 0).
+
+    Raises:
+        KvqrsError: bits outside 1..8, a non-integer dtype, or a code that does not fit (the
+            message gives its index).
+    """
+    b = check_bits(bits)
+    flat, leading, m = as_code_rows(codes, "codes", b)
+    out = _native.pack_bits(flat, m, b)
+    return out.reshape(*leading, packed_size(m, b))
+
+
+def unpack_bits(packed: Any, bits: int, count: int) -> np.ndarray:
+    """Exact inverse of :func:`pack_bits`.
+
+    Args:
+        packed: uint8 array ``(..., ceil(count * bits / 8))``.
+        bits: code width, 1..8.
+        count: codes per row.
+
+    Returns:
+        uint8 array ``(..., count)``.
+
+    Raises:
+        KvqrsError: bits outside 1..8, a non-uint8 dtype, or a last axis that is not
+            ``ceil(count * bits / 8)`` bytes.
+    """
+    b = check_bits(bits)
+    n = check_positive_int(count, "count", minimum=0)
+    arr = np.asarray(packed)
+    if arr.dtype != np.uint8:
+        raise KvqrsError(f"packed: expected a uint8 array, got dtype {arr.dtype}")
+    if arr.ndim == 0:
+        raise KvqrsError("packed: expected an array of shape (..., bytes), got a scalar")
+    want = packed_size(n, b)
+    if arr.shape[-1] != want:
+        raise KvqrsError(
+            f"packed: expected a last axis of {want} bytes for {n} codes of {b} bits, got shape {arr.shape}"
+        )
+    flat = np.ascontiguousarray(arr).reshape(-1)
+    return _native.unpack_bits(flat, n, b).reshape(*arr.shape[:-1], n)

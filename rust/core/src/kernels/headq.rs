@@ -1,0 +1,177 @@
+//! HeadQ side code: a low-rank code of the key residual in a query basis U (d x r), added back
+//! as a score-space correction with the live query (SPEC 2.6; docs/kernels.md section 7).
+
+use super::{check_bits, check_finite, rows_of};
+use crate::error::{KvqError, Result};
+use crate::reduce::dot;
+use crate::scalars::ScalarPlane;
+
+/// The side coder for one basis and bit width.
+#[derive(Debug, Clone)]
+pub struct HeadqCoder {
+    head_dim: usize,
+    rank: usize,
+    bits: u32,
+    /// U^T, row-major rank x head_dim: each basis column contiguous for the dot products.
+    basis_t: Vec<f32>,
+}
+
+/// Side codes (rows x rank, unpacked) and one stored scale per row.
+#[derive(Debug, Clone, PartialEq)]
+pub struct HeadqCodes {
+    /// rows x rank codes.
+    pub codes: Vec<u8>,
+    /// Per-row scale of the uniform side quantizer.
+    pub scales: ScalarPlane,
+}
+
+impl HeadqCoder {
+    /// Builds the coder from a row-major basis (head_dim x rank). Errors on a bad shape,
+    /// non-finite entries or bits outside 1..=8.
+    pub fn new(basis: &[f32], head_dim: usize, rank: usize, bits: u32) -> Result<Self> {
+        check_bits("bits", bits)?;
+        if rank == 0 || head_dim == 0 || basis.len() != head_dim * rank || rank > head_dim {
+            return Err(KvqError::InvalidBasis {
+                arg: "basis",
+                reason: format!(
+                    "expected a (head_dim, rank) basis with 1 <= rank <= head_dim, got {} values for head_dim {head_dim}, rank {rank}",
+                    basis.len()
+                ),
+            });
+        }
+        if basis.iter().any(|v| !v.is_finite()) {
+            return Err(KvqError::InvalidBasis { arg: "basis", reason: "expected finite entries".into() });
+        }
+        let mut basis_t = vec![0.0f32; rank * head_dim];
+        for i in 0..head_dim {
+            for j in 0..rank {
+                basis_t[j * head_dim + i] = basis[i * rank + j];
+            }
+        }
+        Ok(Self { head_dim, rank, bits, basis_t })
+    }
+
+    /// Rank r of the basis (codes per row).
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn half(&self) -> f32 {
+        ((1u32 << self.bits) - 1) as f32 / 2.0
+    }
+
+    /// `out = U^T x` for one row.
+    pub fn project_row(&self, x: &[f32], out: &mut [f32]) {
+        for (o, col) in out.iter_mut().zip(self.basis_t.chunks_exact(self.head_dim)) {
+            *o = dot(col, x);
+        }
+    }
+
+    /// Encodes residual rows `e` (head_dim each) into side codes.
+    pub fn encode(&self, e: &[f32]) -> Result<HeadqCodes> {
+        let rows = rows_of("residual", e.len(), self.head_dim)?;
+        check_finite("residual", e, self.head_dim)?;
+        let h = self.half();
+        let mut proj = vec![0.0f32; rows * self.rank];
+        let mut raw_scales = vec![0.0f32; rows];
+        for (i, (row, p)) in e.chunks_exact(self.head_dim).zip(proj.chunks_exact_mut(self.rank)).enumerate() {
+            self.project_row(row, p);
+            raw_scales[i] = p.iter().fold(0.0f32, |m, v| m.max(v.abs())) / h;
+            if !raw_scales[i].is_finite() {
+                return Err(KvqError::NormOverflow { arg: "residual", row: i });
+            }
+        }
+        let scales = ScalarPlane::store(&raw_scales);
+        let top = ((1u32 << self.bits) - 1) as f32;
+        let mut codes = vec![0u8; rows * self.rank];
+        for (i, (p, c)) in proj.chunks_exact(self.rank).zip(codes.chunks_exact_mut(self.rank)).enumerate() {
+            let s = scales.get(i);
+            for (ci, &pi) in c.iter_mut().zip(p) {
+                let t = if s > 0.0 { pi / s } else { 0.0 };
+                *ci = (t + h + 0.5).floor().clamp(0.0, top) as u8;
+            }
+        }
+        Ok(HeadqCodes { codes, scales })
+    }
+
+    fn check(&self, c: &HeadqCodes) -> Result<usize> {
+        let rows = rows_of("codes", c.codes.len(), self.rank)?;
+        c.scales.validate("scales", rows)?;
+        super::mse::check_codes("codes", &c.codes, self.rank, self.bits)?;
+        Ok(rows)
+    }
+
+    /// Side values `z = s * (code - h)` of one row.
+    fn side_values(&self, codes: &[u8], s: f32, out: &mut [f32]) {
+        let h = self.half();
+        out.iter_mut().zip(codes).for_each(|(z, &c)| *z = s * (f32::from(c) - h));
+    }
+
+    /// Reconstructs `U z` (rows x head_dim); used by tests and by decode-based evaluation.
+    pub fn decode(&self, c: &HeadqCodes) -> Result<Vec<f32>> {
+        let rows = self.check(c)?;
+        let mut out = vec![0.0f32; rows * self.head_dim];
+        let mut z = vec![0.0f32; self.rank];
+        for (i, orow) in out.chunks_exact_mut(self.head_dim).enumerate() {
+            self.side_values(&c.codes[i * self.rank..(i + 1) * self.rank], c.scales.get(i), &mut z);
+            for (j, &zj) in z.iter().enumerate() {
+                let col = &self.basis_t[j * self.head_dim..(j + 1) * self.head_dim];
+                orow.iter_mut().zip(col).for_each(|(o, u)| *o += u * zj);
+            }
+        }
+        Ok(out)
+    }
+
+    /// Score corrections `(U^T q_i) . z_j` for every query row i and coded row j (nq x nk).
+    /// The caller adds them to the base scores before dividing by sqrt(d).
+    pub fn score_correction(&self, q: &[f32], c: &HeadqCodes) -> Result<Vec<f32>> {
+        let nq = rows_of("q", q.len(), self.head_dim)?;
+        check_finite("q", q, self.head_dim)?;
+        let nk = self.check(c)?;
+        let mut z = vec![0.0f32; nk * self.rank];
+        for (j, zr) in z.chunks_exact_mut(self.rank).enumerate() {
+            self.side_values(&c.codes[j * self.rank..(j + 1) * self.rank], c.scales.get(j), zr);
+        }
+        let mut out = vec![0.0f32; nq * nk];
+        let mut qu = vec![0.0f32; self.rank];
+        for (qrow, orow) in q.chunks_exact(self.head_dim).zip(out.chunks_exact_mut(nk.max(1))) {
+            self.project_row(qrow, &mut qu);
+            for (o, zr) in orow.iter_mut().zip(z.chunks_exact(self.rank)).take(nk) {
+                *o = dot(&qu, zr);
+            }
+        }
+        Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::rng::random_orthonormal_basis;
+
+    #[test]
+    fn correction_recovers_the_projected_residual_at_high_bits() {
+        let (d, r) = (64, 4);
+        let u = random_orthonormal_basis(1, d, r).unwrap();
+        let coder = HeadqCoder::new(&u, d, r, 8).unwrap();
+        let e: Vec<f32> = (0..d).map(|i| ((i * 7 % 13) as f32 - 6.0) / 10.0).collect();
+        let q: Vec<f32> = (0..d).map(|i| ((i * 5 % 11) as f32 - 5.0) / 4.0).collect();
+        let c = coder.encode(&e).unwrap();
+        let got = coder.score_correction(&q, &c).unwrap()[0];
+        let mut qu = vec![0.0; r];
+        let mut eu = vec![0.0; r];
+        coder.project_row(&q, &mut qu);
+        coder.project_row(&e, &mut eu);
+        let want: f32 = qu.iter().zip(&eu).map(|(a, b)| a * b).sum();
+        assert!((got - want).abs() < 0.01 * (1.0 + want.abs()), "{got} vs {want}");
+    }
+
+    #[test]
+    fn zero_residual_gives_zero_correction() {
+        let u = random_orthonormal_basis(2, 16, 2).unwrap();
+        let coder = HeadqCoder::new(&u, 16, 2, 2).unwrap();
+        let c = coder.encode(&[0.0; 16]).unwrap();
+        assert_eq!(c.codes, vec![2, 2]);
+        assert_eq!(coder.score_correction(&[1.0; 16], &c).unwrap(), vec![0.0]);
+    }
+}

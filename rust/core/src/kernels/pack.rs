@@ -1,0 +1,136 @@
+//! Bit packing of b-bit codes, 1 <= b <= 8, little-endian bit order within each row
+//! (SPEC 2.1; docs/kernels.md section 2).
+
+use super::check_bits;
+use crate::error::{KvqError, Result};
+
+/// Bytes needed for one row of `count` codes of `bits` bits.
+pub fn packed_len(count: usize, bits: u32) -> usize {
+    (count * bits as usize).div_ceil(8)
+}
+
+/// Packs `codes` (rows of `count` codes) into rows of `packed_len(count, bits)` bytes.
+///
+/// Errors: `InvalidBits` for bits outside 1..=8, `ShapeMismatch` if `codes.len()` is not a
+/// multiple of `count`, `CodeOutOfRange` for a code >= 2^bits (naming its row and position).
+pub fn pack(codes: &[u8], count: usize, bits: u32) -> Result<Vec<u8>> {
+    check_bits("bits", bits)?;
+    let rows = rows_or_empty("codes", codes.len(), count)?;
+    let limit = 1u32 << bits;
+    if let Some(i) = codes.iter().position(|&c| u32::from(c) >= limit) {
+        return Err(KvqError::CodeOutOfRange {
+            arg: "codes",
+            row: i / count,
+            col: i % count,
+            value: u32::from(codes[i]),
+            bits,
+            limit,
+        });
+    }
+    let row_bytes = packed_len(count, bits);
+    let mut out = vec![0u8; rows * row_bytes];
+    for (src, dst) in codes.chunks_exact(count.max(1)).zip(out.chunks_exact_mut(row_bytes.max(1))) {
+        pack_row(src, bits, dst);
+    }
+    Ok(out)
+}
+
+/// Unpacks rows of `packed_len(count, bits)` bytes into rows of `count` codes.
+///
+/// Errors: `InvalidBits`, or `ShapeMismatch` if `packed.len()` is not a multiple of the row size.
+pub fn unpack(packed: &[u8], count: usize, bits: u32) -> Result<Vec<u8>> {
+    check_bits("bits", bits)?;
+    let row_bytes = packed_len(count, bits);
+    let rows = rows_or_empty("packed", packed.len(), row_bytes)?;
+    let mut out = vec![0u8; rows * count];
+    for (src, dst) in packed.chunks_exact(row_bytes.max(1)).zip(out.chunks_exact_mut(count.max(1))) {
+        unpack_row(src, bits, dst);
+    }
+    Ok(out)
+}
+
+/// Row count of a buffer of rows of `width`; a zero width is only valid for an empty buffer.
+fn rows_or_empty(arg: &'static str, len: usize, width: usize) -> Result<usize> {
+    if width == 0 {
+        return if len == 0 {
+            Ok(0)
+        } else {
+            Err(KvqError::ShapeMismatch {
+                arg,
+                expected: "an empty buffer for zero codes per row".into(),
+                actual: format!("{len} bytes"),
+            })
+        };
+    }
+    super::rows_of(arg, len, width)
+}
+
+/// Packs one row through a 16-bit window: code i lands at bit offset i*bits.
+fn pack_row(codes: &[u8], bits: u32, out: &mut [u8]) {
+    let mut acc: u32 = 0;
+    let mut filled: u32 = 0;
+    let mut pos = 0;
+    for &c in codes {
+        acc |= u32::from(c) << filled;
+        filled += bits;
+        while filled >= 8 {
+            out[pos] = acc as u8;
+            pos += 1;
+            acc >>= 8;
+            filled -= 8;
+        }
+    }
+    if filled > 0 {
+        out[pos] = acc as u8;
+    }
+}
+
+fn unpack_row(packed: &[u8], bits: u32, out: &mut [u8]) {
+    let mask = (1u32 << bits) - 1;
+    let mut acc: u32 = 0;
+    let mut filled: u32 = 0;
+    let mut src = packed.iter();
+    for o in out.iter_mut() {
+        while filled < bits {
+            // The row holds exactly enough bytes for every code.
+            acc |= u32::from(*src.next().unwrap_or(&0)) << filled;
+            filled += 8;
+        }
+        *o = (acc & mask) as u8;
+        acc >>= bits;
+        filled -= bits;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn packs_little_endian() {
+        // Codes 1, 2, 3 at 2 bits: 0b11_10_01 = 0x39.
+        assert_eq!(pack(&[1, 2, 3], 3, 2).unwrap(), vec![0x39]);
+        // 3-bit codes straddle bytes: 5 | 6 << 3 | 7 << 6 = 0x1F5.
+        assert_eq!(pack(&[5, 6, 7], 3, 3).unwrap(), vec![0xF5, 0x01]);
+    }
+
+    #[test]
+    fn rejects_out_of_range_code() {
+        let err = pack(&[0, 4], 2, 2).unwrap_err();
+        assert!(matches!(err, KvqError::CodeOutOfRange { row: 0, col: 1, value: 4, .. }));
+    }
+
+    proptest! {
+        #[test]
+        fn unpack_inverts_pack(bits in 1u32..=8, rows in 0usize..4, count in 1usize..70, seed in any::<u64>()) {
+            let mask = (1u64 << bits) - 1;
+            let codes: Vec<u8> = (0..rows * count)
+                .map(|i| ((seed.wrapping_mul(6364136223846793005).wrapping_add(i as u64 * 1442695040888963407) >> 17) & mask) as u8)
+                .collect();
+            let packed = pack(&codes, count, bits).unwrap();
+            prop_assert_eq!(packed.len(), rows * packed_len(count, bits));
+            prop_assert_eq!(unpack(&packed, count, bits).unwrap(), codes);
+        }
+    }
+}

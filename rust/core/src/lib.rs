@@ -1,0 +1,13 @@
+//! kvqrs-core: the numerical kernels of kvqrs, with no Python dependency.
+//!
+//! Every kernel follows `docs/kernels.md` (exact conventions) and `SPEC.md` section 2. Inputs are
+//! row-major `rows x dim` float32 slices; every function validates its sizes and returns
+//! [`KvqError`] instead of panicking.
+
+pub mod error;
+pub mod kernels;
+pub mod reduce;
+pub mod rng;
+pub mod scalars;
+
+pub use error::{KvqError, Result};

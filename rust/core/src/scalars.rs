@@ -1,0 +1,105 @@
+//! Storage of per-vector scalars (norms, scales): float16 where every value fits, float32
+//! otherwise (SPEC section 2.4; docs/kernels.md section 5). The choice is made per call and
+//! carried by the variant, so the memory accounting can count 16 or 32 bits.
+
+use half::f16;
+
+use crate::error::{KvqError, Result};
+
+/// Smallest positive normal float16 (2^-14): below it float16 loses relative precision.
+pub const F16_MIN_NORMAL: f32 = 6.103_515_6e-5;
+/// Largest finite float16.
+pub const F16_MAX: f32 = 65504.0;
+
+/// A plane of stored scalars, one per vector.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ScalarPlane {
+    /// IEEE binary16 bit patterns.
+    F16(Vec<u16>),
+    /// float32 values, used when some value is outside the float16 normal range.
+    F32(Vec<f32>),
+}
+
+impl ScalarPlane {
+    /// Chooses the storage for non-negative finite `values` and rounds them into it.
+    pub fn store(values: &[f32]) -> Self {
+        let fits = values.iter().all(|&v| v == 0.0 || (F16_MIN_NORMAL..F16_MAX).contains(&v));
+        if fits {
+            ScalarPlane::F16(values.iter().map(|&v| f16::from_f32(v).to_bits()).collect())
+        } else {
+            ScalarPlane::F32(values.to_vec())
+        }
+    }
+
+    /// Number of stored scalars.
+    pub fn len(&self) -> usize {
+        match self {
+            ScalarPlane::F16(v) => v.len(),
+            ScalarPlane::F32(v) => v.len(),
+        }
+    }
+
+    /// True when no scalar is stored.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Bits used per stored scalar (16 or 32).
+    pub fn bits(&self) -> u32 {
+        match self {
+            ScalarPlane::F16(_) => 16,
+            ScalarPlane::F32(_) => 32,
+        }
+    }
+
+    /// Stored value `i` as float32.
+    #[inline]
+    pub fn get(&self, i: usize) -> f32 {
+        match self {
+            ScalarPlane::F16(v) => f16::from_bits(v[i]).to_f32(),
+            ScalarPlane::F32(v) => v[i],
+        }
+    }
+
+    /// All values as float32.
+    pub fn to_f32(&self) -> Vec<f32> {
+        (0..self.len()).map(|i| self.get(i)).collect()
+    }
+
+    /// Checks that a plane handed in by a caller holds `rows` finite non-negative values.
+    pub fn validate(&self, arg: &'static str, rows: usize) -> Result<()> {
+        if self.len() != rows {
+            return Err(KvqError::ShapeMismatch {
+                arg,
+                expected: format!("{rows} stored scalars (one per row)"),
+                actual: format!("{}", self.len()),
+            });
+        }
+        for i in 0..rows {
+            let v = self.get(i);
+            if !v.is_finite() || v < 0.0 {
+                return Err(KvqError::InvalidScalar { arg, row: i, value: v });
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chooses_f16_when_values_fit() {
+        let p = ScalarPlane::store(&[0.0, 1.5, 60000.0]);
+        assert_eq!(p.bits(), 16);
+        assert_eq!(p.to_f32(), vec![0.0, 1.5, 60000.0]);
+    }
+
+    #[test]
+    fn falls_back_to_f32_beyond_f16_range() {
+        assert_eq!(ScalarPlane::store(&[1.0, 1e5]).bits(), 32);
+        assert_eq!(ScalarPlane::store(&[1.0, 1e-6]).bits(), 32);
+        assert_eq!(ScalarPlane::store(&[1e5]).to_f32(), vec![1e5]);
+    }
+}

@@ -1,0 +1,45 @@
+//! Borrowing NumPy buffers and building outputs. The binding takes flat, C-contiguous arrays;
+//! the Python layer reshapes and makes the one explicit contiguous copy when needed.
+
+use half::f16;
+use kvqrs_core::scalars::ScalarPlane;
+use numpy::{PyArray1, PyReadonlyArray1};
+use pyo3::prelude::*;
+
+use crate::errors::arg_error;
+
+/// Borrows a contiguous 1-D array as a slice, or raises naming the argument.
+pub fn slice<'a, T: numpy::Element>(arr: &'a PyReadonlyArray1<'_, T>, arg: &str) -> PyResult<&'a [T]> {
+    arr.as_slice()
+        .map_err(|_| arg_error(format!("{arg}: expected a C-contiguous array, got a strided view")))
+}
+
+/// Stored scalars (norms, scales) as handed in from Python: float16 or float32.
+#[derive(FromPyObject)]
+pub enum Scalars<'py> {
+    /// float16 storage.
+    F16(PyReadonlyArray1<'py, f16>),
+    /// float32 storage.
+    F32(PyReadonlyArray1<'py, f32>),
+}
+
+impl Scalars<'_> {
+    /// Copies into a core scalar plane (one small copy: one value per vector).
+    pub fn to_plane(&self, arg: &str) -> PyResult<ScalarPlane> {
+        Ok(match self {
+            Scalars::F16(a) => ScalarPlane::F16(slice(a, arg)?.iter().map(|v| v.to_bits()).collect()),
+            Scalars::F32(a) => ScalarPlane::F32(slice(a, arg)?.to_vec()),
+        })
+    }
+}
+
+/// A core scalar plane as a NumPy float16 or float32 array.
+pub fn plane_to_py<'py>(py: Python<'py>, plane: ScalarPlane) -> Bound<'py, PyAny> {
+    match plane {
+        ScalarPlane::F16(v) => {
+            PyArray1::from_vec(py, v.into_iter().map(f16::from_bits).collect::<Vec<_>>()).into_any()
+        }
+        ScalarPlane::F32(v) => PyArray1::from_vec(py, v).into_any(),
+    }
+}
+

@@ -1,0 +1,36 @@
+//! `kvqrs._native`: the private PyO3 module over kvqrs-core. The public API is the Python
+//! package `kvqrs`; nothing here is meant to be called directly.
+
+mod arrays;
+mod errors;
+mod kernels;
+
+use pyo3::prelude::*;
+
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add("KvqrsError", m.py().get_type::<errors::KvqrsError>())?;
+    m.add("MAX_CODEBOOK_DIM", kvqrs_core::kernels::lloyd_max::MAX_CODEBOOK_DIM)?;
+    m.add_function(wrap_pyfunction!(kernels::pack_bits, m)?)?;
+    m.add_function(wrap_pyfunction!(kernels::unpack_bits, m)?)?;
+    m.add_function(wrap_pyfunction!(kernels::hadamard, m)?)?;
+    m.add_function(wrap_pyfunction!(kernels::inverse_hadamard, m)?)?;
+    m.add_function(wrap_pyfunction!(kernels::lloyd_max_codebook, m)?)?;
+    m.add_function(wrap_pyfunction!(kernels::lloyd_max_encode, m)?)?;
+    m.add_function(wrap_pyfunction!(kernels::lloyd_max_decode, m)?)?;
+    m.add_function(wrap_pyfunction!(kernels::mse_encode, m)?)?;
+    m.add_function(wrap_pyfunction!(kernels::mse_decode, m)?)?;
+    m.add_function(wrap_pyfunction!(kernels::qjl_sketch, m)?)?;
+    m.add_function(wrap_pyfunction!(kernels::qjl_inner_product, m)?)?;
+    m.add_function(wrap_pyfunction!(kernels::qjl_vector_estimate, m)?)?;
+    m.add_function(wrap_pyfunction!(kernels::headq_encode, m)?)?;
+    m.add_function(wrap_pyfunction!(kernels::headq_decode, m)?)?;
+    m.add_function(wrap_pyfunction!(kernels::headq_score_correction, m)?)?;
+    m.add_function(wrap_pyfunction!(kernels::philox4x32_10, m)?)?;
+    m.add_function(wrap_pyfunction!(kernels::rotation_signs, m)?)?;
+    m.add_function(wrap_pyfunction!(kernels::gaussians, m)?)?;
+    m.add_function(wrap_pyfunction!(kernels::random_orthonormal_basis, m)?)?;
+    m.add_function(wrap_pyfunction!(kernels::qjl_matrix, m)?)?;
+    Ok(())
+}
