@@ -11,27 +11,56 @@ pub type Result<T> = std::result::Result<T, KvqError>;
 pub enum KvqError {
     /// A bit width outside the supported range (`min..=max`).
     #[error("{arg}: expected a bit width in {min}..={max}, got {actual}")]
-    InvalidBits { arg: &'static str, min: u32, max: u32, actual: i64 },
+    InvalidBits {
+        arg: &'static str,
+        min: u32,
+        max: u32,
+        actual: i64,
+    },
 
     /// A dimension (head_dim, rank, sketch size, count) that is not allowed.
     #[error("{arg}: expected {expected}, got {actual}")]
-    InvalidDimension { arg: &'static str, expected: String, actual: i64 },
+    InvalidDimension {
+        arg: &'static str,
+        expected: String,
+        actual: i64,
+    },
 
     /// A buffer whose length does not match the shape implied by the other arguments.
     #[error("{arg}: expected {expected}, got {actual}")]
-    ShapeMismatch { arg: &'static str, expected: String, actual: String },
+    ShapeMismatch {
+        arg: &'static str,
+        expected: String,
+        actual: String,
+    },
 
     /// A code that does not fit in the declared bit width.
     #[error("{arg}: code {value} at row {row}, position {col} does not fit in {bits} bits (expected < {limit})")]
-    CodeOutOfRange { arg: &'static str, row: usize, col: usize, value: u32, bits: u32, limit: u32 },
+    CodeOutOfRange {
+        arg: &'static str,
+        row: usize,
+        col: usize,
+        value: u32,
+        bits: u32,
+        limit: u32,
+    },
 
     /// NaN or infinity where a finite value is required.
     #[error("{arg}: expected finite values, got {value} at row {row}, position {col}")]
-    NonFinite { arg: &'static str, row: usize, col: usize, value: f32 },
+    NonFinite {
+        arg: &'static str,
+        row: usize,
+        col: usize,
+        value: f32,
+    },
 
     /// A stored scalar (norm, scale) that is negative or not finite.
     #[error("{arg}: expected finite non-negative stored scalars, got {value} at row {row}")]
-    InvalidScalar { arg: &'static str, row: usize, value: f32 },
+    InvalidScalar {
+        arg: &'static str,
+        row: usize,
+        value: f32,
+    },
 
     /// The vector norm of a row exceeds the float32 range.
     #[error("{arg}: the norm of row {row} overflows float32 (expected a norm below 3.4e38)")]

@@ -51,7 +51,11 @@ mod tests {
     fn dot_matches_exact_small_integers() {
         let a: Vec<f32> = (0..37).map(|i| i as f32).collect();
         let b: Vec<f32> = (0..37).map(|i| (i % 5) as f32 - 2.0).collect();
-        let exact: f64 = a.iter().zip(&b).map(|(x, y)| f64::from(*x) * f64::from(*y)).sum();
+        let exact: f64 = a
+            .iter()
+            .zip(&b)
+            .map(|(x, y)| f64::from(*x) * f64::from(*y))
+            .sum();
         assert_eq!(f64::from(dot(&a, &b)), exact);
     }
 

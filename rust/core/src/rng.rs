@@ -70,7 +70,10 @@ pub fn fill_words(seed: u64, stream: u32, start: u64, out: &mut [u32]) {
 pub fn rotation_signs(seed: u64, dim: usize) -> Vec<f32> {
     let mut words = vec![0u32; dim];
     fill_words(seed, STREAM_ROTATION_SIGNS, 0, &mut words);
-    words.iter().map(|w| if w >> 31 == 0 { 1.0 } else { -1.0 }).collect()
+    words
+        .iter()
+        .map(|w| if w >> 31 == 0 { 1.0 } else { -1.0 })
+        .collect()
 }
 
 /// Box-Muller on two words, evaluated in float64 and rounded to float32.
@@ -86,7 +89,10 @@ pub fn box_muller(w1: u32, w2: u32) -> f32 {
 pub fn gaussians(seed: u64, stream: u32, count: usize) -> Vec<f32> {
     let mut words = vec![0u32; 2 * count];
     fill_words(seed, stream, 0, &mut words);
-    words.chunks_exact(2).map(|w| box_muller(w[0], w[1])).collect()
+    words
+        .chunks_exact(2)
+        .map(|w| box_muller(w[0], w[1]))
+        .collect()
 }
 
 /// The QJL matrix `S` (m x dim, row-major) of i.i.d. N(0, 1) entries.
@@ -97,6 +103,8 @@ pub fn qjl_matrix(seed: u64, m: usize, dim: usize) -> Vec<f32> {
 /// A seeded random orthonormal basis (head_dim x rank, row-major float32): Gaussian entries of
 /// stream 3 orthonormalised by modified Gram-Schmidt in float64.
 pub fn random_orthonormal_basis(seed: u64, head_dim: usize, rank: usize) -> Result<Vec<f32>> {
+    crate::kernels::check_row_len("head_dim", head_dim)?;
+    crate::kernels::check_matrix("head_dim * rank", head_dim, rank)?;
     if rank == 0 || rank > head_dim {
         return Err(KvqError::InvalidDimension {
             arg: "rank",
@@ -157,7 +165,11 @@ mod tests {
     fn gaussians_have_unit_variance() {
         let g = gaussians(1, STREAM_QJL_MATRIX, 200_000);
         let mean = g.iter().map(|&v| f64::from(v)).sum::<f64>() / g.len() as f64;
-        let var = g.iter().map(|&v| (f64::from(v) - mean).powi(2)).sum::<f64>() / g.len() as f64;
+        let var = g
+            .iter()
+            .map(|&v| (f64::from(v) - mean).powi(2))
+            .sum::<f64>()
+            / g.len() as f64;
         assert!(mean.abs() < 0.01, "mean {mean}");
         assert!((var - 1.0).abs() < 0.02, "var {var}");
     }
@@ -168,7 +180,9 @@ mod tests {
         let u = random_orthonormal_basis(9, d, r).unwrap();
         for a in 0..r {
             for b in 0..r {
-                let s: f64 = (0..d).map(|i| f64::from(u[i * r + a]) * f64::from(u[i * r + b])).sum();
+                let s: f64 = (0..d)
+                    .map(|i| f64::from(u[i * r + a]) * f64::from(u[i * r + b]))
+                    .sum();
                 let want = if a == b { 1.0 } else { 0.0 };
                 assert!((s - want).abs() < 1e-6);
             }

@@ -23,7 +23,9 @@ pub enum ScalarPlane {
 impl ScalarPlane {
     /// Chooses the storage for non-negative finite `values` and rounds them into it.
     pub fn store(values: &[f32]) -> Self {
-        let fits = values.iter().all(|&v| v == 0.0 || (F16_MIN_NORMAL..F16_MAX).contains(&v));
+        let fits = values
+            .iter()
+            .all(|&v| v == 0.0 || (F16_MIN_NORMAL..F16_MAX).contains(&v));
         if fits {
             ScalarPlane::F16(values.iter().map(|&v| f16::from_f32(v).to_bits()).collect())
         } else {
@@ -78,7 +80,11 @@ impl ScalarPlane {
         for i in 0..rows {
             let v = self.get(i);
             if !v.is_finite() || v < 0.0 {
-                return Err(KvqError::InvalidScalar { arg, row: i, value: v });
+                return Err(KvqError::InvalidScalar {
+                    arg,
+                    row: i,
+                    value: v,
+                });
             }
         }
         Ok(())

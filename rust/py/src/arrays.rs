@@ -9,9 +9,15 @@ use pyo3::prelude::*;
 use crate::errors::arg_error;
 
 /// Borrows a contiguous 1-D array as a slice, or raises naming the argument.
-pub fn slice<'a, T: numpy::Element>(arr: &'a PyReadonlyArray1<'_, T>, arg: &str) -> PyResult<&'a [T]> {
-    arr.as_slice()
-        .map_err(|_| arg_error(format!("{arg}: expected a C-contiguous array, got a strided view")))
+pub fn slice<'a, T: numpy::Element>(
+    arr: &'a PyReadonlyArray1<'_, T>,
+    arg: &str,
+) -> PyResult<&'a [T]> {
+    arr.as_slice().map_err(|_| {
+        arg_error(format!(
+            "{arg}: expected a C-contiguous array, got a strided view"
+        ))
+    })
 }
 
 /// Stored scalars (norms, scales) as handed in from Python: float16 or float32.
@@ -27,7 +33,9 @@ impl Scalars<'_> {
     /// Copies into a core scalar plane (one small copy: one value per vector).
     pub fn to_plane(&self, arg: &str) -> PyResult<ScalarPlane> {
         Ok(match self {
-            Scalars::F16(a) => ScalarPlane::F16(slice(a, arg)?.iter().map(|v| v.to_bits()).collect()),
+            Scalars::F16(a) => {
+                ScalarPlane::F16(slice(a, arg)?.iter().map(|v| v.to_bits()).collect())
+            }
             Scalars::F32(a) => ScalarPlane::F32(slice(a, arg)?.to_vec()),
         })
     }
@@ -42,4 +50,3 @@ pub fn plane_to_py<'py>(py: Python<'py>, plane: ScalarPlane) -> Bound<'py, PyAny
         ScalarPlane::F32(v) => PyArray1::from_vec(py, v).into_any(),
     }
 }
-

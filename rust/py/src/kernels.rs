@@ -2,7 +2,7 @@
 //! with the GIL released, return new NumPy arrays (flat; the Python layer restores shapes).
 
 use kvqrs_core::kernels::hadamard::Rotation;
-use kvqrs_core::kernels::headq::{HeadqCodes, HeadqCoder};
+use kvqrs_core::kernels::headq::{HeadqCoder, HeadqCodes};
 use kvqrs_core::kernels::lloyd_max::codebook;
 use kvqrs_core::kernels::mse::{MseCodes, MseQuantizer};
 use kvqrs_core::kernels::pack;
@@ -16,6 +16,7 @@ use crate::errors::py_result;
 
 type F32Out<'py> = Bound<'py, PyArray1<f32>>;
 type U8Out<'py> = Bound<'py, PyArray1<u8>>;
+type CodebookOut<'py> = (Bound<'py, PyArray1<f64>>, Bound<'py, PyArray1<f64>>, f64);
 
 fn bits_u32(bits: i64) -> u32 {
     // Out-of-range values become an invalid width that the core rejects with the real value.
@@ -23,14 +24,24 @@ fn bits_u32(bits: i64) -> u32 {
 }
 
 #[pyfunction]
-pub fn pack_bits<'py>(py: Python<'py>, codes: PyReadonlyArray1<'py, u8>, count: usize, bits: i64) -> PyResult<U8Out<'py>> {
+pub fn pack_bits<'py>(
+    py: Python<'py>,
+    codes: PyReadonlyArray1<'py, u8>,
+    count: usize,
+    bits: i64,
+) -> PyResult<U8Out<'py>> {
     let c = slice(&codes, "codes")?;
     let out = py_result(py.allow_threads(|| pack::pack(c, count, bits_u32(bits))))?;
     Ok(PyArray1::from_vec(py, out))
 }
 
 #[pyfunction]
-pub fn unpack_bits<'py>(py: Python<'py>, packed: PyReadonlyArray1<'py, u8>, count: usize, bits: i64) -> PyResult<U8Out<'py>> {
+pub fn unpack_bits<'py>(
+    py: Python<'py>,
+    packed: PyReadonlyArray1<'py, u8>,
+    count: usize,
+    bits: i64,
+) -> PyResult<U8Out<'py>> {
     let p = slice(&packed, "packed")?;
     let out = py_result(py.allow_threads(|| pack::unpack(p, count, bits_u32(bits))))?;
     Ok(PyArray1::from_vec(py, out))
@@ -38,7 +49,12 @@ pub fn unpack_bits<'py>(py: Python<'py>, packed: PyReadonlyArray1<'py, u8>, coun
 
 #[pyfunction]
 #[pyo3(signature = (x, head_dim, seed=None))]
-pub fn hadamard<'py>(py: Python<'py>, x: PyReadonlyArray1<'py, f32>, head_dim: usize, seed: Option<u64>) -> PyResult<F32Out<'py>> {
+pub fn hadamard<'py>(
+    py: Python<'py>,
+    x: PyReadonlyArray1<'py, f32>,
+    head_dim: usize,
+    seed: Option<u64>,
+) -> PyResult<F32Out<'py>> {
     let xs = slice(&x, "x")?;
     let out = py_result(py.allow_threads(|| Rotation::new(head_dim, seed)?.forward(xs)))?;
     Ok(PyArray1::from_vec(py, out))
@@ -46,7 +62,12 @@ pub fn hadamard<'py>(py: Python<'py>, x: PyReadonlyArray1<'py, f32>, head_dim: u
 
 #[pyfunction]
 #[pyo3(signature = (y, head_dim, seed=None))]
-pub fn inverse_hadamard<'py>(py: Python<'py>, y: PyReadonlyArray1<'py, f32>, head_dim: usize, seed: Option<u64>) -> PyResult<F32Out<'py>> {
+pub fn inverse_hadamard<'py>(
+    py: Python<'py>,
+    y: PyReadonlyArray1<'py, f32>,
+    head_dim: usize,
+    seed: Option<u64>,
+) -> PyResult<F32Out<'py>> {
     let ys = slice(&y, "y")?;
     let out = py_result(py.allow_threads(|| Rotation::new(head_dim, seed)?.inverse(ys)))?;
     Ok(PyArray1::from_vec(py, out))
@@ -54,13 +75,26 @@ pub fn inverse_hadamard<'py>(py: Python<'py>, y: PyReadonlyArray1<'py, f32>, hea
 
 /// Returns (centroids float64, boundaries float64, distortion per coordinate).
 #[pyfunction]
-pub fn lloyd_max_codebook<'py>(py: Python<'py>, dim: usize, bits: i64) -> PyResult<(Bound<'py, PyArray1<f64>>, Bound<'py, PyArray1<f64>>, f64)> {
+pub fn lloyd_max_codebook<'py>(
+    py: Python<'py>,
+    dim: usize,
+    bits: i64,
+) -> PyResult<CodebookOut<'py>> {
     let cb = py_result(py.allow_threads(|| codebook(dim, bits_u32(bits))))?;
-    Ok((PyArray1::from_slice(py, &cb.centroids), PyArray1::from_slice(py, &cb.boundaries), cb.distortion))
+    Ok((
+        PyArray1::from_slice(py, &cb.centroids),
+        PyArray1::from_slice(py, &cb.boundaries),
+        cb.distortion,
+    ))
 }
 
 #[pyfunction]
-pub fn lloyd_max_encode<'py>(py: Python<'py>, x: PyReadonlyArray1<'py, f32>, dim: usize, bits: i64) -> PyResult<U8Out<'py>> {
+pub fn lloyd_max_encode<'py>(
+    py: Python<'py>,
+    x: PyReadonlyArray1<'py, f32>,
+    dim: usize,
+    bits: i64,
+) -> PyResult<U8Out<'py>> {
     let xs = slice(&x, "x")?;
     let out = py_result(py.allow_threads(|| {
         let cb = codebook(dim, bits_u32(bits))?;
@@ -73,7 +107,12 @@ pub fn lloyd_max_encode<'py>(py: Python<'py>, x: PyReadonlyArray1<'py, f32>, dim
 }
 
 #[pyfunction]
-pub fn lloyd_max_decode<'py>(py: Python<'py>, codes: PyReadonlyArray1<'py, u8>, dim: usize, bits: i64) -> PyResult<F32Out<'py>> {
+pub fn lloyd_max_decode<'py>(
+    py: Python<'py>,
+    codes: PyReadonlyArray1<'py, u8>,
+    dim: usize,
+    bits: i64,
+) -> PyResult<F32Out<'py>> {
     let cs = slice(&codes, "codes")?;
     let out = py_result(py.allow_threads(|| {
         let b = bits_u32(bits);
@@ -89,67 +128,152 @@ pub fn lloyd_max_decode<'py>(py: Python<'py>, codes: PyReadonlyArray1<'py, u8>, 
 /// Returns (codes uint8 flat, norms float16|float32).
 #[pyfunction]
 #[pyo3(signature = (x, head_dim, bits, seed=None))]
-pub fn mse_encode<'py>(py: Python<'py>, x: PyReadonlyArray1<'py, f32>, head_dim: usize, bits: i64, seed: Option<u64>) -> PyResult<(U8Out<'py>, Bound<'py, PyAny>)> {
+pub fn mse_encode<'py>(
+    py: Python<'py>,
+    x: PyReadonlyArray1<'py, f32>,
+    head_dim: usize,
+    bits: i64,
+    seed: Option<u64>,
+) -> PyResult<(U8Out<'py>, Bound<'py, PyAny>)> {
     let xs = slice(&x, "x")?;
-    let c = py_result(py.allow_threads(|| MseQuantizer::new(head_dim, bits_u32(bits), seed)?.encode(xs)))?;
+    let c = py_result(
+        py.allow_threads(|| MseQuantizer::new(head_dim, bits_u32(bits), seed)?.encode(xs)),
+    )?;
     Ok((PyArray1::from_vec(py, c.codes), plane_to_py(py, c.norms)))
 }
 
 #[pyfunction]
 #[pyo3(signature = (codes, norms, head_dim, bits, seed=None))]
-pub fn mse_decode<'py>(py: Python<'py>, codes: PyReadonlyArray1<'py, u8>, norms: Scalars<'py>, head_dim: usize, bits: i64, seed: Option<u64>) -> PyResult<F32Out<'py>> {
-    let c = MseCodes { codes: slice(&codes, "codes")?.to_vec(), norms: norms.to_plane("norms")? };
-    let out = py_result(py.allow_threads(|| MseQuantizer::new(head_dim, bits_u32(bits), seed)?.decode(&c)))?;
+pub fn mse_decode<'py>(
+    py: Python<'py>,
+    codes: PyReadonlyArray1<'py, u8>,
+    norms: Scalars<'py>,
+    head_dim: usize,
+    bits: i64,
+    seed: Option<u64>,
+) -> PyResult<F32Out<'py>> {
+    let c = MseCodes {
+        codes: slice(&codes, "codes")?.to_vec(),
+        norms: norms.to_plane("norms")?,
+    };
+    let out = py_result(
+        py.allow_threads(|| MseQuantizer::new(head_dim, bits_u32(bits), seed)?.decode(&c)),
+    )?;
     Ok(PyArray1::from_vec(py, out))
 }
 
 /// Returns (packed sign bits uint8 flat, norms float16|float32).
 #[pyfunction]
-pub fn qjl_sketch<'py>(py: Python<'py>, r: PyReadonlyArray1<'py, f32>, dim: usize, m: usize, seed: u64) -> PyResult<(U8Out<'py>, Bound<'py, PyAny>)> {
+pub fn qjl_sketch<'py>(
+    py: Python<'py>,
+    r: PyReadonlyArray1<'py, f32>,
+    dim: usize,
+    m: usize,
+    seed: u64,
+) -> PyResult<(U8Out<'py>, Bound<'py, PyAny>)> {
     let rs = slice(&r, "r")?;
     let sk = py_result(py.allow_threads(|| QjlSketcher::cached(dim, m, seed)?.sketch(rs)))?;
     Ok((PyArray1::from_vec(py, sk.signs), plane_to_py(py, sk.norms)))
 }
 
 #[pyfunction]
-pub fn qjl_inner_product<'py>(py: Python<'py>, y: PyReadonlyArray1<'py, f32>, signs: PyReadonlyArray1<'py, u8>, norms: Scalars<'py>, dim: usize, m: usize, seed: u64) -> PyResult<F32Out<'py>> {
+pub fn qjl_inner_product<'py>(
+    py: Python<'py>,
+    y: PyReadonlyArray1<'py, f32>,
+    signs: PyReadonlyArray1<'py, u8>,
+    norms: Scalars<'py>,
+    dim: usize,
+    m: usize,
+    seed: u64,
+) -> PyResult<F32Out<'py>> {
     let ys = slice(&y, "y")?;
-    let sk = QjlSketch { signs: slice(&signs, "signs")?.to_vec(), norms: norms.to_plane("norms")? };
-    let out = py_result(py.allow_threads(|| QjlSketcher::cached(dim, m, seed)?.inner_product(ys, &sk)))?;
+    let sk = QjlSketch {
+        signs: slice(&signs, "signs")?.to_vec(),
+        norms: norms.to_plane("norms")?,
+    };
+    let out =
+        py_result(py.allow_threads(|| QjlSketcher::cached(dim, m, seed)?.inner_product(ys, &sk)))?;
     Ok(PyArray1::from_vec(py, out))
 }
 
 #[pyfunction]
-pub fn qjl_vector_estimate<'py>(py: Python<'py>, signs: PyReadonlyArray1<'py, u8>, norms: Scalars<'py>, dim: usize, m: usize, seed: u64) -> PyResult<F32Out<'py>> {
-    let sk = QjlSketch { signs: slice(&signs, "signs")?.to_vec(), norms: norms.to_plane("norms")? };
-    let out = py_result(py.allow_threads(|| QjlSketcher::cached(dim, m, seed)?.vector_estimate(&sk)))?;
+pub fn qjl_vector_estimate<'py>(
+    py: Python<'py>,
+    signs: PyReadonlyArray1<'py, u8>,
+    norms: Scalars<'py>,
+    dim: usize,
+    m: usize,
+    seed: u64,
+) -> PyResult<F32Out<'py>> {
+    let sk = QjlSketch {
+        signs: slice(&signs, "signs")?.to_vec(),
+        norms: norms.to_plane("norms")?,
+    };
+    let out =
+        py_result(py.allow_threads(|| QjlSketcher::cached(dim, m, seed)?.vector_estimate(&sk)))?;
     Ok(PyArray1::from_vec(py, out))
 }
 
 /// Returns (codes uint8 flat, scales float16|float32).
 #[pyfunction]
-pub fn headq_encode<'py>(py: Python<'py>, e: PyReadonlyArray1<'py, f32>, basis: PyReadonlyArray1<'py, f32>, head_dim: usize, rank: usize, bits: i64) -> PyResult<(U8Out<'py>, Bound<'py, PyAny>)> {
+pub fn headq_encode<'py>(
+    py: Python<'py>,
+    e: PyReadonlyArray1<'py, f32>,
+    basis: PyReadonlyArray1<'py, f32>,
+    head_dim: usize,
+    rank: usize,
+    bits: i64,
+) -> PyResult<(U8Out<'py>, Bound<'py, PyAny>)> {
     let es = slice(&e, "residual")?;
     let us = slice(&basis, "basis")?;
-    let c = py_result(py.allow_threads(|| HeadqCoder::new(us, head_dim, rank, bits_u32(bits))?.encode(es)))?;
+    let c = py_result(
+        py.allow_threads(|| HeadqCoder::new(us, head_dim, rank, bits_u32(bits))?.encode(es)),
+    )?;
     Ok((PyArray1::from_vec(py, c.codes), plane_to_py(py, c.scales)))
 }
 
 #[pyfunction]
-pub fn headq_decode<'py>(py: Python<'py>, codes: PyReadonlyArray1<'py, u8>, scales: Scalars<'py>, basis: PyReadonlyArray1<'py, f32>, head_dim: usize, rank: usize, bits: i64) -> PyResult<F32Out<'py>> {
+pub fn headq_decode<'py>(
+    py: Python<'py>,
+    codes: PyReadonlyArray1<'py, u8>,
+    scales: Scalars<'py>,
+    basis: PyReadonlyArray1<'py, f32>,
+    head_dim: usize,
+    rank: usize,
+    bits: i64,
+) -> PyResult<F32Out<'py>> {
     let us = slice(&basis, "basis")?;
-    let c = HeadqCodes { codes: slice(&codes, "codes")?.to_vec(), scales: scales.to_plane("scales")? };
-    let out = py_result(py.allow_threads(|| HeadqCoder::new(us, head_dim, rank, bits_u32(bits))?.decode(&c)))?;
+    let c = HeadqCodes {
+        codes: slice(&codes, "codes")?.to_vec(),
+        scales: scales.to_plane("scales")?,
+    };
+    let out = py_result(
+        py.allow_threads(|| HeadqCoder::new(us, head_dim, rank, bits_u32(bits))?.decode(&c)),
+    )?;
     Ok(PyArray1::from_vec(py, out))
 }
 
 #[pyfunction]
 #[allow(clippy::too_many_arguments)]
-pub fn headq_score_correction<'py>(py: Python<'py>, q: PyReadonlyArray1<'py, f32>, codes: PyReadonlyArray1<'py, u8>, scales: Scalars<'py>, basis: PyReadonlyArray1<'py, f32>, head_dim: usize, rank: usize, bits: i64) -> PyResult<F32Out<'py>> {
+pub fn headq_score_correction<'py>(
+    py: Python<'py>,
+    q: PyReadonlyArray1<'py, f32>,
+    codes: PyReadonlyArray1<'py, u8>,
+    scales: Scalars<'py>,
+    basis: PyReadonlyArray1<'py, f32>,
+    head_dim: usize,
+    rank: usize,
+    bits: i64,
+) -> PyResult<F32Out<'py>> {
     let qs = slice(&q, "q")?;
     let us = slice(&basis, "basis")?;
-    let c = HeadqCodes { codes: slice(&codes, "codes")?.to_vec(), scales: scales.to_plane("scales")? };
-    let out = py_result(py.allow_threads(|| HeadqCoder::new(us, head_dim, rank, bits_u32(bits))?.score_correction(qs, &c)))?;
+    let c = HeadqCodes {
+        codes: slice(&codes, "codes")?.to_vec(),
+        scales: scales.to_plane("scales")?,
+    };
+    let out = py_result(py.allow_threads(|| {
+        HeadqCoder::new(us, head_dim, rank, bits_u32(bits))?.score_correction(qs, &c)
+    }))?;
     Ok(PyArray1::from_vec(py, out))
 }
 
@@ -159,17 +283,32 @@ pub fn philox4x32_10(counter: [u32; 4], key: [u32; 2]) -> [u32; 4] {
 }
 
 #[pyfunction]
-pub fn rotation_signs<'py>(py: Python<'py>, seed: u64, dim: usize) -> F32Out<'py> {
-    PyArray1::from_vec(py, rng::rotation_signs(seed, dim))
+pub fn rotation_signs<'py>(py: Python<'py>, seed: u64, dim: usize) -> PyResult<F32Out<'py>> {
+    py_result(kvqrs_core::kernels::check_row_len("dim", dim))?;
+    Ok(PyArray1::from_vec(py, rng::rotation_signs(seed, dim)))
 }
 
 #[pyfunction]
-pub fn gaussians<'py>(py: Python<'py>, seed: u64, stream: u32, count: usize) -> F32Out<'py> {
-    PyArray1::from_vec(py, py.allow_threads(|| rng::gaussians(seed, stream, count)))
+pub fn gaussians<'py>(
+    py: Python<'py>,
+    seed: u64,
+    stream: u32,
+    count: usize,
+) -> PyResult<F32Out<'py>> {
+    py_result(kvqrs_core::kernels::check_matrix("count", count, 1))?;
+    Ok(PyArray1::from_vec(
+        py,
+        py.allow_threads(|| rng::gaussians(seed, stream, count)),
+    ))
 }
 
 #[pyfunction]
-pub fn random_orthonormal_basis<'py>(py: Python<'py>, seed: u64, head_dim: usize, rank: usize) -> PyResult<F32Out<'py>> {
+pub fn random_orthonormal_basis<'py>(
+    py: Python<'py>,
+    seed: u64,
+    head_dim: usize,
+    rank: usize,
+) -> PyResult<F32Out<'py>> {
     let out = py_result(py.allow_threads(|| rng::random_orthonormal_basis(seed, head_dim, rank)))?;
     Ok(PyArray1::from_vec(py, out))
 }
@@ -179,4 +318,3 @@ pub fn qjl_matrix<'py>(py: Python<'py>, seed: u64, m: usize, dim: usize) -> PyRe
     let s = py_result(QjlSketcher::cached(dim, m, seed))?;
     Ok(PyArray1::from_slice(py, s.matrix()))
 }
-

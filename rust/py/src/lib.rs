@@ -11,7 +11,10 @@ use pyo3::prelude::*;
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("KvqrsError", m.py().get_type::<errors::KvqrsError>())?;
-    m.add("MAX_CODEBOOK_DIM", kvqrs_core::kernels::lloyd_max::MAX_CODEBOOK_DIM)?;
+    m.add(
+        "MAX_CODEBOOK_DIM",
+        kvqrs_core::kernels::lloyd_max::MAX_CODEBOOK_DIM,
+    )?;
     m.add_function(wrap_pyfunction!(kernels::pack_bits, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::unpack_bits, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::hadamard, m)?)?;

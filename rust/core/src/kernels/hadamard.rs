@@ -88,7 +88,10 @@ impl Rotation {
         let rows = rows_of("x", x.len(), self.head_dim)?;
         check_finite("x", x, self.head_dim)?;
         let mut out = vec![0.0f32; rows * self.padded];
-        for (src, dst) in x.chunks_exact(self.head_dim).zip(out.chunks_exact_mut(self.padded)) {
+        for (src, dst) in x
+            .chunks_exact(self.head_dim)
+            .zip(out.chunks_exact_mut(self.padded))
+        {
             self.forward_row(src, dst);
         }
         Ok(out)
@@ -100,7 +103,10 @@ impl Rotation {
         check_finite("y", y, self.padded)?;
         let mut out = vec![0.0f32; rows * self.head_dim];
         let mut scratch = vec![0.0f32; self.padded];
-        for (src, dst) in y.chunks_exact(self.padded).zip(out.chunks_exact_mut(self.head_dim)) {
+        for (src, dst) in y
+            .chunks_exact(self.padded)
+            .zip(out.chunks_exact_mut(self.head_dim))
+        {
             scratch.copy_from_slice(src);
             self.inverse_row(&mut scratch, dst);
         }
@@ -124,7 +130,9 @@ mod tests {
     fn inverse_undoes_forward_with_padding() {
         for d in [2usize, 3, 40, 64, 80, 96, 112, 160] {
             let rot = Rotation::new(d, Some(11)).unwrap();
-            let x: Vec<f32> = (0..3 * d).map(|i| ((i * 37 % 17) as f32 - 8.0) / 3.0).collect();
+            let x: Vec<f32> = (0..3 * d)
+                .map(|i| ((i * 37 % 17) as f32 - 8.0) / 3.0)
+                .collect();
             let y = rot.forward(&x).unwrap();
             assert_eq!(y.len(), 3 * rot.padded_dim());
             let back = rot.inverse(&y).unwrap();

@@ -30,7 +30,11 @@ impl HeadqCoder {
     /// non-finite entries or bits outside 1..=8.
     pub fn new(basis: &[f32], head_dim: usize, rank: usize, bits: u32) -> Result<Self> {
         check_bits("bits", bits)?;
-        if rank == 0 || head_dim == 0 || basis.len() != head_dim * rank || rank > head_dim {
+        if rank == 0
+            || head_dim == 0
+            || head_dim.checked_mul(rank) != Some(basis.len())
+            || rank > head_dim
+        {
             return Err(KvqError::InvalidBasis {
                 arg: "basis",
                 reason: format!(
@@ -40,7 +44,10 @@ impl HeadqCoder {
             });
         }
         if basis.iter().any(|v| !v.is_finite()) {
-            return Err(KvqError::InvalidBasis { arg: "basis", reason: "expected finite entries".into() });
+            return Err(KvqError::InvalidBasis {
+                arg: "basis",
+                reason: "expected finite entries".into(),
+            });
         }
         let mut basis_t = vec![0.0f32; rank * head_dim];
         for i in 0..head_dim {
@@ -48,7 +55,12 @@ impl HeadqCoder {
                 basis_t[j * head_dim + i] = basis[i * rank + j];
             }
         }
-        Ok(Self { head_dim, rank, bits, basis_t })
+        Ok(Self {
+            head_dim,
+            rank,
+            bits,
+            basis_t,
+        })
     }
 
     /// Rank r of the basis (codes per row).
@@ -74,17 +86,28 @@ impl HeadqCoder {
         let h = self.half();
         let mut proj = vec![0.0f32; rows * self.rank];
         let mut raw_scales = vec![0.0f32; rows];
-        for (i, (row, p)) in e.chunks_exact(self.head_dim).zip(proj.chunks_exact_mut(self.rank)).enumerate() {
+        for (i, (row, p)) in e
+            .chunks_exact(self.head_dim)
+            .zip(proj.chunks_exact_mut(self.rank))
+            .enumerate()
+        {
             self.project_row(row, p);
             raw_scales[i] = p.iter().fold(0.0f32, |m, v| m.max(v.abs())) / h;
             if !raw_scales[i].is_finite() {
-                return Err(KvqError::NormOverflow { arg: "residual", row: i });
+                return Err(KvqError::NormOverflow {
+                    arg: "residual",
+                    row: i,
+                });
             }
         }
         let scales = ScalarPlane::store(&raw_scales);
         let top = ((1u32 << self.bits) - 1) as f32;
         let mut codes = vec![0u8; rows * self.rank];
-        for (i, (p, c)) in proj.chunks_exact(self.rank).zip(codes.chunks_exact_mut(self.rank)).enumerate() {
+        for (i, (p, c)) in proj
+            .chunks_exact(self.rank)
+            .zip(codes.chunks_exact_mut(self.rank))
+            .enumerate()
+        {
             let s = scales.get(i);
             for (ci, &pi) in c.iter_mut().zip(p) {
                 let t = if s > 0.0 { pi / s } else { 0.0 };
@@ -104,7 +127,9 @@ impl HeadqCoder {
     /// Side values `z = s * (code - h)` of one row.
     fn side_values(&self, codes: &[u8], s: f32, out: &mut [f32]) {
         let h = self.half();
-        out.iter_mut().zip(codes).for_each(|(z, &c)| *z = s * (f32::from(c) - h));
+        out.iter_mut()
+            .zip(codes)
+            .for_each(|(z, &c)| *z = s * (f32::from(c) - h));
     }
 
     /// Reconstructs `U z` (rows x head_dim); used by tests and by decode-based evaluation.
@@ -113,7 +138,11 @@ impl HeadqCoder {
         let mut out = vec![0.0f32; rows * self.head_dim];
         let mut z = vec![0.0f32; self.rank];
         for (i, orow) in out.chunks_exact_mut(self.head_dim).enumerate() {
-            self.side_values(&c.codes[i * self.rank..(i + 1) * self.rank], c.scales.get(i), &mut z);
+            self.side_values(
+                &c.codes[i * self.rank..(i + 1) * self.rank],
+                c.scales.get(i),
+                &mut z,
+            );
             for (j, &zj) in z.iter().enumerate() {
                 let col = &self.basis_t[j * self.head_dim..(j + 1) * self.head_dim];
                 orow.iter_mut().zip(col).for_each(|(o, u)| *o += u * zj);
@@ -130,11 +159,18 @@ impl HeadqCoder {
         let nk = self.check(c)?;
         let mut z = vec![0.0f32; nk * self.rank];
         for (j, zr) in z.chunks_exact_mut(self.rank).enumerate() {
-            self.side_values(&c.codes[j * self.rank..(j + 1) * self.rank], c.scales.get(j), zr);
+            self.side_values(
+                &c.codes[j * self.rank..(j + 1) * self.rank],
+                c.scales.get(j),
+                zr,
+            );
         }
         let mut out = vec![0.0f32; nq * nk];
         let mut qu = vec![0.0f32; self.rank];
-        for (qrow, orow) in q.chunks_exact(self.head_dim).zip(out.chunks_exact_mut(nk.max(1))) {
+        for (qrow, orow) in q
+            .chunks_exact(self.head_dim)
+            .zip(out.chunks_exact_mut(nk.max(1)))
+        {
             self.project_row(qrow, &mut qu);
             for (o, zr) in orow.iter_mut().zip(z.chunks_exact(self.rank)).take(nk) {
                 *o = dot(&qu, zr);
@@ -163,7 +199,10 @@ mod tests {
         coder.project_row(&q, &mut qu);
         coder.project_row(&e, &mut eu);
         let want: f32 = qu.iter().zip(&eu).map(|(a, b)| a * b).sum();
-        assert!((got - want).abs() < 0.01 * (1.0 + want.abs()), "{got} vs {want}");
+        assert!(
+            (got - want).abs() < 0.01 * (1.0 + want.abs()),
+            "{got} vs {want}"
+        );
     }
 
     #[test]

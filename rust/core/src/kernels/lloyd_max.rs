@@ -19,6 +19,8 @@ const MAX_ITERATIONS: usize = 20_000;
 /// Stop after this many iterations without a new best residual (round-off floor reached).
 const STALL_ITERATIONS: usize = 25;
 
+type CodebookCache = Mutex<HashMap<(usize, u32), Arc<Codebook>>>;
+
 /// An MSE-optimal scalar quantizer for the sphere marginal.
 #[derive(Debug, Clone)]
 pub struct Codebook {
@@ -47,12 +49,17 @@ impl Codebook {
 
     /// Encodes every value of `x` into `codes` (same length).
     pub fn encode_into(&self, x: &[f32], codes: &mut [u8]) {
-        codes.iter_mut().zip(x).for_each(|(c, &v)| *c = self.encode_value(v));
+        codes
+            .iter_mut()
+            .zip(x)
+            .for_each(|(c, &v)| *c = self.encode_value(v));
     }
 
     /// Decodes every code into `out`; codes must be < 2^bits (checked by callers).
     pub fn decode_into(&self, codes: &[u8], out: &mut [f32]) {
-        out.iter_mut().zip(codes).for_each(|(o, &c)| *o = self.centroids_f32[c as usize]);
+        out.iter_mut()
+            .zip(codes)
+            .for_each(|(o, &c)| *o = self.centroids_f32[c as usize]);
     }
 }
 
@@ -69,14 +76,21 @@ pub fn codebook(dim: usize, bits: u32) -> Result<Arc<Codebook>> {
             actual: dim as i64,
         });
     }
-    static CACHE: OnceLock<Mutex<HashMap<(usize, u32), Arc<Codebook>>>> = OnceLock::new();
+    static CACHE: OnceLock<CodebookCache> = OnceLock::new();
     let cache = CACHE.get_or_init(|| Mutex::new(HashMap::new()));
-    if let Some(cb) = cache.lock().unwrap_or_else(|e| e.into_inner()).get(&(dim, bits)) {
+    if let Some(cb) = cache
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .get(&(dim, bits))
+    {
         return Ok(cb.clone());
     }
     // Computed outside the lock: two threads may both compute, and both get the same result.
     let cb = Arc::new(compute(dim, bits));
-    cache.lock().unwrap_or_else(|e| e.into_inner()).insert((dim, bits), cb.clone());
+    cache
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .insert((dim, bits), cb.clone());
     Ok(cb)
 }
 
@@ -89,7 +103,10 @@ struct SphereMarginal {
 impl SphereMarginal {
     fn new(dim: usize) -> Self {
         let a = (dim as f64 - 1.0) / 2.0;
-        Self { a, ln_norm: (2.0 * a).ln() + ln_beta(0.5, a) }
+        Self {
+            a,
+            ln_norm: (2.0 * a).ln() + ln_beta(0.5, a),
+        }
     }
 
     /// P(X > x) for x in [0, 1], via the regularized incomplete beta (tail-accurate).
@@ -118,7 +135,10 @@ impl SphereMarginal {
 
     /// (probability, first moment) of the interval [l, u], 0 <= l < u <= 1.
     fn cell(&self, l: f64, u: f64) -> (f64, f64) {
-        (self.survival(l) - self.survival(u), self.moment_term(l) - self.moment_term(u))
+        (
+            self.survival(l) - self.survival(u),
+            self.moment_term(l) - self.moment_term(u),
+        )
     }
 
     /// The x >= 0 with P(X > x) = q, by bisection.
@@ -165,7 +185,11 @@ fn compute(dim: usize, bits: u32) -> Codebook {
     let captured: f64 = (0..half)
         .map(|k| {
             let (p, m1) = marginal.cell(bounds[k], bounds[k + 1]);
-            if p > 0.0 { m1 * m1 / p } else { 0.0 }
+            if p > 0.0 {
+                m1 * m1 / p
+            } else {
+                0.0
+            }
         })
         .sum();
     let distortion = (1.0 / dim as f64 - 2.0 * captured).max(0.0);
@@ -180,7 +204,11 @@ fn lloyd_step(marginal: &SphereMarginal, pos: &[f64], bounds: &mut [f64]) -> (Ve
     let next: Vec<f64> = (0..pos.len())
         .map(|k| {
             let (p, m1) = marginal.cell(bounds[k], bounds[k + 1]);
-            let c = if p > 0.0 { m1 / p } else { 0.5 * (bounds[k] + bounds[k + 1]) };
+            let c = if p > 0.0 {
+                m1 / p
+            } else {
+                0.5 * (bounds[k] + bounds[k + 1])
+            };
             residual = residual.max((c - pos[k]).abs());
             c
         })
@@ -190,17 +218,31 @@ fn lloyd_step(marginal: &SphereMarginal, pos: &[f64], bounds: &mut [f64]) -> (Ve
 
 /// Newton step for `c - G(c) = 0`: the Jacobian of G is tridiagonal because centroid k only
 /// sees boundaries k and k+1, each the midpoint of two neighbouring centroids.
-fn newton_step(marginal: &SphereMarginal, pos: &[f64], g: &[f64], bounds: &[f64]) -> Option<Vec<f64>> {
+fn newton_step(
+    marginal: &SphereMarginal,
+    pos: &[f64],
+    g: &[f64],
+    bounds: &[f64],
+) -> Option<Vec<f64>> {
     let n = pos.len();
-    let (mut lower, mut diag, mut upper, mut rhs) = (vec![0.0; n], vec![0.0; n], vec![0.0; n], vec![0.0; n]);
+    let (mut lower, mut diag, mut upper, mut rhs) =
+        (vec![0.0; n], vec![0.0; n], vec![0.0; n], vec![0.0; n]);
     for k in 0..n {
         let (p, _) = marginal.cell(bounds[k], bounds[k + 1]);
         if p <= 0.0 {
             return None;
         }
         // dG_k/dt_k and dG_k/dt_{k+1}; t_0 = 0 and t_n = 1 are fixed.
-        let a = if k > 0 { marginal.density(bounds[k]) * (g[k] - bounds[k]) / p } else { 0.0 };
-        let b = if k + 1 < n { marginal.density(bounds[k + 1]) * (bounds[k + 1] - g[k]) / p } else { 0.0 };
+        let a = if k > 0 {
+            marginal.density(bounds[k]) * (g[k] - bounds[k]) / p
+        } else {
+            0.0
+        };
+        let b = if k + 1 < n {
+            marginal.density(bounds[k + 1]) * (bounds[k + 1] - g[k]) / p
+        } else {
+            0.0
+        };
         lower[k] = -a / 2.0;
         diag[k] = 1.0 - (a + b) / 2.0;
         upper[k] = -b / 2.0;
@@ -244,7 +286,10 @@ fn set_boundaries(pos: &[f64], bounds: &mut [f64]) {
 /// with `(D3 - 3) / 2 = (D - 3) / 6`, so convergence takes few iterations.
 fn companding_start(dim: usize, half: usize) -> Vec<f64> {
     let a3 = (dim as f64 + 3.0) / 6.0;
-    let compander = SphereMarginal { a: a3, ln_norm: 0.0 };
+    let compander = SphereMarginal {
+        a: a3,
+        ln_norm: 0.0,
+    };
     let levels = 2 * half;
     (0..half)
         .map(|k| {

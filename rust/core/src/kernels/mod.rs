@@ -9,24 +9,61 @@ pub mod qjl;
 
 use crate::error::{KvqError, Result};
 
+/// Longest row (head_dim, codes per row, sketch size) any kernel accepts: far above real head
+/// dims, and small enough that no size computation can overflow or allocate absurdly.
+pub const MAX_ROW_LEN: usize = 1 << 20;
+
+/// Largest random matrix (QJL sketch, random basis) in entries: 2^28 float32 = 1 GiB.
+pub const MAX_MATRIX_ENTRIES: usize = 1 << 28;
+
+/// Checks `1 <= len <= MAX_ROW_LEN` for a row length.
+pub fn check_row_len(arg: &'static str, len: usize) -> Result<()> {
+    if (1..=MAX_ROW_LEN).contains(&len) {
+        Ok(())
+    } else {
+        Err(KvqError::InvalidDimension {
+            arg,
+            expected: format!("1 <= {arg} <= {MAX_ROW_LEN}"),
+            actual: i64::try_from(len).unwrap_or(i64::MAX),
+        })
+    }
+}
+
+/// Checks that a `rows x cols` random matrix stays within `MAX_MATRIX_ENTRIES`.
+pub fn check_matrix(arg: &'static str, rows: usize, cols: usize) -> Result<()> {
+    match rows.checked_mul(cols) {
+        Some(n) if n <= MAX_MATRIX_ENTRIES => Ok(()),
+        _ => Err(KvqError::InvalidDimension {
+            arg,
+            expected: format!("at most {MAX_MATRIX_ENTRIES} matrix entries"),
+            actual: i64::try_from(rows.saturating_mul(cols)).unwrap_or(i64::MAX),
+        }),
+    }
+}
+
 /// Checks `1 <= bits <= 8`.
 pub fn check_bits(arg: &'static str, bits: u32) -> Result<()> {
     if (1..=8).contains(&bits) {
         Ok(())
     } else {
-        Err(KvqError::InvalidBits { arg, min: 1, max: 8, actual: i64::from(bits) })
+        Err(KvqError::InvalidBits {
+            arg,
+            min: 1,
+            max: 8,
+            actual: i64::from(bits),
+        })
     }
 }
 
 /// Checks `head_dim >= 2` (the sphere marginal needs at least two dimensions).
 pub fn check_head_dim(arg: &'static str, head_dim: usize) -> Result<()> {
-    if head_dim >= 2 {
+    if (2..=MAX_ROW_LEN).contains(&head_dim) {
         Ok(())
     } else {
         Err(KvqError::InvalidDimension {
             arg,
-            expected: "head_dim >= 2".to_string(),
-            actual: head_dim as i64,
+            expected: format!("2 <= head_dim <= {MAX_ROW_LEN}"),
+            actual: i64::try_from(head_dim).unwrap_or(i64::MAX),
         })
     }
 }
@@ -60,6 +97,11 @@ pub fn check_len(arg: &'static str, len: usize, expected: usize, what: &str) -> 
 pub fn check_finite(arg: &'static str, data: &[f32], dim: usize) -> Result<()> {
     match data.iter().position(|v| !v.is_finite()) {
         None => Ok(()),
-        Some(i) => Err(KvqError::NonFinite { arg, row: i / dim, col: i % dim, value: data[i] }),
+        Some(i) => Err(KvqError::NonFinite {
+            arg,
+            row: i / dim,
+            col: i % dim,
+            value: data[i],
+        }),
     }
 }

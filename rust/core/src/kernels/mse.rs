@@ -36,7 +36,11 @@ impl MseQuantizer {
         check_head_dim("head_dim", head_dim)?;
         let rotation = seed.map(|s| Rotation::new(head_dim, Some(s))).transpose()?;
         let code_dim = rotation.as_ref().map_or(head_dim, Rotation::padded_dim);
-        Ok(Self { head_dim, rotation, codebook: codebook(code_dim, bits)? })
+        Ok(Self {
+            head_dim,
+            rotation,
+            codebook: codebook(code_dim, bits)?,
+        })
     }
 
     /// Codes per row: d' with rotation, d without.
@@ -76,11 +80,18 @@ impl MseQuantizer {
         let mut codes = vec![0u8; rows * cd];
         let mut norms = vec![0.0f32; rows];
         let mut unit = vec![0.0f32; cd];
-        for (i, (src, dst)) in x.chunks_exact(self.head_dim).zip(codes.chunks_exact_mut(cd)).enumerate() {
+        for (i, (src, dst)) in x
+            .chunks_exact(self.head_dim)
+            .zip(codes.chunks_exact_mut(cd))
+            .enumerate()
+        {
             norms[i] = self.direction_row(src, i, &mut unit)?;
             self.codebook.encode_into(&unit, dst);
         }
-        Ok(MseCodes { codes, norms: ScalarPlane::store(&norms) })
+        Ok(MseCodes {
+            codes,
+            norms: ScalarPlane::store(&norms),
+        })
     }
 
     /// Decodes `norm * R^T centroids[codes]` into rows of head_dim values.
@@ -91,7 +102,12 @@ impl MseQuantizer {
         check_codes("codes", &codes.codes, cd, self.codebook.bits)?;
         let mut out = vec![0.0f32; rows * self.head_dim];
         let mut buf = vec![0.0f32; cd];
-        for (i, (src, dst)) in codes.codes.chunks_exact(cd).zip(out.chunks_exact_mut(self.head_dim)).enumerate() {
+        for (i, (src, dst)) in codes
+            .codes
+            .chunks_exact(cd)
+            .zip(out.chunks_exact_mut(self.head_dim))
+            .enumerate()
+        {
             self.decode_row(src, codes.norms.get(i), &mut buf, dst);
         }
         Ok(out)
@@ -152,7 +168,10 @@ mod tests {
             }
             rel /= 2000.0;
             let theory = q.codebook().distortion * d as f64;
-            assert!((rel / theory - 1.0).abs() < 0.05, "bits={bits}: {rel} vs {theory}");
+            assert!(
+                (rel / theory - 1.0).abs() < 0.05,
+                "bits={bits}: {rel} vs {theory}"
+            );
             assert_eq!(q.encode(&xh).unwrap().codes, c.codes);
         }
     }

@@ -15,6 +15,7 @@ pub fn packed_len(count: usize, bits: u32) -> usize {
 /// multiple of `count`, `CodeOutOfRange` for a code >= 2^bits (naming its row and position).
 pub fn pack(codes: &[u8], count: usize, bits: u32) -> Result<Vec<u8>> {
     check_bits("bits", bits)?;
+    check_count(count)?;
     let rows = rows_or_empty("codes", codes.len(), count)?;
     let limit = 1u32 << bits;
     if let Some(i) = codes.iter().position(|&c| u32::from(c) >= limit) {
@@ -29,7 +30,10 @@ pub fn pack(codes: &[u8], count: usize, bits: u32) -> Result<Vec<u8>> {
     }
     let row_bytes = packed_len(count, bits);
     let mut out = vec![0u8; rows * row_bytes];
-    for (src, dst) in codes.chunks_exact(count.max(1)).zip(out.chunks_exact_mut(row_bytes.max(1))) {
+    for (src, dst) in codes
+        .chunks_exact(count.max(1))
+        .zip(out.chunks_exact_mut(row_bytes.max(1)))
+    {
         pack_row(src, bits, dst);
     }
     Ok(out)
@@ -40,13 +44,26 @@ pub fn pack(codes: &[u8], count: usize, bits: u32) -> Result<Vec<u8>> {
 /// Errors: `InvalidBits`, or `ShapeMismatch` if `packed.len()` is not a multiple of the row size.
 pub fn unpack(packed: &[u8], count: usize, bits: u32) -> Result<Vec<u8>> {
     check_bits("bits", bits)?;
+    check_count(count)?;
     let row_bytes = packed_len(count, bits);
     let rows = rows_or_empty("packed", packed.len(), row_bytes)?;
     let mut out = vec![0u8; rows * count];
-    for (src, dst) in packed.chunks_exact(row_bytes.max(1)).zip(out.chunks_exact_mut(count.max(1))) {
+    for (src, dst) in packed
+        .chunks_exact(row_bytes.max(1))
+        .zip(out.chunks_exact_mut(count.max(1)))
+    {
         unpack_row(src, bits, dst);
     }
     Ok(out)
+}
+
+/// Zero codes per row is allowed (empty rows); otherwise the usual row-length limit.
+fn check_count(count: usize) -> Result<()> {
+    if count == 0 {
+        Ok(())
+    } else {
+        super::check_row_len("count", count)
+    }
 }
 
 /// Row count of a buffer of rows of `width`; a zero width is only valid for an empty buffer.
@@ -118,7 +135,15 @@ mod tests {
     #[test]
     fn rejects_out_of_range_code() {
         let err = pack(&[0, 4], 2, 2).unwrap_err();
-        assert!(matches!(err, KvqError::CodeOutOfRange { row: 0, col: 1, value: 4, .. }));
+        assert!(matches!(
+            err,
+            KvqError::CodeOutOfRange {
+                row: 0,
+                col: 1,
+                value: 4,
+                ..
+            }
+        ));
     }
 
     proptest! {

@@ -13,6 +13,8 @@ use crate::reduce::{dot, norm_f64};
 use crate::rng::qjl_matrix;
 use crate::scalars::ScalarPlane;
 
+type SketcherCache = Mutex<HashMap<(usize, usize, u64), Arc<QjlSketcher>>>;
+
 /// A sketch operator for residuals of dimension `dim` with `m` sign bits.
 #[derive(Debug, Clone)]
 pub struct QjlSketcher {
@@ -33,20 +35,26 @@ pub struct QjlSketch {
 impl QjlSketcher {
     /// Builds the sketch operator; errors if `dim` or `m` is zero.
     pub fn new(dim: usize, m: usize, seed: u64) -> Result<Self> {
-        for (arg, v) in [("dim", dim), ("m", m)] {
-            if v == 0 {
-                return Err(KvqError::InvalidDimension { arg, expected: ">= 1".into(), actual: 0 });
-            }
-        }
-        Ok(Self { dim, m, s: qjl_matrix(seed, m, dim) })
+        super::check_row_len("dim", dim)?;
+        super::check_row_len("m", m)?;
+        super::check_matrix("m * dim", m, dim)?;
+        Ok(Self {
+            dim,
+            m,
+            s: qjl_matrix(seed, m, dim),
+        })
     }
 
     /// A shared sketcher for (dim, m, seed), built once: the Gaussian matrix costs m x dim
     /// Box-Muller draws. The cache holds at most 64 operators.
     pub fn cached(dim: usize, m: usize, seed: u64) -> Result<Arc<Self>> {
-        static CACHE: OnceLock<Mutex<HashMap<(usize, usize, u64), Arc<QjlSketcher>>>> = OnceLock::new();
+        static CACHE: OnceLock<SketcherCache> = OnceLock::new();
         let cache = CACHE.get_or_init(|| Mutex::new(HashMap::new()));
-        if let Some(s) = cache.lock().unwrap_or_else(|e| e.into_inner()).get(&(dim, m, seed)) {
+        if let Some(s) = cache
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&(dim, m, seed))
+        {
             return Ok(s.clone());
         }
         let built = Arc::new(Self::new(dim, m, seed)?);
@@ -87,15 +95,24 @@ impl QjlSketcher {
         let mut bits = vec![0u8; rows * self.m];
         let mut norms = vec![0.0f32; rows];
         let mut proj = vec![0.0f32; self.m];
-        for (i, (row, dst)) in r.chunks_exact(self.dim).zip(bits.chunks_exact_mut(self.m)).enumerate() {
+        for (i, (row, dst)) in r
+            .chunks_exact(self.dim)
+            .zip(bits.chunks_exact_mut(self.m))
+            .enumerate()
+        {
             norms[i] = norm_f64(row) as f32;
             if !norms[i].is_finite() {
                 return Err(KvqError::NormOverflow { arg: "r", row: i });
             }
             self.project_row(row, &mut proj);
-            dst.iter_mut().zip(&proj).for_each(|(b, &t)| *b = u8::from(t < 0.0));
+            dst.iter_mut()
+                .zip(&proj)
+                .for_each(|(b, &t)| *b = u8::from(t < 0.0));
         }
-        Ok(QjlSketch { signs: pack(&bits, self.m, 1)?, norms: ScalarPlane::store(&norms) })
+        Ok(QjlSketch {
+            signs: pack(&bits, self.m, 1)?,
+            norms: ScalarPlane::store(&norms),
+        })
     }
 
     /// `+-1` signs of each sketched row (rows x m, float32) after validating the sketch.
@@ -103,7 +120,10 @@ impl QjlSketcher {
         let rows = rows_of("signs", sk.signs.len(), packed_len(self.m, 1))?;
         sk.norms.validate("norms", rows)?;
         let bits = unpack(&sk.signs, self.m, 1)?;
-        Ok((rows, bits.iter().map(|&b| 1.0 - 2.0 * f32::from(b)).collect()))
+        Ok((
+            rows,
+            bits.iter().map(|&b| 1.0 - 2.0 * f32::from(b)).collect(),
+        ))
     }
 
     /// Estimates `<y_i, r_j>` for every query row i and sketched row j: an (ny x nr) matrix,
@@ -115,7 +135,10 @@ impl QjlSketcher {
         let k = ((PI / 2.0).sqrt() / self.m as f64) as f32;
         let mut out = vec![0.0f32; ny * nr];
         let mut sy = vec![0.0f32; self.m];
-        for (yrow, orow) in y.chunks_exact(self.dim).zip(out.chunks_exact_mut(nr.max(1))) {
+        for (yrow, orow) in y
+            .chunks_exact(self.dim)
+            .zip(out.chunks_exact_mut(nr.max(1)))
+        {
             self.project_row(yrow, &mut sy);
             for (j, o) in orow.iter_mut().enumerate().take(nr) {
                 *o = k * sk.norms.get(j) * dot(&sy, &signs[j * self.m..(j + 1) * self.m]);
@@ -134,7 +157,9 @@ impl QjlSketcher {
             let sg = &signs[i * self.m..(i + 1) * self.m];
             let scale = k * sk.norms.get(i);
             for (c, o) in orow.iter_mut().enumerate() {
-                col.iter_mut().enumerate().for_each(|(t, v)| *v = self.s[t * self.dim + c]);
+                col.iter_mut()
+                    .enumerate()
+                    .for_each(|(t, v)| *v = self.s[t * self.dim + c]);
                 *o = scale * dot(&col, sg);
             }
         }
