@@ -51,3 +51,34 @@ def codes_match_except_near_boundaries(got, want, values, boundaries, tol=BOUNDA
     assert np.all(dist <= tol), f"codes differ away from boundaries: distances {dist[dist > tol][:5]}"
     assert np.all(np.abs(got[diff].astype(int) - want[diff].astype(int)) == 1), "codes differ by more than one step"
     return int(diff.sum())
+
+
+# ---------------------------------------------------------------------------------------------
+# Appended for test_mse / test_qjl / test_headq.
+# ---------------------------------------------------------------------------------------------
+
+# Values below this magnitude are flushed to zero by ``finite_rows``: a row whose every value is
+# near float32's subnormal range loses relative precision in any float32 rotation or projection
+# (by design, kernels.md section 3 fixes float32 arithmetic), which is not what the
+# kernel-vs-oracle comparisons are about.
+TINY = 1e-30
+
+POWER_OF_TWO_DIMS = [d for d in HEAD_DIMS + EDGE_DIMS if d & (d - 1) == 0]
+
+
+def finite_rows(draw, leading, dim, scale=10.0, dtype=np.float32, tiny=TINY):
+    """Draw finite rows ``(*leading, dim)`` in [-scale, scale], no subnormals, ``|v| < tiny``
+    flushed to 0, then cast to ``dtype`` (so float16 / bfloat16 / float64 work too)."""
+    bound = float(np.float32(scale))
+    x = draw(
+        hnp.arrays(
+            np.float32,
+            (*leading, dim),
+            elements=st.floats(
+                -bound, bound, allow_nan=False, allow_infinity=False, allow_subnormal=False, width=32
+            ),
+        )
+    )
+    x[np.abs(x) < tiny] = 0.0
+    return x.astype(dtype)
+

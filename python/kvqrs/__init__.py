@@ -31,6 +31,9 @@ from .kernels import (
     qjl_vector_estimate,
     random_orthonormal_basis,
     unpack_bits,
+    UniformCode,
+    uniform_decode,
+    uniform_encode,
 )
 from .kernels import rng
 
@@ -61,4 +64,7 @@ __all__ = [
     "random_orthonormal_basis",
     "rng",
     "unpack_bits",
+    "UniformCode",
+    "uniform_decode",
+    "uniform_encode",
 ]

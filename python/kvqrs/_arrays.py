@@ -92,6 +92,14 @@ def as_float_rows(x: Any, arg: str, min_dim: int = 1) -> tuple[np.ndarray, tuple
     dim = arr.shape[-1]
     if dim < min_dim:
         raise KvqrsError(f"{arg}: expected a last axis of length >= {min_dim}, got shape {arr.shape}")
+    if arr.dtype == np.float64 and arr.size:
+        with np.errstate(invalid="ignore"):
+            big = np.isfinite(arr) & (np.abs(arr) > np.finfo(np.float32).max)
+        if big.any():
+            pos = tuple(int(p) for p in np.unravel_index(int(np.argmax(big)), arr.shape))
+            raise KvqrsError(
+                f"{arg}: expected values within the float32 range (|x| <= 3.4e38), got {arr[pos]} at index {pos}"
+            )
     flat = np.ascontiguousarray(arr, dtype=np.float32).reshape(-1)
     return flat, tuple(arr.shape[:-1]), dim, arr.dtype
 

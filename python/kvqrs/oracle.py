@@ -780,6 +780,50 @@ def headq_basis(queries, rank) -> np.ndarray:
 # Self-check
 # --------------------------------------------------------------------------------------------
 
+
+# --------------------------------------------------------------------------------------------
+# Uniform asymmetric quantizer (KIVI; kernels.md section 9)
+# --------------------------------------------------------------------------------------------
+
+
+def uniform_encode(x, bits, group) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Asymmetric min-max uniform quantization of consecutive groups (kernels.md section 9).
+
+    ``x`` (..., n) -> codes uint8 (..., n), scales and zero points (..., ceil(n / group)) as
+    stored by :func:`store_scalars`. Codes use the stored scale and zero point, in float32.
+    """
+    b = _check_bits(bits)
+    rows, lead = _as_rows(x, np.float32)
+    n = rows.shape[1]
+    starts = list(range(0, n, group))
+    lo = np.stack([rows[:, s : s + group].min(axis=1) for s in starts], axis=1) if n else np.zeros((len(rows), 0), np.float32)
+    hi = np.stack([rows[:, s : s + group].max(axis=1) for s in starts], axis=1) if n else lo
+    top = np.float32(2**b - 1)
+    scales = store_scalars((hi - lo) / top)
+    zeros = store_scalars(lo)
+    s32 = scales.astype(np.float32)
+    z32 = zeros.astype(np.float32)
+    codes = np.zeros(rows.shape, dtype=np.uint8)
+    for j, s in enumerate(starts):
+        block = rows[:, s : s + group]
+        sj = s32[:, j : j + 1]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            t = np.where(sj > 0, (block - z32[:, j : j + 1]) / np.where(sj > 0, sj, 1), np.float32(0))
+        codes[:, s : s + group] = np.clip(np.floor(t.astype(np.float32) + np.float32(0.5)), 0, top)
+    g = len(starts)
+    return codes.reshape(*lead, n), scales.reshape(*lead, g), zeros.reshape(*lead, g)
+
+
+def uniform_decode(codes, scales, zeros, bits, group) -> np.ndarray:
+    """``zero + scale * code`` per group (kernels.md section 9); float64 (..., n)."""
+    _check_bits(bits)
+    c = np.asarray(codes)
+    n = c.shape[-1]
+    idx = np.arange(n) // group
+    s = np.asarray(scales, dtype=np.float64)[..., idx]
+    z = np.asarray(zeros, dtype=np.float64)[..., idx]
+    return z + s * c.astype(np.float64)
+
 if __name__ == "__main__":
     import time
 

@@ -6,6 +6,7 @@ from .lloyd_max import Codebook, lloyd_max_codebook, lloyd_max_decode, lloyd_max
 from .mse import MSECode, mse_decode, mse_encode
 from .pack import pack_bits, packed_size, unpack_bits
 from .qjl import QJLSketch, qjl_inner_product, qjl_sketch, qjl_vector_estimate
+from .uniform import UniformCode, uniform_decode, uniform_encode
 from .rng import gaussians, philox4x32_10, qjl_matrix, random_orthonormal_basis, rotation_signs
 
 __all__ = [
@@ -35,5 +36,8 @@ __all__ = [
     "qjl_vector_estimate",
     "random_orthonormal_basis",
     "rotation_signs",
+    "UniformCode",
+    "uniform_decode",
+    "uniform_encode",
     "unpack_bits",
 ]

@@ -102,7 +102,7 @@ def headq_score_correction(q: Any, code: HeadQCode, basis: Any) -> np.ndarray:
         raise KvqrsError(f"q: expected a last axis of {d} (the basis head_dim), got {dq}")
     flat, scales, lk = _code_parts(code, rank)
     out = _native.headq_score_correction(qf, flat, scales, u, d, rank, code.bits)
-    return out.reshape(*lq, *lk)
+    return out.reshape((*lq, *lk))
 
 
 def headq_basis(queries: Any, rank: int) -> np.ndarray:

@@ -82,8 +82,10 @@ def lloyd_max_encode(x: Any, codebook: Codebook) -> np.ndarray:
     Raises:
         KvqrsError: unsupported dtype or NaN/Inf in ``x``.
     """
+    if np.ndim(x) == 0:
+        return lloyd_max_encode(np.reshape(x, (1,)), codebook).reshape(())
     flat, leading, n, _ = as_float_rows(x, "x", min_dim=0)
-    out = _native.lloyd_max_encode(flat, codebook.head_dim, codebook.bits)
+    out = _native.lloyd_max_encode(flat, codebook.head_dim, codebook.bits, n)
     return restore(out, leading, n)
 
 

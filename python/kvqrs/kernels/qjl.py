@@ -84,7 +84,7 @@ def qjl_inner_product(y: Any, sketch: QJLSketch, seed: int) -> np.ndarray:
         raise KvqrsError(f"y: expected a last axis of {sketch.dim} (the sketched dimension), got {d}")
     signs, norms, lr = _sketch_parts(sketch)
     out = _native.qjl_inner_product(flat, signs, norms, d, sketch.m, check_seed(seed, optional=False))
-    return out.reshape(*ly, *lr)
+    return out.reshape((*ly, *lr))
 
 
 def qjl_vector_estimate(sketch: QJLSketch, seed: int, dtype: Any = np.float32) -> np.ndarray:

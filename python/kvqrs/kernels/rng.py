@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import operator
 from typing import Sequence
 
 import numpy as np
@@ -15,10 +16,19 @@ STREAM_QJL_MATRIX = 2
 STREAM_RANDOM_BASIS = 3
 
 
+def _word(v: object) -> int:
+    if isinstance(v, bool):
+        raise TypeError("bool is not a word")
+    return operator.index(v)  # type: ignore[arg-type]
+
+
 def philox4x32_10(counter: Sequence[int], key: Sequence[int]) -> tuple[int, int, int, int]:
     """One Philox4x32-10 block: four 32-bit words from a 4-word counter and a 2-word key."""
-    c = [int(v) for v in counter]
-    k = [int(v) for v in key]
+    try:
+        c = [_word(v) for v in counter]
+        k = [_word(v) for v in key]
+    except TypeError:
+        raise KvqrsError(f"counter/key: expected integer words, got {counter!r} and {key!r}") from None
     if len(c) != 4 or len(k) != 2 or not all(0 <= v < 2**32 for v in c + k):
         raise KvqrsError(f"counter/key: expected 4 and 2 unsigned 32-bit words, got {c} and {k}")
     return tuple(_native.philox4x32_10(c, k))  # type: ignore[return-value]
@@ -31,9 +41,10 @@ def rotation_signs(seed: int, dim: int) -> np.ndarray:
 
 def gaussians(seed: int, stream: int, count: int) -> np.ndarray:
     """Entries ``0 .. count-1`` of a Gaussian stream (float32, Box-Muller in float64)."""
-    if not 0 <= int(stream) < 2**32:
+    tag = check_positive_int(stream, "stream", minimum=0)
+    if tag >= 2**32:
         raise KvqrsError(f"stream: expected an unsigned 32-bit tag, got {stream}")
-    return _native.gaussians(check_seed(seed, optional=False), int(stream), check_positive_int(count, "count", 0))
+    return _native.gaussians(check_seed(seed, optional=False), tag, check_positive_int(count, "count", 0))
 
 
 def qjl_matrix(seed: int, m: int, dim: int) -> np.ndarray:

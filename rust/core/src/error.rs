@@ -55,7 +55,7 @@ pub enum KvqError {
     },
 
     /// A stored scalar (norm, scale) that is negative or not finite.
-    #[error("{arg}: expected finite non-negative stored scalars, got {value} at row {row}")]
+    #[error("{arg}: expected finite stored scalars (non-negative for norms and scales), got {value} at row {row}")]
     InvalidScalar {
         arg: &'static str,
         row: usize,
@@ -63,7 +63,7 @@ pub enum KvqError {
     },
 
     /// The vector norm of a row exceeds the float32 range.
-    #[error("{arg}: the norm of row {row} overflows float32 (expected a norm below 3.4e38)")]
+    #[error("{arg}: row {row} overflows float32 (expected values whose norm stays below 3.4e38)")]
     NormOverflow { arg: &'static str, row: usize },
 
     /// A basis that is not usable (wrong shape or non-finite entries).

@@ -21,11 +21,11 @@ pub enum ScalarPlane {
 }
 
 impl ScalarPlane {
-    /// Chooses the storage for non-negative finite `values` and rounds them into it.
+    /// Chooses the storage for finite `values` (by magnitude) and rounds them into it.
     pub fn store(values: &[f32]) -> Self {
         let fits = values
             .iter()
-            .all(|&v| v == 0.0 || (F16_MIN_NORMAL..F16_MAX).contains(&v));
+            .all(|&v| v == 0.0 || (F16_MIN_NORMAL..F16_MAX).contains(&v.abs()));
         if fits {
             ScalarPlane::F16(values.iter().map(|&v| f16::from_f32(v).to_bits()).collect())
         } else {
@@ -70,6 +70,15 @@ impl ScalarPlane {
 
     /// Checks that a plane handed in by a caller holds `rows` finite non-negative values.
     pub fn validate(&self, arg: &'static str, rows: usize) -> Result<()> {
+        self.validate_with(arg, rows, false)
+    }
+
+    /// Checks that a plane holds `rows` finite values (negative ones allowed, e.g. zero points).
+    pub fn validate_signed(&self, arg: &'static str, rows: usize) -> Result<()> {
+        self.validate_with(arg, rows, true)
+    }
+
+    fn validate_with(&self, arg: &'static str, rows: usize, signed: bool) -> Result<()> {
         if self.len() != rows {
             return Err(KvqError::ShapeMismatch {
                 arg,
@@ -79,7 +88,7 @@ impl ScalarPlane {
         }
         for i in 0..rows {
             let v = self.get(i);
-            if !v.is_finite() || v < 0.0 {
+            if !v.is_finite() || (!signed && v < 0.0) {
                 return Err(KvqError::InvalidScalar {
                     arg,
                     row: i,
@@ -107,5 +116,7 @@ mod tests {
         assert_eq!(ScalarPlane::store(&[1.0, 1e5]).bits(), 32);
         assert_eq!(ScalarPlane::store(&[1.0, 1e-6]).bits(), 32);
         assert_eq!(ScalarPlane::store(&[1e5]).to_f32(), vec![1e5]);
+        assert_eq!(ScalarPlane::store(&[-2.5, 3.0]).bits(), 16);
+        assert_eq!(ScalarPlane::store(&[-1e5]).bits(), 32);
     }
 }

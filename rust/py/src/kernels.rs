@@ -7,6 +7,7 @@ use kvqrs_core::kernels::lloyd_max::codebook;
 use kvqrs_core::kernels::mse::{MseCodes, MseQuantizer};
 use kvqrs_core::kernels::pack;
 use kvqrs_core::kernels::qjl::{QjlSketch, QjlSketcher};
+use kvqrs_core::kernels::uniform::{UniformCodes, UniformQuantizer};
 use kvqrs_core::rng;
 use numpy::{PyArray1, PyReadonlyArray1};
 use pyo3::prelude::*;
@@ -88,17 +89,19 @@ pub fn lloyd_max_codebook<'py>(
     ))
 }
 
+/// `row_len` is the caller's row length, used only to name the position of a NaN or Inf.
 #[pyfunction]
 pub fn lloyd_max_encode<'py>(
     py: Python<'py>,
     x: PyReadonlyArray1<'py, f32>,
     dim: usize,
     bits: i64,
+    row_len: usize,
 ) -> PyResult<U8Out<'py>> {
     let xs = slice(&x, "x")?;
     let out = py_result(py.allow_threads(|| {
         let cb = codebook(dim, bits_u32(bits))?;
-        kvqrs_core::kernels::check_finite("x", xs, dim)?;
+        kvqrs_core::kernels::check_finite("x", xs, row_len.max(1))?;
         let mut codes = vec![0u8; xs.len()];
         cb.encode_into(xs, &mut codes);
         Ok(codes)
@@ -317,4 +320,45 @@ pub fn random_orthonormal_basis<'py>(
 pub fn qjl_matrix<'py>(py: Python<'py>, seed: u64, m: usize, dim: usize) -> PyResult<F32Out<'py>> {
     let s = py_result(QjlSketcher::cached(dim, m, seed))?;
     Ok(PyArray1::from_slice(py, s.matrix()))
+}
+
+/// Returns (codes uint8 flat, scales float16|float32, zeros float16|float32).
+#[pyfunction]
+pub fn uniform_encode<'py>(
+    py: Python<'py>,
+    x: PyReadonlyArray1<'py, f32>,
+    n: usize,
+    group: usize,
+    bits: i64,
+) -> PyResult<(U8Out<'py>, Bound<'py, PyAny>, Bound<'py, PyAny>)> {
+    let xs = slice(&x, "x")?;
+    let c = py_result(
+        py.allow_threads(|| UniformQuantizer::new(n, group, bits_u32(bits))?.encode(xs)),
+    )?;
+    Ok((
+        PyArray1::from_vec(py, c.codes),
+        plane_to_py(py, c.scales),
+        plane_to_py(py, c.zeros),
+    ))
+}
+
+#[pyfunction]
+pub fn uniform_decode<'py>(
+    py: Python<'py>,
+    codes: PyReadonlyArray1<'py, u8>,
+    scales: Scalars<'py>,
+    zeros: Scalars<'py>,
+    n: usize,
+    group: usize,
+    bits: i64,
+) -> PyResult<F32Out<'py>> {
+    let c = UniformCodes {
+        codes: slice(&codes, "codes")?.to_vec(),
+        scales: scales.to_plane("scales")?,
+        zeros: zeros.to_plane("zeros")?,
+    };
+    let out = py_result(
+        py.allow_threads(|| UniformQuantizer::new(n, group, bits_u32(bits))?.decode(&c)),
+    )?;
+    Ok(PyArray1::from_vec(py, out))
 }

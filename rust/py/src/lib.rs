@@ -35,5 +35,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(kernels::gaussians, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::random_orthonormal_basis, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::qjl_matrix, m)?)?;
+    m.add_function(wrap_pyfunction!(kernels::uniform_encode, m)?)?;
+    m.add_function(wrap_pyfunction!(kernels::uniform_decode, m)?)?;
     Ok(())
 }

@@ -2,7 +2,7 @@
 //! power of two (SPEC 2.2; docs/kernels.md section 3).
 
 use super::{check_finite, check_head_dim, rows_of};
-use crate::error::Result;
+use crate::error::{KvqError, Result};
 use crate::rng::rotation_signs;
 
 /// The padded dimension `d'`: the next power of two >= `head_dim`.
@@ -88,11 +88,13 @@ impl Rotation {
         let rows = rows_of("x", x.len(), self.head_dim)?;
         check_finite("x", x, self.head_dim)?;
         let mut out = vec![0.0f32; rows * self.padded];
-        for (src, dst) in x
+        for (i, (src, dst)) in x
             .chunks_exact(self.head_dim)
             .zip(out.chunks_exact_mut(self.padded))
+            .enumerate()
         {
             self.forward_row(src, dst);
+            check_overflow("x", i, dst)?;
         }
         Ok(out)
     }
@@ -103,14 +105,26 @@ impl Rotation {
         check_finite("y", y, self.padded)?;
         let mut out = vec![0.0f32; rows * self.head_dim];
         let mut scratch = vec![0.0f32; self.padded];
-        for (src, dst) in y
+        for (i, (src, dst)) in y
             .chunks_exact(self.padded)
             .zip(out.chunks_exact_mut(self.head_dim))
+            .enumerate()
         {
             scratch.copy_from_slice(src);
             self.inverse_row(&mut scratch, dst);
+            check_overflow("y", i, dst)?;
         }
         Ok(out)
+    }
+}
+
+/// Finite inputs near the float32 maximum can overflow in the butterflies: report, never
+/// return infinities.
+fn check_overflow(arg: &'static str, row: usize, out: &[f32]) -> Result<()> {
+    if out.iter().all(|v| v.is_finite()) {
+        Ok(())
+    } else {
+        Err(KvqError::NormOverflow { arg, row })
     }
 }
 
@@ -140,6 +154,15 @@ mod tests {
                 assert!((a - b).abs() < 1e-5 * (1.0 + a.abs()), "d={d}: {a} vs {b}");
             }
         }
+    }
+
+    #[test]
+    fn overflow_is_an_error_not_infinity() {
+        let rot = Rotation::new(2, None).unwrap();
+        assert!(matches!(
+            rot.forward(&[3e38, 3e38]),
+            Err(KvqError::NormOverflow { row: 0, .. })
+        ));
     }
 
     #[test]

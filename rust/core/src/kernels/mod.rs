@@ -6,6 +6,7 @@ pub mod lloyd_max;
 pub mod mse;
 pub mod pack;
 pub mod qjl;
+pub mod uniform;
 
 use crate::error::{KvqError, Result};
 

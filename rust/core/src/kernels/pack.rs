@@ -151,7 +151,7 @@ mod tests {
         fn unpack_inverts_pack(bits in 1u32..=8, rows in 0usize..4, count in 1usize..70, seed in any::<u64>()) {
             let mask = (1u64 << bits) - 1;
             let codes: Vec<u8> = (0..rows * count)
-                .map(|i| ((seed.wrapping_mul(6364136223846793005).wrapping_add(i as u64 * 1442695040888963407) >> 17) & mask) as u8)
+                .map(|i| ((seed.wrapping_mul(6364136223846793005).wrapping_add((i as u64).wrapping_mul(1442695040888963407)) >> 17) & mask) as u8)
                 .collect();
             let packed = pack(&codes, count, bits).unwrap();
             prop_assert_eq!(packed.len(), rows * packed_len(count, bits));

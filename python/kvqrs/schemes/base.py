@@ -1,0 +1,81 @@
+"""What every scheme shares: the encoded container that counts its own bytes, and the shape
+handling of (..., tokens, head_dim) tensors.
+
+A scheme is a composition of kernel calls (``kvqrs.kernels``); nothing here loops over
+elements.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import numpy as np
+
+from .._arrays import KvqrsError
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """A compressed tensor: every stored array in ``parts``, nothing else.
+
+    Attributes:
+        scheme: scheme name (``kv``, ``kqv``, ...).
+        kind: ``"keys"`` or ``"values"``.
+        shape: shape of the original tensor ``(..., tokens, head_dim)``.
+        dtype: numpy dtype of the original tensor (decoding returns it).
+        parts: name -> stored array (packed codes, norms, scales, sketches, side codes, ...).
+        params: scheme parameters needed to decode (bits, seeds, group sizes); not counted as
+            storage, since they are per-codec constants, not per-token data.
+    """
+
+    scheme: str
+    kind: str
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    parts: Mapping[str, np.ndarray]
+    params: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def numel(self) -> int:
+        """Number of elements of the original tensor."""
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes actually stored: the sum of every part's ``nbytes``."""
+        return int(sum(np.asarray(p).nbytes for p in self.parts.values()))
+
+    @property
+    def bits_per_element(self) -> float:
+        """Stored bits per original element, every overhead included (norms, scales, zero
+        points, sketches, side codes, padding to d' and to whole bytes)."""
+        return 8.0 * self.nbytes / self.numel if self.numel else 0.0
+
+    def breakdown(self) -> dict[str, float]:
+        """Bits per element contributed by each part."""
+        n = max(self.numel, 1)
+        return {k: 8.0 * np.asarray(v).nbytes / n for k, v in self.parts.items()}
+
+
+def check_head_dim(x: np.ndarray, head_dim: int, arg: str) -> None:
+    """Raise unless ``x`` has shape ``(..., tokens, head_dim)``."""
+    if x.ndim < 2 or x.shape[-1] != head_dim:
+        raise KvqrsError(f"{arg}: expected shape (..., tokens, {head_dim}), got {x.shape}")
+
+
+def check_encoded(enc: Encoded, scheme: str, kind: str) -> None:
+    """Raise if ``enc`` was produced by another scheme or for the other side of the cache."""
+    if not isinstance(enc, Encoded):
+        raise KvqrsError(f"encoded: expected a kvqrs Encoded object, got {type(enc).__name__}")
+    if enc.scheme != scheme or enc.kind != kind:
+        raise KvqrsError(f"encoded: expected {kind} of scheme {scheme!r}, got {enc.kind} of scheme {enc.scheme!r}")
+
+
+def as_float_array(x: Any, arg: str) -> np.ndarray:
+    """``np.asarray`` with a float dtype check (kernels do the full validation)."""
+    arr = np.asarray(x)
+    if arr.dtype.kind != "f" and str(arr.dtype) != "bfloat16":
+        raise KvqrsError(f"{arg}: expected a float array, got dtype {arr.dtype}")
+    return arr

@@ -1,0 +1,227 @@
+"""``KVCodec``: one object that encodes keys and values with a named scheme (SPEC 3) and
+computes attention logits and outputs from the encoded cache."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from .._arrays import KvqrsError, check_bits, check_positive_int, check_seed
+from ..kernels.rng import philox4x32_10, random_orthonormal_basis
+from ..kernels.headq import headq_basis
+from .a2 import A2ValueCoder
+from .base import Encoded
+from .headq import HeadQCoder
+from .kivi import KIVICoder
+from .mse import MSECoder, MSEQJLCoder
+
+KEY_SCHEMES = ("kv", "kqv", "qkqv", "kivi", "headq")
+VALUE_SCHEMES = ("kv", "kqv", "qkqv", "kivi", "a2")
+SCHEMES = KEY_SCHEMES
+HEADQ_BASES = ("kivi", "kqv", "kv")
+
+# Sub-seed tags: every random object of a codec comes from its one seed (docs/kernels.md 1).
+_KEY_ROTATION, _KEY_QJL, _VALUE_ROTATION, _VALUE_QJL, _RANDOM_BASIS = range(1, 6)
+
+
+def derive_seed(seed: int, tag: int) -> int:
+    """Sub-seed ``tag`` of ``seed``: the first two words of Philox4x32-10 at counter
+    ``(tag, 0, 0xFFFFFFFF, 0)`` under key ``seed`` (a stream no kernel uses)."""
+    w = philox4x32_10([tag, 0, 0xFFFFFFFF, 0], [seed & 0xFFFFFFFF, seed >> 32])
+    return int(w[0]) | (int(w[1]) << 32)
+
+
+def _key_coder(scheme: str, bits: int, head_dim: int, seed: int, group: int):
+    rot, qjl = derive_seed(seed, _KEY_ROTATION), derive_seed(seed, _KEY_QJL)
+    if scheme == "kv":
+        return MSECoder(head_dim, bits, None, scheme, "keys")
+    if scheme == "kqv":
+        return MSECoder(head_dim, bits, rot, scheme, "keys")
+    if scheme == "qkqv":
+        return MSEQJLCoder(head_dim, bits, rot, qjl, scheme, "keys")
+    if scheme == "kivi":
+        return KIVICoder(head_dim, bits, group, True, scheme, "keys")
+    raise KvqrsError(f"scheme: expected one of {KEY_SCHEMES} for keys, got {scheme!r}")
+
+
+def _value_coder(scheme: str, bits: int, head_dim: int, seed: int, group: int):
+    rot, qjl = derive_seed(seed, _VALUE_ROTATION), derive_seed(seed, _VALUE_QJL)
+    if scheme == "kv":
+        return MSECoder(head_dim, bits, None, scheme, "values")
+    if scheme in ("kqv", "qkqv"):
+        return MSEQJLCoder(head_dim, bits, rot, qjl, scheme, "values")
+    if scheme == "kivi":
+        return KIVICoder(head_dim, bits, group, False, scheme, "values")
+    if scheme == "a2":
+        return A2ValueCoder(head_dim, bits, rot)
+    raise KvqrsError(f"value_scheme: expected one of {VALUE_SCHEMES}, got {scheme!r}")
+
+
+class KVCodec:
+    """Encode keys and values of one attention layer with a scheme of SPEC section 3.
+
+    Args:
+        scheme: ``kv``, ``kqv``, ``qkqv``, ``kivi`` or ``headq`` (keys; values follow the same
+            scheme unless ``value_scheme`` is given; ``headq`` values default to ``kivi``).
+        bits: key bit budget n per coordinate (1..8; >= 2 where a QJL residual takes 1 bit).
+        head_dim: d.
+        seed: integer in ``[0, 2**64)``; all rotations, sketches and random bases derive from it.
+        value_bits: value budget (default ``bits``).
+        value_scheme: ``kv``, ``kqv``, ``qkqv``, ``kivi`` or ``a2``.
+        group: KIVI group size (tokens for keys, channels for values), default 32.
+        headq_base: base key scheme for ``headq`` (``kivi`` by default, or ``kqv``/``kv``).
+        rank: HeadQ side-code rank r (default 4).
+        side_bits: HeadQ side-code bits q (default 4).
+        basis: HeadQ basis ``(d, r)`` or ``(kv_heads, d, r)``; ``"random"`` for the seeded
+            random-basis control; None until :meth:`calibrate` is called.
+        sign: +1, or -1 for HeadQ's wrong-sign control.
+
+    Raises:
+        KvqrsError: unknown scheme, bad bits, head_dim, seed or HeadQ settings.
+
+    Example::
+
+        codec = KVCodec(scheme="kqv", bits=4, head_dim=128, seed=0)
+        ck, cv = codec.encode_keys(k), codec.encode_values(v)
+        out, p = codec.attention(q, ck, cv)
+        ck.bits_per_element
+    """
+
+    def __init__(
+        self,
+        scheme: str,
+        bits: int,
+        head_dim: int,
+        seed: int = 0,
+        *,
+        value_bits: int | None = None,
+        value_scheme: str | None = None,
+        group: int = 32,
+        headq_base: str = "kivi",
+        rank: int = 4,
+        side_bits: int = 4,
+        basis: Any = None,
+        sign: int = 1,
+    ):
+        self.scheme = scheme
+        self.bits = check_bits(bits)
+        self.value_bits = self.bits if value_bits is None else check_bits(value_bits, "value_bits")
+        self.head_dim = check_positive_int(head_dim, "head_dim", minimum=2)
+        self.seed = check_seed(seed, optional=False)
+        self.group = check_positive_int(group, "group")
+        if scheme not in KEY_SCHEMES:
+            raise KvqrsError(f"scheme: expected one of {KEY_SCHEMES}, got {scheme!r}")
+        self.value_scheme = value_scheme or ("kivi" if scheme == "headq" else scheme)
+        self.values = _value_coder(self.value_scheme, self.value_bits, self.head_dim, self.seed, self.group)
+        self.rank, self.side_bits, self.sign, self.headq_base = rank, side_bits, sign, headq_base
+        if scheme == "headq":
+            if headq_base not in HEADQ_BASES:
+                raise KvqrsError(f"headq_base: expected one of {HEADQ_BASES}, got {headq_base!r}")
+            self.rank = check_positive_int(rank, "rank")
+            self.side_bits = check_bits(side_bits, "side_bits")
+            self._base = _key_coder(headq_base, self.bits, self.head_dim, self.seed, self.group)
+            self.keys = None
+            if isinstance(basis, str) and basis == "random":
+                basis = random_orthonormal_basis(derive_seed(self.seed, _RANDOM_BASIS), self.head_dim, self.rank)
+            if basis is not None:
+                self.set_basis(basis)
+        else:
+            self.keys = _key_coder(scheme, self.bits, self.head_dim, self.seed, self.group)
+
+    # -- HeadQ calibration ------------------------------------------------------------------
+    def set_basis(self, basis: Any) -> None:
+        """Use ``basis`` (``(d, r)`` or ``(kv_heads, d, r)``) for the HeadQ side code."""
+        self.keys = HeadQCoder(self._base, np.asarray(basis), self.side_bits, self.sign, "headq")
+        self.rank = self.keys.rank
+
+    def calibrate(self, queries: Any) -> np.ndarray:
+        """Fit HeadQ's basis: top-``rank`` PCA directions of post-RoPE calibration queries.
+
+        Args:
+            queries: ``(n, d)`` for one KV head, or ``(kv_heads, n, d)`` with the queries of
+                every head of a GQA group stacked along n.
+
+        Returns:
+            the basis, ``(d, r)`` or ``(kv_heads, d, r)``.
+        """
+        if self.scheme != "headq":
+            raise KvqrsError(f"calibrate: only the headq scheme has a basis, this codec is {self.scheme!r}")
+        q = np.asarray(queries)
+        basis = headq_basis(q, self.rank) if q.ndim == 2 else np.stack([headq_basis(h, self.rank) for h in q])
+        self.set_basis(basis)
+        return basis
+
+    def _key_coder(self):
+        if self.keys is None:
+            raise KvqrsError("basis: the headq scheme needs a basis; call calibrate(queries) or pass basis=")
+        return self.keys
+
+    # -- keys ----------------------------------------------------------------------------------
+    def encode_keys(self, k: Any) -> Encoded:
+        """Encode keys ``(..., tokens, head_dim)``; returns an :class:`Encoded`."""
+        return self._key_coder().encode(k)
+
+    def decode_keys(self, ck: Encoded) -> np.ndarray:
+        """Reconstruct keys (float32 ``(..., tokens, head_dim)``)."""
+        return self._key_coder().decode(ck)
+
+    def scores(self, q: Any, ck: Encoded) -> np.ndarray:
+        """Attention logits ``q . k_hat / sqrt(d)``, float32 ``(..., q_heads, nq, tokens)``.
+
+        Uses the scheme's score path: the QJL inner-product estimator for ``qkqv`` keys, the
+        HeadQ score-space correction for ``headq``. Queries ``(..., q_heads, nq, d)`` may have
+        ``g`` times the keys' heads (GQA: query head h reads KV head ``h // g``); with the keys
+        ``(..., tokens, d)`` and no head axis, leading dims must match.
+        """
+        qa = np.asarray(q, dtype=np.float32)
+        if qa.ndim < 2 or qa.shape[-1] != self.head_dim:
+            raise KvqrsError(f"q: expected shape (..., nq, {self.head_dim}), got {qa.shape}")
+        kv_lead = tuple(ck.shape[:-2])
+        q_lead = qa.shape[:-2]
+        if q_lead == kv_lead:
+            return self._key_coder().scores(qa, ck)
+        if len(q_lead) == len(kv_lead) >= 1 and q_lead[:-1] == kv_lead[:-1] and q_lead[-1] % kv_lead[-1] == 0:
+            g = q_lead[-1] // kv_lead[-1]
+            grouped = qa.reshape(*kv_lead, g * qa.shape[-2], self.head_dim)
+            s = self._key_coder().scores(grouped, ck)
+            return s.reshape(*q_lead, qa.shape[-2], s.shape[-1])
+        raise KvqrsError(f"q: leading dims {q_lead} do not match the keys' {kv_lead} (or a GQA multiple of their heads)")
+
+    # -- values --------------------------------------------------------------------------------
+    def encode_values(self, v: Any, weights: Any = None) -> Encoded:
+        """Encode values ``(..., tokens, head_dim)``. ``weights`` (``(..., tokens)``, the A^2
+        importances ``sum_q p_qj^2``) is used by the ``a2`` value scheme only."""
+        if self.value_scheme == "a2":
+            return self.values.encode(v, weights)
+        if weights is not None:
+            raise KvqrsError(f"weights: only the a2 value scheme uses attention weights, this codec's values are {self.value_scheme!r}")
+        return self.values.encode(v)
+
+    def decode_values(self, cv: Encoded) -> np.ndarray:
+        """Reconstruct values (float32 ``(..., tokens, head_dim)``)."""
+        return self.values.decode(cv)
+
+    def attention(self, q: Any, ck: Encoded, cv: Encoded) -> tuple[np.ndarray, np.ndarray]:
+        """Attention over the encoded cache: ``(softmax(scores) @ v_hat, probabilities)``.
+
+        Returns:
+            output float32 ``(..., q_heads, nq, d)`` and probabilities ``(..., q_heads, nq, T)``.
+        """
+        s = self.scores(q, ck).astype(np.float64)
+        p = np.exp(s - s.max(axis=-1, keepdims=True))
+        p /= p.sum(axis=-1, keepdims=True)
+        v = self.decode_values(cv).astype(np.float64)
+        q_lead, kv_lead = p.shape[:-2], v.shape[:-2]
+        if q_lead != kv_lead:
+            g = q_lead[-1] // kv_lead[-1]
+            v = np.repeat(v, g, axis=-3)
+        return (p @ v).astype(np.float32), p
+
+    def __repr__(self) -> str:
+        return (
+            f"KVCodec(scheme={self.scheme!r}, bits={self.bits}, head_dim={self.head_dim}, seed={self.seed}, "
+            f"value_scheme={self.value_scheme!r}, value_bits={self.value_bits})"
+        )
+

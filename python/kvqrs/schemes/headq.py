@@ -1,0 +1,94 @@
+"""HeadQ keys: any base key coder plus a rank-r side code of the key residual in a PCA basis of
+calibration queries, applied as a score-space correction with the live query (SPEC 2.6, 3).
+
+Controls: ``sign=-1`` subtracts the correction (wrong-sign); a seeded random orthonormal basis
+of the same rank replaces the calibrated one (random-basis).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from .._arrays import KvqrsError
+from ..kernels import headq_decode, headq_encode, headq_score_correction, pack_bits, unpack_bits
+from ..kernels.headq import HeadQCode
+from .base import Encoded, as_float_array, check_encoded
+from .mse import blockwise
+
+
+class HeadQCoder:
+    """Base key coder + side code ``z = Q_side(U^T (k - k_base))``.
+
+    Args:
+        base: a key coder (``encode``/``decode``/``scores``).
+        basis: ``(head_dim, rank)`` or per KV head ``(kv_heads, head_dim, rank)`` float array
+            with orthonormal columns; keys then have shape ``(..., kv_heads, tokens, d)``.
+        side_bits: bits per side coordinate q.
+        sign: +1, or -1 for the wrong-sign control.
+    """
+
+    def __init__(self, base: Any, basis: np.ndarray, side_bits: int, sign: int, scheme: str):
+        if sign not in (1, -1):
+            raise KvqrsError(f"sign: expected +1 or -1, got {sign}")
+        b = np.asarray(basis, dtype=np.float32)
+        if b.ndim not in (2, 3) or b.shape[-2] != base.head_dim:
+            raise KvqrsError(f"basis: expected (head_dim={base.head_dim}, rank) or (kv_heads, head_dim, rank), got shape {b.shape}")
+        self.base, self.basis, self.side_bits, self.sign = base, b, side_bits, sign
+        self.head_dim, self.rank, self.scheme, self.kind = base.head_dim, b.shape[-1], scheme, "keys"
+
+    def _bases(self, lead: tuple[int, ...]) -> list[np.ndarray]:
+        """One basis per flattened leading index (heads are the last leading axis)."""
+        count = int(np.prod(lead)) if lead else 1
+        if self.basis.ndim == 2:
+            return [self.basis] * count
+        if not lead or lead[-1] != self.basis.shape[0]:
+            raise KvqrsError(f"keys: expected shape (..., kv_heads={self.basis.shape[0]}, tokens, d) for a per-head basis, got leading dims {lead}")
+        return [self.basis[i % self.basis.shape[0]] for i in range(count)]
+
+    def encode(self, k) -> Encoded:
+        k = as_float_array(k, "keys")
+        base = self.base.encode(k)
+        residual = (k.astype(np.float32) - self.base.decode(base)).reshape(-1, *k.shape[-2:])
+        bases = self._bases(k.shape[:-2])
+        sides = [headq_encode(residual[i], bases[i], self.side_bits) for i in range(len(bases))]
+        lead = k.shape[:-1]
+        codes = np.stack([s.codes for s in sides]).reshape(*lead, self.rank)
+        scales = np.stack([s.scales for s in sides]).reshape(lead)
+        parts = {**{f"base_{n}": v for n, v in base.parts.items()}, "side_codes": pack_bits(codes, self.side_bits), "side_scales": scales}
+        params = {"base": dict(base.params, scheme=base.scheme), "side_bits": self.side_bits, "rank": self.rank, "sign": self.sign}
+        return Encoded(self.scheme, "keys", k.shape, k.dtype, parts, params)
+
+    def _split(self, enc: Encoded) -> tuple[Encoded, HeadQCode]:
+        check_encoded(enc, self.scheme, "keys")
+        base_parts = {n[5:]: v for n, v in enc.parts.items() if n.startswith("base_")}
+        base = Encoded(self.base.scheme, "keys", enc.shape, enc.dtype, base_parts, enc.params["base"])
+        codes = unpack_bits(enc.parts["side_codes"], self.side_bits, self.rank)
+        return base, HeadQCode(codes, enc.parts["side_scales"], self.side_bits)
+
+    def decode(self, enc: Encoded) -> np.ndarray:
+        base, side = self._split(enc)
+        k_base = self.base.decode(base)
+        lead = enc.shape[:-2]
+        codes = side.codes.reshape(-1, *side.codes.shape[-2:])
+        scales = side.scales.reshape(-1, side.scales.shape[-1])
+        bases = self._bases(lead)
+        corr = np.stack([headq_decode(HeadQCode(codes[i], scales[i], self.side_bits), bases[i]) for i in range(len(bases))])
+        return k_base + self.sign * corr.reshape(k_base.shape)
+
+    def scores(self, q: np.ndarray, enc: Encoded) -> np.ndarray:
+        """``(q . k_base + sign * (U^T q) . z) / sqrt(d)``: the correction is added in score
+        space with the live query; the key is never rebuilt for it."""
+        base, side = self._split(enc)
+        lead = q.shape[:-2]
+        bases = self._bases(lead)
+        codes = side.codes.reshape(-1, *side.codes.shape[-2:])
+        scales = side.scales.reshape(-1, side.scales.shape[-1])
+
+        def block(b: int, qb: np.ndarray) -> np.ndarray:
+            return headq_score_correction(qb, HeadQCode(codes[b], scales[b], self.side_bits), bases[b])
+
+        corr = blockwise(block, q.astype(np.float32), lead)
+        return self.base.scores(q, base) + np.float32(self.sign / math.sqrt(self.head_dim)) * corr

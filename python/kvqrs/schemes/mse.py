@@ -1,0 +1,134 @@
+"""Coders built on the norm-and-direction (MSE) stage, optionally followed by a 1-bit QJL sketch
+of the rotated residual (SPEC 3: the ``kv``, ``kqv`` and ``qkqv`` rows).
+
+- :class:`MSECoder`: ``||x||`` + b-bit Lloyd-Max codes of ``R x / ||x||`` (no rotation for ``kv``).
+- :class:`MSEQJLCoder`: (n-1)-bit MSE stage with rotation + QJL of ``r = R x - ||x|| c``; its
+  scores use the QJL inner-product estimator ``<R q, r>`` (Zandieh et al. 2024; TurboQuant-prod).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .._arrays import KvqrsError
+from ..kernels import (
+    hadamard,
+    inverse_hadamard,
+    lloyd_max_codebook,
+    lloyd_max_decode,
+    mse_decode,
+    mse_encode,
+    pack_bits,
+    padded_dim,
+    qjl_inner_product,
+    qjl_sketch,
+    qjl_vector_estimate,
+    unpack_bits,
+)
+from ..kernels.qjl import QJLSketch
+from .base import Encoded, as_float_array, check_encoded, check_head_dim
+
+
+def decoded_scores(q: np.ndarray, k_hat: np.ndarray) -> np.ndarray:
+    """Logits ``q . k_hat / sqrt(d)`` for matching leading dims: ``(..., nq, T)``."""
+    d = q.shape[-1]
+    return np.einsum("...qd,...td->...qt", q.astype(np.float32), k_hat.astype(np.float32)) / np.float32(math.sqrt(d))
+
+
+def blockwise(fn, q: np.ndarray, lead: tuple[int, ...]) -> np.ndarray:
+    """Apply ``fn(b, q_block) -> (nq, T)`` over the flattened leading dims shared by queries
+    and keys (the kernels' estimators are all-pairs; this keeps heads and batches paired)."""
+    qb = q.reshape(-1, *q.shape[-2:])
+    out = [fn(b, qb[b]) for b in range(qb.shape[0])]
+    return np.stack(out).reshape(*lead, *out[0].shape) if out else np.zeros((*lead, q.shape[-2], 0), np.float32)
+
+
+class MSECoder:
+    """``||x||`` (16 or 32 bits) + ``bits``-bit codes of every code coordinate.
+
+    Args:
+        head_dim: d.
+        bits: 1..8.
+        seed: rotation seed, or None for no rotation (the ``kv`` scheme).
+        scheme, kind: labels recorded in the encoded tensors.
+    """
+
+    def __init__(self, head_dim: int, bits: int, seed: int | None, scheme: str, kind: str):
+        self.head_dim, self.bits, self.seed, self.scheme, self.kind = head_dim, bits, seed, scheme, kind
+        self.code_dim = head_dim if seed is None else padded_dim(head_dim)
+        self.codebook = lloyd_max_codebook(self.code_dim, bits)
+
+    def encode(self, x) -> Encoded:
+        x = as_float_array(x, self.kind)
+        check_head_dim(x, self.head_dim, self.kind)
+        code = mse_encode(x, self.bits, self.seed)
+        parts = {"codes": pack_bits(code.codes, self.bits), "norms": code.norms}
+        return Encoded(self.scheme, self.kind, x.shape, x.dtype, parts, {"bits": self.bits, "seed": self.seed})
+
+    def codes(self, enc: Encoded) -> np.ndarray:
+        """Unpacked codes ``(..., tokens, code_dim)``."""
+        return unpack_bits(enc.parts["codes"], self.bits, self.code_dim)
+
+    def decode(self, enc: Encoded) -> np.ndarray:
+        check_encoded(enc, self.scheme, self.kind)
+        return mse_decode(self.codes(enc), enc.parts["norms"], self.bits, self.head_dim, self.seed)
+
+    def rotated(self, enc: Encoded) -> np.ndarray:
+        """The reconstruction in the code domain: ``||x|| * centroids[codes]`` (float32)."""
+        c = lloyd_max_decode(self.codes(enc), self.codebook)
+        return c * enc.parts["norms"].astype(np.float32)[..., None]
+
+    def scores(self, q: np.ndarray, enc: Encoded) -> np.ndarray:
+        return decoded_scores(q, self.decode(enc))
+
+
+class MSEQJLCoder:
+    """(n-1)-bit rotated MSE stage + 1-bit QJL sketch of the rotated residual (n >= 2).
+
+    Stored per token: ``(n-1) * d'`` code bits, the norm, ``d'`` sign bits and ``||r||``.
+    """
+
+    def __init__(self, head_dim: int, bits: int, seed: int, qjl_seed: int, scheme: str, kind: str):
+        if bits < 2:
+            raise KvqrsError(f"bits: expected >= 2 for {kind} with a QJL residual ((n-1)-bit Lloyd-Max + 1-bit QJL), got {bits}")
+        self.head_dim, self.bits, self.seed, self.qjl_seed = head_dim, bits, seed, qjl_seed
+        self.scheme, self.kind = scheme, kind
+        self.mse = MSECoder(head_dim, bits - 1, seed, scheme, kind)
+        self.code_dim = self.mse.code_dim
+
+    def encode(self, x) -> Encoded:
+        x = as_float_array(x, self.kind)
+        base = self.mse.encode(x)
+        residual = hadamard(x.astype(np.float32), self.seed) - self.mse.rotated(base)
+        sketch = qjl_sketch(residual, self.qjl_seed)
+        parts = dict(base.parts, qjl_signs=sketch.signs, qjl_norms=sketch.norms)
+        params = {"bits": self.bits, "seed": self.seed, "qjl_seed": self.qjl_seed}
+        return Encoded(self.scheme, self.kind, x.shape, x.dtype, parts, params)
+
+    def _sketch(self, enc: Encoded) -> QJLSketch:
+        return QJLSketch(enc.parts["qjl_signs"], enc.parts["qjl_norms"], self.code_dim, self.code_dim)
+
+    def decode(self, enc: Encoded) -> np.ndarray:
+        check_encoded(enc, self.scheme, self.kind)
+        r_hat = qjl_vector_estimate(self._sketch(enc), self.qjl_seed)
+        return inverse_hadamard(self.mse.rotated(enc) + r_hat, self.seed, self.head_dim)
+
+    def scores(self, q: np.ndarray, enc: Encoded) -> np.ndarray:
+        """``(q . k_mse + <R q, r>_QJL) / sqrt(d)``: the residual enters through the unbiased
+        inner-product estimator, never through a rebuilt key."""
+        check_encoded(enc, self.scheme, self.kind)
+        base = decoded_scores(q, self.mse.decode(enc))
+        rq = hadamard(q.astype(np.float32), self.seed)
+        sk = self._sketch(enc)
+        lead = q.shape[:-2]
+        signs = sk.signs.reshape(-1, *sk.signs.shape[-2:])
+        norms = sk.norms.reshape(-1, sk.norms.shape[-1])
+
+        def block(b: int, qb: np.ndarray) -> np.ndarray:
+            part = QJLSketch(signs[b], norms[b], sk.m, sk.dim)
+            return qjl_inner_product(qb, part, self.qjl_seed)
+
+        est = blockwise(block, rq, lead)
+        return base + est / np.float32(math.sqrt(self.head_dim))

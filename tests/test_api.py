@@ -1,0 +1,116 @@
+"""The public surface: exports, the error type, the type stubs against the runtime, and that no
+Rust panic ever reaches Python whatever the native functions are handed."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import kvqrs
+from kvqrs import _native
+
+STUB = pathlib.Path(kvqrs.__file__).with_name("_native.pyi")
+
+
+def _stub_functions() -> dict[str, list[str]]:
+    tree = ast.parse(STUB.read_text())
+    return {
+        node.name: [a.arg for a in node.args.args]
+        for node in tree.body
+        if isinstance(node, ast.FunctionDef)
+    }
+
+
+def test_every_export_resolves():
+    for name in kvqrs.__all__:
+        assert getattr(kvqrs, name) is not None, name
+
+
+def test_error_is_a_value_error_named_for_the_package():
+    assert issubclass(kvqrs.KvqrsError, ValueError)
+    assert kvqrs.KvqrsError.__module__ == "kvqrs"
+
+
+def test_package_ships_type_information():
+    assert STUB.is_file()
+    assert STUB.with_name("py.typed").is_file()
+
+
+def test_stub_matches_native_functions_and_parameters():
+    stub = _stub_functions()
+    runtime = {
+        name: obj
+        for name, obj in vars(_native).items()
+        if callable(obj) and not isinstance(obj, type) and not name.startswith("_")
+    }
+    assert set(stub) == set(runtime), f"stub-only {set(stub) - set(runtime)}, runtime-only {set(runtime) - set(stub)}"
+    for name, params in stub.items():
+        got = list(inspect.signature(runtime[name]).parameters)
+        assert got == params, f"{name}: runtime {got} vs stub {params}"
+
+
+def test_version_matches_and_module_runs():
+    out = subprocess.run([sys.executable, "-m", "kvqrs", "--version"], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == f"kvqrs {kvqrs.__version__}"
+
+
+def test_unsupported_dtypes_name_the_argument():
+    with pytest.raises(kvqrs.KvqrsError, match=r"x: expected a float16, bfloat16, float32 or float64 array, got dtype int64"):
+        kvqrs.hadamard(np.arange(8))
+    with pytest.raises(kvqrs.KvqrsError, match=r"x: .*complex128"):
+        kvqrs.mse_encode(np.ones(8, dtype=complex), 2)
+
+
+# Arbitrary arguments straight into the native module: only KvqrsError / TypeError /
+# OverflowError may come out. A pyo3 PanicException derives from BaseException, so it would
+# escape the `except Exception` below and fail the test.
+_sizes = st.integers(min_value=0, max_value=300) | st.sampled_from([2**31, 2**40, 2**63 - 1])
+_f32 = st.integers(0, 600).map(lambda n: np.linspace(-3, 3, n, dtype=np.float32))
+_u8 = st.integers(0, 600).map(lambda n: (np.arange(n) % 7).astype(np.uint8))
+_norms = st.integers(0, 40).map(lambda n: np.ones(n, dtype=np.float16))
+
+
+@settings(max_examples=500)
+@given(
+    fn=st.sampled_from(
+        [
+            lambda a, b, c, n, s: _native.pack_bits(b, a, s % 10),
+            lambda a, b, c, n, s: _native.unpack_bits(b, a, s % 10),
+            lambda a, b, c, n, s: _native.hadamard(c, a, s),
+            lambda a, b, c, n, s: _native.inverse_hadamard(c, a, s),
+            lambda a, b, c, n, s: _native.lloyd_max_codebook(a, s % 10),
+            lambda a, b, c, n, s: _native.lloyd_max_encode(c, a, s % 10, a),
+            lambda a, b, c, n, s: _native.lloyd_max_decode(b, a, s % 10),
+            lambda a, b, c, n, s: _native.mse_encode(c, a, s % 10, s),
+            lambda a, b, c, n, s: _native.mse_decode(b, n, a, s % 10, None),
+            lambda a, b, c, n, s: _native.qjl_sketch(c, a, s % 300 + 1, s),
+            lambda a, b, c, n, s: _native.qjl_inner_product(c, b, n, a, s % 300, s),
+            lambda a, b, c, n, s: _native.qjl_vector_estimate(b, n, a, s % 300, s),
+            lambda a, b, c, n, s: _native.headq_encode(c, c, a, s % 9, s % 10),
+            lambda a, b, c, n, s: _native.headq_decode(b, n, c, a, s % 9, s % 10),
+            lambda a, b, c, n, s: _native.headq_score_correction(c, b, n, c, a, s % 9, s % 10),
+            lambda a, b, c, n, s: _native.random_orthonormal_basis(s, a, s % 9),
+            lambda a, b, c, n, s: _native.qjl_matrix(s, a, s % 300),
+            lambda a, b, c, n, s: _native.rotation_signs(s, a),
+            lambda a, b, c, n, s: _native.gaussians(s, 1, a),
+        ]
+    ),
+    a=_sizes,
+    b=_u8,
+    c=_f32,
+    n=_norms,
+    s=st.integers(0, 2**64 - 1),
+)
+def test_native_functions_never_panic(fn, a, b, c, n, s):
+    try:
+        fn(a, b, c, n, s)
+    except (kvqrs.KvqrsError, TypeError, OverflowError):
+        pass
