@@ -79,6 +79,26 @@ def _selfcheck(args: argparse.Namespace) -> int:
     return 0 if worst < 0.02 else 1
 
 
+def _study(args: argparse.Namespace) -> int:
+    import dataclasses
+    import pathlib
+
+    from .evaluation.report import write_report
+    from .evaluation.study import StudyConfig, run_study
+
+    config = StudyConfig.quick() if args.quick else StudyConfig()
+    overrides = {k: tuple(v) for k, v in (("schemes", args.schemes), ("bits", args.bits), ("distributions", args.distributions), ("head_dims", args.head_dims)) if v}
+    overrides.update({k: v for k, v in (("seeds", args.seeds), ("tokens", args.tokens), ("n_queries", args.queries)) if v})
+    config = dataclasses.replace(config, **overrides)
+    print(f"kvqrs study: {len(config.cells())} cells x {config.seeds} seeds -> {args.out}")
+    rows, seconds = run_study(config, progress=not args.no_progress)
+    summary = write_report(rows, pathlib.Path(args.out), config, seconds, permutations=args.permutations)
+    text = summary.read_text()
+    print(text[: text.index("## Per-cell means")] if args.brief else text)
+    print(f"report: {summary} ({seconds:.1f} s for the samples)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvqrs", description="KV-cache quantization kernels and studies.")
     parser.add_argument("--version", action="version", version=f"kvqrs {__version__}")
@@ -89,6 +109,20 @@ def build_parser() -> argparse.ArgumentParser:
     sc.add_argument("--vectors", type=int, default=20000)
     sc.add_argument("--seed", type=int, default=0)
     sc.set_defaults(func=_selfcheck)
+    st = sub.add_parser("study", help="the synthetic study: scheme x n x distribution x head_dim over seeds")
+    st.add_argument("--quick", action="store_true", help="a small grid that finishes in under two minutes")
+    st.add_argument("--out", default="reports/study", help="report folder (default reports/study)")
+    st.add_argument("--schemes", nargs="+")
+    st.add_argument("--bits", type=int, nargs="+")
+    st.add_argument("--distributions", nargs="+")
+    st.add_argument("--head-dims", type=int, nargs="+")
+    st.add_argument("--seeds", type=int)
+    st.add_argument("--tokens", type=int)
+    st.add_argument("--queries", type=int)
+    st.add_argument("--permutations", type=int, default=199, help="energy-distance permutations per pair")
+    st.add_argument("--no-progress", action="store_true")
+    st.add_argument("--brief", action="store_true", help="print only the header of the summary")
+    st.set_defaults(func=_study)
     return parser
 
 
