@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ._arrays import KvqrsError, check_positive_int
+from ._arrays import KvqrsError, check_positive_int, check_seed
 
 DISTRIBUTIONS = ("gaussian", "heavy", "lowrank", "focused")
 DEFAULTS = {"heavy": 3.0, "lowrank": 4.0, "focused": 1.0}
@@ -38,9 +38,14 @@ def parse(name: str) -> tuple[str, float | None]:
     if base == "gaussian":
         raise KvqrsError(f"distribution: gaussian takes no parameter, got {name!r}")
     try:
-        return base, float(arg)
+        value = float(arg)
     except ValueError:
         raise KvqrsError(f"distribution: expected a number after '-', got {name!r}") from None
+    if not np.isfinite(value):
+        raise KvqrsError(f"distribution: expected a finite parameter, got {name!r}")
+    if base in ("lowrank", "focused") and value != int(value):
+        raise KvqrsError(f"distribution: {base} takes an integer parameter, got {name!r}")
+    return base, value
 
 
 def _student_t(rng: np.random.Generator, nu: float, shape: tuple[int, ...]) -> np.ndarray:
@@ -71,7 +76,7 @@ def generate(name: str, *, tokens: int, n_queries: int, head_dim: int, seed: int
     t = check_positive_int(tokens, "tokens")
     nq = check_positive_int(n_queries, "n_queries")
     d = check_positive_int(head_dim, "head_dim", minimum=2)
-    rng = np.random.default_rng(seed)
+    rng = np.random.default_rng(check_seed(seed, optional=False))
     q = rng.standard_normal((nq, d))
     if base == "gaussian":
         k, v = rng.standard_normal((t, d)), rng.standard_normal((t, d))

@@ -14,6 +14,7 @@ import numpy as np
 from ..metrics import SIX_D_NAMES, energy_distance, kolmogorov_smirnov, mann_whitney, mean_ci
 from . import plots, theory
 
+PAIR_FIELDS = ["distribution", "head_dim", "bits", "a", "b", "mw_p", "rank_biserial", "ks_d", "ks_p", "energy", "energy_p"]
 TABLE_METRICS = ("kl_mean", "kl_max", "topk_recall", "snr_k", "phi_k", "snr_v", "snr_t", "phi_t", "bpe_k", "bpe_v")
 
 
@@ -68,7 +69,7 @@ def write_report(rows: list[dict], out: pathlib.Path, config, seconds: float, pe
     (out / "samples.json").write_text(json.dumps(rows, indent=1))
     pairs = pairwise(rows, permutations)
     with open(out / "pairwise.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(pairs[0]))
+        w = csv.DictWriter(f, fieldnames=PAIR_FIELDS)
         w.writeheader()
         w.writerows(pairs)
     images = [plots.shannon_phi_plane(rows, out), plots.kl_distributions(rows, out), plots.routing_recall(rows, out)]

@@ -27,7 +27,11 @@ def kl_divergence(logits: np.ndarray, logits_hat: np.ndarray) -> np.ndarray:
     """
     lp = log_softmax(np.asarray(logits, dtype=np.float64), axis=-1)
     lq = log_softmax(np.asarray(logits_hat, dtype=np.float64), axis=-1)
-    return np.maximum(np.sum(np.exp(lp) * (lp - lq), axis=-1), 0.0)
+    p = np.exp(lp)
+    # A token with p = 0 (a masked, -inf logit) contributes nothing, whatever p_hat is.
+    with np.errstate(invalid="ignore"):
+        terms = np.where(p > 0, p * (lp - lq), 0.0)
+    return np.maximum(np.sum(terms, axis=-1), 0.0)
 
 
 def kl_summary(kl: np.ndarray) -> dict[str, float]:

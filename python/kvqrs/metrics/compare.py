@@ -60,10 +60,10 @@ def energy_distance(x, y, permutations: int = 999, seed: int = 0) -> TestResult:
     """
     x = np.asarray(x, dtype=np.float64)
     y = np.asarray(y, dtype=np.float64)
+    if x.size == 0 or y.size == 0:
+        return TestResult(0.0, 1.0, 0.0)
     x = x.reshape(len(x), -1)
     y = y.reshape(len(y), -1)
-    if len(x) == 0 or len(y) == 0:
-        return TestResult(0.0, 1.0, 0.0)
     z = np.concatenate([x, y])
     sd = z.std(axis=0)
     z = (z - z.mean(axis=0)) / np.where(sd > 0, sd, 1.0)

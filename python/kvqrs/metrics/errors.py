@@ -33,13 +33,19 @@ def snr_db(x: np.ndarray, x_hat: np.ndarray) -> float:
         return SNR_CEILING_DB
     if sig == 0.0:
         return -SNR_CEILING_DB
-    return float(np.clip(10.0 * np.log10(sig / err), -SNR_CEILING_DB, SNR_CEILING_DB))
+    with np.errstate(divide="ignore", over="ignore"):
+        ratio = 10.0 * np.log10(sig / err)
+    return float(np.clip(ratio, -SNR_CEILING_DB, SNR_CEILING_DB))
 
 
 def direction_angles(x: np.ndarray, x_hat: np.ndarray) -> np.ndarray:
     """Per-row angle ``arccos(cos(x, x_hat))`` in radians, ``(...)`` (SPEC 4)."""
-    x = np.asarray(x, dtype=np.float64)
-    y = np.asarray(x_hat, dtype=np.float64)
+    x = np.array(x, dtype=np.float64)  # copies: rows are rescaled in place below
+    y = np.array(x_hat, dtype=np.float64)
+    # Scale each row by its largest magnitude first so norms of huge rows cannot overflow.
+    for a in (x, y):
+        m = np.max(np.abs(a), axis=-1, keepdims=True) if a.size else np.ones(a.shape[:-1] + (1,))
+        a /= np.where(m > 0, m, 1.0)
     nx = np.linalg.norm(x, axis=-1)
     ny = np.linalg.norm(y, axis=-1)
     dot = np.sum(x * y, axis=-1)

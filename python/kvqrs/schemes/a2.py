@@ -64,6 +64,7 @@ class A2ValueCoder:
             raise KvqrsError(f"bits: expected an average width in {MIN_BITS}..{MAX_BITS}, got {bits}")
         self.head_dim, self.bits, self.seed, self.scheme, self.kind = head_dim, bits, seed, scheme, "values"
         self.code_dim = padded_dim(head_dim)
+        self.params = {"bits": bits, "seed": seed}
 
     def encode(self, v, weights=None) -> Encoded:
         v = as_float_array(v, "values")
@@ -83,8 +84,7 @@ class A2ValueCoder:
             code = mse_encode(v32[sel], int(b), self.seed)
             parts[f"codes_{b}"] = pack_bits(code.codes, int(b))
             parts[f"norms_{b}"] = code.norms
-        params = {"bits": self.bits, "seed": self.seed}
-        return Encoded(self.scheme, "values", v.shape, v.dtype, parts, params)
+        return Encoded(self.scheme, "values", v.shape, v.dtype, parts, self.params)
 
     def widths(self, enc: Encoded) -> np.ndarray:
         """Per-token widths ``(..., T)`` (uint8)."""
@@ -92,7 +92,7 @@ class A2ValueCoder:
         return (unpack_bits(enc.parts["widths"], 3, n).reshape(enc.shape[:-1]) + MIN_BITS).astype(np.uint8)
 
     def decode(self, enc: Encoded) -> np.ndarray:
-        check_encoded(enc, self.scheme, "values")
+        check_encoded(enc, self.scheme, "values", self.params)
         widths = self.widths(enc)
         out = np.zeros(enc.shape, dtype=np.float32)
         for b in np.unique(widths):

@@ -65,12 +65,18 @@ def check_head_dim(x: np.ndarray, head_dim: int, arg: str) -> None:
         raise KvqrsError(f"{arg}: expected shape (..., tokens, {head_dim}), got {x.shape}")
 
 
-def check_encoded(enc: Encoded, scheme: str, kind: str) -> None:
-    """Raise if ``enc`` was produced by another scheme or for the other side of the cache."""
+def check_encoded(enc: Encoded, scheme: str, kind: str, params: Mapping[str, Any] | None = None) -> None:
+    """Raise if ``enc`` was produced by another scheme, for the other side of the cache, or
+    under other parameters (bits, seeds, group, basis): decoding it would give garbage."""
     if not isinstance(enc, Encoded):
         raise KvqrsError(f"encoded: expected a kvqrs Encoded object, got {type(enc).__name__}")
     if enc.scheme != scheme or enc.kind != kind:
         raise KvqrsError(f"encoded: expected {kind} of scheme {scheme!r}, got {enc.kind} of scheme {enc.scheme!r}")
+    if params is not None and dict(enc.params) != dict(params):
+        diff = sorted(k for k in set(params) | set(enc.params) if params.get(k) != enc.params.get(k))
+        raise KvqrsError(
+            f"encoded: expected {kind} encoded with {dict(params)}, got {dict(enc.params)} (differs in {', '.join(diff)})"
+        )
 
 
 def as_float_array(x: Any, arg: str) -> np.ndarray:

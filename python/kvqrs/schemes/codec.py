@@ -59,6 +59,10 @@ def _value_coder(scheme: str, bits: int, head_dim: int, seed: int, group: int):
     raise KvqrsError(f"value_scheme: expected one of {VALUE_SCHEMES}, got {scheme!r}")
 
 
+def _as_dtype(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    return x if x.dtype == dtype else x.astype(dtype)
+
+
 class KVCodec:
     """Encode keys and values of one attention layer with a scheme of SPEC section 3.
 
@@ -164,8 +168,8 @@ class KVCodec:
         return self._key_coder().encode(k)
 
     def decode_keys(self, ck: Encoded) -> np.ndarray:
-        """Reconstruct keys (float32 ``(..., tokens, head_dim)``)."""
-        return self._key_coder().decode(ck)
+        """Reconstruct keys ``(..., tokens, head_dim)`` in the dtype they were encoded from."""
+        return _as_dtype(self._key_coder().decode(ck), ck.dtype)
 
     def scores(self, q: Any, ck: Encoded) -> np.ndarray:
         """Attention logits ``q . k_hat / sqrt(d)``, float32 ``(..., q_heads, nq, tokens)``.
@@ -200,8 +204,8 @@ class KVCodec:
         return self.values.encode(v)
 
     def decode_values(self, cv: Encoded) -> np.ndarray:
-        """Reconstruct values (float32 ``(..., tokens, head_dim)``)."""
-        return self.values.decode(cv)
+        """Reconstruct values ``(..., tokens, head_dim)`` in the dtype they were encoded from."""
+        return _as_dtype(self.values.decode(cv), cv.dtype)
 
     def attention(self, q: Any, ck: Encoded, cv: Encoded) -> tuple[np.ndarray, np.ndarray]:
         """Attention over the encoded cache: ``(softmax(scores) @ v_hat, probabilities)``.
@@ -212,7 +216,7 @@ class KVCodec:
         s = self.scores(q, ck).astype(np.float64)
         p = np.exp(s - s.max(axis=-1, keepdims=True))
         p /= p.sum(axis=-1, keepdims=True)
-        v = self.decode_values(cv).astype(np.float64)
+        v = self.values.decode(cv).astype(np.float64)
         q_lead, kv_lead = p.shape[:-2], v.shape[:-2]
         if q_lead != kv_lead:
             g = q_lead[-1] // kv_lead[-1]

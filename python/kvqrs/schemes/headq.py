@@ -7,6 +7,7 @@ of the same rank replaces the calibrated one (random-basis).
 
 from __future__ import annotations
 
+import hashlib
 import math
 from typing import Any
 
@@ -38,6 +39,9 @@ class HeadQCoder:
             raise KvqrsError(f"basis: expected (head_dim={base.head_dim}, rank) or (kv_heads, head_dim, rank), got shape {b.shape}")
         self.base, self.basis, self.side_bits, self.sign = base, b, side_bits, sign
         self.head_dim, self.rank, self.scheme, self.kind = base.head_dim, b.shape[-1], scheme, "keys"
+        # The basis identity travels with the codes: decoding under another basis raises.
+        self.params = {"base": dict(base.params, scheme=base.scheme), "side_bits": side_bits, "rank": self.rank,
+                       "sign": sign, "basis_sha256": hashlib.sha256(np.ascontiguousarray(b).tobytes()).hexdigest()[:16]}
 
     def _bases(self, lead: tuple[int, ...]) -> list[np.ndarray]:
         """One basis per flattened leading index (heads are the last leading axis)."""
@@ -58,13 +62,13 @@ class HeadQCoder:
         codes = np.stack([s.codes for s in sides]).reshape(*lead, self.rank)
         scales = np.stack([s.scales for s in sides]).reshape(lead)
         parts = {**{f"base_{n}": v for n, v in base.parts.items()}, "side_codes": pack_bits(codes, self.side_bits), "side_scales": scales}
-        params = {"base": dict(base.params, scheme=base.scheme), "side_bits": self.side_bits, "rank": self.rank, "sign": self.sign}
-        return Encoded(self.scheme, "keys", k.shape, k.dtype, parts, params)
+        return Encoded(self.scheme, "keys", k.shape, k.dtype, parts, self.params)
 
     def _split(self, enc: Encoded) -> tuple[Encoded, HeadQCode]:
-        check_encoded(enc, self.scheme, "keys")
+        check_encoded(enc, self.scheme, "keys", self.params)
         base_parts = {n[5:]: v for n, v in enc.parts.items() if n.startswith("base_")}
-        base = Encoded(self.base.scheme, "keys", enc.shape, enc.dtype, base_parts, enc.params["base"])
+        base_params = {k: v for k, v in enc.params["base"].items() if k != "scheme"}
+        base = Encoded(self.base.scheme, "keys", enc.shape, enc.dtype, base_parts, base_params)
         codes = unpack_bits(enc.parts["side_codes"], self.side_bits, self.rank)
         return base, HeadQCode(codes, enc.parts["side_scales"], self.side_bits)
 

@@ -25,6 +25,7 @@ class KIVICoder:
     def __init__(self, head_dim: int, bits: int, group: int, per_channel: bool, scheme: str, kind: str):
         self.head_dim, self.bits, self.group, self.per_channel = head_dim, bits, group, per_channel
         self.scheme, self.kind = scheme, kind
+        self.params = {"bits": bits, "group": group, "per_channel": per_channel}
 
     def _layout(self, x: np.ndarray) -> np.ndarray:
         # Per-channel groups run along tokens: lay each channel's tokens out as a row.
@@ -35,11 +36,10 @@ class KIVICoder:
         check_head_dim(x, self.head_dim, self.kind)
         code = uniform_encode(self._layout(x), self.bits, self.group)
         parts = {"codes": pack_bits(code.codes, self.bits), "scales": code.scales, "zeros": code.zeros}
-        params = {"bits": self.bits, "group": self.group, "per_channel": self.per_channel}
-        return Encoded(self.scheme, self.kind, x.shape, x.dtype, parts, params)
+        return Encoded(self.scheme, self.kind, x.shape, x.dtype, parts, self.params)
 
     def decode(self, enc: Encoded) -> np.ndarray:
-        check_encoded(enc, self.scheme, self.kind)
+        check_encoded(enc, self.scheme, self.kind, self.params)
         row = enc.shape[-2] if self.per_channel else enc.shape[-1]
         codes = unpack_bits(enc.parts["codes"], self.bits, row)
         out = uniform_decode(UniformCode(codes, enc.parts["scales"], enc.parts["zeros"], self.group, self.bits))

@@ -59,20 +59,25 @@ class MSECoder:
         self.head_dim, self.bits, self.seed, self.scheme, self.kind = head_dim, bits, seed, scheme, kind
         self.code_dim = head_dim if seed is None else padded_dim(head_dim)
         self.codebook = lloyd_max_codebook(self.code_dim, bits)
+        self.params = {"bits": bits, "seed": seed}
 
     def encode(self, x) -> Encoded:
         x = as_float_array(x, self.kind)
         check_head_dim(x, self.head_dim, self.kind)
         code = mse_encode(x, self.bits, self.seed)
         parts = {"codes": pack_bits(code.codes, self.bits), "norms": code.norms}
-        return Encoded(self.scheme, self.kind, x.shape, x.dtype, parts, {"bits": self.bits, "seed": self.seed})
+        return Encoded(self.scheme, self.kind, x.shape, x.dtype, parts, self.params)
 
     def codes(self, enc: Encoded) -> np.ndarray:
         """Unpacked codes ``(..., tokens, code_dim)``."""
         return unpack_bits(enc.parts["codes"], self.bits, self.code_dim)
 
     def decode(self, enc: Encoded) -> np.ndarray:
-        check_encoded(enc, self.scheme, self.kind)
+        check_encoded(enc, self.scheme, self.kind, self.params)
+        return self.decode_unchecked(enc)
+
+    def decode_unchecked(self, enc: Encoded) -> np.ndarray:
+        """Decode the MSE parts of ``enc`` (also when ``enc`` belongs to a composite coder)."""
         return mse_decode(self.codes(enc), enc.parts["norms"], self.bits, self.head_dim, self.seed)
 
     def rotated(self, enc: Encoded) -> np.ndarray:
@@ -97,6 +102,7 @@ class MSEQJLCoder:
         self.scheme, self.kind = scheme, kind
         self.mse = MSECoder(head_dim, bits - 1, seed, scheme, kind)
         self.code_dim = self.mse.code_dim
+        self.params = {"bits": bits, "seed": seed, "qjl_seed": qjl_seed}
 
     def encode(self, x) -> Encoded:
         x = as_float_array(x, self.kind)
@@ -104,22 +110,21 @@ class MSEQJLCoder:
         residual = hadamard(x.astype(np.float32), self.seed) - self.mse.rotated(base)
         sketch = qjl_sketch(residual, self.qjl_seed)
         parts = dict(base.parts, qjl_signs=sketch.signs, qjl_norms=sketch.norms)
-        params = {"bits": self.bits, "seed": self.seed, "qjl_seed": self.qjl_seed}
-        return Encoded(self.scheme, self.kind, x.shape, x.dtype, parts, params)
+        return Encoded(self.scheme, self.kind, x.shape, x.dtype, parts, self.params)
 
     def _sketch(self, enc: Encoded) -> QJLSketch:
         return QJLSketch(enc.parts["qjl_signs"], enc.parts["qjl_norms"], self.code_dim, self.code_dim)
 
     def decode(self, enc: Encoded) -> np.ndarray:
-        check_encoded(enc, self.scheme, self.kind)
+        check_encoded(enc, self.scheme, self.kind, self.params)
         r_hat = qjl_vector_estimate(self._sketch(enc), self.qjl_seed)
         return inverse_hadamard(self.mse.rotated(enc) + r_hat, self.seed, self.head_dim)
 
     def scores(self, q: np.ndarray, enc: Encoded) -> np.ndarray:
         """``(q . k_mse + <R q, r>_QJL) / sqrt(d)``: the residual enters through the unbiased
         inner-product estimator, never through a rebuilt key."""
-        check_encoded(enc, self.scheme, self.kind)
-        base = decoded_scores(q, self.mse.decode(enc))
+        check_encoded(enc, self.scheme, self.kind, self.params)
+        base = decoded_scores(q, self.mse.decode_unchecked(enc))
         rq = hadamard(q.astype(np.float32), self.seed)
         sk = self._sketch(enc)
         lead = q.shape[:-2]
