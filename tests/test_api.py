@@ -114,3 +114,54 @@ def test_native_functions_never_panic(fn, a, b, c, n, s):
         fn(a, b, c, n, s)
     except (kvqrs.KvqrsError, TypeError, OverflowError):
         pass
+
+
+# Findings of the newcomer review: each of these used to return infinities, cast silently or
+# raise something other than KvqrsError.
+def test_results_that_overflow_the_output_dtype_raise():
+    with pytest.raises(kvqrs.KvqrsError, match=r"result: expected values that fit the output dtype float16"):
+        kvqrs.hadamard(np.full((1, 2), 60000, np.float16))
+    x = np.full((1, 128), 3e18, np.float32)
+    with pytest.raises(kvqrs.KvqrsError, match="float32"):
+        kvqrs.qjl_inner_product(x, kvqrs.qjl_sketch(x, seed=1), seed=1)
+    code = kvqrs.mse_encode(np.full((1, 128), 1e5, np.float32), 4, seed=1)
+    with pytest.raises(kvqrs.KvqrsError, match="float16"):
+        kvqrs.mse_decode(code.codes, code.norms, 4, 128, seed=1, dtype=np.float16)
+
+
+def test_large_finite_rows_rotate_without_overflow():
+    y = kvqrs.hadamard(np.full((1, 128), 1e37, np.float32), 1)
+    assert np.isfinite(y).all()
+    np.testing.assert_allclose(np.linalg.norm(y.astype(np.float64)), 1e37 * np.sqrt(128), rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.uint8, bool, complex, object, None, "bogus"])
+def test_output_dtype_must_be_a_float(dtype):
+    code = kvqrs.mse_encode(np.ones((2, 64), np.float32), 2, seed=1)
+    with pytest.raises(kvqrs.KvqrsError, match="dtype: expected float16, bfloat16, float32 or float64"):
+        kvqrs.mse_decode(code.codes, code.norms, 2, 64, seed=1, dtype=dtype)
+
+
+def test_ragged_and_foreign_inputs_raise_kvqrs_errors():
+    with pytest.raises(kvqrs.KvqrsError, match="^x: expected an array"):
+        kvqrs.hadamard([[1.0, 2.0], [3.0]])
+    with pytest.raises(kvqrs.KvqrsError, match="sketch: expected a QJLSketch"):
+        kvqrs.qjl_vector_estimate(None, 1)
+    sk = kvqrs.qjl_sketch(np.ones((2, 16), np.float32), seed=1)
+    with pytest.raises(kvqrs.KvqrsError, match="sketch.dim"):
+        kvqrs.qjl_vector_estimate(sk._replace(dim=-1), 1)
+    with pytest.raises(kvqrs.KvqrsError, match="codebook: expected a Codebook"):
+        kvqrs.lloyd_max_decode(np.zeros(4, np.uint8), (128, 4))
+    with pytest.raises(kvqrs.KvqrsError, match="count"):
+        kvqrs.packed_size(-1, 4)
+    with pytest.raises(kvqrs.KvqrsError, match="bits"):
+        kvqrs.packed_size(3, 99)
+    with pytest.raises(kvqrs.KvqrsError, match="head_dim <= 4096"):
+        kvqrs.headq_basis(np.ones((1, 8192), np.float32), 1)
+
+
+@pytest.mark.parametrize("args", [["selfcheck", "--head-dims", "1"], ["selfcheck", "--bits", "9"], ["selfcheck", "--vectors", "0"]])
+def test_cli_reports_bad_arguments_without_a_traceback(args):
+    out = subprocess.run([sys.executable, "-m", "kvqrs", *args], capture_output=True, text=True)
+    assert out.returncode == 2
+    assert "Traceback" not in out.stderr and "error:" in out.stderr

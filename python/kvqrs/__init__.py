@@ -35,6 +35,7 @@ from .kernels import (
     uniform_decode,
     uniform_encode,
 )
+from . import oracle
 from .kernels import rng
 
 __all__ = [
@@ -62,6 +63,7 @@ __all__ = [
     "qjl_sketch",
     "qjl_vector_estimate",
     "random_orthonormal_basis",
+    "oracle",
     "rng",
     "unpack_bits",
     "UniformCode",

@@ -20,6 +20,8 @@ __all__ = [
     "as_code_rows",
     "as_scalars",
     "check_bits",
+    "check_finite_output",
+    "check_out_dtype",
     "check_seed",
     "check_positive_int",
     "restore",
@@ -30,6 +32,24 @@ _FLOAT_NAMES = ("float16", "bfloat16", "float32", "float64")
 
 def _dtype_name(dtype: np.dtype) -> str:
     return str(dtype)
+
+
+def _asarray(x: Any, arg: str) -> np.ndarray:
+    try:
+        return np.asarray(x)
+    except (ValueError, TypeError) as e:
+        raise KvqrsError(f"{arg}: expected an array, got {type(x).__name__} that NumPy cannot convert ({e})") from None
+
+
+def check_out_dtype(dtype: Any, arg: str = "dtype") -> np.dtype:
+    """Return ``dtype`` if it is float16, bfloat16, float32 or float64, else raise."""
+    try:
+        dt = np.dtype(dtype)
+    except TypeError:
+        raise KvqrsError(f"{arg}: expected float16, bfloat16, float32 or float64, got {dtype!r}") from None
+    if dtype is None or _dtype_name(dt) not in _FLOAT_NAMES:
+        raise KvqrsError(f"{arg}: expected float16, bfloat16, float32 or float64, got {dtype!r}")
+    return dt
 
 
 def check_bits(bits: Any, arg: str = "bits", low: int = 1, high: int = 8) -> int:
@@ -82,7 +102,7 @@ def as_float_rows(x: Any, arg: str, min_dim: int = 1) -> tuple[np.ndarray, tuple
     Accepts float16, bfloat16 (ml_dtypes), float32 and float64, any leading shape and strided
     views; raises :class:`KvqrsError` for other dtypes, 0-d input or a row length < ``min_dim``.
     """
-    arr = np.asarray(x)
+    arr = _asarray(x, arg)
     if _dtype_name(arr.dtype) not in _FLOAT_NAMES:
         raise KvqrsError(
             f"{arg}: expected a float16, bfloat16, float32 or float64 array, got dtype {arr.dtype}"
@@ -110,7 +130,7 @@ def as_code_rows(codes: Any, arg: str, bits: int | None = None) -> tuple[np.ndar
     Codes of any integer dtype are accepted if every value lies in ``[0, 2**bits)`` (``[0, 256)``
     when ``bits`` is None); nothing is wrapped or truncated silently.
     """
-    arr = np.asarray(codes)
+    arr = _asarray(codes, arg)
     if arr.dtype.kind not in "ui":
         raise KvqrsError(f"{arg}: expected an integer array (uint8 codes), got dtype {arr.dtype}")
     if arr.ndim == 0:
@@ -140,5 +160,18 @@ def restore(flat: np.ndarray, leading: tuple[int, ...], cols: int, dtype: np.dty
     """Reshape a flat native result to ``(*leading, cols)`` and cast to ``dtype`` if given."""
     out = flat.reshape(*leading, cols)
     if dtype is not None and out.dtype != dtype:
-        out = out.astype(dtype)
+        with np.errstate(over="ignore"):
+            out = out.astype(dtype)
+    return check_finite_output(out)
+
+
+def check_finite_output(out: np.ndarray, what: str = "result") -> np.ndarray:
+    """Raise instead of returning infinities: a finite input whose result does not fit the
+    output dtype (e.g. float16 beyond 65504, or float32 beyond 3.4e38) is an error."""
+    if out.size and not np.isfinite(out).all():
+        pos = tuple(int(p) for p in np.unravel_index(int(np.argmax(~np.isfinite(out))), out.shape))
+        raise KvqrsError(
+            f"{what}: expected values that fit the output dtype {out.dtype}, got {out[pos]} at index {pos} "
+            f"(choose a wider dtype, e.g. dtype=np.float32)"
+        )
     return out

@@ -14,6 +14,7 @@ from typing import Sequence
 import numpy as np
 
 from . import __version__
+from ._native import KvqrsError
 from .kernels import hadamard, lloyd_max_codebook, lloyd_max_decode, mse_decode, mse_encode, padded_dim
 
 
@@ -69,6 +70,8 @@ def format_table(rows: list[dict]) -> str:
 
 
 def _selfcheck(args: argparse.Namespace) -> int:
+    if args.vectors < 2:
+        raise KvqrsError(f"--vectors: expected at least 2 vectors per cell, got {args.vectors}")
     rows = selfcheck_rows(args.head_dims, args.bits, args.vectors, args.seed)
     print(f"kvqrs {__version__} self-check: norm-and-direction MSE on {args.vectors} random N(0, I) vectors per cell")
     print(format_table(rows))
@@ -128,10 +131,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help", "--version"):
+        argv = ["selfcheck", *argv]  # bare `kvqrs [options]` is the self-check
     args = parser.parse_args(argv)
-    if args.command is None:
-        args = parser.parse_args(["selfcheck", *(argv or [])])
-    return int(args.func(args))
+    try:
+        return int(args.func(args))
+    except KvqrsError as e:
+        parser.exit(2, f"kvqrs {args.command}: error: {e}\n")
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ def hadamard(x: Any, seed: int | None = None) -> np.ndarray:
     Raises:
         KvqrsError: unsupported dtype, head_dim < 2, a bad seed, or NaN/Inf in ``x``.
     """
-    flat, leading, d, dtype = as_float_rows(x, "x")
+    flat, leading, d, dtype = as_float_rows(x, "x", min_dim=2)
     s = check_seed(seed)
     out = _native.hadamard(flat, d, s)
     return restore(out, leading, padded_dim(d), dtype)

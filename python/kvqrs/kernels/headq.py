@@ -8,7 +8,11 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from .. import _native
-from .._arrays import KvqrsError, as_code_rows, as_float_rows, as_scalars, check_bits, check_positive_int, restore
+from .._arrays import check_finite_output, check_out_dtype, KvqrsError, as_code_rows, as_float_rows, as_scalars, check_bits, check_positive_int, restore
+
+
+MAX_BASIS_DIM = 4096
+"""Largest head_dim :func:`headq_basis` accepts (it eigendecomposes a dense d x d matrix)."""
 
 
 class HeadQCode(NamedTuple):
@@ -62,6 +66,8 @@ def headq_encode(residual: Any, basis: Any, bits: int) -> HeadQCode:
 
 
 def _code_parts(code: HeadQCode, rank: int) -> tuple[np.ndarray, np.ndarray, tuple[int, ...]]:
+    if not isinstance(code, HeadQCode):
+        raise KvqrsError(f"code: expected a HeadQCode from headq_encode, got {type(code).__name__}")
     q = check_bits(code.bits, "code.bits")
     flat, leading, width = as_code_rows(code.codes, "code.codes", q)
     if width != rank:
@@ -79,7 +85,7 @@ def headq_decode(code: HeadQCode, basis: Any, dtype: Any = np.float32) -> np.nda
     u, d, rank = _basis(basis)
     flat, scales, leading = _code_parts(code, rank)
     out = _native.headq_decode(flat, scales, u, d, rank, code.bits)
-    return restore(out, leading, d, np.dtype(dtype))
+    return restore(out, leading, d, check_out_dtype(dtype))
 
 
 def headq_score_correction(q: Any, code: HeadQCode, basis: Any) -> np.ndarray:
@@ -102,7 +108,7 @@ def headq_score_correction(q: Any, code: HeadQCode, basis: Any) -> np.ndarray:
         raise KvqrsError(f"q: expected a last axis of {d} (the basis head_dim), got {dq}")
     flat, scales, lk = _code_parts(code, rank)
     out = _native.headq_score_correction(qf, flat, scales, u, d, rank, code.bits)
-    return out.reshape((*lq, *lk))
+    return check_finite_output(out.reshape((*lq, *lk)))
 
 
 def headq_basis(queries: Any, rank: int) -> np.ndarray:
@@ -122,6 +128,8 @@ def headq_basis(queries: Any, rank: int) -> np.ndarray:
         KvqrsError: bad rank, no queries, or NaN/Inf in ``queries``.
     """
     flat, _, d, _ = as_float_rows(queries, "queries")
+    if d > MAX_BASIS_DIM:
+        raise KvqrsError(f"queries: expected head_dim <= {MAX_BASIS_DIM} (a dense eigendecomposition), got {d}")
     r = check_positive_int(rank, "rank")
     if r > d:
         raise KvqrsError(f"rank: expected 1 <= rank <= head_dim = {d}, got {r}")

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from .. import _native
-from .._arrays import as_code_rows, as_float_rows, check_bits, check_positive_int, restore
+from .._arrays import KvqrsError, as_code_rows, as_float_rows, check_bits, check_positive_int, restore
 
 
 @dataclass(frozen=True)
@@ -69,6 +69,14 @@ def lloyd_max_codebook(head_dim: int, bits: int) -> Codebook:
     return Codebook(d, b, centroids, boundaries, float(distortion))
 
 
+def _check_codebook(codebook: Any) -> None:
+    # A codebook is identified by (head_dim, bits): the native side uses its own cached copy.
+    if not isinstance(codebook, Codebook):
+        raise KvqrsError(f"codebook: expected a Codebook from lloyd_max_codebook, got {type(codebook).__name__}")
+    check_positive_int(codebook.head_dim, "codebook.head_dim", minimum=2)
+    check_bits(codebook.bits, "codebook.bits")
+
+
 def lloyd_max_encode(x: Any, codebook: Codebook) -> np.ndarray:
     """``bucketize(x, boundaries)``: the number of float32 boundaries <= each float32 value.
 
@@ -82,6 +90,7 @@ def lloyd_max_encode(x: Any, codebook: Codebook) -> np.ndarray:
     Raises:
         KvqrsError: unsupported dtype or NaN/Inf in ``x``.
     """
+    _check_codebook(codebook)
     if np.ndim(x) == 0:
         return lloyd_max_encode(np.reshape(x, (1,)), codebook).reshape(())
     flat, leading, n, _ = as_float_rows(x, "x", min_dim=0)
@@ -95,6 +104,7 @@ def lloyd_max_decode(codes: Any, codebook: Codebook) -> np.ndarray:
     Raises:
         KvqrsError: non-integer codes or a code >= 2**bits.
     """
+    _check_codebook(codebook)
     flat, leading, n = as_code_rows(codes, "codes", codebook.bits)
     out = _native.lloyd_max_decode(flat, codebook.head_dim, codebook.bits)
     return restore(out, leading, n)

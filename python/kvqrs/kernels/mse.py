@@ -8,6 +8,7 @@ import numpy as np
 
 from .. import _native
 from .._arrays import (
+    check_out_dtype,
     KvqrsError,
     as_code_rows,
     as_float_rows,
@@ -93,4 +94,4 @@ def mse_decode(
         raise KvqrsError(f"codes: expected a last axis of {code_dim} codes for head_dim {d}, got {width}")
     n = as_scalars(norms, "norms", leading)
     out = _native.mse_decode(flat, n, d, b, s)
-    return restore(out, leading, d, np.dtype(dtype))
+    return restore(out, leading, d, check_out_dtype(dtype))

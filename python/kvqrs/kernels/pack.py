@@ -12,7 +12,8 @@ from .._arrays import KvqrsError, as_code_rows, check_bits, check_positive_int
 
 def packed_size(count: int, bits: int) -> int:
     """Bytes per row for ``count`` codes of ``bits`` bits: ``ceil(count * bits / 8)``."""
-    return (count * bits + 7) // 8
+    n = check_positive_int(count, "count", minimum=0)
+    return (n * check_bits(bits) + 7) // 8
 
 
 def pack_bits(codes: Any, bits: int) -> np.ndarray:

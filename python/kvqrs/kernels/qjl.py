@@ -9,7 +9,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from .. import _native
-from .._arrays import KvqrsError, as_float_rows, as_scalars, check_positive_int, check_seed, restore
+from .._arrays import check_finite_output, check_out_dtype, KvqrsError, as_float_rows, as_scalars, check_positive_int, check_seed, restore
 from .pack import packed_size
 
 
@@ -52,6 +52,10 @@ def qjl_sketch(r: Any, seed: int, m: int | None = None) -> QJLSketch:
 
 
 def _sketch_parts(sketch: QJLSketch) -> tuple[np.ndarray, np.ndarray, tuple[int, ...]]:
+    if not isinstance(sketch, QJLSketch):
+        raise KvqrsError(f"sketch: expected a QJLSketch from qjl_sketch, got {type(sketch).__name__}")
+    check_positive_int(sketch.m, "sketch.m")
+    check_positive_int(sketch.dim, "sketch.dim")
     signs = np.asarray(sketch.signs)
     if signs.dtype != np.uint8 or signs.ndim == 0:
         raise KvqrsError(f"sketch.signs: expected a uint8 array (..., ceil(m/8)), got dtype {signs.dtype}, shape {signs.shape}")
@@ -84,7 +88,7 @@ def qjl_inner_product(y: Any, sketch: QJLSketch, seed: int) -> np.ndarray:
         raise KvqrsError(f"y: expected a last axis of {sketch.dim} (the sketched dimension), got {d}")
     signs, norms, lr = _sketch_parts(sketch)
     out = _native.qjl_inner_product(flat, signs, norms, d, sketch.m, check_seed(seed, optional=False))
-    return out.reshape((*ly, *lr))
+    return check_finite_output(out.reshape((*ly, *lr)))
 
 
 def qjl_vector_estimate(sketch: QJLSketch, seed: int, dtype: Any = np.float32) -> np.ndarray:
@@ -98,7 +102,7 @@ def qjl_vector_estimate(sketch: QJLSketch, seed: int, dtype: Any = np.float32) -
     """
     signs, norms, lr = _sketch_parts(sketch)
     out = _native.qjl_vector_estimate(signs, norms, sketch.dim, sketch.m, check_seed(seed, optional=False))
-    return restore(out, lr, sketch.dim, np.dtype(dtype))
+    return restore(out, lr, sketch.dim, check_out_dtype(dtype))
 
 
 QJL_CONSTANT = math.sqrt(math.pi / 2)

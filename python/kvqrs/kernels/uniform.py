@@ -8,7 +8,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from .. import _native
-from .._arrays import KvqrsError, as_code_rows, as_float_rows, as_scalars, check_bits, check_positive_int, restore
+from .._arrays import check_out_dtype, KvqrsError, as_code_rows, as_float_rows, as_scalars, check_bits, check_positive_int, restore
 
 
 class UniformCode(NamedTuple):
@@ -66,6 +66,8 @@ def uniform_decode(code: UniformCode, dtype: Any = np.float32) -> np.ndarray:
         KvqrsError: codes out of range, scales/zeros of the wrong shape or dtype, negative or
             non-finite scales.
     """
+    if not isinstance(code, UniformCode):
+        raise KvqrsError(f"code: expected a UniformCode from uniform_encode, got {type(code).__name__}")
     b = check_bits(code.bits, "code.bits")
     g = check_positive_int(code.group, "code.group")
     flat, leading, n = as_code_rows(code.codes, "code.codes", b)
@@ -77,4 +79,4 @@ def uniform_decode(code: UniformCode, dtype: Any = np.float32) -> np.ndarray:
     s = as_scalars(np.asarray(code.scales), "code.scales", (*leading, groups))
     z = as_scalars(np.asarray(code.zeros), "code.zeros", (*leading, groups))
     out = _native.uniform_decode(flat, s, z, n, g, b)
-    return restore(out, leading, n, np.dtype(dtype))
+    return restore(out, leading, n, check_out_dtype(dtype))

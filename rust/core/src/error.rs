@@ -10,7 +10,7 @@ pub type Result<T> = std::result::Result<T, KvqError>;
 #[derive(Debug, Clone, PartialEq, Error)]
 pub enum KvqError {
     /// A bit width outside the supported range (`min..=max`).
-    #[error("{arg}: expected a bit width in {min}..={max}, got {actual}")]
+    #[error("{arg}: expected a bit width in {min}..{max}, got {actual}")]
     InvalidBits {
         arg: &'static str,
         min: u32,
@@ -63,7 +63,7 @@ pub enum KvqError {
     },
 
     /// The vector norm of a row exceeds the float32 range.
-    #[error("{arg}: row {row} overflows float32 (expected values whose norm stays below 3.4e38)")]
+    #[error("{arg}: row {row} overflows float32 (expected values whose norm, range or result stays below 3.4e38)")]
     NormOverflow { arg: &'static str, row: usize },
 
     /// A basis that is not usable (wrong shape or non-finite entries).

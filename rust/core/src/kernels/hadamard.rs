@@ -62,14 +62,16 @@ impl Rotation {
     }
 
     /// `out = R [x, 0]` for one row (`x.len() == d`, `out.len() == d'`).
+    /// The 1/sqrt(d') scaling comes first so that no butterfly stage can exceed the row norm
+    /// (a finite input with a finite norm never overflows).
     pub fn forward_row(&self, x: &[f32], out: &mut [f32]) {
         out[..self.head_dim].copy_from_slice(x);
         out[self.head_dim..].fill(0.0);
-        if let Some(s) = &self.signs {
-            out.iter_mut().zip(s).for_each(|(v, s)| *v *= s);
+        match &self.signs {
+            Some(s) => out.iter_mut().zip(s).for_each(|(v, s)| *v *= s * self.scale),
+            None => out.iter_mut().for_each(|v| *v *= self.scale),
         }
         fwht_inplace(out);
-        out.iter_mut().for_each(|v| *v *= self.scale);
     }
 
     /// `out = (R^T y)[..d]` for one row; `y` (length d') is used as scratch.
@@ -163,6 +165,13 @@ mod tests {
             rot.forward(&[3e38, 3e38]),
             Err(KvqError::NormOverflow { row: 0, .. })
         ));
+    }
+
+    #[test]
+    fn large_rows_with_a_finite_norm_do_not_overflow() {
+        let rot = Rotation::new(128, Some(1)).unwrap();
+        let y = rot.forward(&[1e37; 128]).unwrap();
+        assert!(y.iter().all(|v| v.is_finite()));
     }
 
     #[test]
