@@ -20,7 +20,7 @@ class StudyConfig:
     bits: tuple[int, ...] = (2, 3, 4)
     distributions: tuple[str, ...] = ("gaussian", "heavy-8", "heavy-3", "heavy-1.05", "lowrank-4", "focused-1")
     head_dims: tuple[int, ...] = (64, 128, 256, 512, 1024)
-    seeds: int = 24
+    seeds: int = 16
     tokens: int = 1024
     n_queries: int = 64
     extra: dict = field(default_factory=dict)

@@ -152,16 +152,19 @@ impl QjlSketcher {
         let (rows, signs) = self.sign_rows(sk)?;
         let k = ((PI / 2.0).sqrt() / self.m as f64) as f32;
         let mut out = vec![0.0f32; rows * self.dim];
-        let mut col = vec![0.0f32; self.m];
         for (i, orow) in out.chunks_exact_mut(self.dim).enumerate() {
+            // S^T sign as a signed sum of the rows of S, in increasing row order: contiguous
+            // reads of S instead of a strided column gather per output coordinate.
             let sg = &signs[i * self.m..(i + 1) * self.m];
-            let scale = k * sk.norms.get(i);
-            for (c, o) in orow.iter_mut().enumerate() {
-                col.iter_mut()
-                    .enumerate()
-                    .for_each(|(t, v)| *v = self.s[t * self.dim + c]);
-                *o = scale * dot(&col, sg);
+            for (srow, &sigma) in self.s.chunks_exact(self.dim).zip(sg) {
+                if sigma > 0.0 {
+                    orow.iter_mut().zip(srow).for_each(|(o, v)| *o += v);
+                } else {
+                    orow.iter_mut().zip(srow).for_each(|(o, v)| *o -= v);
+                }
             }
+            let scale = k * sk.norms.get(i);
+            orow.iter_mut().for_each(|o| *o *= scale);
         }
         Ok(out)
     }
