@@ -59,6 +59,21 @@ class Encoded:
         return {k: 8.0 * np.asarray(v).nbytes / n for k, v in self.parts.items()}
 
 
+def concat_tokens(encs: list[Encoded], axes: Mapping[str, int]) -> Encoded:
+    """Join encoded chunks of consecutive tokens into one ``Encoded`` (what a growing cache
+    does). ``axes`` gives each part's token axis; every chunk must hold whole bytes per row
+    along a packed token axis (KIVI key chunks of 32 tokens do)."""
+    if not encs:
+        raise KvqrsError("encoded: expected at least one chunk to concatenate")
+    first = encs[0]
+    for e in encs[1:]:
+        if (e.scheme, e.kind, dict(e.params), e.shape[:-2], e.shape[-1]) != (first.scheme, first.kind, dict(first.params), first.shape[:-2], first.shape[-1]):
+            raise KvqrsError("encoded: chunks to concatenate must share scheme, parameters and shape except tokens")
+    parts = {k: np.concatenate([np.asarray(e.parts[k]) for e in encs], axis=axes[k]) for k in first.parts}
+    tokens = sum(e.shape[-2] for e in encs)
+    return Encoded(first.scheme, first.kind, (*first.shape[:-2], tokens, first.shape[-1]), first.dtype, parts, first.params)
+
+
 def check_head_dim(x: np.ndarray, head_dim: int, arg: str) -> None:
     """Raise unless ``x`` has shape ``(..., tokens, head_dim)``."""
     if x.ndim < 2 or x.shape[-1] != head_dim:

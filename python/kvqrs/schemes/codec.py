@@ -12,15 +12,16 @@ from .._arrays import KvqrsError, check_bits, check_positive_int, check_seed
 from ..kernels.rng import philox4x32_10, random_orthonormal_basis
 from ..kernels.headq import headq_basis
 from .a2 import A2ValueCoder
-from .base import Encoded
+from .block import BlockCoder
+from .base import Encoded, concat_tokens
 from .headq import HeadQCoder
 from .kivi import KIVICoder
 from .mse import MSECoder, MSEQJLCoder
 
-KEY_SCHEMES = ("kv", "kqv", "qkqv", "kivi", "headq")
-VALUE_SCHEMES = ("kv", "kqv", "qkqv", "kivi", "a2")
+KEY_SCHEMES = ("kv", "kqv", "qkqv", "kivi", "block", "headq")
+VALUE_SCHEMES = ("kv", "kqv", "qkqv", "kivi", "block", "a2", "none")
 SCHEMES = KEY_SCHEMES
-HEADQ_BASES = ("kivi", "kqv", "kv")
+HEADQ_BASES = ("kivi", "kqv", "kv", "block")
 
 # Sub-seed tags: every random object of a codec comes from its one seed (docs/kernels.md 1).
 _KEY_ROTATION, _KEY_QJL, _VALUE_ROTATION, _VALUE_QJL, _RANDOM_BASIS = range(1, 6)
@@ -43,6 +44,8 @@ def _key_coder(scheme: str, bits: int, head_dim: int, seed: int, group: int):
         return MSEQJLCoder(head_dim, bits, rot, qjl, scheme, "keys")
     if scheme == "kivi":
         return KIVICoder(head_dim, bits, group, True, scheme, "keys")
+    if scheme == "block":
+        return BlockCoder(head_dim, bits, rot, group, scheme, "keys")
     raise KvqrsError(f"scheme: expected one of {KEY_SCHEMES} for keys, got {scheme!r}")
 
 
@@ -56,6 +59,10 @@ def _value_coder(scheme: str, bits: int, head_dim: int, seed: int, group: int):
         return KIVICoder(head_dim, bits, group, False, scheme, "values")
     if scheme == "a2":
         return A2ValueCoder(head_dim, bits, rot)
+    if scheme == "block":
+        return BlockCoder(head_dim, bits, rot, group, scheme, "values")
+    if scheme == "none":
+        return None
     raise KvqrsError(f"value_scheme: expected one of {VALUE_SCHEMES}, got {scheme!r}")
 
 
@@ -67,13 +74,15 @@ class KVCodec:
     """Encode keys and values of one attention layer with a scheme of SPEC section 3.
 
     Args:
-        scheme: ``kv``, ``kqv``, ``qkqv``, ``kivi`` or ``headq`` (keys; values follow the same
+        scheme: ``kv``, ``kqv``, ``qkqv``, ``kivi``, ``block`` (rotation + llama.cpp-style
+            asymmetric blocks of 32) or ``headq`` (keys; values follow the same
             scheme unless ``value_scheme`` is given; ``headq`` values default to ``kivi``).
         bits: key bit budget n per coordinate (1..8; >= 2 where a QJL residual takes 1 bit).
         head_dim: d.
         seed: integer in ``[0, 2**64)``; all rotations, sketches and random bases derive from it.
         value_bits: value budget (default ``bits``).
-        value_scheme: ``kv``, ``kqv``, ``qkqv``, ``kivi`` or ``a2``.
+        value_scheme: ``kv``, ``kqv``, ``qkqv``, ``kivi``, ``block``, ``a2``, or ``none`` (values
+            kept in full precision: key-only quantization).
         group: KIVI group size (tokens for keys, channels for values), default 32.
         headq_base: base key scheme for ``headq`` (``kivi`` by default, or ``kqv``/``kv``).
         rank: HeadQ side-code rank r (default 4).
@@ -167,9 +176,14 @@ class KVCodec:
         """Encode keys ``(..., tokens, head_dim)``; returns an :class:`Encoded`."""
         return self._key_coder().encode(k)
 
-    def decode_keys(self, ck: Encoded) -> np.ndarray:
-        """Reconstruct keys ``(..., tokens, head_dim)`` in the dtype they were encoded from."""
-        return _as_dtype(self._key_coder().decode(ck), ck.dtype)
+    def decode_keys(self, ck: Encoded, base_only: bool = False) -> np.ndarray:
+        """Reconstruct keys ``(..., tokens, head_dim)`` in the dtype they were encoded from.
+
+        ``base_only=True`` returns HeadQ's base keys without the side code (what the score
+        path multiplies the query with before adding :meth:`score_correction`)."""
+        coder = self._key_coder()
+        out = coder.decode_base(ck) if base_only and self.scheme == "headq" else coder.decode(ck)
+        return _as_dtype(out, ck.dtype)
 
     def scores(self, q: Any, ck: Encoded) -> np.ndarray:
         """Attention logits ``q . k_hat / sqrt(d)``, float32 ``(..., q_heads, nq, tokens)``.
@@ -179,24 +193,43 @@ class KVCodec:
         ``g`` times the keys' heads (GQA: query head h reads KV head ``h // g``); with the keys
         ``(..., tokens, d)`` and no head axis, leading dims must match.
         """
+        return self._grouped(q, ck, self._key_coder().scores)
+
+    def score_correction(self, q: Any, ck: Encoded) -> np.ndarray | None:
+        """HeadQ's score-space correction ``sign * (U^T q) . z / sqrt(d)`` alone, shaped like
+        :meth:`scores` (None for schemes without a side code). Added to
+        ``q . decode_keys(ck, base_only=True) / sqrt(d)`` it gives :meth:`scores`."""
+        if self.scheme != "headq":
+            return None
+        return self._grouped(q, ck, self._key_coder().correction)
+
+    def _grouped(self, q: Any, ck: Encoded, fn) -> np.ndarray:
+        """Apply a per-KV-head score function with GQA grouping of query heads."""
         qa = np.asarray(q, dtype=np.float32)
         if qa.ndim < 2 or qa.shape[-1] != self.head_dim:
             raise KvqrsError(f"q: expected shape (..., nq, {self.head_dim}), got {qa.shape}")
         kv_lead = tuple(ck.shape[:-2])
         q_lead = qa.shape[:-2]
         if q_lead == kv_lead:
-            return self._key_coder().scores(qa, ck)
+            return fn(qa, ck)
         if len(q_lead) == len(kv_lead) >= 1 and q_lead[:-1] == kv_lead[:-1] and q_lead[-1] % kv_lead[-1] == 0:
             g = q_lead[-1] // kv_lead[-1]
             grouped = qa.reshape(*kv_lead, g * qa.shape[-2], self.head_dim)
-            s = self._key_coder().scores(grouped, ck)
+            s = fn(grouped, ck)
             return s.reshape(*q_lead, qa.shape[-2], s.shape[-1])
         raise KvqrsError(f"q: leading dims {q_lead} do not match the keys' {kv_lead} (or a GQA multiple of their heads)")
+
+    def concat(self, encs: list[Encoded]) -> Encoded:
+        """Join chunks of consecutive tokens encoded by this codec (keys or values)."""
+        coder = self._key_coder() if encs and encs[0].kind == "keys" else self.values
+        return concat_tokens(encs, coder.token_axes())
 
     # -- values --------------------------------------------------------------------------------
     def encode_values(self, v: Any, weights: Any = None) -> Encoded:
         """Encode values ``(..., tokens, head_dim)``. ``weights`` (``(..., tokens)``, the A^2
         importances ``sum_q p_qj^2``) is used by the ``a2`` value scheme only."""
+        if self.values is None:
+            raise KvqrsError("value_scheme: this codec keeps values in full precision ('none'); nothing to encode")
         if self.value_scheme == "a2":
             return self.values.encode(v, weights)
         if weights is not None:
@@ -205,6 +238,8 @@ class KVCodec:
 
     def decode_values(self, cv: Encoded) -> np.ndarray:
         """Reconstruct values ``(..., tokens, head_dim)`` in the dtype they were encoded from."""
+        if self.values is None:
+            raise KvqrsError("value_scheme: this codec keeps values in full precision ('none'); nothing to decode")
         return _as_dtype(self.values.decode(cv), cv.dtype)
 
     def attention(self, q: Any, ck: Encoded, cv: Encoded) -> tuple[np.ndarray, np.ndarray]:

@@ -43,6 +43,9 @@ class HeadQCoder:
         self.params = {"base": dict(base.params, scheme=base.scheme), "side_bits": side_bits, "rank": self.rank,
                        "sign": sign, "basis_sha256": hashlib.sha256(np.ascontiguousarray(b).tobytes()).hexdigest()[:16]}
 
+    def token_axes(self) -> dict[str, int]:
+        return {**{f"base_{k}": v for k, v in self.base.token_axes().items()}, "side_codes": -2, "side_scales": -1}
+
     def _bases(self, lead: tuple[int, ...]) -> list[np.ndarray]:
         """One basis per flattened leading index (heads are the last leading axis)."""
         count = int(np.prod(lead)) if lead else 1
@@ -72,6 +75,25 @@ class HeadQCoder:
         codes = unpack_bits(enc.parts["side_codes"], self.side_bits, self.rank)
         return base, HeadQCode(codes, enc.parts["side_scales"], self.side_bits)
 
+    def decode_base(self, enc: Encoded) -> np.ndarray:
+        """The base keys alone (what attention multiplies the live query with)."""
+        base, _ = self._split(enc)
+        return self.base.decode(base)
+
+    def correction(self, q: np.ndarray, enc: Encoded) -> np.ndarray:
+        """``sign * (U^T q) . z / sqrt(d)`` for matching leading dims: ``(..., nq, T)``."""
+        _, side = self._split(enc)
+        lead = q.shape[:-2]
+        bases = self._bases(lead)
+        codes = side.codes.reshape(-1, *side.codes.shape[-2:])
+        scales = side.scales.reshape(-1, side.scales.shape[-1])
+
+        def block(b: int, qb: np.ndarray) -> np.ndarray:
+            return headq_score_correction(qb, HeadQCode(codes[b], scales[b], self.side_bits), bases[b])
+
+        corr = blockwise(block, q.astype(np.float32), lead)
+        return np.float32(self.sign / math.sqrt(self.head_dim)) * corr
+
     def decode(self, enc: Encoded) -> np.ndarray:
         base, side = self._split(enc)
         k_base = self.base.decode(base)
@@ -85,14 +107,5 @@ class HeadQCoder:
     def scores(self, q: np.ndarray, enc: Encoded) -> np.ndarray:
         """``(q . k_base + sign * (U^T q) . z) / sqrt(d)``: the correction is added in score
         space with the live query; the key is never rebuilt for it."""
-        base, side = self._split(enc)
-        lead = q.shape[:-2]
-        bases = self._bases(lead)
-        codes = side.codes.reshape(-1, *side.codes.shape[-2:])
-        scales = side.scales.reshape(-1, side.scales.shape[-1])
-
-        def block(b: int, qb: np.ndarray) -> np.ndarray:
-            return headq_score_correction(qb, HeadQCode(codes[b], scales[b], self.side_bits), bases[b])
-
-        corr = blockwise(block, q.astype(np.float32), lead)
-        return self.base.scores(q, base) + np.float32(self.sign / math.sqrt(self.head_dim)) * corr
+        base, _ = self._split(enc)
+        return self.base.scores(q, base) + self.correction(q, enc)

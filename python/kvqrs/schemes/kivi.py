@@ -27,6 +27,11 @@ class KIVICoder:
         self.scheme, self.kind = scheme, kind
         self.params = {"bits": bits, "group": group, "per_channel": per_channel}
 
+    def token_axes(self) -> dict[str, int]:
+        """Per-channel keys pack tokens along the last axis; per-token values along -2."""
+        axis = -1 if self.per_channel else -2
+        return {"codes": axis, "scales": axis, "zeros": axis}
+
     def _layout(self, x: np.ndarray) -> np.ndarray:
         # Per-channel groups run along tokens: lay each channel's tokens out as a row.
         return np.swapaxes(x, -1, -2) if self.per_channel else x

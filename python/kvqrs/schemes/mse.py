@@ -68,6 +68,10 @@ class MSECoder:
         parts = {"codes": pack_bits(code.codes, self.bits), "norms": code.norms}
         return Encoded(self.scheme, self.kind, x.shape, x.dtype, parts, self.params)
 
+    def token_axes(self) -> dict[str, int]:
+        """Token axis of each stored part (for concatenating chunks)."""
+        return {"codes": -2, "norms": -1}
+
     def codes(self, enc: Encoded) -> np.ndarray:
         """Unpacked codes ``(..., tokens, code_dim)``."""
         return unpack_bits(enc.parts["codes"], self.bits, self.code_dim)
@@ -111,6 +115,9 @@ class MSEQJLCoder:
         sketch = qjl_sketch(residual, self.qjl_seed)
         parts = dict(base.parts, qjl_signs=sketch.signs, qjl_norms=sketch.norms)
         return Encoded(self.scheme, self.kind, x.shape, x.dtype, parts, self.params)
+
+    def token_axes(self) -> dict[str, int]:
+        return {"codes": -2, "norms": -1, "qjl_signs": -2, "qjl_norms": -1}
 
     def _sketch(self, enc: Encoded) -> QJLSketch:
         return QJLSketch(enc.parts["qjl_signs"], enc.parts["qjl_norms"], self.code_dim, self.code_dim)

@@ -1,0 +1,117 @@
+"""The ``kvqrs`` attention function for transformers' attention interface.
+
+It computes eager attention (scores, mask, softmax, weighted values), taking the keys and values
+from kvqrs when a quantization state is active for the layer:
+
+- the real cache path: :class:`kvqrs.hf.QuantizedKVCache` hands back decoded (base) keys and
+  values; HeadQ's correction is added to the logits of the quantized positions with the live
+  query, never by rebuilding keys;
+- the fast evaluation path (:func:`fake_quant`): one forward pass per window in which query
+  ``t`` sees key ``j`` quantized exactly when the cache would hold it quantized at step ``t``.
+
+With no state it is plain eager attention.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from typing import Any, Iterator
+
+import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, eager_mask
+from transformers.integrations.sdpa_attention import repeat_kv
+
+from ..torch import from_numpy, to_numpy
+from .config import QuantConfig
+
+NAME = "kvqrs"
+_STATE: contextvars.ContextVar[Any] = contextvars.ContextVar("kvqrs_attention_state", default=None)
+
+
+def _softmax_out(module, query, logits, attention_mask, value_parts):
+    """Softmax over logits (+ mask), then ``sum_parts (p * m_part) @ v_part``; returns the
+    layout transformers expects: ``(batch, q_len, heads, d)`` and the probabilities."""
+    # float32 accumulation, or float64 for a float64 model (so the two evaluation paths can be
+    # compared without float32 noise).
+    acc = torch.float64 if query.dtype == torch.float64 else torch.float32
+    logits = logits.to(acc)
+    if attention_mask is not None:
+        mask = attention_mask[..., : logits.shape[-1]]
+        logits = logits.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else logits + mask
+    p = torch.softmax(logits, dim=-1)
+    out = sum((p * m.to(acc) if m is not None else p) @ repeat_kv(v, module.num_key_value_groups).to(acc) for m, v in value_parts)
+    return out.to(query.dtype).transpose(1, 2).contiguous(), p.to(query.dtype)
+
+
+def kvqrs_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+    """Attention interface function (registered as ``"kvqrs"``)."""
+    state = _STATE.get()
+    if state is not None:
+        handled = state.attend(module, query, key, value, attention_mask, scaling)
+        if handled is not None:
+            return handled
+    k = repeat_kv(key, module.num_key_value_groups)
+    logits = (query @ k.transpose(2, 3)) * scaling
+    return _softmax_out(module, query, logits, attention_mask, [(None, value)])
+
+
+def register() -> str:
+    """Register the function, and transformers' eager (additive, causal) mask builder for it,
+    with transformers (idempotent); returns its name."""
+    AttentionInterface.register(NAME, kvqrs_attention)
+    AttentionMaskInterface.register(NAME, eager_mask)
+    return NAME
+
+
+@contextlib.contextmanager
+def active(state: Any) -> Iterator[Any]:
+    """Make ``state`` (a cache or a fake-quant plan) the one the attention function consults."""
+    token = _STATE.set(state)
+    try:
+        yield state
+    finally:
+        _STATE.reset(token)
+
+
+class FakeQuant:
+    """The fast path: quantize-dequantize inside one forward pass over a window that starts at
+    position 0, with the cache's schedule (``QuantConfig.quantized_count``) applied per query."""
+
+    def __init__(self, config: QuantConfig):
+        self.config = config
+
+    def attend(self, module, query, key, value, attention_mask, scaling):
+        cfg = self.config
+        codec = cfg.codec(module.layer_idx, query.shape[-1])
+        length = key.shape[-2]
+        if query.shape[-2] != length:
+            raise ValueError("kvqrs fake-quant path: expects a full window starting at position 0 (no cache)")
+        # m[t, j]: key j is held quantized when the cache has seen t + 1 tokens.
+        seen = torch.arange(1, length + 1)
+        held = torch.tensor([cfg.quantized_count(int(s)) for s in seen])
+        m = (torch.arange(length)[None, :] < held[:, None]).float()
+        ck = codec.encode_keys(to_numpy(key, "keys"))
+        k_hat = from_numpy(codec.decode_keys(ck, base_only=True), key)
+        s_fp = (query @ repeat_kv(key, module.num_key_value_groups).transpose(2, 3)) * scaling
+        s_q = (query @ repeat_kv(k_hat, module.num_key_value_groups).transpose(2, 3)) * scaling
+        corr = codec.score_correction(to_numpy(query, "query"), ck)
+        if corr is not None:
+            s_q = s_q + torch.from_numpy(corr).to(s_q.dtype)
+        m = m.to(s_q.dtype)
+        logits = m * s_q + (1 - m) * s_fp
+        if codec.values is None:
+            return _softmax_out(module, query, logits, attention_mask, [(None, value)])
+        v_hat = from_numpy(codec.decode_values(codec.encode_values(to_numpy(value, "values"))), value)
+        return _softmax_out(module, query, logits, attention_mask, [(m, v_hat), (1 - m, value)])
+
+
+@contextlib.contextmanager
+def fake_quant(config: QuantConfig) -> Iterator[FakeQuant]:
+    """``with fake_quant(cfg): model(ids)`` runs the fast evaluation path (the model must use
+    ``attn_implementation="kvqrs"``)."""
+    register()
+    with active(FakeQuant(config)) as state:
+        yield state
+

@@ -1,0 +1,219 @@
+"""``QuantizedKVCache``: a transformers ``Cache`` whose layers store keys and values compressed
+with any kvqrs scheme, keep the newest ``residual_length`` tokens in full precision (during
+prefill too), and report their real memory in bytes.
+
+Each layer holds a list of encoded chunks (``Encoded``, batch on axis 0) plus a full-precision
+window. At each update the window grows; whole chunks beyond ``residual_length`` are encoded
+(chunks of one token, or of ``group`` tokens when KIVI keys need whole groups). Attention gets
+the decoded (base) keys and values; HeadQ's side code enters the logits through the ``kvqrs``
+attention function, with the live query. Use the model with ``attn_implementation="kvqrs"``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from .._arrays import KvqrsError
+from ..schemes import Encoded
+from ..torch import from_numpy, to_numpy
+from .attention import _softmax_out, register
+from .attention import _STATE
+from .config import QuantConfig
+
+
+def _select(enc: Encoded, index: torch.Tensor) -> Encoded:
+    """The encoded chunk restricted to batch rows ``index`` (every part has batch on axis 0)."""
+    idx = index.detach().cpu().numpy()
+    parts = {k: np.ascontiguousarray(np.asarray(v)[idx]) for k, v in enc.parts.items()}
+    return Encoded(enc.scheme, enc.kind, (len(idx), *enc.shape[1:]), enc.dtype, parts, enc.params)
+
+
+class QuantizedLayer(CacheLayerMixin):
+    """One layer of :class:`QuantizedKVCache`."""
+
+    is_sliding = False
+    is_croppable = True
+
+    def __init__(self, config: QuantConfig, layer_idx: int):
+        super().__init__()
+        self.config, self.layer_idx = config, layer_idx
+        self.chunks_k: list[Encoded] = []
+        self.chunks_v: list[Encoded | None] = []
+        self.quantized = 0
+        self._returned: torch.Tensor | None = None
+
+    # -- transformers' layer protocol -------------------------------------------------------
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device, self.dtype = key_states.device, key_states.dtype
+        self.head_dim = key_states.shape[-1]
+        self.keys = key_states[..., :0, :]
+        self.values = value_states[..., :0, :]
+        self.is_initialized = True
+
+    def codec(self):
+        return self.config.codec(self.layer_idx, self.head_dim)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.keys = torch.cat([self.keys, key_states], dim=-2)
+        self.values = torch.cat([self.values, value_states], dim=-2)
+        self._flush()
+        k, v = self.materialize()
+        self._returned = k
+        return k, v
+
+    def _flush(self) -> None:
+        """Encode whole chunks that have left the full-precision window."""
+        target = self.config.quantized_count(self.get_seq_length())
+        n = target - self.quantized
+        if n <= 0:
+            return
+        codec = self.codec()
+        # One Encoded per side: new chunks are appended along the token axis of every part.
+        new_k = codec.encode_keys(to_numpy(self.keys[..., :n, :], "keys"))
+        self.chunks_k = [codec.concat([*self.chunks_k, new_k])]
+        if codec.values is not None:
+            new_v = codec.encode_values(to_numpy(self.values[..., :n, :], "values"))
+            self.chunks_v = [codec.concat([*self.chunks_v, new_v])]
+        else:
+            held = getattr(self, "_fp_values_quantized", self.values[..., :0, :])
+            self._fp_values_quantized = torch.cat([held, self.values[..., :n, :]], dim=-2)
+        self.keys, self.values = self.keys[..., n:, :], self.values[..., n:, :]
+        self.quantized = target
+
+    def materialize(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decoded (base) keys and values of every chunk, then the window."""
+        codec = self.codec()
+        ks = [from_numpy(codec.decode_keys(c, base_only=True), self.keys) for c in self.chunks_k]
+        if codec.values is None:
+            vs = [getattr(self, "_fp_values_quantized", self.values[..., :0, :])]
+        else:
+            vs = [from_numpy(codec.decode_values(c), self.values) for c in self.chunks_v]
+        return torch.cat([*ks, self.keys], dim=-2), torch.cat([*vs, self.values], dim=-2)
+
+    def correction(self, query: torch.Tensor) -> torch.Tensor | None:
+        """HeadQ logit correction for the quantized positions, ``(b, q_heads, q_len, quantized)``."""
+        codec = self.codec()
+        if codec.scheme != "headq" or not self.chunks_k:
+            return None
+        q = to_numpy(query, "query")
+        return torch.cat([torch.from_numpy(codec.score_correction(q, c)) for c in self.chunks_k], dim=-1)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
+
+    def get_seq_length(self) -> int:
+        if not self.is_initialized:
+            return 0
+        return self.quantized + self.keys.shape[-2]
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.chunks_k, self.chunks_v, self.quantized = [], [], 0
+        self.keys = self.values = None
+        self.is_initialized = False
+        self.__dict__.pop("_fp_values_quantized", None)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the newest ``-tokens_to_remove`` tokens (transformers' convention: a negative
+        count). Cropping inside the window just shortens it; cropping into the quantized part
+        re-encodes the kept quantized tokens from their decoded values (whole chunks kept as
+        codes would need per-part slicing) and returns the rest to the window."""
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop: expected a negative number of tokens to remove, got {tokens_to_remove}")
+        if tokens_to_remove == 0 or not self.is_initialized:
+            return
+        keep = max(0, self.get_seq_length() + tokens_to_remove)
+        if keep >= self.quantized:
+            self.keys = self.keys[..., : keep - self.quantized, :]
+            self.values = self.values[..., : keep - self.quantized, :]
+            return
+        k, v = self.materialize()
+        self.chunks_k, self.chunks_v, self.quantized = [], [], 0
+        self.__dict__.pop("_fp_values_quantized", None)
+        self.keys, self.values = k[..., :keep, :], v[..., :keep, :]
+        self._flush()
+
+    def _batch(self, fn) -> None:
+        self.chunks_k = [fn(c) for c in self.chunks_k]
+        self.chunks_v = [None if c is None else fn(c) for c in self.chunks_v]
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self.batch_select_indices(beam_idx)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if not self.is_initialized:
+            return
+        idx = torch.as_tensor(indices).to(self.keys.device)
+        self._batch(lambda c: _select(c, idx))
+        self.keys, self.values = self.keys.index_select(0, idx), self.values.index_select(0, idx)
+        if hasattr(self, "_fp_values_quantized"):
+            self._fp_values_quantized = self._fp_values_quantized.index_select(0, idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if not self.is_initialized:
+            return
+        idx = torch.arange(self.keys.shape[0]).repeat_interleave(repeats)
+        self.batch_select_indices(idx)
+
+    # -- accounting -----------------------------------------------------------------------------
+    def nbytes(self) -> int:
+        """Bytes held: every encoded part plus the full-precision tensors."""
+        if not self.is_initialized:
+            return 0
+        total = sum(c.nbytes for c in self.chunks_k) + sum(c.nbytes for c in self.chunks_v if c is not None)
+        fp = [self.keys, self.values, getattr(self, "_fp_values_quantized", None)]
+        return int(total + sum(t.numel() * t.element_size() for t in fp if t is not None))
+
+    def attend(self, module, query, key, value, attention_mask, scaling):
+        if key is not self._returned:
+            return None
+        from transformers.integrations.sdpa_attention import repeat_kv
+
+        logits = (query @ repeat_kv(key, module.num_key_value_groups).transpose(2, 3)) * scaling
+        corr = self.correction(query)
+        if corr is not None:
+            logits[..., : corr.shape[-1]] += corr.to(logits.dtype)
+        return _softmax_out(module, query, logits, attention_mask, [(None, value)])
+
+
+class QuantizedKVCache(Cache):
+    """A transformers cache holding keys and values compressed by kvqrs.
+
+    Args:
+        config: :class:`QuantConfig` (schemes, bits, ``residual_length``, HeadQ bases, seed).
+        num_layers: number of decoder layers (``model.config.num_hidden_layers``).
+
+    Example::
+
+        model = AutoModelForCausalLM.from_pretrained(..., attn_implementation="kvqrs")
+        cache = QuantizedKVCache(QuantConfig("kqv", 4, "kqv", 4, residual_length=32), model.config.num_hidden_layers)
+        model.generate(ids, past_key_values=cache, max_new_tokens=20)
+        cache.nbytes()
+    """
+
+    def __init__(self, config: QuantConfig, num_layers: int):
+        register()
+        if num_layers < 1:
+            raise KvqrsError(f"num_layers: expected >= 1, got {num_layers}")
+        self.config = config
+        super().__init__(layers=[QuantizedLayer(config, i) for i in range(num_layers)])
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        _STATE.set(self)  # the kvqrs attention function of this layer consults this cache
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def attend(self, module, query, key, value, attention_mask, scaling):
+        return self.layers[module.layer_idx].attend(module, query, key, value, attention_mask, scaling)
+
+    def nbytes(self) -> int:
+        """Real memory of the cache in bytes (codes, norms, scales, sketches, side codes and
+        the full-precision window)."""
+        return sum(layer.nbytes() for layer in self.layers)

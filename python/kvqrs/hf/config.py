@@ -1,0 +1,89 @@
+"""What to quantize in a model's KV cache: schemes, bits, the full-precision window and HeadQ
+bases, turned into one :class:`kvqrs.schemes.KVCodec` per layer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .._arrays import KvqrsError
+from ..schemes import KVCodec
+
+
+@dataclass
+class QuantConfig:
+    """KV-cache quantization settings for a whole model.
+
+    Attributes:
+        key_scheme: ``kv``, ``kqv``, ``qkqv``, ``kivi``, ``block`` or ``headq``.
+        key_bits: key budget n.
+        value_scheme: value scheme, or None to keep values in full precision (key-only).
+        value_bits: value budget (default ``key_bits``).
+        residual_length: newest tokens kept in full precision (during prefill too).
+        seed: seed of every rotation and sketch.
+        group: KIVI / block group size (KIVI keys flush in chunks of ``group`` tokens).
+        headq_base, rank, side_bits, sign: HeadQ settings (see :class:`KVCodec`).
+        bases: HeadQ bases per layer, ``{layer: (kv_heads, d, r)}``, or ``"random"`` for the
+            random-basis control.
+    """
+
+    key_scheme: str
+    key_bits: int
+    value_scheme: str | None = None
+    value_bits: int | None = None
+    residual_length: int = 0
+    seed: int = 0
+    group: int = 32
+    headq_base: str = "kivi"
+    rank: int = 4
+    side_bits: int = 4
+    sign: int = 1
+    bases: Any = None
+    _codecs: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.residual_length < 0:
+            raise KvqrsError(f"residual_length: expected >= 0, got {self.residual_length}")
+        if self.value_scheme == "a2":
+            raise KvqrsError("value_scheme: the a2 allocation needs attention weights; use it through KVCodec, not the cache")
+
+    @property
+    def chunk(self) -> int:
+        """Tokens per flush: KIVI keys are quantized per channel over whole groups of tokens."""
+        kivi_keys = self.key_scheme == "kivi" or (self.key_scheme == "headq" and self.headq_base == "kivi")
+        return self.group if kivi_keys else 1
+
+    def quantized_count(self, seen: int) -> int:
+        """Tokens held quantized after ``seen`` tokens: whole chunks beyond the window."""
+        return max(0, (seen - self.residual_length) // self.chunk * self.chunk)
+
+    def codec(self, layer: int, head_dim: int) -> KVCodec:
+        """The (cached) codec of one layer."""
+        key = (layer, head_dim)
+        if key not in self._codecs:
+            basis = None
+            if self.key_scheme == "headq":
+                if isinstance(self.bases, str):
+                    basis = self.bases
+                elif self.bases is None or layer not in self.bases:
+                    raise KvqrsError(f"bases: the headq scheme needs a calibrated basis for layer {layer} (see kvqrs.hf.calibrate) or bases='random'")
+                else:
+                    basis = np.asarray(self.bases[layer])
+            self._codecs[key] = KVCodec(
+                self.key_scheme, self.key_bits, head_dim, seed=self.seed,
+                value_bits=self.value_bits, value_scheme=self.value_scheme or "none", group=self.group,
+                headq_base=self.headq_base, rank=self.rank, side_bits=self.side_bits, basis=basis, sign=self.sign,
+            )
+        return self._codecs[key]
+
+    def label(self) -> str:
+        """Short row label, e.g. ``kqv-k4v4`` or ``headq(kivi)-k2``."""
+        k = f"{self.key_scheme}({self.headq_base})" if self.key_scheme == "headq" else self.key_scheme
+        if self.key_scheme == "headq" and self.sign < 0:
+            k += "[wrong-sign]"
+        if self.key_scheme == "headq" and isinstance(self.bases, str):
+            k += "[random-basis]"
+        v = "" if self.value_scheme is None else f" v:{self.value_scheme}{self.value_bits or self.key_bits}"
+        return f"{k} k{self.key_bits}{v}"

@@ -1,0 +1,72 @@
+"""The torch adapter: torch tensors in, torch tensors out (float32 / float16 / bfloat16, any
+device), through the NumPy-facing kvqrs API.
+
+A float32 contiguous CPU tensor is shared with NumPy without a copy; anything else (another
+dtype, a strided view, a device tensor) is staged once into a contiguous float32 CPU tensor.
+Results come back in the caller's dtype and on the caller's device.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from ._arrays import KvqrsError
+
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def to_numpy(t: torch.Tensor, arg: str = "x") -> np.ndarray:
+    """A float32 NumPy view of ``t`` (zero-copy for contiguous float32 CPU tensors; otherwise
+    one contiguous staging copy). Raises :class:`KvqrsError` for non-float tensors."""
+    if not isinstance(t, torch.Tensor):
+        raise KvqrsError(f"{arg}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in _FLOATS:
+        raise KvqrsError(f"{arg}: expected a float32, float16, bfloat16 or float64 tensor, got {t.dtype}")
+    staged = t.detach()
+    if staged.device.type != "cpu" or staged.dtype != torch.float32 or not staged.is_contiguous():
+        staged = staged.to(device="cpu", dtype=torch.float32).contiguous()
+    return staged.numpy()
+
+
+def from_numpy(a: np.ndarray, like: torch.Tensor) -> torch.Tensor:
+    """``a`` as a tensor with ``like``'s float dtype and device."""
+    out = torch.from_numpy(np.ascontiguousarray(a))
+    if out.is_floating_point():
+        out = out.to(dtype=like.dtype)
+    return out.to(device=like.device)
+
+
+def apply(fn: Callable[..., Any], x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """Run a float-in / float-out kvqrs function on a tensor (``kvqrs.torch.apply(kvqrs.hadamard,
+    x, seed=1)``)."""
+    return from_numpy(fn(to_numpy(x), *args, **kwargs), x)
+
+
+def hadamard(x: torch.Tensor, seed: int | None = None) -> torch.Tensor:
+    """:func:`kvqrs.hadamard` on a tensor ``(..., head_dim)`` -> ``(..., d')``."""
+    from .kernels import hadamard as _h
+
+    return apply(_h, x, seed)
+
+
+def inverse_hadamard(y: torch.Tensor, seed: int | None = None, head_dim: int | None = None) -> torch.Tensor:
+    """:func:`kvqrs.inverse_hadamard` on a tensor ``(..., d')`` -> ``(..., head_dim)``."""
+    from .kernels import inverse_hadamard as _ih
+
+    return apply(_ih, y, seed, head_dim)
+
+
+def quantize_dequantize(codec: Any, x: torch.Tensor, kind: str = "keys") -> torch.Tensor:
+    """Encode then decode ``x`` ``(..., tokens, head_dim)`` with a :class:`kvqrs.schemes.KVCodec`
+    (``kind`` = ``"keys"`` or ``"values"``); returns a tensor like ``x``."""
+    a = to_numpy(x, kind)
+    if kind == "keys":
+        out = codec.decode_keys(codec.encode_keys(a))
+    elif kind == "values":
+        out = codec.decode_values(codec.encode_values(a))
+    else:
+        raise KvqrsError(f"kind: expected 'keys' or 'values', got {kind!r}")
+    return from_numpy(out, x)
