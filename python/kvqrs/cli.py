@@ -102,6 +102,36 @@ def _study(args: argparse.Namespace) -> int:
     return 0
 
 
+def _eval(args: argparse.Namespace) -> int:
+    import pathlib
+    import time
+
+    from .evaluation import model as model_mod
+    from .evaluation import model_report, text
+    from .evaluation.model_eval import default_rows, run_eval
+
+    if args.data:
+        texts = text.from_file(args.data)
+    elif args.wikitext:
+        texts = text.from_wikitext(args.wikitext)
+    else:
+        texts = text.default()
+    window = args.window or (256 if args.quick else 512)
+    windows = args.windows or (2 if args.quick else 4)
+    start = time.perf_counter()
+    model, tok = model_mod.load()
+    rows = default_rows(quick=args.quick, residual_length=args.residual_length)
+    if args.rows:
+        rows = [r for r in rows if r.name == "dense" or any(r.name.startswith(p) for p in args.rows)]
+    print(f"kvqrs eval: {len(rows)} rows x {windows} windows of {window} tokens, text: {texts.source}")
+    result = run_eval(model, tok, texts, rows, window, windows, calib_windows=args.calibration_windows, progress=not args.no_progress)
+    seconds = time.perf_counter() - start
+    md = model_report.write(result, pathlib.Path(args.out), seconds)
+    print(model_report.summary(result, seconds))
+    print(f"report: {md}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvqrs", description="KV-cache quantization kernels and studies.")
     parser.add_argument("--version", action="version", version=f"kvqrs {__version__}")
@@ -126,6 +156,18 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--no-progress", action="store_true")
     st.add_argument("--brief", action="store_true", help="print only the header of the summary")
     st.set_defaults(func=_study)
+    ev = sub.add_parser("eval", help="quantize SmolLM2-135M's KV cache with every scheme; perplexity, KL, top-1, bytes")
+    ev.add_argument("--quick", action="store_true", help="2 windows of 256 tokens, fewer rows (under 3 minutes)")
+    ev.add_argument("--data", help="evaluate a plain text file (first 20%% calibrates HeadQ)")
+    ev.add_argument("--wikitext", help="folder of a local WikiText-2/103 raw copy (wiki.test.raw, wiki.valid.*)")
+    ev.add_argument("--window", type=int, help="tokens per window (default 512, quick 256)")
+    ev.add_argument("--windows", type=int, help="evaluation windows (default 4, quick 2)")
+    ev.add_argument("--calibration-windows", type=int, default=2)
+    ev.add_argument("--residual-length", type=int, default=0, help="newest tokens kept in full precision")
+    ev.add_argument("--rows", nargs="+", help="only rows whose label starts with one of these (dense is always kept)")
+    ev.add_argument("--out", default="reports/eval")
+    ev.add_argument("--no-progress", action="store_true")
+    ev.set_defaults(func=_eval)
     return parser
 
 

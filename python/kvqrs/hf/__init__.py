@@ -3,6 +3,7 @@ path, :class:`QuantizedKVCache` and HeadQ calibration."""
 
 from .attention import active, fake_quant, kvqrs_attention, register
 from .cache import QuantizedKVCache, QuantizedLayer
+from .calibration import calibrate, load_bases, save_bases
 from .config import QuantConfig
 
-__all__ = ["QuantConfig", "QuantizedKVCache", "QuantizedLayer", "active", "fake_quant", "kvqrs_attention", "register"]
+__all__ = ["QuantConfig", "QuantizedKVCache", "QuantizedLayer", "active", "calibrate", "load_bases", "save_bases", "fake_quant", "kvqrs_attention", "register"]

@@ -1,0 +1,179 @@
+"""``kvqrs eval``: the model-level evaluation on SmolLM2-135M (issue 3/6).
+
+For every row (a :class:`~kvqrs.hf.QuantConfig`, or dense) and every evaluation window: one
+forward pass through the fast path (quantize-dequantize with the cache's schedule, HeadQ in score
+space), then perplexity, excess perplexity over dense, KL of next-token distributions against
+dense (mean and max), top-1 agreement; bits per element from encoding a real window's keys and
+values; cache bytes from a real :class:`~kvqrs.hf.QuantizedKVCache` prefill of one window.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..hf import QuantConfig, QuantizedKVCache, calibrate, fake_quant
+from ..hf.attention import active
+from ..torch import to_numpy
+
+
+@dataclass(frozen=True)
+class Row:
+    """One evaluation row: a label and its config (None = dense), key-only or full KV."""
+
+    name: str
+    config: QuantConfig | None
+    group: str
+
+
+def default_rows(quick: bool = False, residual_length: int = 0) -> list[Row]:
+    """The rows of issue 3/6: dense; kv / kqv / qkqv at n in {2, 3, 4}; kivi at 2 and 4; the
+    llama.cpp-style blockwise 4 and 8 bits with rotation; HeadQ keys at 2 bits, rank 4 on the
+    kivi and kqv bases with wrong-sign and random-basis controls. Key-only and full KV."""
+    r = residual_length
+    rows = [Row("dense", None, "dense")]
+    bits = (2, 4) if quick else (2, 3, 4)
+    for scheme in ("kv", "kqv", "qkqv"):
+        for n in bits:
+            rows.append(Row(f"{scheme} k{n}", QuantConfig(scheme, n, residual_length=r), "key-only"))
+            rows.append(Row(f"{scheme} k{n} v{n}", QuantConfig(scheme, n, scheme, n, residual_length=r), "full KV"))
+    for n in (2, 4):
+        rows.append(Row(f"kivi k{n}", QuantConfig("kivi", n, residual_length=r), "key-only"))
+        rows.append(Row(f"kivi k{n} v{n}", QuantConfig("kivi", n, "kivi", n, residual_length=r), "full KV"))
+    for n in ((4,) if quick else (4, 8)):
+        rows.append(Row(f"block k{n}", QuantConfig("block", n, residual_length=r), "key-only"))
+        rows.append(Row(f"block k{n} v{n}", QuantConfig("block", n, "block", n, residual_length=r), "full KV"))
+    for base in ("kivi", "kqv"):
+        for label, sign, bases in (("", 1, None), (" wrong-sign", -1, None), (" random-basis", 1, "random")):
+            cfg = QuantConfig("headq", 2, residual_length=r, headq_base=base, rank=4, side_bits=4, sign=sign, bases=bases)
+            rows.append(Row(f"headq({base}) k2{label}", cfg, "key-only"))
+    return rows
+
+
+def token_windows(tokenizer, text: str, window: int, count: int) -> list[torch.Tensor]:
+    """``count`` non-overlapping windows of ``window`` tokens from the start of ``text``."""
+    ids = tokenizer(text, return_tensors="pt").input_ids[0]
+    n = min(count, len(ids) // window)
+    return [ids[i * window : (i + 1) * window][None] for i in range(n)]
+
+
+def _log_probs(model, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return torch.log_softmax(model(ids).logits[0, :-1].float(), dim=-1)
+
+
+def score_row(lp: torch.Tensor, lp_dense: torch.Tensor, ids: torch.Tensor) -> dict:
+    """Per-window sums: NLL, KL(dense || row) per position, top-1 agreement."""
+    target = ids[0, 1:]
+    nll = -lp.gather(1, target[:, None])[:, 0]
+    kl = (lp_dense.exp() * (lp_dense - lp)).sum(-1).clamp_min(0)
+    agree = (lp.argmax(-1) == lp_dense.argmax(-1)).float()
+    return {"nll": nll.sum().item(), "kl_sum": kl.sum().item(), "kl_max": kl.max().item(), "agree": agree.sum().item(), "n": len(target)}
+
+
+class _KVRecorder:
+    """Attention state that keeps layer 0's keys and values of the last forward."""
+
+    def __init__(self) -> None:
+        self.kv = None
+
+    def attend(self, module, query, key, value, attention_mask, scaling):
+        if module.layer_idx == 0:
+            self.kv = (to_numpy(key).copy(), to_numpy(value).copy())
+        return None
+
+
+def storage(model, cfg: QuantConfig, ids: torch.Tensor, kv: tuple[np.ndarray, np.ndarray]) -> dict:
+    """Bits per element of keys and values (encoding a real window's layer-0 K and V) and the
+    real bytes of a QuantizedKVCache after a prefill of ``ids``, beside the dense cache."""
+    codec = cfg.codec(0, kv[0].shape[-1])
+    bpe_k = codec.encode_keys(kv[0]).bits_per_element
+    bpe_v = 32.0 if codec.values is None else codec.encode_values(kv[1]).bits_per_element
+    cache = QuantizedKVCache(cfg, model.config.num_hidden_layers)
+    with torch.no_grad():
+        model(ids, past_key_values=cache, use_cache=True)
+    return {"bpe_k": bpe_k, "bpe_v": bpe_v, "cache_bytes": cache.nbytes()}
+
+
+def run_eval(model, tokenizer, texts, rows: list[Row], window: int, windows: int, calib_windows: int,
+             progress: bool = True) -> dict:
+    """Evaluate every row; returns ``{"rows": [...], "dense_check": {...}, ...}``."""
+    from tqdm import tqdm
+
+    ev = token_windows(tokenizer, texts.evaluation, window, windows)
+    cal = token_windows(tokenizer, texts.calibration, window, calib_windows)
+    bases = calibrate(model, cal, rank=4) if any(r.config is not None and r.config.key_scheme == "headq" and r.config.bases is None for r in rows) else None
+    rec = _KVRecorder()
+    dense_lp = []
+    for ids in ev:
+        with active(rec):
+            dense_lp.append(_log_probs(model, ids))
+    kv0 = rec.kv
+    check = dense_check(model, ev)
+    results = []
+    for row in tqdm(rows, desc="eval", unit="row", disable=not progress):
+        cfg = row.config
+        if cfg is not None and cfg.key_scheme == "headq" and cfg.bases is None:
+            cfg.bases = bases
+        acc = {"nll": 0.0, "kl_sum": 0.0, "kl_max": 0.0, "agree": 0.0, "n": 0}
+        for ids, lpd in zip(ev, dense_lp):
+            if cfg is None:
+                lp = lpd
+            else:
+                with fake_quant(cfg):
+                    lp = _log_probs(model, ids)
+            s = score_row(lp, lpd, ids)
+            for k in ("nll", "kl_sum", "agree", "n"):
+                acc[k] += s[k]
+            acc["kl_max"] = max(acc["kl_max"], s["kl_max"])
+        out = {"row": row.name, "group": row.group, "ppl": math.exp(acc["nll"] / acc["n"]),
+               "kl_mean": acc["kl_sum"] / acc["n"], "kl_max": acc["kl_max"], "top1": acc["agree"] / acc["n"], "tokens": acc["n"]}
+        if cfg is None:
+            d = model.config.head_dim if hasattr(model.config, "head_dim") else kv0[0].shape[-1]
+            out.update(bpe_k=32.0, bpe_v=32.0, cache_bytes=2 * model.config.num_hidden_layers * model.config.num_key_value_heads * window * d * 4)
+        else:
+            out.update(storage(model, cfg, ev[0], kv0))
+        results.append(out)
+    dense_ppl = results[0]["ppl"]
+    for r in results:
+        r["excess_ppl"] = r["ppl"] - dense_ppl
+    return {"rows": results, "dense_check": check, "windows": len(ev), "window": window, "source": texts.source,
+            "calibration_windows": len(cal), "headq_recovered": headq_recovered(results)}
+
+
+def dense_check(model, windows: list[torch.Tensor]) -> dict:
+    """Dense perplexity through kvqrs' attention function against transformers' own loss
+    (``labels=``) with its SDPA attention on the same windows."""
+    ours, theirs = [], []
+    with torch.no_grad():
+        for ids in windows:
+            lp = torch.log_softmax(model(ids).logits[0, :-1].float(), -1)
+            ours.append(-lp.gather(1, ids[0, 1:, None]).mean().item())
+        model.set_attn_implementation("sdpa")
+        try:
+            for ids in windows:
+                theirs.append(model(ids, labels=ids).loss.item())
+        finally:
+            model.set_attn_implementation("kvqrs")
+    a, b = math.exp(float(np.mean(ours))), math.exp(float(np.mean(theirs)))
+    return {"ppl_kvqrs": a, "ppl_transformers_sdpa": b, "relative_difference": abs(a - b) / b}
+
+
+def headq_recovered(results: list[dict]) -> list[dict]:
+    """Fraction of the kivi (and kqv) 2-bit key-only baseline's excess perplexity that each
+    HeadQ row removes: ``(ppl_base - ppl_headq) / (ppl_base - ppl_dense)``."""
+    by = {r["row"]: r for r in results}
+    dense = by["dense"]["ppl"]
+    out = []
+    for base in ("kivi", "kqv"):
+        b = by.get(f"{base} k2")
+        if b is None:
+            continue
+        for label in ("", " wrong-sign", " random-basis"):
+            h = by.get(f"headq({base}) k2{label}")
+            if h is not None and b["ppl"] != dense:
+                out.append({"baseline": f"{base} k2", "row": h["row"], "recovered": (b["ppl"] - h["ppl"]) / (b["ppl"] - dense)})
+    return out

@@ -1,0 +1,93 @@
+"""Report of ``kvqrs eval``: Markdown table, CSV / JSON of every row, and a plot of quality
+against bits per element per scheme."""
+
+from __future__ import annotations
+
+import csv
+import json
+import pathlib
+
+COLUMNS = ("row", "group", "ppl", "excess_ppl", "kl_mean", "kl_max", "top1", "bpe_k", "bpe_v", "cache_bytes")
+
+
+def table(result: dict) -> str:
+    """The Markdown table of every row."""
+    lines = [
+        "| row | kind | perplexity | excess | KL mean | KL max | top-1 agree | key bits/elem | value bits/elem | cache bytes / window |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in result["rows"]:
+        lines.append(
+            f"| {r['row']} | {r['group']} | {r['ppl']:.3f} | {r['excess_ppl']:+.3f} | {r['kl_mean']:.4f} | {r['kl_max']:.3f} | "
+            f"{r['top1']:.3f} | {r['bpe_k']:.3f} | {r['bpe_v']:.3f} | {r['cache_bytes']:,} |"
+        )
+    return "\n".join(lines)
+
+
+def summary(result: dict, seconds: float) -> str:
+    c = result["dense_check"]
+    lines = [
+        "# kvqrs eval: SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized to float32)",
+        "",
+        f"Text: {result['source']}; {result['windows']} windows of {result['window']} tokens "
+        f"({sum(1 for _ in result['rows'])} rows); HeadQ calibrated on {result['calibration_windows']} disjoint windows. {seconds:.0f} s.",
+        "",
+        f"Dense check: perplexity {c['ppl_kvqrs']:.4f} through kvqrs' attention function, {c['ppl_transformers_sdpa']:.4f} from "
+        f"transformers' own loss with SDPA on the same windows (relative difference {c['relative_difference']:.1e}).",
+        "",
+        "KL is KL(dense || row) of next-token distributions, in nats per token; bits per element count every stored bit "
+        "(32 = full precision); cache bytes are a real QuantizedKVCache after a prefill of one window (dense: float32).",
+        "",
+        table(result),
+        "",
+    ]
+    if result["headq_recovered"]:
+        lines += ["Fraction of the 2-bit baseline's excess perplexity that HeadQ removes (the HeadQ paper: 84-94% on WikiText-103):", ""]
+        lines += [f"- {h['row']} vs {h['baseline']}: {100 * h['recovered']:.1f}%" for h in result["headq_recovered"]]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(result: dict, path: pathlib.Path) -> pathlib.Path:
+    """Excess perplexity (log) against total bits per element, one series per scheme."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for ax, group in zip(axes, ("key-only", "full KV")):
+        series: dict[str, list] = {}
+        for r in result["rows"]:
+            if r["group"] != group:
+                continue
+            scheme = r["row"].split(" ")[0]
+            bpe = r["bpe_k"] if group == "key-only" else (r["bpe_k"] + r["bpe_v"]) / 2
+            series.setdefault(scheme, []).append((bpe, max(r["excess_ppl"], 1e-3)))
+        for i, (scheme, pts) in enumerate(sorted(series.items())):
+            pts.sort()
+            ax.plot(*zip(*pts), marker="o", color=f"C{i}", label=scheme)
+        ax.set_yscale("log")
+        ax.set_xlabel("bits per element (keys)" if group == "key-only" else "bits per element (mean of K and V)")
+        ax.set_ylabel("excess perplexity over dense")
+        ax.set_title(group)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write(result: dict, out: pathlib.Path, seconds: float) -> pathlib.Path:
+    """Write ``eval.md``, ``eval.csv``, ``eval.json`` and ``quality_vs_bits.png``; returns the
+    Markdown path."""
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "eval.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(result["rows"][0]))
+        w.writeheader()
+        w.writerows(result["rows"])
+    (out / "eval.json").write_text(json.dumps(result, indent=1))
+    plot(result, out / "quality_vs_bits.png")
+    md = out / "eval.md"
+    md.write_text(summary(result, seconds) + "\n![quality vs bits](quality_vs_bits.png)\n")
+    return md
