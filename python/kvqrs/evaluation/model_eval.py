@@ -46,6 +46,10 @@ def default_rows(quick: bool = False, residual_length: int = 0) -> list[Row]:
     for n in ((4,) if quick else (4, 8)):
         rows.append(Row(f"block k{n}", QuantConfig("block", n, residual_length=r), "key-only"))
         rows.append(Row(f"block k{n} v{n}", QuantConfig("block", n, "block", n, residual_length=r), "full KV"))
+    # A^2 value allocation against uniform widths, both rotated Lloyd-Max values at 2 bits
+    # (keys full precision so only the value code differs).
+    rows.append(Row("uniform v2", QuantConfig(None, 2, "a2", 2, residual_length=r, a2_uniform=True), "values-only"))
+    rows.append(Row("a2 v2 (oracle weights)", QuantConfig(None, 2, "a2", 2, residual_length=r), "values-only"))
     for base in ("kivi", "kqv"):
         for label, sign, bases in (("", 1, None), (" wrong-sign", -1, None), (" random-basis", 1, "random")):
             cfg = QuantConfig("headq", 2, residual_length=r, headq_base=base, rank=4, side_bits=4, sign=sign, bases=bases)
@@ -88,10 +92,13 @@ class _KVRecorder:
 
 def storage(model, cfg: QuantConfig, ids: torch.Tensor, kv: tuple[np.ndarray, np.ndarray]) -> dict:
     """Bits per element of keys and values (encoding a real window's layer-0 K and V) and the
-    real bytes of a QuantizedKVCache after a prefill of ``ids``, beside the dense cache."""
+    real bytes of a QuantizedKVCache after a prefill of ``ids``, beside the dense cache.
+    Rows the cache cannot hold (value-only, A^2) report no cache bytes (-1)."""
     codec = cfg.codec(0, kv[0].shape[-1])
-    bpe_k = codec.encode_keys(kv[0]).bits_per_element
+    bpe_k = codec.encode_keys(kv[0]).bits_per_element if cfg.quantizes_keys else 32.0
     bpe_v = 32.0 if codec.values is None else codec.encode_values(kv[1]).bits_per_element
+    if not cfg.quantizes_keys or cfg.value_scheme == "a2":
+        return {"bpe_k": bpe_k, "bpe_v": bpe_v, "cache_bytes": -1}
     cache = QuantizedKVCache(cfg, model.config.num_hidden_layers)
     with torch.no_grad():
         model(ids, past_key_values=cache, use_cache=True)

@@ -92,18 +92,27 @@ class FakeQuant:
         seen = torch.arange(1, length + 1)
         held = torch.tensor([cfg.quantized_count(int(s)) for s in seen])
         m = (torch.arange(length)[None, :] < held[:, None]).float()
-        ck = codec.encode_keys(to_numpy(key, "keys"))
-        k_hat = from_numpy(codec.decode_keys(ck, base_only=True), key)
         s_fp = (query @ repeat_kv(key, module.num_key_value_groups).transpose(2, 3)) * scaling
-        s_q = (query @ repeat_kv(k_hat, module.num_key_value_groups).transpose(2, 3)) * scaling
-        corr = codec.score_correction(to_numpy(query, "query"), ck)
-        if corr is not None:
-            s_q = s_q + torch.from_numpy(corr).to(s_q.dtype)
+        s_q = s_fp
+        if cfg.quantizes_keys:
+            ck = codec.encode_keys(to_numpy(key, "keys"))
+            k_hat = from_numpy(codec.decode_keys(ck, base_only=True), key)
+            s_q = (query @ repeat_kv(k_hat, module.num_key_value_groups).transpose(2, 3)) * scaling
+            corr = codec.score_correction(to_numpy(query, "query"), ck)
+            if corr is not None:
+                s_q = s_q + torch.from_numpy(corr).to(s_q.dtype)
         m = m.to(s_q.dtype)
         logits = m * s_q + (1 - m) * s_fp
         if codec.values is None:
             return _softmax_out(module, query, logits, attention_mask, [(None, value)])
-        v_hat = from_numpy(codec.decode_values(codec.encode_values(to_numpy(value, "values"))), value)
+        weights = None
+        if cfg.value_scheme == "a2" and not cfg.a2_uniform:
+            # Oracle A^2 importances: sum over this window's queries (all heads of the group) of
+            # p^2 under dense attention. They use future queries, so this row is an upper bound.
+            p = torch.softmax(s_fp + (attention_mask[..., :length] if attention_mask is not None else 0), dim=-1)
+            g = module.num_key_value_groups
+            weights = (p.double() ** 2).sum(dim=-2).reshape(p.shape[0], -1, g, length).sum(dim=2).numpy()
+        v_hat = from_numpy(codec.decode_values(codec.encode_values(to_numpy(value, "values"), weights)), value)
         return _softmax_out(module, query, logits, attention_mask, [(m, v_hat), (1 - m, value)])
 
 

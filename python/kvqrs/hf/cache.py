@@ -201,6 +201,10 @@ class QuantizedKVCache(Cache):
 
     def __init__(self, config: QuantConfig, num_layers: int):
         register()
+        if config.key_scheme is None:
+            raise KvqrsError("key_scheme: the cache quantizes keys; value-only rows run in the fast evaluation path only")
+        if config.value_scheme == "a2":
+            raise KvqrsError("value_scheme: the a2 allocation needs each token's future attention; it runs in the fast evaluation path only")
         if num_layers < 1:
             raise KvqrsError(f"num_layers: expected >= 1, got {num_layers}")
         self.config = config

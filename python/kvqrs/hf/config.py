@@ -17,7 +17,8 @@ class QuantConfig:
     """KV-cache quantization settings for a whole model.
 
     Attributes:
-        key_scheme: ``kv``, ``kqv``, ``qkqv``, ``kivi``, ``block`` or ``headq``.
+        key_scheme: ``kv``, ``kqv``, ``qkqv``, ``kivi``, ``block``, ``headq``, or None to keep
+            keys in full precision (value-only rows of the fast path).
         key_bits: key budget n.
         value_scheme: value scheme, or None to keep values in full precision (key-only).
         value_bits: value budget (default ``key_bits``).
@@ -27,9 +28,11 @@ class QuantConfig:
         headq_base, rank, side_bits, sign: HeadQ settings (see :class:`KVCodec`).
         bases: HeadQ bases per layer, ``{layer: (kv_heads, d, r)}``, or ``"random"`` for the
             random-basis control.
+        a2_uniform: with ``value_scheme="a2"``, give every token the same width (the uniform
+            baseline of the A^2 allocation).
     """
 
-    key_scheme: str
+    key_scheme: str | None
     key_bits: int
     value_scheme: str | None = None
     value_bits: int | None = None
@@ -41,13 +44,12 @@ class QuantConfig:
     side_bits: int = 4
     sign: int = 1
     bases: Any = None
+    a2_uniform: bool = False
     _codecs: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.residual_length < 0:
             raise KvqrsError(f"residual_length: expected >= 0, got {self.residual_length}")
-        if self.value_scheme == "a2":
-            raise KvqrsError("value_scheme: the a2 allocation needs attention weights; use it through KVCodec, not the cache")
 
     @property
     def chunk(self) -> int:
@@ -72,11 +74,15 @@ class QuantConfig:
                 else:
                     basis = np.asarray(self.bases[layer])
             self._codecs[key] = KVCodec(
-                self.key_scheme, self.key_bits, head_dim, seed=self.seed,
+                self.key_scheme or "kv", self.key_bits, head_dim, seed=self.seed,
                 value_bits=self.value_bits, value_scheme=self.value_scheme or "none", group=self.group,
                 headq_base=self.headq_base, rank=self.rank, side_bits=self.side_bits, basis=basis, sign=self.sign,
             )
         return self._codecs[key]
+
+    @property
+    def quantizes_keys(self) -> bool:
+        return self.key_scheme is not None
 
     def label(self) -> str:
         """Short row label, e.g. ``kqv-k4v4`` or ``headq(kivi)-k2``."""
