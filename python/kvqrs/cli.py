@@ -117,7 +117,12 @@ def _eval(args: argparse.Namespace) -> int:
     else:
         texts = text.default()
     window = args.window or (256 if args.quick else 512)
-    windows = args.windows or (2 if args.quick else 4)
+    windows = args.windows or (1 if args.quick else 3)
+    import torch
+
+    # One intra-op thread by default: with two, PyTorch's OpenMP workers spin-wait whenever the
+    # other core is busy and small ops become 100x slower on a two-core machine.
+    torch.set_num_threads(args.threads)
     start = time.perf_counter()
     model, tok = model_mod.load()
     rows = default_rows(quick=args.quick, residual_length=args.residual_length)
@@ -157,11 +162,12 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--brief", action="store_true", help="print only the header of the summary")
     st.set_defaults(func=_study)
     ev = sub.add_parser("eval", help="quantize SmolLM2-135M's KV cache with every scheme; perplexity, KL, top-1, bytes")
-    ev.add_argument("--quick", action="store_true", help="2 windows of 256 tokens, fewer rows (under 3 minutes)")
+    ev.add_argument("--quick", action="store_true", help="1 window of 256 tokens, fewer rows (under 3 minutes)")
     ev.add_argument("--data", help="evaluate a plain text file (first 20%% calibrates HeadQ)")
     ev.add_argument("--wikitext", help="folder of a local WikiText-2/103 raw copy (wiki.test.raw, wiki.valid.*)")
     ev.add_argument("--window", type=int, help="tokens per window (default 512, quick 256)")
-    ev.add_argument("--windows", type=int, help="evaluation windows (default 4, quick 2)")
+    ev.add_argument("--windows", type=int, help="evaluation windows (default 3, quick 1)")
+    ev.add_argument("--threads", type=int, default=1, help="PyTorch intra-op threads (default 1)")
     ev.add_argument("--calibration-windows", type=int, default=2)
     ev.add_argument("--residual-length", type=int, default=0, help="newest tokens kept in full precision")
     ev.add_argument("--rows", nargs="+", help="only rows whose label starts with one of these (dense is always kept)")

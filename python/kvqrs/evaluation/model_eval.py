@@ -17,6 +17,7 @@ import torch
 
 from ..hf import QuantConfig, QuantizedKVCache, calibrate, fake_quant
 from ..hf.attention import active
+from .._arrays import KvqrsError
 from ..torch import to_numpy
 
 
@@ -101,7 +102,7 @@ def storage(model, cfg: QuantConfig, ids: torch.Tensor, kv: tuple[np.ndarray, np
         return {"bpe_k": bpe_k, "bpe_v": bpe_v, "cache_bytes": -1}
     cache = QuantizedKVCache(cfg, model.config.num_hidden_layers)
     with torch.no_grad():
-        model(ids, past_key_values=cache, use_cache=True)
+        model(ids, cache=cache, use_cache=True)
     return {"bpe_k": bpe_k, "bpe_v": bpe_v, "cache_bytes": cache.nbytes()}
 
 
@@ -112,7 +113,12 @@ def run_eval(model, tokenizer, texts, rows: list[Row], window: int, windows: int
 
     ev = token_windows(tokenizer, texts.evaluation, window, windows)
     cal = token_windows(tokenizer, texts.calibration, window, calib_windows)
-    bases = calibrate(model, cal, rank=4) if any(r.config is not None and r.config.key_scheme == "headq" and r.config.bases is None for r in rows) else None
+    if not ev:
+        raise KvqrsError(f"text: the evaluation text is shorter than one window of {window} tokens ({texts.source}); use a smaller --window")
+    needs_calibration = any(r.config is not None and r.config.key_scheme == "headq" and r.config.bases is None for r in rows)
+    if needs_calibration and not cal:
+        raise KvqrsError(f"text: the calibration text is shorter than one window of {window} tokens ({texts.source}); use a smaller --window")
+    bases = calibrate(model, cal, rank=4) if needs_calibration else None
     rec = _KVRecorder()
     dense_lp = []
     for ids in ev:

@@ -123,9 +123,9 @@ class QuantizedLayer(CacheLayerMixin):
 
     def crop(self, tokens_to_remove: int) -> None:
         """Drop the newest ``-tokens_to_remove`` tokens (transformers' convention: a negative
-        count). Cropping inside the window just shortens it; cropping into the quantized part
-        re-encodes the kept quantized tokens from their decoded values (whole chunks kept as
-        codes would need per-part slicing) and returns the rest to the window."""
+        count). Kept quantized tokens keep their codes; only the tokens of a KIVI key group cut
+        in two return to the full-precision window (decoded), since a group's scale and zero
+        point cover all of its tokens."""
         if tokens_to_remove > 0:
             raise ValueError(f"crop: expected a negative number of tokens to remove, got {tokens_to_remove}")
         if tokens_to_remove == 0 or not self.is_initialized:
@@ -135,11 +135,23 @@ class QuantizedLayer(CacheLayerMixin):
             self.keys = self.keys[..., : keep - self.quantized, :]
             self.values = self.values[..., : keep - self.quantized, :]
             return
-        k, v = self.materialize()
-        self.chunks_k, self.chunks_v, self.quantized = [], [], 0
-        self.__dict__.pop("_fp_values_quantized", None)
-        self.keys, self.values = k[..., :keep, :], v[..., :keep, :]
-        self._flush()
+        codec = self.codec()
+        kept_q = keep // self.config.chunk * self.config.chunk
+        # Tokens kept_q .. keep-1 sit in a cut group: decoded in full (side code included).
+        tail_k = from_numpy(codec.decode_keys(self.chunks_k[0]), self.keys)[..., kept_q:keep, :]
+        if codec.values is None:
+            held = self._fp_values_quantized
+            tail_v = held[..., kept_q:keep, :]
+            self._fp_values_quantized = held[..., :kept_q, :]
+        else:
+            tail_v = from_numpy(codec.decode_values(self.chunks_v[0]), self.values)[..., kept_q:keep, :]
+        if kept_q:
+            self.chunks_k = [codec.slice_tokens(self.chunks_k[0], kept_q)]
+            self.chunks_v = [codec.slice_tokens(c, kept_q) for c in self.chunks_v]
+        else:
+            self.chunks_k, self.chunks_v = [], []
+        self.quantized = kept_q
+        self.keys, self.values = tail_k, tail_v
 
     def _batch(self, fn) -> None:
         self.chunks_k = [fn(c) for c in self.chunks_k]
@@ -215,6 +227,10 @@ class QuantizedKVCache(Cache):
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def attend(self, module, query, key, value, attention_mask, scaling):
+        # This cache stays the attention state after its last update; another forward (another
+        # cache, or none) is recognised because its keys are not the ones this layer returned.
+        if not 0 <= module.layer_idx < len(self.layers):
+            return None
         return self.layers[module.layer_idx].attend(module, query, key, value, attention_mask, scaling)
 
     def nbytes(self) -> int:

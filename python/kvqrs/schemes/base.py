@@ -74,6 +74,13 @@ def concat_tokens(encs: list[Encoded], axes: Mapping[str, int]) -> Encoded:
     return Encoded(first.scheme, first.kind, (*first.shape[:-2], tokens, first.shape[-1]), first.dtype, parts, first.params)
 
 
+def slice_rows(enc: Encoded, axes: Mapping[str, int], n: int) -> Encoded:
+    """The first ``n`` tokens of ``enc`` when every part stores one entry per token along its
+    axis in ``axes`` (per-token codes, norms, scales, sketches, side codes)."""
+    parts = {k: np.take(np.asarray(v), np.arange(n), axis=axes[k]) for k, v in enc.parts.items()}
+    return Encoded(enc.scheme, enc.kind, (*enc.shape[:-2], n, enc.shape[-1]), enc.dtype, parts, enc.params)
+
+
 def check_head_dim(x: np.ndarray, head_dim: int, arg: str) -> None:
     """Raise unless ``x`` has shape ``(..., tokens, head_dim)``."""
     if x.ndim < 2 or x.shape[-1] != head_dim:

@@ -8,7 +8,7 @@ import numpy as np
 
 from ..kernels import hadamard, inverse_hadamard, pack_bits, padded_dim, unpack_bits
 from ..kernels.uniform import UniformCode, uniform_decode, uniform_encode
-from .base import Encoded, as_float_array, check_encoded, check_head_dim
+from .base import Encoded, as_float_array, check_encoded, check_head_dim, slice_rows
 from .mse import decoded_scores
 
 
@@ -23,6 +23,9 @@ class BlockCoder:
 
     def token_axes(self) -> dict[str, int]:
         return {"codes": -2, "scales": -2, "zeros": -2}
+
+    def slice_tokens(self, enc: Encoded, n: int) -> Encoded:
+        return slice_rows(enc, self.token_axes(), n)
 
     def encode(self, x) -> Encoded:
         x = as_float_array(x, self.kind)

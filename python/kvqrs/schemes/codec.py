@@ -219,6 +219,11 @@ class KVCodec:
             return s.reshape(*q_lead, qa.shape[-2], s.shape[-1])
         raise KvqrsError(f"q: leading dims {q_lead} do not match the keys' {kv_lead} (or a GQA multiple of their heads)")
 
+    def slice_tokens(self, enc: Encoded, n: int) -> Encoded:
+        """The first ``n`` tokens of an encoded tensor, codes untouched (cache crop)."""
+        coder = self._key_coder() if enc.kind == "keys" else self.values
+        return coder.slice_tokens(enc, n)
+
     def concat(self, encs: list[Encoded]) -> Encoded:
         """Join chunks of consecutive tokens encoded by this codec (keys or values)."""
         coder = self._key_coder() if encs and encs[0].kind == "keys" else self.values

@@ -16,7 +16,7 @@ import numpy as np
 from .._arrays import KvqrsError
 from ..kernels import headq_decode, headq_encode, headq_score_correction, pack_bits, unpack_bits
 from ..kernels.headq import HeadQCode
-from .base import Encoded, as_float_array, check_encoded
+from .base import Encoded, as_float_array, check_encoded, slice_rows
 from .mse import blockwise
 
 
@@ -45,6 +45,16 @@ class HeadQCoder:
 
     def token_axes(self) -> dict[str, int]:
         return {**{f"base_{k}": v for k, v in self.base.token_axes().items()}, "side_codes": -2, "side_scales": -1}
+
+    def slice_tokens(self, enc: Encoded, n: int) -> Encoded:
+        """The first ``n`` tokens of base codes and side codes (codes untouched)."""
+        base, _ = self._split(enc)
+        kept = self.base.slice_tokens(base, n)
+        side = slice_rows(Encoded(enc.scheme, "keys", enc.shape, enc.dtype,
+                                  {k: v for k, v in enc.parts.items() if k.startswith("side_")}, enc.params),
+                          {"side_codes": -2, "side_scales": -1}, n)
+        parts = {**{f"base_{k}": v for k, v in kept.parts.items()}, **side.parts}
+        return Encoded(enc.scheme, "keys", side.shape, enc.dtype, parts, enc.params)
 
     def _bases(self, lead: tuple[int, ...]) -> list[np.ndarray]:
         """One basis per flattened leading index (heads are the last leading axis)."""

