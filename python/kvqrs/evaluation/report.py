@@ -119,6 +119,10 @@ def render_summary(rows, pairs, config, seconds, images) -> str:
               "| distribution | d | n | KL ratio kv/kqv | Mann-Whitney p |", "| --- | ---: | ---: | ---: | ---: |"]
     for r in theory.kl_ratio(rows, "kv", "kqv"):
         lines.append(f"| {r['distribution']} | {r['head_dim']} | {r['bits']} | {r['ratio']:.3f} | {r['p']:.2g} |")
+    lines += ["", "**Low rank against Gaussian** (same scheme, d and n; KL ratio lowrank / gaussian and top-5 recall):", "",
+              "| distribution | d | n | scheme | KL ratio | top-5 recall lowrank | top-5 recall gaussian |", "| --- | ---: | ---: | --- | ---: | ---: | ---: |"]
+    for r in theory.lowrank_vs_gaussian(rows):
+        lines.append(f"| {r['distribution']} | {r['head_dim']} | {r['bits']} | {r['scheme']} | {r['kl_ratio']:.3f} | {r['recall_lowrank']:.3f} | {r['recall_gaussian']:.3f} |")
     lines += ["", "**Values alone: QJL against a scalar code at the same budget** (rotated n-bit Lloyd-Max vs (n-1)-bit + 1-bit QJL; exact attention; d = 128):", "",
               "| distribution | n | SNR_V scalar | SNR_V qjl | SNR_T scalar | SNR_T qjl | Mann-Whitney p (SNR_T) |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in theory.value_qjl_check(config.distributions, seeds=min(config.seeds, 8), tokens=config.tokens, n_queries=config.n_queries):

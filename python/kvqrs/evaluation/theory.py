@@ -73,6 +73,23 @@ def kl_ratio(rows: list[dict], num: str = "qkqv", den: str = "kqv") -> list[dict
     return out
 
 
+def lowrank_vs_gaussian(rows: list[dict]) -> list[dict]:
+    """Per scheme, head_dim and n: mean KL and top-5 recall on every ``lowrank-*`` distribution
+    against ``gaussian`` (rotation-based codebooks assume isotropic directions; low-rank keys
+    are not)."""
+    out = []
+    by = _by(rows, "distribution", "head_dim", "bits", "scheme")
+    for (dist, d, n, s), rs in sorted(by.items()):
+        if not dist.startswith("lowrank") or ("gaussian", d, n, s) not in by:
+            continue
+        g = by[("gaussian", d, n, s)]
+        out.append({"distribution": dist, "head_dim": d, "bits": n, "scheme": s,
+                    "kl_ratio": float(np.mean([r["kl_mean"] for r in rs]) / max(np.mean([r["kl_mean"] for r in g]), 1e-300)),
+                    "recall_lowrank": float(np.mean([r["topk_recall"] for r in rs])),
+                    "recall_gaussian": float(np.mean([r["topk_recall"] for r in g]))})
+    return out
+
+
 def direction_crossover(rows: list[dict]) -> list[dict]:
     """Mean phi_K of kqv and qkqv per (distribution, head_dim, n) and which is smaller."""
     out = []
