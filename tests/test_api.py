@@ -165,3 +165,72 @@ def test_cli_reports_bad_arguments_without_a_traceback(args):
     out = subprocess.run([sys.executable, "-m", "kvqrs", *args], capture_output=True, text=True)
     assert out.returncode == 2
     assert "Traceback" not in out.stderr and "error:" in out.stderr
+
+
+# Second newcomer review: bad input to the scheme, metric and study layers.
+def test_scheme_layer_rejects_inconsistent_input():
+    from kvqrs.schemes import KVCodec
+
+    rng = np.random.default_rng(0)
+    k = rng.standard_normal((2, 4, 40, 64)).astype(np.float32)
+    q = rng.standard_normal((2, 8, 3, 64)).astype(np.float32)
+    c = KVCodec("kqv", 4, 64)
+    ck = c.encode_keys(k)
+    with pytest.raises(kvqrs.KvqrsError, match="cv: expected values with the keys' heads and tokens"):
+        c.attention(q, ck, c.encode_values(k[:, :2]))
+    with pytest.raises(kvqrs.KvqrsError, match="cv: expected values with the keys' heads and tokens"):
+        c.attention(q, ck, c.encode_values(k[..., :10, :]))
+    with pytest.raises(kvqrs.KvqrsError, match="cv: expected encoded values"):
+        KVCodec("kqv", 3, 64, value_scheme="none").attention(q, ck, None)
+    with pytest.raises(kvqrs.KvqrsError, match="n: expected 0 <= n <= 40"):
+        c.slice_tokens(ck, 100)
+    with pytest.raises(kvqrs.KvqrsError, match="q: expected finite queries"):
+        c.scores(np.full_like(q, np.nan), ck)
+    with pytest.raises(kvqrs.KvqrsError, match="basis: expected an array, None or 'random'"):
+        KVCodec("headq", 2, 64, basis="rand")
+    with pytest.raises(kvqrs.KvqrsError, match="n >= rank"):
+        KVCodec("headq", 2, 64).calibrate(rng.standard_normal((2, 64)))
+    kv = KVCodec("kivi", 2, 64)
+    with pytest.raises(kvqrs.KvqrsError, match="whole groups of 32"):
+        kv.concat([kv.encode_keys(k[..., :33, :]), kv.encode_keys(k[..., 33:, :])])
+    a2 = KVCodec("kqv", 2, 64, value_scheme="a2")
+    w = np.ones((2, 4, 40))
+    w[1, 2, 3] = np.nan
+    with pytest.raises(kvqrs.KvqrsError, match=r"weights: expected finite non-negative importances, got nan at index \(1, 2, 3\)"):
+        a2.encode_values(k, weights=w)
+
+
+def test_metrics_reject_bad_input():
+    from kvqrs import metrics as M
+
+    with pytest.raises(kvqrs.KvqrsError, match="NaN"):
+        M.kl_divergence(np.full((2, 5), np.nan), np.zeros((2, 5)))
+    with pytest.raises(kvqrs.KvqrsError, match="tokens >= 1"):
+        M.kl_divergence(np.zeros((2, 0)), np.zeros((2, 0)))
+    p = np.full((3, 8), 1 / 8)
+    with pytest.raises(kvqrs.KvqrsError, match="k: expected an integer >= 1"):
+        M.topk_recall(p, p, k=-1)
+    with pytest.raises(kvqrs.KvqrsError, match="p_hat: expected the shape"):
+        M.topk_recall(p, p[:, :5], k=3)
+    with pytest.raises(kvqrs.KvqrsError, match="x_hat: expected the shape"):
+        M.snr_db(np.ones((10, 8)), 2 * np.ones(8))
+    with pytest.raises(kvqrs.KvqrsError, match="confidence"):
+        M.mean_ci([1, 2, 3], confidence=1.5)
+    with pytest.raises(kvqrs.KvqrsError, match="permutations"):
+        M.energy_distance(np.ones((3, 2)), np.zeros((3, 2)), permutations=-1)
+
+
+@pytest.mark.parametrize("kwargs", [{"outlier_channels": -1}, {"outlier_scale": np.nan}, {"noise": np.nan}, {"sharpness": np.inf}])
+def test_synthetic_rejects_bad_parameters(kwargs):
+    from kvqrs.synthetic import generate
+
+    with pytest.raises(kvqrs.KvqrsError):
+        generate("heavy-3", tokens=8, n_queries=2, head_dim=16, seed=0, **kwargs)
+    with pytest.raises(kvqrs.KvqrsError, match="after '-'"):
+        generate("heavy-", tokens=8, n_queries=2, head_dim=16, seed=0)
+
+
+@pytest.mark.parametrize("args", [["study", "--quick", "--seeds", "0"], ["study", "--quick", "--permutations", "-1"]])
+def test_study_cli_rejects_non_positive_counts(args):
+    out = subprocess.run([sys.executable, "-m", "kvqrs", *args], capture_output=True, text=True)
+    assert out.returncode == 2 and "expected a positive integer" in out.stderr and "Traceback" not in out.stderr

@@ -91,7 +91,10 @@ def _study(args: argparse.Namespace) -> int:
 
     config = StudyConfig.quick() if args.quick else StudyConfig()
     overrides = {k: tuple(v) for k, v in (("schemes", args.schemes), ("bits", args.bits), ("distributions", args.distributions), ("head_dims", args.head_dims)) if v}
-    overrides.update({k: v for k, v in (("seeds", args.seeds), ("tokens", args.tokens), ("n_queries", args.queries)) if v})
+    for name, value in (("--seeds", args.seeds), ("--tokens", args.tokens), ("--queries", args.queries), ("--permutations", args.permutations)):
+        if value is not None and value < 1:
+            raise KvqrsError(f"{name}: expected a positive integer, got {value}")
+    overrides.update({k: v for k, v in (("seeds", args.seeds), ("tokens", args.tokens), ("n_queries", args.queries)) if v is not None})
     config = dataclasses.replace(config, **overrides)
     print(f"kvqrs study: {len(config.cells())} cells x {config.seeds} seeds -> {args.out}")
     rows, seconds = run_study(config, progress=not args.no_progress)
@@ -116,8 +119,13 @@ def _eval(args: argparse.Namespace) -> int:
         texts = text.from_wikitext(args.wikitext)
     else:
         texts = text.default()
-    window = args.window or (256 if args.quick else 512)
-    windows = args.windows or (1 if args.quick else 3)
+    for name, value in (("--window", args.window), ("--windows", args.windows), ("--calibration-windows", args.calibration_windows), ("--threads", args.threads)):
+        if value is not None and value < 1:
+            raise KvqrsError(f"{name}: expected a positive integer, got {value}")
+    if args.window is not None and args.window > 8192:
+        raise KvqrsError(f"--window: expected at most the model's context of 8192 tokens, got {args.window}")
+    window = args.window if args.window is not None else (256 if args.quick else 512)
+    windows = args.windows if args.windows is not None else (1 if args.quick else 3)
     import torch
 
     # One intra-op thread by default: with two, PyTorch's OpenMP workers spin-wait whenever the
@@ -128,6 +136,8 @@ def _eval(args: argparse.Namespace) -> int:
     rows = default_rows(quick=args.quick, residual_length=args.residual_length)
     if args.rows:
         rows = [r for r in rows if r.name == "dense" or any(r.name.startswith(p) for p in args.rows)]
+        if len(rows) == 1:
+            raise KvqrsError(f"--rows: no row label starts with any of {args.rows}")
     print(f"kvqrs eval: {len(rows)} rows x {windows} windows of {window} tokens, text: {texts.source}")
     result = run_eval(model, tok, texts, rows, window, windows, calib_windows=args.calibration_windows, progress=not args.no_progress)
     seconds = time.perf_counter() - start
@@ -185,6 +195,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args.func(args))
+    except OSError as e:
+        parser.exit(2, f"kvqrs {args.command}: error: {e}\n")
     except KvqrsError as e:
         parser.exit(2, f"kvqrs {args.command}: error: {e}\n")
 

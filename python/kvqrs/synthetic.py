@@ -30,7 +30,9 @@ class Head:
 
 def parse(name: str) -> tuple[str, float | None]:
     """Split ``"heavy-1.05"`` into ``("heavy", 1.05)``; raises :class:`KvqrsError` if unknown."""
-    base, _, arg = name.partition("-")
+    base, dash, arg = name.partition("-")
+    if dash and not arg:
+        raise KvqrsError(f"distribution: expected a number after '-', got {name!r}")
     if base not in DISTRIBUTIONS:
         raise KvqrsError(f"distribution: expected one of {DISTRIBUTIONS} (optionally '-<param>'), got {name!r}")
     if not arg:
@@ -72,7 +74,13 @@ def generate(name: str, *, tokens: int, n_queries: int, head_dim: int, seed: int
     Raises:
         KvqrsError: unknown distribution or non-positive sizes, nu <= 1, rank < 1.
     """
+    if not isinstance(name, str):
+        raise KvqrsError(f"distribution: expected a name such as 'heavy-3', got {name!r}")
     base, param = parse(name)
+    channels = check_positive_int(outlier_channels, "outlier_channels", minimum=0)
+    for arg, value in (("outlier_scale", outlier_scale), ("noise", noise), ("sharpness", sharpness)):
+        if not (isinstance(value, (int, float)) and np.isfinite(value) and abs(value) < 1e6):
+            raise KvqrsError(f"{arg}: expected a finite number of moderate size, got {value!r}")
     t = check_positive_int(tokens, "tokens")
     nq = check_positive_int(n_queries, "n_queries")
     d = check_positive_int(head_dim, "head_dim", minimum=2)
@@ -84,7 +92,7 @@ def generate(name: str, *, tokens: int, n_queries: int, head_dim: int, seed: int
         if param is None or param <= 1.0:
             raise KvqrsError(f"distribution: heavy needs nu > 1 (finite mean), got {name!r}")
         k, v = _student_t(rng, param, (t, d)), _student_t(rng, param, (t, d))
-        k[:, rng.choice(d, size=min(outlier_channels, d), replace=False)] *= outlier_scale
+        k[:, rng.choice(d, size=min(channels, d), replace=False)] *= outlier_scale
     elif base == "lowrank":
         r = int(param or 0)
         if not 1 <= r <= d:

@@ -19,7 +19,7 @@ def table(result: dict) -> str:
     for r in result["rows"]:
         lines.append(
             f"| {r['row']} | {r['group']} | {r['ppl']:.3f} | {r['excess_ppl']:+.3f} | {r['kl_mean']:.4f} | {r['kl_max']:.3f} | "
-            f"{r['top1']:.3f} | {r['bpe_k']:.3f} | {r['bpe_v']:.3f} | {r['cache_bytes']:,} |"
+            f"{r['top1']:.3f} | {r['bpe_k']:.3f} | {r['bpe_v']:.3f} | {r['cache_bytes']:,} |".replace("| -1 |", "| n/a (fast path only) |")
         )
     return "\n".join(lines)
 
@@ -56,6 +56,8 @@ def plot(result: dict, path: pathlib.Path) -> pathlib.Path:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    # One colour per scheme in both panels; excess at or below zero is drawn at 1e-3 (log axis).
+    colours = {s: f"C{i}" for i, s in enumerate(sorted({r["row"].split(" ")[0] for r in result["rows"]}))}
     for ax, group in zip(axes, ("key-only", "full KV")):
         series: dict[str, list] = {}
         for r in result["rows"]:
@@ -64,14 +66,15 @@ def plot(result: dict, path: pathlib.Path) -> pathlib.Path:
             scheme = r["row"].split(" ")[0]
             bpe = r["bpe_k"] if group == "key-only" else (r["bpe_k"] + r["bpe_v"]) / 2
             series.setdefault(scheme, []).append((bpe, max(r["excess_ppl"], 1e-3)))
-        for i, (scheme, pts) in enumerate(sorted(series.items())):
+        for scheme, pts in sorted(series.items()):
             pts.sort()
-            ax.plot(*zip(*pts), marker="o", color=f"C{i}", label=scheme)
+            ax.plot(*zip(*pts), marker="o", color=colours[scheme], label=scheme)
         ax.set_yscale("log")
         ax.set_xlabel("bits per element (keys)" if group == "key-only" else "bits per element (mean of K and V)")
         ax.set_ylabel("excess perplexity over dense")
         ax.set_title(group)
-        ax.legend(fontsize=7)
+        if series:
+            ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

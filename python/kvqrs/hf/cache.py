@@ -223,6 +223,8 @@ class QuantizedKVCache(Cache):
         super().__init__(layers=[QuantizedLayer(config, i) for i in range(num_layers)])
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        if not 0 <= layer_idx < len(self.layers):
+            raise KvqrsError(f"num_layers: this cache has {len(self.layers)} layers, the model updated layer {layer_idx}")
         _STATE.set(self)  # the kvqrs attention function of this layer consults this cache
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 

@@ -48,6 +48,16 @@ class QuantConfig:
     _codecs: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        from ..schemes.codec import KEY_SCHEMES, VALUE_SCHEMES
+        from .._arrays import check_bits
+
+        if self.key_scheme is not None and self.key_scheme not in KEY_SCHEMES:
+            raise KvqrsError(f"key_scheme: expected one of {KEY_SCHEMES} or None, got {self.key_scheme!r}")
+        if self.value_scheme is not None and self.value_scheme not in VALUE_SCHEMES:
+            raise KvqrsError(f"value_scheme: expected one of {VALUE_SCHEMES} or None, got {self.value_scheme!r}")
+        check_bits(self.key_bits, "key_bits")
+        if self.value_bits is not None:
+            check_bits(self.value_bits, "value_bits")
         if self.residual_length < 0:
             raise KvqrsError(f"residual_length: expected >= 0, got {self.residual_length}")
 

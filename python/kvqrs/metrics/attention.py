@@ -7,6 +7,8 @@ from __future__ import annotations
 import numpy as np
 from scipy.special import log_softmax
 
+from .._arrays import KvqrsError
+
 
 def attention_logits(q: np.ndarray, k: np.ndarray) -> np.ndarray:
     """``q k^T / sqrt(d)`` in float64: ``(..., nq, T)`` from q ``(..., nq, d)``, k ``(..., T, d)``."""
@@ -25,8 +27,14 @@ def kl_divergence(logits: np.ndarray, logits_hat: np.ndarray) -> np.ndarray:
     Computed from log-softmax, so a probability that underflows to 0 never yields inf or NaN;
     a single token gives 0.
     """
-    lp = log_softmax(np.asarray(logits, dtype=np.float64), axis=-1)
-    lq = log_softmax(np.asarray(logits_hat, dtype=np.float64), axis=-1)
+    a = np.asarray(logits, dtype=np.float64)
+    b = np.asarray(logits_hat, dtype=np.float64)
+    if a.shape != b.shape or a.ndim == 0 or a.shape[-1] == 0:
+        raise KvqrsError(f"logits: expected two equal shapes (..., tokens >= 1), got {a.shape} and {b.shape}")
+    if np.isnan(a).any() or np.isnan(b).any() or np.isposinf(a).any() or np.isposinf(b).any():
+        raise KvqrsError("logits: expected finite logits (or -inf for masked tokens), got NaN or +inf")
+    lp = log_softmax(a, axis=-1)
+    lq = log_softmax(b, axis=-1)
     p = np.exp(lp)
     # A token with p = 0 (a masked, -inf logit) contributes nothing, whatever p_hat is.
     with np.errstate(invalid="ignore"):
@@ -48,7 +56,11 @@ def topk_recall(p: np.ndarray, p_hat: np.ndarray, k: int = 5) -> np.ndarray:
     Ties are broken by token index (stable sort), identically on both sides.
     """
     p = np.asarray(p)
-    kk = min(k, p.shape[-1])
+    if isinstance(k, bool) or int(k) != k or k < 1:
+        raise KvqrsError(f"k: expected an integer >= 1, got {k!r}")
+    if np.shape(p_hat) != p.shape:
+        raise KvqrsError(f"p_hat: expected the shape of p {p.shape}, got {np.shape(p_hat)}")
+    kk = min(int(k), p.shape[-1])
     if kk == 0:
         return np.ones(p.shape[:-1])
     top = np.argsort(-p, axis=-1, kind="stable")[..., :kk]

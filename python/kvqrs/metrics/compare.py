@@ -11,6 +11,8 @@ import numpy as np
 from scipy import stats
 from scipy.spatial.distance import cdist
 
+from .._arrays import KvqrsError
+
 
 @dataclass(frozen=True)
 class TestResult:
@@ -58,6 +60,8 @@ def energy_distance(x, y, permutations: int = 999, seed: int = 0) -> TestResult:
     Each coordinate is standardised by the pooled standard deviation first (the 6D point mixes
     dB and radians); constant coordinates are left as they are. Effect is the distance itself.
     """
+    if permutations < 1:
+        raise KvqrsError(f"permutations: expected >= 1, got {permutations}")
     x = np.asarray(x, dtype=np.float64)
     y = np.asarray(y, dtype=np.float64)
     if x.size == 0 or y.size == 0:
@@ -96,6 +100,8 @@ def spearman(x, y) -> TestResult:
 def mean_ci(x, confidence: float = 0.95) -> tuple[float, float, float]:
     """Mean and Student-t confidence interval ``(mean, low, high)``; one sample gives a zero-width
     interval, an empty one ``(0, 0, 0)``."""
+    if not 0 < confidence < 1:
+        raise KvqrsError(f"confidence: expected a level in (0, 1), got {confidence}")
     a = _clean(x)
     if len(a) == 0:
         return 0.0, 0.0, 0.0

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .._arrays import KvqrsError
+
 SNR_CEILING_DB = 300.0
 """SNR reported for an exact reconstruction (float64 round-off is about 310 dB)."""
 
@@ -27,6 +29,8 @@ def snr_db(x: np.ndarray, x_hat: np.ndarray) -> float:
         float in ``[-SNR_CEILING_DB, SNR_CEILING_DB]``.
     """
     x = np.asarray(x, dtype=np.float64)
+    if x.shape != np.shape(x_hat):
+        raise KvqrsError(f"x_hat: expected the shape of x {x.shape}, got {np.shape(x_hat)}")
     err = float(np.sum((x - np.asarray(x_hat, dtype=np.float64)) ** 2))
     sig = float(np.sum(x**2))
     if err == 0.0:

@@ -74,8 +74,12 @@ class A2ValueCoder:
             widths = np.full(v.shape[:-1], self.bits, dtype=np.uint8)
         else:
             w = np.asarray(weights, dtype=np.float64)
-            if w.shape != v.shape[:-1] or not np.all(np.isfinite(w)) or np.any(w < 0):
-                raise KvqrsError(f"weights: expected finite non-negative importances of shape {v.shape[:-1]}, got shape {w.shape}")
+            if w.shape != v.shape[:-1]:
+                raise KvqrsError(f"weights: expected importances of shape {v.shape[:-1]}, got shape {w.shape}")
+            bad = ~np.isfinite(w) | (w < 0)
+            if bad.any():
+                pos = tuple(int(i) for i in np.argwhere(bad)[0])
+                raise KvqrsError(f"weights: expected finite non-negative importances, got {w[pos]} at index {pos}")
             widths = allocate_bits(w, np.sum(v32.astype(np.float64) ** 2, axis=-1), self.bits, self.head_dim)
         # All widths of the tensor form one bit stream: 3 bits per token.
         parts: dict[str, np.ndarray] = {"widths": pack_bits(widths.reshape(-1) - MIN_BITS, 3)}

@@ -136,7 +136,9 @@ class KVCodec:
             self.side_bits = check_bits(side_bits, "side_bits")
             self._base = _key_coder(headq_base, self.bits, self.head_dim, self.seed, self.group)
             self.keys = None
-            if isinstance(basis, str) and basis == "random":
+            if isinstance(basis, str):
+                if basis != "random":
+                    raise KvqrsError(f"basis: expected an array, None or 'random', got {basis!r}")
                 basis = random_orthonormal_basis(derive_seed(self.seed, _RANDOM_BASIS), self.head_dim, self.rank)
             if basis is not None:
                 self.set_basis(basis)
@@ -162,6 +164,8 @@ class KVCodec:
         if self.scheme != "headq":
             raise KvqrsError(f"calibrate: only the headq scheme has a basis, this codec is {self.scheme!r}")
         q = np.asarray(queries)
+        if q.ndim not in (2, 3) or q.shape[-2] < self.rank:
+            raise KvqrsError(f"queries: expected (n, d) or (kv_heads, n, d) with n >= rank = {self.rank}, got shape {q.shape}")
         basis = headq_basis(q, self.rank) if q.ndim == 2 else np.stack([headq_basis(h, self.rank) for h in q])
         self.set_basis(basis)
         return basis
@@ -208,6 +212,9 @@ class KVCodec:
         qa = np.asarray(q, dtype=np.float32)
         if qa.ndim < 2 or qa.shape[-1] != self.head_dim:
             raise KvqrsError(f"q: expected shape (..., nq, {self.head_dim}), got {qa.shape}")
+        if not np.isfinite(qa).all():
+            pos = tuple(int(i) for i in np.argwhere(~np.isfinite(qa))[0])
+            raise KvqrsError(f"q: expected finite queries, got {qa[pos]} at index {pos}")
         kv_lead = tuple(ck.shape[:-2])
         q_lead = qa.shape[:-2]
         if q_lead == kv_lead:
@@ -221,12 +228,17 @@ class KVCodec:
 
     def slice_tokens(self, enc: Encoded, n: int) -> Encoded:
         """The first ``n`` tokens of an encoded tensor, codes untouched (cache crop)."""
+        if not 0 <= int(n) <= enc.shape[-2]:
+            raise KvqrsError(f"n: expected 0 <= n <= {enc.shape[-2]} tokens, got {n}")
         coder = self._key_coder() if enc.kind == "keys" else self.values
         return coder.slice_tokens(enc, n)
 
     def concat(self, encs: list[Encoded]) -> Encoded:
         """Join chunks of consecutive tokens encoded by this codec (keys or values)."""
         coder = self._key_coder() if encs and encs[0].kind == "keys" else self.values
+        base = getattr(coder, "base", coder)
+        if hasattr(base, "check_concat"):
+            base.check_concat(encs)
         return concat_tokens(encs, coder.token_axes())
 
     # -- values --------------------------------------------------------------------------------
@@ -253,6 +265,12 @@ class KVCodec:
         Returns:
             output float32 ``(..., q_heads, nq, d)`` and probabilities ``(..., q_heads, nq, T)``.
         """
+        if self.values is None or not isinstance(cv, Encoded) or cv.kind != "values":
+            raise KvqrsError("cv: expected encoded values (this codec's value_scheme must not be 'none')")
+        if cv.shape[:-1] != ck.shape[:-1]:
+            raise KvqrsError(f"cv: expected values with the keys' heads and tokens {ck.shape[:-1]}, got {cv.shape[:-1]}")
+        if ck.shape[-2] == 0:
+            raise KvqrsError("ck: expected at least one token to attend to, got 0")
         s = self.scores(q, ck).astype(np.float64)
         p = np.exp(s - s.max(axis=-1, keepdims=True))
         p /= p.sum(axis=-1, keepdims=True)

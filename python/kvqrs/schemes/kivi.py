@@ -33,6 +33,11 @@ class KIVICoder:
         axis = -1 if self.per_channel else -2
         return {"codes": axis, "scales": axis, "zeros": axis}
 
+    def check_concat(self, encs: list[Encoded]) -> None:
+        """Per-channel key chunks join only if every chunk but the last holds whole groups."""
+        if self.per_channel and any(e.shape[-2] % self.group or (e.shape[-2] * self.bits) % 8 for e in encs[:-1]):
+            raise KvqrsError(f"encoded: per-channel KIVI key chunks must hold whole groups of {self.group} tokens, got {[e.shape[-2] for e in encs]}")
+
     def slice_tokens(self, enc: Encoded, n: int) -> Encoded:
         """The first ``n`` tokens. Per-channel keys keep whole groups only: ``n`` must be a
         multiple of ``group`` whose codes end on a byte (``n * bits % 8 == 0``)."""
