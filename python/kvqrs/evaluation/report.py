@@ -7,7 +7,6 @@ import csv
 import itertools
 import json
 import pathlib
-from collections import defaultdict
 
 import numpy as np
 
@@ -18,17 +17,10 @@ PAIR_FIELDS = ["distribution", "head_dim", "bits", "a", "b", "mw_p", "rank_biser
 TABLE_METRICS = ("kl_mean", "kl_max", "topk_recall", "snr_k", "phi_k", "snr_v", "snr_t", "phi_t", "bpe_k", "bpe_v")
 
 
-def _groups(rows: list[dict], keys: tuple[str, ...]) -> dict:
-    out: dict = defaultdict(list)
-    for r in rows:
-        out[tuple(r[k] for k in keys)].append(r)
-    return out
-
-
 def cell_table(rows: list[dict]) -> list[dict]:
     """Per-cell means with 95% Student-t intervals of the table metrics."""
     out = []
-    for key, rs in sorted(_groups(rows, ("distribution", "head_dim", "bits", "scheme")).items()):
+    for key, rs in sorted(theory.group_by(rows, "distribution", "head_dim", "bits", "scheme").items()):
         entry = dict(zip(("distribution", "head_dim", "bits", "scheme"), key), samples=len(rs))
         for m in TABLE_METRICS:
             entry[m] = mean_ci([r[m] for r in rs])
@@ -40,8 +32,8 @@ def pairwise(rows: list[dict], permutations: int) -> list[dict]:
     """Every pair of schemes in every (distribution, head_dim, n) cell: Mann-Whitney and KS on
     per-sample mean KL, energy distance on the 6D clouds."""
     out = []
-    for (dist, d, n), rs in sorted(_groups(rows, ("distribution", "head_dim", "bits")).items()):
-        by = _groups(rs, ("scheme",))
+    for (dist, d, n), rs in sorted(theory.group_by(rows, "distribution", "head_dim", "bits").items()):
+        by = theory.group_by(rs, "scheme")
         for (a,), (b,) in itertools.combinations(sorted(by), 2):
             ka = [r["kl_mean"] for r in by[(a,)]]
             kb = [r["kl_mean"] for r in by[(b,)]]

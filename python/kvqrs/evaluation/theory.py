@@ -37,7 +37,8 @@ def qjl_inflation(head_dim: int = 128, trials: int = 2000, seed: int = 0) -> dic
             "bias_z": float(np.mean(est - truth) / (np.std(est, ddof=1) / math.sqrt(trials)))}
 
 
-def _by(rows: list[dict], *keys: str) -> dict:
+def group_by(rows: list[dict], *keys: str) -> dict:
+    """Sample rows grouped by the values of ``keys`` (tuple keys)."""
     out: dict = defaultdict(list)
     for r in rows:
         out[tuple(r[k] for k in keys)].append(r)
@@ -47,7 +48,7 @@ def _by(rows: list[dict], *keys: str) -> dict:
 def two_pi_factor(rows: list[dict]) -> list[dict]:
     """Score-error variance ratio qkqv / kqv keys per (distribution, head_dim, n)."""
     out = []
-    for (dist, d, n), rs in sorted(_by(rows, "distribution", "head_dim", "bits").items()):
+    for (dist, d, n), rs in sorted(group_by(rows, "distribution", "head_dim", "bits").items()):
         a = [r["score_mse"] for r in rs if r["scheme"] == "qkqv"]
         b = [r["score_mse"] for r in rs if r["scheme"] == "kqv"]
         if not a or not b:
@@ -62,7 +63,7 @@ def kl_ratio(rows: list[dict], num: str = "qkqv", den: str = "kqv") -> list[dict
     """Mean-KL ratio ``num / den`` per (distribution, head_dim, n), with the Mann-Whitney test on
     per-sample mean KL."""
     out = []
-    for (dist, d, n), rs in sorted(_by(rows, "distribution", "head_dim", "bits").items()):
+    for (dist, d, n), rs in sorted(group_by(rows, "distribution", "head_dim", "bits").items()):
         a = [r["kl_mean"] for r in rs if r["scheme"] == num]
         b = [r["kl_mean"] for r in rs if r["scheme"] == den]
         if not a or not b:
@@ -78,7 +79,7 @@ def lowrank_vs_gaussian(rows: list[dict]) -> list[dict]:
     against ``gaussian`` (rotation-based codebooks assume isotropic directions; low-rank keys
     are not)."""
     out = []
-    by = _by(rows, "distribution", "head_dim", "bits", "scheme")
+    by = group_by(rows, "distribution", "head_dim", "bits", "scheme")
     for (dist, d, n, s), rs in sorted(by.items()):
         if not dist.startswith("lowrank") or ("gaussian", d, n, s) not in by:
             continue
@@ -93,7 +94,7 @@ def lowrank_vs_gaussian(rows: list[dict]) -> list[dict]:
 def direction_crossover(rows: list[dict]) -> list[dict]:
     """Mean phi_K of kqv and qkqv per (distribution, head_dim, n) and which is smaller."""
     out = []
-    for (dist, d, n), rs in sorted(_by(rows, "distribution", "head_dim", "bits").items()):
+    for (dist, d, n), rs in sorted(group_by(rows, "distribution", "head_dim", "bits").items()):
         a = [r["phi_k"] for r in rs if r["scheme"] == "kqv"]
         b = [r["phi_k"] for r in rs if r["scheme"] == "qkqv"]
         if not a or not b:
