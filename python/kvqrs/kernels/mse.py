@@ -85,6 +85,16 @@ def mse_decode(
         KvqrsError: codes of the wrong width or out of range, norms of the wrong shape or dtype,
             negative or non-finite norms.
     """
+    flat, n, leading, b, d, s = decode_args(codes, norms, bits, head_dim, seed)
+    out = _native.mse_decode(flat, n, d, b, s)
+    return restore(out, leading, d, check_out_dtype(dtype))
+
+
+def decode_args(
+    codes: Any, norms: Any, bits: int, head_dim: int, seed: int | None
+) -> tuple[np.ndarray, np.ndarray, tuple[int, ...], int, int, int | None]:
+    """Validate :func:`mse_decode`'s arguments; returns ``(flat codes, flat norms, leading,
+    bits, head_dim, seed)``."""
     b = check_bits(bits)
     d = check_positive_int(head_dim, "head_dim", minimum=2)
     s = check_seed(seed)
@@ -92,6 +102,4 @@ def mse_decode(
     code_dim = d if s is None else padded_dim(d)
     if width != code_dim:
         raise KvqrsError(f"codes: expected a last axis of {code_dim} codes for head_dim {d}, got {width}")
-    n = as_scalars(norms, "norms", leading)
-    out = _native.mse_decode(flat, n, d, b, s)
-    return restore(out, leading, d, check_out_dtype(dtype))
+    return flat, as_scalars(norms, "norms", leading), leading, b, d, s

@@ -52,6 +52,12 @@ def unpack_bits(packed: Any, bits: int, count: int) -> np.ndarray:
         KvqrsError: bits outside 1..8, a non-uint8 dtype, or a last axis that is not
             ``ceil(count * bits / 8)`` bytes.
     """
+    flat, leading, b, n = packed_rows(packed, bits, count)
+    return _native.unpack_bits(flat, n, b).reshape(*leading, n)
+
+
+def packed_rows(packed: Any, bits: int, count: int) -> tuple[np.ndarray, tuple[int, ...], int, int]:
+    """Validate :func:`unpack_bits`' arguments; returns ``(flat uint8, leading, bits, count)``."""
     b = check_bits(bits)
     n = check_positive_int(count, "count", minimum=0)
     arr = np.asarray(packed)
@@ -64,5 +70,4 @@ def unpack_bits(packed: Any, bits: int, count: int) -> np.ndarray:
         raise KvqrsError(
             f"packed: expected a last axis of {want} bytes for {n} codes of {b} bits, got shape {arr.shape}"
         )
-    flat = np.ascontiguousarray(arr).reshape(-1)
-    return _native.unpack_bits(flat, n, b).reshape(*arr.shape[:-1], n)
+    return np.ascontiguousarray(arr).reshape(-1), tuple(arr.shape[:-1]), b, n

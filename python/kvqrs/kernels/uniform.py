@@ -66,6 +66,14 @@ def uniform_decode(code: UniformCode, dtype: Any = np.float32) -> np.ndarray:
         KvqrsError: codes out of range, scales/zeros of the wrong shape or dtype, negative or
             non-finite scales.
     """
+    flat, s, z, leading, n = decode_args(code)
+    out = _native.uniform_decode(flat, s, z, n, code.group, code.bits)
+    return restore(out, leading, n, check_out_dtype(dtype))
+
+
+def decode_args(code: UniformCode) -> tuple[np.ndarray, np.ndarray, np.ndarray, tuple[int, ...], int]:
+    """Validate :func:`uniform_decode`'s code; returns ``(flat codes, flat scales, flat zeros,
+    leading, n)``."""
     if not isinstance(code, UniformCode):
         raise KvqrsError(f"code: expected a UniformCode from uniform_encode, got {type(code).__name__}")
     b = check_bits(code.bits, "code.bits")
@@ -78,5 +86,4 @@ def uniform_decode(code: UniformCode, dtype: Any = np.float32) -> np.ndarray:
         )
     s = as_scalars(np.asarray(code.scales), "code.scales", (*leading, groups))
     z = as_scalars(np.asarray(code.zeros), "code.zeros", (*leading, groups))
-    out = _native.uniform_decode(flat, s, z, n, g, b)
-    return restore(out, leading, n, check_out_dtype(dtype))
+    return flat, s, z, leading, n

@@ -2,6 +2,7 @@
 ``headq`` (keys on any base) and the ``a2`` value allocation, behind :class:`KVCodec`."""
 
 from .a2 import A2ValueCoder, allocate_bits
+from .backend import CPU, Backend, get_backend
 from .base import Encoded
 from .codec import KEY_SCHEMES, SCHEMES, VALUE_SCHEMES, KVCodec, derive_seed
 from .headq import HeadQCoder
@@ -10,6 +11,8 @@ from .mse import MSECoder, MSEQJLCoder
 
 __all__ = [
     "A2ValueCoder",
+    "Backend",
+    "CPU",
     "Encoded",
     "HeadQCoder",
     "KEY_SCHEMES",
@@ -21,4 +24,5 @@ __all__ = [
     "VALUE_SCHEMES",
     "allocate_bits",
     "derive_seed",
+    "get_backend",
 ]

@@ -10,7 +10,8 @@ from __future__ import annotations
 import numpy as np
 
 from .._arrays import KvqrsError
-from ..kernels import lloyd_max_codebook, mse_decode, mse_encode, pack_bits, padded_dim, unpack_bits
+from ..kernels import lloyd_max_codebook, padded_dim
+from .backend import CPU, Backend
 from .base import Encoded, as_float_array, check_encoded, check_head_dim
 
 MIN_BITS, MAX_BITS = 1, 8
@@ -59,12 +60,13 @@ class A2ValueCoder:
     ``weights=None`` every token gets ``bits`` (the uniform allocation).
     """
 
-    def __init__(self, head_dim: int, bits: int, seed: int, scheme: str = "a2"):
+    def __init__(self, head_dim: int, bits: int, seed: int, scheme: str = "a2", backend: Backend = CPU):
         if not MIN_BITS <= bits <= MAX_BITS:
             raise KvqrsError(f"bits: expected an average width in {MIN_BITS}..{MAX_BITS}, got {bits}")
         self.head_dim, self.bits, self.seed, self.scheme, self.kind = head_dim, bits, seed, scheme, "values"
         self.code_dim = padded_dim(head_dim)
         self.params = {"bits": bits, "seed": seed}
+        self.k = backend
 
     def encode(self, v, weights=None) -> Encoded:
         v = as_float_array(v, "values")
@@ -82,18 +84,18 @@ class A2ValueCoder:
                 raise KvqrsError(f"weights: expected finite non-negative importances, got {w[pos]} at index {pos}")
             widths = allocate_bits(w, np.sum(v32.astype(np.float64) ** 2, axis=-1), self.bits, self.head_dim)
         # All widths of the tensor form one bit stream: 3 bits per token.
-        parts: dict[str, np.ndarray] = {"widths": pack_bits(widths.reshape(-1) - MIN_BITS, 3)}
+        parts: dict[str, np.ndarray] = {"widths": self.k.pack_bits(widths.reshape(-1) - MIN_BITS, 3)}
         for b in np.unique(widths):
             sel = widths == b
-            code = mse_encode(v32[sel], int(b), self.seed)
-            parts[f"codes_{b}"] = pack_bits(code.codes, int(b))
+            code = self.k.mse_encode(v32[sel], int(b), self.seed)
+            parts[f"codes_{b}"] = self.k.pack_bits(code.codes, int(b))
             parts[f"norms_{b}"] = code.norms
         return Encoded(self.scheme, "values", v.shape, v.dtype, parts, self.params)
 
     def widths(self, enc: Encoded) -> np.ndarray:
         """Per-token widths ``(..., T)`` (uint8)."""
         n = int(np.prod(enc.shape[:-1]))
-        return (unpack_bits(enc.parts["widths"], 3, n).reshape(enc.shape[:-1]) + MIN_BITS).astype(np.uint8)
+        return (self.k.unpack_bits(enc.parts["widths"], 3, n).reshape(enc.shape[:-1]) + MIN_BITS).astype(np.uint8)
 
     def decode(self, enc: Encoded) -> np.ndarray:
         check_encoded(enc, self.scheme, "values", self.params)
@@ -101,6 +103,6 @@ class A2ValueCoder:
         out = np.zeros(enc.shape, dtype=np.float32)
         for b in np.unique(widths):
             sel = widths == b
-            codes = unpack_bits(enc.parts[f"codes_{b}"], int(b), self.code_dim)
-            out[sel] = mse_decode(codes, enc.parts[f"norms_{b}"], int(b), self.head_dim, self.seed)
+            codes = self.k.unpack_bits(enc.parts[f"codes_{b}"], int(b), self.code_dim)
+            out[sel] = self.k.mse_decode(codes, enc.parts[f"norms_{b}"], int(b), self.head_dim, self.seed)
         return out

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..kernels import hadamard, inverse_hadamard, pack_bits, padded_dim, unpack_bits
-from ..kernels.uniform import UniformCode, uniform_decode, uniform_encode
+from ..kernels import padded_dim
+from ..kernels.uniform import UniformCode
+from .backend import CPU, Backend
 from .base import Encoded, as_float_array, check_encoded, check_head_dim, slice_rows
 from .mse import decoded_scores
 
@@ -15,8 +16,9 @@ from .mse import decoded_scores
 class BlockCoder:
     """Rotation + asymmetric uniform blocks of ``group`` rotated coordinates."""
 
-    def __init__(self, head_dim: int, bits: int, seed: int, group: int, scheme: str, kind: str):
+    def __init__(self, head_dim: int, bits: int, seed: int, group: int, scheme: str, kind: str, backend: Backend = CPU):
         self.head_dim, self.bits, self.seed, self.group = head_dim, bits, seed, group
+        self.k = backend
         self.scheme, self.kind = scheme, kind
         self.code_dim = padded_dim(head_dim)
         self.params = {"bits": bits, "seed": seed, "group": group}
@@ -30,15 +32,15 @@ class BlockCoder:
     def encode(self, x) -> Encoded:
         x = as_float_array(x, self.kind)
         check_head_dim(x, self.head_dim, self.kind)
-        code = uniform_encode(hadamard(x.astype(np.float32), self.seed), self.bits, self.group)
-        parts = {"codes": pack_bits(code.codes, self.bits), "scales": code.scales, "zeros": code.zeros}
+        code = self.k.uniform_encode(self.k.hadamard(x.astype(np.float32), self.seed), self.bits, self.group)
+        parts = {"codes": self.k.pack_bits(code.codes, self.bits), "scales": code.scales, "zeros": code.zeros}
         return Encoded(self.scheme, self.kind, x.shape, x.dtype, parts, self.params)
 
     def decode(self, enc: Encoded) -> np.ndarray:
         check_encoded(enc, self.scheme, self.kind, self.params)
-        codes = unpack_bits(enc.parts["codes"], self.bits, self.code_dim)
-        y = uniform_decode(UniformCode(codes, enc.parts["scales"], enc.parts["zeros"], self.group, self.bits))
-        return inverse_hadamard(y, self.seed, self.head_dim)
+        codes = self.k.unpack_bits(enc.parts["codes"], self.bits, self.code_dim)
+        y = self.k.uniform_decode(UniformCode(codes, enc.parts["scales"], enc.parts["zeros"], self.group, self.bits))
+        return self.k.inverse_hadamard(y, self.seed, self.head_dim)
 
     def scores(self, q: np.ndarray, enc: Encoded) -> np.ndarray:
         return decoded_scores(q, self.decode(enc))

@@ -13,6 +13,7 @@ from ..kernels.rng import philox4x32_10, random_orthonormal_basis
 from ..kernels.headq import headq_basis
 from .a2 import A2ValueCoder
 from .block import BlockCoder
+from .backend import Backend, get_backend
 from .base import Encoded, concat_tokens
 from .headq import HeadQCoder
 from .kivi import KIVICoder
@@ -34,33 +35,33 @@ def derive_seed(seed: int, tag: int) -> int:
     return int(w[0]) | (int(w[1]) << 32)
 
 
-def _key_coder(scheme: str, bits: int, head_dim: int, seed: int, group: int):
+def _key_coder(scheme: str, bits: int, head_dim: int, seed: int, group: int, backend: Backend):
     rot, qjl = derive_seed(seed, _KEY_ROTATION), derive_seed(seed, _KEY_QJL)
     if scheme == "kv":
-        return MSECoder(head_dim, bits, None, scheme, "keys")
+        return MSECoder(head_dim, bits, None, scheme, "keys", backend)
     if scheme == "kqv":
-        return MSECoder(head_dim, bits, rot, scheme, "keys")
+        return MSECoder(head_dim, bits, rot, scheme, "keys", backend)
     if scheme == "qkqv":
-        return MSEQJLCoder(head_dim, bits, rot, qjl, scheme, "keys")
+        return MSEQJLCoder(head_dim, bits, rot, qjl, scheme, "keys", backend)
     if scheme == "kivi":
-        return KIVICoder(head_dim, bits, group, True, scheme, "keys")
+        return KIVICoder(head_dim, bits, group, True, scheme, "keys", backend)
     if scheme == "block":
-        return BlockCoder(head_dim, bits, rot, group, scheme, "keys")
+        return BlockCoder(head_dim, bits, rot, group, scheme, "keys", backend)
     raise KvqrsError(f"scheme: expected one of {KEY_SCHEMES} for keys, got {scheme!r}")
 
 
-def _value_coder(scheme: str, bits: int, head_dim: int, seed: int, group: int):
+def _value_coder(scheme: str, bits: int, head_dim: int, seed: int, group: int, backend: Backend):
     rot, qjl = derive_seed(seed, _VALUE_ROTATION), derive_seed(seed, _VALUE_QJL)
     if scheme == "kv":
-        return MSECoder(head_dim, bits, None, scheme, "values")
+        return MSECoder(head_dim, bits, None, scheme, "values", backend)
     if scheme in ("kqv", "qkqv"):
-        return MSEQJLCoder(head_dim, bits, rot, qjl, scheme, "values")
+        return MSEQJLCoder(head_dim, bits, rot, qjl, scheme, "values", backend)
     if scheme == "kivi":
-        return KIVICoder(head_dim, bits, group, False, scheme, "values")
+        return KIVICoder(head_dim, bits, group, False, scheme, "values", backend)
     if scheme == "a2":
-        return A2ValueCoder(head_dim, bits, rot)
+        return A2ValueCoder(head_dim, bits, rot, backend=backend)
     if scheme == "block":
-        return BlockCoder(head_dim, bits, rot, group, scheme, "values")
+        return BlockCoder(head_dim, bits, rot, group, scheme, "values", backend)
     if scheme == "none":
         return None
     raise KvqrsError(f"value_scheme: expected one of {VALUE_SCHEMES}, got {scheme!r}")
@@ -90,9 +91,14 @@ class KVCodec:
         basis: HeadQ basis ``(d, r)`` or ``(kv_heads, d, r)``; ``"random"`` for the seeded
             random-basis control; None until :meth:`calibrate` is called.
         sign: +1, or -1 for HeadQ's wrong-sign control.
+        backend: where the kernels run: ``"cpu"`` (the Rust path, default), ``"wgpu"`` (the WGSL
+            shaders of :mod:`kvqrs.gpu` on the default adapter), a ``kvqrs.gpu.Device`` or a
+            ``wgpu.GPUAdapter``, or a :class:`~kvqrs.schemes.backend.Backend`. The encoded
+            format does not depend on it: either backend decodes the other's tensors.
 
     Raises:
-        KvqrsError: unknown scheme, bad bits, head_dim, seed or HeadQ settings.
+        KvqrsError: unknown scheme or backend, bad bits, head_dim, seed or HeadQ settings; no
+            GPU adapter for ``backend="wgpu"`` (the message says what to install).
 
     Example::
 
@@ -117,7 +123,9 @@ class KVCodec:
         side_bits: int = 4,
         basis: Any = None,
         sign: int = 1,
+        backend: Any = "cpu",
     ):
+        self.backend = get_backend(backend)
         self.scheme = scheme
         self.bits = check_bits(bits)
         self.value_bits = self.bits if value_bits is None else check_bits(value_bits, "value_bits")
@@ -127,14 +135,14 @@ class KVCodec:
         if scheme not in KEY_SCHEMES:
             raise KvqrsError(f"scheme: expected one of {KEY_SCHEMES}, got {scheme!r}")
         self.value_scheme = value_scheme or ("kivi" if scheme == "headq" else scheme)
-        self.values = _value_coder(self.value_scheme, self.value_bits, self.head_dim, self.seed, self.group)
+        self.values = _value_coder(self.value_scheme, self.value_bits, self.head_dim, self.seed, self.group, self.backend)
         self.rank, self.side_bits, self.sign, self.headq_base = rank, side_bits, sign, headq_base
         if scheme == "headq":
             if headq_base not in HEADQ_BASES:
                 raise KvqrsError(f"headq_base: expected one of {HEADQ_BASES}, got {headq_base!r}")
             self.rank = check_positive_int(rank, "rank")
             self.side_bits = check_bits(side_bits, "side_bits")
-            self._base = _key_coder(headq_base, self.bits, self.head_dim, self.seed, self.group)
+            self._base = _key_coder(headq_base, self.bits, self.head_dim, self.seed, self.group, self.backend)
             self.keys = None
             if isinstance(basis, str):
                 if basis != "random":
@@ -143,7 +151,7 @@ class KVCodec:
             if basis is not None:
                 self.set_basis(basis)
         else:
-            self.keys = _key_coder(scheme, self.bits, self.head_dim, self.seed, self.group)
+            self.keys = _key_coder(scheme, self.bits, self.head_dim, self.seed, self.group, self.backend)
 
     # -- HeadQ calibration ------------------------------------------------------------------
     def set_basis(self, basis: Any) -> None:
@@ -284,6 +292,8 @@ class KVCodec:
     def __repr__(self) -> str:
         return (
             f"KVCodec(scheme={self.scheme!r}, bits={self.bits}, head_dim={self.head_dim}, seed={self.seed}, "
-            f"value_scheme={self.value_scheme!r}, value_bits={self.value_bits})"
+            f"value_scheme={self.value_scheme!r}, value_bits={self.value_bits}"
+            + ("" if self.backend.name == "cpu" else f", backend={self.backend.name!r}")
+            + ")"
         )
 

@@ -14,7 +14,6 @@ from typing import Any
 import numpy as np
 
 from .._arrays import KvqrsError
-from ..kernels import headq_decode, headq_encode, headq_score_correction, pack_bits, unpack_bits
 from ..kernels.headq import HeadQCode
 from .base import Encoded, as_float_array, check_encoded, slice_rows
 from .mse import blockwise
@@ -29,6 +28,8 @@ class HeadQCoder:
             with orthonormal columns; keys then have shape ``(..., kv_heads, tokens, d)``.
         side_bits: bits per side coordinate q.
         sign: +1, or -1 for the wrong-sign control.
+
+    The side code runs on the base coder's compute backend (its ``k`` attribute).
     """
 
     def __init__(self, base: Any, basis: np.ndarray, side_bits: int, sign: int, scheme: str):
@@ -38,6 +39,7 @@ class HeadQCoder:
         if b.ndim not in (2, 3) or b.shape[-2] != base.head_dim:
             raise KvqrsError(f"basis: expected (head_dim={base.head_dim}, rank) or (kv_heads, head_dim, rank), got shape {b.shape}")
         self.base, self.basis, self.side_bits, self.sign = base, b, side_bits, sign
+        self.k = base.k
         self.head_dim, self.rank, self.scheme, self.kind = base.head_dim, b.shape[-1], scheme, "keys"
         # The basis identity travels with the codes: decoding under another basis raises.
         self.params = {"base": dict(base.params, scheme=base.scheme), "side_bits": side_bits, "rank": self.rank,
@@ -70,11 +72,11 @@ class HeadQCoder:
         base = self.base.encode(k)
         residual = (k.astype(np.float32) - self.base.decode(base)).reshape(-1, *k.shape[-2:])
         bases = self._bases(k.shape[:-2])
-        sides = [headq_encode(residual[i], bases[i], self.side_bits) for i in range(len(bases))]
+        sides = [self.k.headq_encode(residual[i], bases[i], self.side_bits) for i in range(len(bases))]
         lead = k.shape[:-1]
         codes = np.stack([s.codes for s in sides]).reshape(*lead, self.rank)
         scales = np.stack([s.scales for s in sides]).reshape(lead)
-        parts = {**{f"base_{n}": v for n, v in base.parts.items()}, "side_codes": pack_bits(codes, self.side_bits), "side_scales": scales}
+        parts = {**{f"base_{n}": v for n, v in base.parts.items()}, "side_codes": self.k.pack_bits(codes, self.side_bits), "side_scales": scales}
         return Encoded(self.scheme, "keys", k.shape, k.dtype, parts, self.params)
 
     def _split(self, enc: Encoded) -> tuple[Encoded, HeadQCode]:
@@ -82,7 +84,7 @@ class HeadQCoder:
         base_parts = {n[5:]: v for n, v in enc.parts.items() if n.startswith("base_")}
         base_params = {k: v for k, v in enc.params["base"].items() if k != "scheme"}
         base = Encoded(self.base.scheme, "keys", enc.shape, enc.dtype, base_parts, base_params)
-        codes = unpack_bits(enc.parts["side_codes"], self.side_bits, self.rank)
+        codes = self.k.unpack_bits(enc.parts["side_codes"], self.side_bits, self.rank)
         return base, HeadQCode(codes, enc.parts["side_scales"], self.side_bits)
 
     def decode_base(self, enc: Encoded) -> np.ndarray:
@@ -99,7 +101,7 @@ class HeadQCoder:
         scales = side.scales.reshape(-1, side.scales.shape[-1])
 
         def block(b: int, qb: np.ndarray) -> np.ndarray:
-            return headq_score_correction(qb, HeadQCode(codes[b], scales[b], self.side_bits), bases[b])
+            return self.k.headq_score_correction(qb, HeadQCode(codes[b], scales[b], self.side_bits), bases[b])
 
         corr = blockwise(block, q.astype(np.float32), lead)
         return np.float32(self.sign / math.sqrt(self.head_dim)) * corr
@@ -111,7 +113,7 @@ class HeadQCoder:
         codes = side.codes.reshape(-1, *side.codes.shape[-2:])
         scales = side.scales.reshape(-1, side.scales.shape[-1])
         bases = self._bases(lead)
-        corr = np.stack([headq_decode(HeadQCode(codes[i], scales[i], self.side_bits), bases[i]) for i in range(len(bases))])
+        corr = np.stack([self.k.headq_decode(HeadQCode(codes[i], scales[i], self.side_bits), bases[i]) for i in range(len(bases))])
         return k_base + self.sign * corr.reshape(k_base.shape)
 
     def scores(self, q: np.ndarray, enc: Encoded) -> np.ndarray:

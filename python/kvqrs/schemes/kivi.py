@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..kernels import pack_bits, unpack_bits
-from ..kernels.uniform import UniformCode, uniform_decode, uniform_encode
+from ..kernels.uniform import UniformCode
 from .._arrays import KvqrsError
+from .backend import CPU, Backend
 from .base import Encoded, as_float_array, check_encoded, check_head_dim, slice_rows
 from .mse import decoded_scores
 
@@ -21,10 +21,12 @@ class KIVICoder:
         bits: 1..8.
         group: tokens per key group / channels per value group (KIVI uses 32).
         per_channel: True for keys (groups run along tokens), False for values.
+        backend: the kernels' compute path, the Rust one by default.
     """
 
-    def __init__(self, head_dim: int, bits: int, group: int, per_channel: bool, scheme: str, kind: str):
+    def __init__(self, head_dim: int, bits: int, group: int, per_channel: bool, scheme: str, kind: str, backend: Backend = CPU):
         self.head_dim, self.bits, self.group, self.per_channel = head_dim, bits, group, per_channel
+        self.k = backend
         self.scheme, self.kind = scheme, kind
         self.params = {"bits": bits, "group": group, "per_channel": per_channel}
 
@@ -59,15 +61,15 @@ class KIVICoder:
     def encode(self, x) -> Encoded:
         x = as_float_array(x, self.kind)
         check_head_dim(x, self.head_dim, self.kind)
-        code = uniform_encode(self._layout(x), self.bits, self.group)
-        parts = {"codes": pack_bits(code.codes, self.bits), "scales": code.scales, "zeros": code.zeros}
+        code = self.k.uniform_encode(self._layout(x), self.bits, self.group)
+        parts = {"codes": self.k.pack_bits(code.codes, self.bits), "scales": code.scales, "zeros": code.zeros}
         return Encoded(self.scheme, self.kind, x.shape, x.dtype, parts, self.params)
 
     def decode(self, enc: Encoded) -> np.ndarray:
         check_encoded(enc, self.scheme, self.kind, self.params)
         row = enc.shape[-2] if self.per_channel else enc.shape[-1]
-        codes = unpack_bits(enc.parts["codes"], self.bits, row)
-        out = uniform_decode(UniformCode(codes, enc.parts["scales"], enc.parts["zeros"], self.group, self.bits))
+        codes = self.k.unpack_bits(enc.parts["codes"], self.bits, row)
+        out = self.k.uniform_decode(UniformCode(codes, enc.parts["scales"], enc.parts["zeros"], self.group, self.bits))
         return self._layout(out)
 
     def scores(self, q: np.ndarray, enc: Encoded) -> np.ndarray:

@@ -13,21 +13,9 @@ import math
 import numpy as np
 
 from .._arrays import KvqrsError
-from ..kernels import (
-    hadamard,
-    inverse_hadamard,
-    lloyd_max_codebook,
-    lloyd_max_decode,
-    mse_decode,
-    mse_encode,
-    pack_bits,
-    padded_dim,
-    qjl_inner_product,
-    qjl_sketch,
-    qjl_vector_estimate,
-    unpack_bits,
-)
+from ..kernels import lloyd_max_codebook, padded_dim
 from ..kernels.qjl import QJLSketch
+from .backend import CPU, Backend
 from .base import Encoded, as_float_array, check_encoded, check_head_dim, slice_rows
 
 
@@ -53,10 +41,12 @@ class MSECoder:
         bits: 1..8.
         seed: rotation seed, or None for no rotation (the ``kv`` scheme).
         scheme, kind: labels recorded in the encoded tensors.
+        backend: the kernels' compute path (:mod:`kvqrs.schemes.backend`), the Rust one by default.
     """
 
-    def __init__(self, head_dim: int, bits: int, seed: int | None, scheme: str, kind: str):
+    def __init__(self, head_dim: int, bits: int, seed: int | None, scheme: str, kind: str, backend: Backend = CPU):
         self.head_dim, self.bits, self.seed, self.scheme, self.kind = head_dim, bits, seed, scheme, kind
+        self.k = backend
         self.code_dim = head_dim if seed is None else padded_dim(head_dim)
         self.codebook = lloyd_max_codebook(self.code_dim, bits)
         self.params = {"bits": bits, "seed": seed}
@@ -64,8 +54,8 @@ class MSECoder:
     def encode(self, x) -> Encoded:
         x = as_float_array(x, self.kind)
         check_head_dim(x, self.head_dim, self.kind)
-        code = mse_encode(x, self.bits, self.seed)
-        parts = {"codes": pack_bits(code.codes, self.bits), "norms": code.norms}
+        code = self.k.mse_encode(x, self.bits, self.seed)
+        parts = {"codes": self.k.pack_bits(code.codes, self.bits), "norms": code.norms}
         return Encoded(self.scheme, self.kind, x.shape, x.dtype, parts, self.params)
 
     def token_axes(self) -> dict[str, int]:
@@ -78,7 +68,7 @@ class MSECoder:
 
     def codes(self, enc: Encoded) -> np.ndarray:
         """Unpacked codes ``(..., tokens, code_dim)``."""
-        return unpack_bits(enc.parts["codes"], self.bits, self.code_dim)
+        return self.k.unpack_bits(enc.parts["codes"], self.bits, self.code_dim)
 
     def decode(self, enc: Encoded) -> np.ndarray:
         check_encoded(enc, self.scheme, self.kind, self.params)
@@ -86,11 +76,11 @@ class MSECoder:
 
     def decode_unchecked(self, enc: Encoded) -> np.ndarray:
         """Decode the MSE parts of ``enc`` (also when ``enc`` belongs to a composite coder)."""
-        return mse_decode(self.codes(enc), enc.parts["norms"], self.bits, self.head_dim, self.seed)
+        return self.k.mse_decode(self.codes(enc), enc.parts["norms"], self.bits, self.head_dim, self.seed)
 
     def rotated(self, enc: Encoded) -> np.ndarray:
         """The reconstruction in the code domain: ``||x|| * centroids[codes]`` (float32)."""
-        c = lloyd_max_decode(self.codes(enc), self.codebook)
+        c = self.k.lloyd_max_decode(self.codes(enc), self.codebook)
         return c * enc.parts["norms"].astype(np.float32)[..., None]
 
     def scores(self, q: np.ndarray, enc: Encoded) -> np.ndarray:
@@ -103,20 +93,21 @@ class MSEQJLCoder:
     Stored per token: ``(n-1) * d'`` code bits, the norm, ``d'`` sign bits and ``||r||``.
     """
 
-    def __init__(self, head_dim: int, bits: int, seed: int, qjl_seed: int, scheme: str, kind: str):
+    def __init__(self, head_dim: int, bits: int, seed: int, qjl_seed: int, scheme: str, kind: str, backend: Backend = CPU):
         if bits < 2:
             raise KvqrsError(f"bits: expected >= 2 for {kind} with a QJL residual ((n-1)-bit Lloyd-Max + 1-bit QJL), got {bits}")
         self.head_dim, self.bits, self.seed, self.qjl_seed = head_dim, bits, seed, qjl_seed
         self.scheme, self.kind = scheme, kind
-        self.mse = MSECoder(head_dim, bits - 1, seed, scheme, kind)
+        self.k = backend
+        self.mse = MSECoder(head_dim, bits - 1, seed, scheme, kind, backend)
         self.code_dim = self.mse.code_dim
         self.params = {"bits": bits, "seed": seed, "qjl_seed": qjl_seed}
 
     def encode(self, x) -> Encoded:
         x = as_float_array(x, self.kind)
         base = self.mse.encode(x)
-        residual = hadamard(x.astype(np.float32), self.seed) - self.mse.rotated(base)
-        sketch = qjl_sketch(residual, self.qjl_seed)
+        residual = self.k.hadamard(x.astype(np.float32), self.seed) - self.mse.rotated(base)
+        sketch = self.k.qjl_sketch(residual, self.qjl_seed)
         parts = dict(base.parts, qjl_signs=sketch.signs, qjl_norms=sketch.norms)
         return Encoded(self.scheme, self.kind, x.shape, x.dtype, parts, self.params)
 
@@ -131,15 +122,15 @@ class MSEQJLCoder:
 
     def decode(self, enc: Encoded) -> np.ndarray:
         check_encoded(enc, self.scheme, self.kind, self.params)
-        r_hat = qjl_vector_estimate(self._sketch(enc), self.qjl_seed)
-        return inverse_hadamard(self.mse.rotated(enc) + r_hat, self.seed, self.head_dim)
+        r_hat = self.k.qjl_vector_estimate(self._sketch(enc), self.qjl_seed)
+        return self.k.inverse_hadamard(self.mse.rotated(enc) + r_hat, self.seed, self.head_dim)
 
     def scores(self, q: np.ndarray, enc: Encoded) -> np.ndarray:
         """``(q . k_mse + <R q, r>_QJL) / sqrt(d)``: the residual enters through the unbiased
         inner-product estimator, never through a rebuilt key."""
         check_encoded(enc, self.scheme, self.kind, self.params)
         base = decoded_scores(q, self.mse.decode_unchecked(enc))
-        rq = hadamard(q.astype(np.float32), self.seed)
+        rq = self.k.hadamard(q.astype(np.float32), self.seed)
         sk = self._sketch(enc)
         lead = q.shape[:-2]
         signs = sk.signs.reshape(-1, *sk.signs.shape[-2:])
@@ -147,7 +138,7 @@ class MSEQJLCoder:
 
         def block(b: int, qb: np.ndarray) -> np.ndarray:
             part = QJLSketch(signs[b], norms[b], sk.m, sk.dim)
-            return qjl_inner_product(qb, part, self.qjl_seed)
+            return self.k.qjl_inner_product(qb, part, self.qjl_seed)
 
         est = blockwise(block, rq, lead)
         return base + est / np.float32(math.sqrt(self.head_dim))

@@ -1,0 +1,142 @@
+"""Host-side checks and conventions the WGSL path shares with the Rust path.
+
+The Rust kernels validate finiteness, code ranges and stored scalars themselves; the shaders
+cannot raise, so these checks run on the host before a dispatch, with the Rust path's messages
+(argument, row, position). Scalar storage (float16 where every value fits, float32 otherwise)
+is decided here for the whole call, exactly as ``rust/core/src/scalars.rs`` does.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from typing import Any, Callable, TypeVar
+
+import numpy as np
+
+from .._arrays import KvqrsError
+
+F16_MIN_NORMAL = np.float32(2.0**-14)
+F16_MAX = np.float32(65504.0)
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _position(mask: np.ndarray, dim: int) -> tuple[int, int, int]:
+    i = int(np.argmax(mask))
+    return i, i // max(dim, 1), i % max(dim, 1)
+
+
+def check_finite(flat: np.ndarray, dim: int, arg: str) -> None:
+    """Raise ``KvqrsError`` naming the first NaN/Inf of flat rows of ``dim`` values."""
+    bad = ~np.isfinite(flat)
+    if bad.any():
+        i, row, col = _position(bad, dim)
+        raise KvqrsError(f"{arg}: expected finite values, got {flat[i]} at row {row}, position {col}")
+
+
+def check_code_range(flat: np.ndarray, width: int, bits: int, arg: str) -> None:
+    """Raise for a uint8 code ``>= 2**bits`` (other dtypes are checked by ``as_code_rows``)."""
+    limit = 1 << bits
+    if flat.size and bits < 8 and int(flat.max()) >= limit:
+        i, row, col = _position(flat >= limit, width)
+        raise KvqrsError(
+            f"{arg}: code {int(flat[i])} at row {row}, position {col} does not fit in {bits} bits (expected < {limit})"
+        )
+
+
+def check_stored(values: np.ndarray, arg: str, signed: bool = False) -> np.ndarray:
+    """Stored scalars (norms, scales; zero points when ``signed``) as float32, checked finite
+    and, unless ``signed``, non-negative."""
+    v = np.ascontiguousarray(values, dtype=np.float32).reshape(-1)
+    bad = ~np.isfinite(v) if signed else ~(np.isfinite(v) & (v >= 0))
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise KvqrsError(
+            f"{arg}: expected finite stored scalars (non-negative for norms and scales), got {v[i]} at row {i}"
+        )
+    return v
+
+
+def check_overflow(values: np.ndarray, per_row: int, arg: str) -> None:
+    """Raise the Rust path's overflow error for the first row holding a non-finite result."""
+    bad = ~np.isfinite(values)
+    if bad.any():
+        _, row, _ = _position(bad, per_row)
+        raise KvqrsError(
+            f"{arg}: row {row} overflows float32 (expected values whose norm, range or result stays below 3.4e38)"
+        )
+
+
+def store(values: np.ndarray) -> np.ndarray:
+    """Storage of per-vector scalars: float16 when every value is 0 or has a magnitude in
+    ``[2**-14, 65504)``, else float32 (``ScalarPlane::store``; round to nearest even)."""
+    v = np.asarray(values, dtype=np.float32)
+    a = np.abs(v)
+    if np.all((v == 0) | ((a >= F16_MIN_NORMAL) & (a < F16_MAX))):
+        return v.astype(np.float16)
+    return v.copy()
+
+
+# -- torch tensors in and out ---------------------------------------------------------------------
+
+
+def _torch() -> Any:
+    return sys.modules.get("torch")
+
+
+def _to_numpy(v: Any, torch: Any) -> Any:
+    if isinstance(v, torch.Tensor):
+        t = v.detach()
+        if t.dtype == torch.bfloat16:
+            from ..torch import to_numpy  # noqa: PLC0415
+
+            return to_numpy(t)
+        return t.cpu().numpy()
+    if isinstance(v, tuple) and hasattr(v, "_fields"):
+        return type(v)(*(_to_numpy(x, torch) for x in v))
+    return v
+
+
+def _to_torch(v: Any, like: Any, torch: Any, float_like: bool) -> Any:
+    if isinstance(v, np.ndarray):
+        out = torch.from_numpy(np.ascontiguousarray(v))
+        if float_like and out.is_floating_point():
+            out = out.to(dtype=like.dtype)
+        return out.to(device=like.device)
+    if isinstance(v, tuple) and hasattr(v, "_fields"):
+        return type(v)(*(_to_torch(x, like, torch, False) for x in v))
+    return v
+
+
+def _first_tensor(values: Any, torch: Any) -> Any:
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            return v
+        if isinstance(v, tuple) and hasattr(v, "_fields"):
+            t = _first_tensor(v, torch)
+            if t is not None:
+                return t
+    return None
+
+
+def tensors_in_out(keep_dtype: bool = False) -> Callable[[F], F]:
+    """Let a NumPy kernel take torch tensors: tensors (also inside code tuples) are staged to
+    NumPy, and array results come back as tensors on the first tensor argument's device
+    (with its float dtype when ``keep_dtype``, for transforms that return the caller's dtype)."""
+
+    def wrap(fn: F) -> F:
+        @functools.wraps(fn)
+        def inner(*args: Any, **kwargs: Any) -> Any:
+            torch = _torch()
+            if torch is None:
+                return fn(*args, **kwargs)
+            like = _first_tensor([*args, *kwargs.values()], torch)
+            if like is None:
+                return fn(*args, **kwargs)
+            out = fn(*(_to_numpy(a, torch) for a in args), **{k: _to_numpy(v, torch) for k, v in kwargs.items()})
+            return _to_torch(out, like, torch, keep_dtype)
+
+        return inner  # type: ignore[return-value]
+
+    return wrap

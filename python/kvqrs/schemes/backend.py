@@ -1,0 +1,105 @@
+"""Compute backends of the schemes: which implementation of the kernels a coder composes.
+
+A :class:`Backend` exposes the kernel functions of SPEC section 2 under their
+:mod:`kvqrs.kernels` names. ``"cpu"`` is the Rust path (the default); ``"wgpu"`` is the WGSL path
+of :mod:`kvqrs.gpu` on its default device; a ``kvqrs.gpu.Device`` or ``wgpu.GPUAdapter`` selects
+a device explicitly. Both paths produce the same codes and formats, so a tensor encoded on one
+decodes on the other.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+from .. import kernels
+from .._arrays import KvqrsError
+
+KERNEL_FUNCTIONS = (
+    "hadamard",
+    "headq_decode",
+    "headq_encode",
+    "headq_score_correction",
+    "inverse_hadamard",
+    "lloyd_max_decode",
+    "lloyd_max_encode",
+    "mse_decode",
+    "mse_encode",
+    "pack_bits",
+    "qjl_inner_product",
+    "qjl_sketch",
+    "qjl_vector_estimate",
+    "uniform_decode",
+    "uniform_encode",
+    "unpack_bits",
+)
+"""The kernel functions every backend provides (the ones the schemes call)."""
+
+
+class Backend:
+    """The kernel functions of one compute path.
+
+    Args:
+        name: ``"cpu"`` or ``"wgpu"``.
+        functions: one callable per name in :data:`KERNEL_FUNCTIONS`, with the signature of
+            the :mod:`kvqrs.kernels` function of that name.
+
+    Raises:
+        KvqrsError: a kernel function is missing.
+    """
+
+    hadamard: Callable[..., Any]
+    headq_decode: Callable[..., Any]
+    headq_encode: Callable[..., Any]
+    headq_score_correction: Callable[..., Any]
+    inverse_hadamard: Callable[..., Any]
+    lloyd_max_decode: Callable[..., Any]
+    lloyd_max_encode: Callable[..., Any]
+    mse_decode: Callable[..., Any]
+    mse_encode: Callable[..., Any]
+    pack_bits: Callable[..., Any]
+    qjl_inner_product: Callable[..., Any]
+    qjl_sketch: Callable[..., Any]
+    qjl_vector_estimate: Callable[..., Any]
+    uniform_decode: Callable[..., Any]
+    uniform_encode: Callable[..., Any]
+    unpack_bits: Callable[..., Any]
+
+    def __init__(self, name: str, functions: dict[str, Callable[..., Any]]):
+        missing = [k for k in KERNEL_FUNCTIONS if k not in functions]
+        if missing:
+            raise KvqrsError(f"functions: backend {name!r} lacks the kernel functions {missing}")
+        self.name = name
+        for k in KERNEL_FUNCTIONS:
+            setattr(self, k, functions[k])
+
+    def __repr__(self) -> str:
+        return f"Backend({self.name!r})"
+
+
+CPU = Backend("cpu", {k: getattr(kernels, k) for k in KERNEL_FUNCTIONS})
+"""The Rust path (:mod:`kvqrs.kernels`)."""
+
+_gpu_backends: dict[int, Backend] = {}
+
+
+def get_backend(backend: Any = "cpu") -> Backend:
+    """Resolve ``backend``: ``"cpu"``, ``"wgpu"``, a :class:`Backend`, a ``kvqrs.gpu.Device``
+    or a ``wgpu.GPUAdapter``.
+
+    Raises:
+        KvqrsError: an unknown name, or (for the WGSL path) wgpu missing or no adapter; the
+            message says what to install.
+    """
+    if isinstance(backend, Backend):
+        return backend
+    if isinstance(backend, str) and backend == "cpu":
+        return CPU
+    if isinstance(backend, str) and backend != "wgpu":
+        raise KvqrsError(f"backend: expected 'cpu', 'wgpu', a kvqrs.gpu.Device or a wgpu.GPUAdapter, got {backend!r}")
+    from .. import gpu  # noqa: PLC0415 - wgpu is optional
+
+    dev = gpu.device(backend)
+    if id(dev) not in _gpu_backends:
+        _gpu_backends[id(dev)] = Backend("wgpu", {k: functools.partial(getattr(gpu, k), device=dev) for k in KERNEL_FUNCTIONS})
+    return _gpu_backends[id(dev)]

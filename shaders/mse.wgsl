@@ -1,0 +1,61 @@
+// kvqrs:requires common.wgsl
+//
+// mse.wgsl: the row norm of the norm-and-direction (MSE) stage (SPEC 2.4; docs/kernels.md
+// section 5, step 1), also used for the QJL residual norm ||r|| (section 6). The rest of the
+// MSE stage is composed on the host from the other kernels, all on the device in one
+// submission: encode = norms -> hadamard.forward -> lloyd_max.encode (divided by the norm);
+// decode = lloyd_max.decode -> hadamard.inverse (times the stored norm).
+//
+// The Rust path accumulates x_i^2 in float64 (eight strided accumulators, docs section 8) and
+// rounds sqrt once to float32. WGSL has no f64, so this shader scales the row by 2^-e, with
+// 2^e the binade of max|x_i| (exact: a power of two), accumulates (x_i 2^-e)^2 in float32 in
+// the same eight-accumulator order, and returns sqrt(sum) * 2^e. The scaling removes overflow
+// (a finite row never overflows unless its norm does); the float32 sum and the WGSL sqrt
+// (not required to be correctly rounded) make the norm differ from the Rust path's by a few
+// float32 ulps (stated tolerance in tests/test_gpu_mse.py), which moves a code only for a
+// coordinate within ~1e-6 of a Lloyd-Max boundary.
+//
+// Bindings (group 0):
+//   0  uniform  Params { items: u32, dim: u32 }
+//   1  storage, read        x: array<f32>          rows * dim
+//   2  storage, read_write  norms: array<f32>      rows (inf when the norm overflows float32)
+//
+// Entry point and grid: `norms`, one invocation per row (items = rows).
+
+struct Params {
+    items: u32,
+    dim: u32,
+}
+
+@group(0) @binding(0) var<uniform> params: Params;
+@group(0) @binding(1) var<storage, read> x: array<f32>;
+@group(0) @binding(2) var<storage, read_write> out_norms: array<f32>;
+
+@compute @workgroup_size(64)
+fn norms(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+         @builtin(local_invocation_id) lid: vec3<u32>) {
+    let row = item_index(wid, nwg, lid);
+    if (row >= params.items) {
+        return;
+    }
+    let base = row * params.dim;
+    var top = 0.0;
+    for (var i = 0u; i < params.dim; i = i + 1u) {
+        top = max(top, abs(x[base + i]));
+    }
+    if (top == 0.0) {
+        out_norms[row] = 0.0;
+        return;
+    }
+    // 2^-e applied in two halves: WGSL's ldexp is defined only for exponents up to 128, and
+    // e ranges over -148 .. 128.
+    let e = frexp(top).exp;
+    let e1 = e / 2;
+    let e2 = e - e1;
+    var acc = array<f32, 8>(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0);
+    for (var i = 0u; i < params.dim; i = i + 1u) {
+        let v = ldexp(ldexp(x[base + i], -e1), -e2);
+        acc[i & 7u] = acc[i & 7u] + v * v;
+    }
+    out_norms[row] = ldexp(ldexp(sqrt(combine8(acc)), e1), e2);
+}
