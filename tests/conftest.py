@@ -1,9 +1,11 @@
-"""Shared pytest configuration: hypothesis profiles (deterministic in CI)."""
+"""Shared pytest configuration: hypothesis profiles (deterministic in CI), and the real model
+loaded once per session for the modules that need it."""
 
 from __future__ import annotations
 
 import os
 
+import pytest
 from hypothesis import HealthCheck, settings
 
 settings.register_profile(
@@ -20,3 +22,36 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 settings.load_profile(os.environ.get("KVQRS_HYPOTHESIS_PROFILE", "ci"))
+
+
+def _model(dtype: str):
+    """``(model, tokenizer)``: SmolLM2-135M with the kvqrs attention and one intra-op thread
+    (on two busy cores torch's thread pool spins against itself: one thread is ~10x faster);
+    skips when the model package is not installed."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from kvqrs import KvqrsError
+    from kvqrs.evaluation import model as model_mod
+
+    try:
+        model_mod.model_dir()
+    except KvqrsError as e:
+        pytest.skip(f"SmolLM2 model not available: {e}")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield model_mod.load(dtype=dtype)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def model32():
+    """SmolLM2-135M in float32 (one load per session)."""
+    yield from _model("float32")
+
+
+@pytest.fixture(scope="session")
+def model64():
+    """SmolLM2-135M in float64, so that the two evaluation paths compare without float32 noise."""
+    yield from _model("float64")

@@ -222,6 +222,15 @@ def test_default_rows_contain_the_issue_rows(quick, residual):
             assert (cfg.headq_base, cfg.rank) == (base, 4)
             assert cfg.sign == (-1 if "wrong-sign" in name else 1)
             assert cfg.bases == ("random" if "random-basis" in name else None)
+    # A^2 against uniform values at 2 bits: the oracle pair in the run's window, the causal pair
+    # (importances only from queries inside a full-precision window) in a window of >= 64.
+    w = max(residual, 64)
+    pairs = {"uniform v2": (residual, True, None), "a2 v2 (oracle weights)": (residual, False, None),
+             f"uniform v2 (window {w})": (w, True, None), f"a2 v2 (causal, window {w})": (w, False, w)}
+    for name, (window, uniform, lookahead) in pairs.items():
+        cfg = by[name].config
+        assert by[name].group == "values-only" and cfg.key_scheme is None and (cfg.value_scheme, cfg.value_bits) == ("a2", 2)
+        assert (cfg.residual_length, cfg.a2_uniform, cfg.a2_lookahead) == (window, uniform, lookahead), name
 
 
 def test_default_rows_are_fresh_objects():
@@ -231,22 +240,6 @@ def test_default_rows_are_fresh_objects():
 
 
 # --- the model ---------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def model32():
-    from kvqrs.evaluation import model as model_mod
-
-    try:
-        model_mod.model_dir()
-    except KvqrsError as e:
-        pytest.skip(f"SmolLM2 model not available: {e}")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # two busy cores: one thread is ~10x faster than two contending
-    try:
-        yield model_mod.load()
-    finally:
-        torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

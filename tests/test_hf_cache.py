@@ -92,25 +92,6 @@ def _isolate_attention_state():
 
 
 @pytest.fixture(scope="module")
-def model64():
-    """SmolLM2-135M in float64 with attn_implementation="kvqrs" (one load per module)."""
-    from kvqrs.evaluation import model as model_mod
-
-    try:
-        model_mod.model_dir()
-    except KvqrsError as e:
-        pytest.skip(f"SmolLM2 model not available: {e}")
-    # Two cores shared with other work: torch's default thread pool spins against itself and runs
-    # a 135M decode step ~10x slower than one thread does.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield model_mod.load(dtype="float64")
-    finally:
-        torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
 def ids(model64):
     _, tok = model64
     out = tok(TEXT, return_tensors="pt").input_ids[:, :T_EVAL]
@@ -708,3 +689,41 @@ def test_calibrated_headq_runs_in_fast_path(model64, ids, calibrated, dense_logi
         out = model(ids).logits
     assert torch.isfinite(out).all()
     assert not torch.equal(out, dense_logits)
+
+
+# --- (h) A^2 importances of the fast path: oracle and causal ------------------------------------
+
+
+class _Group:
+    num_key_value_groups = 2
+
+
+def test_a2_importance_lookahead():
+    from kvqrs.hf.attention import _a2_importance
+
+    g = torch.Generator().manual_seed(3)
+    length = 9
+    s = torch.randn(1, 4, length, length, generator=g, dtype=torch.float64)
+    causal = torch.full((length, length), float("-inf"), dtype=torch.float64).triu(1)[None, None]
+    p2 = torch.softmax(s + causal, dim=-1) ** 2
+    oracle = _a2_importance(_Group, s, causal, None)
+    assert oracle.shape == (1, 2, length)
+    np.testing.assert_allclose(oracle, p2.sum(-2).reshape(1, 2, 2, length).sum(2).numpy(), rtol=1e-12)
+    # A lookahead as long as the window sees every query that can read a token: the oracle.
+    np.testing.assert_allclose(_a2_importance(_Group, s, causal, length), oracle, rtol=1e-12)
+    # Lookahead 1: only the token's own query.
+    diag = torch.diagonal(p2, dim1=-2, dim2=-1)
+    np.testing.assert_allclose(_a2_importance(_Group, s, causal, 1), diag.reshape(1, 2, 2, length).sum(2).numpy(), rtol=1e-12)
+    # Lookahead 3: token j weighed by queries j, j+1, j+2 only.
+    got = _a2_importance(_Group, s, causal, 3)
+    j = 4
+    want = p2[0, 0:2, j : j + 3, j].sum().item()
+    assert got[0, 0, j] == pytest.approx(want, rel=1e-12)
+    assert np.all(got <= oracle + 1e-15)
+
+
+def test_a2_lookahead_must_lie_inside_the_window():
+    assert QuantConfig(None, 2, "a2", 2, residual_length=8, a2_lookahead=8).a2_lookahead == 8
+    for bad in (0, 9):
+        with pytest.raises(KvqrsError, match="a2_lookahead"):
+            QuantConfig(None, 2, "a2", 2, residual_length=8, a2_lookahead=bad)

@@ -40,7 +40,7 @@ PERMUTATIONS = 19
 REPORT_FILES = {"summary.md", "samples.csv", "samples.json", "pairwise.csv",
                 "shannon_phi_plane.png", "kl_distributions.png", "routing_recall.png"}
 ROW_KEYS = ["scheme", "bits", "distribution", "head_dim", "seed", *SIX_D_NAMES, "kl_mean", "kl_p99", "kl_max",
-            "topk_recall", "fisher", "score_mse", "key_mse_rel", "a2", "bpe_k", "bpe_v"]
+            "topk_recall", "fisher", "score_mse", "key_mse", "key_mse_rel", "a2", "bpe_k", "bpe_v"]
 
 
 def bpe(scheme, n, d=64, tokens=64):
@@ -201,7 +201,7 @@ def test_cli_study_runs(tmp_path):
            "--permutations", "9", "--no-progress", "--brief", "--out", str(out)]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-2000:]
-    assert "kvqrs study: 2 cells x 2 seeds" in res.stdout
+    assert "kvqrs study: 2 synthetic cells x 2 seeds" in res.stdout
     assert "report:" in res.stdout and "## Per-cell means" not in res.stdout  # --brief: header only
     assert {p.name for p in out.iterdir()} == REPORT_FILES
     with open(out / "samples.csv", newline="") as f:

@@ -89,20 +89,78 @@ def _study(args: argparse.Namespace) -> int:
     from .evaluation.report import write_report
     from .evaluation.study import StudyConfig, run_study
 
-    config = StudyConfig.quick() if args.quick else StudyConfig()
+    config = StudyConfig.quick() if args.quick or args.from_model else StudyConfig()
+    if args.from_model and not args.quick:
+        config = dataclasses.replace(config, tokens=1024, n_queries=64)
     overrides = {k: tuple(v) for k, v in (("schemes", args.schemes), ("bits", args.bits), ("distributions", args.distributions), ("head_dims", args.head_dims)) if v}
     for name, value in (("--seeds", args.seeds), ("--tokens", args.tokens), ("--queries", args.queries), ("--permutations", args.permutations)):
         if value is not None and value < 1:
             raise KvqrsError(f"{name}: expected a positive integer, got {value}")
     overrides.update({k: v for k, v in (("seeds", args.seeds), ("tokens", args.tokens), ("n_queries", args.queries)) if v is not None})
     config = dataclasses.replace(config, **overrides)
-    print(f"kvqrs study: {len(config.cells())} cells x {config.seeds} seeds -> {args.out}")
+    captured = _capture(args, config) if args.from_model else None
+    if captured is not None and not args.head_dims:
+        config = dataclasses.replace(config, head_dims=(captured.heads[0].keys.shape[-1],))  # the model's head_dim
+    print(f"kvqrs study: {len(config.cells())} synthetic cells x {config.seeds} seeds -> {args.out}")
     rows, seconds = run_study(config, progress=not args.no_progress)
-    summary = write_report(rows, pathlib.Path(args.out), config, seconds, permutations=args.permutations)
+    if captured is not None:
+        from .evaluation.study import run_model_study
+
+        model_rows, model_seconds = run_model_study(config, captured, progress=not args.no_progress)
+        rows, seconds = rows + model_rows, seconds + model_seconds
+        config = dataclasses.replace(config, distributions=(*config.distributions, captured.heads[0].distribution))
+    out = pathlib.Path(args.out)
+    summary = write_report(rows, out, config, seconds, permutations=args.permutations)
+    if captured is not None:
+        _mechanisms(out, summary, rows, captured, config)
     text = summary.read_text()
     print(text[: text.index("## Per-cell means")] if args.brief else text)
     print(f"report: {summary} ({seconds:.1f} s for the samples)")
     return 0
+
+
+def _capture(args: argparse.Namespace, config):
+    """Load the model and capture every layer's heads for ``study --from-model``."""
+    from .evaluation import model as model_mod
+    from .evaluation.capture import capture_heads
+
+    texts = _texts(args)
+    torch_threads(args.threads)
+    model, tok = model_mod.load()
+    captured = capture_heads(model, tok, texts, config.tokens, config.n_queries)
+    print(f"captured {len(captured.heads)} heads (layer x KV head) of {config.tokens} tokens, {config.n_queries} queries each; text: {captured.source}")
+    return captured
+
+
+def _mechanisms(out, summary, rows, captured, config) -> None:
+    from .evaluation.capture import MODEL_DISTRIBUTION
+    from .evaluation.mechanisms import score_space_ranking, softmax_null
+    from .evaluation.report import write_mechanisms
+
+    ranking = score_space_ranking([r for r in rows if r["distribution"] == MODEL_DISTRIBUTION])
+    null_rows, null_summary = softmax_null(captured.heads, bits=config.bits)
+    write_mechanisms(out, summary, ranking, null_rows, null_summary, captured)
+
+
+def _texts(args: argparse.Namespace):
+    """The evaluation and calibration texts: ``--data``, ``--wikitext`` or the embedded default."""
+    from .evaluation import text
+
+    if args.data:
+        return text.from_file(args.data)
+    if args.wikitext:
+        return text.from_wikitext(args.wikitext)
+    return text.default()
+
+
+def torch_threads(n: int) -> None:
+    """Set PyTorch's intra-op threads. One by default: with two, PyTorch's OpenMP workers
+    spin-wait whenever the other core is busy and small ops become 100x slower on two cores."""
+    if n < 1:
+        raise KvqrsError(f"--threads: expected a positive integer, got {n}")
+    import torch
+
+    torch.set_num_threads(n)
 
 
 def _eval(args: argparse.Namespace) -> int:
@@ -110,27 +168,18 @@ def _eval(args: argparse.Namespace) -> int:
     import time
 
     from .evaluation import model as model_mod
-    from .evaluation import model_report, text
+    from .evaluation import model_report
     from .evaluation.model_eval import default_rows, run_eval
 
-    if args.data:
-        texts = text.from_file(args.data)
-    elif args.wikitext:
-        texts = text.from_wikitext(args.wikitext)
-    else:
-        texts = text.default()
-    for name, value in (("--window", args.window), ("--windows", args.windows), ("--calibration-windows", args.calibration_windows), ("--threads", args.threads)):
+    texts = _texts(args)
+    for name, value in (("--window", args.window), ("--windows", args.windows), ("--calibration-windows", args.calibration_windows)):
         if value is not None and value < 1:
             raise KvqrsError(f"{name}: expected a positive integer, got {value}")
     if args.window is not None and args.window > 8192:
         raise KvqrsError(f"--window: expected at most the model's context of 8192 tokens, got {args.window}")
     window = args.window if args.window is not None else (256 if args.quick else 512)
     windows = args.windows if args.windows is not None else (1 if args.quick else 3)
-    import torch
-
-    # One intra-op thread by default: with two, PyTorch's OpenMP workers spin-wait whenever the
-    # other core is busy and small ops become 100x slower on a two-core machine.
-    torch.set_num_threads(args.threads)
+    torch_threads(args.threads)
     start = time.perf_counter()
     model, tok = model_mod.load()
     rows = default_rows(quick=args.quick, residual_length=args.residual_length)
@@ -145,6 +194,12 @@ def _eval(args: argparse.Namespace) -> int:
     print(model_report.summary(result, seconds))
     print(f"report: {md}")
     return 0
+
+
+def _text_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--data", help="a plain text file (its first 20%% calibrates HeadQ, the rest is evaluated)")
+    p.add_argument("--wikitext", help="folder of a local WikiText-2/103 raw copy (wiki.test.raw, wiki.valid.*)")
+    p.add_argument("--threads", type=int, default=1, help="PyTorch intra-op threads (default 1)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -170,14 +225,16 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--permutations", type=int, default=199, help="energy-distance permutations per pair")
     st.add_argument("--no-progress", action="store_true")
     st.add_argument("--brief", action="store_true", help="print only the header of the summary")
+    st.add_argument("--from-model", action="store_true",
+                    help="also run every scheme on SmolLM2-135M's captured heads (all layers x KV heads) beside the synthetic "
+                         "distributions at head_dim 64, with the HeadQ mechanism checks")
+    _text_options(st)
     st.set_defaults(func=_study)
     ev = sub.add_parser("eval", help="quantize SmolLM2-135M's KV cache with every scheme; perplexity, KL, top-1, bytes")
     ev.add_argument("--quick", action="store_true", help="1 window of 256 tokens, fewer rows (under 3 minutes)")
-    ev.add_argument("--data", help="evaluate a plain text file (first 20%% calibrates HeadQ)")
-    ev.add_argument("--wikitext", help="folder of a local WikiText-2/103 raw copy (wiki.test.raw, wiki.valid.*)")
+    _text_options(ev)
     ev.add_argument("--window", type=int, help="tokens per window (default 512, quick 256)")
     ev.add_argument("--windows", type=int, help="evaluation windows (default 3, quick 1)")
-    ev.add_argument("--threads", type=int, default=1, help="PyTorch intra-op threads (default 1)")
     ev.add_argument("--calibration-windows", type=int, default=2)
     ev.add_argument("--residual-length", type=int, default=0, help="newest tokens kept in full precision")
     ev.add_argument("--rows", nargs="+", help="only rows whose label starts with one of these (dense is always kept)")

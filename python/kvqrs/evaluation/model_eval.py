@@ -4,7 +4,8 @@ For every row (a :class:`~kvqrs.hf.QuantConfig`, or dense) and every evaluation 
 forward pass through the fast path (quantize-dequantize with the cache's schedule, HeadQ in score
 space), then perplexity, excess perplexity over dense, KL of next-token distributions against
 dense (mean and max), top-1 agreement; bits per element from encoding a real window's keys and
-values; cache bytes from a real :class:`~kvqrs.hf.QuantizedKVCache` prefill of one window.
+values; cache bytes from a real :class:`~kvqrs.hf.QuantizedKVCache` holding one window's keys and
+values of every layer.
 """
 
 from __future__ import annotations
@@ -18,7 +19,11 @@ import torch
 from ..hf import QuantConfig, QuantizedKVCache, calibrate, fake_quant
 from ..hf.attention import active
 from .._arrays import KvqrsError
-from ..torch import to_numpy
+from .capture import Recorder
+
+
+A2_WINDOW = 64
+"""Full-precision window of the causal A^2 rows (and their uniform baseline)."""
 
 
 @dataclass(frozen=True)
@@ -51,6 +56,11 @@ def default_rows(quick: bool = False, residual_length: int = 0) -> list[Row]:
     # (keys full precision so only the value code differs).
     rows.append(Row("uniform v2", QuantConfig(None, 2, "a2", 2, residual_length=r, a2_uniform=True), "values-only"))
     rows.append(Row("a2 v2 (oracle weights)", QuantConfig(None, 2, "a2", 2, residual_length=r), "values-only"))
+    # The causal A^2 row: importances only from the queries that read each token while it sat in
+    # a 64-token full-precision window, against uniform widths with the same window.
+    w = max(r, A2_WINDOW)
+    rows.append(Row(f"uniform v2 (window {w})", QuantConfig(None, 2, "a2", 2, residual_length=w, a2_uniform=True), "values-only"))
+    rows.append(Row(f"a2 v2 (causal, window {w})", QuantConfig(None, 2, "a2", 2, residual_length=w, a2_lookahead=w), "values-only"))
     for base in ("kivi", "kqv"):
         for label, sign, bases in (("", 1, None), (" wrong-sign", -1, None), (" random-basis", 1, "random")):
             cfg = QuantConfig("headq", 2, residual_length=r, headq_base=base, rank=4, side_bits=4, sign=sign, bases=bases)
@@ -79,30 +89,21 @@ def score_row(lp: torch.Tensor, lp_dense: torch.Tensor, ids: torch.Tensor) -> di
     return {"nll": nll.sum().item(), "kl_sum": kl.sum().item(), "kl_max": kl.max().item(), "agree": agree.sum().item(), "n": len(target)}
 
 
-class _KVRecorder:
-    """Attention state that keeps layer 0's keys and values of the last forward."""
-
-    def __init__(self) -> None:
-        self.kv = None
-
-    def attend(self, module, query, key, value, attention_mask, scaling):
-        if module.layer_idx == 0:
-            self.kv = (to_numpy(key).copy(), to_numpy(value).copy())
-        return None
-
-
-def storage(model, cfg: QuantConfig, ids: torch.Tensor, kv: tuple[np.ndarray, np.ndarray]) -> dict:
+def storage(cfg: QuantConfig, kv: dict[int, tuple[np.ndarray, np.ndarray]]) -> dict:
     """Bits per element of keys and values (encoding a real window's layer-0 K and V) and the
-    real bytes of a QuantizedKVCache after a prefill of ``ids``, beside the dense cache.
-    Rows the cache cannot hold (value-only, A^2) report no cache bytes (-1)."""
-    codec = cfg.codec(0, kv[0].shape[-1])
-    bpe_k = codec.encode_keys(kv[0]).bits_per_element if cfg.quantizes_keys else 32.0
-    bpe_v = 32.0 if codec.values is None else codec.encode_values(kv[1]).bits_per_element
+    real bytes of a QuantizedKVCache holding that window's keys and values of every layer
+    ``{layer: (kv_heads, window, d)}``, beside the dense cache. Rows the cache cannot hold
+    (value-only, A^2) report no cache bytes (-1)."""
+    k0, v0 = kv[0]
+    codec = cfg.codec(0, k0.shape[-1])
+    bpe_k = codec.encode_keys(k0).bits_per_element if cfg.quantizes_keys else 32.0
+    bpe_v = 32.0 if codec.values is None else codec.encode_values(v0).bits_per_element
     if not cfg.quantizes_keys or cfg.value_scheme == "a2":
         return {"bpe_k": bpe_k, "bpe_v": bpe_v, "cache_bytes": -1}
-    cache = QuantizedKVCache(cfg, model.config.num_hidden_layers)
-    with torch.no_grad():
-        model(ids, cache=cache, use_cache=True)
+    cache = QuantizedKVCache(cfg, len(kv))
+    with active(None):  # update() installs the cache as the attention state; do not leave it there
+        for layer, (k, v) in sorted(kv.items()):
+            cache.update(torch.from_numpy(k)[None], torch.from_numpy(v)[None], layer)
     return {"bpe_k": bpe_k, "bpe_v": bpe_v, "cache_bytes": cache.nbytes()}
 
 
@@ -119,12 +120,12 @@ def run_eval(model, tokenizer, texts, rows: list[Row], window: int, windows: int
     if needs_calibration and not cal:
         raise KvqrsError(f"text: the calibration text is shorter than one window of {window} tokens ({texts.source}); use a smaller --window")
     bases = calibrate(model, cal, rank=4) if needs_calibration else None
-    rec = _KVRecorder()
+    rec = Recorder()
     dense_lp = []
     for ids in ev:
         with active(rec):
             dense_lp.append(_log_probs(model, ids))
-    kv0 = rec.kv
+    kv = {layer: t[1:] for layer, t in rec.tensors.items()}  # the last window's keys and values, every layer
     check = dense_check(model, ev)
     results = []
     for row in tqdm(rows, desc="eval", unit="row", disable=not progress):
@@ -145,10 +146,10 @@ def run_eval(model, tokenizer, texts, rows: list[Row], window: int, windows: int
         out = {"row": row.name, "group": row.group, "ppl": math.exp(acc["nll"] / acc["n"]),
                "kl_mean": acc["kl_sum"] / acc["n"], "kl_max": acc["kl_max"], "top1": acc["agree"] / acc["n"], "tokens": acc["n"]}
         if cfg is None:
-            d = model.config.head_dim if hasattr(model.config, "head_dim") else kv0[0].shape[-1]
+            d = model.config.head_dim if hasattr(model.config, "head_dim") else kv[0][0].shape[-1]
             out.update(bpe_k=32.0, bpe_v=32.0, cache_bytes=2 * model.config.num_hidden_layers * model.config.num_key_value_heads * window * d * 4)
         else:
-            out.update(storage(model, cfg, ev[0], kv0))
+            out.update(storage(cfg, kv))
         results.append(out)
     dense_ppl = results[0]["ppl"]
     for r in results:

@@ -36,7 +36,7 @@ def summary(result: dict, seconds: float) -> str:
         f"transformers' own loss with SDPA on the same windows (relative difference {c['relative_difference']:.1e}).",
         "",
         "KL is KL(dense || row) of next-token distributions, in nats per token; bits per element count every stored bit "
-        "(32 = full precision); cache bytes are a real QuantizedKVCache after a prefill of one window (dense: float32).",
+        "(32 = full precision); cache bytes are a real QuantizedKVCache holding one window of every layer (dense: float32).",
         "",
         table(result),
         "",

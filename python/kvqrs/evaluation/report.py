@@ -12,6 +12,7 @@ import numpy as np
 
 from ..metrics import SIX_D_NAMES, energy_distance, kolmogorov_smirnov, mann_whitney, mean_ci
 from . import plots, theory
+from .capture import MODEL_DISTRIBUTION
 
 PAIR_FIELDS = ["distribution", "head_dim", "bits", "a", "b", "mw_p", "rank_biserial", "ks_d", "ks_p", "energy", "energy_p"]
 TABLE_METRICS = ("kl_mean", "kl_max", "topk_recall", "snr_k", "phi_k", "snr_v", "snr_t", "phi_t", "bpe_k", "bpe_v")
@@ -54,16 +55,10 @@ def _fmt(ci: tuple[float, float, float]) -> str:
 def write_report(rows: list[dict], out: pathlib.Path, config, seconds: float, permutations: int = 199) -> pathlib.Path:
     """Write the report folder; returns the path of ``summary.md``."""
     out.mkdir(parents=True, exist_ok=True)
-    with open(out / "samples.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    _write_csv(out / "samples.csv", rows)
     (out / "samples.json").write_text(json.dumps(rows, indent=1))
     pairs = pairwise(rows, permutations)
-    with open(out / "pairwise.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=PAIR_FIELDS)
-        w.writeheader()
-        w.writerows(pairs)
+    _write_csv(out / "pairwise.csv", pairs, PAIR_FIELDS)
     images = [plots.shannon_phi_plane(rows, out), plots.kl_distributions(rows, out), plots.routing_recall(rows, out)]
     text = render_summary(rows, pairs, config, seconds, images)
     path = out / "summary.md"
@@ -117,7 +112,8 @@ def render_summary(rows, pairs, config, seconds, images) -> str:
         lines.append(f"| {r['distribution']} | {r['head_dim']} | {r['bits']} | {r['scheme']} | {r['kl_ratio']:.3f} | {r['recall_lowrank']:.3f} | {r['recall_gaussian']:.3f} |")
     lines += ["", "**Values alone: QJL against a scalar code at the same budget** (rotated n-bit Lloyd-Max vs (n-1)-bit + 1-bit QJL; exact attention; d = 128):", "",
               "| distribution | n | SNR_V scalar | SNR_V qjl | SNR_T scalar | SNR_T qjl | Mann-Whitney p (SNR_T) |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    for r in theory.value_qjl_check(config.distributions, seeds=min(config.seeds, 8), tokens=config.tokens, n_queries=config.n_queries):
+    synthetic = [d for d in config.distributions if d != MODEL_DISTRIBUTION]
+    for r in theory.value_qjl_check(synthetic, seeds=min(config.seeds, 8), tokens=config.tokens, n_queries=config.n_queries):
         lines.append(f"| {r['distribution']} | {r['bits']} | {r['snr_v_scalar']:.2f} | {r['snr_v_qjl']:.2f} | {r['snr_t_scalar']:.2f} | {r['snr_t_qjl']:.2f} | {r['p']:.2g} |")
     lines += ["", "## Pairwise tests (per-sample mean KL; 6D energy distance)", "",
               "All pairs are in `pairwise.csv`; the paper's comparisons:", "",
@@ -129,3 +125,36 @@ def render_summary(rows, pairs, config, seconds, images) -> str:
                          f"{p['ks_d']:.2f} | {p['ks_p']:.2g} | {p['energy']:.3f} | {p['energy_p']:.3g} |")
     lines += ["", "## Plots", ""] + [f"![{im.stem}]({im.name})" for im in images] + [""]
     return "\n".join(lines)
+
+
+def _write_csv(path: pathlib.Path, rows: list[dict], fields: list[str] | None = None) -> None:
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=fields or list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+
+
+def write_mechanisms(out: pathlib.Path, summary: pathlib.Path, ranking: list[dict], null_rows: list[dict],
+                     null_summary: list[dict], captured) -> None:
+    """Append the mechanism checks on captured heads to ``summary`` and write
+    ``mechanisms_ranking.csv``, ``softmax_null.csv`` (per head) and ``softmax_null_summary.csv``."""
+    _write_csv(out / "mechanisms_ranking.csv", ranking)
+    _write_csv(out / "softmax_null.csv", null_rows)
+    _write_csv(out / "softmax_null_summary.csv", null_summary)
+    lines = ["", f"## Mechanism checks on {len(captured.heads)} captured heads ({MODEL_DISTRIBUTION}: every layer x KV head; text: {captured.source})", "",
+             "Distribution `smollm2` rows above are these heads (`seed` = layer x kv_heads + kv_head): keys and values of the "
+             "first tokens of the evaluation text, queries of the following positions (the GQA group's query heads stacked).", "",
+             "**Score space against storage space**: Spearman rho against the per-head mean attention KL (pooled, then per scheme and n across heads):", "",
+             "| scheme | n | samples | rho Fisher | rho score MSE | rho raw key MSE | p (key MSE) |", "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+    for r in ranking:
+        lines.append(f"| {r['scheme']} | {r['bits']} | {r['samples']} | {r['rho_fisher']:.3f} | {r['rho_score_mse']:.3f} | {r['rho_key_mse']:.3f} | {r['p_key_mse']:.2g} |")
+    lines += ["", "**Softmax-null intervention**: the shared key mean mu quantized with the keys (as is) against removed before "
+              "quantization and restored after (mu kept exactly). Ratios are as-is / restored, medians over heads; "
+              "mean share = ||mu||^2 / mean ||k||^2; p = paired Wilcoxon signed-rank on the Fisher damage:", "",
+              "| scheme | n | heads | mean share | Fisher as is | Fisher restored | Fisher ratio | KL ratio | key MSE ratio | p |",
+              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in null_summary:
+        lines.append(f"| {r['scheme']} | {r['bits']} | {r['heads']} | {r['median_mean_share']:.3f} | {r['fisher_as_is']:.4g} | {r['fisher_restored']:.4g} | "
+                     f"{r['median_fisher_ratio']:.2f} | {r['median_kl_ratio']:.2f} | {r['median_key_mse_ratio']:.2f} | {r['wilcoxon_p']:.2g} |")
+    with open(summary, "a") as f:
+        f.write("\n".join(lines) + "\n")

@@ -19,7 +19,7 @@ from ..metrics import (
     topk_recall,
 )
 from ..schemes import KVCodec
-from ..synthetic import generate
+from ..synthetic import Head, generate
 
 CALIBRATION_SEED_OFFSET = 1_000_003
 """HeadQ calibration queries come from this seed offset: disjoint from the evaluated queries."""
@@ -35,21 +35,30 @@ class Cell:
     head_dim: int
 
 
-def make_codec(cell: Cell, seed: int, tokens: int, n_queries: int) -> KVCodec:
-    """The codec of a cell; HeadQ (on the kivi base, rank 4) is calibrated on held-out queries
-    of the same distribution."""
+def make_codec(cell: Cell, seed: int, calibration_queries: np.ndarray | None = None) -> KVCodec:
+    """The codec of a cell; HeadQ (on the kivi base, rank 4) is calibrated on
+    ``calibration_queries`` (held-out queries of the same head or distribution)."""
     codec = KVCodec(cell.scheme, cell.bits, cell.head_dim, seed=seed)
     if cell.scheme == "headq":
-        calib = generate(cell.distribution, tokens=tokens, n_queries=max(4 * n_queries, 64),
-                         head_dim=cell.head_dim, seed=seed + CALIBRATION_SEED_OFFSET)
-        codec.calibrate(calib.queries)
+        codec.calibrate(calibration_queries)
     return codec
 
 
 def run_sample(cell: Cell, seed: int, tokens: int, n_queries: int, topk: int = 5) -> dict:
-    """All metrics of one seeded sample; returns a flat dict (one CSV row)."""
+    """All metrics of one seeded synthetic sample; HeadQ calibrates on queries of the same
+    distribution from a disjoint seed. Returns a flat dict (one CSV row)."""
     head = generate(cell.distribution, tokens=tokens, n_queries=n_queries, head_dim=cell.head_dim, seed=seed)
-    codec = make_codec(cell, seed, tokens, n_queries)
+    calib = None
+    if cell.scheme == "headq":
+        calib = generate(cell.distribution, tokens=tokens, n_queries=max(4 * n_queries, 64),
+                         head_dim=cell.head_dim, seed=seed + CALIBRATION_SEED_OFFSET).queries
+    return measure(cell, seed, head, make_codec(cell, seed, calib), topk)
+
+
+def measure(cell: Cell, seed: int, head: Head, codec: KVCodec, topk: int = 5) -> dict:
+    """Every metric of SPEC section 4 for ``codec`` on one head (synthetic or captured):
+    the 6D point, attention KL (nats), top-k recall, Fisher score error, score MSE, raw and
+    relative key MSE, A^2 value distortion, bits per element. Returns a flat dict."""
     q, k, v = head.queries, head.keys, head.values
     ck, cv = codec.encode_keys(k), codec.encode_values(v)
     k_hat, v_hat = codec.decode_keys(ck), codec.decode_values(cv)
@@ -69,6 +78,7 @@ def run_sample(cell: Cell, seed: int, tokens: int, n_queries: int, topk: int = 5
         "topk_recall": float(topk_recall(p, p_hat, topk).mean()),
         "fisher": float(fisher_score_error(p, s_hat - s).mean()),
         "score_mse": float(np.mean((s_hat - s) ** 2)),
+        "key_mse": key_mse(k, k_hat),
         "key_mse_rel": key_mse(k, k_hat) / max(float(np.mean(np.sum(k.astype(np.float64) ** 2, axis=-1))), 1e-300),
         "a2": float(a2_distortion(p, v, v_hat).mean()),
         "bpe_k": ck.bits_per_element,

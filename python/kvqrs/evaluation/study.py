@@ -7,7 +7,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
-from .sample import Cell, run_sample
+from .sample import Cell, make_codec, measure, run_sample
 
 STUDY_SCHEMES = ("kv", "kqv", "qkqv", "kivi", "headq")
 
@@ -47,4 +47,18 @@ def run_study(config: StudyConfig, progress: bool = True) -> tuple[list[dict], f
     jobs = [(c, s) for c in config.cells() for s in range(config.seeds)]
     start = time.perf_counter()
     rows = [run_sample(c, s, config.tokens, config.n_queries) for c, s in tqdm(jobs, desc="study", unit="sample", disable=not progress)]
+    return rows, time.perf_counter() - start
+
+
+def run_model_study(config: StudyConfig, captured, progress: bool = True) -> tuple[list[dict], float]:
+    """Every scheme x n of ``config`` on every captured head (:mod:`.capture`); the row's
+    ``seed`` is the head index (``layer * kv_heads + kv_head``), which also seeds the codec;
+    HeadQ calibrates on the same head's queries from the calibration text."""
+    from tqdm import tqdm
+
+    d = captured.heads[0].keys.shape[-1]
+    jobs = [(Cell(s, n, captured.heads[0].distribution, d), i) for i in range(len(captured.heads)) for n in config.bits for s in config.schemes]
+    start = time.perf_counter()
+    rows = [measure(c, i, captured.heads[i], make_codec(c, i, captured.calibration_queries[i]))
+            for c, i in tqdm(jobs, desc="model heads", unit="sample", disable=not progress)]
     return rows, time.perf_counter() - start

@@ -107,13 +107,22 @@ class FakeQuant:
             return _softmax_out(module, query, logits, attention_mask, [(None, value)])
         weights = None
         if cfg.value_scheme == "a2" and not cfg.a2_uniform:
-            # Oracle A^2 importances: sum over this window's queries (all heads of the group) of
-            # p^2 under dense attention. They use future queries, so this row is an upper bound.
-            p = torch.softmax(s_fp + (attention_mask[..., :length] if attention_mask is not None else 0), dim=-1)
-            g = module.num_key_value_groups
-            weights = (p.double() ** 2).sum(dim=-2).reshape(p.shape[0], -1, g, length).sum(dim=2).numpy()
+            weights = _a2_importance(module, s_fp, attention_mask, cfg.a2_lookahead)
         v_hat = from_numpy(codec.decode_values(codec.encode_values(to_numpy(value, "values"), weights)), value)
         return _softmax_out(module, query, logits, attention_mask, [(m, v_hat), (1 - m, value)])
+
+
+def _a2_importance(module, s_fp, attention_mask, lookahead):
+    """A^2 importance of each key ``(batch, kv_heads, len)``: sum over queries t (all heads of
+    the GQA group) of ``p_tj^2`` under dense attention (HeadQ's A^2 weighting). ``lookahead``
+    None: every query (future ones too: an oracle); else only ``j <= t < j + lookahead``."""
+    length = s_fp.shape[-1]
+    p = torch.softmax(s_fp + (attention_mask[..., :length] if attention_mask is not None else 0), dim=-1).double() ** 2
+    if lookahead is not None:
+        lag = torch.arange(length)[:, None] - torch.arange(length)[None, :]  # t - j
+        p = p * ((lag >= 0) & (lag < lookahead))
+    g = module.num_key_value_groups
+    return p.sum(dim=-2).reshape(p.shape[0], -1, g, length).sum(dim=2).numpy()
 
 
 @contextlib.contextmanager

@@ -30,6 +30,11 @@ class QuantConfig:
             random-basis control.
         a2_uniform: with ``value_scheme="a2"``, give every token the same width (the uniform
             baseline of the A^2 allocation).
+        a2_lookahead: with ``value_scheme="a2"``, estimate token j's importance from the queries
+            ``j .. j + a2_lookahead - 1`` only: those that read it while it sat in the
+            full-precision window, so at most ``residual_length`` (causal: what a cache knows
+            when the token leaves the window). None: every query of the window (an oracle that
+            uses future queries, an upper bound).
     """
 
     key_scheme: str | None
@@ -45,6 +50,7 @@ class QuantConfig:
     sign: int = 1
     bases: Any = None
     a2_uniform: bool = False
+    a2_lookahead: int | None = None
     _codecs: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -60,6 +66,9 @@ class QuantConfig:
             check_bits(self.value_bits, "value_bits")
         if self.residual_length < 0:
             raise KvqrsError(f"residual_length: expected >= 0, got {self.residual_length}")
+        if self.a2_lookahead is not None and not 1 <= self.a2_lookahead <= self.residual_length:
+            raise KvqrsError(f"a2_lookahead: expected 1 .. residual_length ({self.residual_length}) so that only queries that "
+                             f"read a token in full precision weigh it, got {self.a2_lookahead}")
 
     @property
     def chunk(self) -> int:
