@@ -8,23 +8,34 @@
 // be correctly rounded and there is no multiply here that a driver could fuse into an FMA, so
 // results equal the Rust path's except where a driver flushes subnormals to zero.
 //
+// Each butterfly stage is its own dispatch (one invocation per butterfly), in the order
+// h = 1, 2, ..., d'/2: the butterflies of one stage are independent, so the result is the
+// sequential transform's bit for bit, and no invocation loops over a row (llvmpipe cuts loops
+// off after about 65535 iterations per invocation).
+//
 // The sign vector s is generated on the device by rng.wgsl (entry `signs`, Philox stream 1)
 // once per (seed, d') and bound here; 1/sqrt(d') is computed once on the host in float32
 // (IEEE sqrt and division, as the Rust path does) and passed in `scale`.
 //
 // Bindings (group 0):
 //   0  uniform  Params { items: u32, head_dim: u32, padded: u32, has_signs: u32,
-//                        has_row_scale: u32, scale: f32 }
-//   1  storage, read_write  rows_hd: array<f32>    rows * head_dim: the input of `forward`,
-//                                                   the output of `inverse`
-//   2  storage, read_write  work: array<f32>       rows * d': the output of `forward`, the
-//                                                   input of `inverse` (transformed in place)
+//                        has_row_scale: u32, scale: f32, h: u32 }
+//   1  storage, read_write  rows_hd: array<f32>    rows * head_dim: the input of `forward_scale`,
+//                                                   the output of `inverse_finish`
+//   2  storage, read_write  work: array<f32>       rows * d', transformed in place
 //   3  storage, read        signs: array<f32>      d' values +-1 (unused when has_signs = 0)
-//   4  storage, read        row_scale: array<f32>  inverse: one float32 factor per row applied
-//                                                   last (the MSE decoder's stored norm)
+//   4  storage, read        row_scale: array<f32>  one float32 factor per row applied last by
+//                                                   `inverse_finish` (the MSE decoder's norm)
 //
-// Entry points and grid: one invocation per row (items = rows), each transforming its row
-// sequentially in the storage buffer (O(d' log d')); the batch provides the parallelism.
+// Entry points and grid (common.wgsl's 2-D grid of 64-wide groups):
+//   forward_scale   one invocation per (row, i < d'): work = pad(x)_i * (s_i * scale);
+//                   items = rows * d'
+//   butterfly       one invocation per butterfly of stage h: items = rows * d' / 2
+//   inverse_scale   one invocation per (row, i < d'): work *= scale; items = rows * d'
+//   inverse_finish  one invocation per (row, i < head_dim): out = work * s_i (* row_scale);
+//                   items = rows * head_dim
+// forward = forward_scale, then butterfly for h = 1 .. d'/2;
+// inverse = inverse_scale, butterfly for h = 1 .. d'/2, then inverse_finish.
 
 struct Params {
     items: u32,
@@ -33,6 +44,7 @@ struct Params {
     has_signs: u32,
     has_row_scale: u32,
     scale: f32,
+    h: u32,
 }
 
 @group(0) @binding(0) var<uniform> params: Params;
@@ -41,63 +53,67 @@ struct Params {
 @group(0) @binding(3) var<storage, read> signs: array<f32>;
 @group(0) @binding(4) var<storage, read> row_scale: array<f32>;
 
-// The unnormalised Sylvester transform of work[base .. base + d'] in place.
-fn fwht_row(base: u32) {
-    let n = params.padded;
-    for (var h = 1u; h < n; h = h * 2u) {
-        for (var blk = 0u; blk < n; blk = blk + 2u * h) {
-            for (var i = blk; i < blk + h; i = i + 1u) {
-                let u = work[base + i];
-                let v = work[base + i + h];
-                work[base + i] = u + v;
-                work[base + i + h] = u - v;
-            }
-        }
+@compute @workgroup_size(64)
+fn forward_scale(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                 @builtin(local_invocation_id) lid: vec3<u32>) {
+    let f = item_index(wid, nwg, lid);
+    if (f >= params.items) {
+        return;
     }
+    let row = f / params.padded;
+    let i = f % params.padded;
+    var v = 0.0;
+    if (i < params.head_dim) {
+        v = rows_hd[row * params.head_dim + i];
+    }
+    var factor = params.scale;
+    if (params.has_signs == 1u) {
+        factor = signs[i] * params.scale;
+    }
+    work[f] = v * factor;
 }
 
 @compute @workgroup_size(64)
-fn forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
-           @builtin(local_invocation_id) lid: vec3<u32>) {
-    let row = item_index(wid, nwg, lid);
-    if (row >= params.items) {
+fn butterfly(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+             @builtin(local_invocation_id) lid: vec3<u32>) {
+    let t = item_index(wid, nwg, lid);
+    if (t >= params.items) {
         return;
     }
-    let base = row * params.padded;
-    for (var i = 0u; i < params.padded; i = i + 1u) {
-        var v = 0.0;
-        if (i < params.head_dim) {
-            v = rows_hd[row * params.head_dim + i];
-        }
-        var f = params.scale;
-        if (params.has_signs == 1u) {
-            f = signs[i] * params.scale;
-        }
-        work[base + i] = v * f;
-    }
-    fwht_row(base);
+    let halfn = params.padded / 2u;
+    let k = t % halfn;
+    let i = (t / halfn) * params.padded + (k / params.h) * 2u * params.h + k % params.h;
+    let u = work[i];
+    let v = work[i + params.h];
+    work[i] = u + v;
+    work[i + params.h] = u - v;
 }
 
 @compute @workgroup_size(64)
-fn inverse(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
-           @builtin(local_invocation_id) lid: vec3<u32>) {
-    let row = item_index(wid, nwg, lid);
-    if (row >= params.items) {
+fn inverse_scale(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                 @builtin(local_invocation_id) lid: vec3<u32>) {
+    let f = item_index(wid, nwg, lid);
+    if (f >= params.items) {
         return;
     }
-    let base = row * params.padded;
-    for (var i = 0u; i < params.padded; i = i + 1u) {
-        work[base + i] = work[base + i] * params.scale;
+    work[f] = work[f] * params.scale;
+}
+
+@compute @workgroup_size(64)
+fn inverse_finish(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                  @builtin(local_invocation_id) lid: vec3<u32>) {
+    let f = item_index(wid, nwg, lid);
+    if (f >= params.items) {
+        return;
     }
-    fwht_row(base);
-    for (var i = 0u; i < params.head_dim; i = i + 1u) {
-        var v = work[base + i];
-        if (params.has_signs == 1u) {
-            v = v * signs[i];
-        }
-        if (params.has_row_scale == 1u) {
-            v = v * row_scale[row];
-        }
-        rows_hd[row * params.head_dim + i] = v;
+    let row = f / params.head_dim;
+    let i = f % params.head_dim;
+    var v = work[row * params.padded + i];
+    if (params.has_signs == 1u) {
+        v = v * signs[i];
     }
+    if (params.has_row_scale == 1u) {
+        v = v * row_scale[row];
+    }
+    rows_hd[f] = v;
 }

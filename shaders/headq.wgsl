@@ -5,8 +5,8 @@
 // calibration queries, or the random-basis control built by the Rust generator in float64)
 // and is uploaded transposed (r x d).
 //
-//   project     p = U^T v per row (r dot products over d, fixed order of docs section 8) and
-//               raw_scale = max_i |p_i| / h with h = (2^q - 1) / 2
+//   project     p = U^T v per row (r dot products over d, fixed order of docs section 8)
+//   scales_of   raw_scale = max_i |p_i| / h per row, with h = (2^q - 1) / 2
 //   encode      code_i = clamp(floor(p_i / s + h + 0.5), 0, 2^q - 1) with the STORED scale s
 //               (the host picks float16 or float32 storage for the whole call, as the Rust
 //               path does, between `project` and `encode`); all codes 2^(q-1) when s = 0
@@ -22,7 +22,7 @@
 //   1  storage, read        basis_t: array<f32>    rank * dim (U transposed)
 //   2  storage, read        vecs: array<f32>       project: rows * dim (residuals or queries)
 //   3  storage, read_write  proj: array<f32>       project output / encode input: rows * rank
-//   4  storage, read_write  raw_scales: array<f32> project output: rows
+//   4  storage, read_write  raw_scales: array<f32> scales_of output: rows
 //   5  storage, read        scales: array<f32>     stored scales as float32: rows
 //   6  storage, read_write  codes_out: array<u32>  encode: rows * rank code bytes, 4 per word
 //   7  storage, read        codes_in: array<u32>   decode / correction: rows * rank code bytes
@@ -30,7 +30,8 @@
 //   9  storage, read        qproj: array<f32>      correction: nq * rank projections U^T q
 //
 // Entry points and grid (common.wgsl's 2-D grid of 64-wide groups):
-//   project     one invocation per row: items = rows
+//   project     one invocation per (row, j): items = rows * rank
+//   scales_of   one invocation per row: items = rows
 //   encode      one invocation per word of 4 codes: items = ceil(rows * rank / 4)
 //   decode      one invocation per (row, c): items = rows * dim
 //   correction  one invocation per (i, j): items = nq * nk
@@ -64,19 +65,29 @@ fn side_value(row: u32, j: u32) -> f32 {
 @compute @workgroup_size(64)
 fn project(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
            @builtin(local_invocation_id) lid: vec3<u32>) {
+    let f = item_index(wid, nwg, lid);
+    if (f >= params.items) {
+        return;
+    }
+    let row = f / params.rank;
+    let j = f % params.rank;
+    var acc = array<f32, 8>(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0);
+    for (var c = 0u; c < params.dim; c = c + 1u) {
+        acc[c & 7u] = acc[c & 7u] + basis_t[j * params.dim + c] * vecs[row * params.dim + c];
+    }
+    proj[f] = combine8(acc);
+}
+
+@compute @workgroup_size(64)
+fn scales_of(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+             @builtin(local_invocation_id) lid: vec3<u32>) {
     let row = item_index(wid, nwg, lid);
     if (row >= params.items) {
         return;
     }
     var top = 0.0;
     for (var j = 0u; j < params.rank; j = j + 1u) {
-        var acc = array<f32, 8>(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0);
-        for (var c = 0u; c < params.dim; c = c + 1u) {
-            acc[c & 7u] = acc[c & 7u] + basis_t[j * params.dim + c] * vecs[row * params.dim + c];
-        }
-        let p = combine8(acc);
-        proj[row * params.rank + j] = p;
-        top = max(top, abs(p));
+        top = max(top, abs(proj[row * params.rank + j]));
     }
     raw_scales[row] = top / params.half;
 }

@@ -18,7 +18,7 @@
 // Bindings (group 0):
 //   0  uniform  Params { items: u32, dim: u32 }
 //   1  storage, read        x: array<f32>          rows * dim
-//   2  storage, read_write  norms: array<f32>      rows (inf when the norm overflows float32)
+//   2  storage, read_write  out_norms: array<f32>  rows (inf when the norm overflows float32)
 //
 // Entry point and grid: `norms`, one invocation per row (items = rows).
 

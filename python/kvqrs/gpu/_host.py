@@ -21,6 +21,31 @@ F16_MAX = np.float32(65504.0)
 
 F = TypeVar("F", bound=Callable[..., Any])
 
+MAX_LOOP_ROW = 8192
+"""Longest row an invocation of the WGSL path loops over (norms, projections, estimators, KIVI
+groups). llvmpipe (Mesa's CPU Vulkan driver) stops a loop after 65535 iterations per
+invocation, silently; the norm loops twice over its row and the QJL sketch projects four rows
+per invocation, so 8192 keeps every loop below that bound. The rotation alone has no limit."""
+
+
+def check_row_len(n: int, arg: str) -> None:
+    """Raise for a row longer than :data:`MAX_LOOP_ROW` (the WGSL path's per-invocation loops)."""
+    if n > MAX_LOOP_ROW:
+        raise KvqrsError(
+            f"{arg}: the WGSL path loops over at most {MAX_LOOP_ROW} values per row (GPU drivers such as lavapipe cap loop lengths), got {n}; use the cpu backend"
+        )
+
+
+def rust_float(v: Any) -> str:
+    """A float32 as Rust's ``Display`` writes it (``NaN``, ``inf``, ``-1.5``, no exponent), so
+    that messages equal the Rust path's."""
+    f = np.float32(v)
+    if np.isnan(f):
+        return "NaN"
+    if np.isinf(f):
+        return "inf" if f > 0 else "-inf"
+    return np.format_float_positional(f, trim="-")
+
 
 def _position(mask: np.ndarray, dim: int) -> tuple[int, int, int]:
     i = int(np.argmax(mask))
@@ -32,7 +57,7 @@ def check_finite(flat: np.ndarray, dim: int, arg: str) -> None:
     bad = ~np.isfinite(flat)
     if bad.any():
         i, row, col = _position(bad, dim)
-        raise KvqrsError(f"{arg}: expected finite values, got {flat[i]} at row {row}, position {col}")
+        raise KvqrsError(f"{arg}: expected finite values, got {rust_float(flat[i])} at row {row}, position {col}")
 
 
 def check_code_range(flat: np.ndarray, width: int, bits: int, arg: str) -> None:
@@ -53,7 +78,7 @@ def check_stored(values: np.ndarray, arg: str, signed: bool = False) -> np.ndarr
     if bad.any():
         i = int(np.argmax(bad))
         raise KvqrsError(
-            f"{arg}: expected finite stored scalars (non-negative for norms and scales), got {v[i]} at row {i}"
+            f"{arg}: expected finite stored scalars (non-negative for norms and scales), got {rust_float(v[i])} at row {i}"
         )
     return v
 

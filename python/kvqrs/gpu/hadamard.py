@@ -26,14 +26,23 @@ def _signs(call: Call, dev: Device, seed: int | None, dp: int) -> Any:
     return call.empty(4) if seed is None else signs_buffer(dev, seed, dp)
 
 
+def _butterflies(call: Call, work: Any, rows: int, params: list[Any]) -> None:
+    dp = params[1]
+    h = 1
+    while h < dp:
+        call.dispatch("hadamard", "butterfly", rows * dp // 2, [*params, h], {2: work})
+        h *= 2
+
+
 def forward_on_device(call: Call, dev: Device, x: Any, rows: int, d: int, seed: int | None) -> Any:
     """Queue the rotation of ``rows`` rows of ``d`` floats in device buffer ``x``; returns the
     buffer of ``rows * d'`` rotated floats."""
     dp = padded_dim(d)
-    out = call.empty(4 * rows * dp)
+    work = call.empty(4 * rows * dp)
     params = [d, dp, int(seed is not None), 0, _scale(dp)]
-    call.dispatch("hadamard", "forward", rows, params, {1: x, 2: out, 3: _signs(call, dev, seed, dp)})
-    return out
+    call.dispatch("hadamard", "forward_scale", rows * dp, [*params, 0], {1: x, 2: work, 3: _signs(call, dev, seed, dp)})
+    _butterflies(call, work, rows, params)
+    return work
 
 
 def inverse_on_device(call: Call, dev: Device, y: Any, rows: int, d: int, seed: int | None, row_scale: Any = None) -> Any:
@@ -42,8 +51,10 @@ def inverse_on_device(call: Call, dev: Device, y: Any, rows: int, d: int, seed: 
     dp = padded_dim(d)
     out = call.empty(4 * rows * d)
     params = [d, dp, int(seed is not None), int(row_scale is not None), _scale(dp)]
+    call.dispatch("hadamard", "inverse_scale", rows * dp, [*params, 0], {2: y})
+    _butterflies(call, y, rows, params)
     bind = {1: out, 2: y, 3: _signs(call, dev, seed, dp), 4: row_scale if row_scale is not None else call.empty(4)}
-    call.dispatch("hadamard", "inverse", rows, params, bind)
+    call.dispatch("hadamard", "inverse_finish", rows * d, [*params, 0], bind)
     return out
 
 

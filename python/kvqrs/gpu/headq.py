@@ -14,7 +14,7 @@ import numpy as np
 from .._arrays import KvqrsError, as_float_rows, check_bits, check_finite_output, check_out_dtype, restore
 from ..kernels.headq import HeadQCode, _basis, _code_parts, headq_basis
 from ._device import Call, device as _device
-from ._host import check_code_range, check_finite, check_overflow, check_stored, store, tensors_in_out
+from ._host import check_code_range, check_finite, check_overflow, check_row_len, check_stored, store, tensors_in_out
 
 __all__ = ["HeadQCode", "headq_basis", "headq_decode", "headq_encode", "headq_score_correction"]
 
@@ -25,7 +25,9 @@ def _basis_t(basis: Any) -> tuple[np.ndarray, int, int]:
         raise KvqrsError(
             f"basis: expected a (head_dim, rank) basis with 1 <= rank <= head_dim, got {u.size} values for head_dim {d}, rank {rank}"
         )
-    check_finite(u, rank, "basis")
+    if not np.isfinite(u).all():
+        raise KvqrsError("basis: expected finite entries")
+    check_row_len(d, "basis")
     return np.ascontiguousarray(u.reshape(d, rank).T), d, rank
 
 
@@ -34,10 +36,10 @@ def _params(d: int, rank: int, cols: int, bits: int) -> list[Any]:
     return [d, rank, cols, np.float32(top) / np.float32(2.0), np.float32(top)]
 
 
-def _project(call: Call, ub: Any, vecs: Any, rows: int, d: int, rank: int, bits: int) -> tuple[Any, Any]:
-    proj, raw = call.empty(4 * rows * rank), call.empty(4 * rows)
-    call.dispatch("headq", "project", rows, _params(d, rank, rows, bits), {1: ub, 2: vecs, 3: proj, 4: raw})
-    return proj, raw
+def _project(call: Call, ub: Any, vecs: Any, rows: int, d: int, rank: int, bits: int) -> Any:
+    proj = call.empty(4 * rows * rank)
+    call.dispatch("headq", "project", rows * rank, _params(d, rank, rows, bits), {1: ub, 2: vecs, 3: proj})
+    return proj
 
 
 @tensors_in_out()
@@ -68,7 +70,9 @@ def headq_encode(residual: Any, basis: Any, bits: int, *, device: Any = None) ->
         return HeadQCode(np.zeros((*leading, rank), np.uint8), np.zeros(leading, np.float16), q)
     dev = _device(device or "wgpu")
     with dev.call() as call:
-        proj, raw = _project(call, call.upload(ut), call.upload(flat), rows, d, rank, q)
+        proj = _project(call, call.upload(ut), call.upload(flat), rows, d, rank, q)
+        raw = call.empty(4 * rows)
+        call.dispatch("headq", "scales_of", rows, _params(d, rank, rows, q), {3: proj, 4: raw})
         raw_scales = call.read(raw, np.float32, rows)
         check_overflow(raw_scales, 1, "residual")
         scales = store(raw_scales)
@@ -137,7 +141,7 @@ def headq_score_correction(q: Any, code: HeadQCode, basis: Any, *, device: Any =
         codes, scales, lk, nk = _side(call, code, rank)
         if nq * nk == 0:
             return np.zeros((*lq, *lk), dtype=np.float32)
-        qproj, _ = _project(call, call.upload(ut), call.upload(qf), nq, d, rank, code.bits)
+        qproj = _project(call, call.upload(ut), call.upload(qf), nq, d, rank, code.bits)
         out = call.empty(4 * nq * nk)
         bind = {5: scales, 7: codes, 8: out, 9: qproj}
         call.dispatch("headq", "correction", nq * nk, _params(d, rank, nk, code.bits), bind)

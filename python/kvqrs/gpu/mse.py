@@ -17,7 +17,7 @@ from ..kernels.hadamard import padded_dim
 from ..kernels.lloyd_max import lloyd_max_codebook
 from ..kernels.mse import MSECode, decode_args
 from ._device import Call, device as _device
-from ._host import check_code_range, check_finite, check_overflow, check_stored, store, tensors_in_out
+from ._host import check_code_range, check_finite, check_overflow, check_row_len, check_stored, store, tensors_in_out
 from .hadamard import forward_on_device, inverse_on_device
 from .lloyd_max import decode_on_device, encode_on_device
 
@@ -55,6 +55,7 @@ def mse_encode(x: Any, bits: int, seed: int | None = None, *, device: Any = None
     code_dim = d if s is None else padded_dim(d)
     rows = flat.size // d
     check_finite(flat, d, "x")
+    check_row_len(d, "x")
     if rows == 0:
         return MSECode(np.zeros((*leading, code_dim), np.uint8), np.zeros(leading, np.float16))
     codebook = lloyd_max_codebook(code_dim, b)

@@ -17,7 +17,7 @@ from ..kernels.pack import packed_size
 from ..kernels.qjl import QJL_CONSTANT, QJLSketch, _sketch_parts
 from ..kernels.rng import qjl_matrix
 from ._device import Call, Device, device as _device
-from ._host import check_finite, check_overflow, check_stored, store, tensors_in_out
+from ._host import check_finite, check_overflow, check_row_len, check_stored, store, tensors_in_out
 from .mse import norms_on_device
 from .pack import pack_on_device
 
@@ -28,6 +28,8 @@ MAX_MATRIX_ENTRIES = 1 << 28
 
 
 def _matrix(dev: Device, seed: int, m: int, dim: int) -> Any:
+    check_row_len(dim, "dim")
+    check_row_len(m, "m")
     if m * dim > MAX_MATRIX_ENTRIES:
         raise KvqrsError(f"m * dim: expected at most {MAX_MATRIX_ENTRIES} matrix entries, got {m * dim}")
     return dev.constant(("qjl", seed, m, dim), lambda: qjl_matrix(seed, m, dim))
@@ -83,7 +85,7 @@ def qjl_sketch(r: Any, seed: int, m: int | None = None, *, device: Any = None) -
 
 def _sketch_on_device(call: Call, sketch: QJLSketch) -> tuple[Any, Any, tuple[int, ...], int]:
     signs, norms, lr = _sketch_parts(sketch)
-    nv = check_stored(norms, "sketch.norms")
+    nv = check_stored(norms, "norms")
     return call.upload(signs), call.upload(nv), lr, nv.size
 
 

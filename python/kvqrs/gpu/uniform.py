@@ -10,7 +10,7 @@ import numpy as np
 from .._arrays import as_float_rows, check_bits, check_out_dtype, check_positive_int, restore
 from ..kernels.uniform import UniformCode, decode_args
 from ._device import device as _device
-from ._host import check_code_range, check_finite, check_overflow, check_stored, store, tensors_in_out
+from ._host import check_code_range, check_finite, check_overflow, check_row_len, check_stored, store, tensors_in_out
 
 __all__ = ["UniformCode", "uniform_decode", "uniform_encode"]
 
@@ -42,6 +42,7 @@ def uniform_encode(x: Any, bits: int, group: int, *, device: Any = None) -> Unif
     g = check_positive_int(group, "group")
     flat, leading, n, _ = as_float_rows(x, "x")
     check_finite(flat, n, "x")
+    check_row_len(min(g, n), "group")
     groups = -(-n // g)
     rows = flat.size // n
     top = np.float32((1 << b) - 1)
