@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up kvqrs from a fresh clone: a virtual environment in .venv with the package built
-# (Rust, by maturin, release profile) and installed editable with its test extras.
+# (Rust, by maturin, release profile) and installed editable with its test extras (wgpu among
+# them), plus Mesa's Vulkan driver for the WGSL shader tests where apt can install it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -11,6 +12,33 @@ if ! command -v cargo >/dev/null 2>&1; then
         echo "setup: a Rust toolchain (cargo) is required to build kvqrs; install it with rustup" >&2
         exit 1
     fi
+fi
+
+# The WGSL path's tests run on any WebGPU adapter; without a GPU, Mesa's lavapipe (Vulkan on the
+# CPU) provides one. Installed through apt when missing (sudo when not root); where that is
+# impossible the setup goes on and the shader tests skip, saying that no adapter exists.
+VULKAN_PACKAGES="mesa-vulkan-drivers libvulkan1"
+vulkan_missing() {
+    for p in $VULKAN_PACKAGES; do
+        dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || return 0
+    done
+    return 1
+}
+if command -v dpkg-query >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
+    if vulkan_missing; then
+        SUDO=""
+        if [ "$(id -u)" -ne 0 ]; then
+            if command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then SUDO="sudo"; else SUDO="none"; fi
+        fi
+        if [ "$SUDO" = "none" ]; then
+            echo "setup: warning: $VULKAN_PACKAGES are not installed and this user cannot run apt-get (not root, no sudo); the WGSL shader tests will skip (no WebGPU adapter)" >&2
+        elif ! { $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q $VULKAN_PACKAGES >/dev/null 2>&1 \
+                 || { $SUDO apt-get update -q >/dev/null 2>&1 && $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q $VULKAN_PACKAGES >/dev/null 2>&1; }; }; then
+            echo "setup: warning: apt-get could not install $VULKAN_PACKAGES; the WGSL shader tests will skip (no WebGPU adapter)" >&2
+        fi
+    fi
+else
+    echo "setup: note: not a Debian/Ubuntu system; for the WGSL shader tests install a Vulkan driver (Mesa's lavapipe without a GPU), else they skip" >&2
 fi
 
 PYTHON="${PYTHON:-python3}"
