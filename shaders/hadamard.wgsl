@@ -8,10 +8,12 @@
 // be correctly rounded and there is no multiply here that a driver could fuse into an FMA, so
 // results equal the Rust path's except where a driver flushes subnormals to zero.
 //
-// Each butterfly stage is its own dispatch (one invocation per butterfly), in the order
-// h = 1, 2, ..., d'/2: the butterflies of one stage are independent, so the result is the
-// sequential transform's bit for bit, and no invocation loops over a row (llvmpipe cuts loops
-// off after about 65535 iterations per invocation).
+// The stages h < B (B = min(64, d')) run inside `butterfly_block`, one invocation per block of
+// B coordinates (blocks do not interact below stride B); every later stage is its own dispatch
+// (`butterfly`, one invocation per butterfly), in the order h = B, 2B, ..., d'/2. Each
+// butterfly sees exactly the operands of the sequential transform, so the result is the Rust
+// path's bit for bit, and no invocation loops over a whole row (llvmpipe cuts loops off after
+// about 65535 iterations per invocation).
 //
 // The sign vector s is generated on the device by rng.wgsl (entry `signs`, Philox stream 1)
 // once per (seed, d') and bound here; 1/sqrt(d') is computed once on the host in float32
@@ -30,12 +32,14 @@
 // Entry points and grid (common.wgsl's 2-D grid of 64-wide groups):
 //   forward_scale   one invocation per (row, i < d'): work = pad(x)_i * (s_i * scale);
 //                   items = rows * d'
+//   butterfly_block one invocation per block of h coordinates, stages 1 .. h/2 in order:
+//                   items = rows * d' / h (here h = B)
 //   butterfly       one invocation per butterfly of stage h: items = rows * d' / 2
 //   inverse_scale   one invocation per (row, i < d'): work *= scale; items = rows * d'
 //   inverse_finish  one invocation per (row, i < head_dim): out = work * s_i (* row_scale);
 //                   items = rows * head_dim
-// forward = forward_scale, then butterfly for h = 1 .. d'/2;
-// inverse = inverse_scale, butterfly for h = 1 .. d'/2, then inverse_finish.
+// forward = forward_scale, butterfly_block, then butterfly for h = B .. d'/2;
+// inverse = inverse_scale, butterfly_block, butterfly for h = B .. d'/2, then inverse_finish.
 
 struct Params {
     items: u32,
@@ -71,6 +75,26 @@ fn forward_scale(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups)
         factor = signs[i] * params.scale;
     }
     work[f] = v * factor;
+}
+
+@compute @workgroup_size(64)
+fn butterfly_block(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                   @builtin(local_invocation_id) lid: vec3<u32>) {
+    let blk = item_index(wid, nwg, lid);
+    if (blk >= params.items) {
+        return;
+    }
+    let base = blk * params.h;
+    for (var h = 1u; h < params.h; h = h * 2u) {
+        for (var j = 0u; j < params.h; j = j + 2u * h) {
+            for (var i = base + j; i < base + j + h; i = i + 1u) {
+                let u = work[i];
+                let v = work[i + h];
+                work[i] = u + v;
+                work[i + h] = u - v;
+            }
+        }
+    }
 }
 
 @compute @workgroup_size(64)

@@ -26,9 +26,14 @@ def _signs(call: Call, dev: Device, seed: int | None, dp: int) -> Any:
     return call.empty(4) if seed is None else signs_buffer(dev, seed, dp)
 
 
+BLOCK = 64
+"""Coordinates transformed by one invocation of ``butterfly_block`` (stages below BLOCK)."""
+
+
 def _butterflies(call: Call, work: Any, rows: int, params: list[Any]) -> None:
     dp = params[1]
-    h = 1
+    h = min(BLOCK, dp)
+    call.dispatch("hadamard", "butterfly_block", rows * dp // h, [*params, h], {2: work})
     while h < dp:
         call.dispatch("hadamard", "butterfly", rows * dp // 2, [*params, h], {2: work})
         h *= 2
