@@ -149,3 +149,11 @@ def test_torch_tensors_in_and_out():
     assert isinstance(code.codes, torch.Tensor) and isinstance(code.scales, torch.Tensor)
     out = gpu.uniform_decode(code)
     np.testing.assert_array_equal(out.numpy(), kvqrs.uniform_decode(kvqrs.UniformCode(*(v.numpy() if hasattr(v, "numpy") else v for v in code))))
+
+
+@requires_adapter
+def test_batches_beyond_the_binding_limit_raise(monkeypatch):
+    dev = gpu.device()
+    monkeypatch.setattr(dev, "max_binding", 1024)
+    with pytest.raises(kvqrs.KvqrsError, match="batch: the call needs a 4096-byte device buffer.*split it"):
+        gpu.hadamard(np.ones((16, 64), np.float32), 1)

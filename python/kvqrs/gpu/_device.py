@@ -110,7 +110,7 @@ class Device:
         if kind == _STORAGE and cap > self.max_binding:
             if nbytes > self.max_binding:
                 raise KvqrsError(
-                    f"x: the batch needs a {nbytes}-byte device buffer, beyond this adapter's limit of {self.max_binding} bytes; split it into smaller batches"
+                    f"batch: the call needs a {nbytes}-byte device buffer, beyond this adapter's limit of {self.max_binding} bytes; split it into smaller batches"
                 )
             cap = int(nbytes + 3) // 4 * 4
         with self._lock:
@@ -220,7 +220,7 @@ class Call:
         gx = min(groups, MAX_GROUPS_PER_DIM)
         gy = math.ceil(groups / gx)
         if gy > MAX_GROUPS_PER_DIM:
-            raise KvqrsError(f"x: the batch needs {items} invocations, beyond one dispatch; split it into smaller batches")
+            raise KvqrsError(f"batch: the call needs {items} invocations, beyond one dispatch; split it into smaller batches")
         if self._encoder is None:
             self._encoder = dev.device.create_command_encoder()
         cp = self._encoder.begin_compute_pass()

@@ -10,6 +10,7 @@ decodes on the other.
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import Any, Callable
 
 from .. import kernels
@@ -80,7 +81,7 @@ class Backend:
 CPU = Backend("cpu", {k: getattr(kernels, k) for k in KERNEL_FUNCTIONS})
 """The Rust path (:mod:`kvqrs.kernels`)."""
 
-_gpu_backends: dict[int, Backend] = {}
+_gpu_backends: "weakref.WeakKeyDictionary[Any, Backend]" = weakref.WeakKeyDictionary()
 
 
 def get_backend(backend: Any = "cpu") -> Backend:
@@ -100,6 +101,6 @@ def get_backend(backend: Any = "cpu") -> Backend:
     from .. import gpu  # noqa: PLC0415 - wgpu is optional
 
     dev = gpu.device(backend)
-    if id(dev) not in _gpu_backends:
-        _gpu_backends[id(dev)] = Backend("wgpu", {k: functools.partial(getattr(gpu, k), device=dev) for k in KERNEL_FUNCTIONS})
-    return _gpu_backends[id(dev)]
+    if dev not in _gpu_backends:
+        _gpu_backends[dev] = Backend("wgpu", {k: functools.partial(getattr(gpu, k), device=dev) for k in KERNEL_FUNCTIONS})
+    return _gpu_backends[dev]
