@@ -124,6 +124,8 @@ def _layers(model) -> int:
 FAST_VS_CACHE = [
     pytest.param(QuantConfig("kqv", 3, "kqv", 3, residual_length=8), id="kqv-k3v3-r8"),
     pytest.param(QuantConfig("kivi", 2, "kivi", 2, residual_length=0), id="kivi-k2v2-r0"),
+    # No window, per-token keys: every visible key is quantized (the fast path's shortcut).
+    pytest.param(QuantConfig("kqv", 3, "kqv", 3, residual_length=0), id="kqv-k3v3-r0"),
     pytest.param(QuantConfig("headq", 2, residual_length=0, headq_base="kivi", bases="random"), id="headq-kivi-random"),
 ]
 
@@ -136,9 +138,10 @@ def test_fast_path_matches_token_by_token_cache(model64, ids, dense_logits, cfg)
         fast = model(ids).logits
     cache = QuantizedKVCache(cfg, _layers(model))
     # Prefill the longest prefix in which the cache quantizes nothing (every query of it sees full
-    # precision keys on both paths, so the schedule is the same), then decode one token at a time:
-    # from there on each query sees exactly the keys the cache holds quantized at its step.
-    prefill = max(p for p in range(1, T_EVAL + 1) if cfg.quantized_count(p) == 0)
+    # precision keys on both paths, so the schedule is the same; with no window, one token that
+    # both paths quantize), then decode one token at a time: from there on each query sees
+    # exactly the keys the cache holds quantized at its step.
+    prefill = max((p for p in range(1, T_EVAL + 1) if cfg.quantized_count(p) == 0), default=1)
     steps = []
     with torch.no_grad():
         steps.append(model(ids[:, :prefill], past_key_values=cache, use_cache=True).logits)

@@ -452,3 +452,9 @@ def test_corrupted_sketch_rejected(name, sketch, pattern):
     with pytest.raises(kvqrs.KvqrsError, match=pattern):
         kvqrs.qjl_inner_product(np.ones((2, 24), np.float32), sketch, 1)
 
+
+
+@pytest.mark.parametrize("sketch", ["not a sketch", None, (np.zeros((1, 3), np.uint8), np.ones(1, np.float32))])
+def test_inner_product_rejects_a_non_sketch_before_reading_it(sketch):
+    with pytest.raises(kvqrs.KvqrsError, match="sketch: expected a QJLSketch"):
+        kvqrs.qjl_inner_product(np.ones((2, 24), np.float32), sketch, 1)

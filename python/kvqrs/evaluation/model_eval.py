@@ -126,7 +126,7 @@ def run_eval(model, tokenizer, texts, rows: list[Row], window: int, windows: int
         with active(rec):
             dense_lp.append(_log_probs(model, ids))
     kv = {layer: t[1:] for layer, t in rec.tensors.items()}  # the last window's keys and values, every layer
-    check = dense_check(model, ev)
+    check = dense_check(model, ev, dense_lp)
     results = []
     for row in tqdm(rows, desc="eval", unit="row", disable=not progress):
         cfg = row.config
@@ -158,20 +158,19 @@ def run_eval(model, tokenizer, texts, rows: list[Row], window: int, windows: int
             "calibration_windows": len(cal), "headq_recovered": headq_recovered(results)}
 
 
-def dense_check(model, windows: list[torch.Tensor]) -> dict:
-    """Dense perplexity through kvqrs' attention function against transformers' own loss
-    (``labels=``) with its SDPA attention on the same windows."""
-    ours, theirs = [], []
-    with torch.no_grad():
-        for ids in windows:
-            lp = torch.log_softmax(model(ids).logits[0, :-1].float(), -1)
-            ours.append(-lp.gather(1, ids[0, 1:, None]).mean().item())
-        model.set_attn_implementation("sdpa")
-        try:
+def dense_check(model, windows: list[torch.Tensor], log_probs: list[torch.Tensor]) -> dict:
+    """Dense perplexity through kvqrs' attention function (``log_probs``: the dense row's
+    log-probabilities of ``windows``) against transformers' own loss (``labels=``) with its
+    SDPA attention on the same windows."""
+    ours = [-lp.gather(1, ids[0, 1:, None]).mean().item() for ids, lp in zip(windows, log_probs)]
+    theirs = []
+    model.set_attn_implementation("sdpa")
+    try:
+        with torch.no_grad():
             for ids in windows:
                 theirs.append(model(ids, labels=ids).loss.item())
-        finally:
-            model.set_attn_implementation("kvqrs")
+    finally:
+        model.set_attn_implementation("kvqrs")
     a, b = math.exp(float(np.mean(ours))), math.exp(float(np.mean(theirs)))
     return {"ppl_kvqrs": a, "ppl_transformers_sdpa": b, "relative_difference": abs(a - b) / b}
 

@@ -91,24 +91,32 @@ class FakeQuant:
         # m[t, j]: key j is held quantized when the cache has seen t + 1 tokens.
         seen = torch.arange(1, length + 1)
         held = torch.tensor([cfg.quantized_count(int(s)) for s in seen])
-        m = (torch.arange(length)[None, :] < held[:, None]).float()
-        s_fp = (query @ repeat_kv(key, module.num_key_value_groups).transpose(2, 3)) * scaling
-        s_q = s_fp
+        # With no full-precision window every key a query may see (j <= t) is quantized: the
+        # causal mask hides the rest, so the mixing below reduces to the quantized parts alone.
+        all_held = attention_mask is not None and bool(torch.equal(held, seen))
+        g = module.num_key_value_groups
+        s_fp = None
+        if not (all_held and cfg.quantizes_keys) or (cfg.value_scheme == "a2" and not cfg.a2_uniform):
+            s_fp = (query @ repeat_kv(key, g).transpose(2, 3)) * scaling
+        logits = s_fp
         if cfg.quantizes_keys:
             ck = codec.encode_keys(to_numpy(key, "keys"))
             k_hat = from_numpy(codec.decode_keys(ck, base_only=True), key)
-            s_q = (query @ repeat_kv(k_hat, module.num_key_value_groups).transpose(2, 3)) * scaling
+            s_q = (query @ repeat_kv(k_hat, g).transpose(2, 3)) * scaling
             corr = codec.score_correction(to_numpy(query, "query"), ck)
             if corr is not None:
                 s_q = s_q + torch.from_numpy(corr).to(s_q.dtype)
-        m = m.to(s_q.dtype)
-        logits = m * s_q + (1 - m) * s_fp
+            m = (torch.arange(length)[None, :] < held[:, None]).to(s_q.dtype)
+            logits = s_q if all_held else m * s_q + (1 - m) * s_fp
         if codec.values is None:
             return _softmax_out(module, query, logits, attention_mask, [(None, value)])
         weights = None
         if cfg.value_scheme == "a2" and not cfg.a2_uniform:
             weights = _a2_importance(module, s_fp, attention_mask, cfg.a2_lookahead)
         v_hat = from_numpy(codec.decode_values(codec.encode_values(to_numpy(value, "values"), weights)), value)
+        if all_held:
+            return _softmax_out(module, query, logits, attention_mask, [(None, v_hat)])
+        m = (torch.arange(length)[None, :] < held[:, None]).to(logits.dtype)
         return _softmax_out(module, query, logits, attention_mask, [(m, v_hat), (1 - m, value)])
 
 

@@ -83,10 +83,10 @@ def qjl_inner_product(y: Any, sketch: QJLSketch, seed: int) -> np.ndarray:
     Raises:
         KvqrsError: mismatched dims, a bad seed or sketch, NaN/Inf in ``y``.
     """
+    signs, norms, lr = _sketch_parts(sketch)
     flat, ly, d, _ = as_float_rows(y, "y")
     if d != sketch.dim:
         raise KvqrsError(f"y: expected a last axis of {sketch.dim} (the sketched dimension), got {d}")
-    signs, norms, lr = _sketch_parts(sketch)
     out = _native.qjl_inner_product(flat, signs, norms, d, sketch.m, check_seed(seed, optional=False))
     return check_finite_output(out.reshape((*ly, *lr)))
 
