@@ -69,4 +69,8 @@ pub enum KvqError {
     /// A basis that is not usable (wrong shape or non-finite entries).
     #[error("{arg}: {reason}")]
     InvalidBasis { arg: &'static str, reason: String },
+
+    /// Bytes that are not a valid kvqrs container (truncated, altered, hostile).
+    #[error("compressed cache: {what}")]
+    CorruptData { what: String },
 }

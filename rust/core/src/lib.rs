@@ -5,6 +5,7 @@
 //! [`KvqError`] instead of panicking.
 
 pub mod error;
+pub mod format;
 pub mod kernels;
 pub mod reduce;
 pub mod rng;

@@ -3,6 +3,7 @@
 
 mod arrays;
 mod errors;
+mod format;
 mod kernels;
 
 use pyo3::prelude::*;
@@ -37,5 +38,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(kernels::qjl_matrix, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::uniform_encode, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::uniform_decode, m)?)?;
+    m.add_function(wrap_pyfunction!(format::container_write, m)?)?;
+    m.add_function(wrap_pyfunction!(format::container_read, m)?)?;
     Ok(())
 }

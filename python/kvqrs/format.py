@@ -1,0 +1,149 @@
+"""The compressed-cache format (SPEC section 6): an :class:`~kvqrs.schemes.Encoded` tensor as
+versioned, self-describing, checksummed bytes.
+
+The container (magic, version, length-prefixed sections, each with a CRC-32 over its header and
+payload) is read and written by Rust (``kvqrs_core::format``, layout in ``docs/format.md``); this
+module gives the sections their meaning: a first ``meta`` section of UTF-8 JSON (format tag,
+scheme, kind, original shape and dtype, the scheme's parameters: bits, seeds (rotation and
+sketch identity), group sizes, HeadQ basis hash) and one section per stored part.
+
+Loading checks the container (truncation, altered bytes, hostile lengths raise
+:class:`KvqrsError`, never crash) and the meaning (a known tag, a well-formed meta, the parts
+it lists). Given a codec, it also checks the tensor belongs to it (scheme, side, parameters,
+and every part's shape and dtype as the codec would store that shape), so loading under other
+settings raises instead of decoding garbage.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import numpy as np
+
+from . import _native
+from ._arrays import KvqrsError
+from .schemes.base import Encoded
+
+FORMAT = "kvqrs-encoded-v1"
+_DTYPES = {"uint8": 0, "float16": 1, "float32": 2, "float64": 3, "int64": 4, "bfloat16": 6}
+_UTF8 = 5
+_TENSOR_DTYPES = ("float16", "float32", "float64", "bfloat16")
+
+
+def _np_dtype(name: str) -> np.dtype:
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
+def dumps(enc: Encoded) -> bytes:
+    """``enc`` as container bytes. Raises :class:`KvqrsError` for a part of an unsupported
+    dtype or parameters that JSON cannot hold."""
+    if not isinstance(enc, Encoded):
+        raise KvqrsError(f"enc: expected a kvqrs Encoded object, got {type(enc).__name__}")
+    meta = {"format": FORMAT, "scheme": enc.scheme, "kind": enc.kind, "shape": [int(n) for n in enc.shape],
+            "dtype": str(np.dtype(enc.dtype)), "params": dict(enc.params), "parts": list(enc.parts)}
+    try:
+        text = json.dumps(meta, sort_keys=True).encode()
+    except TypeError as e:
+        raise KvqrsError(f"enc.params: expected JSON-serialisable parameters ({e})") from None
+    sections = [("meta", _UTF8, [len(text)], text)]
+    for name, part in enc.parts.items():
+        a = np.ascontiguousarray(part)
+        if str(a.dtype) not in _DTYPES:
+            raise KvqrsError(f"enc.parts[{name!r}]: expected one of {sorted(_DTYPES)}, got dtype {a.dtype}")
+        sections.append((name, _DTYPES[str(a.dtype)], [int(n) for n in a.shape], a.tobytes()))
+    return _native.container_write(sections)
+
+
+def _meta(section) -> dict:
+    name, code, _, payload = section
+    if name != "meta" or code != _UTF8:
+        raise KvqrsError("compressed cache: the first section must be the UTF-8 'meta' section")
+    try:
+        meta = json.loads(payload.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise KvqrsError(f"compressed cache: meta is not valid JSON ({e})") from None
+    expected = {"format": str, "scheme": str, "kind": str, "shape": list, "dtype": str, "params": dict, "parts": list}
+    if not isinstance(meta, dict) or any(not isinstance(meta.get(k), t) for k, t in expected.items()):
+        raise KvqrsError(f"compressed cache: meta must hold {sorted(expected)} with the right types")
+    if meta["format"] != FORMAT:
+        raise KvqrsError(f"compressed cache: format {meta['format']!r}, this version reads {FORMAT!r}")
+    if meta["kind"] not in ("keys", "values") or meta["dtype"] not in _TENSOR_DTYPES:
+        raise KvqrsError(f"compressed cache: kind {meta['kind']!r} / dtype {meta['dtype']!r} not understood")
+    if not meta["shape"] or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in meta["shape"]):
+        raise KvqrsError(f"compressed cache: shape must be a non-empty list of non-negative integers, got {meta['shape']}")
+    return meta
+
+
+def loads(data: bytes, codec: Any = None) -> Encoded:
+    """Container bytes back into an :class:`Encoded`.
+
+    Args:
+        data: bytes from :func:`dumps`.
+        codec: optional :class:`~kvqrs.schemes.KVCodec`; when given, the tensor must be keys or
+            values of this codec: same scheme and parameters, parts shaped as it stores them.
+
+    Raises:
+        KvqrsError: truncated, altered or hostile bytes; an unknown format; a tensor that does
+            not belong to ``codec``.
+    """
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise KvqrsError(f"data: expected bytes, got {type(data).__name__}")
+    sections = _native.container_read(bytes(data))
+    if not sections:
+        raise KvqrsError("compressed cache: no sections")
+    meta = _meta(sections[0])
+    names = [s[0] for s in sections[1:]]
+    if names != meta["parts"]:
+        raise KvqrsError(f"compressed cache: meta lists parts {meta['parts']}, the container holds {names}")
+    codes = {v: k for k, v in _DTYPES.items()}
+    parts = {}
+    for name, code, shape, payload in sections[1:]:
+        if code not in codes:
+            raise KvqrsError(f"compressed cache: part {name!r} has dtype code {code}")
+        parts[name] = np.frombuffer(payload, dtype=_np_dtype(codes[code])).reshape(shape)
+    enc = Encoded(meta["scheme"], meta["kind"], tuple(meta["shape"]), _np_dtype(meta["dtype"]), parts, meta["params"])
+    if codec is not None:
+        check_belongs(enc, codec)
+    return enc
+
+
+def check_belongs(enc: Encoded, codec: Any) -> None:
+    """Raise :class:`KvqrsError` unless ``enc`` is a tensor ``codec`` could have stored:
+    same scheme, side and parameters (seeds, bits, basis hash), and every part with the name,
+    shape and kind of dtype the codec stores for that shape."""
+    from .schemes.base import check_encoded
+
+    coder = codec._key_coder() if enc.kind == "keys" else codec.values
+    if coder is None:
+        raise KvqrsError(f"compressed cache: the codec stores no {enc.kind}")
+    check_encoded(enc, coder.scheme, enc.kind, coder.params)
+    if len(enc.shape) < 2 or enc.shape[-1] != codec.head_dim:
+        raise KvqrsError(f"compressed cache: shape {enc.shape}, the codec expects (..., tokens, {codec.head_dim})")
+    if enc.scheme == "a2":
+        return  # its layout follows the per-token widths it stored; decode checks them
+    reference = coder.encode(np.zeros(enc.shape, np.float32))
+    for name, ref in reference.parts.items():
+        got = enc.parts.get(name)
+        if got is None or got.shape != ref.shape or got.dtype.kind != ref.dtype.kind:
+            found = None if got is None else (got.shape, str(got.dtype))
+            raise KvqrsError(f"compressed cache: part {name!r} should be {ref.shape} of kind {ref.dtype.kind!r}, got {found}")
+    if set(enc.parts) != set(reference.parts):
+        raise KvqrsError(f"compressed cache: parts {sorted(enc.parts)}, the codec stores {sorted(reference.parts)}")
+
+
+def save(path: str | os.PathLike, enc: Encoded) -> None:
+    """Write :func:`dumps` of ``enc`` to ``path``."""
+    with open(path, "wb") as f:
+        f.write(dumps(enc))
+
+
+def load(path: str | os.PathLike, codec: Any = None) -> Encoded:
+    """Read a file written by :func:`save` (see :func:`loads`)."""
+    with open(path, "rb") as f:
+        return loads(f.read(), codec)
