@@ -959,3 +959,14 @@ def test_bad_key_shape_and_dtype_raise():
         codec.encode_keys(np.ones((TOKENS, 64), dtype=np.int32))
     with pytest.raises(kvqrs.KvqrsError):
         codec.encode_values(gaussian(0, (64,)))
+
+
+@pytest.mark.parametrize("scheme", ["kv", "kqv", "qkqv", "kivi", "block", "headq"])
+def test_empty_token_axis(scheme):
+    # A cache with no tokens yet: encode, decode and score without errors, shapes kept.
+    c = KVCodec(scheme, 3, 40, seed=1, basis="random" if scheme == "headq" else None)
+    x = np.zeros((2, 0, 40), np.float32)
+    ck, cv = c.encode_keys(x), c.encode_values(x)
+    assert ck.nbytes == cv.nbytes == 0
+    assert c.decode_keys(ck).shape == c.decode_values(cv).shape == (2, 0, 40)
+    assert c.scores(np.ones((2, 3, 40), np.float32), ck).shape == (2, 3, 0)

@@ -81,6 +81,12 @@ def slice_rows(enc: Encoded, axes: Mapping[str, int], n: int) -> Encoded:
     return Encoded(enc.scheme, enc.kind, (*enc.shape[:-2], n, enc.shape[-1]), enc.dtype, parts, enc.params)
 
 
+def flat_rows(a: np.ndarray, tail: int) -> np.ndarray:
+    """``a`` with its leading axes merged into one and its last ``tail`` axes kept; unlike
+    ``reshape(-1, ...)`` this also works when some axis is empty."""
+    return a.reshape(math.prod(a.shape[:-tail]), *a.shape[a.ndim - tail :])
+
+
 def check_head_dim(x: np.ndarray, head_dim: int, arg: str) -> None:
     """Raise unless ``x`` has shape ``(..., tokens, head_dim)``."""
     if x.ndim < 2 or x.shape[-1] != head_dim:

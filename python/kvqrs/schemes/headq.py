@@ -15,7 +15,7 @@ import numpy as np
 
 from .._arrays import KvqrsError
 from ..kernels.headq import HeadQCode
-from .base import Encoded, as_float_array, check_encoded, slice_rows
+from .base import Encoded, as_float_array, check_encoded, slice_rows, flat_rows
 from .mse import blockwise
 
 
@@ -70,7 +70,7 @@ class HeadQCoder:
     def encode(self, k) -> Encoded:
         k = as_float_array(k, "keys")
         base = self.base.encode(k)
-        residual = (k.astype(np.float32) - self.base.decode(base)).reshape(-1, *k.shape[-2:])
+        residual = flat_rows(k.astype(np.float32) - self.base.decode(base), 2)
         bases = self._bases(k.shape[:-2])
         sides = [self.k.headq_encode(residual[i], bases[i], self.side_bits) for i in range(len(bases))]
         lead = k.shape[:-1]
@@ -97,8 +97,8 @@ class HeadQCoder:
         _, side = self._split(enc)
         lead = q.shape[:-2]
         bases = self._bases(lead)
-        codes = side.codes.reshape(-1, *side.codes.shape[-2:])
-        scales = side.scales.reshape(-1, side.scales.shape[-1])
+        codes = flat_rows(side.codes, 2)
+        scales = flat_rows(side.scales, 1)
 
         def block(b: int, qb: np.ndarray) -> np.ndarray:
             return self.k.headq_score_correction(qb, HeadQCode(codes[b], scales[b], self.side_bits), bases[b])
@@ -110,8 +110,8 @@ class HeadQCoder:
         base, side = self._split(enc)
         k_base = self.base.decode(base)
         lead = enc.shape[:-2]
-        codes = side.codes.reshape(-1, *side.codes.shape[-2:])
-        scales = side.scales.reshape(-1, side.scales.shape[-1])
+        codes = flat_rows(side.codes, 2)
+        scales = flat_rows(side.scales, 1)
         bases = self._bases(lead)
         corr = np.stack([self.k.headq_decode(HeadQCode(codes[i], scales[i], self.side_bits), bases[i]) for i in range(len(bases))])
         return k_base + self.sign * corr.reshape(k_base.shape)

@@ -61,12 +61,19 @@ class KIVICoder:
     def encode(self, x) -> Encoded:
         x = as_float_array(x, self.kind)
         check_head_dim(x, self.head_dim, self.kind)
+        if self.per_channel and x.shape[-2] == 0:
+            # No tokens: every channel's row is empty, so there are no groups to store.
+            empty = (*x.shape[:-2], self.head_dim, 0)
+            parts = {"codes": np.zeros(empty, np.uint8), "scales": np.zeros(empty, np.float16), "zeros": np.zeros(empty, np.float16)}
+            return Encoded(self.scheme, self.kind, x.shape, x.dtype, parts, self.params)
         code = self.k.uniform_encode(self._layout(x), self.bits, self.group)
         parts = {"codes": self.k.pack_bits(code.codes, self.bits), "scales": code.scales, "zeros": code.zeros}
         return Encoded(self.scheme, self.kind, x.shape, x.dtype, parts, self.params)
 
     def decode(self, enc: Encoded) -> np.ndarray:
         check_encoded(enc, self.scheme, self.kind, self.params)
+        if self.per_channel and enc.shape[-2] == 0:
+            return np.zeros(enc.shape, np.float32)
         row = enc.shape[-2] if self.per_channel else enc.shape[-1]
         codes = self.k.unpack_bits(enc.parts["codes"], self.bits, row)
         out = self.k.uniform_decode(UniformCode(codes, enc.parts["scales"], enc.parts["zeros"], self.group, self.bits))

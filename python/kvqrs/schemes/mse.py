@@ -16,7 +16,7 @@ from .._arrays import KvqrsError
 from ..kernels import lloyd_max_codebook, padded_dim
 from ..kernels.qjl import QJLSketch
 from .backend import CPU, Backend
-from .base import Encoded, as_float_array, check_encoded, check_head_dim, slice_rows
+from .base import Encoded, as_float_array, check_encoded, check_head_dim, slice_rows, flat_rows
 
 
 def decoded_scores(q: np.ndarray, k_hat: np.ndarray) -> np.ndarray:
@@ -28,7 +28,7 @@ def decoded_scores(q: np.ndarray, k_hat: np.ndarray) -> np.ndarray:
 def blockwise(fn, q: np.ndarray, lead: tuple[int, ...]) -> np.ndarray:
     """Apply ``fn(b, q_block) -> (nq, T)`` over the flattened leading dims shared by queries
     and keys (the kernels' estimators are all-pairs; this keeps heads and batches paired)."""
-    qb = q.reshape(-1, *q.shape[-2:])
+    qb = flat_rows(q, 2)
     out = [fn(b, qb[b]) for b in range(qb.shape[0])]
     return np.stack(out).reshape(*lead, *out[0].shape) if out else np.zeros((*lead, q.shape[-2], 0), np.float32)
 
@@ -133,8 +133,8 @@ class MSEQJLCoder:
         rq = self.k.hadamard(q.astype(np.float32), self.seed)
         sk = self._sketch(enc)
         lead = q.shape[:-2]
-        signs = sk.signs.reshape(-1, *sk.signs.shape[-2:])
-        norms = sk.norms.reshape(-1, sk.norms.shape[-1])
+        signs = flat_rows(sk.signs, 2)
+        norms = flat_rows(sk.norms, 1)
 
         def block(b: int, qb: np.ndarray) -> np.ndarray:
             part = QJLSketch(signs[b], norms[b], sk.m, sk.dim)
