@@ -12,10 +12,11 @@
 //!   HeadQ: `+ sign * s_j * sum_i (U^T q)_i (code_i - h)` (SPEC 2.6);
 //! - a numerically stable softmax (max subtracted, float64 normaliser, log-sum-exp returned so
 //!   that callers can merge another softmax part exactly);
-//! - the weighted sum of values accumulated from their codes as float64 histograms over the
-//!   same symbols (`hist[p][a] += p_j * ||v_j||`), expanded once per query row through the
-//!   codebook, the QJL value residual accumulated in sketch space and mapped back once with
-//!   `S^T`, uniform values with their zero points summed per group, and un-rotated once.
+//! - the weighted sum of values accumulated from their codes in the code domain: each coded
+//!   row is decoded once through a per-symbol table (shared by every query row of the group) and
+//!   added with weight `p_j ||v_j||` to a float64 accumulator per query row; the QJL value
+//!   residual is accumulated in sketch space and mapped back once with `S^T`, uniform values
+//!   with their zero points summed per group; the result is un-rotated once.
 //!
 //! The query rows of one KV head (a GQA group of query heads times the query tokens) share one
 //! pass over that head's codes. Heads run in parallel (rayon); each head's arithmetic is
@@ -224,38 +225,61 @@ impl Symbols {
         }
     }
 
-    /// `sum_p table[p][sym[p]]` over positions `p0 .. p1` (four accumulators, fixed order).
+    /// `sum_p table[p][sym[p]]` over positions `p0 .. p1`: four register accumulators over
+    /// consecutive positions, combined as `(a0 + a2) + (a1 + a3)` (a fixed order).
     #[inline]
     fn lookup(&self, table: &[f32], sym: &[u8], p0: usize, p1: usize) -> f32 {
-        let mut acc = [0.0f32; 4];
-        let t = &table[p0 * self.alphabet..p1 * self.alphabet];
-        for (i, (tp, &s)) in t.chunks_exact(self.alphabet).zip(&sym[p0..p1]).enumerate() {
-            acc[i % 4] += tp[usize::from(s)];
+        let a = self.alphabet;
+        let mut tc = table[p0 * a..p1 * a].chunks_exact(4 * a);
+        let mut sc = sym[p0..p1].chunks_exact(4);
+        let (mut a0, mut a1, mut a2, mut a3) = (0.0f32, 0.0f32, 0.0f32, 0.0f32);
+        for (t, s) in (&mut tc).zip(&mut sc) {
+            a0 += t[usize::from(s[0])];
+            a1 += t[a + usize::from(s[1])];
+            a2 += t[2 * a + usize::from(s[2])];
+            a3 += t[3 * a + usize::from(s[3])];
         }
-        (acc[0] + acc[2]) + (acc[1] + acc[3])
+        for (t, &s) in tc.remainder().chunks_exact(a).zip(sc.remainder()) {
+            a0 += t[usize::from(s)];
+        }
+        (a0 + a2) + (a1 + a3)
     }
 
-    /// `hist[p][sym[p]] += w[p / gp]` (one weight per group of `gp` positions).
-    #[inline]
-    fn scatter(&self, hist: &mut [f64], sym: &[u8], w: &[f64], gp: usize) {
-        for (p, (h, &s)) in hist.chunks_exact_mut(self.alphabet).zip(sym).enumerate() {
-            h[usize::from(s)] += w[p / gp];
-        }
-    }
-
-    /// `out[i] += sum_a hist[p(i)][a] * values[code(a)]`: the transpose of `build_table`.
-    fn gather(&self, hist: &[f64], values: &[f32], out: &mut [f64]) {
-        for (p, h) in hist.chunks_exact(self.alphabet).enumerate() {
-            let lo = p * self.per;
-            let o = &mut out[lo..(lo + self.per).min(self.n)];
-            for (a, &ha) in h.iter().enumerate() {
-                if ha != 0.0 {
-                    for (k, ok) in o.iter_mut().enumerate() {
-                        *ok += ha * f64::from(values[self.code(a, k)]);
-                    }
-                }
+    /// `dtab[a][t] = values[code_t(a)]`: the decode of every symbol (built once per call).
+    fn decode_table(&self, values: &[f32]) -> Vec<f32> {
+        let mut dtab = vec![0.0f32; self.alphabet * self.per];
+        for (a, d) in dtab.chunks_exact_mut(self.per).enumerate() {
+            for (t, v) in d.iter_mut().enumerate() {
+                *v = values[self.code(a, t)];
             }
         }
+        dtab
+    }
+
+    /// `out[i] = values[code_i]` for one row through its decode table (`out.len() == n`).
+    #[inline]
+    fn decode(&self, sym: &[u8], dtab: &[f32], out: &mut [f32]) {
+        let mut oc = out.chunks_exact_mut(self.per);
+        for (o, &s) in (&mut oc).zip(sym) {
+            let at = usize::from(s) * self.per;
+            // Element copies: a slice copy of a run-time length of 1..8 floats calls memmove.
+            for (x, &v) in o.iter_mut().zip(&dtab[at..at + self.per]) {
+                *x = v;
+            }
+        }
+        let rest = oc.into_remainder();
+        if !rest.is_empty() {
+            let at = usize::from(sym[self.n / self.per]) * self.per;
+            rest.copy_from_slice(&dtab[at..at + rest.len()]);
+        }
+    }
+}
+
+/// `acc[i] += w * x[i]` in float64 (the value accumulation; vectorisable).
+#[inline]
+fn axpy(acc: &mut [f64], w: f64, x: &[f32]) {
+    for (a, &v) in acc.iter_mut().zip(x) {
+        *a += w * f64::from(v);
     }
 }
 
@@ -759,56 +783,47 @@ fn head_values(plan: &Plan, p: &[f32], sums: &[f64], h: usize, lay: &Layout, out
             qjl,
         } => {
             let cd = sym.n;
-            let tl = sym.table_len();
-            let mut hist = vec![0.0f64; rows * tl];
-            let rb = sym.row_bytes;
+            let dtab = sym.decode_table(centroids);
+            let mut acc = vec![0.0f64; rows * cd];
+            let mut dec = vec![0.0f32; cd];
             let mut scratch = vec![0u8; cd];
-            let mut w = [0.0f64; 1];
+            let rb = sym.row_bytes;
             for (j, row) in codes[h * t * rb..(h + 1) * t * rb]
                 .chunks_exact(rb)
                 .enumerate()
             {
-                let sy = sym.read(row, &mut scratch);
+                sym.decode(sym.read(row, &mut scratch), &dtab, &mut dec);
                 let nj = f64::from(norms.get(h * t + j));
-                for (r, hr) in hist.chunks_exact_mut(tl).enumerate() {
-                    w[0] = f64::from(p[r * t + j]) * nj;
-                    sym.scatter(hr, sy, &w, usize::MAX);
+                for (r, ar) in acc.chunks_exact_mut(cd).enumerate() {
+                    axpy(ar, f64::from(p[r * t + j]) * nj, &dec);
                 }
             }
-            let mut qhist = qjl.as_ref().map(|q| vec![0.0f64; rows * q.sym.table_len()]);
-            if let (Some(q), Some(qh)) = (qjl, qhist.as_mut()) {
-                let (qb, ql) = (q.sym.row_bytes, q.sym.table_len());
+            if let Some(q) = qjl {
+                // The residual accumulated in sketch space, u = sum_j p_j ||r_j|| sigma_j, then
+                // mapped back once: acc += sqrt(pi/2)/m * S^T u (rows of S in increasing order).
+                let qtab = q.sym.decode_table(&[1.0, -1.0]);
+                let mut u = vec![0.0f64; rows * cd];
+                let qb = q.sym.row_bytes;
                 for (j, row) in q.signs[h * t * qb..(h + 1) * t * qb]
                     .chunks_exact(qb)
                     .enumerate()
                 {
+                    q.sym.decode(row, &qtab, &mut dec);
                     let rn = f64::from(q.norms.get(h * t + j));
-                    for (r, hr) in qh.chunks_exact_mut(ql).enumerate() {
-                        w[0] = f64::from(p[r * t + j]) * rn;
-                        q.sym.scatter(hr, row, &w, usize::MAX);
+                    for (r, ur) in u.chunks_exact_mut(cd).enumerate() {
+                        axpy(ur, f64::from(p[r * t + j]) * rn, &dec);
+                    }
+                }
+                let k = f64::from(q.k);
+                for (ar, ur) in acc.chunks_exact_mut(cd).zip(u.chunks_exact(cd)) {
+                    for (srow, &ui) in q.sketcher.matrix().chunks_exact(cd).zip(ur) {
+                        axpy(ar, k * ui, srow);
                     }
                 }
             }
-            let mut acc = vec![0.0f64; cd];
-            let mut u = vec![0.0f64; cd];
             let mut buf = vec![0.0f32; cd];
-            for r in 0..rows {
-                acc.fill(0.0);
-                sym.gather(&hist[r * tl..(r + 1) * tl], centroids, &mut acc);
-                if let (Some(q), Some(qh)) = (qjl, qhist.as_ref()) {
-                    // S^T u in float64, rows of S in increasing order (docs/kernels.md 6).
-                    let ql = q.sym.table_len();
-                    u.fill(0.0);
-                    q.sym
-                        .gather(&qh[r * ql..(r + 1) * ql], &[1.0, -1.0], &mut u);
-                    let k = f64::from(q.k);
-                    for (srow, &ui) in q.sketcher.matrix().chunks_exact(cd).zip(&u) {
-                        for (a, &sv) in acc.iter_mut().zip(srow) {
-                            *a += k * ui * f64::from(sv);
-                        }
-                    }
-                }
-                finish(rot, &acc, sums[r], &mut buf, &mut out[r * d..(r + 1) * d]);
+            for (r, ar) in acc.chunks_exact(cd).enumerate() {
+                finish(rot, ar, sums[r], &mut buf, &mut out[r * d..(r + 1) * d]);
             }
         }
         Plan::Tokens {
@@ -822,40 +837,34 @@ fn head_values(plan: &Plan, p: &[f32], sums: &[f64], h: usize, lay: &Layout, out
             groups,
         } => {
             let cd = sym.n;
-            let tl = sym.table_len();
-            let gp = sym.group_positions(*group);
-            let mut hist = vec![0.0f64; rows * tl];
+            let dtab = sym.decode_table(levels);
+            let mut acc = vec![0.0f64; rows * cd];
             let mut zacc = vec![0.0f64; rows * groups];
-            let mut w = vec![0.0f64; *groups];
-            let rb = sym.row_bytes;
+            let mut dec = vec![0.0f32; cd];
             let mut scratch = vec![0u8; cd];
+            let rb = sym.row_bytes;
             for (j, row) in codes[h * t * rb..(h + 1) * t * rb]
                 .chunks_exact(rb)
                 .enumerate()
             {
-                let sy = sym.read(row, &mut scratch);
+                sym.decode(sym.read(row, &mut scratch), &dtab, &mut dec);
                 let base = (h * t + j) * groups;
-                for (r, hr) in hist.chunks_exact_mut(tl).enumerate() {
+                for (r, ar) in acc.chunks_exact_mut(cd).enumerate() {
                     let pj = f64::from(p[r * t + j]);
-                    for (g, wg) in w.iter_mut().enumerate() {
-                        *wg = pj * f64::from(scales.get(base + g));
+                    for (g, (ag, dg)) in ar.chunks_mut(*group).zip(dec.chunks(*group)).enumerate() {
+                        axpy(ag, pj * f64::from(scales.get(base + g)), dg);
                         zacc[r * groups + g] += pj * f64::from(zeros.get(base + g));
                     }
-                    sym.scatter(hr, sy, &w, gp);
                 }
             }
-            let mut acc = vec![0.0f64; cd];
             let mut buf = vec![0.0f32; cd];
-            for r in 0..rows {
-                acc.fill(0.0);
-                sym.gather(&hist[r * tl..(r + 1) * tl], levels, &mut acc);
-                for (i, a) in acc.iter_mut().enumerate() {
+            for (r, ar) in acc.chunks_exact_mut(cd).enumerate() {
+                for (i, a) in ar.iter_mut().enumerate() {
                     *a += zacc[r * groups + i / group];
                 }
-                finish(rot, &acc, sums[r], &mut buf, &mut out[r * d..(r + 1) * d]);
+                finish(rot, ar, sums[r], &mut buf, &mut out[r * d..(r + 1) * d]);
             }
         }
-        // Rejected as values by decode_attention (a key layout).
         Plan::Channels { .. } => {}
         Plan::Dense(x) => {
             let mut acc = vec![0.0f64; d];
