@@ -101,6 +101,11 @@ _norms = st.integers(0, 40).map(lambda n: np.ones(n, dtype=np.float16))
             lambda a, b, c, n, s: _native.qjl_matrix(s, a, s % 300),
             lambda a, b, c, n, s: _native.rotation_signs(s, a),
             lambda a, b, c, n, s: _native.gaussians(s, 1, a),
+            lambda a, b, c, n, s: _native.decode_attention(
+                c, {"kind": ["mse", "uniform_tokens", "uniform_channels", "dense"][s % 4], "codes": b, "norms": n, "scales": n,
+                    "zeros": n, "values": c, "bits": s % 10, "group": s % 40, "seed": s if s % 3 else None},
+                {"kind": "dense", "values": c}, {"codes": b, "scales": n, "basis": c, "basis_heads": s % 3, "rank": s % 5, "bits": s % 9,
+                                                 "sign": 1.0} if s % 2 else None, a % 7, s % 5, s % 7, a, 1.0, bool(s % 2)),
         ]
     ),
     a=_sizes,

@@ -730,3 +730,119 @@ def test_a2_lookahead_must_lie_inside_the_window():
     for bad in (0, 9):
         with pytest.raises(KvqrsError, match="a2_lookahead"):
             QuantConfig(None, 2, "a2", 2, residual_length=8, a2_lookahead=bad)
+
+
+# --- (g) fused decode steps: attention straight from the codes --------------------------------------
+
+# Fused vs decoded cache, one layer, synthetic float32 tensors: the kernel evaluates the logits
+# of the coded part in float32 from lookup tables and merges the window by log-sum-exp, the
+# decoded path multiplies float32 decoded keys in torch; both accumulate in float32 or better.
+# Outputs agree to float32 rounding of logits of size |q||k|/sqrt(d) ~ 10 here (measured 6e-7
+# relative to the largest |v|); 1e-4 still fails on any code, scale or merge weight gone wrong
+# (those move outputs by 1e-2 or more).
+FUSED_LAYER_RTOL = 1e-4
+# Generation on SmolLM2 in float32: 30 layers compound the per-layer float32 differences; the
+# logits of fused and decoded runs differ by at most 5e-5 of the largest |logit| (measured 1.3e-3
+# absolute on logits of ~25 for qkqv with no window, 3e-5 elsewhere); a wrong part of attention
+# changes logits by whole units and the generated tokens.
+FUSED_GEN_RTOL = 2e-4
+
+FUSED_CONFIGS = [
+    pytest.param(QuantConfig("kqv", 4, "kqv", 4, residual_length=8), id="kqv-k4v4-r8"),
+    pytest.param(QuantConfig("kivi", 2, "kivi", 2, residual_length=8, group=8), id="kivi-k2v2-g8"),
+    pytest.param(QuantConfig("qkqv", 3, "kv", 4, residual_length=0), id="qkqv-k3-kv4-r0"),
+    pytest.param(QuantConfig("headq", 3, "block", 4, residual_length=4, headq_base="kqv", bases="random"), id="headq-kqv-block"),
+    pytest.param(QuantConfig("kqv", 4, residual_length=4), id="kqv-keyonly"),
+]
+
+
+class _Module:
+    """What the attention function reads from a transformers attention module."""
+
+    def __init__(self, groups: int):
+        self.num_key_value_groups, self.layer_idx = groups, 0
+
+
+def _causal_mask(batch, nq, total):
+    """transformers' additive causal mask for ``nq`` new queries over ``total`` positions."""
+    pos = torch.arange(total)[None, :] <= torch.arange(total - nq, total)[:, None]
+    return torch.where(pos, 0.0, torch.finfo(torch.float32).min).expand(batch, 1, nq, total)
+
+
+@pytest.mark.parametrize("cfg", FUSED_CONFIGS + PER_TOKEN + GROUPED)
+@pytest.mark.parametrize("nq", [1, 3])
+def test_fused_decode_step_matches_decoded_layer(cfg, nq):
+    k, v = _kv(tokens=45, seed=4)
+    k2, v2 = _kv(tokens=nq, seed=5)
+    q = torch.randn(2, 9, nq, HEAD_DIM, generator=torch.Generator().manual_seed(6))
+    module, scaling = _Module(3), HEAD_DIM**-0.5
+    outs = []
+    for fused in (True, False):
+        layer = QuantizedLayer(cfg, 0)
+        rk, rv = layer.update(k, v, fused=fused)  # prefill: never fused
+        assert rk.shape[-2] == 45
+        layer.attend(module, q[..., :1, :], rk, rv, None, scaling)
+        rk, rv = layer.update(k2, v2, fused=fused)
+        assert layer._fused == fused
+        # a fused step hands back the window alone: nothing is decoded
+        assert rk.shape[-2] == (layer.keys.shape[-2] if fused else 45 + nq)
+        mask = _causal_mask(2, nq, 45 + nq)
+        outs.append(layer.attend(module, q, rk, rv, mask, scaling)[0])
+    fused_out, decoded = outs
+    assert fused_out.shape == decoded.shape == (2, nq, 9, HEAD_DIM)
+    assert torch.allclose(fused_out, decoded, rtol=0, atol=FUSED_LAYER_RTOL * v.abs().max().item())
+
+
+def test_fused_step_falls_back_where_a_mask_hides_codes():
+    cfg = QuantConfig("kqv", 4, "kqv", 4, residual_length=2)
+    k, v = _kv(tokens=20, seed=7)
+    q = torch.randn(2, 9, 1, HEAD_DIM, generator=torch.Generator().manual_seed(8))
+    module, scaling = _Module(3), HEAD_DIM**-0.5
+    mask = _causal_mask(2, 1, 21).clone()
+    mask[0, ..., 3] = torch.finfo(torch.float32).min  # padding hides one quantized position
+    outs = []
+    for fused in (True, False):
+        layer = QuantizedLayer(cfg, 0)
+        layer.attend(module, q, *layer.update(k, v, fused=fused), None, scaling)
+        rk, rv = layer.update(k[..., :1, :], v[..., :1, :], fused=fused)
+        outs.append(layer.attend(module, q, rk, rv, mask, scaling)[0])
+    assert torch.equal(outs[0], outs[1])  # the fused layer decoded, exactly as the other
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+@pytest.mark.parametrize("cfg", FUSED_CONFIGS)
+def test_generation_with_fused_steps_matches_the_decoded_cache(model32, cfg, monkeypatch):
+    import dataclasses
+
+    model, tok = model32
+    prompt = tok(TEXT, return_tensors="pt").input_ids[:, :40]
+    calls = {"fused": 0, "materialize": 0}
+    fused_fn, materialize_fn = QuantizedLayer._attend_fused, QuantizedLayer.materialize
+
+    def spy_fused(self, *a, **kw):
+        calls["fused"] += 1
+        return fused_fn(self, *a, **kw)
+
+    def spy_materialize(self):
+        calls["materialize"] += 1
+        return materialize_fn(self)
+
+    monkeypatch.setattr(QuantizedLayer, "_attend_fused", spy_fused)
+    monkeypatch.setattr(QuantizedLayer, "materialize", spy_materialize)
+    runs = {}
+    new = 8
+    for fused in (False, True):
+        calls.update(fused=0, materialize=0)
+        cache = QuantizedKVCache(dataclasses.replace(cfg, fused=fused, _codecs={}), _layers(model))
+        with torch.no_grad():
+            g = model.generate(prompt, past_key_values=cache, max_new_tokens=new, do_sample=False,
+                               output_logits=True, return_dict_in_generate=True)
+        runs[fused] = (g.sequences, torch.stack(g.logits), dict(calls))
+    layers = _layers(model)
+    # decoded run: the whole cache decoded at prefill and at every one of the new - 1 steps
+    assert runs[False][2] == {"fused": 0, "materialize": layers * new}
+    # fused run: decoded once at prefill, then every step attends from the codes
+    assert runs[True][2] == {"fused": layers * (new - 1), "materialize": layers}
+    assert torch.equal(runs[True][0], runs[False][0])
+    scale = runs[False][1].abs().max().item()
+    assert (runs[True][1] - runs[False][1]).abs().max().item() < FUSED_GEN_RTOL * scale

@@ -1,7 +1,7 @@
 """Type stubs of the private native module ``kvqrs._native`` (flat, C-contiguous arrays in and
 out; the public wrappers in ``kvqrs.kernels`` restore shapes and dtypes)."""
 
-from typing import Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import numpy.typing as npt
@@ -40,3 +40,15 @@ def uniform_encode(x: _F32, n: int, group: int, bits: int) -> Tuple[_U8, _Scalar
 def uniform_decode(codes: _U8, scales: _Scalars, zeros: _Scalars, n: int, group: int, bits: int) -> _F32: ...
 def container_write(sections: list[tuple[str, int, list[int], bytes]]) -> bytes: ...
 def container_read(data: bytes) -> list[tuple[str, int, list[int], bytes]]: ...
+def decode_attention(
+    q: _F32,
+    keys: Dict[str, Any],
+    values: Dict[str, Any],
+    side: Optional[Dict[str, Any]],
+    heads: int,
+    rows: int,
+    tokens: int,
+    head_dim: int,
+    scale: float,
+    probs: bool,
+) -> Tuple[_F32, _F32, _F32]: ...

@@ -49,6 +49,10 @@ __all__ = [
     "headq_decode",
     "headq_score_correction",
     "headq_basis",
+    "uniform_encode",
+    "uniform_decode",
+    "decode_rows",
+    "decode_attention",
 ]
 
 # --------------------------------------------------------------------------------------------
@@ -823,6 +827,94 @@ def uniform_decode(codes, scales, zeros, bits, group) -> np.ndarray:
     s = np.asarray(scales, dtype=np.float64)[..., idx]
     z = np.asarray(zeros, dtype=np.float64)[..., idx]
     return z + s * c.astype(np.float64)
+
+# --------------------------------------------------------------------------------------------
+# Fused decode attention (issue 6; kernels.md section 11), from this module's own decoders
+# --------------------------------------------------------------------------------------------
+
+
+def decode_rows(spec, head_dim) -> np.ndarray:
+    """Decode one side of a coded cache described by a spec dict, float64 ``(..., T, head_dim)``.
+
+    ``spec["kind"]``: ``"mse"`` (``codes`` packed ``(..., T, bytes)``, ``norms``, ``bits``,
+    ``seed`` or None, optional ``qjl_signs`` packed ``(..., T, ceil(d'/8))``, ``qjl_norms``,
+    ``qjl_seed``: the QJL vector estimate of the rotated residual is added before the inverse
+    rotation); ``"uniform_tokens"`` (``codes`` ``(..., T, bytes)``, ``scales``, ``zeros``
+    ``(..., T, groups)``, ``bits``, ``group``, ``seed`` or None: rotated coordinates);
+    ``"uniform_channels"`` (KIVI keys: ``codes`` ``(..., head_dim, bytes)``, ``scales``,
+    ``zeros`` ``(..., head_dim, groups)``; T from ``tokens``); ``"dense"`` (``values``).
+    """
+    kind = spec["kind"]
+    d = _check_dim(head_dim)
+    if kind == "dense":
+        return np.asarray(spec["values"], dtype=np.float64)
+    bits = _check_bits(spec["bits"])
+    seed = spec.get("seed")
+    cd = d if seed is None else padded_dim(d)
+    if kind == "mse":
+        codes = unpack_bits(spec["codes"], bits, cd)
+        x = mse_decode(codes, spec["norms"], bits, d, seed)
+        if spec.get("qjl_signs") is not None:
+            signs = unpack_bits(spec["qjl_signs"], 1, cd)
+            r_hat = qjl_vector_estimate(signs, spec["qjl_norms"], spec["qjl_seed"], cd)
+            x = x + inverse_hadamard(r_hat, seed, d)
+        return x
+    if kind == "uniform_tokens":
+        codes = unpack_bits(spec["codes"], bits, cd)
+        y = uniform_decode(codes, spec["scales"], spec["zeros"], bits, spec["group"])
+        return y if seed is None else inverse_hadamard(y, seed, d)
+    if kind == "uniform_channels":
+        codes = unpack_bits(spec["codes"], bits, operator.index(spec["tokens"]))
+        return np.swapaxes(uniform_decode(codes, spec["scales"], spec["zeros"], bits, spec["group"]), -1, -2)
+    raise ValueError(f"unknown rows kind {kind!r}")
+
+
+def decode_attention(q, keys, values, side=None, scale=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Attention of query rows over a coded cache, float64 (kernels.md section 11).
+
+    ``q`` ``(..., rows, d)``; ``keys`` / ``values`` spec dicts as in :func:`decode_rows` with
+    the same leading shape ``(...)``; ``side`` an optional HeadQ dict (``codes`` packed
+    ``(..., T, bytes)``, ``scales`` ``(..., T)``, ``basis`` ``(d, r)`` or ``(B, d, r)`` where
+    flattened head i uses basis ``i % B``, ``bits``, ``sign``). Logits
+    ``scale * (q . k_hat + sign * (U^T q) . z)`` (``scale = 1/sqrt(d)`` by default), where
+    ``k_hat`` is the decode of the keys except that a QJL residual enters through
+    :func:`qjl_inner_product` with the rotated query (the estimator the kernel evaluates; equal
+    to ``q . R^T r_hat`` in exact arithmetic). Returns ``(out (..., rows, d), lse (..., rows),
+    probs (..., rows, T))``.
+    """
+    q = np.asarray(q, dtype=np.float32).astype(np.float64)
+    d = q.shape[-1]
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    kspec = dict(keys)
+    if kspec["kind"] == "uniform_channels":
+        kspec["tokens"] = np.asarray(values["norms"] if values["kind"] == "mse" else
+                                     values["scales"][..., 0] if values["kind"] != "dense" else values["values"][..., 0]).shape[-1]
+    qjl = kspec.pop("qjl_signs", None) if kspec["kind"] == "mse" else None
+    k = decode_rows(kspec, d)
+    s = q @ np.swapaxes(k, -1, -2)
+    if qjl is not None:
+        cd = padded_dim(d)
+        rq = hadamard(q, kspec["seed"])
+        s = s + qjl_inner_product(rq, unpack_bits(qjl, 1, cd), kspec["qjl_norms"], kspec["qjl_seed"])
+    if side is not None:
+        basis = np.asarray(side["basis"], dtype=np.float32)
+        r = basis.shape[-1]
+        codes = unpack_bits(side["codes"], side["bits"], r)
+        lead = q.shape[:-2]
+        qf = q.reshape(-1, *q.shape[-2:])
+        cf = codes.reshape(-1, *codes.shape[-2:])
+        sf = np.asarray(side["scales"]).reshape(-1, codes.shape[-2])
+        bases = [basis] * len(qf) if basis.ndim == 2 else [basis[i % basis.shape[0]] for i in range(len(qf))]
+        corr = np.stack([headq_score_correction(qf[i], bases[i], cf[i], sf[i], side["bits"]) for i in range(len(qf))])
+        s = s + side["sign"] * corr.reshape(*lead, *corr.shape[-2:])
+    s = scale * s
+    m = s.max(axis=-1, keepdims=True)
+    e = np.exp(s - m)
+    z = e.sum(axis=-1, keepdims=True)
+    p = e / z
+    v = decode_rows(values, d)
+    return p @ v, (m + np.log(z))[..., 0], p
+
 
 if __name__ == "__main__":
     import time

@@ -4,9 +4,14 @@ prefill too), and report their real memory in bytes.
 
 Each layer holds a list of encoded chunks (``Encoded``, batch on axis 0) plus a full-precision
 window. At each update the window grows; whole chunks beyond ``residual_length`` are encoded
-(chunks of one token, or of ``group`` tokens when KIVI keys need whole groups). Attention gets
-the decoded (base) keys and values; HeadQ's side code enters the logits through the ``kvqrs``
-attention function, with the live query. Use the model with ``attn_implementation="kvqrs"``.
+(chunks of one token, or of ``group`` tokens when KIVI keys need whole groups).
+
+Prefill (and any step with more than :data:`FUSED_MAX_QUERY` new tokens) attends over the
+decoded (base) keys and values; HeadQ's side code enters the logits through the ``kvqrs``
+attention function, with the live query. Decode steps attend straight from the codes
+(``KVCodec.fused_attention``: no key or value is decoded) and merge the full-precision window's
+softmax part by log-sum-exp, exactly; see ``QuantConfig.fused`` for when. Use the model with
+``attn_implementation="kvqrs"``.
 """
 
 from __future__ import annotations
@@ -18,11 +23,16 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .._arrays import KvqrsError
+from ..kernels.attention import DenseRows
 from ..schemes import Encoded
 from ..torch import from_numpy, to_numpy
 from .attention import _softmax_out, register
 from .attention import _STATE
 from .config import QuantConfig
+
+
+FUSED_MAX_QUERY = 4
+"""Decode steps with at most this many new query tokens attend from the codes."""
 
 
 def _select(enc: Encoded, index: torch.Tensor) -> Encoded:
@@ -45,6 +55,10 @@ class QuantizedLayer(CacheLayerMixin):
         self.chunks_v: list[Encoded | None] = []
         self.quantized = 0
         self._returned: torch.Tensor | None = None
+        # Set once the kvqrs attention function has served this layer: only then may update()
+        # hand back the window alone (another attention function would miss the codes).
+        self._attended = False
+        self._fused = False
 
     # -- transformers' layer protocol -------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -57,15 +71,28 @@ class QuantizedLayer(CacheLayerMixin):
     def codec(self):
         return self.config.codec(self.layer_idx, self.head_dim)
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, fused: bool = False, **kwargs: Any):
+        """Append the new tokens, flush whole chunks out of the window, and return the keys and
+        values attention reads: decoded codes then the window, or, on a fused decode step
+        (``fused=True``, passed by :class:`QuantizedKVCache` when ``QuantConfig.fused``), the
+        window alone, the codes being read by :meth:`attend`."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self.keys = torch.cat([self.keys, key_states], dim=-2)
         self.values = torch.cat([self.values, value_states], dim=-2)
         self._flush()
+        self._fused = fused and self._can_fuse(key_states.shape[-2])
+        if self._fused:
+            self._returned = self.keys
+            return self.keys, self.values
         k, v = self.materialize()
         self._returned = k
         return k, v
+
+    def _can_fuse(self, new_tokens: int) -> bool:
+        if not (self._attended and self.quantized and new_tokens <= FUSED_MAX_QUERY and self.dtype != torch.float64):
+            return False
+        return self.codec().has_fused_path()
 
     def _flush(self) -> None:
         """Encode whole chunks that have left the full-precision window."""
@@ -117,6 +144,7 @@ class QuantizedLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         self.chunks_k, self.chunks_v, self.quantized = [], [], 0
+        self._fused = self._attended = False
         self.keys = self.values = None
         self.is_initialized = False
         self.__dict__.pop("_fp_values_quantized", None)
@@ -184,11 +212,50 @@ class QuantizedLayer(CacheLayerMixin):
         fp = [self.keys, self.values, getattr(self, "_fp_values_quantized", None)]
         return int(total + sum(t.numel() * t.element_size() for t in fp if t is not None))
 
+    def _codes_visible(self, attention_mask, nq: int) -> bool:
+        """Every query sees every quantized position (true for causal decoding unless a new
+        token was itself quantized at once, or a padding mask hides old positions)."""
+        if attention_mask is None:
+            return self.quantized <= self.get_seq_length() - nq
+        m = attention_mask[..., : self.quantized]
+        return bool(m.all()) if m.dtype == torch.bool else bool((m == 0).all())
+
+    def _attend_fused(self, module, query, attention_mask, scaling):
+        """Softmax over the codes (fused kernel) and over the window, merged by log-sum-exp:
+        ``out = e^(lse_q - lse) out_q + e^(lse_w - lse) out_w``, ``lse = logaddexp(lse_q, lse_w)``."""
+        from transformers.integrations.sdpa_attention import repeat_kv
+
+        codec = self.codec()
+        q = to_numpy(query, "query")
+        if codec.values is None:
+            cv = DenseRows(to_numpy(self._fp_values_quantized, "values"))
+            res = codec.fused_attention(q, self.chunks_k[0], cv, scale=float(scaling))
+        else:
+            res = codec.fused_attention(q, self.chunks_k[0], self.chunks_v[0], scale=float(scaling))
+        out = torch.from_numpy(res.out)
+        if self.keys.shape[-2]:
+            lse_q = torch.from_numpy(res.lse)
+            logits = ((query @ repeat_kv(self.keys, module.num_key_value_groups).transpose(2, 3)) * scaling).float()
+            if attention_mask is not None:
+                mask = attention_mask[..., self.quantized : self.quantized + logits.shape[-1]]
+                logits = logits.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else logits + mask.float()
+            lse_w = torch.logsumexp(logits, dim=-1)
+            out_w = torch.softmax(logits, dim=-1) @ repeat_kv(self.values, module.num_key_value_groups).float()
+            lse = torch.logaddexp(lse_q, lse_w)
+            w_w = torch.exp(lse_w - lse)[..., None]
+            out = torch.exp(lse_q - lse)[..., None] * out + torch.where(w_w > 0, w_w * out_w, torch.zeros_like(out_w))
+        return out.to(query.dtype).transpose(1, 2).contiguous(), None
+
     def attend(self, module, query, key, value, attention_mask, scaling):
         if key is not self._returned:
             return None
+        self._attended = True
         from transformers.integrations.sdpa_attention import repeat_kv
 
+        if self._fused:
+            if self._codes_visible(attention_mask, query.shape[-2]):
+                return self._attend_fused(module, query, attention_mask, scaling)
+            key, value = self.materialize()  # a mask hides some codes: the decoded path
         logits = (query @ repeat_kv(key, module.num_key_value_groups).transpose(2, 3)) * scaling
         corr = self.correction(query)
         if corr is not None:
@@ -226,7 +293,7 @@ class QuantizedKVCache(Cache):
         if not 0 <= layer_idx < len(self.layers):
             raise KvqrsError(f"num_layers: this cache has {len(self.layers)} layers, the model updated layer {layer_idx}")
         _STATE.set(self)  # the kvqrs attention function of this layer consults this cache
-        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        return super().update(key_states, value_states, layer_idx, *args, fused=self.config.fused, **kwargs)
 
     def attend(self, module, query, key, value, attention_mask, scaling):
         # This cache stays the attention state after its last update; another forward (another

@@ -30,6 +30,11 @@ class QuantConfig:
             random-basis control.
         a2_uniform: with ``value_scheme="a2"``, give every token the same width (the uniform
             baseline of the A^2 allocation).
+        fused: decode steps (at most ``kvqrs.hf.cache.FUSED_MAX_QUERY`` new tokens) attend
+            straight from the stored codes (``KVCodec.fused_attention``) and merge the
+            full-precision window by log-sum-exp, instead of decoding the whole cache each step.
+            Used where the codec has a fused read path, for float32 / float16 / bfloat16 models
+            (the kernel computes in float32; a float64 model keeps the float64 decoded path).
         a2_lookahead: with ``value_scheme="a2"``, estimate token j's importance from the queries
             ``j .. j + a2_lookahead - 1`` only: those that read it while it sat in the
             full-precision window, so at most ``residual_length`` (causal: what a cache knows
@@ -51,6 +56,7 @@ class QuantConfig:
     bases: Any = None
     a2_uniform: bool = False
     a2_lookahead: int | None = None
+    fused: bool = True
     _codecs: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:

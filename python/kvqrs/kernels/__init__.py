@@ -1,5 +1,6 @@
 """The kernels of SPEC section 2, one module each, over the native Rust implementation."""
 
+from .attention import AttentionResult, DenseRows, MSERows, QJLRows, SideRows, UniformRows, decode_attention
 from .hadamard import hadamard, inverse_hadamard, padded_dim
 from .headq import HeadQCode, headq_basis, headq_decode, headq_encode, headq_score_correction
 from .lloyd_max import Codebook, lloyd_max_codebook, lloyd_max_decode, lloyd_max_encode
@@ -10,6 +11,13 @@ from .uniform import UniformCode, uniform_decode, uniform_encode
 from .rng import gaussians, philox4x32_10, qjl_matrix, random_orthonormal_basis, rotation_signs
 
 __all__ = [
+    "AttentionResult",
+    "DenseRows",
+    "MSERows",
+    "QJLRows",
+    "SideRows",
+    "UniformRows",
+    "decode_attention",
     "Codebook",
     "HeadQCode",
     "MSECode",

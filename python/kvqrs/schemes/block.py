@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..kernels import padded_dim
+from ..kernels.attention import UniformRows
 from ..kernels.uniform import UniformCode
 from .backend import CPU, Backend
 from .base import Encoded, as_float_array, check_encoded, check_head_dim, slice_rows
@@ -41,6 +42,12 @@ class BlockCoder:
         codes = self.k.unpack_bits(enc.parts["codes"], self.bits, self.code_dim)
         y = self.k.uniform_decode(UniformCode(codes, enc.parts["scales"], enc.parts["zeros"], self.group, self.bits))
         return self.k.inverse_hadamard(y, self.seed, self.head_dim)
+
+    def attention_rows(self, enc: Encoded) -> UniformRows:
+        """The stored parts as the fused attention kernel reads them (rotated coordinates)."""
+        check_encoded(enc, self.scheme, self.kind, self.params)
+        p = enc.parts
+        return UniformRows(p["codes"], p["scales"], p["zeros"], self.bits, self.group, seed=self.seed)
 
     def scores(self, q: np.ndarray, enc: Encoded) -> np.ndarray:
         return decoded_scores(q, self.decode(enc))

@@ -10,6 +10,7 @@ import numpy as np
 
 from .._arrays import KvqrsError, check_bits, check_positive_int, check_seed
 from ..kernels.rng import philox4x32_10, random_orthonormal_basis
+from ..kernels.attention import AttentionResult, DenseRows, decode_attention
 from ..kernels.headq import headq_basis
 from .a2 import A2ValueCoder
 from .block import BlockCoder
@@ -217,6 +218,14 @@ class KVCodec:
 
     def _grouped(self, q: Any, ck: Encoded, fn) -> np.ndarray:
         """Apply a per-KV-head score function with GQA grouping of query heads."""
+        grouped, q_lead, nq = self._group_queries(q, ck)
+        s = fn(grouped, ck)
+        return s.reshape(*q_lead, nq, s.shape[-1])
+
+    def _group_queries(self, q: Any, ck: Encoded) -> tuple[np.ndarray, tuple[int, ...], int]:
+        """Queries as float32 ``(*kv_lead, g * nq, d)``: the ``g`` query heads of a KV head
+        (query head h reads KV head ``h // g``) stacked with their tokens, no key copied.
+        Returns ``(grouped, query leading shape, nq)``."""
         qa = np.asarray(q, dtype=np.float32)
         if qa.ndim < 2 or qa.shape[-1] != self.head_dim:
             raise KvqrsError(f"q: expected shape (..., nq, {self.head_dim}), got {qa.shape}")
@@ -226,12 +235,10 @@ class KVCodec:
         kv_lead = tuple(ck.shape[:-2])
         q_lead = qa.shape[:-2]
         if q_lead == kv_lead:
-            return fn(qa, ck)
+            return qa, q_lead, qa.shape[-2]
         if len(q_lead) == len(kv_lead) >= 1 and q_lead[:-1] == kv_lead[:-1] and q_lead[-1] % kv_lead[-1] == 0:
             g = q_lead[-1] // kv_lead[-1]
-            grouped = qa.reshape(*kv_lead, g * qa.shape[-2], self.head_dim)
-            s = fn(grouped, ck)
-            return s.reshape(*q_lead, qa.shape[-2], s.shape[-1])
+            return qa.reshape(*kv_lead, g * qa.shape[-2], self.head_dim), q_lead, qa.shape[-2]
         raise KvqrsError(f"q: leading dims {q_lead} do not match the keys' {kv_lead} (or a GQA multiple of their heads)")
 
     def slice_tokens(self, enc: Encoded, n: int) -> Encoded:
@@ -267,18 +274,118 @@ class KVCodec:
             raise KvqrsError("value_scheme: this codec keeps values in full precision ('none'); nothing to decode")
         return _as_dtype(self.values.decode(cv), cv.dtype)
 
-    def attention(self, q: Any, ck: Encoded, cv: Encoded) -> tuple[np.ndarray, np.ndarray]:
-        """Attention over the encoded cache: ``(softmax(scores) @ v_hat, probabilities)``.
-
-        Returns:
-            output float32 ``(..., q_heads, nq, d)`` and probabilities ``(..., q_heads, nq, T)``.
-        """
-        if self.values is None or not isinstance(cv, Encoded) or cv.kind != "values":
-            raise KvqrsError("cv: expected encoded values (this codec's value_scheme must not be 'none')")
-        if cv.shape[:-1] != ck.shape[:-1]:
-            raise KvqrsError(f"cv: expected values with the keys' heads and tokens {ck.shape[:-1]}, got {cv.shape[:-1]}")
+    def _check_keys(self, ck: Encoded) -> None:
+        if not isinstance(ck, Encoded) or ck.kind != "keys":
+            raise KvqrsError("ck: expected encoded keys")
         if ck.shape[-2] == 0:
             raise KvqrsError("ck: expected at least one token to attend to, got 0")
+
+    def _check_attention(self, ck: Encoded, cv: Encoded) -> None:
+        if self.values is None or not isinstance(cv, Encoded) or cv.kind != "values":
+            raise KvqrsError("cv: expected encoded values (this codec's value_scheme must not be 'none')")
+        if not isinstance(ck, Encoded) or ck.kind != "keys":
+            raise KvqrsError("ck: expected encoded keys")
+        if cv.shape[:-1] != ck.shape[:-1]:
+            raise KvqrsError(f"cv: expected values with the keys' heads and tokens {ck.shape[:-1]}, got {cv.shape[:-1]}")
+        self._check_keys(ck)
+
+    def has_fused_path(self) -> bool:
+        """Whether :meth:`fused_attention` can read this codec's keys and values (or keys with
+        values kept in full precision): the ``"cpu"`` backend and every scheme but ``a2`` values."""
+        coder = self._key_coder()
+        keys = getattr(getattr(coder, "base", coder), "attention_rows", None) is not None
+        values = self.values is None or getattr(self.values, "attention_rows", None) is not None
+        return self.backend.name == "cpu" and keys and values
+
+    def fused_key_rows(self, ck: Encoded) -> tuple[Any, Any] | None:
+        """``(key rows, HeadQ side rows or None)`` for :func:`kvqrs.kernels.decode_attention`,
+        or None when the keys have no fused read path (a backend other than ``"cpu"``)."""
+        if self.backend.name != "cpu":
+            return None
+        krows = getattr(self._key_coder(), "attention_rows", None)
+        k = None if krows is None else krows(ck)
+        if self.scheme != "headq" or k is None:
+            return None if k is None else (k, None)
+        return k
+
+    def fused_rows(self, ck: Encoded, cv: Any) -> tuple[Any, Any, Any] | None:
+        """``(key rows, value rows, HeadQ side rows or None)`` for
+        :func:`kvqrs.kernels.decode_attention`, or None when this codec has no fused read path:
+        a backend other than ``"cpu"``, or ``a2`` values (per-token widths). ``cv`` may also be
+        :class:`~kvqrs.kernels.attention.DenseRows` (values kept in full precision)."""
+        keys = self.fused_key_rows(ck)
+        if keys is None:
+            return None
+        if isinstance(cv, DenseRows):
+            return keys[0], cv, keys[1]
+        vrows = getattr(self.values, "attention_rows", None)
+        if vrows is None:
+            return None
+        return keys[0], vrows(cv), keys[1]
+
+    def fused_attention(self, q: Any, ck: Encoded, cv: Encoded, probs: bool = False, scale: float | None = None) -> AttentionResult:
+        """Decode attention straight from the codes (:func:`kvqrs.kernels.decode_attention`):
+        no key or value is reconstructed; the query heads of a GQA group share one pass over
+        their KV head's codes.
+
+        Args:
+            q: ``(..., q_heads, nq, d)`` (nq: a few query tokens), as in :meth:`scores`.
+            ck, cv: encoded keys and values ``(..., kv_heads, T, d)``; ``cv`` may be
+                :class:`~kvqrs.kernels.attention.DenseRows` of values kept in full precision.
+            probs: also return the probabilities.
+            scale: logit scale (default ``1 / sqrt(d)``).
+
+        Returns:
+            :class:`~kvqrs.kernels.attention.AttentionResult`: ``out`` float32
+            ``(..., q_heads, nq, d)``, ``lse`` float32 ``(..., q_heads, nq)`` (log-sum-exp of the
+            logits, to merge with another softmax part), ``probs`` ``(..., q_heads, nq, T)`` or
+            None.
+
+        Raises:
+            KvqrsError: no fused read path for this codec (see :meth:`fused_rows`; use
+                :meth:`attention` with ``fused=False``), or what :meth:`attention` raises.
+        """
+        if isinstance(cv, DenseRows):
+            self._check_keys(ck)
+            if np.shape(cv.values)[:-1] != ck.shape[:-1]:
+                raise KvqrsError(f"cv: expected values with the keys' heads and tokens {ck.shape[:-1]}, got {np.shape(cv.values)[:-1]}")
+        else:
+            self._check_attention(ck, cv)
+        rows = self.fused_rows(ck, cv)
+        if rows is None:
+            raise KvqrsError(
+                f"fused: no fused attention for {self.scheme} keys with {self.value_scheme} values on the "
+                f"{self.backend.name!r} backend; use attention(..., fused=False)"
+            )
+        grouped, q_lead, nq = self._group_queries(q, ck)
+        res = decode_attention(grouped, rows[0], rows[1], side=rows[2], scale=scale, probs=probs)
+        t = ck.shape[-2]
+        return AttentionResult(
+            res.out.reshape(*q_lead, nq, self.head_dim),
+            res.lse.reshape(*q_lead, nq),
+            None if res.probs is None else res.probs.reshape(*q_lead, nq, t),
+        )
+
+    def attention(self, q: Any, ck: Encoded, cv: Encoded, fused: bool | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Attention over the encoded cache: ``(softmax(scores) @ v_hat, probabilities)``.
+
+        Args:
+            q, ck, cv: as in :meth:`fused_attention`.
+            fused: True: compute from the codes (:meth:`fused_attention`; raises where there is
+                no fused path); False: the decode-based reference (decode keys and values, then
+                softmax in float64); None (default): fused wherever :meth:`fused_rows` has a path,
+                else the reference. The two agree to float32 rounding (tests/test_attention.py).
+
+        Returns:
+            output float32 ``(..., q_heads, nq, d)`` and probabilities float64
+            ``(..., q_heads, nq, T)`` (computed in float32 on the fused path).
+        """
+        self._check_attention(ck, cv)
+        if fused is None:
+            fused = self.fused_rows(ck, cv) is not None
+        if fused:
+            r = self.fused_attention(q, ck, cv, probs=True)
+            return r.out, r.probs.astype(np.float64)
         s = self.scores(q, ck).astype(np.float64)
         p = np.exp(s - s.max(axis=-1, keepdims=True))
         p /= p.sum(axis=-1, keepdims=True)

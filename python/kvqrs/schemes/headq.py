@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from .._arrays import KvqrsError
+from ..kernels.attention import SideRows
 from ..kernels.headq import HeadQCode
 from .base import Encoded, as_float_array, check_encoded, slice_rows, flat_rows
 from .mse import blockwise
@@ -79,13 +80,27 @@ class HeadQCoder:
         parts = {**{f"base_{n}": v for n, v in base.parts.items()}, "side_codes": self.k.pack_bits(codes, self.side_bits), "side_scales": scales}
         return Encoded(self.scheme, "keys", k.shape, k.dtype, parts, self.params)
 
-    def _split(self, enc: Encoded) -> tuple[Encoded, HeadQCode]:
+    def _base(self, enc: Encoded) -> Encoded:
+        """The base coder's parts of ``enc`` as its own ``Encoded`` (after checking ``enc``)."""
         check_encoded(enc, self.scheme, "keys", self.params)
         base_parts = {n[5:]: v for n, v in enc.parts.items() if n.startswith("base_")}
         base_params = {k: v for k, v in enc.params["base"].items() if k != "scheme"}
-        base = Encoded(self.base.scheme, "keys", enc.shape, enc.dtype, base_parts, base_params)
+        return Encoded(self.base.scheme, "keys", enc.shape, enc.dtype, base_parts, base_params)
+
+    def _split(self, enc: Encoded) -> tuple[Encoded, HeadQCode]:
+        base = self._base(enc)
         codes = self.k.unpack_bits(enc.parts["side_codes"], self.side_bits, self.rank)
         return base, HeadQCode(codes, enc.parts["side_scales"], self.side_bits)
+
+    def attention_rows(self, enc: Encoded):
+        """``(base rows, SideRows)`` as the fused attention kernel reads them, or None when the
+        base coder has no fused read path."""
+        rows = getattr(self.base, "attention_rows", None)
+        if rows is None:
+            return None
+        base = self._base(enc)
+        side = SideRows(enc.parts["side_codes"], enc.parts["side_scales"], self.basis, self.side_bits, self.sign)
+        return rows(base), side
 
     def decode_base(self, enc: Encoded) -> np.ndarray:
         """The base keys alone (what attention multiplies the live query with)."""

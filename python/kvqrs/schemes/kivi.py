@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..kernels.attention import UniformRows
 from ..kernels.uniform import UniformCode
 from .._arrays import KvqrsError
 from .backend import CPU, Backend
@@ -78,6 +79,12 @@ class KIVICoder:
         codes = self.k.unpack_bits(enc.parts["codes"], self.bits, row)
         out = self.k.uniform_decode(UniformCode(codes, enc.parts["scales"], enc.parts["zeros"], self.group, self.bits))
         return self._layout(out)
+
+    def attention_rows(self, enc: Encoded) -> UniformRows:
+        """The stored parts as the fused attention kernel reads them (codes stay packed)."""
+        check_encoded(enc, self.scheme, self.kind, self.params)
+        p = enc.parts
+        return UniformRows(p["codes"], p["scales"], p["zeros"], self.bits, self.group, per_channel=self.per_channel)
 
     def scores(self, q: np.ndarray, enc: Encoded) -> np.ndarray:
         return decoded_scores(q, self.decode(enc))

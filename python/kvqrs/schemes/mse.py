@@ -14,6 +14,7 @@ import numpy as np
 
 from .._arrays import KvqrsError
 from ..kernels import lloyd_max_codebook, padded_dim
+from ..kernels.attention import MSERows, QJLRows
 from ..kernels.qjl import QJLSketch
 from .backend import CPU, Backend
 from .base import Encoded, as_float_array, check_encoded, check_head_dim, slice_rows, flat_rows
@@ -78,6 +79,15 @@ class MSECoder:
         """Decode the MSE parts of ``enc`` (also when ``enc`` belongs to a composite coder)."""
         return self.k.mse_decode(self.codes(enc), enc.parts["norms"], self.bits, self.head_dim, self.seed)
 
+    def attention_rows(self, enc: Encoded) -> MSERows:
+        """The stored parts as the fused attention kernel reads them (codes stay packed)."""
+        check_encoded(enc, self.scheme, self.kind, self.params)
+        return self.rows_unchecked(enc)
+
+    def rows_unchecked(self, enc: Encoded) -> MSERows:
+        """:meth:`attention_rows` of the MSE parts of ``enc`` (also of a composite coder's)."""
+        return MSERows(enc.parts["codes"], enc.parts["norms"], self.bits, self.seed)
+
     def rotated(self, enc: Encoded) -> np.ndarray:
         """The reconstruction in the code domain: ``||x|| * centroids[codes]`` (float32)."""
         c = self.k.lloyd_max_decode(self.codes(enc), self.codebook)
@@ -119,6 +129,12 @@ class MSEQJLCoder:
 
     def _sketch(self, enc: Encoded) -> QJLSketch:
         return QJLSketch(enc.parts["qjl_signs"], enc.parts["qjl_norms"], self.code_dim, self.code_dim)
+
+    def attention_rows(self, enc: Encoded) -> MSERows:
+        """MSE parts plus the QJL sketch, as the fused attention kernel reads them."""
+        check_encoded(enc, self.scheme, self.kind, self.params)
+        qjl = QJLRows(enc.parts["qjl_signs"], enc.parts["qjl_norms"], self.qjl_seed)
+        return self.mse.rows_unchecked(enc)._replace(qjl=qjl)
 
     def decode(self, enc: Encoded) -> np.ndarray:
         check_encoded(enc, self.scheme, self.kind, self.params)

@@ -79,6 +79,62 @@ impl ScalarPlane {
     }
 
     fn validate_with(&self, arg: &'static str, rows: usize, signed: bool) -> Result<()> {
+        self.view().validate_with(arg, rows, signed)
+    }
+
+    /// A borrowed view of the plane.
+    pub fn view(&self) -> ScalarView<'_> {
+        match self {
+            ScalarPlane::F16(v) => ScalarView::F16(v),
+            ScalarPlane::F32(v) => ScalarView::F32(v),
+        }
+    }
+}
+
+/// Borrowed stored scalars (float16 bit patterns or float32), e.g. straight from a NumPy
+/// buffer: what the read paths use to avoid copying a plane per call.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum ScalarView<'a> {
+    /// IEEE binary16 bit patterns.
+    F16(&'a [u16]),
+    /// float32 values.
+    F32(&'a [f32]),
+}
+
+impl ScalarView<'_> {
+    /// Number of stored scalars.
+    pub fn len(&self) -> usize {
+        match self {
+            ScalarView::F16(v) => v.len(),
+            ScalarView::F32(v) => v.len(),
+        }
+    }
+
+    /// True when no scalar is stored.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Stored value `i` as float32.
+    #[inline]
+    pub fn get(&self, i: usize) -> f32 {
+        match self {
+            ScalarView::F16(v) => f16::from_bits(v[i]).to_f32(),
+            ScalarView::F32(v) => v[i],
+        }
+    }
+
+    /// Checks `rows` finite non-negative values (norms, scales).
+    pub fn validate(&self, arg: &'static str, rows: usize) -> Result<()> {
+        self.validate_with(arg, rows, false)
+    }
+
+    /// Checks `rows` finite values (negative ones allowed, e.g. zero points).
+    pub fn validate_signed(&self, arg: &'static str, rows: usize) -> Result<()> {
+        self.validate_with(arg, rows, true)
+    }
+
+    fn validate_with(&self, arg: &'static str, rows: usize, signed: bool) -> Result<()> {
         if self.len() != rows {
             return Err(KvqError::ShapeMismatch {
                 arg,

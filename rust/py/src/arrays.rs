@@ -50,3 +50,15 @@ pub fn plane_to_py<'py>(py: Python<'py>, plane: ScalarPlane) -> Bound<'py, PyAny
         ScalarPlane::F32(v) => PyArray1::from_vec(py, v).into_any(),
     }
 }
+
+impl Scalars<'_> {
+    /// Borrows the stored scalars without copying (float16 as its bit patterns).
+    pub fn view(&self, arg: &str) -> PyResult<kvqrs_core::scalars::ScalarView<'_>> {
+        use half::slice::HalfFloatSliceExt;
+        use kvqrs_core::scalars::ScalarView;
+        Ok(match self {
+            Scalars::F16(a) => ScalarView::F16(slice(a, arg)?.reinterpret_cast()),
+            Scalars::F32(a) => ScalarView::F32(slice(a, arg)?),
+        })
+    }
+}

@@ -2,6 +2,7 @@
 //! package `kvqrs`; nothing here is meant to be called directly.
 
 mod arrays;
+mod attention;
 mod errors;
 mod format;
 mod kernels;
@@ -40,5 +41,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(kernels::uniform_decode, m)?)?;
     m.add_function(wrap_pyfunction!(format::container_write, m)?)?;
     m.add_function(wrap_pyfunction!(format::container_read, m)?)?;
+    m.add_function(wrap_pyfunction!(attention::decode_attention, m)?)?;
     Ok(())
 }

@@ -68,7 +68,8 @@ impl HeadqCoder {
         self.rank
     }
 
-    fn half(&self) -> f32 {
+    /// `h = (2^q - 1) / 2`: side values are `s * (code - h)`.
+    pub fn half(&self) -> f32 {
         ((1u32 << self.bits) - 1) as f32 / 2.0
     }
 

@@ -1,5 +1,6 @@
 //! The kernels of SPEC section 2, one file each, plus the argument checks they share.
 
+pub mod attention;
 pub mod hadamard;
 pub mod headq;
 pub mod lloyd_max;

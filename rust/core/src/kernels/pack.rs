@@ -103,13 +103,21 @@ fn pack_row(codes: &[u8], bits: u32, out: &mut [u8]) {
 }
 
 fn unpack_row(packed: &[u8], bits: u32, out: &mut [u8]) {
+    unpack_range(packed, bits, 0, out);
+}
+
+/// Unpacks `out.len()` codes of one packed row starting at code `start` (bit offset
+/// `start * bits`): the read paths take a slice of tokens or channels without unpacking the
+/// whole row. The caller guarantees that the row holds codes `start .. start + out.len()`.
+pub fn unpack_range(packed: &[u8], bits: u32, start: usize, out: &mut [u8]) {
     let mask = (1u32 << bits) - 1;
-    let mut acc: u32 = 0;
-    let mut filled: u32 = 0;
-    let mut src = packed.iter();
+    let offset = start * bits as usize;
+    let mut src = packed[offset / 8..].iter();
+    let skip = (offset % 8) as u32;
+    let mut acc: u32 = src.next().map_or(0, |&b| u32::from(b) >> skip);
+    let mut filled: u32 = 8 - skip;
     for o in out.iter_mut() {
         while filled < bits {
-            // The row holds exactly enough bytes for every code.
             acc |= u32::from(*src.next().unwrap_or(&0)) << filled;
             filled += 8;
         }
@@ -156,6 +164,20 @@ mod tests {
             let packed = pack(&codes, count, bits).unwrap();
             prop_assert_eq!(packed.len(), rows * packed_len(count, bits));
             prop_assert_eq!(unpack(&packed, count, bits).unwrap(), codes);
+        }
+
+        #[test]
+        fn unpack_range_reads_any_slice(bits in 1u32..=8, count in 1usize..90, a in any::<usize>(), b in any::<usize>(), seed in any::<u64>()) {
+            let mask = (1u64 << bits) - 1;
+            let codes: Vec<u8> = (0..count)
+                .map(|i| ((seed.wrapping_mul(6364136223846793005).wrapping_add((i as u64).wrapping_mul(1442695040888963407)) >> 17) & mask) as u8)
+                .collect();
+            let packed = pack(&codes, count, bits).unwrap();
+            let start = a % count;
+            let len = b % (count - start + 1);
+            let mut out = vec![0u8; len];
+            unpack_range(&packed, bits, start, &mut out);
+            prop_assert_eq!(&out[..], &codes[start..start + len]);
         }
     }
 }

@@ -1,0 +1,117 @@
+"""Decode attention from a compressed cache against torch SDPA over a dense cache, side by side in
+one run on the same inputs (issue 6): one query token, 9 query heads over 3 KV heads (GQA),
+head_dim 64 (SmolLM2-135M's attention), at 4k and 32k cached tokens.
+
+Rows: ``torch.nn.functional.scaled_dot_product_attention`` over a float32 and a bfloat16 cache
+(``enable_gqa``: no key copied per query head), ``KVCodec.fused_attention`` from 4-bit codes for
+several schemes (the whole call: argument checks, the Rust kernel, reshapes), the bare kernel
+``kvqrs.kernels.decode_attention`` on prebuilt rows, and the decode-based reference
+``KVCodec.attention(fused=False)`` (decode keys and values, then softmax). The machine's
+last-level cache is large, so every row cycles through enough copies of its cache (``--cycle-mib``
+of cache data) that each call reads main memory, as a decoder with many layers does.
+
+Usage: .venv/bin/python benches/bench_attention.py [--tokens 4096 32768] [--cycle-mib 1024]
+Prints a Markdown table: microseconds per call and the speed-up over SDPA float32 and bfloat16.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import time
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from kvqrs.kernels import decode_attention
+from kvqrs.schemes import KVCodec
+from kvqrs.schemes.base import Encoded
+
+Q_HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
+
+
+def timed(fns: list[Callable[[], Any]], passes: int) -> float:
+    """Median over ``passes`` of the mean seconds per call when calling every ``fns[i]`` once
+    in turn (each on its own copy of the cache)."""
+    fns[0]()  # warm-up: codebooks, sketch matrices, thread pools
+    per_pass = []
+    for _ in range(passes):
+        t0 = time.perf_counter()
+        for fn in fns:
+            fn()
+        per_pass.append((time.perf_counter() - t0) / len(fns))
+    return statistics.median(per_pass)
+
+
+def copies(nbytes: int, cycle_mib: int) -> int:
+    """Copies of a cache of ``nbytes`` that together exceed ``cycle_mib`` MiB."""
+    return max(1, -(-cycle_mib * 2**20 // max(nbytes, 1)))
+
+
+def copy_encoded(enc: Encoded) -> Encoded:
+    return Encoded(enc.scheme, enc.kind, enc.shape, enc.dtype, {k: np.array(v, copy=True) for k, v in enc.parts.items()}, enc.params)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[4096, 32768])
+    ap.add_argument("--cycle-mib", type=int, default=1024, help="cache data cycled through per row (beyond the LLC)")
+    ap.add_argument("--passes", type=int, default=5)
+    ap.add_argument("--schemes", nargs="+", default=["kv", "kqv", "kivi", "qkqv"])
+    args = ap.parse_args()
+
+    rng = np.random.default_rng(0)
+    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__} "
+          f"({torch.get_num_threads()} threads), kvqrs rayon pool: RAYON_NUM_THREADS={os.environ.get('RAYON_NUM_THREADS', 'default')}")
+    print(f"shape: {Q_HEADS} query heads, {KV_HEADS} KV heads, head_dim {HEAD_DIM}, 1 query token; "
+          f"each row cycles through >= {args.cycle_mib} MiB of cache\n")
+    rows: list[tuple[int, str, float, int]] = []
+    for t in args.tokens:
+        k = rng.standard_normal((1, KV_HEADS, t, HEAD_DIM)).astype(np.float32)
+        v = rng.standard_normal((1, KV_HEADS, t, HEAD_DIM)).astype(np.float32)
+        q = rng.standard_normal((1, Q_HEADS, 1, HEAD_DIM)).astype(np.float32)
+        qt = torch.from_numpy(q)
+        for name, dtype in (("SDPA float32 cache", torch.float32), ("SDPA bfloat16 cache", torch.bfloat16)):
+            kt, vt = torch.from_numpy(k).to(dtype), torch.from_numpy(v).to(dtype)
+            n = copies(2 * kt.numel() * kt.element_size(), args.cycle_mib)
+            caches = [(kt.clone(), vt.clone()) for _ in range(n)]
+            qd = qt.to(dtype)
+            with torch.no_grad():
+                fns = [lambda kk=kk, vv=vv: torch.nn.functional.scaled_dot_product_attention(qd, kk, vv, enable_gqa=True) for kk, vv in caches]
+                rows.append((t, name, timed(fns, args.passes), 2 * kt.numel() * kt.element_size()))
+            del caches, fns
+        for scheme in args.schemes:
+            codec = KVCodec(scheme, 4, HEAD_DIM, seed=1)
+            ck, cv = codec.encode_keys(k), codec.encode_values(v)
+            n = copies(ck.nbytes + cv.nbytes, args.cycle_mib)
+            caches = [(copy_encoded(ck), copy_encoded(cv)) for _ in range(n)]
+            fns = [lambda a=a, b=b: codec.fused_attention(q, a, b) for a, b in caches]
+            label = f"fused {scheme} k4 v{4 if scheme not in ('kqv', 'qkqv') else '3+QJL'}"
+            rows.append((t, label, timed(fns, args.passes), ck.nbytes + cv.nbytes))
+            if scheme == args.schemes[0]:
+                prepared = [codec.fused_rows(a, b) for a, b in caches]
+                qg = q.reshape(1, KV_HEADS, Q_HEADS // KV_HEADS, HEAD_DIM)
+                fns = [lambda r=r: decode_attention(qg, r[0], r[1], side=r[2]) for r in prepared]
+                rows.append((t, f"  bare kernel ({scheme})", timed(fns, args.passes), ck.nbytes + cv.nbytes))
+                del prepared
+            if scheme == "kqv":
+                ref = timed([lambda: codec.attention(q, ck, cv, fused=False)], max(1, args.passes // 2))
+                rows.append((t, "decode-based reference (kqv)", ref, ck.nbytes + cv.nbytes))
+            del caches, fns
+
+    print("| tokens | method | cache MiB | us / call | vs SDPA fp32 | vs SDPA bf16 |")
+    print("| ---: | :--- | ---: | ---: | ---: | ---: |")
+    for t in args.tokens:
+        base = {name: s for tt, name, s, _ in rows if tt == t}
+        for tt, name, s, nbytes in rows:
+            if tt != t:
+                continue
+            r32, r16 = base["SDPA float32 cache"] / s, base["SDPA bfloat16 cache"] / s
+            print(f"| {t} | {name} | {nbytes / 2**20:.2f} | {s * 1e6:.0f} | {r32:.2f}x | {r16:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()

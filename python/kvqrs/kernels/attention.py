@@ -1,0 +1,283 @@
+"""Fused decode attention over a compressed KV cache (issue 6; docs/kernels.md section 11).
+
+For one or a few query rows per KV head, :func:`decode_attention` computes
+``softmax(scale * (q . k_hat_j + side_j)) @ v_hat`` straight from the stored codes: the query is
+rotated once and turned into a lookup table over the packed codes (MSE keys: centroids times the
+rotated query; the QJL residual of ``qkqv`` keys: the sign sketch of the rotated query, Zandieh
+et al. 2024; KIVI keys: per-channel scales and zero points times the query; HeadQ: the side code
+times ``U^T q``), the softmax is taken in a stable way, and the values are accumulated from their
+codes in the code domain and un-rotated once. Keys and values are never reconstructed.
+
+Describe each side of the cache with :class:`MSERows`, :class:`UniformRows` or
+:class:`DenseRows` (the scheme coders of :mod:`kvqrs.schemes` build them from an ``Encoded``),
+and HeadQ's side code with :class:`SideRows`. The float64 reference is
+:func:`kvqrs.oracle.decode_attention`, which takes the same ``spec()`` dicts.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple, Optional, Union
+
+import numpy as np
+
+from .. import _native
+from .._arrays import KvqrsError, as_float_rows, check_bits, check_positive_int, check_seed
+from .hadamard import padded_dim
+from .pack import packed_size
+
+
+class QJLRows(NamedTuple):
+    """The QJL sketch of the rotated residual after an MSE stage (m = d').
+
+    Attributes:
+        signs: uint8 ``(..., T, ceil(d'/8))`` packed sign bits.
+        norms: float16/float32 ``(..., T)`` stored ``||r||``.
+        seed: the sketch seed.
+    """
+
+    signs: np.ndarray
+    norms: np.ndarray
+    seed: int
+
+
+class MSERows(NamedTuple):
+    """Norm-and-direction codes of ``T`` vectors per head (docs/kernels.md section 5).
+
+    Attributes:
+        codes: uint8 ``(..., T, packed_size(code_dim, bits))`` packed codes (``code_dim = d'``
+            with a rotation, ``head_dim`` without).
+        norms: float16/float32 ``(..., T)``.
+        bits: bits of the MSE stage (1..8).
+        seed: rotation seed, or None (the ``kv`` scheme).
+        qjl: optional :class:`QJLRows` of the rotated residual (``qkqv`` keys, ``kqv`` values).
+    """
+
+    codes: np.ndarray
+    norms: np.ndarray
+    bits: int
+    seed: Optional[int]
+    qjl: Optional[QJLRows] = None
+
+    def spec(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"kind": "mse", "codes": self.codes, "norms": self.norms, "bits": self.bits, "seed": self.seed}
+        if self.qjl is not None:
+            d.update(qjl_signs=self.qjl.signs, qjl_norms=self.qjl.norms, qjl_seed=self.qjl.seed)
+        return d
+
+
+class UniformRows(NamedTuple):
+    """Asymmetric uniform groups (docs/kernels.md section 9).
+
+    Attributes:
+        codes: uint8 packed codes: per token ``(..., T, packed_size(n, bits))`` with ``n`` the
+            (rotated) head dimension, or per channel ``(..., head_dim, packed_size(T, bits))``.
+        scales, zeros: float16/float32 ``(..., T, ceil(n / group))`` per token or
+            ``(..., head_dim, ceil(T / group))`` per channel.
+        bits: 1..8.
+        group: values per group.
+        per_channel: True for KIVI keys (groups of tokens per channel).
+        seed: rotation seed (the ``block`` scheme) or None; per-token rows only.
+    """
+
+    codes: np.ndarray
+    scales: np.ndarray
+    zeros: np.ndarray
+    bits: int
+    group: int
+    per_channel: bool = False
+    seed: Optional[int] = None
+
+    def spec(self) -> dict[str, Any]:
+        return {"kind": "uniform_channels" if self.per_channel else "uniform_tokens", "codes": self.codes,
+                "scales": self.scales, "zeros": self.zeros, "bits": self.bits, "group": self.group, "seed": self.seed}
+
+
+class DenseRows(NamedTuple):
+    """Full-precision rows ``(..., T, head_dim)`` (e.g. values kept unquantized)."""
+
+    values: np.ndarray
+
+    def spec(self) -> dict[str, Any]:
+        return {"kind": "dense", "values": self.values}
+
+
+class SideRows(NamedTuple):
+    """HeadQ side code of the keys (docs/kernels.md section 7).
+
+    Attributes:
+        codes: uint8 ``(..., T, packed_size(rank, bits))`` packed side codes.
+        scales: float16/float32 ``(..., T)``.
+        basis: float32 ``(head_dim, rank)``, or ``(B, head_dim, rank)`` with ``B`` the last
+            leading axis (one basis per KV head; flattened head i uses basis ``i % B``).
+        bits: side bits q.
+        sign: +1, or -1 (wrong-sign control).
+    """
+
+    codes: np.ndarray
+    scales: np.ndarray
+    basis: np.ndarray
+    bits: int
+    sign: int = 1
+
+    def spec(self) -> dict[str, Any]:
+        b = np.asarray(self.basis)
+        return {"codes": self.codes, "scales": self.scales, "basis": b, "bits": self.bits, "sign": self.sign,
+                "rank": int(b.shape[-1]) if b.ndim else 0, "basis_heads": 1 if b.ndim == 2 else int(b.shape[0]) if b.ndim == 3 else 0}
+
+
+class AttentionResult(NamedTuple):
+    """Output of :func:`decode_attention`.
+
+    Attributes:
+        out: float32 ``(..., rows, head_dim)``.
+        lse: float32 ``(..., rows)``: ``log sum_j exp(logit_j)``, to merge with another softmax
+            part exactly (``out = sum_k exp(lse_k - lse) out_k`` with ``lse = logaddexp(lse_k)``).
+        probs: float32 ``(..., rows, T)`` when asked for, else None.
+    """
+
+    out: np.ndarray
+    lse: np.ndarray
+    probs: Optional[np.ndarray]
+
+
+Rows = Union[MSERows, UniformRows, DenseRows]
+
+
+def _array(x: Any, arg: str, shape: tuple[int, ...], kind: str) -> np.ndarray:
+    """Check dtype and exact shape; return a flat C-contiguous array."""
+    a = np.asarray(x)
+    if kind == "u8" and a.dtype != np.uint8:
+        raise KvqrsError(f"{arg}: expected uint8 packed codes, got dtype {a.dtype}")
+    if kind == "scalars" and a.dtype not in (np.float16, np.float32):
+        raise KvqrsError(f"{arg}: expected float16 or float32 stored scalars, got dtype {a.dtype}")
+    if kind == "f32":
+        a = as_float_rows(a, arg)[0].reshape(a.shape) if a.ndim else a
+    if a.shape != shape:
+        raise KvqrsError(f"{arg}: expected shape {shape}, got {a.shape}")
+    return np.ascontiguousarray(a).reshape(-1)
+
+
+def _tokens(rows: Rows, arg: str, lead: tuple[int, ...]) -> int:
+    """Number of cached tokens of per-token ``rows`` (after a leading-shape check)."""
+    if isinstance(rows, MSERows):
+        a = np.asarray(rows.norms)
+    elif isinstance(rows, UniformRows):
+        a = np.asarray(rows.scales)[..., 0] if np.asarray(rows.scales).ndim else np.asarray(rows.scales)
+    elif isinstance(rows, DenseRows):
+        a = np.asarray(rows.values)[..., 0] if np.asarray(rows.values).ndim else np.asarray(rows.values)
+    else:
+        raise KvqrsError(f"{arg}: expected MSERows, UniformRows or DenseRows, got {type(rows).__name__}")
+    if a.ndim != len(lead) + 1 or a.shape[:-1] != lead:
+        raise KvqrsError(f"{arg}: expected leading shape {lead} (the queries') then tokens, got {a.shape}")
+    return a.shape[-1]
+
+
+def _flat_spec(rows: Rows, arg: str, lead: tuple[int, ...], t: int, d: int) -> dict[str, Any]:
+    """The spec dict with every array checked against the layout and flattened."""
+    spec = rows.spec()
+    if isinstance(rows, MSERows):
+        b = check_bits(rows.bits, f"{arg}.bits")
+        seed = check_seed(rows.seed, f"{arg}.seed")
+        cd = d if seed is None else padded_dim(d)
+        spec["codes"] = _array(rows.codes, f"{arg}.codes", (*lead, t, packed_size(cd, b)), "u8")
+        spec["norms"] = _array(rows.norms, f"{arg}.norms", (*lead, t), "scalars")
+        if rows.qjl is not None:
+            if seed is None:
+                raise KvqrsError(f"{arg}.qjl: a QJL residual follows a rotated MSE stage; seed is None")
+            spec["qjl_signs"] = _array(rows.qjl.signs, f"{arg}.qjl.signs", (*lead, t, packed_size(cd, 1)), "u8")
+            spec["qjl_norms"] = _array(rows.qjl.norms, f"{arg}.qjl.norms", (*lead, t), "scalars")
+            spec["qjl_seed"] = check_seed(rows.qjl.seed, f"{arg}.qjl.seed", optional=False)
+    elif isinstance(rows, UniformRows):
+        b = check_bits(rows.bits, f"{arg}.bits")
+        g = check_positive_int(rows.group, f"{arg}.group")
+        seed = check_seed(rows.seed, f"{arg}.seed")
+        if rows.per_channel:
+            if seed is not None:
+                raise KvqrsError(f"{arg}.seed: per-channel uniform rows (KIVI keys) have no rotation")
+            shape, groups = (*lead, d, packed_size(t, b)), (*lead, d, -(-t // g))
+        else:
+            n = d if seed is None else padded_dim(d)
+            shape, groups = (*lead, t, packed_size(n, b)), (*lead, t, -(-n // g))
+        spec["codes"] = _array(rows.codes, f"{arg}.codes", shape, "u8")
+        spec["scales"] = _array(rows.scales, f"{arg}.scales", groups, "scalars")
+        spec["zeros"] = _array(rows.zeros, f"{arg}.zeros", groups, "scalars")
+    else:
+        spec["values"] = _array(rows.values, f"{arg}.values", (*lead, t, d), "f32")
+    return spec
+
+
+def decode_attention(
+    q: Any,
+    keys: Rows,
+    values: Rows,
+    side: SideRows | None = None,
+    scale: float | None = None,
+    probs: bool = False,
+) -> AttentionResult:
+    """Attention of a few query rows over a coded cache, computed from the codes.
+
+    ``out[..., r, :] = sum_j p_rj v_hat_j`` with ``p_r = softmax_j(scale * (q_r . k_hat_j +
+    side_j))`` and ``side_j = sign * (U^T q_r) . z_j`` (HeadQ, SPEC 2.6); ``k_hat``, ``v_hat``
+    the decodes of docs/kernels.md sections 5, 6 and 9 (the QJL residual enters the logits
+    through its inner-product estimator, Zandieh et al. 2024, Lemma 3.2). The rows of one
+    leading index (e.g. the query heads of a GQA group times the query tokens) share one pass
+    over that index's codes.
+
+    Args:
+        q: float ``(..., rows, head_dim)``; the leading shape is the keys' (one KV head each).
+        keys: :class:`MSERows`, :class:`UniformRows` (per token or per channel) or
+            :class:`DenseRows` with leading shape ``(...)`` and ``T`` tokens.
+        values: :class:`MSERows`, per-token :class:`UniformRows` or :class:`DenseRows`.
+        side: optional :class:`SideRows` of the keys.
+        scale: logit scale, default ``1 / sqrt(head_dim)``.
+        probs: also return the probabilities.
+
+    Returns:
+        :class:`AttentionResult` (float32; the accumulations run in float64, the per-key
+        scores in float32).
+
+    Raises:
+        KvqrsError: shapes that do not match (naming e.g. ``keys.codes``), no tokens, bad bits,
+            seeds, groups, a per-channel value layout, invalid stored scalars, a bad basis,
+            non-finite queries or logits.
+    """
+    flat, lead, d, _ = as_float_rows(q, "q", min_dim=2)
+    if len(lead) < 1:
+        raise KvqrsError(f"q: expected shape (..., rows, head_dim), got {np.shape(q)}")
+    lead, rows = lead[:-1], lead[-1]
+    if isinstance(values, UniformRows) and values.per_channel:
+        raise KvqrsError("values: expected per-token values; per-channel uniform groups are a key layout (KIVI keys)")
+    t = _tokens(values, "values", lead)
+    if t == 0:
+        raise KvqrsError("values: expected at least one token to attend to, got 0")
+    if not (isinstance(keys, UniformRows) and keys.per_channel):
+        tk = _tokens(keys, "keys", lead)
+        if tk != t:
+            raise KvqrsError(f"keys: expected the values' {t} tokens, got {tk}")
+    kspec = _flat_spec(keys, "keys", lead, t, d)
+    vspec = _flat_spec(values, "values", lead, t, d)
+    sspec = None
+    if side is not None:
+        if not isinstance(side, SideRows):
+            raise KvqrsError(f"side: expected SideRows, got {type(side).__name__}")
+        sspec = side.spec()
+        basis = np.asarray(side.basis, dtype=np.float32)
+        if basis.ndim not in (2, 3) or basis.shape[-2] != d or (basis.ndim == 3 and (not lead or lead[-1] != basis.shape[0])):
+            raise KvqrsError(f"side.basis: expected (head_dim={d}, rank) or (kv_heads={lead[-1] if lead else 1}, {d}, rank), got shape {basis.shape}")
+        qb = check_bits(side.bits, "side.bits")
+        r = basis.shape[-1]
+        sspec.update(
+            codes=_array(side.codes, "side.codes", (*lead, t, packed_size(r, qb)), "u8"),
+            scales=_array(side.scales, "side.scales", (*lead, t), "scalars"),
+            basis=np.ascontiguousarray(basis).reshape(-1),
+            sign=float(side.sign),
+        )
+    sc = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    heads = int(np.prod(lead)) if lead else 1
+    out, lse, p = _native.decode_attention(flat, kspec, vspec, sspec, heads, rows, t, d, sc, bool(probs))
+    return AttentionResult(
+        out.reshape(*lead, rows, d),
+        lse.reshape(*lead, rows),
+        p.reshape(*lead, rows, t) if probs else None,
+    )

@@ -1,0 +1,284 @@
+"""Fused decode attention (issue 6; docs/kernels.md section 11): kvqrs.kernels.decode_attention
+and KVCodec.fused_attention against the float64 oracle (oracle.decode_attention, built from the
+oracle's own decoders) and against the decode-based reference (KVCodec.attention(fused=False):
+decode keys and values, softmax in float64), for every scheme with a fused read path, GQA
+ratios 1, 3 and 7, one to four query tokens, padded and unpadded head_dims; plus bad input."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvqrs import KvqrsError, oracle, random_orthonormal_basis
+from kvqrs.kernels import DenseRows, MSERows, SideRows, UniformRows, decode_attention
+from kvqrs.schemes import KVCodec
+
+# --------------------------------------------------------------------------------------------
+# Tolerances
+# --------------------------------------------------------------------------------------------
+
+# The kernel evaluates each logit in float32 (lookup tables of products, sums of d' terms at
+# most) and accumulates the softmax normaliser and the values in float64. A float32 logit carries
+# an absolute error proportional to the sum of its absolute terms,
+#     L = scale * max_j sum_i |q_i| |k_hat_ji|
+# (per query row; k_hat the oracle's decoded key, QJL residual included), and a logit error e
+# moves every probability by a relative e and the log-sum-exp by e. So each comparison allows
+# TOL * (1 + L): probabilities relative, the log-sum-exp absolute, outputs relative to the
+# largest decoded value |v_hat|. For logits of order one this is 1e-5 relative; measured worst
+# over 400 random configurations of every scheme pair: 5e-7 (probabilities), 2.4e-7 (lse),
+# 1e-7 (outputs), so the bound has a 20x margin and still fails on any wrong code, centroid,
+# scale or sign (those move outputs by 1e-3 or more).
+TOL = 1e-5
+# Probabilities below float32's normal range may flush to zero in the float32 kernel.
+PROB_ATOL = 1e-30
+
+KEY_SCHEMES = ["kv", "kqv", "qkqv", "kivi", "block", "headq:kivi", "headq:kqv", "headq:kv", "headq:block"]
+VALUE_SCHEMES = ["kv", "kqv", "qkqv", "kivi", "block"]
+# 64 and 128 are powers of two; 96 and 40 are padded to 128 and 64 by the rotation schemes.
+HEAD_DIMS = [64, 96, 128, 40]
+GQA_RATIOS = [1, 3, 7]
+QJL = {"qkqv"}  # key schemes whose budget includes a 1-bit QJL residual
+QJL_VALUES = {"kqv", "qkqv"}  # value schemes with a QJL residual (kqv/qkqv values)
+
+
+# --------------------------------------------------------------------------------------------
+# Problems
+# --------------------------------------------------------------------------------------------
+
+
+@st.composite
+def problems(draw, key_scheme=None, value_scheme=None):
+    """A codec, encoded keys and values of seeded Gaussians with drawn scales, and queries
+    ``(batch?, kv_heads * g, nq, d)``."""
+    ks = key_scheme or draw(st.sampled_from(KEY_SCHEMES))
+    vs = value_scheme or draw(st.sampled_from(VALUE_SCHEMES))
+    d = draw(st.sampled_from(HEAD_DIMS))
+    bits = draw(st.integers(2 if ks in QJL else 1, 8))
+    value_bits = draw(st.integers(2 if vs in QJL_VALUES else 1, 8))
+    g = draw(st.sampled_from(GQA_RATIOS))
+    kv_heads = draw(st.integers(1, 2))
+    batch = draw(st.sampled_from([(), (2,)]))
+    nq = draw(st.integers(1, 4))
+    tokens = draw(st.integers(1, 70))
+    seed = draw(st.integers(0, 2**64 - 1))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    k_scale, v_scale, q_scale = draw(st.sampled_from([0.05, 1.0, 8.0])), draw(st.sampled_from([1e-3, 1.0, 100.0])), draw(st.sampled_from([0.1, 1.0, 3.0]))
+    extra = {}
+    scheme = ks
+    if ks.startswith("headq"):
+        scheme, base = ks.split(":")
+        rank = draw(st.integers(1, 8))
+        if draw(st.booleans()):
+            basis = np.stack([random_orthonormal_basis(int(rng.integers(2**63)), d, rank) for _ in range(kv_heads)])
+        else:
+            basis = random_orthonormal_basis(int(rng.integers(2**63)), d, rank)
+        extra = dict(headq_base=base, basis=basis, rank=rank, side_bits=draw(st.integers(1, 8)), sign=draw(st.sampled_from([1, -1])))
+    codec = KVCodec(scheme, bits, d, seed=seed, value_scheme=vs, value_bits=value_bits, **extra)
+    k = (rng.standard_normal((*batch, kv_heads, tokens, d)) * k_scale).astype(np.float32)
+    v = (rng.standard_normal((*batch, kv_heads, tokens, d)) * v_scale).astype(np.float32)
+    q = (rng.standard_normal((*batch, kv_heads * g, nq, d)) * q_scale).astype(np.float32)
+    return codec, q, codec.encode_keys(k), codec.encode_values(v)
+
+
+def logit_magnitude(qg: np.ndarray, key_spec: dict, tokens: int, d: int) -> np.ndarray:
+    """``L = scale * max_j sum_i |q_i| |k_hat_ji|`` per grouped query row ``(..., rows)``."""
+    spec = dict(key_spec, tokens=tokens)
+    k_hat = np.abs(oracle.decode_rows(spec, d))
+    terms = np.abs(qg.astype(np.float64))[..., :, None, :] * k_hat[..., None, :, :]
+    return terms.sum(-1).max(-1) / math.sqrt(d)
+
+
+def check(codec: KVCodec, q: np.ndarray, ck, cv) -> None:
+    d = codec.head_dim
+    t = ck.shape[-2]
+    kv_lead = ck.shape[:-2]
+    got = codec.fused_attention(q, ck, cv, probs=True)
+    assert got.out.dtype == np.float32 and got.out.shape == q.shape
+    assert got.probs.shape == (*q.shape[:-1], t) and got.lse.shape == q.shape[:-1]
+
+    # Oracle: the stored parts decoded by the oracle's own functions, query heads grouped.
+    krows, vrows, side = codec.fused_rows(ck, cv)
+    qg = q.reshape(*kv_lead, -1, d)
+    o, lse, p = oracle.decode_attention(qg, krows.spec(), vrows.spec(), None if side is None else side.spec())
+    o, lse, p = o.reshape(q.shape), lse.reshape(q.shape[:-1]), p.reshape(got.probs.shape)
+    bound = 1.0 + logit_magnitude(qg, krows.spec(), t, d).reshape(q.shape[:-1])
+    if side is not None:
+        # The side correction's absolute terms: |U^T q| . |z| (bounded by ||q|| max|z| sqrt(r)).
+        s = side.spec()
+        z = np.abs(oracle.unpack_bits(s["codes"], s["bits"], s["rank"]).astype(np.float64) - (2 ** s["bits"] - 1) / 2)
+        zmax = (z * np.asarray(s["scales"], np.float64)[..., None]).max(axis=(-1, -2))
+        qn = np.linalg.norm(qg.astype(np.float64), axis=-1) * math.sqrt(s["rank"]) / math.sqrt(d)
+        bound = bound + (qn * zmax[..., None]).reshape(q.shape[:-1])
+    v_max = np.abs(oracle.decode_rows(vrows.spec(), d)).max(axis=(-1, -2))
+    v_scale = np.broadcast_to(v_max[..., None], qg.shape[:-1]).reshape(q.shape[:-1])
+
+    np.testing.assert_array_less(np.abs(got.lse - lse), TOL * bound)
+    np.testing.assert_array_less(np.abs(got.probs - p), TOL * bound[..., None] * p + PROB_ATOL)
+    np.testing.assert_array_less(np.abs(got.out - o).max(-1), TOL * bound * v_scale)
+
+    # The decode-based reference (float32 decodes and scores, float64 softmax).
+    ro, rp = codec.attention(q, ck, cv, fused=False)
+    np.testing.assert_array_less(np.abs(got.probs - rp), TOL * bound[..., None] * rp + PROB_ATOL)
+    np.testing.assert_array_less(np.abs(got.out - ro).max(-1), TOL * bound * v_scale)
+    # The default path is the fused one.
+    out, probs = codec.attention(q, ck, cv)
+    assert np.array_equal(out, got.out) and np.array_equal(probs, got.probs.astype(np.float64))
+
+
+@pytest.mark.parametrize("key_scheme", KEY_SCHEMES)
+@settings(max_examples=25)
+@given(data=st.data())
+def test_fused_matches_oracle_and_reference_for_every_key_scheme(key_scheme, data):
+    check(*data.draw(problems(key_scheme=key_scheme)))
+
+
+@pytest.mark.parametrize("value_scheme", VALUE_SCHEMES)
+@settings(max_examples=25)
+@given(data=st.data())
+def test_fused_matches_oracle_and_reference_for_every_value_scheme(value_scheme, data):
+    check(*data.draw(problems(value_scheme=value_scheme)))
+
+
+@settings(max_examples=20)
+@given(
+    lead=st.sampled_from([(), (1,), (2, 3)]),
+    rows=st.integers(1, 5),
+    tokens=st.integers(1, 40),
+    d=st.sampled_from([2, 17, 64]),
+    scale=st.sampled_from([None, 0.05, 1.0]),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_dense_rows_give_plain_attention(lead, rows, tokens, d, scale, seed):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((*lead, rows, d)).astype(np.float32)
+    k = rng.standard_normal((*lead, tokens, d)).astype(np.float32)
+    v = rng.standard_normal((*lead, tokens, d)).astype(np.float32)
+    got = decode_attention(q, DenseRows(k), DenseRows(v), scale=scale, probs=True)
+    sc = 1 / math.sqrt(d) if scale is None else scale
+    s = sc * np.einsum("...rd,...td->...rt", q.astype(np.float64), k.astype(np.float64))
+    p = np.exp(s - s.max(-1, keepdims=True))
+    z = p.sum(-1, keepdims=True)
+    p /= z
+    bound = 1 + sc * (np.abs(q.astype(np.float64))[..., :, None, :] * np.abs(k)[..., None, :, :]).sum(-1).max(-1)
+    np.testing.assert_array_less(np.abs(got.probs - p), TOL * bound[..., None] * p + PROB_ATOL)
+    np.testing.assert_array_less(np.abs(got.out - p @ v).max(-1), TOL * bound * np.abs(v).max())
+    np.testing.assert_array_less(np.abs(got.lse - (s.max(-1) + np.log(z[..., 0]))), TOL * bound)
+
+
+def test_lse_merges_two_parts_exactly():
+    """Splitting the cache in two and merging the parts by log-sum-exp gives the whole."""
+    rng = np.random.default_rng(3)
+    codec = KVCodec("kqv", 4, 64, seed=9)
+    k = rng.standard_normal((3, 50, 64)).astype(np.float32)
+    v = rng.standard_normal((3, 50, 64)).astype(np.float32)
+    q = rng.standard_normal((9, 2, 64)).astype(np.float32)
+    whole = codec.fused_attention(q, codec.encode_keys(k), codec.encode_values(v))
+    a = codec.fused_attention(q, codec.encode_keys(k[:, :30]), codec.encode_values(v[:, :30]))
+    b = codec.fused_attention(q, codec.encode_keys(k[:, 30:]), codec.encode_values(v[:, 30:]))
+    lse = np.logaddexp(a.lse, b.lse)
+    out = np.exp(a.lse - lse)[..., None] * a.out + np.exp(b.lse - lse)[..., None] * b.out
+    np.testing.assert_allclose(lse, whole.lse, rtol=0, atol=TOL)
+    np.testing.assert_allclose(out, whole.out, rtol=0, atol=TOL * np.abs(v).max())
+
+
+def test_results_do_not_depend_on_the_thread_count():
+    """Heads run in parallel but each head's arithmetic is sequential: one thread gives the
+    same bytes as the default pool."""
+    script = (
+        "import numpy as np, sys\n"
+        "from kvqrs.schemes import KVCodec\n"
+        "rng = np.random.default_rng(5)\n"
+        "c = KVCodec('qkqv', 4, 96, seed=2, value_scheme='kivi')\n"
+        "k, v = (rng.standard_normal((2, 4, 80, 96)).astype(np.float32) for _ in range(2))\n"
+        "q = rng.standard_normal((2, 12, 3, 96)).astype(np.float32)\n"
+        "r = c.fused_attention(q, c.encode_keys(k), c.encode_values(v), probs=True)\n"
+        "sys.stdout.buffer.write(r.out.tobytes() + r.lse.tobytes() + r.probs.tobytes())\n"
+    )
+    outs = []
+    for threads in ("1", "4"):
+        env = dict(os.environ, RAYON_NUM_THREADS=threads)
+        outs.append(subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, check=True).stdout)
+    assert outs[0] == outs[1] and len(outs[0]) > 0
+
+
+# --------------------------------------------------------------------------------------------
+# What falls back, and bad input
+# --------------------------------------------------------------------------------------------
+
+
+def test_schemes_without_a_fused_path_fall_back_to_the_reference():
+    rng = np.random.default_rng(0)
+    k = rng.standard_normal((3, 20, 64)).astype(np.float32)
+    q = rng.standard_normal((3, 1, 64)).astype(np.float32)
+    codec = KVCodec("kqv", 4, 64, value_scheme="a2")
+    ck, cv = codec.encode_keys(k), codec.encode_values(k)
+    assert codec.fused_rows(ck, cv) is None
+    out, p = codec.attention(q, ck, cv)
+    ref_out, ref_p = codec.attention(q, ck, cv, fused=False)
+    assert np.array_equal(out, ref_out) and np.array_equal(p, ref_p)
+    with pytest.raises(KvqrsError, match="fused: no fused attention for kqv keys with a2 values"):
+        codec.attention(q, ck, cv, fused=True)
+
+
+def _mse(rng, lead, t, d, bits=4, seed=None):
+    codec = KVCodec("kv" if seed is None else "kqv", bits, d, seed=0)
+    enc = codec.encode_keys(rng.standard_normal((*lead, t, d)).astype(np.float32))
+    return MSERows(enc.parts["codes"], enc.parts["norms"], bits, codec.keys.seed)
+
+
+def test_bad_inputs_raise_kvqrs_errors_naming_the_argument():
+    rng = np.random.default_rng(1)
+    q = rng.standard_normal((2, 3, 64)).astype(np.float32)
+    keys = _mse(rng, (2,), 10, 64)
+    values = DenseRows(rng.standard_normal((2, 10, 64)).astype(np.float32))
+    decode_attention(q, keys, values)
+    with pytest.raises(KvqrsError, match=r"keys.codes: expected shape \(2, 10, 32\)"):
+        decode_attention(q, keys._replace(codes=keys.codes[..., :-1]), values)
+    with pytest.raises(KvqrsError, match="keys.norms: expected float16 or float32"):
+        decode_attention(q, keys._replace(norms=keys.norms.astype(np.float64)), values)
+    with pytest.raises(KvqrsError, match="keys: expected the values' 10 tokens, got 9"):
+        decode_attention(q, keys._replace(codes=keys.codes[:, :9], norms=keys.norms[:, :9]), values)
+    with pytest.raises(KvqrsError, match=r"values: expected leading shape \(2,\)"):
+        decode_attention(q, keys, DenseRows(values.values[None]))
+    with pytest.raises(KvqrsError, match="keys.bits"):
+        decode_attention(q, keys._replace(bits=9), values)
+    with pytest.raises(KvqrsError, match="keys.norms"):
+        bad = keys.norms.copy()
+        bad[1, 3] = -1
+        decode_attention(q, keys._replace(norms=bad), values)
+    with pytest.raises(KvqrsError, match="q: expected finite"):
+        decode_attention(np.full_like(q, np.inf), keys, values)
+    with pytest.raises(KvqrsError, match="values: expected at least one token"):
+        decode_attention(q, keys._replace(codes=keys.codes[:, :0], norms=keys.norms[:, :0]), DenseRows(values.values[:, :0]))
+    with pytest.raises(KvqrsError, match="values: expected per-token values"):
+        decode_attention(q, keys, UniformRows(keys.codes, keys.norms, keys.norms, 4, 32, per_channel=True))
+    with pytest.raises(KvqrsError, match="scale"):
+        decode_attention(q, keys, values, scale=-1.0)
+    with pytest.raises(KvqrsError, match="keys: expected MSERows, UniformRows or DenseRows"):
+        decode_attention(q, {"codes": keys.codes}, values)
+    side = SideRows(np.zeros((2, 10, 2), np.uint8), np.ones((2, 10), np.float16), np.ones((3, 64, 4), np.float32), 4)
+    with pytest.raises(KvqrsError, match="side.basis"):
+        decode_attention(q, keys, values, side=side)
+    with pytest.raises(KvqrsError, match=r"side.codes: expected shape \(2, 10, 2\)"):
+        decode_attention(q, keys, values, side=side._replace(basis=np.ones((64, 4), np.float32), codes=side.codes[..., :1]))
+
+
+def test_native_errors_name_the_dict_entries():
+    from kvqrs import _native
+
+    q = np.zeros(64, np.float32)
+    with pytest.raises(KvqrsError, match="keys.kind: expected 'mse'"):
+        _native.decode_attention(q, {"kind": "nope"}, {"kind": "dense"}, None, 1, 1, 1, 64, 1.0, False)
+    with pytest.raises(KvqrsError, match="keys.codes: required for mse rows"):
+        _native.decode_attention(q, {"kind": "mse", "bits": 4}, {"kind": "dense"}, None, 1, 1, 1, 64, 1.0, False)
+    with pytest.raises(KvqrsError, match="values.values: required for dense rows"):
+        _native.decode_attention(q, {"kind": "dense", "values": q}, {"kind": "dense"}, None, 1, 1, 1, 64, 1.0, False)
+    with pytest.raises(KvqrsError, match="keys.values"):
+        _native.decode_attention(q, {"kind": "dense", "values": q[:3]}, {"kind": "dense", "values": q}, None, 1, 1, 1, 64, 1.0, False)
