@@ -20,6 +20,8 @@ pytest.importorskip("transformers")
 from transformers.cache_utils import DynamicCache  # noqa: E402
 
 from kvqrs import KvqrsError  # noqa: E402
+from kvqrs import format as fmt  # noqa: E402
+from kvqrs.schemes import KVCodec  # noqa: E402
 from kvqrs.hf import (  # noqa: E402
     QuantConfig,
     QuantizedKVCache,
@@ -846,3 +848,104 @@ def test_generation_with_fused_steps_matches_the_decoded_cache(model32, cfg, mon
     assert torch.equal(runs[True][0], runs[False][0])
     scale = runs[False][1].abs().max().item()
     assert (runs[True][1] - runs[False][1]).abs().max().item() < FUSED_GEN_RTOL * scale
+
+
+# --- (i) the compressed-cache format: save / load a whole cache -----------------------------------
+
+
+def _filled_cache(cfg, layers=2, tokens=70, dtype=torch.float32):
+    cache = QuantizedKVCache(cfg, layers)
+    for i in range(layers):
+        k, v = _kv(tokens=tokens, seed=10 + i, dtype=dtype)
+        cache.update(k, v, i)
+    _STATE.set(None)
+    return cache
+
+
+def _layers_equal(a, b):
+    for la, lb in zip(a.layers, b.layers):
+        assert la.is_initialized == lb.is_initialized
+        if not la.is_initialized:
+            continue
+        ka, va = la.materialize()
+        kb, vb = lb.materialize()
+        assert torch.equal(ka, kb) and torch.equal(va, vb) and la.quantized == lb.quantized
+
+
+@pytest.mark.parametrize("cfg", PER_TOKEN + GROUPED)
+def test_cache_save_load_round_trip(cfg, tmp_path):
+    cache = _filled_cache(cfg)
+    cache.save(tmp_path / "c.kvqc")
+    back = QuantizedKVCache.load(tmp_path / "c.kvqc")
+    assert back.config.label() == cfg.label() and back.nbytes() == cache.nbytes()
+    _layers_equal(cache, back)
+    # Both continue identically: the next tokens flush the same chunks.
+    k, v = _kv(tokens=40, seed=99)
+    for c in (cache, back):
+        c.update(k, v, 0)
+    _STATE.set(None)
+    _layers_equal(cache, back)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_cache_save_load_keeps_the_model_dtype(dtype):
+    cache = _filled_cache(QuantConfig("kqv", 3, residual_length=4), dtype=dtype)
+    back = QuantizedKVCache.from_bytes(cache.to_bytes())
+    assert back.layers[0].keys.dtype == dtype and back.layers[0]._fp_values_quantized.dtype == dtype
+    _layers_equal(cache, back)
+
+
+def test_cache_with_calibrated_bases_and_an_empty_layer():
+    rng = np.random.default_rng(0)
+    bases = {i: np.stack([np.linalg.qr(rng.standard_normal((HEAD_DIM, 4)))[0] for _ in range(3)]).astype(np.float32) for i in range(3)}
+    cfg = QuantConfig("headq", 2, residual_length=3, headq_base="kqv", bases=bases)
+    cache = _filled_cache(cfg, layers=2)
+    cache.layers.append(QuantizedLayer(cfg, 2))  # a layer the model never reached
+    back = QuantizedKVCache.from_bytes(cache.to_bytes(), cfg)
+    assert not back.layers[2].is_initialized
+    _layers_equal(cache, back)
+    other = {i: b[:, ::-1].copy() for i, b in bases.items()}
+    with pytest.raises(KvqrsError, match="bases"):
+        QuantizedKVCache.from_bytes(cache.to_bytes(), QuantConfig("headq", 2, residual_length=3, headq_base="kqv", bases=other))
+
+
+@pytest.mark.parametrize("other", [
+    QuantConfig("kqv", 3, "kqv", 3, residual_length=4, seed=1), QuantConfig("kqv", 4, "kqv", 4, residual_length=4),
+    QuantConfig("kqv", 3, "kqv", 3, residual_length=5), QuantConfig("qkqv", 3, "qkqv", 3, residual_length=4),
+])
+def test_cache_load_under_other_settings_raises(other):
+    data = _filled_cache(QuantConfig("kqv", 3, "kqv", 3, residual_length=4)).to_bytes()
+    with pytest.raises(KvqrsError, match="other settings"):
+        QuantizedKVCache.from_bytes(data, other)
+
+
+def test_cache_bytes_altered_or_truncated_raise():
+    data = _filled_cache(QuantConfig("kivi", 2, "kivi", 2, residual_length=5), tokens=40).to_bytes()
+    rng = np.random.default_rng(3)
+    for i in rng.integers(0, len(data), 200):
+        bad = bytearray(data)
+        bad[i] ^= 0x40
+        with pytest.raises(KvqrsError):
+            QuantizedKVCache.from_bytes(bytes(bad))
+    for n in rng.integers(0, len(data), 100):
+        with pytest.raises(KvqrsError):
+            QuantizedKVCache.from_bytes(data[:n])
+    with pytest.raises(KvqrsError, match="not a kvqrs-cache-v1"):
+        QuantizedKVCache.from_bytes(fmt.dumps(KVCodec("kqv", 3, 8).encode_keys(np.ones((2, 8), np.float32))))
+
+
+def test_loaded_cache_continues_the_model_identically(model32, tmp_path):
+    model, tok = model32
+    ids = tok(TEXT, return_tensors="pt").input_ids[:, :40]
+    # fused=False: both caches read through the same (decode) path, so equality is exact; a
+    # loaded layer takes the fused path only after the kvqrs attention has served it once.
+    cfg = QuantConfig("kqv", 3, "kqv", 3, residual_length=8, fused=False)
+    cache = QuantizedKVCache(cfg, _layers(model))
+    with torch.no_grad():
+        model(ids[:, :32], cache=cache, use_cache=True)
+    cache.save(tmp_path / "prefix.kvqc")
+    loaded = QuantizedKVCache.load(tmp_path / "prefix.kvqc", cfg)
+    with torch.no_grad():
+        steps = [[model(ids[:, t : t + 1], cache=c, use_cache=True).logits for t in range(32, 40)] for c in (cache, loaded)]
+    for a, b in zip(*steps):
+        assert torch.equal(a, b)

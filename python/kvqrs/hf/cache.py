@@ -306,3 +306,29 @@ class QuantizedKVCache(Cache):
         """Real memory of the cache in bytes (codes, norms, scales, sketches, side codes and
         the full-precision window)."""
         return sum(layer.nbytes() for layer in self.layers)
+
+    # -- the compressed-cache format (SPEC 6; kvqrs.hf.persist) ---------------------------------
+    def to_bytes(self) -> bytes:
+        """The whole cache (config, codes, full-precision window, HeadQ bases) as checksummed bytes."""
+        from .persist import dumps
+
+        return dumps(self)
+
+    @classmethod
+    def from_bytes(cls, data: bytes, config: QuantConfig | None = None) -> "QuantizedKVCache":
+        """A cache from :meth:`to_bytes`; with ``config``, its settings must equal the saved
+        ones. Raises :class:`KvqrsError` on altered, truncated or foreign bytes."""
+        from .persist import loads
+
+        return loads(data, config)
+
+    def save(self, path) -> None:
+        """Write :meth:`to_bytes` to ``path``."""
+        with open(path, "wb") as f:
+            f.write(self.to_bytes())
+
+    @classmethod
+    def load(cls, path, config: QuantConfig | None = None) -> "QuantizedKVCache":
+        """Read a cache written by :meth:`save` (see :meth:`from_bytes`)."""
+        with open(path, "rb") as f:
+            return cls.from_bytes(f.read(), config)

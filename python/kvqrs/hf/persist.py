@@ -1,0 +1,145 @@
+"""A whole :class:`~kvqrs.hf.QuantizedKVCache` as bytes (SPEC section 6), and back.
+
+One container (``kvqrs_core::format``): a ``meta`` section (format tag, the
+:class:`~kvqrs.hf.QuantConfig` fields, per layer the quantized token count, dtype and which
+parts exist), each layer's encoded keys and values as nested :mod:`kvqrs.format` containers
+(each with its own parameters and checksums), its full-precision window (and, for key-only
+configs, the full-precision values of quantized tokens) as raw tensors, and the HeadQ bases.
+Loading rebuilds the config, or checks it equals the one given, and loads every encoded part
+against the layer's codec, so other settings or altered bytes raise instead of decoding garbage.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+import numpy as np
+import torch
+
+from .. import _native
+from .. import format as fmt
+from .._arrays import KvqrsError
+from .config import QuantConfig
+
+FORMAT = "kvqrs-cache-v1"
+_U8, _UTF8 = 0, 5
+_FLOAT = {torch.float32: 2, torch.float16: 1, torch.float64: 3, torch.bfloat16: 6}  # container dtype codes
+
+
+def _config_fields(config: QuantConfig) -> dict:
+    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name not in ("bases", "_codecs")}
+
+
+def _tensor_section(name: str, t: torch.Tensor) -> tuple:
+    """A full-precision tensor's raw bytes in its own dtype (bfloat16 included)."""
+    t = t.detach().contiguous()
+    return (name, _FLOAT[t.dtype], list(t.shape), t.view(torch.uint8).numpy().tobytes())
+
+
+def dumps(cache) -> bytes:
+    """The cache as bytes. Raises :class:`KvqrsError` for a cache on a non-CPU device."""
+    layers, sections = [], []
+    for i, layer in enumerate(cache.layers):
+        info = {"initialized": bool(layer.is_initialized), "quantized": int(layer.quantized)}
+        if layer.is_initialized:
+            if layer.keys.device.type != "cpu":
+                raise KvqrsError(f"cache: layer {i} lives on {layer.keys.device}; move it to the CPU to save it")
+            info.update(dtype=str(layer.dtype).removeprefix("torch."), head_dim=int(layer.head_dim), keys=bool(layer.chunks_k),
+                        values=bool(layer.chunks_v and layer.chunks_v[0] is not None),
+                        fp_values=getattr(layer, "_fp_values_quantized", None) is not None)
+            sections += [_tensor_section(f"L{i}.window_keys", layer.keys), _tensor_section(f"L{i}.window_values", layer.values)]
+            if info["keys"]:
+                blob = fmt.dumps(layer.chunks_k[0])
+                sections.append((f"L{i}.keys", _U8, [len(blob)], blob))
+            if info["values"]:
+                blob = fmt.dumps(layer.chunks_v[0])
+                sections.append((f"L{i}.values", _U8, [len(blob)], blob))
+            if info["fp_values"]:
+                sections.append(_tensor_section(f"L{i}.fp_values", layer._fp_values_quantized))
+        layers.append(info)
+    bases = cache.config.bases
+    if isinstance(bases, dict):
+        for layer_idx, b in sorted(bases.items()):
+            a = np.ascontiguousarray(b, np.float32)
+            sections.append((f"bases.{int(layer_idx)}", 2, list(a.shape), a.tobytes()))
+    meta = {"format": FORMAT, "config": _config_fields(cache.config), "bases": bases if isinstance(bases, str) else None, "layers": layers}
+    text = json.dumps(meta).encode()
+    return _native.container_write([("meta", _UTF8, [len(text)], text), *sections])
+
+
+def _tensor(sections: dict, name: str, dtype: str, head_dim: int) -> torch.Tensor:
+    if name not in sections:
+        raise KvqrsError(f"compressed cache: section {name!r} is missing")
+    code, shape, payload = sections[name]
+    want = getattr(torch, dtype, None)
+    if want not in _FLOAT or _FLOAT[want] != code or len(shape) != 4 or shape[-1] != head_dim:
+        raise KvqrsError(f"compressed cache: section {name!r} is not a (batch, heads, tokens, {head_dim}) {dtype} tensor")
+    return torch.frombuffer(bytearray(payload), dtype=want).reshape(shape) if payload else torch.zeros(shape, dtype=want)
+
+
+def loads(data: bytes, config: QuantConfig | None = None):
+    """A cache from :func:`dumps` bytes. With ``config``, its settings must equal the saved
+    ones (HeadQ bases included). Raises :class:`KvqrsError` on altered, truncated or foreign
+    bytes or other settings."""
+    from .cache import QuantizedKVCache
+
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise KvqrsError(f"data: expected bytes, got {type(data).__name__}")
+    raw = _native.container_read(bytes(data))
+    if not raw or raw[0][0] != "meta" or raw[0][1] != _UTF8:
+        raise KvqrsError("compressed cache: the first section must be the UTF-8 'meta' section")
+    try:
+        meta = json.loads(raw[0][3].decode("utf-8"))
+        assert meta["format"] == FORMAT and isinstance(meta["layers"], list) and isinstance(meta["config"], dict)
+    except (UnicodeDecodeError, ValueError, KeyError, TypeError, AssertionError):
+        raise KvqrsError(f"compressed cache: not a {FORMAT} file") from None
+    sections = {name: (code, shape, payload) for name, code, shape, payload in raw[1:]}
+    bases: Any = meta["bases"]
+    if bases is None:
+        found = {int(n.split(".")[1]): np.frombuffer(p, np.float32).reshape(s) for n, (c, s, p) in sections.items() if n.startswith("bases.") and c == 2}
+        bases = found or None
+    try:
+        saved = QuantConfig(**meta["config"], bases=bases)
+    except (TypeError, KvqrsError) as e:
+        raise KvqrsError(f"compressed cache: its config cannot be rebuilt ({e})") from None
+    if config is not None:
+        _check_same(config, saved)
+    cache = QuantizedKVCache(config or saved, len(meta["layers"]))
+    for i, (layer, info) in enumerate(zip(cache.layers, meta["layers"])):
+        if info.get("initialized"):
+            _load_layer(layer, i, info, sections)
+    return cache
+
+
+def _check_same(config: QuantConfig, saved: QuantConfig) -> None:
+    a, b = _config_fields(config), _config_fields(saved)
+    diff = sorted(k for k in a if a[k] != b.get(k))
+    same_bases = (isinstance(config.bases, str) or config.bases is None) and config.bases == saved.bases
+    if not same_bases and isinstance(config.bases, dict) and isinstance(saved.bases, dict):
+        same_bases = config.bases.keys() == saved.bases.keys() and all(np.array_equal(np.asarray(config.bases[k], np.float32), saved.bases[k]) for k in config.bases)
+    if diff or not same_bases:
+        raise KvqrsError(f"compressed cache: saved with other settings (differs in {', '.join(diff + ([] if same_bases else ['bases']))})")
+
+
+def _load_layer(layer, i: int, info: dict, sections: dict) -> None:
+    dtype, d = info["dtype"], int(info["head_dim"])
+    keys = _tensor(sections, f"L{i}.window_keys", dtype, d)
+    layer.lazy_initialization(keys, keys)
+    layer.keys, layer.values = keys, _tensor(sections, f"L{i}.window_values", dtype, d)
+    codec = layer.codec()
+    for side, target in (("keys", layer.chunks_k), ("values", layer.chunks_v)):
+        if info.get(side):
+            code, shape, payload = sections.get(f"L{i}.{side}", (None, None, None))
+            if code != _U8:
+                raise KvqrsError(f"compressed cache: section 'L{i}.{side}' is missing")
+            target.append(fmt.loads(payload, codec))
+    if info.get("fp_values"):
+        layer._fp_values_quantized = _tensor(sections, f"L{i}.fp_values", dtype, d)
+    layer.quantized = int(info["quantized"])
+    held = layer.chunks_k[0].shape[-2] if layer.chunks_k else 0
+    if held != layer.quantized or layer.keys.shape != layer.values.shape:
+        raise KvqrsError(f"compressed cache: layer {i} holds {held} quantized tokens, its meta says {layer.quantized}")
+    if not info.get("values") and not info.get("fp_values") and held:
+        raise KvqrsError(f"compressed cache: layer {i} has quantized keys but no values for them")
