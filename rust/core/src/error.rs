@@ -69,4 +69,11 @@ pub enum KvqError {
     /// A basis that is not usable (wrong shape or non-finite entries).
     #[error("{arg}: {reason}")]
     InvalidBasis { arg: &'static str, reason: String },
+
+    /// An instruction-set path this CPU cannot run.
+    #[error("isa: expected one of the supported paths ({available}), got {requested}")]
+    UnsupportedIsa {
+        requested: String,
+        available: String,
+    },
 }

@@ -6,8 +6,11 @@
 
 pub mod error;
 pub mod kernels;
+mod par;
 pub mod reduce;
 pub mod rng;
 pub mod scalars;
+pub mod simd;
 
 pub use error::{KvqError, Result};
+pub use simd::Isa;

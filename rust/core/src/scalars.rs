@@ -68,12 +68,63 @@ impl ScalarPlane {
         (0..self.len()).map(|i| self.get(i)).collect()
     }
 
+    /// A borrowed view of the plane.
+    pub fn view(&self) -> ScalarView<'_> {
+        match self {
+            ScalarPlane::F16(v) => ScalarView::F16(v),
+            ScalarPlane::F32(v) => ScalarView::F32(v),
+        }
+    }
+
     /// Checks that a plane handed in by a caller holds `rows` finite non-negative values.
+    pub fn validate(&self, arg: &'static str, rows: usize) -> Result<()> {
+        self.view().validate(arg, rows)
+    }
+
+    /// Checks that a plane holds `rows` finite values (negative ones allowed, e.g. zero points).
+    pub fn validate_signed(&self, arg: &'static str, rows: usize) -> Result<()> {
+        self.view().validate_signed(arg, rows)
+    }
+}
+
+/// Stored scalars borrowed from a caller's buffer (e.g. a NumPy array), so decoders need no copy.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum ScalarView<'a> {
+    /// IEEE binary16 bit patterns.
+    F16(&'a [u16]),
+    /// float32 values.
+    F32(&'a [f32]),
+}
+
+impl ScalarView<'_> {
+    /// Number of stored scalars.
+    pub fn len(&self) -> usize {
+        match self {
+            ScalarView::F16(v) => v.len(),
+            ScalarView::F32(v) => v.len(),
+        }
+    }
+
+    /// True when no scalar is stored.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Stored value `i` as float32.
+    #[inline]
+    pub fn get(&self, i: usize) -> f32 {
+        match self {
+            ScalarView::F16(v) => f16::from_bits(v[i]).to_f32(),
+            ScalarView::F32(v) => v[i],
+        }
+    }
+
+    /// Checks that the view holds `rows` finite non-negative values.
     pub fn validate(&self, arg: &'static str, rows: usize) -> Result<()> {
         self.validate_with(arg, rows, false)
     }
 
-    /// Checks that a plane holds `rows` finite values (negative ones allowed, e.g. zero points).
+    /// Checks that the view holds `rows` finite values (negative ones allowed).
     pub fn validate_signed(&self, arg: &'static str, rows: usize) -> Result<()> {
         self.validate_with(arg, rows, true)
     }
