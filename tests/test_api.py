@@ -101,6 +101,8 @@ _norms = st.integers(0, 40).map(lambda n: np.ones(n, dtype=np.float16))
             lambda a, b, c, n, s: _native.qjl_matrix(s, a, s % 300),
             lambda a, b, c, n, s: _native.rotation_signs(s, a),
             lambda a, b, c, n, s: _native.gaussians(s, 1, a),
+            # Never a valid path name, so the process-wide setting stays as it is.
+            lambda a, b, c, n, s: _native.set_isa(f"isa{s}"),
         ]
     ),
     a=_sizes,
