@@ -1,7 +1,7 @@
 //! Randomized Walsh-Hadamard rotation `R = H diag(s) / sqrt(d')` with zero padding to the next
 //! power of two (SPEC 2.2; docs/kernels.md section 3).
 
-use super::{check_finite, check_head_dim, rows_of};
+use super::{check_finite, check_head_dim, check_len, rows_of};
 use crate::error::{KvqError, Result};
 use crate::par;
 use crate::rng::rotation_signs;
@@ -94,6 +94,11 @@ impl Rotation {
         self.padded
     }
 
+    /// `sign_i * scale`, the forward factors (for fused encoders).
+    pub(crate) fn mult(&self) -> &[f32] {
+        &self.mult
+    }
+
     /// The inverse's sign bits (for fused decoders).
     pub(crate) fn sign_bits(&self) -> &[u32] {
         &self.sign_bits
@@ -150,17 +155,26 @@ impl Rotation {
     /// Rotates rows of `d` values into rows of `d'` values. Errors on a ragged buffer or
     /// non-finite input.
     pub fn forward(&self, x: &[f32]) -> Result<Vec<f32>> {
+        let rows = rows_of("x", x.len(), self.head_dim)?;
+        let mut out = vec![0.0f32; rows * self.padded];
+        self.forward_into(x, &mut out)?;
+        Ok(out)
+    }
+
+    /// [`Rotation::forward`] into a caller's buffer of `rows * d'` values (reused across calls,
+    /// it saves the page faults of a fresh output).
+    pub fn forward_into(&self, x: &[f32], out: &mut [f32]) -> Result<()> {
         let isa = self.isa();
         let (d, n) = (self.head_dim, self.padded);
         let rows = rows_of("x", x.len(), d)?;
-        let mut out = vec![0.0f32; rows * n];
+        check_len("out", out.len(), rows * n, "rows x padded dim")?;
         // A non-finite input makes every output of its row non-finite, so checking the outputs
         // (in cache) covers the inputs; the full input scan runs only to name an error.
         let done = par::rows1(
             rows,
             n,
             (x, d),
-            (&mut out, n),
+            (out, n),
             || (),
             |_, first, xs, os| {
                 for (k, (src, dst)) in xs.chunks_exact(d).zip(os.chunks_exact_mut(n)).enumerate() {
@@ -176,7 +190,7 @@ impl Rotation {
             check_finite("x", x, d)?;
             return Err(KvqError::NormOverflow { arg: "x", row });
         }
-        Ok(out)
+        Ok(())
     }
 
     /// Un-rotates rows of `d'` values into rows of `d` values.

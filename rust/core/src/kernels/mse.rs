@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use super::hadamard::Rotation;
 use super::lloyd_max::{codebook, Codebook};
-use super::{check_bits, check_finite, check_head_dim, rows_of};
+use super::{check_bits, check_finite, check_head_dim, check_len, rows_of};
 use crate::error::{KvqError, Result};
 use crate::par;
 use crate::reduce::norm_f64;
@@ -112,14 +112,21 @@ impl MseQuantizer {
             self.codebook.encode_into_isa(Isa::Scalar, unit, codes);
             return Some(norm);
         }
+        let table = self.codebook.search_table();
+        let bits = self.codebook.bits;
+        if let Some(r) = &self.rotation {
+            if let Some(norm) =
+                ops::mse_encode_row(isa, x, r.mult(), table, bits, self.zero_code, codes)
+            {
+                return norm.is_finite().then_some(norm);
+            }
+        }
         // Same steps as the reference: float64 norm, rotation, float32 division, search.
         let norm = ops::norm_f64(isa, x) as f32;
         if !norm.is_finite() {
             return None;
         }
         if norm > 0.0 {
-            let table = self.codebook.search_table();
-            let bits = self.codebook.bits;
             match &self.rotation {
                 Some(r) => {
                     r.forward_row_isa(isa, x, unit);
@@ -135,19 +142,32 @@ impl MseQuantizer {
 
     /// Encodes rows of head_dim values. Errors on ragged or non-finite input.
     pub fn encode(&self, x: &[f32]) -> Result<MseCodes> {
+        let rows = rows_of("x", x.len(), self.head_dim)?;
+        let mut codes = vec![0u8; rows * self.code_dim()];
+        let mut norms = vec![0.0f32; rows];
+        self.encode_into(x, &mut codes, &mut norms)?;
+        Ok(MseCodes {
+            codes,
+            norms: ScalarPlane::store(&norms),
+        })
+    }
+
+    /// [`MseQuantizer::encode`] into a caller's buffers: `rows * code_dim` codes and `rows`
+    /// float32 norms (before the storage rounding of [`ScalarPlane::store`]).
+    pub fn encode_into(&self, x: &[f32], codes: &mut [u8], norms: &mut [f32]) -> Result<()> {
         let isa = self.isa();
         let (d, cd) = (self.head_dim, self.code_dim());
         let rows = rows_of("x", x.len(), d)?;
-        let mut codes = vec![0u8; rows * cd];
-        let mut norms = vec![0.0f32; rows];
+        check_len("codes", codes.len(), rows * cd, "rows x code_dim")?;
+        check_len("norms", norms.len(), rows, "one per row")?;
         // A finite norm implies a finite row (the float64 sum of squares cannot overflow), so
         // the full input scan runs only to name an error, as the reference reports it.
         let done = par::rows2(
             rows,
             cd,
             (x, d),
-            (&mut codes, cd),
-            (&mut norms, 1),
+            (codes, cd),
+            (norms, 1),
             || vec![0.0f32; cd],
             |unit, first, xs, cs, ns| {
                 for (k, ((src, dst), n)) in xs
@@ -165,10 +185,7 @@ impl MseQuantizer {
             check_finite("x", x, d)?;
             return Err(KvqError::NormOverflow { arg: "x", row });
         }
-        Ok(MseCodes {
-            codes,
-            norms: ScalarPlane::store(&norms),
-        })
+        Ok(())
     }
 
     /// Decodes `norm * R^T centroids[codes]` into rows of head_dim values.
@@ -178,18 +195,26 @@ impl MseQuantizer {
 
     /// [`MseQuantizer::decode`] from borrowed codes and norms (no copy of the caller's buffers).
     pub fn decode_parts(&self, codes: &[u8], norms: ScalarView<'_>) -> Result<Vec<f32>> {
+        let rows = rows_of("codes", codes.len(), self.code_dim())?;
+        let mut out = vec![0.0f32; rows * self.head_dim];
+        self.decode_into(codes, norms, &mut out)?;
+        Ok(out)
+    }
+
+    /// [`MseQuantizer::decode_parts`] into a caller's buffer of `rows * head_dim` values.
+    pub fn decode_into(&self, codes: &[u8], norms: ScalarView<'_>, out: &mut [f32]) -> Result<()> {
         let isa = self.isa();
         let (d, cd) = (self.head_dim, self.code_dim());
         let rows = rows_of("codes", codes.len(), cd)?;
         norms.validate("norms", rows)?;
         check_codes("codes", codes, cd, self.codebook.bits)?;
-        let mut out = vec![0.0f32; rows * d];
+        check_len("out", out.len(), rows * d, "rows x head_dim")?;
         // Decoding cannot fail once the codes and norms are valid.
         let _ = par::rows1(
             rows,
             cd,
             (codes, cd),
-            (&mut out, d),
+            (out, d),
             || vec![0.0f32; cd],
             |buf, first, cs, os| {
                 for (k, (src, dst)) in cs.chunks_exact(cd).zip(os.chunks_exact_mut(d)).enumerate() {
@@ -198,7 +223,7 @@ impl MseQuantizer {
                 Ok(())
             },
         );
-        Ok(out)
+        Ok(())
     }
 
     /// Decodes one row; `buf` has code_dim values of scratch.
@@ -211,6 +236,16 @@ impl MseQuantizer {
             let bits = self.codebook.bits;
             return match &self.rotation {
                 // `(v * sign) * norm` is exactly `v * norm` with the sign bit flipped.
+                Some(r)
+                    if ops::mse_decode_row(
+                        isa,
+                        codes,
+                        &self.decode_table,
+                        bits,
+                        r.sign_bits(),
+                        norm,
+                        out,
+                    ) => {}
                 Some(r) => {
                     ops::decode(isa, codes, &self.decode_table, bits, 1.0, buf);
                     ops::fwht(isa, buf, None);

@@ -28,15 +28,27 @@ fn pack_isa(isa: Isa, codes: &[u8], count: usize, bits: u32) -> Result<Vec<u8>> 
     check_bits("bits", bits)?;
     check_count(count)?;
     let rows = rows_or_empty("codes", codes.len(), count)?;
+    let mut out = vec![0u8; rows * packed_len(count, bits)];
+    pack_into(isa, codes, count, bits, &mut out)?;
+    Ok(out)
+}
+
+/// [`pack`] on `isa` (pass [`crate::simd::active`] for the default) into a caller's buffer of
+/// `rows * packed_len(count, bits)` bytes.
+pub fn pack_into(isa: Isa, codes: &[u8], count: usize, bits: u32, out: &mut [u8]) -> Result<()> {
+    let isa = isa.checked()?;
+    check_bits("bits", bits)?;
+    check_count(count)?;
+    let rows = rows_or_empty("codes", codes.len(), count)?;
     super::mse::check_codes("codes", codes, count.max(1), bits)?;
     let row_bytes = packed_len(count, bits);
-    let mut out = vec![0u8; rows * row_bytes];
+    super::check_len("out", out.len(), rows * row_bytes, "rows x packed bytes")?;
     if count > 0 {
         let _ = par::rows1(
             rows,
             count / 4,
             (codes, count),
-            (&mut out, row_bytes),
+            (out, row_bytes),
             || (),
             |_, _, cs, os| {
                 for (src, dst) in cs.chunks_exact(count).zip(os.chunks_exact_mut(row_bytes)) {
@@ -46,7 +58,7 @@ fn pack_isa(isa: Isa, codes: &[u8], count: usize, bits: u32) -> Result<Vec<u8>> 
             },
         );
     }
-    Ok(out)
+    Ok(())
 }
 
 /// Unpacks rows of `packed_len(count, bits)` bytes into rows of `count` codes.
@@ -64,15 +76,26 @@ pub fn unpack_with(isa: Isa, packed: &[u8], count: usize, bits: u32) -> Result<V
 fn unpack_isa(isa: Isa, packed: &[u8], count: usize, bits: u32) -> Result<Vec<u8>> {
     check_bits("bits", bits)?;
     check_count(count)?;
+    let rows = rows_or_empty("packed", packed.len(), packed_len(count, bits))?;
+    let mut out = vec![0u8; rows * count];
+    unpack_into(isa, packed, count, bits, &mut out)?;
+    Ok(out)
+}
+
+/// [`unpack`] on `isa` into a caller's buffer of `rows * count` codes.
+pub fn unpack_into(isa: Isa, packed: &[u8], count: usize, bits: u32, out: &mut [u8]) -> Result<()> {
+    let isa = isa.checked()?;
+    check_bits("bits", bits)?;
+    check_count(count)?;
     let row_bytes = packed_len(count, bits);
     let rows = rows_or_empty("packed", packed.len(), row_bytes)?;
-    let mut out = vec![0u8; rows * count];
+    super::check_len("out", out.len(), rows * count, "rows x count")?;
     if count > 0 {
         let _ = par::rows1(
             rows,
             count / 4,
             (packed, row_bytes),
-            (&mut out, count),
+            (out, count),
             || (),
             |_, _, ps, os| {
                 for (src, dst) in ps.chunks_exact(row_bytes).zip(os.chunks_exact_mut(count)) {
@@ -82,7 +105,7 @@ fn unpack_isa(isa: Isa, packed: &[u8], count: usize, bits: u32) -> Result<Vec<u8
             },
         );
     }
-    Ok(out)
+    Ok(())
 }
 
 /// Zero codes per row is allowed (empty rows); otherwise the usual row-length limit.

@@ -167,6 +167,63 @@ pub(crate) fn finish(isa: Isa, y: &[f32], sign_bits: &[u32], mul: f32, out: &mut
     }
 }
 
+/// The fused MSE encode of one rotated row (norm, rotation, division, search), where a path
+/// has one for this `d' = mult.len()`: returns the norm, or `None` to use the primitives.
+pub(crate) fn mse_encode_row(
+    isa: Isa,
+    x: &[f32],
+    mult: &[f32],
+    table: &[f32],
+    bits: u32,
+    zero_code: u8,
+    codes: &mut [u8],
+) -> Option<f32> {
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx512 {
+        let f = match mult.len() {
+            16 => avx512::mse_encode_row::<1>,
+            32 => avx512::mse_encode_row::<2>,
+            64 => avx512::mse_encode_row::<4>,
+            128 => avx512::mse_encode_row::<8>,
+            256 => avx512::mse_encode_row::<16>,
+            _ => return None,
+        };
+        // SAFETY: `isa` is supported; the lengths are the callee's d' = 16 K.
+        return Some(unsafe { f(x, mult, table, bits, zero_code, codes) });
+    }
+    let _ = (isa, x, mult, table, bits, zero_code, codes);
+    None
+}
+
+/// The fused MSE decode of one rotated row, where a path has one for `d' = codes.len()`;
+/// returns `false` to use the primitives.
+pub(crate) fn mse_decode_row(
+    isa: Isa,
+    codes: &[u8],
+    table: &[f32],
+    bits: u32,
+    sign_bits: &[u32],
+    norm: f32,
+    out: &mut [f32],
+) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx512 {
+        let f = match codes.len() {
+            16 => avx512::mse_decode_row::<1>,
+            32 => avx512::mse_decode_row::<2>,
+            64 => avx512::mse_decode_row::<4>,
+            128 => avx512::mse_decode_row::<8>,
+            256 => avx512::mse_decode_row::<16>,
+            _ => return false,
+        };
+        // SAFETY: `isa` is supported; the lengths are the callee's d' = 16 K.
+        unsafe { f(codes, table, bits, sign_bits, norm, out) };
+        return true;
+    }
+    let _ = (isa, codes, table, bits, sign_bits, norm, out);
+    false
+}
+
 /// Packs one row of codes (`pack::pack_row`).
 pub(crate) fn pack_row(isa: Isa, codes: &[u8], bits: u32, out: &mut [u8]) {
     match isa {

@@ -678,6 +678,139 @@ pub(super) mod avx512 {
         }
     }
 
+    /// The butterfly stages across the `K` registers of a row held in registers (strides of
+    /// 16, 32, ... floats), after `fwht16` did the strides inside each register.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    fn cross_stages_regs<const K: usize>(v: &mut [__m512; K]) {
+        let mut h = 1;
+        while h < K {
+            for block in (0..K).step_by(2 * h) {
+                for j in block..block + h {
+                    let (a, b) = (v[j], v[j + h]);
+                    v[j] = _mm512_add_ps(a, b);
+                    v[j + h] = _mm512_sub_ps(a, b);
+                }
+            }
+            h *= 2;
+        }
+    }
+
+    /// The whole MSE encode of one row with the rotation, in registers, for `d' = 16 K`:
+    /// the float64 norm (8 lanes, the reference order; masked-off lanes add `+0.0`), the sign
+    /// and scale, all butterflies, the division by the norm and the code search, with no
+    /// round trip through memory. Returns the norm (non-finite: the caller reports it).
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,bmi2")]
+    pub(crate) fn mse_encode_row<const K: usize>(
+        x: &[f32],
+        mult: &[f32],
+        table: &[f32],
+        bits: u32,
+        zero_code: u8,
+        codes: &mut [u8],
+    ) -> f32 {
+        let d = x.len();
+        debug_assert!(
+            d <= 16 * K && mult.len() >= 16 * K && codes.len() >= 16 * K && table.len() >= 16
+        );
+        let mut v = [_mm512_setzero_ps(); K];
+        let mut acc = _mm512_setzero_pd();
+        for (k, vk) in v.iter_mut().enumerate() {
+            let m = mask16(d.saturating_sub(16 * k).min(16));
+            // SAFETY: the masked load reads only lanes below d; mult has 16 K entries.
+            let (xv, mv) = unsafe {
+                (
+                    _mm512_maskz_loadu_ps(m, x.as_ptr().add(16 * k)),
+                    _mm512_loadu_ps(mult.as_ptr().add(16 * k)),
+                )
+            };
+            let lo = _mm512_cvtps_pd(_mm512_castps512_ps256(xv));
+            let hi = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(
+                _mm512_castps_pd(xv),
+            )));
+            acc = _mm512_add_pd(acc, _mm512_mul_pd(lo, lo));
+            acc = _mm512_add_pd(acc, _mm512_mul_pd(hi, hi));
+            *vk = fwht16(_mm512_mul_ps(xv, mv));
+        }
+        let mut a = [0.0f64; 8];
+        // SAFETY: `a` holds 8 doubles.
+        unsafe { _mm512_storeu_pd(a.as_mut_ptr(), acc) };
+        let norm = combine_f64(&a).sqrt() as f32;
+        if !norm.is_finite() {
+            return norm;
+        }
+        if norm == 0.0 {
+            codes[..16 * K].fill(zero_code);
+            return norm;
+        }
+        cross_stages_regs(&mut v);
+        // SAFETY: table has at least 16 entries.
+        let t16 = unsafe { _mm512_loadu_ps(table.as_ptr()) };
+        let nv = _mm512_set1_ps(norm);
+        for (k, vk) in v.iter().enumerate() {
+            let c = codes16(_mm512_div_ps(*vk, nv), t16, table, bits);
+            // SAFETY: codes has 16 K bytes.
+            unsafe {
+                _mm_storeu_si128(
+                    codes.as_mut_ptr().add(16 * k).cast(),
+                    _mm512_cvtepi32_epi8(c),
+                )
+            };
+        }
+        norm
+    }
+
+    /// The whole MSE decode of one row with the rotation, in registers, for `d' = 16 K`:
+    /// lookup in the table of `centroid * scale`, all butterflies, then `+-(v * norm)` for the
+    /// first `out.len()` coordinates.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,bmi2")]
+    pub(crate) fn mse_decode_row<const K: usize>(
+        codes: &[u8],
+        table: &[f32],
+        bits: u32,
+        sign_bits: &[u32],
+        norm: f32,
+        out: &mut [f32],
+    ) {
+        let d = out.len();
+        debug_assert!(
+            d <= 16 * K && codes.len() >= 16 * K && sign_bits.len() >= 16 * K && table.len() >= 256
+        );
+        // SAFETY: table has 256 >= 32 entries.
+        let (t0, t1) = unsafe {
+            (
+                _mm512_loadu_ps(table.as_ptr()),
+                _mm512_loadu_ps(table.as_ptr().add(16)),
+            )
+        };
+        let mut v = [_mm512_setzero_ps(); K];
+        for (k, vk) in v.iter_mut().enumerate() {
+            // SAFETY: codes has 16 K bytes; gather indices are bytes < 256.
+            unsafe {
+                let idx = _mm512_cvtepu8_epi32(_mm_loadu_si128(codes.as_ptr().add(16 * k).cast()));
+                let t = if bits <= 4 {
+                    _mm512_permutexvar_ps(idx, t0)
+                } else if bits == 5 {
+                    _mm512_permutex2var_ps(t0, idx, t1)
+                } else {
+                    _mm512_i32gather_ps::<4>(idx, table.as_ptr())
+                };
+                *vk = fwht16(t);
+            }
+        }
+        cross_stages_regs(&mut v);
+        let nv = _mm512_set1_ps(norm);
+        for (k, vk) in v.iter().enumerate() {
+            let m = mask16(d.saturating_sub(16 * k).min(16));
+            // SAFETY: sign_bits has 16 K entries; the masked store writes lanes below d only.
+            unsafe {
+                let s = _mm512_loadu_si512(sign_bits.as_ptr().add(16 * k).cast());
+                let r = _mm512_xor_si512(_mm512_castps_si512(_mm512_mul_ps(*vk, nv)), s);
+                _mm512_mask_storeu_ps(out.as_mut_ptr().add(16 * k), m, _mm512_castsi512_ps(r));
+            }
+        }
+    }
+
     /// `out[i] = (y[i] * mul) ^ sign_bit[i]` for `i < out.len()`.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,bmi2")]
     pub(crate) fn finish(y: &[f32], sign_bits: &[u32], mul: f32, out: &mut [f32]) {
