@@ -106,6 +106,8 @@ _norms = st.integers(0, 40).map(lambda n: np.ones(n, dtype=np.float16))
                     "zeros": n, "values": c, "bits": s % 10, "group": s % 40, "seed": s if s % 3 else None},
                 {"kind": "dense", "values": c}, {"codes": b, "scales": n, "basis": c, "basis_heads": s % 3, "rank": s % 5, "bits": s % 9,
                                                  "sign": 1.0} if s % 2 else None, a % 7, s % 5, s % 7, a, 1.0, bool(s % 2)),
+            # Never a valid path name, so the process-wide setting stays as it is.
+            lambda a, b, c, n, s: _native.set_isa(f"isa{s}"),
         ]
     ),
     a=_sizes,

@@ -73,4 +73,11 @@ pub enum KvqError {
     /// Bytes that are not a valid kvqrs container (truncated, altered, hostile).
     #[error("compressed cache: {what}")]
     CorruptData { what: String },
+
+    /// An instruction-set path this CPU cannot run.
+    #[error("isa: expected one of the supported paths ({available}), got {requested}")]
+    UnsupportedIsa {
+        requested: String,
+        available: String,
+    },
 }

@@ -7,8 +7,11 @@
 pub mod error;
 pub mod format;
 pub mod kernels;
+mod par;
 pub mod reduce;
 pub mod rng;
 pub mod scalars;
+pub mod simd;
 
 pub use error::{KvqError, Result};
+pub use simd::Isa;

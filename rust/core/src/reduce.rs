@@ -8,12 +8,12 @@
 pub const LANES: usize = 8;
 
 #[inline]
-fn combine_f32(acc: &[f32; LANES]) -> f32 {
+pub(crate) fn combine_f32(acc: &[f32; LANES]) -> f32 {
     ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]))
 }
 
 #[inline]
-fn combine_f64(acc: &[f64; LANES]) -> f64 {
+pub(crate) fn combine_f64(acc: &[f64; LANES]) -> f64 {
     ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]))
 }
 

@@ -2,7 +2,8 @@
 //! the Python layer reshapes and makes the one explicit contiguous copy when needed.
 
 use half::f16;
-use kvqrs_core::scalars::ScalarPlane;
+use half::slice::HalfFloatSliceExt;
+use kvqrs_core::scalars::{ScalarPlane, ScalarView};
 use numpy::{PyArray1, PyReadonlyArray1};
 use pyo3::prelude::*;
 
@@ -30,13 +31,11 @@ pub enum Scalars<'py> {
 }
 
 impl Scalars<'_> {
-    /// Copies into a core scalar plane (one small copy: one value per vector).
-    pub fn to_plane(&self, arg: &str) -> PyResult<ScalarPlane> {
+    /// Borrows the caller's buffer as a core scalar view (no copy).
+    pub fn view(&self, arg: &str) -> PyResult<ScalarView<'_>> {
         Ok(match self {
-            Scalars::F16(a) => {
-                ScalarPlane::F16(slice(a, arg)?.iter().map(|v| v.to_bits()).collect())
-            }
-            Scalars::F32(a) => ScalarPlane::F32(slice(a, arg)?.to_vec()),
+            Scalars::F16(a) => ScalarView::F16(slice(a, arg)?.reinterpret_cast()),
+            Scalars::F32(a) => ScalarView::F32(slice(a, arg)?),
         })
     }
 }
@@ -48,17 +47,5 @@ pub fn plane_to_py<'py>(py: Python<'py>, plane: ScalarPlane) -> Bound<'py, PyAny
             PyArray1::from_vec(py, v.into_iter().map(f16::from_bits).collect::<Vec<_>>()).into_any()
         }
         ScalarPlane::F32(v) => PyArray1::from_vec(py, v).into_any(),
-    }
-}
-
-impl Scalars<'_> {
-    /// Borrows the stored scalars without copying (float16 as its bit patterns).
-    pub fn view(&self, arg: &str) -> PyResult<kvqrs_core::scalars::ScalarView<'_>> {
-        use half::slice::HalfFloatSliceExt;
-        use kvqrs_core::scalars::ScalarView;
-        Ok(match self {
-            Scalars::F16(a) => ScalarView::F16(slice(a, arg)?.reinterpret_cast()),
-            Scalars::F32(a) => ScalarView::F32(slice(a, arg)?),
-        })
     }
 }

@@ -2,18 +2,19 @@
 //! with the GIL released, return new NumPy arrays (flat; the Python layer restores shapes).
 
 use kvqrs_core::kernels::hadamard::Rotation;
-use kvqrs_core::kernels::headq::{HeadqCoder, HeadqCodes};
+use kvqrs_core::kernels::headq::HeadqCoder;
 use kvqrs_core::kernels::lloyd_max::codebook;
-use kvqrs_core::kernels::mse::{MseCodes, MseQuantizer};
+use kvqrs_core::kernels::mse::MseQuantizer;
 use kvqrs_core::kernels::pack;
-use kvqrs_core::kernels::qjl::{QjlSketch, QjlSketcher};
-use kvqrs_core::kernels::uniform::{UniformCodes, UniformQuantizer};
+use kvqrs_core::kernels::qjl::QjlSketcher;
+use kvqrs_core::kernels::uniform::UniformQuantizer;
 use kvqrs_core::rng;
+use kvqrs_core::simd::{self, Isa};
 use numpy::{PyArray1, PyReadonlyArray1};
 use pyo3::prelude::*;
 
 use crate::arrays::{plane_to_py, slice, Scalars};
-use crate::errors::py_result;
+use crate::errors::{arg_error, py_result};
 
 type F32Out<'py> = Bound<'py, PyArray1<f32>>;
 type U8Out<'py> = Bound<'py, PyArray1<u8>>;
@@ -155,13 +156,11 @@ pub fn mse_decode<'py>(
     bits: i64,
     seed: Option<u64>,
 ) -> PyResult<F32Out<'py>> {
-    let c = MseCodes {
-        codes: slice(&codes, "codes")?.to_vec(),
-        norms: norms.to_plane("norms")?,
-    };
-    let out = py_result(
-        py.allow_threads(|| MseQuantizer::new(head_dim, bits_u32(bits), seed)?.decode(&c)),
-    )?;
+    let (c, n) = (slice(&codes, "codes")?, norms.view("norms")?);
+    let out =
+        py_result(py.allow_threads(|| {
+            MseQuantizer::new(head_dim, bits_u32(bits), seed)?.decode_parts(c, n)
+        }))?;
     Ok(PyArray1::from_vec(py, out))
 }
 
@@ -190,12 +189,10 @@ pub fn qjl_inner_product<'py>(
     seed: u64,
 ) -> PyResult<F32Out<'py>> {
     let ys = slice(&y, "y")?;
-    let sk = QjlSketch {
-        signs: slice(&signs, "signs")?.to_vec(),
-        norms: norms.to_plane("norms")?,
-    };
-    let out =
-        py_result(py.allow_threads(|| QjlSketcher::cached(dim, m, seed)?.inner_product(ys, &sk)))?;
+    let (s, n) = (slice(&signs, "signs")?, norms.view("norms")?);
+    let out = py_result(
+        py.allow_threads(|| QjlSketcher::cached(dim, m, seed)?.inner_product_parts(ys, s, n)),
+    )?;
     Ok(PyArray1::from_vec(py, out))
 }
 
@@ -208,12 +205,10 @@ pub fn qjl_vector_estimate<'py>(
     m: usize,
     seed: u64,
 ) -> PyResult<F32Out<'py>> {
-    let sk = QjlSketch {
-        signs: slice(&signs, "signs")?.to_vec(),
-        norms: norms.to_plane("norms")?,
-    };
-    let out =
-        py_result(py.allow_threads(|| QjlSketcher::cached(dim, m, seed)?.vector_estimate(&sk)))?;
+    let (s, n) = (slice(&signs, "signs")?, norms.view("norms")?);
+    let out = py_result(
+        py.allow_threads(|| QjlSketcher::cached(dim, m, seed)?.vector_estimate_parts(s, n)),
+    )?;
     Ok(PyArray1::from_vec(py, out))
 }
 
@@ -246,13 +241,10 @@ pub fn headq_decode<'py>(
     bits: i64,
 ) -> PyResult<F32Out<'py>> {
     let us = slice(&basis, "basis")?;
-    let c = HeadqCodes {
-        codes: slice(&codes, "codes")?.to_vec(),
-        scales: scales.to_plane("scales")?,
-    };
-    let out = py_result(
-        py.allow_threads(|| HeadqCoder::new(us, head_dim, rank, bits_u32(bits))?.decode(&c)),
-    )?;
+    let (c, s) = (slice(&codes, "codes")?, scales.view("scales")?);
+    let out = py_result(py.allow_threads(|| {
+        HeadqCoder::new(us, head_dim, rank, bits_u32(bits))?.decode_parts(c, s)
+    }))?;
     Ok(PyArray1::from_vec(py, out))
 }
 
@@ -270,14 +262,39 @@ pub fn headq_score_correction<'py>(
 ) -> PyResult<F32Out<'py>> {
     let qs = slice(&q, "q")?;
     let us = slice(&basis, "basis")?;
-    let c = HeadqCodes {
-        codes: slice(&codes, "codes")?.to_vec(),
-        scales: scales.to_plane("scales")?,
-    };
+    let (c, s) = (slice(&codes, "codes")?, scales.view("scales")?);
     let out = py_result(py.allow_threads(|| {
-        HeadqCoder::new(us, head_dim, rank, bits_u32(bits))?.score_correction(qs, &c)
+        HeadqCoder::new(us, head_dim, rank, bits_u32(bits))?.score_correction_parts(qs, c, s)
     }))?;
     Ok(PyArray1::from_vec(py, out))
+}
+
+/// The instruction-set path the kernels use now (`scalar`, `avx2`, `avx512`, `neon`).
+#[pyfunction]
+pub fn simd_level() -> &'static str {
+    simd::active().name()
+}
+
+/// The paths this CPU supports, scalar first, fastest last.
+#[pyfunction]
+pub fn simd_available() -> Vec<&'static str> {
+    Isa::available().into_iter().map(Isa::name).collect()
+}
+
+/// Forces a path for the whole process (`None` restores the default: the fastest, or scalar
+/// under `KVQRS_FORCE_SCALAR=1`). Raises for an unknown or unsupported name.
+#[pyfunction]
+#[pyo3(signature = (name=None))]
+pub fn set_isa(name: Option<&str>) -> PyResult<()> {
+    let isa = match name {
+        None => None,
+        Some(n) => Some(Isa::from_name(n).ok_or_else(|| {
+            arg_error(format!(
+                "name: expected one of scalar, avx2, avx512, neon or None, got {n:?}"
+            ))
+        })?),
+    };
+    py_result(simd::set_active(isa))
 }
 
 #[pyfunction]
@@ -352,13 +369,11 @@ pub fn uniform_decode<'py>(
     group: usize,
     bits: i64,
 ) -> PyResult<F32Out<'py>> {
-    let c = UniformCodes {
-        codes: slice(&codes, "codes")?.to_vec(),
-        scales: scales.to_plane("scales")?,
-        zeros: zeros.to_plane("zeros")?,
-    };
-    let out = py_result(
-        py.allow_threads(|| UniformQuantizer::new(n, group, bits_u32(bits))?.decode(&c)),
-    )?;
+    let c = slice(&codes, "codes")?;
+    let (s, z) = (scales.view("scales")?, zeros.view("zeros")?);
+    let out =
+        py_result(py.allow_threads(|| {
+            UniformQuantizer::new(n, group, bits_u32(bits))?.decode_parts(c, s, z)
+        }))?;
     Ok(PyArray1::from_vec(py, out))
 }

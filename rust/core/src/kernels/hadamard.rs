@@ -1,9 +1,11 @@
 //! Randomized Walsh-Hadamard rotation `R = H diag(s) / sqrt(d')` with zero padding to the next
 //! power of two (SPEC 2.2; docs/kernels.md section 3).
 
-use super::{check_finite, check_head_dim, rows_of};
+use super::{check_finite, check_head_dim, check_len, rows_of};
 use crate::error::{KvqError, Result};
+use crate::par;
 use crate::rng::rotation_signs;
+use crate::simd::{ops, Isa, IsaChoice};
 
 /// The padded dimension `d'`: the next power of two >= `head_dim`.
 pub fn padded_dim(head_dim: usize) -> usize {
@@ -36,6 +38,13 @@ pub struct Rotation {
     padded: usize,
     signs: Option<Vec<f32>>,
     scale: f32,
+    /// `sign_i * scale` (the factor of coordinate i in the forward pass), for the SIMD paths.
+    mult: Vec<f32>,
+    /// `scale` repeated, the factor of the inverse pass.
+    inv_mult: Vec<f32>,
+    /// The sign bit of `sign_i` (0 or 0x8000_0000): multiplying by -1 is flipping that bit.
+    sign_bits: Vec<u32>,
+    isa: IsaChoice,
 }
 
 impl Rotation {
@@ -43,12 +52,36 @@ impl Rotation {
     pub fn new(head_dim: usize, seed: Option<u64>) -> Result<Self> {
         check_head_dim("head_dim", head_dim)?;
         let padded = padded_dim(head_dim);
+        let signs = seed.map(|s| rotation_signs(s, padded));
+        let scale = 1.0 / (padded as f32).sqrt();
+        let (mult, sign_bits) = match &signs {
+            Some(s) => (
+                s.iter().map(|s| s * scale).collect(),
+                s.iter().map(|s| s.to_bits() & 0x8000_0000).collect(),
+            ),
+            None => (vec![scale; padded], vec![0; padded]),
+        };
         Ok(Self {
             head_dim,
             padded,
-            signs: seed.map(|s| rotation_signs(s, padded)),
-            scale: 1.0 / (padded as f32).sqrt(),
+            signs,
+            scale,
+            mult,
+            inv_mult: vec![scale; padded],
+            sign_bits,
+            isa: IsaChoice::default(),
         })
+    }
+
+    /// Pins the instruction set (tests, benches); errors if this CPU lacks it.
+    pub fn with_isa(mut self, isa: Isa) -> Result<Self> {
+        self.isa = IsaChoice::pinned(isa)?;
+        Ok(self)
+    }
+
+    /// The instruction set calls use now.
+    pub fn isa(&self) -> Isa {
+        self.isa.get()
     }
 
     /// The input dimension `d`.
@@ -61,12 +94,35 @@ impl Rotation {
         self.padded
     }
 
+    /// `sign_i * scale`, the forward factors (for fused encoders).
+    pub(crate) fn mult(&self) -> &[f32] {
+        &self.mult
+    }
+
+    /// The inverse's sign bits (for fused decoders).
+    pub(crate) fn sign_bits(&self) -> &[u32] {
+        &self.sign_bits
+    }
+
+    /// The `1/sqrt(d')` factor.
+    pub(crate) fn scale(&self) -> f32 {
+        self.scale
+    }
+
     /// `out = R [x, 0]` for one row (`x.len() == d`, `out.len() == d'`).
     /// The 1/sqrt(d') scaling comes first so that no butterfly stage can exceed the row norm
     /// (a finite input with a finite norm never overflows).
     pub fn forward_row(&self, x: &[f32], out: &mut [f32]) {
+        self.forward_row_isa(self.isa(), x, out);
+    }
+
+    pub(crate) fn forward_row_isa(&self, isa: Isa, x: &[f32], out: &mut [f32]) {
         out[..self.head_dim].copy_from_slice(x);
         out[self.head_dim..].fill(0.0);
+        if isa != Isa::Scalar {
+            // `mult_i = sign_i * scale` is the same float32 product the reference forms.
+            return ops::fwht(isa, out, Some(&self.mult));
+        }
         match &self.signs {
             Some(s) => out
                 .iter_mut()
@@ -79,6 +135,15 @@ impl Rotation {
 
     /// `out = (R^T y)[..d]` for one row; `y` (length d') is used as scratch.
     pub fn inverse_row(&self, y: &mut [f32], out: &mut [f32]) {
+        self.inverse_row_isa(self.isa(), y, out);
+    }
+
+    pub(crate) fn inverse_row_isa(&self, isa: Isa, y: &mut [f32], out: &mut [f32]) {
+        if isa != Isa::Scalar {
+            ops::fwht(isa, y, Some(&self.inv_mult));
+            // `v * sign` is exactly `v` with its sign bit flipped where sign = -1.
+            return ops::finish(isa, y, &self.sign_bits, 1.0, out);
+        }
         y.iter_mut().for_each(|v| *v *= self.scale);
         fwht_inplace(y);
         if let Some(s) = &self.signs {
@@ -91,45 +156,72 @@ impl Rotation {
     /// non-finite input.
     pub fn forward(&self, x: &[f32]) -> Result<Vec<f32>> {
         let rows = rows_of("x", x.len(), self.head_dim)?;
-        check_finite("x", x, self.head_dim)?;
         let mut out = vec![0.0f32; rows * self.padded];
-        for (i, (src, dst)) in x
-            .chunks_exact(self.head_dim)
-            .zip(out.chunks_exact_mut(self.padded))
-            .enumerate()
-        {
-            self.forward_row(src, dst);
-            check_overflow("x", i, dst)?;
-        }
+        self.forward_into(x, &mut out)?;
         Ok(out)
+    }
+
+    /// [`Rotation::forward`] into a caller's buffer of `rows * d'` values (reused across calls,
+    /// it saves the page faults of a fresh output).
+    pub fn forward_into(&self, x: &[f32], out: &mut [f32]) -> Result<()> {
+        let isa = self.isa();
+        let (d, n) = (self.head_dim, self.padded);
+        let rows = rows_of("x", x.len(), d)?;
+        check_len("out", out.len(), rows * n, "rows x padded dim")?;
+        // A non-finite input makes every output of its row non-finite, so checking the outputs
+        // (in cache) covers the inputs; the full input scan runs only to name an error.
+        let done = par::rows1(
+            rows,
+            n,
+            (x, d),
+            (out, n),
+            || (),
+            |_, first, xs, os| {
+                for (k, (src, dst)) in xs.chunks_exact(d).zip(os.chunks_exact_mut(n)).enumerate() {
+                    self.forward_row_isa(isa, src, dst);
+                    if !ops::all_finite(isa, dst) {
+                        return Err(first + k);
+                    }
+                }
+                Ok(())
+            },
+        );
+        if let Err(row) = done {
+            check_finite("x", x, d)?;
+            return Err(KvqError::NormOverflow { arg: "x", row });
+        }
+        Ok(())
     }
 
     /// Un-rotates rows of `d'` values into rows of `d` values.
     pub fn inverse(&self, y: &[f32]) -> Result<Vec<f32>> {
-        let rows = rows_of("y", y.len(), self.padded)?;
-        check_finite("y", y, self.padded)?;
-        let mut out = vec![0.0f32; rows * self.head_dim];
-        let mut scratch = vec![0.0f32; self.padded];
-        for (i, (src, dst)) in y
-            .chunks_exact(self.padded)
-            .zip(out.chunks_exact_mut(self.head_dim))
-            .enumerate()
-        {
-            scratch.copy_from_slice(src);
-            self.inverse_row(&mut scratch, dst);
-            check_overflow("y", i, dst)?;
+        let isa = self.isa();
+        let (d, n) = (self.head_dim, self.padded);
+        let rows = rows_of("y", y.len(), n)?;
+        let mut out = vec![0.0f32; rows * d];
+        let done = par::rows1(
+            rows,
+            n,
+            (y, n),
+            (&mut out, d),
+            || vec![0.0f32; n],
+            |scratch, first, ys, os| {
+                for (k, (src, dst)) in ys.chunks_exact(n).zip(os.chunks_exact_mut(d)).enumerate() {
+                    scratch.copy_from_slice(src);
+                    self.inverse_row_isa(isa, scratch, dst);
+                    // Every output depends on every input, so the kept outputs cover the row.
+                    if !ops::all_finite(isa, dst) {
+                        return Err(first + k);
+                    }
+                }
+                Ok(())
+            },
+        );
+        if let Err(row) = done {
+            check_finite("y", y, n)?;
+            return Err(KvqError::NormOverflow { arg: "y", row });
         }
         Ok(out)
-    }
-}
-
-/// Finite inputs near the float32 maximum can overflow in the butterflies: report, never
-/// return infinities.
-fn check_overflow(arg: &'static str, row: usize, out: &[f32]) -> Result<()> {
-    if out.iter().all(|v| v.is_finite()) {
-        Ok(())
-    } else {
-        Err(KvqError::NormOverflow { arg, row })
     }
 }
 

@@ -3,8 +3,9 @@
 
 use super::{check_bits, check_finite, rows_of};
 use crate::error::{KvqError, Result};
-use crate::reduce::dot;
-use crate::scalars::ScalarPlane;
+use crate::par;
+use crate::scalars::{ScalarPlane, ScalarView};
+use crate::simd::{ops, Isa, IsaChoice};
 
 /// The side coder for one basis and bit width.
 #[derive(Debug, Clone)]
@@ -14,6 +15,7 @@ pub struct HeadqCoder {
     bits: u32,
     /// U^T, row-major rank x head_dim: each basis column contiguous for the dot products.
     basis_t: Vec<f32>,
+    isa: IsaChoice,
 }
 
 /// Side codes (rows x rank, unpacked) and one stored scale per row.
@@ -60,7 +62,19 @@ impl HeadqCoder {
             rank,
             bits,
             basis_t,
+            isa: IsaChoice::default(),
         })
+    }
+
+    /// Pins the instruction set (tests, benches); errors if this CPU lacks it.
+    pub fn with_isa(mut self, isa: Isa) -> Result<Self> {
+        self.isa = IsaChoice::pinned(isa)?;
+        Ok(self)
+    }
+
+    /// The instruction set calls use now.
+    pub fn isa(&self) -> Isa {
+        self.isa.get()
     }
 
     /// Rank r of the basis (codes per row).
@@ -75,38 +89,55 @@ impl HeadqCoder {
 
     /// `out = U^T x` for one row.
     pub fn project_row(&self, x: &[f32], out: &mut [f32]) {
-        for (o, col) in out.iter_mut().zip(self.basis_t.chunks_exact(self.head_dim)) {
-            *o = dot(col, x);
-        }
+        ops::dots(self.isa(), &self.basis_t, x, out);
     }
 
     /// Encodes residual rows `e` (head_dim each) into side codes.
     pub fn encode(&self, e: &[f32]) -> Result<HeadqCodes> {
-        let rows = rows_of("residual", e.len(), self.head_dim)?;
-        check_finite("residual", e, self.head_dim)?;
+        let isa = self.isa();
+        let (d, r) = (self.head_dim, self.rank);
+        let rows = rows_of("residual", e.len(), d)?;
+        if !ops::all_finite(isa, e) {
+            check_finite("residual", e, d)?;
+        }
         let h = self.half();
-        let mut proj = vec![0.0f32; rows * self.rank];
+        let mut proj = vec![0.0f32; rows * r];
         let mut raw_scales = vec![0.0f32; rows];
-        for (i, (row, p)) in e
-            .chunks_exact(self.head_dim)
-            .zip(proj.chunks_exact_mut(self.rank))
-            .enumerate()
-        {
-            self.project_row(row, p);
-            raw_scales[i] = p.iter().fold(0.0f32, |m, v| m.max(v.abs())) / h;
-            if !raw_scales[i].is_finite() {
-                return Err(KvqError::NormOverflow {
-                    arg: "residual",
-                    row: i,
-                });
-            }
+        let done = par::rows2(
+            rows,
+            r * d,
+            (e, d),
+            (&mut proj, r),
+            (&mut raw_scales, 1),
+            || (),
+            |_, first, es, ps, ss| {
+                for (k, ((row, p), sc)) in es
+                    .chunks_exact(d)
+                    .zip(ps.chunks_exact_mut(r))
+                    .zip(ss.iter_mut())
+                    .enumerate()
+                {
+                    ops::dots(isa, &self.basis_t, row, p);
+                    *sc = p.iter().fold(0.0f32, |m, v| m.max(v.abs())) / h;
+                    if !sc.is_finite() {
+                        return Err(first + k);
+                    }
+                }
+                Ok(())
+            },
+        );
+        if let Err(row) = done {
+            return Err(KvqError::NormOverflow {
+                arg: "residual",
+                row,
+            });
         }
         let scales = ScalarPlane::store(&raw_scales);
         let top = ((1u32 << self.bits) - 1) as f32;
-        let mut codes = vec![0u8; rows * self.rank];
+        let mut codes = vec![0u8; rows * r];
         for (i, (p, c)) in proj
-            .chunks_exact(self.rank)
-            .zip(codes.chunks_exact_mut(self.rank))
+            .chunks_exact(r)
+            .zip(codes.chunks_exact_mut(r))
             .enumerate()
         {
             let s = scales.get(i);
@@ -118,10 +149,11 @@ impl HeadqCoder {
         Ok(HeadqCodes { codes, scales })
     }
 
-    fn check(&self, c: &HeadqCodes) -> Result<usize> {
-        let rows = rows_of("codes", c.codes.len(), self.rank)?;
-        c.scales.validate("scales", rows)?;
-        super::mse::check_codes("codes", &c.codes, self.rank, self.bits)?;
+    /// Validates codes and scales; returns the row count.
+    fn check(&self, codes: &[u8], scales: ScalarView<'_>) -> Result<usize> {
+        let rows = rows_of("codes", codes.len(), self.rank)?;
+        scales.validate("scales", rows)?;
+        super::mse::check_codes("codes", codes, self.rank, self.bits)?;
         Ok(rows)
     }
 
@@ -135,13 +167,18 @@ impl HeadqCoder {
 
     /// Reconstructs `U z` (rows x head_dim); used by tests and by decode-based evaluation.
     pub fn decode(&self, c: &HeadqCodes) -> Result<Vec<f32>> {
-        let rows = self.check(c)?;
+        self.decode_parts(&c.codes, c.scales.view())
+    }
+
+    /// [`HeadqCoder::decode`] from borrowed codes and scales.
+    pub fn decode_parts(&self, codes: &[u8], scales: ScalarView<'_>) -> Result<Vec<f32>> {
+        let rows = self.check(codes, scales)?;
         let mut out = vec![0.0f32; rows * self.head_dim];
         let mut z = vec![0.0f32; self.rank];
         for (i, orow) in out.chunks_exact_mut(self.head_dim).enumerate() {
             self.side_values(
-                &c.codes[i * self.rank..(i + 1) * self.rank],
-                c.scales.get(i),
+                &codes[i * self.rank..(i + 1) * self.rank],
+                scales.get(i),
                 &mut z,
             );
             for (j, &zj) in z.iter().enumerate() {
@@ -155,28 +192,43 @@ impl HeadqCoder {
     /// Score corrections `(U^T q_i) . z_j` for every query row i and coded row j (nq x nk).
     /// The caller adds them to the base scores before dividing by sqrt(d).
     pub fn score_correction(&self, q: &[f32], c: &HeadqCodes) -> Result<Vec<f32>> {
-        let nq = rows_of("q", q.len(), self.head_dim)?;
-        check_finite("q", q, self.head_dim)?;
-        let nk = self.check(c)?;
-        let mut z = vec![0.0f32; nk * self.rank];
-        for (j, zr) in z.chunks_exact_mut(self.rank).enumerate() {
-            self.side_values(
-                &c.codes[j * self.rank..(j + 1) * self.rank],
-                c.scales.get(j),
-                zr,
-            );
-        }
+        self.score_correction_parts(q, &c.codes, c.scales.view())
+    }
+
+    /// [`HeadqCoder::score_correction`] from borrowed codes and scales.
+    pub fn score_correction_parts(
+        &self,
+        q: &[f32],
+        codes: &[u8],
+        scales: ScalarView<'_>,
+    ) -> Result<Vec<f32>> {
+        let isa = self.isa();
+        let (d, r) = (self.head_dim, self.rank);
+        let nq = rows_of("q", q.len(), d)?;
+        check_finite("q", q, d)?;
+        let nk = self.check(codes, scales)?;
+        let h = self.half();
         let mut out = vec![0.0f32; nq * nk];
-        let mut qu = vec![0.0f32; self.rank];
-        for (qrow, orow) in q
-            .chunks_exact(self.head_dim)
-            .zip(out.chunks_exact_mut(nk.max(1)))
-        {
-            self.project_row(qrow, &mut qu);
-            for (o, zr) in orow.iter_mut().zip(z.chunks_exact(self.rank)).take(nk) {
-                *o = dot(&qu, zr);
-            }
+        if nk == 0 {
+            return Ok(out);
         }
+        let _ = par::rows1(
+            nq,
+            r * (d + nk),
+            (q, d),
+            (&mut out, nk),
+            || vec![0.0f32; r],
+            |qu, _, qs, os| {
+                for (qrow, orow) in qs.chunks_exact(d).zip(os.chunks_exact_mut(nk)) {
+                    ops::dots(isa, &self.basis_t, qrow, qu);
+                    // z_j = s_j * (code - h) is formed per key inside the dot product.
+                    for (j, o) in orow.iter_mut().enumerate() {
+                        *o = ops::dot_side(isa, qu, &codes[j * r..(j + 1) * r], scales.get(j), h);
+                    }
+                }
+                Ok(())
+            },
+        );
         Ok(out)
     }
 }

@@ -9,6 +9,7 @@ use statrs::function::beta::{checked_beta_reg, ln_beta};
 
 use super::{check_bits, check_head_dim};
 use crate::error::{KvqError, Result};
+use crate::simd::{self, ops, Isa};
 
 /// Largest dimension whose codebook is computed (the incomplete beta stays accurate to it).
 pub const MAX_CODEBOOK_DIM: usize = 16384;
@@ -38,6 +39,11 @@ pub struct Codebook {
     pub centroids_f32: Vec<f32>,
     /// Boundaries rounded to float32 (what encoding compares against).
     pub boundaries_f32: Vec<f32>,
+    /// `boundaries_f32` padded with `+inf` to `max(2^bits, 16)` entries: the table of the
+    /// SIMD binary searches (a padded entry never counts, so codes stay below 2^bits).
+    search: Vec<f32>,
+    /// `centroids_f32` padded with zeros to 256 entries, so any byte indexes it.
+    lookup: Vec<f32>,
 }
 
 impl Codebook {
@@ -49,17 +55,56 @@ impl Codebook {
 
     /// Encodes every value of `x` into `codes` (same length).
     pub fn encode_into(&self, x: &[f32], codes: &mut [u8]) {
-        codes
-            .iter_mut()
-            .zip(x)
-            .for_each(|(c, &v)| *c = self.encode_value(v));
+        self.encode_into_isa(simd::active(), x, codes);
+    }
+
+    /// [`Codebook::encode_into`] on a given instruction set (errors if this CPU lacks it).
+    pub fn encode_into_with(&self, isa: Isa, x: &[f32], codes: &mut [u8]) -> Result<()> {
+        self.encode_into_isa(isa.checked()?, x, codes);
+        Ok(())
+    }
+
+    pub(crate) fn encode_into_isa(&self, isa: Isa, x: &[f32], codes: &mut [u8]) {
+        if isa == Isa::Scalar {
+            codes
+                .iter_mut()
+                .zip(x)
+                .for_each(|(c, &v)| *c = self.encode_value(v));
+        } else {
+            ops::encode(isa, x, None, &self.search, self.bits, codes);
+        }
     }
 
     /// Decodes every code into `out`; codes must be < 2^bits (checked by callers).
     pub fn decode_into(&self, codes: &[u8], out: &mut [f32]) {
-        out.iter_mut()
-            .zip(codes)
-            .for_each(|(o, &c)| *o = self.centroids_f32[c as usize]);
+        self.decode_into_isa(simd::active(), codes, out);
+    }
+
+    /// [`Codebook::decode_into`] on a given instruction set (errors if this CPU lacks it).
+    pub fn decode_into_with(&self, isa: Isa, codes: &[u8], out: &mut [f32]) -> Result<()> {
+        self.decode_into_isa(isa.checked()?, codes, out);
+        Ok(())
+    }
+
+    pub(crate) fn decode_into_isa(&self, isa: Isa, codes: &[u8], out: &mut [f32]) {
+        if isa == Isa::Scalar {
+            out.iter_mut()
+                .zip(codes)
+                .for_each(|(o, &c)| *o = self.centroids_f32[c as usize]);
+        } else {
+            // `c * 1.0` is exactly `c`.
+            ops::decode(isa, codes, &self.lookup, self.bits, 1.0, out);
+        }
+    }
+
+    /// The padded boundary table of the SIMD encoders.
+    pub(crate) fn search_table(&self) -> &[f32] {
+        &self.search
+    }
+
+    /// The 256-entry centroid table of the SIMD decoders.
+    pub(crate) fn lookup_table(&self) -> &[f32] {
+        &self.lookup
     }
 }
 
@@ -304,11 +349,19 @@ fn mirror(dim: usize, bits: u32, pos: &[f64], distortion: f64) -> Codebook {
     let mut centroids: Vec<f64> = pos.iter().rev().map(|c| -c).collect();
     centroids.extend_from_slice(pos);
     let boundaries: Vec<f64> = centroids.windows(2).map(|w| 0.5 * (w[0] + w[1])).collect();
+    let centroids_f32: Vec<f32> = centroids.iter().map(|&c| c as f32).collect();
+    let boundaries_f32: Vec<f32> = boundaries.iter().map(|&b| b as f32).collect();
+    let mut search = boundaries_f32.clone();
+    search.resize(centroids.len().max(16), f32::INFINITY);
+    let mut lookup = centroids_f32.clone();
+    lookup.resize(256, 0.0);
     Codebook {
         dim,
         bits,
-        centroids_f32: centroids.iter().map(|&c| c as f32).collect(),
-        boundaries_f32: boundaries.iter().map(|&b| b as f32).collect(),
+        centroids_f32,
+        boundaries_f32,
+        search,
+        lookup,
         centroids,
         boundaries,
         distortion,

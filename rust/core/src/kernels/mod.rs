@@ -72,7 +72,7 @@ pub fn check_head_dim(arg: &'static str, head_dim: usize) -> Result<()> {
 
 /// Checks that `data` holds a whole number of rows of length `dim`; returns the row count.
 pub fn rows_of(arg: &'static str, len: usize, dim: usize) -> Result<usize> {
-    if dim == 0 || len % dim != 0 {
+    if dim == 0 || !len.is_multiple_of(dim) {
         return Err(KvqError::ShapeMismatch {
             arg,
             expected: format!("rows of {dim} values"),

@@ -6,10 +6,12 @@ use std::sync::Arc;
 
 use super::hadamard::Rotation;
 use super::lloyd_max::{codebook, Codebook};
-use super::{check_bits, check_finite, check_head_dim, rows_of};
+use super::{check_bits, check_finite, check_head_dim, check_len, rows_of};
 use crate::error::{KvqError, Result};
+use crate::par;
 use crate::reduce::norm_f64;
-use crate::scalars::ScalarPlane;
+use crate::scalars::{ScalarPlane, ScalarView};
+use crate::simd::{ops, Isa, IsaChoice};
 
 /// The MSE quantizer for one (head_dim, bits, rotation seed).
 #[derive(Debug, Clone)]
@@ -18,6 +20,13 @@ pub struct MseQuantizer {
     /// `None` for schemes without rotation (`kv`): codes then live in R^head_dim.
     rotation: Option<Rotation>,
     codebook: Arc<Codebook>,
+    /// 256-entry decode table of the SIMD paths: `centroid * (1/sqrt(d'))` with a rotation
+    /// (the same float32 product the reference forms as the inverse's first step), the plain
+    /// centroids without.
+    decode_table: Vec<f32>,
+    /// Code of a zero coordinate (every code of a zero row).
+    zero_code: u8,
+    isa: IsaChoice,
 }
 
 /// Codes and stored norms of a batch of rows.
@@ -36,11 +45,34 @@ impl MseQuantizer {
         check_head_dim("head_dim", head_dim)?;
         let rotation = seed.map(|s| Rotation::new(head_dim, Some(s))).transpose()?;
         let code_dim = rotation.as_ref().map_or(head_dim, Rotation::padded_dim);
+        let codebook = codebook(code_dim, bits)?;
+        let decode_table = match &rotation {
+            Some(r) => codebook
+                .lookup_table()
+                .iter()
+                .map(|c| c * r.scale())
+                .collect(),
+            None => codebook.lookup_table().to_vec(),
+        };
         Ok(Self {
             head_dim,
             rotation,
-            codebook: codebook(code_dim, bits)?,
+            zero_code: codebook.encode_value(0.0),
+            codebook,
+            decode_table,
+            isa: IsaChoice::default(),
         })
+    }
+
+    /// Pins the instruction set (tests, benches); errors if this CPU lacks it.
+    pub fn with_isa(mut self, isa: Isa) -> Result<Self> {
+        self.isa = IsaChoice::pinned(isa)?;
+        Ok(self)
+    }
+
+    /// The instruction set calls use now.
+    pub fn isa(&self) -> Isa {
+        self.isa.get()
     }
 
     /// Codes per row: d' with rotation, d without.
@@ -61,7 +93,7 @@ impl MseQuantizer {
             return Err(KvqError::NormOverflow { arg: "x", row });
         }
         match &self.rotation {
-            Some(r) => r.forward_row(x, unit),
+            Some(r) => r.forward_row_isa(Isa::Scalar, x, unit),
             None => unit.copy_from_slice(x),
         }
         if norm > 0.0 {
@@ -72,52 +104,159 @@ impl MseQuantizer {
         Ok(norm)
     }
 
+    /// Codes of one row (`unit`: code_dim values of scratch); `None` if the norm overflows or
+    /// the row is not finite.
+    fn encode_row(&self, isa: Isa, x: &[f32], unit: &mut [f32], codes: &mut [u8]) -> Option<f32> {
+        if isa == Isa::Scalar {
+            let norm = self.direction_row(x, 0, unit).ok()?;
+            self.codebook.encode_into_isa(Isa::Scalar, unit, codes);
+            return Some(norm);
+        }
+        let table = self.codebook.search_table();
+        let bits = self.codebook.bits;
+        if let Some(r) = &self.rotation {
+            if let Some(norm) =
+                ops::mse_encode_row(isa, x, r.mult(), table, bits, self.zero_code, codes)
+            {
+                return norm.is_finite().then_some(norm);
+            }
+        }
+        // Same steps as the reference: float64 norm, rotation, float32 division, search.
+        let norm = ops::norm_f64(isa, x) as f32;
+        if !norm.is_finite() {
+            return None;
+        }
+        if norm > 0.0 {
+            match &self.rotation {
+                Some(r) => {
+                    r.forward_row_isa(isa, x, unit);
+                    ops::encode(isa, unit, Some(norm), table, bits, codes);
+                }
+                None => ops::encode(isa, x, Some(norm), table, bits, codes),
+            }
+        } else {
+            codes.fill(self.zero_code);
+        }
+        Some(norm)
+    }
+
     /// Encodes rows of head_dim values. Errors on ragged or non-finite input.
     pub fn encode(&self, x: &[f32]) -> Result<MseCodes> {
         let rows = rows_of("x", x.len(), self.head_dim)?;
-        check_finite("x", x, self.head_dim)?;
-        let cd = self.code_dim();
-        let mut codes = vec![0u8; rows * cd];
+        let mut codes = vec![0u8; rows * self.code_dim()];
         let mut norms = vec![0.0f32; rows];
-        let mut unit = vec![0.0f32; cd];
-        for (i, (src, dst)) in x
-            .chunks_exact(self.head_dim)
-            .zip(codes.chunks_exact_mut(cd))
-            .enumerate()
-        {
-            norms[i] = self.direction_row(src, i, &mut unit)?;
-            self.codebook.encode_into(&unit, dst);
-        }
+        self.encode_into(x, &mut codes, &mut norms)?;
         Ok(MseCodes {
             codes,
             norms: ScalarPlane::store(&norms),
         })
     }
 
+    /// [`MseQuantizer::encode`] into a caller's buffers: `rows * code_dim` codes and `rows`
+    /// float32 norms (before the storage rounding of [`ScalarPlane::store`]).
+    pub fn encode_into(&self, x: &[f32], codes: &mut [u8], norms: &mut [f32]) -> Result<()> {
+        let isa = self.isa();
+        let (d, cd) = (self.head_dim, self.code_dim());
+        let rows = rows_of("x", x.len(), d)?;
+        check_len("codes", codes.len(), rows * cd, "rows x code_dim")?;
+        check_len("norms", norms.len(), rows, "one per row")?;
+        // A finite norm implies a finite row (the float64 sum of squares cannot overflow), so
+        // the full input scan runs only to name an error, as the reference reports it.
+        let done = par::rows2(
+            rows,
+            cd,
+            (x, d),
+            (codes, cd),
+            (norms, 1),
+            || vec![0.0f32; cd],
+            |unit, first, xs, cs, ns| {
+                for (k, ((src, dst), n)) in xs
+                    .chunks_exact(d)
+                    .zip(cs.chunks_exact_mut(cd))
+                    .zip(ns.iter_mut())
+                    .enumerate()
+                {
+                    *n = self.encode_row(isa, src, unit, dst).ok_or(first + k)?;
+                }
+                Ok(())
+            },
+        );
+        if let Err(row) = done {
+            check_finite("x", x, d)?;
+            return Err(KvqError::NormOverflow { arg: "x", row });
+        }
+        Ok(())
+    }
+
     /// Decodes `norm * R^T centroids[codes]` into rows of head_dim values.
     pub fn decode(&self, codes: &MseCodes) -> Result<Vec<f32>> {
-        let cd = self.code_dim();
-        let rows = rows_of("codes", codes.codes.len(), cd)?;
-        codes.norms.validate("norms", rows)?;
-        check_codes("codes", &codes.codes, cd, self.codebook.bits)?;
+        self.decode_parts(&codes.codes, codes.norms.view())
+    }
+
+    /// [`MseQuantizer::decode`] from borrowed codes and norms (no copy of the caller's buffers).
+    pub fn decode_parts(&self, codes: &[u8], norms: ScalarView<'_>) -> Result<Vec<f32>> {
+        let rows = rows_of("codes", codes.len(), self.code_dim())?;
         let mut out = vec![0.0f32; rows * self.head_dim];
-        let mut buf = vec![0.0f32; cd];
-        for (i, (src, dst)) in codes
-            .codes
-            .chunks_exact(cd)
-            .zip(out.chunks_exact_mut(self.head_dim))
-            .enumerate()
-        {
-            self.decode_row(src, codes.norms.get(i), &mut buf, dst);
-        }
+        self.decode_into(codes, norms, &mut out)?;
         Ok(out)
+    }
+
+    /// [`MseQuantizer::decode_parts`] into a caller's buffer of `rows * head_dim` values.
+    pub fn decode_into(&self, codes: &[u8], norms: ScalarView<'_>, out: &mut [f32]) -> Result<()> {
+        let isa = self.isa();
+        let (d, cd) = (self.head_dim, self.code_dim());
+        let rows = rows_of("codes", codes.len(), cd)?;
+        norms.validate("norms", rows)?;
+        check_codes("codes", codes, cd, self.codebook.bits)?;
+        check_len("out", out.len(), rows * d, "rows x head_dim")?;
+        // Decoding cannot fail once the codes and norms are valid.
+        let _ = par::rows1(
+            rows,
+            cd,
+            (codes, cd),
+            (out, d),
+            || vec![0.0f32; cd],
+            |buf, first, cs, os| {
+                for (k, (src, dst)) in cs.chunks_exact(cd).zip(os.chunks_exact_mut(d)).enumerate() {
+                    self.decode_row_isa(isa, src, norms.get(first + k), buf, dst);
+                }
+                Ok(())
+            },
+        );
+        Ok(())
     }
 
     /// Decodes one row; `buf` has code_dim values of scratch.
     pub fn decode_row(&self, codes: &[u8], norm: f32, buf: &mut [f32], out: &mut [f32]) {
-        self.codebook.decode_into(codes, buf);
+        self.decode_row_isa(self.isa(), codes, norm, buf, out);
+    }
+
+    fn decode_row_isa(&self, isa: Isa, codes: &[u8], norm: f32, buf: &mut [f32], out: &mut [f32]) {
+        if isa != Isa::Scalar {
+            let bits = self.codebook.bits;
+            return match &self.rotation {
+                // `(v * sign) * norm` is exactly `v * norm` with the sign bit flipped.
+                Some(r)
+                    if ops::mse_decode_row(
+                        isa,
+                        codes,
+                        &self.decode_table,
+                        bits,
+                        r.sign_bits(),
+                        norm,
+                        out,
+                    ) => {}
+                Some(r) => {
+                    ops::decode(isa, codes, &self.decode_table, bits, 1.0, buf);
+                    ops::fwht(isa, buf, None);
+                    ops::finish(isa, buf, r.sign_bits(), norm, out);
+                }
+                None => ops::decode(isa, codes, &self.decode_table, bits, norm, out),
+            };
+        }
+        self.codebook.decode_into_isa(Isa::Scalar, codes, buf);
         match &self.rotation {
-            Some(r) => r.inverse_row(buf, out),
+            Some(r) => r.inverse_row_isa(Isa::Scalar, buf, out),
             None => out.copy_from_slice(buf),
         }
         out.iter_mut().for_each(|v| *v *= norm);
@@ -127,6 +266,10 @@ impl MseQuantizer {
 /// Rejects codes >= 2^bits, naming the first position.
 pub fn check_codes(arg: &'static str, codes: &[u8], width: usize, bits: u32) -> Result<()> {
     let limit = 1u32 << bits;
+    // The maximum vectorises; the position is searched only on error.
+    if u32::from(codes.iter().fold(0u8, |m, &c| m.max(c))) < limit {
+        return Ok(());
+    }
     match codes.iter().position(|&c| u32::from(c) >= limit) {
         None => Ok(()),
         Some(i) => Err(KvqError::CodeOutOfRange {

@@ -3,6 +3,8 @@
 
 use super::check_bits;
 use crate::error::{KvqError, Result};
+use crate::par;
+use crate::simd::{self, ops, Isa};
 
 /// Bytes needed for one row of `count` codes of `bits` bits.
 pub fn packed_len(count: usize, bits: u32) -> usize {
@@ -14,47 +16,96 @@ pub fn packed_len(count: usize, bits: u32) -> usize {
 /// Errors: `InvalidBits` for bits outside 1..=8, `ShapeMismatch` if `codes.len()` is not a
 /// multiple of `count`, `CodeOutOfRange` for a code >= 2^bits (naming its row and position).
 pub fn pack(codes: &[u8], count: usize, bits: u32) -> Result<Vec<u8>> {
+    pack_isa(simd::active(), codes, count, bits)
+}
+
+/// [`pack`] on a given instruction set (errors if this CPU lacks it).
+pub fn pack_with(isa: Isa, codes: &[u8], count: usize, bits: u32) -> Result<Vec<u8>> {
+    pack_isa(isa.checked()?, codes, count, bits)
+}
+
+fn pack_isa(isa: Isa, codes: &[u8], count: usize, bits: u32) -> Result<Vec<u8>> {
     check_bits("bits", bits)?;
     check_count(count)?;
     let rows = rows_or_empty("codes", codes.len(), count)?;
-    let limit = 1u32 << bits;
-    if let Some(i) = codes.iter().position(|&c| u32::from(c) >= limit) {
-        return Err(KvqError::CodeOutOfRange {
-            arg: "codes",
-            row: i / count,
-            col: i % count,
-            value: u32::from(codes[i]),
-            bits,
-            limit,
-        });
-    }
-    let row_bytes = packed_len(count, bits);
-    let mut out = vec![0u8; rows * row_bytes];
-    for (src, dst) in codes
-        .chunks_exact(count.max(1))
-        .zip(out.chunks_exact_mut(row_bytes.max(1)))
-    {
-        pack_row(src, bits, dst);
-    }
+    let mut out = vec![0u8; rows * packed_len(count, bits)];
+    pack_into(isa, codes, count, bits, &mut out)?;
     Ok(out)
+}
+
+/// [`pack`] on `isa` (pass [`crate::simd::active`] for the default) into a caller's buffer of
+/// `rows * packed_len(count, bits)` bytes.
+pub fn pack_into(isa: Isa, codes: &[u8], count: usize, bits: u32, out: &mut [u8]) -> Result<()> {
+    let isa = isa.checked()?;
+    check_bits("bits", bits)?;
+    check_count(count)?;
+    let rows = rows_or_empty("codes", codes.len(), count)?;
+    super::mse::check_codes("codes", codes, count.max(1), bits)?;
+    let row_bytes = packed_len(count, bits);
+    super::check_len("out", out.len(), rows * row_bytes, "rows x packed bytes")?;
+    if count > 0 {
+        let _ = par::rows1(
+            rows,
+            count / 4,
+            (codes, count),
+            (out, row_bytes),
+            || (),
+            |_, _, cs, os| {
+                for (src, dst) in cs.chunks_exact(count).zip(os.chunks_exact_mut(row_bytes)) {
+                    ops::pack_row(isa, src, bits, dst);
+                }
+                Ok(())
+            },
+        );
+    }
+    Ok(())
 }
 
 /// Unpacks rows of `packed_len(count, bits)` bytes into rows of `count` codes.
 ///
 /// Errors: `InvalidBits`, or `ShapeMismatch` if `packed.len()` is not a multiple of the row size.
 pub fn unpack(packed: &[u8], count: usize, bits: u32) -> Result<Vec<u8>> {
+    unpack_isa(simd::active(), packed, count, bits)
+}
+
+/// [`unpack`] on a given instruction set (errors if this CPU lacks it).
+pub fn unpack_with(isa: Isa, packed: &[u8], count: usize, bits: u32) -> Result<Vec<u8>> {
+    unpack_isa(isa.checked()?, packed, count, bits)
+}
+
+fn unpack_isa(isa: Isa, packed: &[u8], count: usize, bits: u32) -> Result<Vec<u8>> {
+    check_bits("bits", bits)?;
+    check_count(count)?;
+    let rows = rows_or_empty("packed", packed.len(), packed_len(count, bits))?;
+    let mut out = vec![0u8; rows * count];
+    unpack_into(isa, packed, count, bits, &mut out)?;
+    Ok(out)
+}
+
+/// [`unpack`] on `isa` into a caller's buffer of `rows * count` codes.
+pub fn unpack_into(isa: Isa, packed: &[u8], count: usize, bits: u32, out: &mut [u8]) -> Result<()> {
+    let isa = isa.checked()?;
     check_bits("bits", bits)?;
     check_count(count)?;
     let row_bytes = packed_len(count, bits);
     let rows = rows_or_empty("packed", packed.len(), row_bytes)?;
-    let mut out = vec![0u8; rows * count];
-    for (src, dst) in packed
-        .chunks_exact(row_bytes.max(1))
-        .zip(out.chunks_exact_mut(count.max(1)))
-    {
-        unpack_row(src, bits, dst);
+    super::check_len("out", out.len(), rows * count, "rows x count")?;
+    if count > 0 {
+        let _ = par::rows1(
+            rows,
+            count / 4,
+            (packed, row_bytes),
+            (out, count),
+            || (),
+            |_, _, ps, os| {
+                for (src, dst) in ps.chunks_exact(row_bytes).zip(os.chunks_exact_mut(count)) {
+                    ops::unpack_row(isa, src, bits, dst);
+                }
+                Ok(())
+            },
+        );
     }
-    Ok(out)
+    Ok(())
 }
 
 /// Zero codes per row is allowed (empty rows); otherwise the usual row-length limit.
@@ -83,7 +134,7 @@ fn rows_or_empty(arg: &'static str, len: usize, width: usize) -> Result<usize> {
 }
 
 /// Packs one row through a 16-bit window: code i lands at bit offset i*bits.
-fn pack_row(codes: &[u8], bits: u32, out: &mut [u8]) {
+pub(crate) fn pack_row(codes: &[u8], bits: u32, out: &mut [u8]) {
     let mut acc: u32 = 0;
     let mut filled: u32 = 0;
     let mut pos = 0;
@@ -102,7 +153,7 @@ fn pack_row(codes: &[u8], bits: u32, out: &mut [u8]) {
     }
 }
 
-fn unpack_row(packed: &[u8], bits: u32, out: &mut [u8]) {
+pub(crate) fn unpack_row(packed: &[u8], bits: u32, out: &mut [u8]) {
     unpack_range(packed, bits, 0, out);
 }
 

@@ -6,12 +6,13 @@ use std::collections::HashMap;
 use std::f64::consts::PI;
 use std::sync::{Arc, Mutex, OnceLock};
 
-use super::pack::{pack, packed_len, unpack};
+use super::pack::packed_len;
 use super::{check_finite, rows_of};
 use crate::error::{KvqError, Result};
-use crate::reduce::{dot, norm_f64};
+use crate::par;
 use crate::rng::qjl_matrix;
-use crate::scalars::ScalarPlane;
+use crate::scalars::{ScalarPlane, ScalarView};
+use crate::simd::{ops, Isa, IsaChoice};
 
 type SketcherCache = Mutex<HashMap<(usize, usize, u64), Arc<QjlSketcher>>>;
 
@@ -21,6 +22,7 @@ pub struct QjlSketcher {
     dim: usize,
     m: usize,
     s: Vec<f32>,
+    isa: IsaChoice,
 }
 
 /// Packed sign bits (1 = negative) and stored residual norms of a batch of rows.
@@ -42,6 +44,7 @@ impl QjlSketcher {
             dim,
             m,
             s: qjl_matrix(seed, m, dim),
+            isa: IsaChoice::default(),
         })
     }
 
@@ -81,91 +84,153 @@ impl QjlSketcher {
         &self.s
     }
 
+    /// Pins the instruction set (tests, benches); errors if this CPU lacks it.
+    pub fn with_isa(mut self, isa: Isa) -> Result<Self> {
+        self.isa = IsaChoice::pinned(isa)?;
+        Ok(self)
+    }
+
+    /// The instruction set calls use now.
+    pub fn isa(&self) -> Isa {
+        self.isa.get()
+    }
+
     /// `out = S y` for one row.
     pub fn project_row(&self, y: &[f32], out: &mut [f32]) {
-        for (o, srow) in out.iter_mut().zip(self.s.chunks_exact(self.dim)) {
-            *o = dot(srow, y);
-        }
+        ops::dots(self.isa(), &self.s, y, out);
     }
 
     /// Sketches rows of `dim` values. Errors on ragged or non-finite input.
     pub fn sketch(&self, r: &[f32]) -> Result<QjlSketch> {
-        let rows = rows_of("r", r.len(), self.dim)?;
-        check_finite("r", r, self.dim)?;
-        let mut bits = vec![0u8; rows * self.m];
+        let isa = self.isa();
+        let (d, m) = (self.dim, self.m);
+        let rows = rows_of("r", r.len(), d)?;
+        let rb = packed_len(m, 1);
+        let mut signs = vec![0u8; rows * rb];
         let mut norms = vec![0.0f32; rows];
-        let mut proj = vec![0.0f32; self.m];
-        for (i, (row, dst)) in r
-            .chunks_exact(self.dim)
-            .zip(bits.chunks_exact_mut(self.m))
-            .enumerate()
-        {
-            norms[i] = norm_f64(row) as f32;
-            if !norms[i].is_finite() {
-                return Err(KvqError::NormOverflow { arg: "r", row: i });
-            }
-            self.project_row(row, &mut proj);
-            dst.iter_mut()
-                .zip(&proj)
-                .for_each(|(b, &t)| *b = u8::from(t < 0.0));
+        // A finite norm implies a finite row, so the full input scan only names an error.
+        let done = par::rows2(
+            rows,
+            m * d,
+            (r, d),
+            (&mut signs, rb),
+            (&mut norms, 1),
+            || vec![0.0f32; m],
+            |proj, first, rs, ss, ns| {
+                for (k, ((row, dst), n)) in rs
+                    .chunks_exact(d)
+                    .zip(ss.chunks_exact_mut(rb))
+                    .zip(ns.iter_mut())
+                    .enumerate()
+                {
+                    *n = ops::norm_f64(isa, row) as f32;
+                    if !n.is_finite() {
+                        return Err(first + k);
+                    }
+                    ops::dots(isa, &self.s, row, proj);
+                    ops::sign_bits(isa, proj, dst);
+                }
+                Ok(())
+            },
+        );
+        if let Err(row) = done {
+            check_finite("r", r, d)?;
+            return Err(KvqError::NormOverflow { arg: "r", row });
         }
         Ok(QjlSketch {
-            signs: pack(&bits, self.m, 1)?,
+            signs,
             norms: ScalarPlane::store(&norms),
         })
     }
 
-    /// `+-1` signs of each sketched row (rows x m, float32) after validating the sketch.
-    fn sign_rows(&self, sk: &QjlSketch) -> Result<(usize, Vec<f32>)> {
-        let rows = rows_of("signs", sk.signs.len(), packed_len(self.m, 1))?;
-        sk.norms.validate("norms", rows)?;
-        let bits = unpack(&sk.signs, self.m, 1)?;
-        Ok((
-            rows,
-            bits.iter().map(|&b| 1.0 - 2.0 * f32::from(b)).collect(),
-        ))
+    /// Validates packed signs and norms; returns the row count.
+    fn check_sketch(&self, signs: &[u8], norms: ScalarView<'_>) -> Result<usize> {
+        let rows = rows_of("signs", signs.len(), packed_len(self.m, 1))?;
+        norms.validate("norms", rows)?;
+        Ok(rows)
+    }
+
+    fn k(&self) -> f32 {
+        ((PI / 2.0).sqrt() / self.m as f64) as f32
     }
 
     /// Estimates `<y_i, r_j>` for every query row i and sketched row j: an (ny x nr) matrix,
     /// `sqrt(pi/2) / m * ||r_j|| * <S y_i, sign_j>`.
     pub fn inner_product(&self, y: &[f32], sk: &QjlSketch) -> Result<Vec<f32>> {
-        let ny = rows_of("y", y.len(), self.dim)?;
-        check_finite("y", y, self.dim)?;
-        let (nr, signs) = self.sign_rows(sk)?;
-        let k = ((PI / 2.0).sqrt() / self.m as f64) as f32;
+        self.inner_product_parts(y, &sk.signs, sk.norms.view())
+    }
+
+    /// [`QjlSketcher::inner_product`] from borrowed sign bits and norms.
+    pub fn inner_product_parts(
+        &self,
+        y: &[f32],
+        signs: &[u8],
+        norms: ScalarView<'_>,
+    ) -> Result<Vec<f32>> {
+        let isa = self.isa();
+        let (d, m) = (self.dim, self.m);
+        let ny = rows_of("y", y.len(), d)?;
+        check_finite("y", y, d)?;
+        let nr = self.check_sketch(signs, norms)?;
+        let rb = packed_len(m, 1);
+        let k = self.k();
         let mut out = vec![0.0f32; ny * nr];
-        let mut sy = vec![0.0f32; self.m];
-        for (yrow, orow) in y
-            .chunks_exact(self.dim)
-            .zip(out.chunks_exact_mut(nr.max(1)))
-        {
-            self.project_row(yrow, &mut sy);
-            for (j, o) in orow.iter_mut().enumerate().take(nr) {
-                *o = k * sk.norms.get(j) * dot(&sy, &signs[j * self.m..(j + 1) * self.m]);
-            }
+        if nr == 0 {
+            return Ok(out);
         }
+        let _ = par::rows1(
+            ny,
+            m * (d + nr),
+            (y, d),
+            (&mut out, nr),
+            || vec![0.0f32; m],
+            |sy, _, ys, os| {
+                for (yrow, orow) in ys.chunks_exact(d).zip(os.chunks_exact_mut(nr)) {
+                    ops::dots(isa, &self.s, yrow, sy);
+                    for (j, o) in orow.iter_mut().enumerate() {
+                        *o = k
+                            * norms.get(j)
+                            * ops::dot_signs(isa, sy, &signs[j * rb..(j + 1) * rb]);
+                    }
+                }
+                Ok(())
+            },
+        );
         Ok(out)
     }
 
     /// Vector estimate `sqrt(pi/2) / m * ||r|| * S^T sign` of each sketched row (rows x dim).
     pub fn vector_estimate(&self, sk: &QjlSketch) -> Result<Vec<f32>> {
-        let (rows, signs) = self.sign_rows(sk)?;
-        let k = ((PI / 2.0).sqrt() / self.m as f64) as f32;
-        let mut out = vec![0.0f32; rows * self.dim];
-        for (i, orow) in out.chunks_exact_mut(self.dim).enumerate() {
-            // S^T sign as a signed sum of the rows of S, in increasing row order: contiguous
-            // reads of S instead of a strided column gather per output coordinate.
-            let sg = &signs[i * self.m..(i + 1) * self.m];
-            for (srow, &sigma) in self.s.chunks_exact(self.dim).zip(sg) {
-                if sigma > 0.0 {
-                    orow.iter_mut().zip(srow).for_each(|(o, v)| *o += v);
-                } else {
-                    orow.iter_mut().zip(srow).for_each(|(o, v)| *o -= v);
+        self.vector_estimate_parts(&sk.signs, sk.norms.view())
+    }
+
+    /// [`QjlSketcher::vector_estimate`] from borrowed sign bits and norms.
+    pub fn vector_estimate_parts(&self, signs: &[u8], norms: ScalarView<'_>) -> Result<Vec<f32>> {
+        let isa = self.isa();
+        let (d, m) = (self.dim, self.m);
+        let rows = self.check_sketch(signs, norms)?;
+        let rb = packed_len(m, 1);
+        let k = self.k();
+        let mut out = vec![0.0f32; rows * d];
+        let _ = par::rows1(
+            rows,
+            m * d,
+            (signs, rb),
+            (&mut out, d),
+            || (),
+            |_, first, ss, os| {
+                for (i, (sg, orow)) in ss.chunks_exact(rb).zip(os.chunks_exact_mut(d)).enumerate() {
+                    // S^T sign as a signed sum of the rows of S, in increasing row order: contiguous
+                    // reads of S instead of a strided column gather per output coordinate.
+                    for (t, srow) in self.s.chunks_exact(d).enumerate() {
+                        let negative = (sg[t / 8] >> (t % 8)) & 1 == 1;
+                        ops::add_signed(isa, orow, srow, negative);
+                    }
+                    ops::scale(isa, orow, k * norms.get(first + i));
                 }
-            }
-            let scale = k * sk.norms.get(i);
-            orow.iter_mut().for_each(|o| *o *= scale);
-        }
+                Ok(())
+            },
+        );
         Ok(out)
     }
 }

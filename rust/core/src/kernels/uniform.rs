@@ -5,7 +5,7 @@
 
 use super::{check_bits, check_finite, check_row_len, rows_of};
 use crate::error::{KvqError, Result};
-use crate::scalars::ScalarPlane;
+use crate::scalars::{ScalarPlane, ScalarView};
 
 /// Codes (one byte each) plus one scale and one zero point per group.
 #[derive(Debug, Clone, PartialEq)]
@@ -91,14 +91,23 @@ impl UniformQuantizer {
 
     /// Decodes `zero + scale * code` into rows of `n` values.
     pub fn decode(&self, c: &UniformCodes) -> Result<Vec<f32>> {
-        let rows = rows_of("codes", c.codes.len(), self.n)?;
+        self.decode_parts(&c.codes, c.scales.view(), c.zeros.view())
+    }
+
+    /// [`UniformQuantizer::decode`] from borrowed codes, scales and zero points.
+    pub fn decode_parts(
+        &self,
+        codes: &[u8],
+        scales: ScalarView<'_>,
+        zeros: ScalarView<'_>,
+    ) -> Result<Vec<f32>> {
+        let rows = rows_of("codes", codes.len(), self.n)?;
         let g = self.groups();
-        c.scales.validate("scales", rows * g)?;
-        c.zeros.validate_signed("zeros", rows * g)?;
-        super::mse::check_codes("codes", &c.codes, self.n, self.bits)?;
-        let mut out = vec![0.0f32; c.codes.len()];
-        for (r, (cr, orow)) in c
-            .codes
+        scales.validate("scales", rows * g)?;
+        zeros.validate_signed("zeros", rows * g)?;
+        super::mse::check_codes("codes", codes, self.n, self.bits)?;
+        let mut out = vec![0.0f32; codes.len()];
+        for (r, (cr, orow)) in codes
             .chunks_exact(self.n)
             .zip(out.chunks_exact_mut(self.n))
             .enumerate()
@@ -108,7 +117,7 @@ impl UniformQuantizer {
                 .zip(orow.chunks_mut(self.group))
                 .enumerate()
             {
-                let (s, z) = (c.scales.get(r * g + j), c.zeros.get(r * g + j));
+                let (s, z) = (scales.get(r * g + j), zeros.get(r * g + j));
                 og.iter_mut()
                     .zip(cg)
                     .for_each(|(o, &k)| *o = z + s * f32::from(k));

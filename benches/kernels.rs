@@ -1,0 +1,262 @@
+//! Criterion benches of the kvqrs-core kernels: the scalar reference against the dispatched SIMD
+//! path (one thread each), the SIMD path on every rayon thread, and a plain memory copy of the
+//! same float32 input as the bandwidth yardstick.
+//!
+//! Throughput is always counted as the float32 input the kernel covers (vectors x head_dim x 4
+//! bytes), also for decoders and packing, so every line compares directly with `memcpy`.
+//!
+//! Groups:
+//! - `cache/*`: 2^12 vectors of head_dim 128 (2 MiB), every kernel, resident in cache;
+//! - `dram/*`: 2^20 vectors (512 MiB per buffer, more than this machine's 480 MiB L3) cycling
+//!   through two buffers, so each pass streams from main memory: rotation and the `kqv`-style
+//!   4-bit MSE encode/decode (also with packing), into reused output buffers (`_into`) and
+//!   through the allocating API. `KVQRS_BENCH_ROWS_LOG2` sets the size (default 20).
+//!
+//! Run: `cargo bench -p kvqrs-core --bench kernels` (add a filter such as `dram/` or `mse`).
+
+use std::hint::black_box;
+use std::time::{Duration, Instant};
+
+use criterion::measurement::WallTime;
+use criterion::{criterion_group, criterion_main, Bencher, BenchmarkGroup, Criterion, Throughput};
+use kvqrs_core::kernels::hadamard::Rotation;
+use kvqrs_core::kernels::headq::HeadqCoder;
+use kvqrs_core::kernels::lloyd_max::codebook;
+use kvqrs_core::kernels::mse::MseQuantizer;
+use kvqrs_core::kernels::pack::{pack_into, pack_with, unpack_into, unpack_with};
+use kvqrs_core::kernels::qjl::QjlSketcher;
+use kvqrs_core::rng::{gaussians, random_orthonormal_basis};
+use kvqrs_core::Isa;
+use rayon::prelude::*;
+
+const D: usize = 128;
+const BITS: u32 = 4;
+
+/// The paths compared: the scalar reference and the fastest one this CPU supports.
+fn paths() -> Vec<Isa> {
+    let mut p = vec![Isa::Scalar];
+    if Isa::best() != Isa::Scalar {
+        p.push(Isa::best());
+    }
+    p
+}
+
+fn pool(threads: usize) -> rayon::ThreadPool {
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build()
+        .expect("a rayon pool")
+}
+
+/// Gaussian rows, generated once per size.
+fn rows(n: usize, seed: u64) -> Vec<f32> {
+    gaussians(seed, 7, n * D)
+}
+
+/// Times `f` with the whole sample loop inside pool `p` (one `install` per sample, so the hop
+/// into the pool is not part of each iteration).
+fn timed<'a, R>(
+    p: &'a rayon::ThreadPool,
+    mut f: impl FnMut() -> R + Send + 'a,
+) -> impl FnMut(&mut Bencher<'_>) + 'a {
+    move |b| {
+        b.iter_custom(|iters| {
+            p.install(|| {
+                let t0 = Instant::now();
+                for _ in 0..iters {
+                    black_box(f());
+                }
+                t0.elapsed()
+            })
+        })
+    }
+}
+
+fn configure(g: &mut BenchmarkGroup<'_, WallTime>, rows: usize) {
+    g.throughput(Throughput::Bytes((rows * D * 4) as u64));
+    g.sample_size(10);
+    g.warm_up_time(Duration::from_millis(500));
+    g.measurement_time(Duration::from_secs(2));
+}
+
+fn cache(c: &mut Criterion) {
+    let n = 1usize << 12;
+    let x = rows(n, 1);
+    let one = pool(1);
+    let mut g = c.benchmark_group("cache");
+    configure(&mut g, n);
+    let mut dst = vec![0.0f32; x.len()];
+    g.bench_function("memcpy", timed(&one, || dst.copy_from_slice(&x)));
+
+    let q = MseQuantizer::new(D, BITS, Some(1)).expect("quantizer");
+    let codes = q.encode(&x).expect("codes");
+    let unit: Vec<f32> = x.iter().map(|v| v / 12.0).collect();
+    let cb = codebook(D, BITS).expect("codebook");
+    let basis = random_orthonormal_basis(3, D, 8).expect("basis");
+    let y = rows(1, 5);
+    for isa in paths() {
+        let name = isa.name();
+        let q = MseQuantizer::new(D, BITS, Some(1))
+            .and_then(|q| q.with_isa(isa))
+            .expect("quantizer");
+        let rot = Rotation::new(D, Some(1))
+            .and_then(|r| r.with_isa(isa))
+            .expect("rotation");
+        let sk = QjlSketcher::new(D, D, 2)
+            .and_then(|s| s.with_isa(isa))
+            .expect("sketcher");
+        let hq = HeadqCoder::new(&basis, D, 8, 2)
+            .and_then(|h| h.with_isa(isa))
+            .expect("coder");
+        let sketch = sk.sketch(&x).expect("sketch");
+        let side = hq.encode(&x).expect("side codes");
+        let mut out_codes = vec![0u8; x.len()];
+        let mut out_f = vec![0.0f32; x.len()];
+        let packed = pack_with(isa, &codes.codes, D, BITS).expect("packed");
+        g.bench_function(format!("rotation/{name}"), timed(&one, || rot.forward(&x)));
+        g.bench_function(
+            format!("lloyd_max_encode/{name}"),
+            timed(&one, || cb.encode_into_with(isa, &unit, &mut out_codes)),
+        );
+        g.bench_function(
+            format!("lloyd_max_decode/{name}"),
+            timed(&one, || cb.decode_into_with(isa, &codes.codes, &mut out_f)),
+        );
+        g.bench_function(
+            format!("pack/{name}"),
+            timed(&one, || pack_with(isa, &codes.codes, D, BITS)),
+        );
+        g.bench_function(
+            format!("unpack/{name}"),
+            timed(&one, || unpack_with(isa, &packed, D, BITS)),
+        );
+        g.bench_function(format!("mse_encode/{name}"), timed(&one, || q.encode(&x)));
+        g.bench_function(
+            format!("mse_decode/{name}"),
+            timed(&one, || q.decode(&codes)),
+        );
+        g.bench_function(
+            format!("qjl_sketch_m128/{name}"),
+            timed(&one, || sk.sketch(&x)),
+        );
+        g.bench_function(
+            format!("qjl_inner_product_1q/{name}"),
+            timed(&one, || sk.inner_product(&y, &sketch)),
+        );
+        g.bench_function(
+            format!("headq_encode_r8/{name}"),
+            timed(&one, || hq.encode(&x)),
+        );
+        g.bench_function(
+            format!("headq_score_correction_1q/{name}"),
+            timed(&one, || hq.score_correction(&y, &side)),
+        );
+    }
+    g.finish();
+}
+
+fn dram(c: &mut Criterion) {
+    let log2: u32 = std::env::var("KVQRS_BENCH_ROWS_LOG2")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(20);
+    let n = 1usize << log2;
+    // Two input buffers used in turn: with 512 MiB each, no pass finds its input in the L3.
+    let inputs = [rows(n, 1), rows(n, 2)];
+    let (one, all) = (pool(1), pool(rayon::current_num_threads()));
+    let mut g = c.benchmark_group("dram");
+    configure(&mut g, n);
+
+    let mut dst = vec![0.0f32; n * D];
+    let mut k = 0usize;
+    let mut next = || {
+        k += 1;
+        k % 2
+    };
+    g.bench_function(
+        "memcpy/1t",
+        timed(&one, || dst.copy_from_slice(&inputs[next()])),
+    );
+    g.bench_function(
+        "memcpy/all_threads",
+        timed(&all, || {
+            dst.par_chunks_mut(1 << 16)
+                .zip(inputs[next()].par_chunks(1 << 16))
+                .for_each(|(d, s)| d.copy_from_slice(s))
+        }),
+    );
+    // A copy into fresh memory pays the page faults of its output, as every kernel that returns
+    // a new buffer (and NumPy's `x.copy()`) does.
+    g.bench_function("memcpy_fresh/1t", timed(&one, || inputs[next()].to_vec()));
+
+    let q0 = MseQuantizer::new(D, BITS, Some(1)).expect("quantizer");
+    let coded = [
+        q0.encode(&inputs[0]).expect("codes"),
+        q0.encode(&inputs[1]).expect("codes"),
+    ];
+    let packed: Vec<Vec<u8>> = coded
+        .iter()
+        .map(|c| pack_with(Isa::Scalar, &c.codes, D, BITS).expect("packed"))
+        .collect();
+    let mut codes = vec![0u8; n * D];
+    let mut norms = vec![0.0f32; n];
+    let mut bytes = vec![0u8; n * D * BITS as usize / 8];
+    let mut variants: Vec<(Isa, &rayon::ThreadPool, &str)> =
+        paths().into_iter().map(|i| (i, &one, "1t")).collect();
+    variants.push((Isa::best(), &all, "all_threads"));
+    for (isa, p, threads) in variants {
+        let label = format!("{}/{threads}", isa.name());
+        let q = MseQuantizer::new(D, BITS, Some(1))
+            .and_then(|q| q.with_isa(isa))
+            .expect("quantizer");
+        let rot = Rotation::new(D, Some(1))
+            .and_then(|r| r.with_isa(isa))
+            .expect("rotation");
+        // Outputs into reused buffers: the kernels' own throughput.
+        g.bench_function(
+            format!("rotation_into/{label}"),
+            timed(p, || rot.forward_into(&inputs[next()], &mut dst)),
+        );
+        g.bench_function(
+            format!("mse_encode_into/{label}"),
+            timed(p, || q.encode_into(&inputs[next()], &mut codes, &mut norms)),
+        );
+        g.bench_function(
+            format!("mse_decode_into/{label}"),
+            timed(p, || {
+                let c = &coded[next()];
+                q.decode_into(&c.codes, c.norms.view(), &mut dst)
+            }),
+        );
+        g.bench_function(
+            format!("mse_encode+pack_into/{label}"),
+            timed(p, || {
+                q.encode_into(&inputs[next()], &mut codes, &mut norms)?;
+                pack_into(isa, &codes, D, BITS, &mut bytes)
+            }),
+        );
+        g.bench_function(
+            format!("unpack+mse_decode_into/{label}"),
+            timed(p, || {
+                let i = next();
+                unpack_into(isa, &packed[i], D, BITS, &mut codes)?;
+                q.decode_into(&codes, coded[i].norms.view(), &mut dst)
+            }),
+        );
+        if isa != Isa::Scalar {
+            // The allocating API (what the Python binding calls): fresh outputs every call.
+            g.bench_function(
+                format!("mse_encode/{label}"),
+                timed(p, || q.encode(&inputs[next()])),
+            );
+            g.bench_function(
+                format!("mse_decode/{label}"),
+                timed(p, || q.decode(&coded[next()])),
+            );
+        }
+    }
+    g.finish();
+}
+
+criterion_group!(benches, cache, dram);
+criterion_main!(benches);

@@ -1,0 +1,80 @@
+//! Splitting batches over rows with rayon. Rows are independent, so the results do not depend
+//! on the thread count; errors are reported for the lowest failing row, as a sequential loop
+//! would. Small batches stay on the calling thread (spawning costs more than it saves).
+
+use rayon::prelude::*;
+
+/// Below this much work per call (in units of `work_per_row`, about one float each), a kernel
+/// runs on the calling thread.
+pub(crate) const PAR_MIN_WORK: usize = 1 << 15;
+/// Work per rayon task: enough rows to amortise the task, few enough to balance two cores.
+const TASK_WORK: usize = 1 << 14;
+
+/// Runs `f(scratch, first_row, a_rows, b_rows, c_rows)` over blocks of rows of one input `a`
+/// (`wa` items per row) and two outputs `b`, `c` (`wb`, `wc` items per row); `f` returns the
+/// first failing row of its block. Each task gets its own scratch from `init` (allocated once
+/// per task, never per row). Returns the lowest failing row.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn rows2<A, B, C, S>(
+    rows: usize,
+    work_per_row: usize,
+    (a, wa): (&[A], usize),
+    (b, wb): (&mut [B], usize),
+    (c, wc): (&mut [C], usize),
+    init: impl Fn() -> S + Sync + Send,
+    f: impl Fn(&mut S, usize, &[A], &mut [B], &mut [C]) -> Result<(), usize> + Sync + Send,
+) -> Result<(), usize>
+where
+    A: Sync,
+    B: Send,
+    C: Send,
+{
+    if rows == 0 {
+        return Ok(());
+    }
+    debug_assert!(a.len() == rows * wa && b.len() == rows * wb && c.len() == rows * wc);
+    let (wa, wb, wc) = (wa.max(1), wb.max(1), wc.max(1));
+    let work = rows.saturating_mul(work_per_row.max(1));
+    if work < PAR_MIN_WORK || rayon::current_num_threads() < 2 {
+        return f(&mut init(), 0, a, b, c);
+    }
+    let block = (TASK_WORK / work_per_row.max(1)).max(1);
+    let first_error = a
+        .par_chunks(block * wa)
+        .zip(b.par_chunks_mut(block * wb))
+        .zip(c.par_chunks_mut(block * wc))
+        .enumerate()
+        .map_init(init, |s, (k, ((ai, bi), ci))| f(s, k * block, ai, bi, ci))
+        .filter_map(|r| r.err())
+        .min();
+    match first_error {
+        Some(row) => Err(row),
+        None => Ok(()),
+    }
+}
+
+/// [`rows2`] with a single output.
+pub(crate) fn rows1<A, B, S>(
+    rows: usize,
+    work_per_row: usize,
+    a: (&[A], usize),
+    b: (&mut [B], usize),
+    init: impl Fn() -> S + Sync + Send,
+    f: impl Fn(&mut S, usize, &[A], &mut [B]) -> Result<(), usize> + Sync + Send,
+) -> Result<(), usize>
+where
+    A: Sync,
+    B: Send,
+{
+    // A zero-sized second output: no memory, one "item" per row.
+    let mut none = vec![(); rows];
+    rows2(
+        rows,
+        work_per_row,
+        a,
+        b,
+        (&mut none, 1),
+        init,
+        |s, r, ai, bi, _| f(s, r, ai, bi),
+    )
+}

@@ -1,0 +1,510 @@
+//! Row primitives of the hot kernels, dispatched on an [`Isa`]. The `scalar` versions are the
+//! reference (transcriptions of the kernel code in `kernels/` and `reduce.rs`); the others
+//! must return the same bits.
+//!
+//! Every function assumes `isa.is_supported()`: the kernels only pass [`super::active`] or an
+//! `Isa` that went through [`Isa::checked`].
+
+#[cfg(target_arch = "aarch64")]
+use super::neon;
+#[cfg(target_arch = "x86_64")]
+use super::x86::{avx2, avx512};
+use super::Isa;
+
+/// Scalar references for the primitives that have no direct counterpart in `kernels/`.
+pub(crate) mod scalar {
+    /// `codes[i] = #{j : table[j] <= x[i] / div}` over the `2^bits - 1` boundaries.
+    pub(crate) fn encode(x: &[f32], div: Option<f32>, table: &[f32], bits: u32, codes: &mut [u8]) {
+        let b = &table[..(1usize << bits) - 1];
+        for (c, &v) in codes.iter_mut().zip(x) {
+            let v = match div {
+                Some(d) => v / d,
+                None => v,
+            };
+            *c = b.partition_point(|&t| t <= v) as u8;
+        }
+    }
+
+    /// Packed bits `t[i] < 0` for values starting at index `first` (a multiple of 8) of a row.
+    pub(crate) fn sign_bits_from(t: &[f32], first: usize, out: &mut [u8]) {
+        debug_assert_eq!(first % 8, 0);
+        for (k, chunk) in t.chunks(8).enumerate() {
+            out[first / 8 + k] = chunk
+                .iter()
+                .enumerate()
+                .fold(0u8, |b, (l, &v)| b | (u8::from(v < 0.0) << l));
+        }
+    }
+
+    pub(crate) fn add_signed(o: &mut [f32], s: &[f32], negative: bool) {
+        if negative {
+            o.iter_mut().zip(s).for_each(|(o, v)| *o -= v);
+        } else {
+            o.iter_mut().zip(s).for_each(|(o, v)| *o += v);
+        }
+    }
+}
+
+/// Euclidean norm accumulated in float64 (`reduce::norm_f64`).
+#[inline]
+pub(crate) fn norm_f64(isa: Isa, x: &[f32]) -> f64 {
+    match isa {
+        // SAFETY (all arms): the caller guarantees `isa` is supported by this CPU.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => unsafe { avx512::norm_f64(x) },
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe { avx2::norm_f64(x) },
+        #[cfg(target_arch = "aarch64")]
+        Isa::Neon => unsafe { neon::norm_f64(x) },
+        _ => crate::reduce::norm_f64(x),
+    }
+}
+
+/// Dot product in the fixed order (`reduce::dot`).
+#[inline]
+pub(crate) fn dot(isa: Isa, a: &[f32], b: &[f32]) -> f32 {
+    match isa {
+        // SAFETY (all arms): `isa` is supported.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 | Isa::Avx512 => unsafe { avx2::dot(a, b) },
+        #[cfg(target_arch = "aarch64")]
+        Isa::Neon => unsafe { neon::dot(a, b) },
+        _ => crate::reduce::dot(a, b),
+    }
+}
+
+/// `out[r] = dot(mat row r, x)` for the `out.len()` rows of `mat` (row length `x.len()`).
+pub(crate) fn dots(isa: Isa, mat: &[f32], x: &[f32], out: &mut [f32]) {
+    let n = x.len();
+    match isa {
+        // SAFETY (all arms): `isa` is supported.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => unsafe { avx512::dots(mat, x, out) },
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe { avx2::dots(mat, x, out) },
+        _ => {
+            for (o, row) in out.iter_mut().zip(mat.chunks_exact(n.max(1))) {
+                *o = dot(isa, row, x);
+            }
+        }
+    }
+}
+
+/// `x *= mult` (when given), then the unnormalised transform (`x.len()` a power of two).
+pub(crate) fn fwht(isa: Isa, x: &mut [f32], mult: Option<&[f32]>) {
+    let n = x.len();
+    match isa {
+        // SAFETY (all arms): `isa` is supported; the length conditions are the callee's.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 if n >= 16 => unsafe { avx512::fwht(x, mult) },
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 | Isa::Avx512 if n >= 8 => unsafe { avx2::fwht(x, mult) },
+        #[cfg(target_arch = "aarch64")]
+        Isa::Neon if n >= 4 => unsafe { neon::fwht(x, mult) },
+        _ => {
+            if let Some(m) = mult {
+                x.iter_mut().zip(m).for_each(|(v, m)| *v *= m);
+            }
+            crate::kernels::hadamard::fwht_inplace(x);
+        }
+    }
+}
+
+/// Lloyd-Max codes `#{j : table[j] <= x[i] / div}`; `table` holds the float32 boundaries
+/// padded with `+inf` to `max(2^bits, 16)` entries.
+pub(crate) fn encode(
+    isa: Isa,
+    x: &[f32],
+    div: Option<f32>,
+    table: &[f32],
+    bits: u32,
+    codes: &mut [u8],
+) {
+    match isa {
+        // SAFETY (all arms): `isa` is supported; `table` is padded as the callees require.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => unsafe { avx512::encode(x, div, table, bits, codes) },
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe { avx2::encode(x, div, table, bits, codes) },
+        #[cfg(target_arch = "aarch64")]
+        Isa::Neon => unsafe { neon::encode(x, div, table, bits, codes) },
+        _ => scalar::encode(x, div, table, bits, codes),
+    }
+}
+
+/// `out[i] = table[codes[i]] * mul` (`table` has 256 entries, so any byte is in bounds).
+/// `bits` only selects the x86 lookup (register permute or gather).
+#[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))]
+pub(crate) fn decode(isa: Isa, codes: &[u8], table: &[f32], bits: u32, mul: f32, out: &mut [f32]) {
+    match isa {
+        // SAFETY (all arms): `isa` is supported; `table` has 256 entries.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => unsafe { avx512::decode(codes, table, bits, mul, out) },
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe { avx2::decode(codes, table, bits, mul, out) },
+        _ => out
+            .iter_mut()
+            .zip(codes)
+            .for_each(|(o, &c)| *o = table[usize::from(c)] * mul),
+    }
+}
+
+/// `out[i] = (y[i] * mul) ^ sign_bits[i]` for `i < out.len()`: the sign flip and norm of the
+/// inverse rotation (`(y * s) * mul` with `s = +-1` is exactly `+-(y * mul)`).
+pub(crate) fn finish(isa: Isa, y: &[f32], sign_bits: &[u32], mul: f32, out: &mut [f32]) {
+    match isa {
+        // SAFETY (all arms): `isa` is supported.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => unsafe { avx512::finish(y, sign_bits, mul, out) },
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe { avx2::finish(y, sign_bits, mul, out) },
+        #[cfg(target_arch = "aarch64")]
+        Isa::Neon => unsafe { neon::finish(y, sign_bits, mul, out) },
+        _ => out
+            .iter_mut()
+            .zip(y.iter().zip(sign_bits))
+            .for_each(|(o, (&v, &s))| *o = f32::from_bits((v * mul).to_bits() ^ s)),
+    }
+}
+
+/// The fused MSE encode of one rotated row (norm, rotation, division, search), where a path
+/// has one for this `d' = mult.len()`: returns the norm, or `None` to use the primitives.
+pub(crate) fn mse_encode_row(
+    isa: Isa,
+    x: &[f32],
+    mult: &[f32],
+    table: &[f32],
+    bits: u32,
+    zero_code: u8,
+    codes: &mut [u8],
+) -> Option<f32> {
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx512 {
+        let f = match mult.len() {
+            16 => avx512::mse_encode_row::<1>,
+            32 => avx512::mse_encode_row::<2>,
+            64 => avx512::mse_encode_row::<4>,
+            128 => avx512::mse_encode_row::<8>,
+            256 => avx512::mse_encode_row::<16>,
+            _ => return None,
+        };
+        // SAFETY: `isa` is supported; the lengths are the callee's d' = 16 K.
+        return Some(unsafe { f(x, mult, table, bits, zero_code, codes) });
+    }
+    let _ = (isa, x, mult, table, bits, zero_code, codes);
+    None
+}
+
+/// The fused MSE decode of one rotated row, where a path has one for `d' = codes.len()`;
+/// returns `false` to use the primitives.
+pub(crate) fn mse_decode_row(
+    isa: Isa,
+    codes: &[u8],
+    table: &[f32],
+    bits: u32,
+    sign_bits: &[u32],
+    norm: f32,
+    out: &mut [f32],
+) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx512 {
+        let f = match codes.len() {
+            16 => avx512::mse_decode_row::<1>,
+            32 => avx512::mse_decode_row::<2>,
+            64 => avx512::mse_decode_row::<4>,
+            128 => avx512::mse_decode_row::<8>,
+            256 => avx512::mse_decode_row::<16>,
+            _ => return false,
+        };
+        // SAFETY: `isa` is supported; the lengths are the callee's d' = 16 K.
+        unsafe { f(codes, table, bits, sign_bits, norm, out) };
+        return true;
+    }
+    let _ = (isa, codes, table, bits, sign_bits, norm, out);
+    false
+}
+
+/// Packs one row of codes (`pack::pack_row`).
+pub(crate) fn pack_row(isa: Isa, codes: &[u8], bits: u32, out: &mut [u8]) {
+    match isa {
+        // SAFETY (all arms): `isa` is supported (BMI2 is part of the AVX2 path).
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 | Isa::Avx512 => unsafe { avx2::pack_row(codes, bits, out) },
+        _ => crate::kernels::pack::pack_row(codes, bits, out),
+    }
+}
+
+/// Unpacks one row of codes (`pack::unpack_row`).
+pub(crate) fn unpack_row(isa: Isa, packed: &[u8], bits: u32, out: &mut [u8]) {
+    match isa {
+        // SAFETY (all arms): `isa` is supported.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 | Isa::Avx512 => unsafe { avx2::unpack_row(packed, bits, out) },
+        _ => crate::kernels::pack::unpack_row(packed, bits, out),
+    }
+}
+
+/// Packed QJL sign bits `t[i] < 0` of one row (`out` has `ceil(t.len() / 8)` bytes).
+pub(crate) fn sign_bits(isa: Isa, t: &[f32], out: &mut [u8]) {
+    match isa {
+        // SAFETY (all arms): `isa` is supported.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 | Isa::Avx512 => unsafe { avx2::sign_bits(t, out) },
+        _ => scalar::sign_bits_from(t, 0, out),
+    }
+}
+
+/// `sum y[i] * sigma_i` (sigma from packed sign bits) in the fixed 8-lane order.
+pub(crate) fn dot_signs(isa: Isa, y: &[f32], packed: &[u8]) -> f32 {
+    match isa {
+        // SAFETY (all arms): `isa` is supported.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 | Isa::Avx512 => unsafe { avx2::dot_signs(y, packed) },
+        _ => {
+            let mut acc = [0.0f32; crate::reduce::LANES];
+            for (i, &v) in y.iter().enumerate() {
+                let sigma = 1.0 - 2.0 * f32::from((packed[i / 8] >> (i % 8)) & 1);
+                acc[i % crate::reduce::LANES] += v * sigma;
+            }
+            crate::reduce::combine_f32(&acc)
+        }
+    }
+}
+
+/// `o += s` (or `-= s`).
+pub(crate) fn add_signed(isa: Isa, o: &mut [f32], s: &[f32], negative: bool) {
+    match isa {
+        // SAFETY (all arms): `isa` is supported.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => unsafe { avx512::add_signed(o, s, negative) },
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe { avx2::add_signed(o, s, negative) },
+        _ => scalar::add_signed(o, s, negative),
+    }
+}
+
+/// `o *= k`.
+pub(crate) fn scale(isa: Isa, o: &mut [f32], k: f32) {
+    match isa {
+        // SAFETY (all arms): `isa` is supported.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 | Isa::Avx512 => unsafe { avx2::scale(o, k) },
+        _ => o.iter_mut().for_each(|v| *v *= k),
+    }
+}
+
+/// HeadQ correction `sum qu[i] * (s * (codes[i] - h))` in the fixed 8-lane order.
+pub(crate) fn dot_side(isa: Isa, qu: &[f32], codes: &[u8], s: f32, h: f32) -> f32 {
+    match isa {
+        // SAFETY (all arms): `isa` is supported.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 | Isa::Avx512 => unsafe { avx2::dot_side(qu, codes, s, h) },
+        _ => {
+            let mut acc = [0.0f32; crate::reduce::LANES];
+            for (i, (&q, &c)) in qu.iter().zip(codes).enumerate() {
+                acc[i % crate::reduce::LANES] += q * (s * (f32::from(c) - h));
+            }
+            crate::reduce::combine_f32(&acc)
+        }
+    }
+}
+
+/// Whether every value is finite.
+pub(crate) fn all_finite(isa: Isa, x: &[f32]) -> bool {
+    match isa {
+        // SAFETY (all arms): `isa` is supported.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => unsafe { avx512::all_finite(x) },
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe { avx2::all_finite(x) },
+        _ => x.iter().all(|v| v.is_finite()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! Each primitive on each supported path against its scalar reference, bit for bit, over
+    //! every tail length (0..=70) and values of mixed scale, including +-0, subnormals and
+    //! values near the float32 maximum.
+    use super::*;
+
+    fn simd_isas() -> Vec<Isa> {
+        Isa::available()
+            .into_iter()
+            .filter(|&i| i != Isa::Scalar)
+            .collect()
+    }
+
+    /// Deterministic values: a hash mapped to mixed magnitudes and signs.
+    fn values(seed: u64, n: usize) -> Vec<f32> {
+        (0..n as u64)
+            .map(|i| {
+                let h = (seed ^ i.wrapping_mul(0x9E37_79B9_7F4A_7C15))
+                    .wrapping_mul(0xD6E8_FEB8_6659_FD93);
+                let u = (h >> 40) as f32 / (1u64 << 24) as f32 - 0.5;
+                match h % 9 {
+                    0 => 0.0,
+                    1 => -0.0,
+                    2 => u * 1e-40,
+                    3 => u * 3e38,
+                    4 => u * 1e19,
+                    _ => u * 4.0,
+                }
+            })
+            .collect()
+    }
+
+    fn bits(v: &[f32]) -> Vec<u32> {
+        v.iter().map(|x| x.to_bits()).collect()
+    }
+
+    #[test]
+    fn reductions_match_to_the_last_bit() {
+        for isa in simd_isas() {
+            for n in 0..=70 {
+                let (a, b) = (values(n as u64, n), values(1000 + n as u64, n));
+                assert_eq!(
+                    norm_f64(isa, &a).to_bits(),
+                    norm_f64(Isa::Scalar, &a).to_bits(),
+                    "{isa:?} n={n}"
+                );
+                // Moderate values, where the reduction order shows in the last bits of the f64.
+                let m: Vec<f32> = (0..n)
+                    .map(|i| ((i * 7919 % 1000) as f32 - 500.0) / 3.0)
+                    .collect();
+                assert_eq!(
+                    norm_f64(isa, &m).to_bits(),
+                    norm_f64(Isa::Scalar, &m).to_bits(),
+                    "{isa:?} n={n}"
+                );
+                let small: Vec<f32> = a.iter().map(|v| v * 1e-20).collect();
+                assert_eq!(
+                    dot(isa, &small, &b).to_bits(),
+                    dot(Isa::Scalar, &small, &b).to_bits(),
+                    "{isa:?} n={n}"
+                );
+                for rows in [0, 1, 3, 4, 5, 8, 9] {
+                    let m: Vec<f32> = values(7 + n as u64, rows * n)
+                        .iter()
+                        .map(|v| v * 1e-20)
+                        .collect();
+                    let (mut o1, mut o2) = (vec![0.0; rows], vec![0.0; rows]);
+                    dots(isa, &m, &b, &mut o1);
+                    dots(Isa::Scalar, &m, &b, &mut o2);
+                    assert_eq!(bits(&o1), bits(&o2), "{isa:?} n={n} rows={rows}");
+                }
+                let sign_bytes: Vec<u8> = (0..n.div_ceil(8)).map(|i| (i * 37 + n) as u8).collect();
+                assert_eq!(
+                    dot_signs(isa, &small, &sign_bytes).to_bits(),
+                    dot_signs(Isa::Scalar, &small, &sign_bytes).to_bits()
+                );
+                let codes: Vec<u8> = (0..n).map(|i| (i * 29 % 256) as u8).collect();
+                for (s, h) in [(0.37f32, 127.5f32), (0.0, 0.5), (1e-3, 1.5)] {
+                    assert_eq!(
+                        dot_side(isa, &small, &codes, s, h).to_bits(),
+                        dot_side(Isa::Scalar, &small, &codes, s, h).to_bits()
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn transforms_match_to_the_last_bit() {
+        for isa in simd_isas() {
+            for log in 1..=11 {
+                let n = 1usize << log;
+                let x: Vec<f32> = values(log, n).iter().map(|v| v * 1e-5).collect();
+                let mult = values(99 + log, n);
+                for m in [None, Some(&mult[..])] {
+                    let (mut a, mut b) = (x.clone(), x.clone());
+                    fwht(isa, &mut a, m);
+                    fwht(Isa::Scalar, &mut b, m);
+                    assert_eq!(bits(&a), bits(&b), "{isa:?} n={n}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn elementwise_primitives_match_to_the_last_bit() {
+        for isa in simd_isas() {
+            for n in 0..=70 {
+                let x = values(n as u64, n);
+                let s = values(500 + n as u64, n);
+                let sb: Vec<u32> = (0..n)
+                    .map(|i| if i % 3 == 0 { 0x8000_0000 } else { 0 })
+                    .collect();
+                for mul in [1.0f32, 0.0, 2.5e-3, 7.0e20] {
+                    let (mut a, mut b) = (vec![0.0; n], vec![0.0; n]);
+                    finish(isa, &x, &sb, mul, &mut a);
+                    finish(Isa::Scalar, &x, &sb, mul, &mut b);
+                    assert_eq!(bits(&a), bits(&b));
+                    let (mut a, mut b) = (x.clone(), x.clone());
+                    scale(isa, &mut a, mul);
+                    scale(Isa::Scalar, &mut b, mul);
+                    assert_eq!(bits(&a), bits(&b));
+                }
+                for negative in [false, true] {
+                    let (mut a, mut b) = (x.clone(), x.clone());
+                    add_signed(isa, &mut a, &s, negative);
+                    add_signed(Isa::Scalar, &mut b, &s, negative);
+                    assert_eq!(bits(&a), bits(&b));
+                }
+                let (mut a, mut b) = (vec![0u8; n.div_ceil(8)], vec![0u8; n.div_ceil(8)]);
+                sign_bits(isa, &x, &mut a);
+                sign_bits(Isa::Scalar, &x, &mut b);
+                assert_eq!(a, b);
+                assert!(all_finite(isa, &x));
+                for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+                    for pos in [0, n / 2, n.saturating_sub(1)]
+                        .into_iter()
+                        .filter(|&p| p < n)
+                    {
+                        let mut y = x.clone();
+                        y[pos] = bad;
+                        assert!(!all_finite(isa, &y), "{isa:?} n={n} pos={pos}");
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn search_and_lookup_match_for_every_width() {
+        for bits_ in 1..=8u32 {
+            let cb = crate::kernels::lloyd_max::codebook(64, bits_).unwrap();
+            let (table, lookup) = (cb.search_table(), cb.lookup_table());
+            let mut x = values(u64::from(bits_), 67);
+            for &b in &cb.boundaries_f32 {
+                x.extend([b, -b, f32::from_bits(b.to_bits() + 1)]);
+            }
+            let codes: Vec<u8> = (0..x.len()).map(|i| (i % (1 << bits_)) as u8).collect();
+            for isa in simd_isas() {
+                for div in [None, Some(3.0f32), Some(1e-30)] {
+                    let (mut a, mut b) = (vec![0u8; x.len()], vec![0u8; x.len()]);
+                    encode(isa, &x, div, table, bits_, &mut a);
+                    encode(Isa::Scalar, &x, div, table, bits_, &mut b);
+                    assert_eq!(a, b, "{isa:?} bits={bits_} div={div:?}");
+                }
+                for mul in [1.0f32, -0.5, 1e30] {
+                    let (mut a, mut b) = (vec![0.0; x.len()], vec![0.0; x.len()]);
+                    decode(isa, &codes, lookup, bits_, mul, &mut a);
+                    decode(Isa::Scalar, &codes, lookup, bits_, mul, &mut b);
+                    assert_eq!(bits(&a), bits(&b), "{isa:?} bits={bits_}");
+                }
+                for count in 0..=40 {
+                    let c = &codes[..count];
+                    let len = crate::kernels::pack::packed_len(count, bits_);
+                    let (mut p1, mut p2) = (vec![0u8; len], vec![0u8; len]);
+                    pack_row(isa, c, bits_, &mut p1);
+                    pack_row(Isa::Scalar, c, bits_, &mut p2);
+                    assert_eq!(p1, p2, "{isa:?} bits={bits_} count={count}");
+                    let mut u = vec![0u8; count];
+                    unpack_row(isa, &p1, bits_, &mut u);
+                    assert_eq!(u, c);
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,871 @@
+//! AVX2 and AVX-512 versions of the row primitives in `ops`. Each function performs exactly the
+//! floating-point operations of its scalar reference, element by element, in the same order:
+//! no fused multiply-add, division kept as division, the fixed 8-lane reduction order of
+//! `reduce.rs` (the f32 dot products use 8-lane accumulators even under AVX-512). Ragged tails
+//! are finished by the scalar code on the same accumulators.
+//!
+//! Safety: every function here is `#[target_feature]`; `ops` only calls them for an [`Isa`]
+//! that [`Isa::is_supported`] confirmed. Pointer accesses stay inside the slices, as the
+//! comments at each `unsafe` block show.
+//!
+//! [`Isa`]: super::Isa
+//! [`Isa::is_supported`]: super::Isa::is_supported
+
+use std::arch::x86_64::*;
+
+use crate::reduce::{combine_f32, combine_f64, LANES};
+
+/// Finishes an 8-lane f32 accumulator: adds the tail `a[i] * b[i]` to lane `i` (the tail starts
+/// at a multiple of 8) and combines in the fixed order.
+#[inline]
+fn finish_dot(mut acc: [f32; LANES], a: &[f32], b: &[f32]) -> f32 {
+    for (j, (x, y)) in a.iter().zip(b).enumerate() {
+        acc[j] += x * y;
+    }
+    combine_f32(&acc)
+}
+
+/// Sign flip of a float by xor-ing its sign bit: exactly `v * -1.0` for non-NaN `v`.
+#[inline]
+fn xor_sign(v: f32, bit: u32) -> f32 {
+    f32::from_bits(v.to_bits() ^ bit)
+}
+
+pub(super) mod avx2 {
+    use super::*;
+
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn store8(acc: __m256) -> [f32; 8] {
+        let mut out = [0.0f32; 8];
+        // SAFETY: `out` holds 8 floats.
+        unsafe { _mm256_storeu_ps(out.as_mut_ptr(), acc) };
+        out
+    }
+
+    #[target_feature(enable = "avx2,bmi2")]
+    pub(crate) fn norm_f64(x: &[f32]) -> f64 {
+        let n8 = x.len() / 8 * 8;
+        let p = x.as_ptr();
+        let (mut lo, mut hi) = (_mm256_setzero_pd(), _mm256_setzero_pd());
+        let mut i = 0;
+        while i < n8 {
+            // SAFETY: i + 8 <= x.len().
+            let v = unsafe { _mm256_loadu_ps(p.add(i)) };
+            let a = _mm256_cvtps_pd(_mm256_castps256_ps128(v));
+            let b = _mm256_cvtps_pd(_mm256_extractf128_ps::<1>(v));
+            lo = _mm256_add_pd(lo, _mm256_mul_pd(a, a));
+            hi = _mm256_add_pd(hi, _mm256_mul_pd(b, b));
+            i += 8;
+        }
+        let mut acc = [0.0f64; 8];
+        // SAFETY: `acc` holds 8 doubles.
+        unsafe {
+            _mm256_storeu_pd(acc.as_mut_ptr(), lo);
+            _mm256_storeu_pd(acc.as_mut_ptr().add(4), hi);
+        }
+        for (j, &v) in x[n8..].iter().enumerate() {
+            let v = f64::from(v);
+            acc[j] += v * v;
+        }
+        combine_f64(&acc).sqrt()
+    }
+
+    #[target_feature(enable = "avx2,bmi2")]
+    pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
+        let n = a.len().min(b.len());
+        let n8 = n / 8 * 8;
+        let mut acc = _mm256_setzero_ps();
+        let mut i = 0;
+        while i < n8 {
+            // SAFETY: i + 8 <= n for both slices.
+            unsafe {
+                let x = _mm256_loadu_ps(a.as_ptr().add(i));
+                let y = _mm256_loadu_ps(b.as_ptr().add(i));
+                acc = _mm256_add_ps(acc, _mm256_mul_ps(x, y));
+            }
+            i += 8;
+        }
+        finish_dot(store8(acc), &a[n8..n], &b[n8..n])
+    }
+
+    /// `out[r] = dot(mat[r*n..(r+1)*n], x)`, four rows at a time so each load of `x` serves four
+    /// accumulators.
+    #[target_feature(enable = "avx2,bmi2")]
+    pub(crate) fn dots(mat: &[f32], x: &[f32], out: &mut [f32]) {
+        let n = x.len();
+        let n8 = n / 8 * 8;
+        let rows = out.len();
+        debug_assert!(mat.len() >= rows * n);
+        let mut r = 0;
+        while r + 4 <= rows {
+            let m = &mat[r * n..(r + 4) * n];
+            let mut acc = [_mm256_setzero_ps(); 4];
+            let mut i = 0;
+            while i < n8 {
+                // SAFETY: row q of the block spans m[q*n..(q+1)*n] and i + 8 <= n.
+                unsafe {
+                    let xv = _mm256_loadu_ps(x.as_ptr().add(i));
+                    for (q, a) in acc.iter_mut().enumerate() {
+                        let v = _mm256_loadu_ps(m.as_ptr().add(q * n + i));
+                        *a = _mm256_add_ps(*a, _mm256_mul_ps(v, xv));
+                    }
+                }
+                i += 8;
+            }
+            for (q, a) in acc.iter().enumerate() {
+                out[r + q] = finish_dot(store8(*a), &m[q * n + n8..(q + 1) * n], &x[n8..]);
+            }
+            r += 4;
+        }
+        for (q, o) in out.iter_mut().enumerate().skip(r) {
+            *o = dot(&mat[q * n..(q + 1) * n], x);
+        }
+    }
+
+    /// Butterflies of strides 1, 2, 4 inside one 8-float vector. Lane `k` with the partner
+    /// `s = v[k ^ h]`: the low lane of a pair takes `v + s` (= `a + b`), the high lane `s - v`
+    /// (= `a - b`), exactly the scalar `(a, b) -> (a + b, a - b)`.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    pub(super) fn fwht8(v: __m256) -> __m256 {
+        let s = _mm256_permute_ps::<0b10_11_00_01>(v);
+        let v = _mm256_blend_ps::<0b1010_1010>(_mm256_add_ps(v, s), _mm256_sub_ps(s, v));
+        let s = _mm256_permute_ps::<0b01_00_11_10>(v);
+        let v = _mm256_blend_ps::<0b1100_1100>(_mm256_add_ps(v, s), _mm256_sub_ps(s, v));
+        let s = _mm256_permute2f128_ps::<1>(v, v);
+        _mm256_blend_ps::<0b1111_0000>(_mm256_add_ps(v, s), _mm256_sub_ps(s, v))
+    }
+
+    /// Butterfly stages of stride `h0, 2 h0, ...` across vectors (`h0 >= 8`).
+    #[target_feature(enable = "avx2")]
+    pub(super) fn cross_stages(x: &mut [f32], h0: usize) {
+        let p = x.as_mut_ptr();
+        super::super::butterfly_pairs(x.len(), h0, 8, |j, h| {
+            // SAFETY: j + h + 8 <= n (the pairs stay inside the row).
+            unsafe {
+                let a = _mm256_loadu_ps(p.add(j));
+                let b = _mm256_loadu_ps(p.add(j + h));
+                _mm256_storeu_ps(p.add(j), _mm256_add_ps(a, b));
+                _mm256_storeu_ps(p.add(j + h), _mm256_sub_ps(a, b));
+            }
+        });
+    }
+
+    /// `x *= mult` (when given) then the transform; `x.len()` is a power of two >= 8.
+    #[target_feature(enable = "avx2,bmi2")]
+    pub(crate) fn fwht(x: &mut [f32], mult: Option<&[f32]>) {
+        let n = x.len();
+        debug_assert!(n >= 8 && n.is_power_of_two() && mult.is_none_or(|m| m.len() >= n));
+        let p = x.as_mut_ptr();
+        let mut i = 0;
+        while i < n {
+            // SAFETY: i + 8 <= n <= mult.len().
+            unsafe {
+                let mut v = _mm256_loadu_ps(p.add(i));
+                if let Some(m) = mult {
+                    v = _mm256_mul_ps(v, _mm256_loadu_ps(m.as_ptr().add(i)));
+                }
+                _mm256_storeu_ps(p.add(i), fwht8(v));
+            }
+            i += 8;
+        }
+        cross_stages(x, 8);
+    }
+
+    /// Codes of 8 values as 32-bit counts `#{j : table[j] <= v}` over the `2^bits - 1` real
+    /// boundaries: a linear count for up to 4 bits, a branch-free binary search (gathers over
+    /// the `+inf`-padded table) above.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn codes8(v: __m256, table: &[f32], bits: u32) -> __m256i {
+        if bits <= 4 {
+            let mut cnt = _mm256_setzero_si256();
+            for &b in &table[..(1usize << bits) - 1] {
+                let m = _mm256_cmp_ps::<_CMP_LE_OQ>(_mm256_set1_ps(b), v);
+                cnt = _mm256_sub_epi32(cnt, _mm256_castps_si256(m));
+            }
+            cnt
+        } else {
+            let mut pos = _mm256_setzero_si256();
+            let mut step = 1i32 << (bits - 1);
+            while step > 0 {
+                let idx = _mm256_add_epi32(pos, _mm256_set1_epi32(step - 1));
+                // SAFETY: idx <= 2^bits - 1 < table.len() (binary-search invariant).
+                let t = unsafe { _mm256_i32gather_ps::<4>(table.as_ptr(), idx) };
+                let m = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_LE_OQ>(t, v));
+                pos = _mm256_add_epi32(pos, _mm256_and_si256(m, _mm256_set1_epi32(step)));
+                step >>= 1;
+            }
+            pos
+        }
+    }
+
+    /// Eight 32-bit counts (< 256) as eight bytes.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn bytes8(c: __m256i) -> i64 {
+        let w = _mm256_packus_epi32(c, c);
+        let b = _mm256_packus_epi16(w, w);
+        let b = _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4));
+        _mm_cvtsi128_si64(_mm256_castsi256_si128(b))
+    }
+
+    /// `codes[i] = #{j : table[j] <= x[i] / div}` (`div = None`: no division).
+    #[target_feature(enable = "avx2,bmi2")]
+    pub(crate) fn encode(x: &[f32], div: Option<f32>, table: &[f32], bits: u32, codes: &mut [u8]) {
+        let n = x.len().min(codes.len());
+        let n8 = n / 8 * 8;
+        let dv = _mm256_set1_ps(div.unwrap_or(1.0));
+        let mut i = 0;
+        while i < n8 {
+            // SAFETY: i + 8 <= n for x and codes.
+            unsafe {
+                let mut v = _mm256_loadu_ps(x.as_ptr().add(i));
+                if div.is_some() {
+                    v = _mm256_div_ps(v, dv);
+                }
+                let c = bytes8(codes8(v, table, bits));
+                codes.as_mut_ptr().add(i).cast::<i64>().write_unaligned(c);
+            }
+            i += 8;
+        }
+        super::super::ops::scalar::encode(&x[n8..n], div, table, bits, &mut codes[n8..n]);
+    }
+
+    /// `out[i] = table[codes[i]] * mul`; `table` has 256 entries.
+    #[target_feature(enable = "avx2,bmi2")]
+    pub(crate) fn decode(codes: &[u8], table: &[f32], bits: u32, mul: f32, out: &mut [f32]) {
+        debug_assert!(table.len() >= 256);
+        let n = codes.len().min(out.len());
+        let n8 = n / 8 * 8;
+        let mv = _mm256_set1_ps(mul);
+        // SAFETY: table has 256 >= 16 entries.
+        let (lo, hi) = unsafe {
+            (
+                _mm256_loadu_ps(table.as_ptr()),
+                _mm256_loadu_ps(table.as_ptr().add(8)),
+            )
+        };
+        let mut i = 0;
+        while i < n8 {
+            // SAFETY: i + 8 <= n for codes and out; gather indices are bytes < 256.
+            unsafe {
+                let idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64(codes.as_ptr().add(i).cast()));
+                let v = if bits <= 3 {
+                    _mm256_permutevar8x32_ps(lo, idx)
+                } else if bits == 4 {
+                    let sel = _mm256_castsi256_ps(_mm256_slli_epi32::<28>(idx));
+                    _mm256_blendv_ps(
+                        _mm256_permutevar8x32_ps(lo, idx),
+                        _mm256_permutevar8x32_ps(hi, idx),
+                        sel,
+                    )
+                } else {
+                    _mm256_i32gather_ps::<4>(table.as_ptr(), idx)
+                };
+                _mm256_storeu_ps(out.as_mut_ptr().add(i), _mm256_mul_ps(v, mv));
+            }
+            i += 8;
+        }
+        for (o, &c) in out[n8..n].iter_mut().zip(&codes[n8..n]) {
+            *o = table[usize::from(c)] * mul;
+        }
+    }
+
+    /// `out[i] = (y[i] * mul) ^ sign_bit[i]` for `i < out.len()`.
+    #[target_feature(enable = "avx2,bmi2")]
+    pub(crate) fn finish(y: &[f32], sign_bits: &[u32], mul: f32, out: &mut [f32]) {
+        let n = out.len();
+        debug_assert!(y.len() >= n && sign_bits.len() >= n);
+        let n8 = n / 8 * 8;
+        let mv = _mm256_set1_ps(mul);
+        let mut i = 0;
+        while i < n8 {
+            // SAFETY: i + 8 <= n for all three slices.
+            unsafe {
+                let v = _mm256_mul_ps(_mm256_loadu_ps(y.as_ptr().add(i)), mv);
+                let s = _mm256_loadu_si256(sign_bits.as_ptr().add(i).cast());
+                let v = _mm256_castsi256_ps(_mm256_xor_si256(_mm256_castps_si256(v), s));
+                _mm256_storeu_ps(out.as_mut_ptr().add(i), v);
+            }
+            i += 8;
+        }
+        for i in n8..n {
+            out[i] = xor_sign(y[i] * mul, sign_bits[i]);
+        }
+    }
+
+    /// Packs with BMI2: `pext` gathers the low `bits` bits of eight code bytes into `8 * bits`
+    /// contiguous bits, which is the little-endian bit stream of the format.
+    #[target_feature(enable = "avx2,bmi2")]
+    pub(crate) fn pack_row(codes: &[u8], bits: u32, out: &mut [u8]) {
+        let b = bits as usize;
+        let mask = 0x0101_0101_0101_0101u64 * ((1u64 << bits) - 1);
+        let full = codes.len() / 8;
+        for k in 0..full {
+            let w = u64::from_le_bytes(codes[8 * k..8 * k + 8].try_into().unwrap_or([0; 8]));
+            let p = _pext_u64(w, mask).to_le_bytes();
+            let at = k * b;
+            if at + 8 <= out.len() {
+                // The bytes past `at + b` are zero and are overwritten by the next group.
+                out[at..at + 8].copy_from_slice(&p);
+            } else {
+                out[at..at + b].copy_from_slice(&p[..b]);
+            }
+        }
+        crate::kernels::pack::pack_row(&codes[full * 8..], bits, &mut out[full * b..]);
+    }
+
+    /// Unpacks with BMI2 `pdep`, the inverse of [`pack_row`].
+    #[target_feature(enable = "avx2,bmi2")]
+    pub(crate) fn unpack_row(packed: &[u8], bits: u32, out: &mut [u8]) {
+        let b = bits as usize;
+        let mask = 0x0101_0101_0101_0101u64 * ((1u64 << bits) - 1);
+        let full = out.len() / 8;
+        for k in 0..full {
+            let at = k * b;
+            let mut w = [0u8; 8];
+            if at + 8 <= packed.len() {
+                w.copy_from_slice(&packed[at..at + 8]);
+            } else {
+                w[..b].copy_from_slice(&packed[at..at + b]);
+            }
+            let codes = _pdep_u64(u64::from_le_bytes(w), mask).to_le_bytes();
+            out[8 * k..8 * k + 8].copy_from_slice(&codes);
+        }
+        crate::kernels::pack::unpack_row(&packed[full * b..], bits, &mut out[full * 8..]);
+    }
+
+    /// Packed sign bits `t[i] < 0` (one byte per 8 values, little-endian bit order).
+    #[target_feature(enable = "avx2,bmi2")]
+    pub(crate) fn sign_bits(t: &[f32], out: &mut [u8]) {
+        let n8 = t.len() / 8 * 8;
+        let mut i = 0;
+        while i < n8 {
+            // SAFETY: i + 8 <= t.len().
+            let v = unsafe { _mm256_loadu_ps(t.as_ptr().add(i)) };
+            let m = _mm256_movemask_ps(_mm256_cmp_ps::<_CMP_LT_OQ>(v, _mm256_setzero_ps()));
+            out[i / 8] = m as u8;
+            i += 8;
+        }
+        super::super::ops::scalar::sign_bits_from(&t[n8..], n8, out);
+    }
+
+    /// Bit `l` of a byte as an all-ones / zero 32-bit lane `l`, shifted into the sign bit.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn sign_mask8(byte: u8) -> __m256i {
+        let sel = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+        let b = _mm256_and_si256(_mm256_set1_epi32(i32::from(byte)), sel);
+        _mm256_slli_epi32::<31>(_mm256_cmpeq_epi32(b, sel))
+    }
+
+    /// `sum_i y[i] * sigma_i` with `sigma_i = -1` where bit i of `packed` is set, in the fixed
+    /// 8-lane order (multiplying by +-1 is exact, so it is a sign flip).
+    #[target_feature(enable = "avx2,bmi2")]
+    pub(crate) fn dot_signs(y: &[f32], packed: &[u8]) -> f32 {
+        let n8 = y.len() / 8 * 8;
+        let mut acc = _mm256_setzero_ps();
+        let mut i = 0;
+        while i < n8 {
+            // SAFETY: i + 8 <= y.len().
+            let v = unsafe { _mm256_loadu_ps(y.as_ptr().add(i)) };
+            let v = _mm256_xor_ps(v, _mm256_castsi256_ps(sign_mask8(packed[i / 8])));
+            acc = _mm256_add_ps(acc, v);
+            i += 8;
+        }
+        let mut acc = store8(acc);
+        for (j, &v) in y[n8..].iter().enumerate() {
+            let i = n8 + j;
+            let sigma = 1.0 - 2.0 * f32::from((packed[i / 8] >> (i % 8)) & 1);
+            acc[j] += v * sigma;
+        }
+        combine_f32(&acc)
+    }
+
+    /// `o += s` or `o -= s` elementwise.
+    #[target_feature(enable = "avx2,bmi2")]
+    pub(crate) fn add_signed(o: &mut [f32], s: &[f32], negative: bool) {
+        let n = o.len().min(s.len());
+        let n8 = n / 8 * 8;
+        let mut i = 0;
+        while i < n8 {
+            // SAFETY: i + 8 <= n for both slices.
+            unsafe {
+                let a = _mm256_loadu_ps(o.as_ptr().add(i));
+                let b = _mm256_loadu_ps(s.as_ptr().add(i));
+                let r = if negative {
+                    _mm256_sub_ps(a, b)
+                } else {
+                    _mm256_add_ps(a, b)
+                };
+                _mm256_storeu_ps(o.as_mut_ptr().add(i), r);
+            }
+            i += 8;
+        }
+        super::super::ops::scalar::add_signed(&mut o[n8..n], &s[n8..n], negative);
+    }
+
+    /// `o *= k` elementwise.
+    #[target_feature(enable = "avx2,bmi2")]
+    pub(crate) fn scale(o: &mut [f32], k: f32) {
+        let n8 = o.len() / 8 * 8;
+        let kv = _mm256_set1_ps(k);
+        let mut i = 0;
+        while i < n8 {
+            // SAFETY: i + 8 <= o.len().
+            unsafe {
+                let p = o.as_mut_ptr().add(i);
+                _mm256_storeu_ps(p, _mm256_mul_ps(_mm256_loadu_ps(p), kv));
+            }
+            i += 8;
+        }
+        o[n8..].iter_mut().for_each(|v| *v *= k);
+    }
+
+    /// `sum_i qu[i] * (s * (codes[i] - h))` in the fixed 8-lane order (HeadQ correction).
+    #[target_feature(enable = "avx2,bmi2")]
+    pub(crate) fn dot_side(qu: &[f32], codes: &[u8], s: f32, h: f32) -> f32 {
+        let n = qu.len().min(codes.len());
+        let n8 = n / 8 * 8;
+        let (sv, hv) = (_mm256_set1_ps(s), _mm256_set1_ps(h));
+        let mut acc = _mm256_setzero_ps();
+        let mut i = 0;
+        while i < n8 {
+            // SAFETY: i + 8 <= n for qu and codes.
+            unsafe {
+                let c = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(
+                    codes.as_ptr().add(i).cast(),
+                )));
+                let z = _mm256_mul_ps(sv, _mm256_sub_ps(c, hv));
+                acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_loadu_ps(qu.as_ptr().add(i)), z));
+            }
+            i += 8;
+        }
+        let mut acc = store8(acc);
+        for (j, (&q, &c)) in qu[n8..n].iter().zip(&codes[n8..n]).enumerate() {
+            acc[j] += q * (s * (f32::from(c) - h));
+        }
+        combine_f32(&acc)
+    }
+
+    /// Whether every value is finite (exponent not all ones).
+    #[target_feature(enable = "avx2,bmi2")]
+    pub(crate) fn all_finite(x: &[f32]) -> bool {
+        let n8 = x.len() / 8 * 8;
+        let e = _mm256_set1_epi32(0x7f80_0000);
+        let mut bad = _mm256_setzero_si256();
+        let mut i = 0;
+        while i < n8 {
+            // SAFETY: i + 8 <= x.len().
+            let v = unsafe { _mm256_loadu_si256(x.as_ptr().add(i).cast()) };
+            bad = _mm256_or_si256(bad, _mm256_cmpeq_epi32(_mm256_and_si256(v, e), e));
+            i += 8;
+        }
+        _mm256_testz_si256(bad, bad) == 1 && x[n8..].iter().all(|v| v.is_finite())
+    }
+}
+
+pub(super) mod avx512 {
+    use super::*;
+
+    /// Tail mask of the first `n` lanes (n <= 16).
+    #[inline]
+    fn mask16(n: usize) -> __mmask16 {
+        ((1u32 << n) - 1) as __mmask16
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,bmi2")]
+    pub(crate) fn norm_f64(x: &[f32]) -> f64 {
+        let n8 = x.len() / 8 * 8;
+        let mut acc = _mm512_setzero_pd();
+        let mut i = 0;
+        while i < n8 {
+            // SAFETY: i + 8 <= x.len().
+            let v = _mm512_cvtps_pd(unsafe { _mm256_loadu_ps(x.as_ptr().add(i)) });
+            acc = _mm512_add_pd(acc, _mm512_mul_pd(v, v));
+            i += 8;
+        }
+        let mut a = [0.0f64; 8];
+        // SAFETY: `a` holds 8 doubles.
+        unsafe { _mm512_storeu_pd(a.as_mut_ptr(), acc) };
+        for (j, &v) in x[n8..].iter().enumerate() {
+            let v = f64::from(v);
+            a[j] += v * v;
+        }
+        combine_f64(&a).sqrt()
+    }
+
+    /// Two matrix rows side by side in one 16-lane register: lanes 0..8 accumulate row `r`,
+    /// lanes 8..16 row `r + 1`, each still an 8-lane accumulator in the reference order.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,bmi2")]
+    pub(crate) fn dots(mat: &[f32], x: &[f32], out: &mut [f32]) {
+        let n = x.len();
+        let n8 = n / 8 * 8;
+        let rows = out.len();
+        debug_assert!(mat.len() >= rows * n);
+        let mut r = 0;
+        while r + 4 <= rows {
+            let m = &mat[r * n..(r + 4) * n];
+            let (mut a01, mut a23) = (_mm512_setzero_ps(), _mm512_setzero_ps());
+            let mut i = 0;
+            while i < n8 {
+                // SAFETY: row q of the block spans m[q*n..(q+1)*n] and i + 8 <= n.
+                unsafe {
+                    let xv = _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(
+                        _mm256_loadu_ps(x.as_ptr().add(i)),
+                    )));
+                    let row =
+                        |q: usize| _mm256_castps_pd(_mm256_loadu_ps(m.as_ptr().add(q * n + i)));
+                    let v01 = _mm512_castpd_ps(_mm512_insertf64x4::<1>(
+                        _mm512_castpd256_pd512(row(0)),
+                        row(1),
+                    ));
+                    let v23 = _mm512_castpd_ps(_mm512_insertf64x4::<1>(
+                        _mm512_castpd256_pd512(row(2)),
+                        row(3),
+                    ));
+                    a01 = _mm512_add_ps(a01, _mm512_mul_ps(v01, xv));
+                    a23 = _mm512_add_ps(a23, _mm512_mul_ps(v23, xv));
+                }
+                i += 8;
+            }
+            let mut acc = [[0.0f32; 8]; 4];
+            // SAFETY: each pair of `acc` rows is 16 contiguous floats.
+            unsafe {
+                _mm512_storeu_ps(acc.as_mut_ptr().cast(), a01);
+                _mm512_storeu_ps(acc.as_mut_ptr().add(2).cast(), a23);
+            }
+            for (q, a) in acc.into_iter().enumerate() {
+                out[r + q] = finish_dot(a, &m[q * n + n8..(q + 1) * n], &x[n8..]);
+            }
+            r += 4;
+        }
+        for (q, o) in out.iter_mut().enumerate().skip(r) {
+            // AVX2 is part of this path's features, so the call needs no `unsafe`.
+            *o = super::avx2::dot(&mat[q * n..(q + 1) * n], x);
+        }
+    }
+
+    /// Butterflies of strides 1, 2, 4, 8 inside one 16-float vector (see `avx2::fwht8`).
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    fn fwht16(v: __m512) -> __m512 {
+        let s = _mm512_permute_ps::<0b10_11_00_01>(v);
+        let v = _mm512_mask_sub_ps(_mm512_add_ps(v, s), 0xAAAA, s, v);
+        let s = _mm512_permute_ps::<0b01_00_11_10>(v);
+        let v = _mm512_mask_sub_ps(_mm512_add_ps(v, s), 0xCCCC, s, v);
+        let s = _mm512_shuffle_f32x4::<0b10_11_00_01>(v, v);
+        let v = _mm512_mask_sub_ps(_mm512_add_ps(v, s), 0xF0F0, s, v);
+        let s = _mm512_shuffle_f32x4::<0b01_00_11_10>(v, v);
+        _mm512_mask_sub_ps(_mm512_add_ps(v, s), 0xFF00, s, v)
+    }
+
+    /// Butterfly stages of stride `h0, 2 h0, ...` across vectors (`h0 >= 16`).
+    #[target_feature(enable = "avx512f")]
+    fn cross_stages(x: &mut [f32], h0: usize) {
+        let p = x.as_mut_ptr();
+        super::super::butterfly_pairs(x.len(), h0, 16, |j, h| {
+            // SAFETY: j + h + 16 <= n (the pairs stay inside the row).
+            unsafe {
+                let a = _mm512_loadu_ps(p.add(j));
+                let b = _mm512_loadu_ps(p.add(j + h));
+                _mm512_storeu_ps(p.add(j), _mm512_add_ps(a, b));
+                _mm512_storeu_ps(p.add(j + h), _mm512_sub_ps(a, b));
+            }
+        });
+    }
+
+    /// `x *= mult` (when given) then the transform; `x.len()` is a power of two >= 16.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,bmi2")]
+    pub(crate) fn fwht(x: &mut [f32], mult: Option<&[f32]>) {
+        let n = x.len();
+        debug_assert!(n >= 16 && n.is_power_of_two() && mult.is_none_or(|m| m.len() >= n));
+        let p = x.as_mut_ptr();
+        let mut i = 0;
+        while i < n {
+            // SAFETY: i + 16 <= n <= mult.len().
+            unsafe {
+                let mut v = _mm512_loadu_ps(p.add(i));
+                if let Some(m) = mult {
+                    v = _mm512_mul_ps(v, _mm512_loadu_ps(m.as_ptr().add(i)));
+                }
+                _mm512_storeu_ps(p.add(i), fwht16(v));
+            }
+            i += 16;
+        }
+        cross_stages(x, 16);
+    }
+
+    /// Codes of 16 values: a branch-free binary search over the `+inf`-padded boundary table,
+    /// held in a register for up to 4 bits (16 entries), gathered above.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    fn codes16(v: __m512, t16: __m512, table: &[f32], bits: u32) -> __m512i {
+        let mut pos = _mm512_setzero_si512();
+        let mut step = 1i32 << (bits - 1);
+        while step > 0 {
+            let idx = _mm512_add_epi32(pos, _mm512_set1_epi32(step - 1));
+            let t = if bits <= 4 {
+                _mm512_permutexvar_ps(idx, t16)
+            } else {
+                // SAFETY: idx <= 2^bits - 1 < table.len() (binary-search invariant).
+                unsafe { _mm512_i32gather_ps::<4>(idx, table.as_ptr()) }
+            };
+            let m = _mm512_cmp_ps_mask::<_CMP_LE_OQ>(t, v);
+            pos = _mm512_mask_add_epi32(pos, m, pos, _mm512_set1_epi32(step));
+            step >>= 1;
+        }
+        pos
+    }
+
+    /// `codes[i] = #{j : table[j] <= x[i] / div}` (`div = None`: no division); `table` is the
+    /// boundary table padded with `+inf` to at least 16 entries.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,bmi2")]
+    pub(crate) fn encode(x: &[f32], div: Option<f32>, table: &[f32], bits: u32, codes: &mut [u8]) {
+        debug_assert!(table.len() >= 16);
+        let n = x.len().min(codes.len());
+        let dv = _mm512_set1_ps(div.unwrap_or(1.0));
+        // SAFETY: table has at least 16 entries.
+        let t16 = unsafe { _mm512_loadu_ps(table.as_ptr()) };
+        let mut i = 0;
+        while i < n {
+            let k = mask16((n - i).min(16));
+            // SAFETY: the masked lanes stay below n for x and codes.
+            unsafe {
+                let mut v = _mm512_maskz_loadu_ps(k, x.as_ptr().add(i));
+                if div.is_some() {
+                    v = _mm512_div_ps(v, dv);
+                }
+                let c = codes16(v, t16, table, bits);
+                _mm512_mask_cvtepi32_storeu_epi8(codes.as_mut_ptr().add(i).cast(), k, c);
+            }
+            i += 16;
+        }
+    }
+
+    /// `out[i] = table[codes[i]] * mul`; `table` has 256 entries.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,bmi2")]
+    pub(crate) fn decode(codes: &[u8], table: &[f32], bits: u32, mul: f32, out: &mut [f32]) {
+        debug_assert!(table.len() >= 256);
+        let n = codes.len().min(out.len());
+        let mv = _mm512_set1_ps(mul);
+        // SAFETY: table has 256 >= 32 entries.
+        let (t0, t1) = unsafe {
+            (
+                _mm512_loadu_ps(table.as_ptr()),
+                _mm512_loadu_ps(table.as_ptr().add(16)),
+            )
+        };
+        let mut i = 0;
+        while i < n {
+            let k = mask16((n - i).min(16));
+            // SAFETY: the masked lanes stay below n; gather indices are bytes < 256.
+            unsafe {
+                let idx =
+                    _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(k, codes.as_ptr().add(i).cast()));
+                let v = if bits <= 4 {
+                    _mm512_permutexvar_ps(idx, t0)
+                } else if bits == 5 {
+                    _mm512_permutex2var_ps(t0, idx, t1)
+                } else {
+                    _mm512_i32gather_ps::<4>(idx, table.as_ptr())
+                };
+                _mm512_mask_storeu_ps(out.as_mut_ptr().add(i), k, _mm512_mul_ps(v, mv));
+            }
+            i += 16;
+        }
+    }
+
+    /// The butterfly stages across the `K` registers of a row held in registers (strides of
+    /// 16, 32, ... floats), after `fwht16` did the strides inside each register.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    fn cross_stages_regs<const K: usize>(v: &mut [__m512; K]) {
+        let mut h = 1;
+        while h < K {
+            for block in (0..K).step_by(2 * h) {
+                for j in block..block + h {
+                    let (a, b) = (v[j], v[j + h]);
+                    v[j] = _mm512_add_ps(a, b);
+                    v[j + h] = _mm512_sub_ps(a, b);
+                }
+            }
+            h *= 2;
+        }
+    }
+
+    /// The whole MSE encode of one row with the rotation, in registers, for `d' = 16 K`:
+    /// the float64 norm (8 lanes, the reference order; masked-off lanes add `+0.0`), the sign
+    /// and scale, all butterflies, the division by the norm and the code search, with no
+    /// round trip through memory. Returns the norm (non-finite: the caller reports it).
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,bmi2")]
+    pub(crate) fn mse_encode_row<const K: usize>(
+        x: &[f32],
+        mult: &[f32],
+        table: &[f32],
+        bits: u32,
+        zero_code: u8,
+        codes: &mut [u8],
+    ) -> f32 {
+        let d = x.len();
+        debug_assert!(
+            d <= 16 * K && mult.len() >= 16 * K && codes.len() >= 16 * K && table.len() >= 16
+        );
+        let mut v = [_mm512_setzero_ps(); K];
+        let mut acc = _mm512_setzero_pd();
+        for (k, vk) in v.iter_mut().enumerate() {
+            let m = mask16(d.saturating_sub(16 * k).min(16));
+            // SAFETY: the masked load reads only lanes below d; mult has 16 K entries.
+            let (xv, mv) = unsafe {
+                (
+                    _mm512_maskz_loadu_ps(m, x.as_ptr().add(16 * k)),
+                    _mm512_loadu_ps(mult.as_ptr().add(16 * k)),
+                )
+            };
+            let lo = _mm512_cvtps_pd(_mm512_castps512_ps256(xv));
+            let hi = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(
+                _mm512_castps_pd(xv),
+            )));
+            acc = _mm512_add_pd(acc, _mm512_mul_pd(lo, lo));
+            acc = _mm512_add_pd(acc, _mm512_mul_pd(hi, hi));
+            *vk = fwht16(_mm512_mul_ps(xv, mv));
+        }
+        let mut a = [0.0f64; 8];
+        // SAFETY: `a` holds 8 doubles.
+        unsafe { _mm512_storeu_pd(a.as_mut_ptr(), acc) };
+        let norm = combine_f64(&a).sqrt() as f32;
+        if !norm.is_finite() {
+            return norm;
+        }
+        if norm == 0.0 {
+            codes[..16 * K].fill(zero_code);
+            return norm;
+        }
+        cross_stages_regs(&mut v);
+        // SAFETY: table has at least 16 entries.
+        let t16 = unsafe { _mm512_loadu_ps(table.as_ptr()) };
+        let nv = _mm512_set1_ps(norm);
+        for (k, vk) in v.iter().enumerate() {
+            let c = codes16(_mm512_div_ps(*vk, nv), t16, table, bits);
+            // SAFETY: codes has 16 K bytes.
+            unsafe {
+                _mm_storeu_si128(
+                    codes.as_mut_ptr().add(16 * k).cast(),
+                    _mm512_cvtepi32_epi8(c),
+                )
+            };
+        }
+        norm
+    }
+
+    /// The whole MSE decode of one row with the rotation, in registers, for `d' = 16 K`:
+    /// lookup in the table of `centroid * scale`, all butterflies, then `+-(v * norm)` for the
+    /// first `out.len()` coordinates.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,bmi2")]
+    pub(crate) fn mse_decode_row<const K: usize>(
+        codes: &[u8],
+        table: &[f32],
+        bits: u32,
+        sign_bits: &[u32],
+        norm: f32,
+        out: &mut [f32],
+    ) {
+        let d = out.len();
+        debug_assert!(
+            d <= 16 * K && codes.len() >= 16 * K && sign_bits.len() >= 16 * K && table.len() >= 256
+        );
+        // SAFETY: table has 256 >= 32 entries.
+        let (t0, t1) = unsafe {
+            (
+                _mm512_loadu_ps(table.as_ptr()),
+                _mm512_loadu_ps(table.as_ptr().add(16)),
+            )
+        };
+        let mut v = [_mm512_setzero_ps(); K];
+        for (k, vk) in v.iter_mut().enumerate() {
+            // SAFETY: codes has 16 K bytes; gather indices are bytes < 256.
+            unsafe {
+                let idx = _mm512_cvtepu8_epi32(_mm_loadu_si128(codes.as_ptr().add(16 * k).cast()));
+                let t = if bits <= 4 {
+                    _mm512_permutexvar_ps(idx, t0)
+                } else if bits == 5 {
+                    _mm512_permutex2var_ps(t0, idx, t1)
+                } else {
+                    _mm512_i32gather_ps::<4>(idx, table.as_ptr())
+                };
+                *vk = fwht16(t);
+            }
+        }
+        cross_stages_regs(&mut v);
+        let nv = _mm512_set1_ps(norm);
+        for (k, vk) in v.iter().enumerate() {
+            let m = mask16(d.saturating_sub(16 * k).min(16));
+            // SAFETY: sign_bits has 16 K entries; the masked store writes lanes below d only.
+            unsafe {
+                let s = _mm512_loadu_si512(sign_bits.as_ptr().add(16 * k).cast());
+                let r = _mm512_xor_si512(_mm512_castps_si512(_mm512_mul_ps(*vk, nv)), s);
+                _mm512_mask_storeu_ps(out.as_mut_ptr().add(16 * k), m, _mm512_castsi512_ps(r));
+            }
+        }
+    }
+
+    /// `out[i] = (y[i] * mul) ^ sign_bit[i]` for `i < out.len()`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,bmi2")]
+    pub(crate) fn finish(y: &[f32], sign_bits: &[u32], mul: f32, out: &mut [f32]) {
+        let n = out.len();
+        debug_assert!(y.len() >= n && sign_bits.len() >= n);
+        let mv = _mm512_set1_ps(mul);
+        let mut i = 0;
+        while i < n {
+            let k = mask16((n - i).min(16));
+            // SAFETY: the masked lanes stay below n for all three slices.
+            unsafe {
+                let v = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, y.as_ptr().add(i)), mv);
+                let s = _mm512_maskz_loadu_epi32(k, sign_bits.as_ptr().add(i).cast());
+                let v = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(v), s));
+                _mm512_mask_storeu_ps(out.as_mut_ptr().add(i), k, v);
+            }
+            i += 16;
+        }
+    }
+
+    /// `o += s` or `o -= s` elementwise.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,bmi2")]
+    pub(crate) fn add_signed(o: &mut [f32], s: &[f32], negative: bool) {
+        let n = o.len().min(s.len());
+        let mut i = 0;
+        while i < n {
+            let k = mask16((n - i).min(16));
+            // SAFETY: the masked lanes stay below n for both slices.
+            unsafe {
+                let a = _mm512_maskz_loadu_ps(k, o.as_ptr().add(i));
+                let b = _mm512_maskz_loadu_ps(k, s.as_ptr().add(i));
+                let r = if negative {
+                    _mm512_sub_ps(a, b)
+                } else {
+                    _mm512_add_ps(a, b)
+                };
+                _mm512_mask_storeu_ps(o.as_mut_ptr().add(i), k, r);
+            }
+            i += 16;
+        }
+    }
+
+    /// Whether every value is finite (exponent not all ones).
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,bmi2")]
+    pub(crate) fn all_finite(x: &[f32]) -> bool {
+        let e = _mm512_set1_epi32(0x7f80_0000);
+        let mut bad: __mmask16 = 0;
+        let mut i = 0;
+        while i < x.len() {
+            let k = mask16((x.len() - i).min(16));
+            // SAFETY: the masked lanes stay below x.len().
+            let v = unsafe { _mm512_maskz_loadu_epi32(k, x.as_ptr().add(i).cast()) };
+            bad |= _mm512_cmpeq_epi32_mask(_mm512_and_si512(v, e), e);
+            i += 16;
+        }
+        bad == 0
+    }
+}

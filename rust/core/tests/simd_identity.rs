@@ -1,0 +1,306 @@
+//! Every kernel on every instruction set this CPU supports must return the scalar reference's
+//! bytes exactly: codes, packed bytes, stored norms and scales, floats (compared as bits), and
+//! the same errors. Also: results do not depend on the rayon thread count.
+
+use kvqrs_core::kernels::hadamard::Rotation;
+use kvqrs_core::kernels::headq::HeadqCoder;
+use kvqrs_core::kernels::lloyd_max::codebook;
+use kvqrs_core::kernels::mse::MseQuantizer;
+use kvqrs_core::kernels::pack::{pack_with, packed_len, unpack_with};
+use kvqrs_core::kernels::qjl::QjlSketcher;
+use kvqrs_core::rng::{gaussians, random_orthonormal_basis};
+use kvqrs_core::Isa;
+use proptest::prelude::*;
+
+/// The head_dims of the Python suite (tests/strategies.py) plus the small and odd ones.
+const HEAD_DIMS: [usize; 15] = [40, 64, 80, 96, 112, 128, 160, 192, 256, 2, 3, 5, 8, 17, 33];
+
+fn simd_isas() -> Vec<Isa> {
+    Isa::available()
+        .into_iter()
+        .filter(|&i| i != Isa::Scalar)
+        .collect()
+}
+
+fn bits_of(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+/// Deterministic test rows mixing scales: Gaussian rows, rows scaled to 1e30 and 1e-30
+/// (subnormal products), zero rows, one-hot rows and rows of repeated values.
+fn mixed_rows(seed: u64, rows: usize, d: usize) -> Vec<f32> {
+    let g = gaussians(seed, 7, rows * d);
+    let mut x = Vec::with_capacity(rows * d);
+    for r in 0..rows {
+        let row = &g[r * d..(r + 1) * d];
+        match r % 7 {
+            0 | 1 => x.extend_from_slice(row),
+            2 => x.extend(row.iter().map(|v| v * 1e30)),
+            3 => x.extend(row.iter().map(|v| v * 1e-30)),
+            4 => x.extend(std::iter::repeat_n(0.0, d)),
+            5 => x.extend((0..d).map(|i| if i == r % d { -3.5 } else { 0.0 })),
+            _ => x.extend(std::iter::repeat_n(0.25, d)),
+        }
+    }
+    x
+}
+
+#[test]
+fn rotation_is_bit_identical_on_every_isa() {
+    for &d in &HEAD_DIMS {
+        for seed in [None, Some(5u64)] {
+            let reference = Rotation::new(d, seed)
+                .unwrap()
+                .with_isa(Isa::Scalar)
+                .unwrap();
+            let x = mixed_rows(d as u64, 9, d);
+            let y = reference.forward(&x).unwrap();
+            let back = reference.inverse(&y).unwrap();
+            for isa in simd_isas() {
+                let rot = Rotation::new(d, seed).unwrap().with_isa(isa).unwrap();
+                assert_eq!(
+                    bits_of(&rot.forward(&x).unwrap()),
+                    bits_of(&y),
+                    "{isa:?} d={d}"
+                );
+                assert_eq!(
+                    bits_of(&rot.inverse(&y).unwrap()),
+                    bits_of(&back),
+                    "{isa:?} d={d}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn mse_codes_norms_and_decode_are_bit_identical() {
+    for &d in &HEAD_DIMS {
+        let x = mixed_rows(100 + d as u64, 14, d);
+        for bits in 1..=8 {
+            for seed in [Some(3u64), None] {
+                let reference = MseQuantizer::new(d, bits, seed)
+                    .unwrap()
+                    .with_isa(Isa::Scalar)
+                    .unwrap();
+                let c = reference.encode(&x).unwrap();
+                let xh = reference.decode(&c).unwrap();
+                for isa in simd_isas() {
+                    let q = MseQuantizer::new(d, bits, seed)
+                        .unwrap()
+                        .with_isa(isa)
+                        .unwrap();
+                    let ci = q.encode(&x).unwrap();
+                    assert_eq!(ci, c, "{isa:?} d={d} bits={bits} seed={seed:?}");
+                    assert_eq!(
+                        bits_of(&q.decode(&c).unwrap()),
+                        bits_of(&xh),
+                        "{isa:?} d={d} bits={bits}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn values_on_the_boundaries_encode_identically() {
+    // Every float32 boundary, its neighbours one ulp away, +-0 and values beyond +-1.
+    for bits in 1..=8 {
+        let cb = codebook(128, bits).unwrap();
+        let mut x = vec![0.0f32, -0.0, 1.5, -1.5, 1e-40, -1e-40];
+        for &b in &cb.boundaries_f32 {
+            x.extend([
+                b,
+                f32::from_bits(b.to_bits() + 1),
+                f32::from_bits(b.to_bits().wrapping_sub(1)),
+                -b,
+            ]);
+        }
+        let mut want = vec![0u8; x.len()];
+        cb.encode_into_with(Isa::Scalar, &x, &mut want).unwrap();
+        let mut back = vec![0.0f32; x.len()];
+        cb.decode_into_with(Isa::Scalar, &want, &mut back).unwrap();
+        for isa in simd_isas() {
+            let mut got = vec![0u8; x.len()];
+            cb.encode_into_with(isa, &x, &mut got).unwrap();
+            assert_eq!(got, want, "{isa:?} bits={bits}");
+            let mut dec = vec![0.0f32; x.len()];
+            cb.decode_into_with(isa, &want, &mut dec).unwrap();
+            assert_eq!(bits_of(&dec), bits_of(&back), "{isa:?} bits={bits}");
+        }
+    }
+}
+
+#[test]
+fn errors_are_the_same_on_every_isa() {
+    let d = 96;
+    let mut x = mixed_rows(1, 6, d);
+    x[3 * d + 7] = f32::NAN;
+    let mut big = vec![1.0f32; 4 * d];
+    big[2 * d..3 * d].fill(3e38); // finite, but the norm overflows float32
+    for bits in [2u32, 4] {
+        let reference = MseQuantizer::new(d, bits, Some(1))
+            .unwrap()
+            .with_isa(Isa::Scalar)
+            .unwrap();
+        let rot = Rotation::new(d, Some(1))
+            .unwrap()
+            .with_isa(Isa::Scalar)
+            .unwrap();
+        for isa in simd_isas() {
+            let q = MseQuantizer::new(d, bits, Some(1))
+                .unwrap()
+                .with_isa(isa)
+                .unwrap();
+            // Compared as messages: the NaN inside NonFinite is never equal to itself.
+            let msg = |e: kvqrs_core::KvqError| e.to_string();
+            assert_eq!(
+                msg(q.encode(&x).unwrap_err()),
+                msg(reference.encode(&x).unwrap_err())
+            );
+            assert_eq!(
+                msg(q.encode(&big).unwrap_err()),
+                msg(reference.encode(&big).unwrap_err())
+            );
+            let r = Rotation::new(d, Some(1)).unwrap().with_isa(isa).unwrap();
+            assert_eq!(
+                msg(r.forward(&x).unwrap_err()),
+                msg(rot.forward(&x).unwrap_err())
+            );
+            assert_eq!(
+                msg(r.forward(&big).unwrap_err()),
+                msg(rot.forward(&big).unwrap_err())
+            );
+        }
+    }
+}
+
+#[test]
+fn qjl_and_headq_are_bit_identical() {
+    for &d in &HEAD_DIMS {
+        let r = mixed_rows(200 + d as u64, 7, d);
+        let y = gaussians(300 + d as u64, 9, 3 * d);
+        for m in [d, 2 * d + 3] {
+            let reference = QjlSketcher::new(d, m, 11)
+                .unwrap()
+                .with_isa(Isa::Scalar)
+                .unwrap();
+            let sk = reference.sketch(&r).unwrap();
+            assert_eq!(sk.signs.len(), 7 * packed_len(m, 1));
+            let ip = reference.inner_product(&y, &sk).unwrap();
+            let ve = reference.vector_estimate(&sk).unwrap();
+            for isa in simd_isas() {
+                let q = QjlSketcher::new(d, m, 11).unwrap().with_isa(isa).unwrap();
+                assert_eq!(q.sketch(&r).unwrap(), sk, "{isa:?} d={d} m={m}");
+                assert_eq!(bits_of(&q.inner_product(&y, &sk).unwrap()), bits_of(&ip));
+                assert_eq!(bits_of(&q.vector_estimate(&sk).unwrap()), bits_of(&ve));
+            }
+        }
+        for rank in [1, 4.min(d), 9.min(d), d.min(17)] {
+            let u = random_orthonormal_basis(4, d, rank).unwrap();
+            for bits in [1u32, 2, 8] {
+                let reference = HeadqCoder::new(&u, d, rank, bits)
+                    .unwrap()
+                    .with_isa(Isa::Scalar)
+                    .unwrap();
+                let c = reference.encode(&r).unwrap();
+                let corr = reference.score_correction(&y, &c).unwrap();
+                for isa in simd_isas() {
+                    let h = HeadqCoder::new(&u, d, rank, bits)
+                        .unwrap()
+                        .with_isa(isa)
+                        .unwrap();
+                    assert_eq!(
+                        h.encode(&r).unwrap(),
+                        c,
+                        "{isa:?} d={d} rank={rank} bits={bits}"
+                    );
+                    assert_eq!(
+                        bits_of(&h.score_correction(&y, &c).unwrap()),
+                        bits_of(&corr)
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn results_do_not_depend_on_the_thread_count() {
+    // Large enough to be split over threads (above the single-thread threshold).
+    let (d, rows) = (128, 3000);
+    let x = mixed_rows(9, rows, d);
+    let q = MseQuantizer::new(d, 4, Some(2)).unwrap();
+    let sk = QjlSketcher::new(d, d, 3).unwrap();
+    let run = |threads: usize| {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .unwrap();
+        pool.install(|| {
+            let c = q.encode(&x).unwrap();
+            let dec = bits_of(&q.decode(&c).unwrap());
+            let packed = kvqrs_core::kernels::pack::pack(&c.codes, 128, 4).unwrap();
+            let s = sk.sketch(&x).unwrap();
+            let ve = bits_of(&sk.vector_estimate(&s).unwrap());
+            let mut bad = x.clone();
+            bad[(rows - 5) * d + 3] = f32::INFINITY;
+            let err = q.encode(&bad).unwrap_err().to_string();
+            (c, dec, packed, s, ve, err)
+        })
+    };
+    let one = run(1);
+    for threads in [2, 3, 4] {
+        assert!(run(threads) == one, "{threads} threads differ from one");
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+
+    #[test]
+    fn packing_is_byte_identical(bits in 1u32..=8, rows in 0usize..4, count in 0usize..80, seed in any::<u64>()) {
+        let mask = (1u64 << bits) - 1;
+        let codes: Vec<u8> = (0..rows * count)
+            .map(|i| ((seed ^ (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15)).rotate_left(17) & mask) as u8)
+            .collect();
+        let packed = pack_with(Isa::Scalar, &codes, count, bits).unwrap();
+        for isa in simd_isas() {
+            prop_assert_eq!(&pack_with(isa, &codes, count, bits).unwrap(), &packed);
+            prop_assert_eq!(&unpack_with(isa, &packed, count, bits).unwrap(), &codes);
+        }
+    }
+
+    #[test]
+    fn random_rows_encode_identically(
+        di in 0usize..HEAD_DIMS.len(),
+        bits in 1u32..=8,
+        rotate in any::<bool>(),
+        vals in prop::collection::vec(-1e6f32..1e6, 1..400),
+    ) {
+        let d = HEAD_DIMS[di];
+        let rows = vals.len() / d;
+        let x = &vals[..rows * d];
+        let seed = rotate.then_some(17u64);
+        let reference = MseQuantizer::new(d, bits, seed).unwrap().with_isa(Isa::Scalar).unwrap();
+        let c = reference.encode(x).unwrap();
+        let xh = bits_of(&reference.decode(&c).unwrap());
+        for isa in simd_isas() {
+            let q = MseQuantizer::new(d, bits, seed).unwrap().with_isa(isa).unwrap();
+            prop_assert_eq!(&q.encode(x).unwrap(), &c);
+            prop_assert_eq!(&bits_of(&q.decode(&c).unwrap()), &xh);
+        }
+    }
+}
+
+#[test]
+fn unsupported_isa_is_an_error_not_a_crash() {
+    for isa in Isa::ALL {
+        assert_eq!(
+            Rotation::new(8, None).unwrap().with_isa(isa).is_ok(),
+            isa.is_supported()
+        );
+        assert_eq!(pack_with(isa, &[1, 2], 2, 2).is_ok(), isa.is_supported());
+    }
+}
