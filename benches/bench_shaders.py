@@ -37,11 +37,12 @@ def cases(x: np.ndarray, b: int) -> list[tuple[str, Callable[[object], object]]]
     unit = x / np.linalg.norm(x, axis=-1, keepdims=True)
     packed = kvqrs.pack_bits(code.codes, b)
     ucode = kvqrs.uniform_encode(x, b, 32)
+    y = kvqrs.hadamard(x, 1)  # rotated rows (padded to a power of two) for the inverse
     return [
         ("pack_bits", lambda m: m.pack_bits(code.codes, b)),
         ("unpack_bits", lambda m: m.unpack_bits(packed, b, code.codes.shape[-1])),
         ("hadamard", lambda m: m.hadamard(x, 1)),
-        ("inverse_hadamard", lambda m: m.inverse_hadamard(x, 1)),
+        ("inverse_hadamard", lambda m: m.inverse_hadamard(y, 1, d)),
         ("lloyd_max_encode", lambda m: m.lloyd_max_encode(unit, cb)),
         ("mse_encode", lambda m: m.mse_encode(x, b, seed=1)),
         ("mse_decode", lambda m: m.mse_decode(code.codes, code.norms, b, d, seed=1)),
@@ -64,6 +65,8 @@ def main() -> None:
     args = ap.parse_args()
 
     n, d, b = args.vectors, args.head_dim, args.bits
+    if n < 1 or d < 2 or not 1 <= b <= 8:
+        ap.error(f"expected --vectors >= 1, --head-dim >= 2 and --bits in 1..8, got {n}, {d}, {b}")
     x = np.random.default_rng(0).standard_normal((n, d)).astype(np.float32)
     dev = gpu.device("wgpu")
     info = dev.info

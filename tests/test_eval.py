@@ -401,3 +401,25 @@ def test_cli_eval_quick(tmp_path):
         assert len(list(csv.DictReader(f))) == 5
     assert f"report: {out / 'eval.md'}" in proc.stdout
     assert "| kqv k4 v4 |" in (out / "eval.md").read_text()
+
+
+@pytest.mark.parametrize("args, match", [(["--window", "1"], "--window: expected at least 2"), (["--window", "9000"], "8192")])
+def test_cli_eval_window_bounds(tmp_path, args, match):
+    proc = subprocess.run([sys.executable, "-m", "kvqrs", "eval", *args, "--out", str(tmp_path / "o")],
+                          capture_output=True, text=True, env=_env(), timeout=CLI_TIMEOUT_S, cwd=tmp_path)
+    assert proc.returncode == 2 and match in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_fastest_threads_keeps_the_faster_setting(model32):
+    import os as _os
+
+    from kvqrs.evaluation.model import fastest_threads
+
+    model, tok = model32
+    before = torch.get_num_threads()
+    try:
+        n, timings = fastest_threads(model, tok(PARAGRAPHS[0], return_tensors="pt").input_ids[:, :16])
+        assert set(timings) == {1, _os.cpu_count() or 1} and all(t > 0 for t in timings.values())
+        assert timings[n] == min(timings.values()) and torch.get_num_threads() == n
+    finally:
+        torch.set_num_threads(before)

@@ -949,3 +949,44 @@ def test_loaded_cache_continues_the_model_identically(model32, tmp_path):
         steps = [[model(ids[:, t : t + 1], cache=c, use_cache=True).logits for t in range(32, 40)] for c in (cache, loaded)]
     for a, b in zip(*steps):
         assert torch.equal(a, b)
+
+
+# --- (j) review findings: misuse is an error, not a silent wrong number --------------------------
+
+
+def test_fake_quant_refuses_a_model_without_the_kvqrs_attention(model32):
+    model, tok = model32
+    ids = tok(TEXT, return_tensors="pt").input_ids[:, :16]
+    model.set_attn_implementation("sdpa")
+    try:
+        with pytest.raises(KvqrsError, match="attn_implementation='kvqrs'"), torch.no_grad(), fake_quant(QuantConfig("kv", 2, "kv", 2)):
+            model(ids)
+    finally:
+        model.set_attn_implementation("kvqrs")
+
+
+def test_layer_does_not_keep_the_decoded_keys_alive():
+    layer = QuantizedLayer(QuantConfig("kqv", 3, "kqv", 3, residual_length=2), 0)
+    k, v = _kv(tokens=20)
+    rk, _ = layer.update(k, v)
+    assert layer._returned() is rk
+    del rk
+    import gc
+
+    gc.collect()
+    assert layer._returned() is None  # nbytes() counts what the cache holds, nothing hidden
+
+
+@pytest.mark.parametrize("bad", [torch.tensor([5]), torch.tensor([-3]), torch.tensor([[0]]), torch.tensor([True, False])])
+def test_batch_select_rejects_bad_indices(bad):
+    layer = QuantizedLayer(QuantConfig("kqv", 3, "kqv", 3), 0)
+    k, v = _kv(batch=2, tokens=5)
+    layer.update(k, v)
+    with pytest.raises(KvqrsError, match="indices"):
+        layer.batch_select_indices(bad)
+
+
+@pytest.mark.parametrize("field, value", [("residual_length", 2.5), ("seed", "1"), ("group", True), ("rank", 4.0)])
+def test_quant_config_integer_fields(field, value):
+    with pytest.raises(KvqrsError, match=field):
+        QuantConfig("kqv", 3, **{field: value})

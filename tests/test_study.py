@@ -269,3 +269,11 @@ def test_value_qjl_check_rows():
         assert all(np.isfinite(vals))
         assert r["snr_v_scalar"] > r["snr_v_qjl"]  # n-bit scalar beats (n-1)-bit + QJL on V itself
     assert out[1]["snr_v_scalar"] > out[0]["snr_v_scalar"]
+
+
+def test_synthetic_study_does_not_need_torch():
+    # `kvqrs study` runs with the study extra alone: no module on its path may import torch.
+    code = ("import sys; import kvqrs.evaluation.report, kvqrs.evaluation.study, kvqrs.evaluation.mechanisms, kvqrs.cli; "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]

@@ -253,3 +253,13 @@ def test_non_tensor_raises(obj, fn):
 def test_error_names_the_argument():
     with pytest.raises(kvqrs.KvqrsError, match="^keys:"):
         kt.to_numpy(torch.ones(2, 2, dtype=torch.int32), "keys")
+
+
+def test_result_beyond_float16_raises_instead_of_inf():
+    # Rows of 60000: the rotation concentrates them into coordinates beyond float16's 65504.
+    big = torch.full((2, 64), 60000.0, dtype=torch.float16)
+    with pytest.raises(kvqrs.KvqrsError, match="does not fit torch.float16"):
+        kt.hadamard(big, seed=1)
+    codec = KVCodec("kqv", 4, 64, seed=0)
+    with pytest.raises(kvqrs.KvqrsError, match="does not fit"):
+        kt.quantize_dequantize(codec, big, "keys")

@@ -98,6 +98,8 @@ def _study(args: argparse.Namespace) -> int:
             raise KvqrsError(f"{name}: expected a positive integer, got {value}")
     overrides.update({k: v for k, v in (("seeds", args.seeds), ("tokens", args.tokens), ("n_queries", args.queries)) if v is not None})
     config = dataclasses.replace(config, **overrides)
+    if args.from_model and config.tokens + config.n_queries > 8192:
+        raise KvqrsError(f"--tokens/--queries: the model's context is 8192 tokens, got {config.tokens} + {config.n_queries} queries")
     captured = _capture(args, config) if args.from_model else None
     if captured is not None and not args.head_dims:
         config = dataclasses.replace(config, head_dims=(captured.heads[0].keys.shape[-1],))  # the model's head_dim
@@ -125,7 +127,7 @@ def _capture(args: argparse.Namespace, config):
     from .evaluation.capture import capture_heads
 
     texts = _texts(args)
-    torch_threads(args.threads)
+    torch_threads(1 if args.threads is None else args.threads)
     model, tok = model_mod.load()
     captured = capture_heads(model, tok, texts, config.tokens, config.n_queries)
     print(f"captured {len(captured.heads)} heads (layer x KV head) of {config.tokens} tokens, {config.n_queries} queries each; text: {captured.source}")
@@ -133,7 +135,7 @@ def _capture(args: argparse.Namespace, config):
 
 
 def _mechanisms(out, summary, rows, captured, config) -> None:
-    from .evaluation.capture import MODEL_DISTRIBUTION
+    from .evaluation.sample import MODEL_DISTRIBUTION
     from .evaluation.mechanisms import score_space_ranking, softmax_null
     from .evaluation.report import write_mechanisms
 
@@ -154,8 +156,8 @@ def _texts(args: argparse.Namespace):
 
 
 def torch_threads(n: int) -> None:
-    """Set PyTorch's intra-op threads. One by default: with two, PyTorch's OpenMP workers
-    spin-wait whenever the other core is busy and small ops become 100x slower on two cores."""
+    """Set PyTorch's intra-op threads (``kvqrs study`` uses one by default: with two, PyTorch's
+    OpenMP workers spin-wait whenever the other core is busy and small ops slow down badly)."""
     if n < 1:
         raise KvqrsError(f"--threads: expected a positive integer, got {n}")
     import torch
@@ -175,13 +177,18 @@ def _eval(args: argparse.Namespace) -> int:
     for name, value in (("--window", args.window), ("--windows", args.windows), ("--calibration-windows", args.calibration_windows)):
         if value is not None and value < 1:
             raise KvqrsError(f"{name}: expected a positive integer, got {value}")
+    if args.window is not None and args.window < 2:
+        raise KvqrsError(f"--window: expected at least 2 tokens (one prediction needs a context token), got {args.window}")
     if args.window is not None and args.window > 8192:
         raise KvqrsError(f"--window: expected at most the model's context of 8192 tokens, got {args.window}")
     window = args.window if args.window is not None else (256 if args.quick else 512)
     windows = args.windows if args.windows is not None else (1 if args.quick else 3)
-    torch_threads(args.threads)
+    torch_threads(1 if args.threads is None else args.threads)
     start = time.perf_counter()
     model, tok = model_mod.load()
+    if args.threads is None:
+        n, probe = model_mod.fastest_threads(model, tok(texts.evaluation[:20000], return_tensors="pt").input_ids[:, :window])
+        print(f"torch threads: {n} (one forward of {window} tokens: " + ", ".join(f"{k} thread(s) {t:.2f} s" for k, t in probe.items()) + ")")
     rows = default_rows(quick=args.quick, residual_length=args.residual_length)
     if args.rows:
         rows = [r for r in rows if r.name == "dense" or any(r.name.startswith(p) for p in args.rows)]
@@ -199,7 +206,8 @@ def _eval(args: argparse.Namespace) -> int:
 def _text_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", help="a plain text file (its first 20%% calibrates HeadQ, the rest is evaluated)")
     p.add_argument("--wikitext", help="folder of a local WikiText-2/103 raw copy (wiki.test.raw, wiki.valid.*)")
-    p.add_argument("--threads", type=int, default=1, help="PyTorch intra-op threads (default 1)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="PyTorch intra-op threads (eval default: the faster of 1 and all cores, timed on one forward; study: 1)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -252,6 +260,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args.func(args))
+    except ModuleNotFoundError as e:
+        if e.name not in ("torch", "transformers", "gguf", "accelerate", "gensim", "matplotlib", "tqdm"):
+            raise
+        parser.exit(2, f"kvqrs {args.command}: error: {e.name} is not installed; pip install 'kvqrs[eval]' (model evaluation) or 'kvqrs[study]'\n")
     except OSError as e:
         parser.exit(2, f"kvqrs {args.command}: error: {e}\n")
     except KvqrsError as e:

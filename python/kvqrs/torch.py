@@ -34,8 +34,13 @@ def to_numpy(t: torch.Tensor, arg: str = "x") -> np.ndarray:
 def from_numpy(a: np.ndarray, like: torch.Tensor) -> torch.Tensor:
     """``a`` as a tensor with ``like``'s float dtype and device."""
     out = torch.from_numpy(np.ascontiguousarray(a))
-    if out.is_floating_point():
-        out = out.to(dtype=like.dtype)
+    if out.is_floating_point() and out.dtype != like.dtype:
+        cast = out.to(dtype=like.dtype)
+        bad = torch.isinf(cast) & torch.isfinite(out)
+        if bool(bad.any()):
+            i = tuple(int(j) for j in bad.nonzero()[0])
+            raise KvqrsError(f"result: value {float(out[i]):.6g} at {i} does not fit {like.dtype}; use a wider input dtype")
+        out = cast
     return out.to(device=like.device)
 
 

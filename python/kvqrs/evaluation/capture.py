@@ -19,8 +19,7 @@ from .._arrays import KvqrsError
 from ..synthetic import Head
 from ..torch import to_numpy
 
-MODEL_DISTRIBUTION = "smollm2"
-"""The ``distribution`` label of captured heads in study rows."""
+from .sample import MODEL_DISTRIBUTION  # noqa: F401 (re-exported: the label of captured heads)
 
 
 class Recorder:

@@ -12,7 +12,7 @@ import numpy as np
 
 from ..metrics import SIX_D_NAMES, energy_distance, kolmogorov_smirnov, mann_whitney, mean_ci
 from . import plots, theory
-from .capture import MODEL_DISTRIBUTION
+from .sample import MODEL_DISTRIBUTION
 
 PAIR_FIELDS = ["distribution", "head_dim", "bits", "a", "b", "mw_p", "rank_biserial", "ks_d", "ks_p", "energy", "energy_p"]
 TABLE_METRICS = ("kl_mean", "kl_max", "topk_recall", "snr_k", "phi_k", "snr_v", "snr_t", "phi_t", "bpe_k", "bpe_v")

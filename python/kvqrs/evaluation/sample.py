@@ -21,6 +21,9 @@ from ..metrics import (
 from ..schemes import KVCodec
 from ..synthetic import Head, generate
 
+MODEL_DISTRIBUTION = "smollm2"
+"""The ``distribution`` label of heads captured from the model (``study --from-model``)."""
+
 CALIBRATION_SEED_OFFSET = 1_000_003
 """HeadQ calibration queries come from this seed offset: disjoint from the evaluated queries."""
 

@@ -23,6 +23,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
 from transformers.integrations.sdpa_attention import repeat_kv
 
+from .._arrays import KvqrsError
 from ..torch import from_numpy, to_numpy
 from .config import QuantConfig
 
@@ -81,8 +82,10 @@ class FakeQuant:
 
     def __init__(self, config: QuantConfig):
         self.config = config
+        self.calls = 0
 
     def attend(self, module, query, key, value, attention_mask, scaling):
+        self.calls += 1
         cfg = self.config
         codec = cfg.codec(module.layer_idx, query.shape[-1])
         length = key.shape[-2]
@@ -140,4 +143,9 @@ def fake_quant(config: QuantConfig) -> Iterator[FakeQuant]:
     register()
     with active(FakeQuant(config)) as state:
         yield state
+    if state.calls == 0:
+        # A model with another attention implementation (sdpa, eager) never consults the plan:
+        # its output would be the dense model's, reported as if quantized.
+        raise KvqrsError("fake_quant: no attention call went through kvqrs; load the model with "
+                         "attn_implementation='kvqrs' (or model.set_attn_implementation('kvqrs')) after kvqrs.hf.register()")
 

@@ -16,6 +16,8 @@ softmax part by log-sum-exp, exactly; see ``QuantConfig.fused`` for when. Use th
 
 from __future__ import annotations
 
+import weakref
+
 from typing import Any
 
 import numpy as np
@@ -54,7 +56,8 @@ class QuantizedLayer(CacheLayerMixin):
         self.chunks_k: list[Encoded] = []
         self.chunks_v: list[Encoded | None] = []
         self.quantized = 0
-        self._returned: torch.Tensor | None = None
+        # A weak reference: recognising this layer's forward must not keep the decoded keys alive.
+        self._returned: weakref.ref | None = None
         # Set once the kvqrs attention function has served this layer: only then may update()
         # hand back the window alone (another attention function would miss the codes).
         self._attended = False
@@ -83,10 +86,10 @@ class QuantizedLayer(CacheLayerMixin):
         self._flush()
         self._fused = fused and self._can_fuse(key_states.shape[-2])
         if self._fused:
-            self._returned = self.keys
+            self._returned = weakref.ref(self.keys)
             return self.keys, self.values
         k, v = self.materialize()
-        self._returned = k
+        self._returned = weakref.ref(k)
         return k, v
 
     def _can_fuse(self, new_tokens: int) -> bool:
@@ -192,6 +195,9 @@ class QuantizedLayer(CacheLayerMixin):
         if not self.is_initialized:
             return
         idx = torch.as_tensor(indices).to(self.keys.device)
+        batch = self.keys.shape[0]
+        if idx.dtype in (torch.bool, torch.float16, torch.float32, torch.float64) or idx.ndim != 1 or (idx.numel() and not (-batch <= int(idx.min()) and int(idx.max()) < batch)):
+            raise KvqrsError(f"indices: expected a 1-d integer tensor of batch rows in 0..{batch - 1}, got {indices!r}")
         self._batch(lambda c: _select(c, idx))
         self.keys, self.values = self.keys.index_select(0, idx), self.values.index_select(0, idx)
         if hasattr(self, "_fp_values_quantized"):
@@ -247,7 +253,7 @@ class QuantizedLayer(CacheLayerMixin):
         return out.to(query.dtype).transpose(1, 2).contiguous(), None
 
     def attend(self, module, query, key, value, attention_mask, scaling):
-        if key is not self._returned:
+        if self._returned is None or key is not self._returned():
             return None
         self._attended = True
         from transformers.integrations.sdpa_attention import repeat_kv

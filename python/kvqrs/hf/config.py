@@ -70,6 +70,10 @@ class QuantConfig:
         check_bits(self.key_bits, "key_bits")
         if self.value_bits is not None:
             check_bits(self.value_bits, "value_bits")
+        for name in ("residual_length", "seed", "group", "rank", "side_bits"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+                raise KvqrsError(f"{name}: expected an integer, got {value!r}")
         if self.residual_length < 0:
             raise KvqrsError(f"residual_length: expected >= 0, got {self.residual_length}")
         if self.a2_lookahead is not None and not 1 <= self.a2_lookahead <= self.residual_length:
