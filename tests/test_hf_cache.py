@@ -990,3 +990,19 @@ def test_batch_select_rejects_bad_indices(bad):
 def test_quant_config_integer_fields(field, value):
     with pytest.raises(KvqrsError, match=field):
         QuantConfig("kqv", 3, **{field: value})
+
+
+def test_generate_does_not_mutate_a_shared_config(model32):
+    import dataclasses
+
+    model, tok = model32
+    ids = tok(TEXT, return_tensors="pt").input_ids[:, :12]
+    cfg = QuantConfig("kqv", 3, "kqv", 3, residual_length=4)
+    before = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name != "_codecs"}
+    outs = []
+    for _ in range(2):  # two caches share one config, one after the other
+        cache = QuantizedKVCache(cfg, _layers(model))
+        with torch.no_grad():
+            outs.append(model.generate(ids, cache=cache, max_new_tokens=6, do_sample=False))
+    assert {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name != "_codecs"} == before
+    assert torch.equal(outs[0], outs[1])
