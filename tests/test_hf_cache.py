@@ -1004,5 +1004,6 @@ def test_generate_does_not_mutate_a_shared_config(model32):
         cache = QuantizedKVCache(cfg, _layers(model))
         with torch.no_grad():
             outs.append(model.generate(ids, cache=cache, max_new_tokens=6, do_sample=False))
+        assert cache.layers[0].quantized > 0  # the generation really went through this cache
     assert {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name != "_codecs"} == before
     assert torch.equal(outs[0], outs[1])
