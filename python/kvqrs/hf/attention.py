@@ -83,6 +83,15 @@ class FakeQuant:
     def __init__(self, config: QuantConfig):
         self.config = config
         self.calls = 0
+        self._schedules: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _schedule(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(seen, held)`` for a window: tokens seen at each query and tokens held quantized
+        then; the same for every layer, so built once per window length."""
+        if length not in self._schedules:
+            seen = torch.arange(1, length + 1)
+            self._schedules[length] = (seen, torch.tensor([self.config.quantized_count(int(s)) for s in seen]))
+        return self._schedules[length]
 
     def attend(self, module, query, key, value, attention_mask, scaling):
         self.calls += 1
@@ -92,8 +101,7 @@ class FakeQuant:
         if query.shape[-2] != length:
             raise ValueError("kvqrs fake-quant path: expects a full window starting at position 0 (no cache)")
         # m[t, j]: key j is held quantized when the cache has seen t + 1 tokens.
-        seen = torch.arange(1, length + 1)
-        held = torch.tensor([cfg.quantized_count(int(s)) for s in seen])
+        seen, held = self._schedule(length)
         # With no full-precision window every key a query may see (j <= t) is quantized: the
         # causal mask hides the rest, so the mixing below reduces to the quantized parts alone.
         all_held = attention_mask is not None and bool(torch.equal(held, seen))
