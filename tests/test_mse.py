@@ -611,3 +611,46 @@ def test_error_messages_are_kvqrs_errors_and_value_errors():
     with pytest.raises(kvqrs.KvqrsError) as info:
         kvqrs.mse_encode(np.array([[1.0, np.nan]], np.float32), 2, None)
     assert re.search(r"row 0, position 1", str(info.value))
+
+
+# --------------------------------------------------------------------------------------------
+# Fused packed encode / decode (what the schemes store)
+# --------------------------------------------------------------------------------------------
+
+@given(mse_inputs())
+def test_packed_encode_equals_pack_of_codes(case):
+    """mse_encode_packed = pack_bits(mse_encode) byte for byte, the oracle's codes packed
+    except near a boundary; mse_decode_packed = mse_decode(unpack_bits) bit for bit."""
+    x, nbits, seed = case
+    d = x.shape[-1]
+    code = kvqrs.mse_encode(x, nbits, seed)
+    packed = kvqrs.mse_encode_packed(x, nbits, seed)
+    assert packed.codes.dtype == np.uint8
+    assert packed.codes.shape == (*x.shape[:-1], kvqrs.packed_size(code_dim(d, seed), nbits))
+    np.testing.assert_array_equal(packed.codes, kvqrs.pack_bits(code.codes, nbits))
+    np.testing.assert_array_equal(packed.norms, code.norms)
+    assert packed.norms.dtype == code.norms.dtype
+    unpacked = kvqrs.unpack_bits(packed.codes, nbits, code_dim(d, seed))
+    want_codes, _ = oracle.mse_encode(np.asarray(x, dtype=np.float32), nbits, seed)
+    _, boundaries, _ = oracle.lloyd_max_codebook(code_dim(d, seed), nbits)
+    codes_match_except_near_boundaries(unpacked, want_codes, oracle_unit(x, seed), boundaries)
+    for dtype in (np.float32, np.float64):
+        got = kvqrs.mse_decode_packed(packed.codes, packed.norms, nbits, d, seed, dtype=dtype)
+        ref = kvqrs.mse_decode(code.codes, code.norms, nbits, d, seed, dtype=dtype)
+        assert got.dtype == ref.dtype and got.shape == x.shape
+        np.testing.assert_array_equal(got.view(np.uint8), ref.view(np.uint8))
+
+
+def test_packed_decode_rejects_bad_input():
+    x = np.random.default_rng(3).standard_normal((4, 40)).astype(np.float32)
+    c = kvqrs.mse_encode_packed(x, 3, 5)  # code_dim 64 -> 24 bytes per row
+    with pytest.raises(kvqrs.KvqrsError, match="packed: expected a last axis of 24 bytes"):
+        kvqrs.mse_decode_packed(c.codes[:, :-1], c.norms, 3, 40, 5)
+    with pytest.raises(kvqrs.KvqrsError, match="packed: expected a uint8 array"):
+        kvqrs.mse_decode_packed(c.codes.astype(np.int16), c.norms, 3, 40, 5)
+    with pytest.raises(kvqrs.KvqrsError, match="norms: expected shape"):
+        kvqrs.mse_decode_packed(c.codes, c.norms[:-1], 3, 40, 5)
+    with pytest.raises(kvqrs.KvqrsError, match="norms"):
+        kvqrs.mse_decode_packed(c.codes, -np.abs(c.norms) - 1, 3, 40, 5)
+    with pytest.raises(kvqrs.KvqrsError, match="x: .*NaN"):
+        kvqrs.mse_encode_packed(np.full((2, 40), np.nan, np.float32), 3, 5)

@@ -19,6 +19,7 @@ from .._arrays import (
     restore,
 )
 from .hadamard import padded_dim
+from .pack import packed_rows, packed_size
 
 
 class MSECode(NamedTuple):
@@ -87,6 +88,61 @@ def mse_decode(
     """
     flat, n, leading, b, d, s = decode_args(codes, norms, bits, head_dim, seed)
     out = _native.mse_decode(flat, n, d, b, s)
+    return restore(out, leading, d, check_out_dtype(dtype))
+
+
+def mse_encode_packed(x: Any, bits: int, seed: int | None = None) -> MSECode:
+    """:func:`mse_encode` followed by :func:`~kvqrs.pack_bits`, fused row by row in Rust: the
+    same bytes without the unpacked ``(..., code_dim)`` intermediate (what the schemes store).
+
+    Args:
+        x: float array ``(..., head_dim)``, head_dim >= 2.
+        bits: 1..8 bits per coordinate.
+        seed: rotation seed, or None for no rotation.
+
+    Returns:
+        :class:`MSECode` whose ``codes`` are packed: uint8 ``(..., ceil(code_dim * bits / 8))``
+        (SPEC 2.1 bit order).
+
+    Raises:
+        KvqrsError: as :func:`mse_encode`.
+    """
+    flat, leading, d, _ = as_float_rows(x, "x", min_dim=2)
+    b = check_bits(bits)
+    s = check_seed(seed)
+    packed, norms = _native.mse_encode_packed(flat, d, b, s)
+    code_dim = d if s is None else padded_dim(d)
+    return MSECode(packed.reshape(*leading, packed_size(code_dim, b)), norms.reshape(leading))
+
+
+def mse_decode_packed(
+    packed: Any,
+    norms: Any,
+    bits: int,
+    head_dim: int,
+    seed: int | None = None,
+    dtype: Any = np.float32,
+) -> np.ndarray:
+    """:func:`~kvqrs.unpack_bits` followed by :func:`mse_decode`, fused row by row in Rust.
+
+    Args:
+        packed: uint8 ``(..., ceil(code_dim * bits / 8))`` from :func:`mse_encode_packed`.
+        norms: float16 or float32 ``(...)``.
+        bits, head_dim, seed: as given to the encoder.
+        dtype: output float dtype (default float32).
+
+    Returns:
+        array ``(..., head_dim)`` of ``dtype``.
+
+    Raises:
+        KvqrsError: a last axis of the wrong byte count, norms of the wrong shape or dtype,
+            negative or non-finite norms, bad bits, head_dim or seed.
+    """
+    b = check_bits(bits)
+    d = check_positive_int(head_dim, "head_dim", minimum=2)
+    s = check_seed(seed)
+    flat, leading, b, _ = packed_rows(packed, b, d if s is None else padded_dim(d))
+    out = _native.mse_decode_packed(flat, as_scalars(norms, "norms", leading), d, b, s)
     return restore(out, leading, d, check_out_dtype(dtype))
 
 

@@ -13,6 +13,8 @@ import functools
 import weakref
 from typing import Any, Callable
 
+import numpy as np
+
 from .. import kernels
 from .._arrays import KvqrsError
 
@@ -36,6 +38,29 @@ KERNEL_FUNCTIONS = (
 )
 """The kernel functions every backend provides (the ones the schemes call)."""
 
+FUSED_FUNCTIONS = ("mse_decode_packed", "mse_encode_packed")
+"""Fused compositions a backend may provide natively; composed from the kernels above when not."""
+
+
+def _mse_encode_packed(f: dict[str, Callable[..., Any]]) -> Callable[..., Any]:
+    def encode(x: Any, bits: int, seed: int | None = None) -> kernels.MSECode:
+        code = f["mse_encode"](x, bits, seed)
+        return kernels.MSECode(f["pack_bits"](code.codes, bits), code.norms)
+
+    return encode
+
+
+def _mse_decode_packed(f: dict[str, Callable[..., Any]]) -> Callable[..., Any]:
+    def decode(packed: Any, norms: Any, bits: int, head_dim: int, seed: int | None = None, dtype: Any = np.float32) -> Any:
+        code_dim = head_dim if seed is None else kernels.padded_dim(head_dim)
+        codes = f["unpack_bits"](packed, bits, code_dim)
+        return f["mse_decode"](codes, norms, bits, head_dim, seed, dtype=dtype)
+
+    return decode
+
+
+_COMPOSE = {"mse_encode_packed": _mse_encode_packed, "mse_decode_packed": _mse_decode_packed}
+
 
 class Backend:
     """The kernel functions of one compute path.
@@ -43,7 +68,8 @@ class Backend:
     Args:
         name: ``"cpu"`` or ``"wgpu"``.
         functions: one callable per name in :data:`KERNEL_FUNCTIONS`, with the signature of
-            the :mod:`kvqrs.kernels` function of that name.
+            the :mod:`kvqrs.kernels` function of that name; optionally the fused ones of
+            :data:`FUSED_FUNCTIONS` (composed from the kernels when absent).
 
     Raises:
         KvqrsError: a kernel function is missing.
@@ -57,7 +83,9 @@ class Backend:
     lloyd_max_decode: Callable[..., Any]
     lloyd_max_encode: Callable[..., Any]
     mse_decode: Callable[..., Any]
+    mse_decode_packed: Callable[..., Any]
     mse_encode: Callable[..., Any]
+    mse_encode_packed: Callable[..., Any]
     pack_bits: Callable[..., Any]
     qjl_inner_product: Callable[..., Any]
     qjl_sketch: Callable[..., Any]
@@ -73,12 +101,14 @@ class Backend:
         self.name = name
         for k in KERNEL_FUNCTIONS:
             setattr(self, k, functions[k])
+        for k in FUSED_FUNCTIONS:
+            setattr(self, k, functions[k] if k in functions else _COMPOSE[k](functions))
 
     def __repr__(self) -> str:
         return f"Backend({self.name!r})"
 
 
-CPU = Backend("cpu", {k: getattr(kernels, k) for k in KERNEL_FUNCTIONS})
+CPU = Backend("cpu", {k: getattr(kernels, k) for k in KERNEL_FUNCTIONS + FUSED_FUNCTIONS})
 """The Rust path (:mod:`kvqrs.kernels`)."""
 
 _gpu_backends: "weakref.WeakKeyDictionary[Any, Backend]" = weakref.WeakKeyDictionary()

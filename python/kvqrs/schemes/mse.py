@@ -55,8 +55,8 @@ class MSECoder:
     def encode(self, x) -> Encoded:
         x = as_float_array(x, self.kind)
         check_head_dim(x, self.head_dim, self.kind)
-        code = self.k.mse_encode(x, self.bits, self.seed)
-        parts = {"codes": self.k.pack_bits(code.codes, self.bits), "norms": code.norms}
+        code = self.k.mse_encode_packed(x, self.bits, self.seed)
+        parts = {"codes": code.codes, "norms": code.norms}
         return Encoded(self.scheme, self.kind, x.shape, x.dtype, parts, self.params)
 
     def token_axes(self) -> dict[str, int]:
@@ -77,7 +77,7 @@ class MSECoder:
 
     def decode_unchecked(self, enc: Encoded) -> np.ndarray:
         """Decode the MSE parts of ``enc`` (also when ``enc`` belongs to a composite coder)."""
-        return self.k.mse_decode(self.codes(enc), enc.parts["norms"], self.bits, self.head_dim, self.seed)
+        return self.k.mse_decode_packed(enc.parts["codes"], enc.parts["norms"], self.bits, self.head_dim, self.seed)
 
     def attention_rows(self, enc: Encoded) -> MSERows:
         """The stored parts as the fused attention kernel reads them (codes stay packed)."""

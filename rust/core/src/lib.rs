@@ -4,6 +4,7 @@
 //! row-major `rows x dim` float32 slices; every function validates its sizes and returns
 //! [`KvqError`] instead of panicking.
 
+pub mod alloc;
 pub mod error;
 pub mod format;
 pub mod kernels;

@@ -103,6 +103,40 @@ fn mse_codes_norms_and_decode_are_bit_identical() {
     }
 }
 
+/// The fused packed encoder and decoder equal pack(encode) and decode(unpack) on every path,
+/// scalar included, for every width (rows that end mid-byte included).
+#[test]
+fn packed_mse_equals_pack_of_codes_on_every_isa() {
+    for &d in &HEAD_DIMS {
+        let x = mixed_rows(200 + d as u64, 11, d);
+        for bits in 1..=8 {
+            for seed in [Some(9u64), None] {
+                for isa in Isa::available() {
+                    let q = MseQuantizer::new(d, bits, seed)
+                        .unwrap()
+                        .with_isa(isa)
+                        .unwrap();
+                    let c = q.encode(&x).unwrap();
+                    let cd = q.code_dim();
+                    let (packed, norms) = q.encode_packed(&x).unwrap();
+                    assert_eq!(
+                        packed,
+                        pack_with(Isa::Scalar, &c.codes, cd, bits).unwrap(),
+                        "{isa:?} d={d} bits={bits}"
+                    );
+                    assert_eq!(norms, c.norms, "{isa:?} d={d} bits={bits}");
+                    let xh = q.decode_packed(&packed, norms.view()).unwrap();
+                    assert_eq!(
+                        bits_of(&xh),
+                        bits_of(&q.decode(&c).unwrap()),
+                        "{isa:?} d={d} bits={bits}"
+                    );
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn values_on_the_boundaries_encode_identically() {
     // Every float32 boundary, its neighbours one ulp away, +-0 and values beyond +-1.

@@ -164,6 +164,42 @@ pub fn mse_decode<'py>(
     Ok(PyArray1::from_vec(py, out))
 }
 
+/// Returns (packed codes uint8 flat, `packed_len(code_dim, bits)` bytes per row, norms
+/// float16|float32): `mse_encode` then `pack_bits`, fused row by row.
+#[pyfunction]
+#[pyo3(signature = (x, head_dim, bits, seed=None))]
+pub fn mse_encode_packed<'py>(
+    py: Python<'py>,
+    x: PyReadonlyArray1<'py, f32>,
+    head_dim: usize,
+    bits: i64,
+    seed: Option<u64>,
+) -> PyResult<(U8Out<'py>, Bound<'py, PyAny>)> {
+    let xs = slice(&x, "x")?;
+    let (packed, norms) = py_result(
+        py.allow_threads(|| MseQuantizer::new(head_dim, bits_u32(bits), seed)?.encode_packed(xs)),
+    )?;
+    Ok((PyArray1::from_vec(py, packed), plane_to_py(py, norms)))
+}
+
+/// `unpack_bits` then `mse_decode`, fused row by row.
+#[pyfunction]
+#[pyo3(signature = (packed, norms, head_dim, bits, seed=None))]
+pub fn mse_decode_packed<'py>(
+    py: Python<'py>,
+    packed: PyReadonlyArray1<'py, u8>,
+    norms: Scalars<'py>,
+    head_dim: usize,
+    bits: i64,
+    seed: Option<u64>,
+) -> PyResult<F32Out<'py>> {
+    let (c, n) = (slice(&packed, "packed")?, norms.view("norms")?);
+    let out = py_result(py.allow_threads(|| {
+        MseQuantizer::new(head_dim, bits_u32(bits), seed)?.decode_packed(c, n)
+    }))?;
+    Ok(PyArray1::from_vec(py, out))
+}
+
 /// Returns (packed sign bits uint8 flat, norms float16|float32).
 #[pyfunction]
 pub fn qjl_sketch<'py>(

@@ -6,7 +6,9 @@ use std::sync::Arc;
 
 use super::hadamard::Rotation;
 use super::lloyd_max::{codebook, Codebook};
+use super::pack::packed_len;
 use super::{check_bits, check_finite, check_head_dim, check_len, rows_of};
+use crate::alloc::output_vec;
 use crate::error::{KvqError, Result};
 use crate::par;
 use crate::reduce::norm_f64;
@@ -155,10 +157,50 @@ impl MseQuantizer {
     /// [`MseQuantizer::encode`] into a caller's buffers: `rows * code_dim` codes and `rows`
     /// float32 norms (before the storage rounding of [`ScalarPlane::store`]).
     pub fn encode_into(&self, x: &[f32], codes: &mut [u8], norms: &mut [f32]) -> Result<()> {
+        self.encode_rows(x, (codes, "codes"), norms, false)
+    }
+
+    /// Bytes of one packed row: `packed_len(code_dim, bits)`.
+    pub fn packed_row_len(&self) -> usize {
+        packed_len(self.code_dim(), self.codebook.bits)
+    }
+
+    /// Encodes rows straight to packed codes, `packed_row_len()` bytes per row (SPEC 2.1 bit
+    /// order): the bytes of [`MseQuantizer::encode`] followed by [`super::pack::pack`], without
+    /// the rows x code_dim buffer of unpacked codes (each row is packed from per-task scratch,
+    /// so the output is written once). Errors as [`MseQuantizer::encode`].
+    pub fn encode_packed(&self, x: &[f32]) -> Result<(Vec<u8>, ScalarPlane)> {
+        let rows = rows_of("x", x.len(), self.head_dim)?;
+        let mut packed = vec![0u8; rows * self.packed_row_len()];
+        let mut norms = vec![0.0f32; rows];
+        self.encode_packed_into(x, &mut packed, &mut norms)?;
+        Ok((packed, ScalarPlane::store(&norms)))
+    }
+
+    /// [`MseQuantizer::encode_packed`] into a caller's buffers: `rows * packed_row_len()` bytes
+    /// and `rows` float32 norms.
+    pub fn encode_packed_into(
+        &self,
+        x: &[f32],
+        packed: &mut [u8],
+        norms: &mut [f32],
+    ) -> Result<()> {
+        self.encode_rows(x, (packed, "packed"), norms, true)
+    }
+
+    /// The row loop of both encoders: codes are written unpacked, or packed from a scratch row.
+    fn encode_rows(
+        &self,
+        x: &[f32],
+        (out, arg): (&mut [u8], &'static str),
+        norms: &mut [f32],
+        packed: bool,
+    ) -> Result<()> {
         let isa = self.isa();
-        let (d, cd) = (self.head_dim, self.code_dim());
+        let (d, cd, bits) = (self.head_dim, self.code_dim(), self.codebook.bits);
+        let width = if packed { self.packed_row_len() } else { cd };
         let rows = rows_of("x", x.len(), d)?;
-        check_len("codes", codes.len(), rows * cd, "rows x code_dim")?;
+        check_len(arg, out.len(), rows * width, "rows x row width")?;
         check_len("norms", norms.len(), rows, "one per row")?;
         // A finite norm implies a finite row (the float64 sum of squares cannot overflow), so
         // the full input scan runs only to name an error, as the reference reports it.
@@ -166,17 +208,24 @@ impl MseQuantizer {
             rows,
             cd,
             (x, d),
-            (codes, cd),
+            (out, width),
             (norms, 1),
-            || vec![0.0f32; cd],
-            |unit, first, xs, cs, ns| {
+            || (vec![0.0f32; cd], vec![0u8; if packed { cd } else { 0 }]),
+            |(unit, row_codes), first, xs, cs, ns| {
                 for (k, ((src, dst), n)) in xs
                     .chunks_exact(d)
-                    .zip(cs.chunks_exact_mut(cd))
+                    .zip(cs.chunks_exact_mut(width))
                     .zip(ns.iter_mut())
                     .enumerate()
                 {
-                    *n = self.encode_row(isa, src, unit, dst).ok_or(first + k)?;
+                    let norm = if packed {
+                        let norm = self.encode_row(isa, src, unit, row_codes);
+                        ops::pack_row(isa, row_codes, bits, dst);
+                        norm
+                    } else {
+                        self.encode_row(isa, src, unit, dst)
+                    };
+                    *n = norm.ok_or(first + k)?;
                 }
                 Ok(())
             },
@@ -196,29 +245,76 @@ impl MseQuantizer {
     /// [`MseQuantizer::decode`] from borrowed codes and norms (no copy of the caller's buffers).
     pub fn decode_parts(&self, codes: &[u8], norms: ScalarView<'_>) -> Result<Vec<f32>> {
         let rows = rows_of("codes", codes.len(), self.code_dim())?;
-        let mut out = vec![0.0f32; rows * self.head_dim];
+        let mut out = output_vec(rows * self.head_dim);
         self.decode_into(codes, norms, &mut out)?;
         Ok(out)
     }
 
     /// [`MseQuantizer::decode_parts`] into a caller's buffer of `rows * head_dim` values.
     pub fn decode_into(&self, codes: &[u8], norms: ScalarView<'_>, out: &mut [f32]) -> Result<()> {
-        let isa = self.isa();
-        let (d, cd) = (self.head_dim, self.code_dim());
+        let cd = self.code_dim();
         let rows = rows_of("codes", codes.len(), cd)?;
+        self.decode_rows((codes, cd, rows), norms, out, false)
+    }
+
+    /// Decodes packed rows of `packed_row_len()` bytes (from [`MseQuantizer::encode_packed`]):
+    /// the values of [`super::pack::unpack`] followed by [`MseQuantizer::decode_parts`], each
+    /// row unpacked into per-task scratch (no rows x code_dim buffer). Every packed code is in
+    /// range by construction; bits past the last code of a row are ignored, as `unpack` does.
+    pub fn decode_packed(&self, packed: &[u8], norms: ScalarView<'_>) -> Result<Vec<f32>> {
+        let rows = rows_of("packed", packed.len(), self.packed_row_len())?;
+        let mut out = output_vec(rows * self.head_dim);
+        self.decode_packed_into(packed, norms, &mut out)?;
+        Ok(out)
+    }
+
+    /// [`MseQuantizer::decode_packed`] into a caller's buffer of `rows * head_dim` values.
+    pub fn decode_packed_into(
+        &self,
+        packed: &[u8],
+        norms: ScalarView<'_>,
+        out: &mut [f32],
+    ) -> Result<()> {
+        let width = self.packed_row_len();
+        let rows = rows_of("packed", packed.len(), width)?;
+        self.decode_rows((packed, width, rows), norms, out, true)
+    }
+
+    /// The row loop of both decoders; checks norms, unpacked codes and `out`.
+    fn decode_rows(
+        &self,
+        (input, width, rows): (&[u8], usize, usize),
+        norms: ScalarView<'_>,
+        out: &mut [f32],
+        packed: bool,
+    ) -> Result<()> {
+        let isa = self.isa();
+        let (d, cd, bits) = (self.head_dim, self.code_dim(), self.codebook.bits);
         norms.validate("norms", rows)?;
-        check_codes("codes", codes, cd, self.codebook.bits)?;
+        if !packed {
+            check_codes("codes", input, cd, bits)?;
+        }
         check_len("out", out.len(), rows * d, "rows x head_dim")?;
         // Decoding cannot fail once the codes and norms are valid.
         let _ = par::rows1(
             rows,
             cd,
-            (codes, cd),
+            (input, width),
             (out, d),
-            || vec![0.0f32; cd],
-            |buf, first, cs, os| {
-                for (k, (src, dst)) in cs.chunks_exact(cd).zip(os.chunks_exact_mut(d)).enumerate() {
-                    self.decode_row_isa(isa, src, norms.get(first + k), buf, dst);
+            || (vec![0.0f32; cd], vec![0u8; if packed { cd } else { 0 }]),
+            |(buf, row_codes), first, cs, os| {
+                for (k, (src, dst)) in cs
+                    .chunks_exact(width)
+                    .zip(os.chunks_exact_mut(d))
+                    .enumerate()
+                {
+                    let codes = if packed {
+                        ops::unpack_row(isa, src, bits, row_codes);
+                        &row_codes[..]
+                    } else {
+                        src
+                    };
+                    self.decode_row_isa(isa, codes, norms.get(first + k), buf, dst);
                 }
                 Ok(())
             },
