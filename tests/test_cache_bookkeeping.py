@@ -84,10 +84,11 @@ def _one_shot(codec, k, v, n):
     return ck, cv
 
 
-def _check_holds_one_shot(layer, cfg, k, v):
-    """``layer`` holds encode(first n tokens) bit for bit and the newest tokens untouched."""
-    n = layer.quantized
-    assert n == cfg.quantized_count(k.shape[-2])
+def _check_holds_one_shot(layer, cfg, k, v, n=None):
+    """``layer`` holds encode(first n tokens) bit for bit and the newest tokens untouched; ``n``
+    is ``quantized_count(seen)`` unless given (after a crop, kept codes stay quantized)."""
+    n = cfg.quantized_count(k.shape[-2]) if n is None else n
+    assert layer.quantized == n
     assert torch.equal(layer.keys, k[..., n:, :]) and torch.equal(layer.values, v[..., n:, :])
     if n == 0:
         assert not layer.chunks_k
@@ -360,18 +361,8 @@ def test_crop_then_continue(model64, cfg):
             seen += 1
             if cfg is UNQUANTIZED:
                 assert torch.equal(a, b)
-        layer, ref = qc.layers[0], dc.layers[0]
-        assert layer.quantized == max(min(held, seen - feed.shape[1]), cfg.quantized_count(seen))
-        assert torch.equal(layer.keys, ref.keys[..., layer.quantized :, :])
-        if layer.quantized:
-            _check_holds_one_shot_prefix(layer, ref.keys, ref.values)
-
-
-def _check_holds_one_shot_prefix(layer, k, v):
-    n = layer.quantized
-    ck, cv = _one_shot(layer.codec(), k, v, n)
-    _parts_equal(layer.chunks_k[0], ck, "keys")
-    _parts_equal(layer.chunks_v[0], cv, "values")
+        n = max(min(held, seen - feed.shape[1]), cfg.quantized_count(seen))
+        _check_holds_one_shot(qc.layers[0], cfg, dc.layers[0].keys, dc.layers[0].values, n)
 
 
 def _left_padded(tok, texts, pad_id=0):
