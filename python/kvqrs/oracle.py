@@ -557,14 +557,19 @@ _F16_MAX = 65504.0
 def store_scalars(values) -> np.ndarray:
     """Storage rule for per-vector scalars (kernels.md §5 step 5, SPEC 2.4).
 
-    ``values`` (any shape) are taken as float32; returns them as float16 when every non-zero
-    absolute value lies in ``[2^-14, 65504)`` (over the whole array), otherwise as float32.
+    ``values`` (any shape) are taken as float32. Each value that is zero or whose absolute value
+    lies in ``[2^-14, 65504)`` is rounded to float16; the result is float16 when every value is,
+    otherwise float32 holding the rest unrounded (per-value rounding: chunked storage joins to
+    the same values as one call).
     """
     v = np.asarray(values, dtype=np.float32)
     mag = np.abs(v.astype(np.float64))
-    nonzero = mag[mag != 0.0]  # NaN is "non-zero" and fails the range test
-    fits = bool(np.all((nonzero >= _F16_MIN_NORMAL) & (nonzero < _F16_MAX)))
-    return v.astype(np.float16) if fits else v
+    fits = (mag == 0.0) | ((mag >= _F16_MIN_NORMAL) & (mag < _F16_MAX))  # NaN fails the test
+    with np.errstate(over="ignore"):  # values beyond float16 are discarded by the where
+        half = v.astype(np.float16)
+    if bool(np.all(fits)):
+        return half
+    return np.where(fits, half.astype(np.float32), v)
 
 
 def vector_norm(x) -> np.ndarray:

@@ -2,8 +2,9 @@
 
 The Rust kernels validate finiteness, code ranges and stored scalars themselves; the shaders
 cannot raise, so these checks run on the host before a dispatch, with the Rust path's messages
-(argument, row, position). Scalar storage (float16 where every value fits, float32 otherwise)
-is decided here for the whole call, exactly as ``rust/core/src/scalars.rs`` does.
+(argument, row, position). Scalar storage (float16 where every value fits, float32 otherwise;
+each value rounded to float16 when it fits) is decided here, exactly as
+``rust/core/src/scalars.rs`` does.
 """
 
 from __future__ import annotations
@@ -94,13 +95,17 @@ def check_overflow(values: np.ndarray, per_row: int, arg: str) -> None:
 
 
 def store(values: np.ndarray) -> np.ndarray:
-    """Storage of per-vector scalars: float16 when every value is 0 or has a magnitude in
-    ``[2**-14, 65504)``, else float32 (``ScalarPlane::store``; round to nearest even)."""
+    """Storage of per-vector scalars (``ScalarPlane::store``; round to nearest even): each value
+    that is 0 or has a magnitude in ``[2**-14, 65504)`` is rounded to float16; float16 when all
+    are, else float32 holding the others unrounded."""
     v = np.asarray(values, dtype=np.float32)
     a = np.abs(v)
-    if np.all((v == 0) | ((a >= F16_MIN_NORMAL) & (a < F16_MAX))):
-        return v.astype(np.float16)
-    return v.copy()
+    fits = (v == 0) | ((a >= F16_MIN_NORMAL) & (a < F16_MAX))
+    with np.errstate(over="ignore"):  # values beyond float16 are discarded by the where
+        half = v.astype(np.float16)
+    if np.all(fits):
+        return half
+    return np.where(fits, half.astype(np.float32), v)
 
 
 # -- torch tensors in and out ---------------------------------------------------------------------

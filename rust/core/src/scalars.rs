@@ -1,6 +1,9 @@
 //! Storage of per-vector scalars (norms, scales): float16 where every value fits, float32
-//! otherwise (SPEC section 2.4; docs/kernels.md section 5). The choice is made per call and
-//! carried by the variant, so the memory accounting can count 16 or 32 bits.
+//! otherwise (SPEC section 2.4; docs/kernels.md section 5). The plane's width is chosen per call
+//! and carried by the variant, so the memory accounting can count 16 or 32 bits; the rounding
+//! is chosen per value (a value that fits float16 is rounded to it even in a float32 plane), so
+//! a stored value never depends on its neighbours: encoding tokens in chunks and joining the
+//! chunks gives the same values as one call (a streaming cache equals one-shot encoding).
 
 use half::f16;
 
@@ -10,6 +13,20 @@ use crate::error::{KvqError, Result};
 pub const F16_MIN_NORMAL: f32 = 6.103_515_6e-5;
 /// Largest finite float16.
 pub const F16_MAX: f32 = 65504.0;
+
+/// True when `v` is stored as float16: zero or a magnitude in `[2^-14, 65504)`.
+fn fits_f16(v: f32) -> bool {
+    v == 0.0 || (F16_MIN_NORMAL..F16_MAX).contains(&v.abs())
+}
+
+/// `v` rounded to float16 when it fits there, else unchanged (the per-value rounding rule).
+fn round_if_fits(v: f32) -> f32 {
+    if fits_f16(v) {
+        f16::from_f32(v).to_f32()
+    } else {
+        v
+    }
+}
 
 /// A plane of stored scalars, one per vector.
 #[derive(Debug, Clone, PartialEq)]
@@ -21,15 +38,14 @@ pub enum ScalarPlane {
 }
 
 impl ScalarPlane {
-    /// Chooses the storage for finite `values` (by magnitude) and rounds them into it.
+    /// Chooses the storage for finite `values` (by magnitude) and rounds them into it: each
+    /// value inside float16's normal range (or zero) is rounded to float16; the plane is float16
+    /// when all are, else float32 holding the others unrounded.
     pub fn store(values: &[f32]) -> Self {
-        let fits = values
-            .iter()
-            .all(|&v| v == 0.0 || (F16_MIN_NORMAL..F16_MAX).contains(&v.abs()));
-        if fits {
+        if values.iter().all(|&v| fits_f16(v)) {
             ScalarPlane::F16(values.iter().map(|&v| f16::from_f32(v).to_bits()).collect())
         } else {
-            ScalarPlane::F32(values.to_vec())
+            ScalarPlane::F32(values.iter().map(|&v| round_if_fits(v)).collect())
         }
     }
 
@@ -174,5 +190,17 @@ mod tests {
         assert_eq!(ScalarPlane::store(&[1e5]).to_f32(), vec![1e5]);
         assert_eq!(ScalarPlane::store(&[-2.5, 3.0]).bits(), 16);
         assert_eq!(ScalarPlane::store(&[-1e5]).bits(), 32);
+    }
+
+    #[test]
+    fn rounds_each_value_alone() {
+        // 1.0001 fits float16 and is rounded to 1.0 even in a float32 plane.
+        let p = ScalarPlane::store(&[1.0001, 1e-6, 1e5]);
+        assert_eq!(p.bits(), 32);
+        assert_eq!(p.to_f32(), vec![1.0, 1e-6, 1e5]);
+        // Chunked storage joins to the same values as one call.
+        let (a, b) = (ScalarPlane::store(&[1.0001]), ScalarPlane::store(&[1e-6, 1e5]));
+        let joined: Vec<f32> = a.to_f32().into_iter().chain(b.to_f32()).collect();
+        assert_eq!(joined, p.to_f32());
     }
 }
