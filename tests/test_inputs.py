@@ -26,6 +26,9 @@ import warnings
 import ml_dtypes
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
 
 import kvqrs
 from kvqrs import KvqrsError, oracle
@@ -98,6 +101,7 @@ def _scheme_entries():
         out[f"{s}.attention_reference"] = (lambda x, c=c, ck=ck, cv=cv: c.attention(x, ck, cv, fused=False), "q")
         out[f"{s}.fused_attention"] = (lambda x, c=c, ck=ck, cv=cv: c.fused_attention(x, ck, cv, probs=True), "q")
         out[f"{s}.format_dumps"] = (lambda x, c=c: fmt.dumps(c.encode_keys(x)), "keys")
+    out["headq.calibrate"] = (lambda x: KVCodec("headq", 2, 64, seed=SEED).calibrate(x[1]), "queries")
     a2 = codec("kv", value_scheme="a2")
     out["a2.encode_values"] = (lambda x: a2.encode_values(x, np.abs(gaussian(np.shape(x)[:-1], 9))), "values")
     return out
@@ -259,6 +263,8 @@ def position_named(message, name):
     row and position (the kernels' rows: leading axes flattened)."""
     if name == "headq_basis":  # reads x[1, 2]: rows are its tokens
         return f"row {BAD_AT[2]}, position {BAD_AT[3]}" in message
+    if name == "headq.calibrate":  # reads x[1]: (kv_heads, n, d)
+        return f"index {BAD_AT[1:]}" in message
     row = int(np.ravel_multi_index(BAD_AT[:-1], SHAPE[:-1]))
     return f"index {BAD_AT}" in message or f"row {row}, position {BAD_AT[3]}" in message
 
@@ -300,6 +306,7 @@ def test_cache_refuses_nonfinite_states_before_storing_them(scheme, side, token)
 EMPTY_SHAPES = [(0, 3, 5, 64), (2, 0, 5, 64), (2, 3, 0, 64)]
 # Documented errors: a basis needs queries; attention needs at least one token to weigh.
 EMPTY_RAISES = {"headq_basis": "queries: expected at least one calibration query",
+                "headq.calibrate": "queries: expected .* n >= rank",
                 "decode_attention.values": "values: expected at least one token"}
 
 
@@ -607,3 +614,31 @@ def test_float64_queries_beyond_float32_raise_naming_their_index():
     q[1, 2, 0, 7] = 1e39
     with pytest.raises(KvqrsError, match=r"q: expected values within the float32 range .* at index \(1, 2, 0, 7\)"):
         c.scores(q, c.encode_keys(KEYS))
+
+
+@settings(max_examples=30)
+@given(
+    name=st.sampled_from([n for n in NAMES if ENTRIES[n][1] not in ("q", "y", "values.values", "queries")]),
+    lead=hnp.array_shapes(min_dims=3, max_dims=3, min_side=0, max_side=4),
+    perm=st.permutations([0, 1, 2]),
+    step=st.integers(1, 3),
+    scale=st.sampled_from([1e-3, 1.0, 300.0]),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_any_layout_equals_its_contiguous_copy(name, lead, perm, step, scale, seed):
+    """Any leading shape (empty axes included), axis order and step: the bytes of the copy."""
+    base = gaussian((*[lead[p] for p in perm], 64 * step), seed, scale)
+    x = base.transpose(*np.argsort(perm), 3)[..., ::step]
+    assert x.shape == (*lead, 64)
+    assert_same(call(name, x), call(name, np.ascontiguousarray(x)))
+
+
+def test_headq_basis_of_any_float_input_and_nonfinite_refused_at_once():
+    basis = kvqrs.random_orthonormal_basis(8, 64, 4)
+    want = KVCodec("headq", 2, 64, basis=basis)
+    for b in (torch.from_numpy(basis), torch.from_numpy(basis).requires_grad_(True), basis.astype(np.float64), np.asfortranarray(basis)):
+        assert KVCodec("headq", 2, 64, basis=b).keys.params == want.keys.params
+    bad = basis.copy()
+    bad[5, 1] = np.inf
+    with pytest.raises(KvqrsError, match=r"basis: expected finite values, got inf at index \(5, 1\)"):
+        KVCodec("headq", 2, 64, basis=bad)

@@ -157,7 +157,7 @@ class KVCodec:
     # -- HeadQ calibration ------------------------------------------------------------------
     def set_basis(self, basis: Any) -> None:
         """Use ``basis`` (``(d, r)`` or ``(kv_heads, d, r)``) for the HeadQ side code."""
-        self.keys = HeadQCoder(self._base, np.asarray(basis), self.side_bits, self.sign, "headq")
+        self.keys = HeadQCoder(self._base, as_float_array(basis, "basis"), self.side_bits, self.sign, "headq")
         self.rank = self.keys.rank
 
     def calibrate(self, queries: Any) -> np.ndarray:
@@ -172,7 +172,8 @@ class KVCodec:
         """
         if self.scheme != "headq":
             raise KvqrsError(f"calibrate: only the headq scheme has a basis, this codec is {self.scheme!r}")
-        q = np.asarray(queries)
+        q = as_float_array(queries, "queries")
+        first_nonfinite(q, "queries")  # by its index in the stack, not in one head's rows
         if q.ndim not in (2, 3) or q.shape[-2] < self.rank:
             raise KvqrsError(f"queries: expected (n, d) or (kv_heads, n, d) with n >= rank = {self.rank}, got shape {q.shape}")
         basis = headq_basis(q, self.rank) if q.ndim == 2 else np.stack([headq_basis(h, self.rank) for h in q])

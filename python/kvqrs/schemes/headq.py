@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from .._arrays import KvqrsError
+from .._arrays import KvqrsError, first_nonfinite
 from ..kernels.attention import SideRows
 from ..kernels.headq import HeadQCode
 from .base import Encoded, as_float_array, check_encoded, slice_rows, flat_rows
@@ -39,6 +39,7 @@ class HeadQCoder:
         b = np.asarray(basis, dtype=np.float32)
         if b.ndim not in (2, 3) or b.shape[-2] != base.head_dim:
             raise KvqrsError(f"basis: expected (head_dim={base.head_dim}, rank) or (kv_heads, head_dim, rank), got shape {b.shape}")
+        first_nonfinite(b, "basis")  # refused here, not at the first encode
         self.base, self.basis, self.side_bits, self.sign = base, b, side_bits, sign
         self.k = base.k
         self.head_dim, self.rank, self.scheme, self.kind = base.head_dim, b.shape[-1], scheme, "keys"
