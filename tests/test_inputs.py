@@ -21,6 +21,7 @@ What each class must give:
 from __future__ import annotations
 
 import math
+import re
 import warnings
 
 import ml_dtypes
@@ -511,13 +512,18 @@ def decode_logits(model, cache, ids, steps=3):
 
 
 # Fused decode steps against the decoded cache in float32: logits agree to float32 rounding
-# (measured 1.7e-6 absolute on logits of ~1 for 32 query heads); a wrong head mapping moves them
+# (measured at most 3.5e-7 of the largest |logit| over these cases); a wrong head mapping moves them
 # by 1e-2 or more.
 CACHE_ATOL = 1e-4
 
 
-@pytest.mark.parametrize("g,kv_heads,d", [(g, kv, 40 if kv == 1 else 96) for g, kv in GQA])
-def test_gqa_ratios_through_the_quantized_cache(g, kv_heads, d):
+# Each GQA case runs another key scheme (HeadQ with KIVI values), so every scheme's fused read
+# meets a GQA group of more than one head.
+CACHE_CASES = [(g, kv, 40 if kv == 1 else 96, s) for (g, kv), s in zip(GQA, ["kqv", "kivi", "qkqv", "headq", "block", "kv", "kqv", "kivi"])]
+
+
+@pytest.mark.parametrize("g,kv_heads,d,scheme", CACHE_CASES)
+def test_gqa_ratios_through_the_quantized_cache(g, kv_heads, d, scheme):
     from transformers import DynamicCache
 
     from kvqrs.hf import QuantConfig, QuantizedKVCache, register
@@ -525,17 +531,18 @@ def test_gqa_ratios_through_the_quantized_cache(g, kv_heads, d):
     register()
     model = tiny_llama(kv_heads, g, d)
     ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(g))
+    kw = dict(residual_length=3, group=4, bases="random" if scheme == "headq" else None)
+    values = "kivi" if scheme == "headq" else scheme
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dense = decode_logits(model, DynamicCache(), ids)
         # Nothing quantized: exactly the dense cache.
-        off = decode_logits(model, QuantizedKVCache(QuantConfig("kqv", 4, "kqv", 4, residual_length=64), 2), ids)
+        off = decode_logits(model, QuantizedKVCache(QuantConfig(scheme, 3, values, 3, **dict(kw, residual_length=64)), 2), ids)
         assert torch.equal(off, dense)
-        cfg = dict(residual_length=3)
-        fused_cache = QuantizedKVCache(QuantConfig("kqv", 4, "kqv", 4, **cfg), 2)
+        fused_cache = QuantizedKVCache(QuantConfig(scheme, 3, values, 3, **kw), 2)
         fused = decode_logits(model, fused_cache, ids)
         assert all(layer._fused for layer in fused_cache.layers)  # the steps read the codes
-        ref = decode_logits(model, QuantizedKVCache(QuantConfig("kqv", 4, "kqv", 4, fused=False, **cfg), 2), ids)
+        ref = decode_logits(model, QuantizedKVCache(QuantConfig(scheme, 3, values, 3, fused=False, **kw), 2), ids)
     assert fused_cache.get_seq_length() == ids.shape[1]
     assert torch.allclose(fused, ref, rtol=0, atol=CACHE_ATOL * ref.abs().max().item())
     assert not torch.equal(fused, dense)  # really quantized
@@ -642,3 +649,28 @@ def test_headq_basis_of_any_float_input_and_nonfinite_refused_at_once():
     bad[5, 1] = np.inf
     with pytest.raises(KvqrsError, match=r"basis: expected finite values, got inf at index \(5, 1\)"):
         KVCodec("headq", 2, 64, basis=bad)
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("dtype,top", [(np.float16, 65504.0), (BF16, 3.38e38)], ids=["float16", "bfloat16"])
+def test_decode_beyond_the_encoded_dtype_raises_instead_of_inf(scheme, dtype, top):
+    """Rows at the dtype's largest value decode a little past it (quantization error); the cast
+    back to the encoded dtype must not turn that into inf."""
+    c = codec(scheme, bits=2)
+    x = np.full((1, 3, 4, 64), top, np.float32)
+    if dtype == BF16:  # whole rows of 3.4e38 have no float32 norm: one such coordinate per row
+        x[..., 1:] = gaussian((1, 3, 4, 63), 5)
+    x[0, 1] = -x[0, 1]
+    x[0, 2, :, ::2] = 0
+    x = x.astype(dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no overflow warning either
+        for kind, enc, dec in (("keys", c.encode_keys, c.decode_keys), ("values", c.encode_values, c.decode_values)):
+            try:
+                out = dec(enc(x))
+            except KvqrsError as e:
+                # float16: the cast back; bfloat16 at 3.4e38: the float32 decode itself (kernel).
+                ours = re.match(rf"{kind}: decoded value \S+ at index \(\d+, \d+, \d+, \d+\) does not fit the encoded dtype", str(e))
+                assert ours or (dtype == BF16 and re.search(r"float32.*(at index \(|row \d+)|row \d+ overflows float32", str(e))), str(e)
+            else:
+                assert np.isfinite(out.astype(np.float32)).all()

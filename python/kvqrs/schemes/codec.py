@@ -68,8 +68,18 @@ def _value_coder(scheme: str, bits: int, head_dim: int, seed: int, group: int, b
     raise KvqrsError(f"value_scheme: expected one of {VALUE_SCHEMES}, got {scheme!r}")
 
 
-def _as_dtype(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
-    return x if x.dtype == dtype else x.astype(dtype)
+def _as_dtype(x: np.ndarray, dtype: np.dtype, what: str) -> np.ndarray:
+    """``x`` in the encoded dtype; a decode beyond its range (float16 inputs near 65504 decode
+    a little past it) raises instead of becoming inf."""
+    if x.dtype == dtype:
+        return x
+    with np.errstate(over="ignore"):
+        out = x.astype(dtype)
+    if not np.isfinite(out).all():
+        pos = tuple(int(i) for i in np.argwhere(~np.isfinite(out))[0])
+        raise KvqrsError(f"{what}: decoded value {x[pos]:.6g} at index {pos} does not fit the encoded dtype "
+                         f"{np.dtype(dtype).name}; encode a float32 copy to decode in float32")
+    return out
 
 
 class KVCodec:
@@ -204,7 +214,7 @@ class KVCodec:
         path multiplies the query with before adding :meth:`score_correction`)."""
         coder = self._key_coder()
         out = coder.decode_base(ck) if base_only and self.scheme == "headq" else coder.decode(ck)
-        return _as_dtype(out, ck.dtype)
+        return _as_dtype(out, ck.dtype, "keys")
 
     def scores(self, q: Any, ck: Encoded) -> np.ndarray:
         """Attention logits ``q . k_hat / sqrt(d)``, float32 ``(..., q_heads, nq, tokens)``.
@@ -285,7 +295,7 @@ class KVCodec:
         """Reconstruct values ``(..., tokens, head_dim)`` in the dtype they were encoded from."""
         if self.values is None:
             raise KvqrsError("value_scheme: this codec keeps values in full precision ('none'); nothing to decode")
-        return _as_dtype(self.values.decode(cv), cv.dtype)
+        return _as_dtype(self.values.decode(cv), cv.dtype, "values")
 
     def _check_keys(self, ck: Encoded) -> None:
         if not isinstance(ck, Encoded) or ck.kind != "keys":
