@@ -300,6 +300,24 @@ def test_cache_refuses_nonfinite_states_before_storing_them(scheme, side, token)
     assert bool(torch.isfinite(keys).all())
 
 
+@pytest.mark.parametrize("fused", [True, False])
+def test_cache_attention_refuses_a_nonfinite_query(fused):
+    from kvqrs.hf import QuantConfig, QuantizedKVCache
+
+    class Module:  # what the attention function reads from a transformers attention module
+        num_key_value_groups, layer_idx = 2, 0
+
+    cache = QuantizedKVCache(QuantConfig("kqv", 4, "kqv", 4, residual_length=2, fused=fused), 1)
+    k, v = torch.from_numpy(KEYS), torch.from_numpy(VALUES)
+    q = torch.from_numpy(gaussian((2, 6, 1, 64), 15))
+    cache.attend(Module, q, *cache.update(k, v, 0), None, 0.125)  # prefill, served by the cache
+    rk, rv = cache.update(k[..., :1, :], v[..., :1, :], 0)
+    assert cache.layers[0]._fused == fused
+    q[1, 4, 0, 9] = float("inf")
+    with pytest.raises(KvqrsError, match=r"query: expected finite values, got inf at index \(1, 4, 0, 9\)"):
+        cache.attend(Module, q, rk, rv, None, 0.125)
+
+
 # --------------------------------------------------------------------------------------------
 # Empty tensors
 # --------------------------------------------------------------------------------------------

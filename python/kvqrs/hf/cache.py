@@ -255,6 +255,7 @@ class QuantizedLayer(CacheLayerMixin):
     def attend(self, module, query, key, value, attention_mask, scaling):
         if self._returned is None or key is not self._returned():
             return None
+        check_finite(query, "query")  # the fused and decoded paths alike: an error, not NaN rows
         self._attended = True
         from transformers.integrations.sdpa_attention import repeat_kv
 
