@@ -39,7 +39,7 @@ def _dtype_name(dtype: np.dtype) -> str:
 
 def as_array(x: Any, arg: str) -> np.ndarray:
     """``x`` as a NumPy array; torch tensors go through :func:`torch_to_numpy`."""
-    if type(x).__module__.startswith("torch"):
+    if type(x).__module__.startswith("torch") and hasattr(x, "detach"):  # a tensor, without importing torch
         return torch_to_numpy(x, arg)
     try:
         return np.asarray(x)
