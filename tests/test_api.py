@@ -191,7 +191,7 @@ def test_scheme_layer_rejects_inconsistent_input():
         KVCodec("kqv", 3, 64, value_scheme="none").attention(q, ck, None)
     with pytest.raises(kvqrs.KvqrsError, match="n: expected 0 <= n <= 40"):
         c.slice_tokens(ck, 100)
-    with pytest.raises(kvqrs.KvqrsError, match="q: expected finite queries"):
+    with pytest.raises(kvqrs.KvqrsError, match=r"q: expected finite values, got nan at index \(0, 0, 0, 0\)"):
         c.scores(np.full_like(q, np.nan), ck)
     with pytest.raises(kvqrs.KvqrsError, match="basis: expected an array, None or 'random'"):
         KVCodec("headq", 2, 64, basis="rand")

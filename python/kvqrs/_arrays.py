@@ -16,6 +16,7 @@ from ._native import KvqrsError
 
 __all__ = [
     "KvqrsError",
+    "as_array",
     "as_float_rows",
     "as_code_rows",
     "as_scalars",
@@ -24,7 +25,9 @@ __all__ = [
     "check_out_dtype",
     "check_seed",
     "check_positive_int",
+    "first_nonfinite",
     "restore",
+    "torch_to_numpy",
 ]
 
 _FLOAT_NAMES = ("float16", "bfloat16", "float32", "float64")
@@ -34,11 +37,38 @@ def _dtype_name(dtype: np.dtype) -> str:
     return str(dtype)
 
 
-def _asarray(x: Any, arg: str) -> np.ndarray:
+def as_array(x: Any, arg: str) -> np.ndarray:
+    """``x`` as a NumPy array; torch tensors go through :func:`torch_to_numpy`."""
+    if type(x).__module__.startswith("torch") and hasattr(x, "detach"):  # a tensor, without importing torch
+        return torch_to_numpy(x, arg)
     try:
         return np.asarray(x)
     except (ValueError, TypeError) as e:
         raise KvqrsError(f"{arg}: expected an array, got {type(x).__name__} that NumPy cannot convert ({e})") from None
+
+
+def torch_to_numpy(t: Any, arg: str = "x") -> np.ndarray:
+    """A CPU NumPy array holding a torch tensor's values in its own dtype: bfloat16 becomes
+    ml_dtypes' bfloat16 (same bits: NumPy has no bfloat16 of its own), and tensors that require
+    grad or live on another device are detached and copied, which ``np.asarray`` refuses."""
+    import torch  # noqa: PLC0415 - only reached with a torch tensor in hand
+
+    t = t.detach().cpu()
+    if t.dtype == torch.bfloat16:
+        try:
+            import ml_dtypes  # noqa: PLC0415 - optional (the test extra)
+        except ImportError:
+            raise KvqrsError(f"{arg}: a bfloat16 tensor needs ml_dtypes (pip install ml_dtypes), or pass tensor.float()") from None
+        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return t.numpy()
+
+
+def first_nonfinite(arr: np.ndarray, arg: str) -> None:
+    """Raise :class:`KvqrsError` naming the first NaN or infinity of ``arr`` by its index in
+    the caller's array (the kernels only see flattened, possibly transposed rows)."""
+    if arr.size and not np.isfinite(arr).all():
+        pos = tuple(int(i) for i in np.argwhere(~np.isfinite(arr))[0])
+        raise KvqrsError(f"{arg}: expected finite values, got {arr[pos]} at index {pos}")
 
 
 def check_out_dtype(dtype: Any, arg: str = "dtype") -> np.dtype:
@@ -102,7 +132,7 @@ def as_float_rows(x: Any, arg: str, min_dim: int = 1) -> tuple[np.ndarray, tuple
     Accepts float16, bfloat16 (ml_dtypes), float32 and float64, any leading shape and strided
     views; raises :class:`KvqrsError` for other dtypes, 0-d input or a row length < ``min_dim``.
     """
-    arr = _asarray(x, arg)
+    arr = as_array(x, arg)
     if _dtype_name(arr.dtype) not in _FLOAT_NAMES:
         raise KvqrsError(
             f"{arg}: expected a float16, bfloat16, float32 or float64 array, got dtype {arr.dtype}"
@@ -130,7 +160,7 @@ def as_code_rows(codes: Any, arg: str, bits: int | None = None) -> tuple[np.ndar
     Codes of any integer dtype are accepted if every value lies in ``[0, 2**bits)`` (``[0, 256)``
     when ``bits`` is None); nothing is wrapped or truncated silently.
     """
-    arr = _asarray(codes, arg)
+    arr = as_array(codes, arg)
     if arr.dtype.kind not in "ui":
         raise KvqrsError(f"{arg}: expected an integer array (uint8 codes), got dtype {arr.dtype}")
     if arr.ndim == 0:
@@ -165,13 +195,10 @@ def restore(flat: np.ndarray, leading: tuple[int, ...], cols: int, dtype: np.dty
     return check_finite_output(out)
 
 
-def check_finite_output(out: np.ndarray, what: str = "result") -> np.ndarray:
+def check_finite_output(out: np.ndarray, what: str = "result", hint: str = "choose a wider dtype, e.g. dtype=np.float32") -> np.ndarray:
     """Raise instead of returning infinities: a finite input whose result does not fit the
     output dtype (e.g. float16 beyond 65504, or float32 beyond 3.4e38) is an error."""
     if out.size and not np.isfinite(out).all():
         pos = tuple(int(p) for p in np.unravel_index(int(np.argmax(~np.isfinite(out))), out.shape))
-        raise KvqrsError(
-            f"{what}: expected values that fit the output dtype {out.dtype}, got {out[pos]} at index {pos} "
-            f"(choose a wider dtype, e.g. dtype=np.float32)"
-        )
+        raise KvqrsError(f"{what}: expected values that fit the output dtype {out.dtype}, got {out[pos]} at index {pos} ({hint})")
     return out

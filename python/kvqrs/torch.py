@@ -31,6 +31,16 @@ def to_numpy(t: torch.Tensor, arg: str = "x") -> np.ndarray:
     return staged.numpy()
 
 
+def check_finite(t: torch.Tensor, arg: str) -> None:
+    """Raise :class:`KvqrsError` naming the first NaN or infinity of ``t`` by its index (a
+    cache must refuse it on arrival: held in the window, it would only fail, or poison every
+    later softmax, steps later)."""
+    bad = ~torch.isfinite(t.detach())
+    if bool(bad.any()):
+        i = tuple(int(j) for j in bad.nonzero()[0])
+        raise KvqrsError(f"{arg}: expected finite values, got {float(t[i])} at index {i}")
+
+
 def from_numpy(a: np.ndarray, like: torch.Tensor) -> torch.Tensor:
     """``a`` as a tensor with ``like``'s float dtype and device."""
     out = torch.from_numpy(np.ascontiguousarray(a))

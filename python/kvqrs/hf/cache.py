@@ -27,7 +27,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from .._arrays import KvqrsError
 from ..kernels.attention import DenseRows
 from ..schemes import Encoded
-from ..torch import from_numpy, to_numpy
+from ..torch import check_finite, from_numpy, to_numpy
 from .attention import _softmax_out, register
 from .attention import _STATE
 from .config import QuantConfig
@@ -255,6 +255,7 @@ class QuantizedLayer(CacheLayerMixin):
     def attend(self, module, query, key, value, attention_mask, scaling):
         if self._returned is None or key is not self._returned():
             return None
+        check_finite(query, "query")  # the fused and decoded paths alike: an error, not NaN rows
         self._attended = True
         from transformers.integrations.sdpa_attention import repeat_kv
 
@@ -298,6 +299,8 @@ class QuantizedKVCache(Cache):
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         if not 0 <= layer_idx < len(self.layers):
             raise KvqrsError(f"num_layers: this cache has {len(self.layers)} layers, the model updated layer {layer_idx}")
+        check_finite(key_states, "key_states")
+        check_finite(value_states, "value_states")
         _STATE.set(self)  # the kvqrs attention function of this layer consults this cache
         return super().update(key_states, value_states, layer_idx, *args, fused=self.config.fused, **kwargs)
 

@@ -22,7 +22,7 @@ from typing import Any, NamedTuple, Optional, Union
 import numpy as np
 
 from .. import _native
-from .._arrays import KvqrsError, as_float_rows, check_bits, check_positive_int, check_seed
+from .._arrays import KvqrsError, as_array, as_float_rows, check_bits, check_positive_int, check_seed
 from .hadamard import padded_dim
 from .pack import packed_size
 
@@ -146,7 +146,7 @@ Rows = Union[MSERows, UniformRows, DenseRows]
 
 def _array(x: Any, arg: str, shape: tuple[int, ...], kind: str) -> np.ndarray:
     """Check dtype and exact shape; return a flat C-contiguous array."""
-    a = np.asarray(x)
+    a = as_array(x, arg)
     if kind == "u8" and a.dtype != np.uint8:
         raise KvqrsError(f"{arg}: expected uint8 packed codes, got dtype {a.dtype}")
     if kind == "scalars" and a.dtype not in (np.float16, np.float32):
@@ -161,11 +161,13 @@ def _array(x: Any, arg: str, shape: tuple[int, ...], kind: str) -> np.ndarray:
 def _tokens(rows: Rows, arg: str, lead: tuple[int, ...]) -> int:
     """Number of cached tokens of per-token ``rows`` (after a leading-shape check)."""
     if isinstance(rows, MSERows):
-        a = np.asarray(rows.norms)
+        a = as_array(rows.norms, f"{arg}.norms")
     elif isinstance(rows, UniformRows):
-        a = np.asarray(rows.scales)[..., 0] if np.asarray(rows.scales).ndim else np.asarray(rows.scales)
+        a = as_array(rows.scales, f"{arg}.scales")
+        a = a[..., 0] if a.ndim else a
     elif isinstance(rows, DenseRows):
-        a = np.asarray(rows.values)[..., 0] if np.asarray(rows.values).ndim else np.asarray(rows.values)
+        a = as_array(rows.values, f"{arg}.values")
+        a = a[..., 0] if a.ndim else a
     else:
         raise KvqrsError(f"{arg}: expected MSERows, UniformRows or DenseRows, got {type(rows).__name__}")
     if a.ndim != len(lead) + 1 or a.shape[:-1] != lead:
@@ -235,12 +237,12 @@ def decode_attention(
 
     Returns:
         :class:`AttentionResult` (float32; the accumulations run in float64, the per-key
-        scores in float32).
+        scores in float32); empty arrays for no query rows or heads.
 
     Raises:
         KvqrsError: shapes that do not match (naming e.g. ``keys.codes``), no tokens, bad bits,
             seeds, groups, a per-channel value layout, invalid stored scalars, a bad basis,
-            non-finite queries or logits.
+            non-finite queries, values or logits (named by row and position).
     """
     flat, lead, d, _ = as_float_rows(q, "q", min_dim=2)
     if len(lead) < 1:
@@ -275,7 +277,10 @@ def decode_attention(
         )
     sc = 1.0 / math.sqrt(d) if scale is None else float(scale)
     heads = int(np.prod(lead)) if lead else 1
-    out, lse, p = _native.decode_attention(flat, kspec, vspec, sspec, heads, rows, t, d, sc, bool(probs))
+    if rows == 0 or heads == 0:  # no query rows (or heads): nothing to attend, nothing to call
+        out, lse, p = np.zeros(0, np.float32), np.zeros(0, np.float32), np.zeros(0, np.float32)
+    else:
+        out, lse, p = _native.decode_attention(flat, kspec, vspec, sspec, heads, rows, t, d, sc, bool(probs))
     return AttentionResult(
         out.reshape(*lead, rows, d),
         lse.reshape(*lead, rows),

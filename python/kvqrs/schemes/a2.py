@@ -7,6 +7,8 @@ token, packed) and counted in the bits per element.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from .._arrays import KvqrsError
@@ -39,7 +41,7 @@ def allocate_bits(weights: np.ndarray, sq_norms: np.ndarray, bits: int, head_dim
     gains = -np.diff(dist)  # D(b) - D(b+1), b = 1..7, decreasing
     w = (np.asarray(weights, dtype=np.float64) * np.asarray(sq_norms, dtype=np.float64))
     lead, t = w.shape[:-1], w.shape[-1]
-    flat = w.reshape(-1, t)
+    flat = w.reshape(math.prod(lead), t)  # (not -1: a tensor of no tokens has no rows to infer)
     out = np.empty(flat.shape, dtype=np.uint8)
     extra = (bits - MIN_BITS) * t
     for i, row in enumerate(flat):
@@ -49,7 +51,7 @@ def allocate_bits(weights: np.ndarray, sq_norms: np.ndarray, bits: int, head_dim
         order = np.lexsort((np.arange(g.size), -g))[:extra]
         steps = np.zeros(g.size, dtype=bool)
         steps[order] = True
-        out[i] = MIN_BITS + steps.reshape(t, -1).sum(axis=1)
+        out[i] = MIN_BITS + steps.reshape(t, gains.size).sum(axis=1)
     return out.reshape(*lead, t)
 
 

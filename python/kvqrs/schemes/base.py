@@ -13,7 +13,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from .._arrays import KvqrsError
+from .._arrays import KvqrsError, as_array, first_nonfinite
 
 
 @dataclass(frozen=True)
@@ -108,8 +108,21 @@ def check_encoded(enc: Encoded, scheme: str, kind: str, params: Mapping[str, Any
 
 
 def as_float_array(x: Any, arg: str) -> np.ndarray:
-    """``np.asarray`` with a float dtype check (kernels do the full validation)."""
-    arr = np.asarray(x)
+    """``x`` (NumPy array or torch tensor) as a float array; the kernels do the rest of the
+    validation (NaN/Inf included: see :func:`name_nonfinite`)."""
+    arr = as_array(x, arg)
     if arr.dtype.kind != "f" and str(arr.dtype) != "bfloat16":
         raise KvqrsError(f"{arg}: expected a float array, got dtype {arr.dtype}")
     return arr
+
+
+def name_nonfinite(encode, x: Any, arg: str, *args: Any) -> Encoded:
+    """``encode(x, *args)``; if it raises, a NaN or infinity in ``x`` is reported by its index
+    in ``x`` instead: the kernels name a flattened row of what they were given (KIVI keys
+    transposed, batches merged). Searching only on the error path keeps encodes free of an
+    extra pass over the data."""
+    try:
+        return encode(x, *args)
+    except KvqrsError:
+        first_nonfinite(as_array(x, arg), arg)
+        raise

@@ -8,14 +8,14 @@ from typing import Any
 
 import numpy as np
 
-from .._arrays import KvqrsError, check_bits, check_positive_int, check_seed
+from .._arrays import KvqrsError, as_float_rows, check_bits, check_finite_output, first_nonfinite, check_positive_int, check_seed
 from ..kernels.rng import philox4x32_10, random_orthonormal_basis
 from ..kernels.attention import AttentionResult, DenseRows, decode_attention
 from ..kernels.headq import headq_basis
 from .a2 import A2ValueCoder
 from .block import BlockCoder
 from .backend import Backend, get_backend
-from .base import Encoded, concat_tokens
+from .base import Encoded, as_float_array, concat_tokens, name_nonfinite
 from .headq import HeadQCoder
 from .kivi import KIVICoder
 from .mse import MSECoder, MSEQJLCoder
@@ -68,8 +68,18 @@ def _value_coder(scheme: str, bits: int, head_dim: int, seed: int, group: int, b
     raise KvqrsError(f"value_scheme: expected one of {VALUE_SCHEMES}, got {scheme!r}")
 
 
-def _as_dtype(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
-    return x if x.dtype == dtype else x.astype(dtype)
+def _as_dtype(x: np.ndarray, dtype: np.dtype, what: str) -> np.ndarray:
+    """``x`` in the encoded dtype; a decode beyond its range (float16 inputs near 65504 decode
+    a little past it) raises instead of becoming inf."""
+    if x.dtype == dtype:
+        return x
+    with np.errstate(over="ignore"):
+        out = x.astype(dtype)
+    if not np.isfinite(out).all():
+        pos = tuple(int(i) for i in np.argwhere(~np.isfinite(out))[0])
+        raise KvqrsError(f"{what}: decoded value {x[pos]:.6g} at index {pos} does not fit the encoded dtype "
+                         f"{np.dtype(dtype).name}; encode a float32 copy to decode in float32")
+    return out
 
 
 class KVCodec:
@@ -157,7 +167,7 @@ class KVCodec:
     # -- HeadQ calibration ------------------------------------------------------------------
     def set_basis(self, basis: Any) -> None:
         """Use ``basis`` (``(d, r)`` or ``(kv_heads, d, r)``) for the HeadQ side code."""
-        self.keys = HeadQCoder(self._base, np.asarray(basis), self.side_bits, self.sign, "headq")
+        self.keys = HeadQCoder(self._base, as_float_array(basis, "basis"), self.side_bits, self.sign, "headq")
         self.rank = self.keys.rank
 
     def calibrate(self, queries: Any) -> np.ndarray:
@@ -172,7 +182,8 @@ class KVCodec:
         """
         if self.scheme != "headq":
             raise KvqrsError(f"calibrate: only the headq scheme has a basis, this codec is {self.scheme!r}")
-        q = np.asarray(queries)
+        q = as_float_array(queries, "queries")
+        first_nonfinite(q, "queries")  # by its index in the stack, not in one head's rows
         if q.ndim not in (2, 3) or q.shape[-2] < self.rank:
             raise KvqrsError(f"queries: expected (n, d) or (kv_heads, n, d) with n >= rank = {self.rank}, got shape {q.shape}")
         basis = headq_basis(q, self.rank) if q.ndim == 2 else np.stack([headq_basis(h, self.rank) for h in q])
@@ -186,8 +197,15 @@ class KVCodec:
 
     # -- keys ----------------------------------------------------------------------------------
     def encode_keys(self, k: Any) -> Encoded:
-        """Encode keys ``(..., tokens, head_dim)``; returns an :class:`Encoded`."""
-        return self._key_coder().encode(k)
+        """Encode keys ``(..., tokens, head_dim)`` (float16 / bfloat16 / float32 / float64
+        NumPy array or torch tensor, any strides; empty axes allowed); returns an
+        :class:`Encoded` that records the dtype.
+
+        Raises:
+            KvqrsError: a NaN or infinity (named by its index in ``k``), a wrong head_dim, a
+                row whose norm or range overflows float32.
+        """
+        return name_nonfinite(self._key_coder().encode, k, "keys")
 
     def decode_keys(self, ck: Encoded, base_only: bool = False) -> np.ndarray:
         """Reconstruct keys ``(..., tokens, head_dim)`` in the dtype they were encoded from.
@@ -196,7 +214,7 @@ class KVCodec:
         path multiplies the query with before adding :meth:`score_correction`)."""
         coder = self._key_coder()
         out = coder.decode_base(ck) if base_only and self.scheme == "headq" else coder.decode(ck)
-        return _as_dtype(out, ck.dtype)
+        return _as_dtype(out, ck.dtype, "keys")
 
     def scores(self, q: Any, ck: Encoded) -> np.ndarray:
         """Attention logits ``q . k_hat / sqrt(d)``, float32 ``(..., q_heads, nq, tokens)``.
@@ -205,6 +223,10 @@ class KVCodec:
         HeadQ score-space correction for ``headq``. Queries ``(..., q_heads, nq, d)`` may have
         ``g`` times the keys' heads (GQA: query head h reads KV head ``h // g``); with the keys
         ``(..., tokens, d)`` and no head axis, leading dims must match.
+
+        Raises:
+            KvqrsError: a NaN or infinity in ``q`` (named by its index), leading dims that do not
+                match, or a logit beyond float32 (keys near the bfloat16/float32 limit).
         """
         return self._grouped(q, ck, self._key_coder().scores)
 
@@ -220,18 +242,18 @@ class KVCodec:
         """Apply a per-KV-head score function with GQA grouping of query heads."""
         grouped, q_lead, nq = self._group_queries(q, ck)
         s = fn(grouped, ck)
-        return s.reshape(*q_lead, nq, s.shape[-1])
+        # Keys near the float32 limit can push a logit beyond it: an error, not inf or NaN later.
+        return check_finite_output(s.reshape(*q_lead, nq, ck.shape[-2]), "logits", "q . k / sqrt(d) overflows: keys or queries too large")
 
     def _group_queries(self, q: Any, ck: Encoded) -> tuple[np.ndarray, tuple[int, ...], int]:
         """Queries as float32 ``(*kv_lead, g * nq, d)``: the ``g`` query heads of a KV head
         (query head h reads KV head ``h // g``) stacked with their tokens, no key copied.
         Returns ``(grouped, query leading shape, nq)``."""
-        qa = np.asarray(q, dtype=np.float32)
+        qa = as_float_array(q, "q")
         if qa.ndim < 2 or qa.shape[-1] != self.head_dim:
             raise KvqrsError(f"q: expected shape (..., nq, {self.head_dim}), got {qa.shape}")
-        if not np.isfinite(qa).all():
-            pos = tuple(int(i) for i in np.argwhere(~np.isfinite(qa))[0])
-            raise KvqrsError(f"q: expected finite queries, got {qa[pos]} at index {pos}")
+        first_nonfinite(qa, "q")  # a few query rows: checked up front, by their index
+        qa = np.asarray(as_float_rows(qa, "q")[0]).reshape(qa.shape)  # float32; float64 beyond it raises
         kv_lead = tuple(ck.shape[:-2])
         q_lead = qa.shape[:-2]
         if q_lead == kv_lead:
@@ -258,21 +280,22 @@ class KVCodec:
 
     # -- values --------------------------------------------------------------------------------
     def encode_values(self, v: Any, weights: Any = None) -> Encoded:
-        """Encode values ``(..., tokens, head_dim)``. ``weights`` (``(..., tokens)``, the A^2
-        importances ``sum_q p_qj^2``) is used by the ``a2`` value scheme only."""
+        """Encode values ``(..., tokens, head_dim)`` (inputs and errors as in
+        :meth:`encode_keys`). ``weights`` (``(..., tokens)``, the A^2 importances
+        ``sum_q p_qj^2``) is used by the ``a2`` value scheme only."""
         if self.values is None:
             raise KvqrsError("value_scheme: this codec keeps values in full precision ('none'); nothing to encode")
         if self.value_scheme == "a2":
-            return self.values.encode(v, weights)
+            return name_nonfinite(self.values.encode, v, "values", weights)
         if weights is not None:
             raise KvqrsError(f"weights: only the a2 value scheme uses attention weights, this codec's values are {self.value_scheme!r}")
-        return self.values.encode(v)
+        return name_nonfinite(self.values.encode, v, "values")
 
     def decode_values(self, cv: Encoded) -> np.ndarray:
         """Reconstruct values ``(..., tokens, head_dim)`` in the dtype they were encoded from."""
         if self.values is None:
             raise KvqrsError("value_scheme: this codec keeps values in full precision ('none'); nothing to decode")
-        return _as_dtype(self.values.decode(cv), cv.dtype)
+        return _as_dtype(self.values.decode(cv), cv.dtype, "values")
 
     def _check_keys(self, ck: Encoded) -> None:
         if not isinstance(ck, Encoded) or ck.kind != "keys":

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from .._arrays import KvqrsError
+from .._arrays import KvqrsError, first_nonfinite
 from ..kernels.attention import SideRows
 from ..kernels.headq import HeadQCode
 from .base import Encoded, as_float_array, check_encoded, slice_rows, flat_rows
@@ -39,6 +39,7 @@ class HeadQCoder:
         b = np.asarray(basis, dtype=np.float32)
         if b.ndim not in (2, 3) or b.shape[-2] != base.head_dim:
             raise KvqrsError(f"basis: expected (head_dim={base.head_dim}, rank) or (kv_heads, head_dim, rank), got shape {b.shape}")
+        first_nonfinite(b, "basis")  # refused here, not at the first encode
         self.base, self.basis, self.side_bits, self.sign = base, b, side_bits, sign
         self.k = base.k
         self.head_dim, self.rank, self.scheme, self.kind = base.head_dim, b.shape[-1], scheme, "keys"
@@ -74,6 +75,8 @@ class HeadQCoder:
         residual = flat_rows(k.astype(np.float32) - self.base.decode(base), 2)
         bases = self._bases(k.shape[:-2])
         sides = [self.k.headq_encode(residual[i], bases[i], self.side_bits) for i in range(len(bases))]
+        if not sides:  # no batch rows or heads: an empty code, with the kernel's dtypes
+            sides = [self.k.headq_encode(residual.reshape(0, self.head_dim), self.basis.reshape(-1, self.head_dim, self.rank)[0], self.side_bits)]
         lead = k.shape[:-1]
         codes = np.stack([s.codes for s in sides]).reshape(*lead, self.rank)
         scales = np.stack([s.scales for s in sides]).reshape(lead)
@@ -118,7 +121,7 @@ class HeadQCoder:
         def block(b: int, qb: np.ndarray) -> np.ndarray:
             return self.k.headq_score_correction(qb, HeadQCode(codes[b], scales[b], self.side_bits), bases[b])
 
-        corr = blockwise(block, q.astype(np.float32), lead)
+        corr = blockwise(block, q.astype(np.float32), lead, enc.shape[-2])
         return np.float32(self.sign / math.sqrt(self.head_dim)) * corr
 
     def decode(self, enc: Encoded) -> np.ndarray:
@@ -128,6 +131,8 @@ class HeadQCoder:
         codes = flat_rows(side.codes, 2)
         scales = flat_rows(side.scales, 1)
         bases = self._bases(lead)
+        if not bases:  # nothing to correct in an empty tensor
+            return k_base
         corr = np.stack([self.k.headq_decode(HeadQCode(codes[i], scales[i], self.side_bits), bases[i]) for i in range(len(bases))])
         return k_base + self.sign * corr.reshape(k_base.shape)
 

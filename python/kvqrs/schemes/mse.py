@@ -26,12 +26,13 @@ def decoded_scores(q: np.ndarray, k_hat: np.ndarray) -> np.ndarray:
     return np.einsum("...qd,...td->...qt", q.astype(np.float32), k_hat.astype(np.float32)) / np.float32(math.sqrt(d))
 
 
-def blockwise(fn, q: np.ndarray, lead: tuple[int, ...]) -> np.ndarray:
-    """Apply ``fn(b, q_block) -> (nq, T)`` over the flattened leading dims shared by queries
-    and keys (the kernels' estimators are all-pairs; this keeps heads and batches paired)."""
+def blockwise(fn, q: np.ndarray, lead: tuple[int, ...], tokens: int) -> np.ndarray:
+    """Apply ``fn(b, q_block) -> (nq, tokens)`` over the flattened leading dims shared by
+    queries and keys (the kernels' estimators are all-pairs; this keeps heads and batches
+    paired). An empty leading shape gives an empty ``(*lead, nq, tokens)``."""
     qb = flat_rows(q, 2)
     out = [fn(b, qb[b]) for b in range(qb.shape[0])]
-    return np.stack(out).reshape(*lead, *out[0].shape) if out else np.zeros((*lead, q.shape[-2], 0), np.float32)
+    return np.stack(out).reshape(*lead, q.shape[-2], tokens) if out else np.zeros((*lead, q.shape[-2], tokens), np.float32)
 
 
 class MSECoder:
@@ -156,5 +157,5 @@ class MSEQJLCoder:
             part = QJLSketch(signs[b], norms[b], sk.m, sk.dim)
             return self.k.qjl_inner_product(qb, part, self.qjl_seed)
 
-        est = blockwise(block, rq, lead)
+        est = blockwise(block, rq, lead, enc.shape[-2])
         return base + est / np.float32(math.sqrt(self.head_dim))
