@@ -27,7 +27,7 @@ def _rust_per_token(x: np.ndarray) -> float:
 
     def run():
         codes, _ = _native.mse_encode(flat, HEAD_DIM, BITS, SEED)
-        _native.pack_bits(codes, codes.size, BITS)
+        _native.pack_bits(codes, HEAD_DIM, BITS)  # rows of head_dim codes (no padding at 128)
 
     return per_call(run, 20) / len(x)
 
@@ -39,7 +39,7 @@ class _Module:
     num_key_value_groups, layer_idx = 3, 0
 
 
-def _cache_update(cfg: QuantConfig | None, context: int, calls: int) -> float:
+def _cache_update(cfg: QuantConfig | None, context: int, calls: int, clock) -> float:
     """Seconds per ``update`` of one decode token on one layer of SmolLM2-135M's shape (3 KV
     heads, head_dim 64) holding ``context`` tokens; the cache grows by one token per call. A
     ``QuantizedKVCache`` is first put into its decode state by one attention call, as the model
@@ -53,27 +53,33 @@ def _cache_update(cfg: QuantConfig | None, context: int, calls: int) -> float:
         cache.attend(_Module(), q, k, v, None, 64**-0.5)
     steps = [(kv(1), kv(1)) for _ in range(calls * 8 + 1)]
     it = iter(steps)
-    return per_call(lambda: cache.update(*next(it), 0), calls, repeats=7)
+    return per_call(lambda: cache.update(*next(it), 0), calls, repeats=7, clock=clock)
 
 
 def append_table(context: int, quick: bool) -> str:
+    """Wall and thread-CPU microseconds per call; the overhead is the call's CPU time minus the
+    Rust work of one token (wall time per row of a 4096-row call, which rayon may split)."""
+    import time
+
     rng = np.random.default_rng(0)
     batch = rng.standard_normal((BATCH, HEAD_DIM)).astype(np.float32)
     one = batch[:1].copy()
     codec = KVCodec("kqv", BITS, HEAD_DIM, seed=SEED)
-    calls = 200 if quick else 2000
-    rust = _rust_per_token(batch)
+    calls, upd = (50, 10) if quick else (2000, 200)
     flat1 = one.reshape(-1)
-    rows = [
-        ("Rust: MSE encode + pack of one token (from a 4096-row call)", rust, ""),
-        ("one native call: _native.mse_encode, 1 row", per_call(lambda: _native.mse_encode(flat1, HEAD_DIM, BITS, SEED), calls), ""),
-        ("KVCodec.encode_keys, 1 token (kqv k4)", per_call(lambda: codec.encode_keys(one), calls), "smallest Python call appending a token"),
-        ("KVCodec.encode_values, 1 token (kqv v4: 3-bit MSE + QJL)", per_call(lambda: codec.encode_values(one), calls // 4), ""),
+    small = [
+        ("one native call: _native.mse_encode, 1 row", lambda: _native.mse_encode(flat1, HEAD_DIM, BITS, SEED), calls, "the binding's floor"),
+        ("KVCodec.encode_keys, 1 token (kqv k4)", lambda: codec.encode_keys(one), calls, "smallest Python call appending a token"),
+        ("KVCodec.encode_values, 1 token (kqv v4: 3-bit MSE + QJL)", lambda: codec.encode_values(one), calls // 4, "five kernel calls"),
     ]
-    upd = 50 if quick else 200
+    rust = _rust_per_token(batch)
+    out = [("Rust: MSE encode + pack of one token (from a 4096-row call)", f"{rust * 1e6:.2f}", "", "", "")]
+    for i, (name, fn, n, note) in enumerate(small):
+        wall, cpu = per_call(fn, n), per_call(fn, n, clock=time.thread_time)
+        out.append((name, f"{wall * 1e6:.2f}", f"{cpu * 1e6:.2f}", f"{(cpu - rust) * 1e6:.2f}" if i < 2 else "", note))
     cfgs = [("DynamicCache.update (dense)", None), ("QuantizedKVCache.update, kqv k4 v4", QuantConfig("kqv", 4, "kqv", 4, residual_length=128)),
             ("QuantizedKVCache.update, kivi k4 v4", QuantConfig("kivi", 4, "kivi", 4, residual_length=128))]
     for name, cfg in cfgs:
-        rows.append((f"{name}, 1 token x 3 heads x 64, {context} cached", _cache_update(cfg, context, upd), "per layer per decode step"))
-    out = [(name, f"{s * 1e6:.2f}", f"{(s - rust) * 1e6:.2f}" if i in (1, 2) else "", note) for i, (name, s, note) in enumerate(rows)]
-    return table(["call", "us", "overhead over the Rust work, us", "note"], out, "lrrl")
+        wall, cpu = _cache_update(cfg, context, upd, time.perf_counter), _cache_update(cfg, context, upd, time.thread_time)
+        out.append((f"{name}, 1 token x 3 heads x 64, {context} cached", f"{wall * 1e6:.1f}", f"{cpu * 1e6:.1f}", "", "per layer per decode step"))
+    return table(["call", "us (wall)", "us (thread CPU)", "overhead over the Rust work, us", "note"], out, "lrrrl")
