@@ -95,8 +95,13 @@ def table(header: Sequence[str], rows: Sequence[Sequence[Any]], align: str | Non
     align = align or "l" + "r" * (len(header) - 1)
     sep = ["---" if a == "l" else "---:" for a in align]
     lines = ["| " + " | ".join(header) + " |", "| " + " | ".join(sep) + " |"]
-    lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    lines += [row(r) for r in rows]
     return "\n".join(lines)
+
+
+def row(cells: Sequence[Any]) -> str:
+    """One Markdown table row."""
+    return "| " + " | ".join(str(c) for c in cells) + " |"
 
 
 def gbs(nbytes: int, seconds: float) -> float:

@@ -20,7 +20,7 @@ from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
 
 from kvqrs.hf import QuantConfig, QuantizedKVCache
 
-from speed_common import table
+from speed_common import row, table
 
 PREFILL_CHUNK = 1024
 
@@ -70,13 +70,14 @@ def rows_for(layers: int, residual: int) -> list[tuple[str, str, object]]:
     ]
 
 
-def generation_table(contexts: list[int], new_tokens: int, residual: int) -> str:
+def generation_table(contexts: list[int], new_tokens: int, residual: int) -> None:
+    """Print the table row by row (a 16k-token prefill takes minutes)."""
     from kvqrs.evaluation.model import load
 
     model, _ = load("float32")
     layers = model.config.num_hidden_layers
     rng = np.random.default_rng(0)
-    out = []
+    print(table(["context", "cache", "tokens/s", "vs dense SDPA", "tokens equal to dense", "shared prefill s"], [], "rlrrrr"), flush=True)
     for ctx in contexts:
         ids = torch.from_numpy(rng.integers(0, model.config.vocab_size, (1, ctx)))
         t0 = time.perf_counter()
@@ -88,7 +89,6 @@ def generation_table(contexts: list[int], new_tokens: int, residual: int) -> str
             if dense_rate is None:
                 dense_rate, dense_tokens = rate, toks
             same = int((toks == dense_tokens).cumprod(0).sum())
-            out.append((ctx, label, f"{rate:.2f}", f"{rate / dense_rate:.2f}x", f"{same}/{new_tokens}", f"{prefill_s:.0f}"))
+            print(row((ctx, label, f"{rate:.2f}", f"{rate / dense_rate:.2f}x", f"{same}/{new_tokens}", f"{prefill_s:.0f}")), flush=True)
         del kv
     model.set_attn_implementation("kvqrs")
-    return table(["context", "cache", "tokens/s", "vs dense SDPA", "tokens equal to dense", "shared prefill s"], out, "rlrrrr")

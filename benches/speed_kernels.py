@@ -81,7 +81,7 @@ def rotation_rows(x: np.ndarray, repeats: int, oracle_vectors: int, threads: int
     rows: list[tuple] = [
         ("memcpy float32", "np.copyto into a reused buffer", best_of(lambda: np.copyto(buf, x), repeats), nbytes),
         ("memcpy float32 (fresh memory)", "x.copy(): pays the page faults of new memory", best_of(lambda: x.copy(), repeats), nbytes),
-        ("kvqrs.hadamard (rotation)", "allocating API, rayon threads", best_of(lambda: kvqrs.hadamard(x, SEED), repeats), nbytes),
+        ("kvqrs.hadamard (rotation)", "allocating API, rayon pool", best_of(lambda: kvqrs.hadamard(x, SEED), repeats), nbytes),
     ]
     work = (np.empty_like(x), np.empty_like(x))
     _check("numpy butterfly", numpy_butterfly(sample, signs, (np.empty_like(sample), np.empty_like(sample))), want)
@@ -93,7 +93,7 @@ def rotation_rows(x: np.ndarray, repeats: int, oracle_vectors: int, threads: int
     xt, st = torch.from_numpy(x), torch.from_numpy(signs)
     _check("torch butterfly", torch_butterfly(torch.from_numpy(sample), st).numpy(), want)
     with torch.no_grad():
-        rows.append(("torch butterfly", f"plain torch, {threads} threads", best_of(lambda: torch_butterfly(xt, st), repeats), nbytes))
+        rows.append(("torch butterfly", f"plain torch, threads={threads}", best_of(lambda: torch_butterfly(xt, st), repeats), nbytes))
     rows += _peer_rotations(x, sample, signs, want, buf, repeats, threads, notes)
     return rows
 
@@ -113,14 +113,14 @@ def _peer_rotations(x, sample, signs, want, buf, repeats, threads, notes) -> lis
         _check("hadamard-transform", hadamard_transform(torch.from_numpy(pre)).numpy(), want)
         xt = torch.from_numpy(x)
         with torch.no_grad():
-            rows.append(("hadamard-transform (peer)", f"torch, normalized, no signs, {threads} threads", best_of(lambda: hadamard_transform(xt), repeats), x.nbytes))
+            rows.append(("hadamard-transform (peer)", f"torch, normalized, no signs, threads={threads}", best_of(lambda: hadamard_transform(xt), repeats), x.nbytes))
     else:
         notes.append("hadamard-transform: not installed")
     if importlib.util.find_spec("fht_cpu"):
         import fht_cpu
 
         _check("fht-cpu", fht_cpu.fht(pre.copy()) * scale, want)
-        rows.append(("fht-cpu (peer)", f"in place on a buffer, no signs/scale, {threads} OpenMP threads", best_of(lambda: fht_cpu.fht(buf, num_threads=threads), repeats, reset), x.nbytes))
+        rows.append(("fht-cpu (peer)", f"in place on a buffer, no signs/scale, OpenMP threads={threads}", best_of(lambda: fht_cpu.fht(buf, num_threads=threads), repeats, reset), x.nbytes))
     else:
         notes.append("fht-cpu: not installed")
     if importlib.util.find_spec("ffht"):
@@ -140,8 +140,8 @@ def codec_rows(x: np.ndarray, repeats: int) -> list[tuple]:
     ck = codec.encode_keys(x)
     code = kvqrs.mse_encode(x, BITS, SEED)
     return [
-        ("kqv k4 encode (KVCodec.encode_keys)", "allocating API, rayon threads", best_of(lambda: codec.encode_keys(x), repeats), x.nbytes),
-        ("kqv k4 decode (KVCodec.decode_keys)", "allocating API, rayon threads", best_of(lambda: codec.decode_keys(ck), repeats), x.nbytes),
+        ("kqv k4 encode (KVCodec.encode_keys)", "allocating API, rayon pool", best_of(lambda: codec.encode_keys(x), repeats), x.nbytes),
+        ("kqv k4 decode (KVCodec.decode_keys)", "allocating API, rayon pool", best_of(lambda: codec.decode_keys(ck), repeats), x.nbytes),
         ("kvqrs.mse_encode (4 bits, no packing)", "allocating API", best_of(lambda: kvqrs.mse_encode(x, BITS, SEED), repeats), x.nbytes),
         ("kvqrs.mse_decode (4 bits, no packing)", "allocating API", best_of(lambda: kvqrs.mse_decode(code.codes, code.norms, BITS, x.shape[1], SEED), repeats), x.nbytes),
     ]
