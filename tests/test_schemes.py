@@ -970,3 +970,45 @@ def test_empty_token_axis(scheme):
     assert ck.nbytes == cv.nbytes == 0
     assert c.decode_keys(ck).shape == c.decode_values(cv).shape == (2, 0, 40)
     assert c.scores(np.ones((2, 3, 40), np.float32), ck).shape == (2, 3, 0)
+
+
+# --------------------------------------------------------------------------------------------
+# The one-token append path: MSECoder on the cpu backend calls the native kernels directly
+# --------------------------------------------------------------------------------------------
+
+
+@given(
+    leading=hnp.array_shapes(min_dims=1, max_dims=3, min_side=0, max_side=4),
+    d=st.sampled_from([2, 5, 40, 64, 128]),
+    bits=st.integers(1, 8),
+    rotate=st.booleans(),
+    layout=st.sampled_from(["float32", "float16", "float64", "strided"]),
+    seed=st.integers(0, 2**64 - 1),
+)
+def test_mse_coder_native_path_equals_the_kernel_composition(leading, d, bits, rotate, layout, seed):
+    # Same bytes, dtypes and shapes as kvqrs.mse_encode + kvqrs.pack_bits (the general path
+    # that every other backend takes), for contiguous float32 and for every staged input.
+    from kvqrs.schemes.mse import MSECoder
+
+    x = np.random.default_rng(seed % 2**32).standard_normal((*leading, 2 * d)).astype(np.float32)
+    x = x[..., ::2] if layout == "strided" else x[..., :d].astype(layout)
+    coder = MSECoder(d, bits, seed if rotate else None, "kqv", "keys")
+    enc = coder.encode(x)
+    code = kvqrs.mse_encode(x, bits, coder.seed)
+    want = kvqrs.pack_bits(code.codes, bits)
+    assert enc.parts["codes"].dtype == want.dtype and np.array_equal(enc.parts["codes"], want)
+    assert enc.parts["norms"].dtype == code.norms.dtype and np.array_equal(enc.parts["norms"], code.norms)
+    assert enc.shape == x.shape and enc.dtype == x.dtype
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_mse_coder_native_path_raises_what_the_kernel_raises(bad):
+    from kvqrs.schemes.mse import MSECoder
+
+    x = np.ones((1, 3, 64), np.float32)
+    x[0, 2, 7] = bad
+    with pytest.raises(kvqrs.KvqrsError) as general:
+        kvqrs.mse_encode(x, 4, 1)
+    with pytest.raises(kvqrs.KvqrsError) as lean:
+        MSECoder(64, 4, 1, "kqv", "keys").encode(x)
+    assert str(lean.value) == str(general.value)

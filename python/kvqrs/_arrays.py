@@ -33,8 +33,16 @@ __all__ = [
 _FLOAT_NAMES = ("float16", "bfloat16", "float32", "float64")
 
 
+_DTYPE_NAMES: dict[np.dtype, str] = {}
+
+
 def _dtype_name(dtype: np.dtype) -> str:
-    return str(dtype)
+    # str(dtype) runs NumPy's Python-level name machinery (microseconds): memoized, since it sits
+    # on the path of every kernel call, one-token cache appends included.
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES.setdefault(dtype, str(dtype))
+    return name
 
 
 def as_array(x: Any, arg: str) -> np.ndarray:

@@ -229,8 +229,6 @@ class QuantizedLayer(CacheLayerMixin):
     def _attend_fused(self, module, query, attention_mask, scaling):
         """Softmax over the codes (fused kernel) and over the window, merged by log-sum-exp:
         ``out = e^(lse_q - lse) out_q + e^(lse_w - lse) out_w``, ``lse = logaddexp(lse_q, lse_w)``."""
-        from transformers.integrations.sdpa_attention import repeat_kv
-
         codec = self.codec()
         q = to_numpy(query, "query")
         if codec.values is None:
@@ -240,17 +238,31 @@ class QuantizedLayer(CacheLayerMixin):
             res = codec.fused_attention(q, self.chunks_k[0], self.chunks_v[0], scale=float(scaling))
         out = torch.from_numpy(res.out)
         if self.keys.shape[-2]:
-            lse_q = torch.from_numpy(res.lse)
-            logits = ((query @ repeat_kv(self.keys, module.num_key_value_groups).transpose(2, 3)) * scaling).float()
-            if attention_mask is not None:
-                mask = attention_mask[..., self.quantized : self.quantized + logits.shape[-1]]
-                logits = logits.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else logits + mask.float()
-            lse_w = torch.logsumexp(logits, dim=-1)
-            out_w = torch.softmax(logits, dim=-1) @ repeat_kv(self.values, module.num_key_value_groups).float()
+            lse_q = torch.from_numpy(res.lse)[..., None]
+            out_w, lse_w = self._window_part(query, module.num_key_value_groups, attention_mask, scaling)
             lse = torch.logaddexp(lse_q, lse_w)
-            w_w = torch.exp(lse_w - lse)[..., None]
-            out = torch.exp(lse_q - lse)[..., None] * out + torch.where(w_w > 0, w_w * out_w, torch.zeros_like(out_w))
+            w_w = (lse_w - lse).exp_()
+            # A fully masked window has lse_w = -inf and NaN probabilities: its weight is 0.
+            out = out.mul_((lse_q - lse).exp_()).add_(torch.where(w_w > 0, out_w.mul_(w_w), 0.0))
         return out.to(query.dtype).transpose(1, 2).contiguous(), None
+
+    def _window_part(self, query, groups: int, attention_mask, scaling) -> tuple[torch.Tensor, torch.Tensor]:
+        """Softmax attention over the full-precision window in float32: ``(out_w, lse_w)``,
+        ``(b, q_heads, nq, d)`` and ``(b, q_heads, nq, 1)``. The query heads of a GQA group are
+        stacked against their KV head (no key repeated), and the few tensor operations run in
+        place: a decode step pays this once per layer."""
+        b, heads, nq, d = query.shape
+        kv_heads = heads // groups
+        qg = query.float().reshape(b, kv_heads, groups * nq, d)
+        logits = torch.matmul(qg, self.keys.float().transpose(2, 3)).mul_(scaling)
+        if attention_mask is not None:
+            mask = attention_mask[..., self.quantized : self.quantized + logits.shape[-1]].unsqueeze(2)  # (b, 1, 1, nq, w)
+            logits = logits.view(b, kv_heads, groups, nq, -1)
+            logits = logits.masked_fill_(~mask, float("-inf")) if mask.dtype == torch.bool else logits.add_(mask.float())
+            logits = logits.view(b, kv_heads, groups * nq, -1)
+        lse_w = torch.logsumexp(logits, dim=-1, keepdim=True)
+        out_w = torch.matmul(logits.sub_(lse_w).exp_(), self.values.float())
+        return out_w.view(b, heads, nq, d), lse_w.view(b, heads, nq, 1)
 
     def attend(self, module, query, key, value, attention_mask, scaling):
         if self._returned is None or key is not self._returned():

@@ -12,8 +12,9 @@ import math
 
 import numpy as np
 
-from .._arrays import KvqrsError
-from ..kernels import lloyd_max_codebook, padded_dim
+from .. import _native
+from .._arrays import KvqrsError, as_float_rows
+from ..kernels import lloyd_max_codebook, packed_size, padded_dim
 from ..kernels.attention import MSERows, QJLRows
 from ..kernels.qjl import QJLSketch
 from .backend import CPU, Backend
@@ -52,12 +53,28 @@ class MSECoder:
         self.code_dim = head_dim if seed is None else padded_dim(head_dim)
         self.codebook = lloyd_max_codebook(self.code_dim, bits)
         self.params = {"bits": bits, "seed": seed}
+        self.row_bytes = packed_size(self.code_dim, bits)
 
     def encode(self, x) -> Encoded:
         x = as_float_array(x, self.kind)
         check_head_dim(x, self.head_dim, self.kind)
+        if self.k is CPU:
+            return self._encode_native(x)
         code = self.k.mse_encode_packed(x, self.bits, self.seed)
         parts = {"codes": code.codes, "norms": code.norms}
+        return Encoded(self.scheme, self.kind, x.shape, x.dtype, parts, self.params)
+
+    def _encode_native(self, x: np.ndarray) -> Encoded:
+        """The Rust path in one native call: the settings were validated once by the
+        constructor, so a one-token append (a decode step) pays no per-call re-validation in
+        ``kvqrs.kernels``; the input is validated as there, and the native kernel reports
+        NaN/Inf and norm overflow with the same messages. Same bytes as the general path."""
+        if x.dtype == np.float32 and x.flags.c_contiguous:
+            flat, lead = x.reshape(-1), x.shape[:-1]  # what as_float_rows returns, without its copies
+        else:
+            flat, lead, _, _ = as_float_rows(x, "x", min_dim=2)
+        packed, norms = _native.mse_encode_packed(flat, self.head_dim, self.bits, self.seed)
+        parts = {"codes": packed.reshape(*lead, self.row_bytes), "norms": norms.reshape(lead)}
         return Encoded(self.scheme, self.kind, x.shape, x.dtype, parts, self.params)
 
     def token_axes(self) -> dict[str, int]:

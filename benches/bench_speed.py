@@ -1,0 +1,102 @@
+"""The speed harness: kvqrs side by side with a float32 memory copy, the NumPy oracle, torch and
+the installable peers, in one run on the same inputs (issue 5/6). Prints Markdown tables headed
+by the machine they were measured on.
+
+Sections (``--sections``, all by default):
+
+- ``kernels``: the rotation and ``kqv`` 4-bit key encode/decode at ``--vectors`` x 128 float32
+  (2^20: 512 MiB, more than a 480 MiB L3, so main memory is measured) against memcpy, a NumPy
+  butterfly, the NumPy oracle, torch, ``hadamard-transform``, ``fht-cpu`` and ``ffht``;
+- ``peers``: the TurboQuant peers' 4-bit quantize/dequantize against kvqrs on ``--peer-vectors``
+  vectors (they run at ~0.1 GB/s, so fewer vectors keep the run short);
+- ``append``: the Python-to-Rust overhead of appending one token, and cache updates;
+- ``generate``: ``model.generate`` tokens/s on SmolLM2-135M at ``--contexts`` tokens of context,
+  dense ``DynamicCache`` against ``QuantizedKVCache``.
+
+Usage: ``bash scripts/bench.sh`` (installs the peers, then runs this), or
+``.venv/bin/python benches/bench_speed.py [--quick] [--sections kernels peers append generate]``.
+``--quick`` is a smoke run on tiny sizes (seconds); the full run takes about 10-15 minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import warnings
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is downloaded: the model is a local GGUF file
+os.environ.setdefault("TQDM_DISABLE", "1")  # transformers' GGUF conversion progress bar
+warnings.filterwarnings("ignore", category=FutureWarning)  # transformers 5: past_key_values renamed
+
+import numpy as np
+import torch
+
+from speed_common import machine
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test of the harness")
+    ap.add_argument("--sections", nargs="+", default=["kernels", "peers", "append", "generate"],
+                    choices=["kernels", "peers", "append", "generate"])
+    ap.add_argument("--vectors", type=int, default=None, help="vectors of head_dim 128 for the kernels (default 2^20)")
+    ap.add_argument("--oracle-vectors", type=int, default=None, help="vectors for the float64 oracle (default 2^16)")
+    ap.add_argument("--peer-vectors", type=int, default=None, help="vectors for the TurboQuant peers (default 2^16)")
+    ap.add_argument("--repeats", type=int, default=None, help="timed repeats per row, best kept (default 5)")
+    ap.add_argument("--threads", type=int, default=os.cpu_count(), help="torch / OpenMP threads of every row (default: all CPUs)")
+    ap.add_argument("--contexts", type=int, nargs="+", default=None, help="generation contexts (default 1024 4096 16384)")
+    ap.add_argument("--new-tokens", type=int, default=None, help="greedy tokens timed per generation (default 32)")
+    ap.add_argument("--residual", type=int, default=128, help="QuantizedKVCache full-precision window")
+    ap.add_argument("--peer-worker", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    q = args.quick
+    defaults = {"vectors": 1 << (12 if q else 20), "oracle_vectors": 1 << (10 if q else 16), "peer_vectors": 1 << (10 if q else 16),
+                "repeats": 1 if q else 5, "contexts": [64] if q else [1024, 4096, 16384], "new_tokens": 4 if q else 32}
+    for k, v in defaults.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse(argv)
+    torch.set_num_threads(args.threads)
+    if args.peer_worker:
+        from speed_kernels import peer_worker
+
+        return peer_worker(args.peer_worker, args.peer_vectors, args.repeats, args.threads)
+    start = time.perf_counter()
+    print(machine(args.threads), flush=True)
+    if "kernels" in args.sections:
+        from speed_kernels import codec_rows, kernel_table, rotation_rows
+
+        notes: list[str] = []
+        x = np.random.default_rng(0).standard_normal((args.vectors, 128)).astype(np.float32)
+        rows = rotation_rows(x, args.repeats, args.oracle_vectors, args.threads, notes) + codec_rows(x, args.repeats)
+        del x
+        print(f"\n### Kernels: {args.vectors} vectors x head_dim 128 float32 ({args.vectors * 512 / 2**20:.0f} MiB), best of {args.repeats}\n")
+        print(kernel_table(rows))
+        for n in notes:
+            print(f"\nnote: {n}")
+    if "peers" in args.sections:
+        from speed_kernels import quantizer_table
+
+        print(f"\n### TurboQuant peers: {args.peer_vectors} vectors x 128, 4 bits, best of {args.repeats}\n")
+        print(quantizer_table(args.peer_vectors, args.repeats, args.threads), flush=True)
+    if "append" in args.sections:
+        from speed_append import append_table
+
+        print("\n### Appending one token (kqv, head_dim 128; cache rows: SmolLM2-135M's layer shape)\n")
+        print(append_table(256 if args.quick else 4096, args.quick), flush=True)
+    if "generate" in args.sections:
+        from speed_generate import generation_table
+
+        print(f"\n### model.generate on SmolLM2-135M (float32): {args.new_tokens} greedy tokens after the prompt, torch threads={args.threads}\n")
+        generation_table(args.contexts, args.new_tokens, args.residual)
+    print(f"\n(harness run: {time.perf_counter() - start:.0f} s; {machine(args.threads).split('; ')[0].split(', ')[-1]} at the end)")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

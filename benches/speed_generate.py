@@ -1,0 +1,94 @@
+"""``model.generate`` tokens per second on SmolLM2-135M, dense cache against
+``QuantizedKVCache`` (part (c) of the harness).
+
+For each context length the prompt (seeded random token ids) is prefilled once, in chunks,
+into a dense cache; every row then starts from a copy of those keys and values (a
+``QuantizedKVCache`` receives them through ``update``, as in a prefill, and quantizes all but
+its full-precision window) and generates ``new_tokens`` greedy tokens. The rate is taken
+between the first and the last generated token (a logits processor stamps each step), so
+neither the prefill nor the first step (which for ``QuantizedKVCache`` decodes the cache once
+before the fused path engages) is counted.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
+
+from kvqrs.hf import QuantConfig, QuantizedKVCache
+
+from speed_common import row, table
+
+PREFILL_CHUNK = 1024
+
+
+class _Stamps(LogitsProcessor):
+    """Records the time of every generation step."""
+
+    def __init__(self):
+        self.t: list[float] = []
+
+    def __call__(self, input_ids, scores):
+        self.t.append(time.perf_counter())
+        return scores
+
+
+def _prefill(model, ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Keys and values of every layer after the prompt, computed with SDPA in chunks."""
+    model.set_attn_implementation("sdpa")
+    cache = DynamicCache()
+    with torch.no_grad():
+        for s in range(0, ids.shape[1], PREFILL_CHUNK):
+            model(ids[:, s : s + PREFILL_CHUNK], past_key_values=cache, use_cache=True)
+    return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+def _generate(model, ids, kv, cache, attn: str, new_tokens: int) -> tuple[float, torch.Tensor]:
+    """Tokens per second of ``new_tokens`` greedy steps from ``kv`` loaded into ``cache``."""
+    for i, (k, v) in enumerate(kv):
+        cache.update(k, v, i)
+    model.set_attn_implementation(attn)
+    stamps = _Stamps()
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=new_tokens,
+                             min_new_tokens=new_tokens, do_sample=False, logits_processor=LogitsProcessorList([stamps]),
+                             pad_token_id=model.config.eos_token_id)
+    t = stamps.t
+    return (len(t) - 1) / (t[-1] - t[0]), out[0, ids.shape[1] :]
+
+
+def rows_for(layers: int, residual: int) -> list[tuple[str, str, object]]:
+    """``(label, attention implementation, cache factory)`` of every row."""
+    return [
+        ("dense DynamicCache, SDPA", "sdpa", DynamicCache),
+        ("dense DynamicCache, eager", "eager", DynamicCache),
+        (f"QuantizedKVCache kqv k4 v4 (window {residual})", "kvqrs", lambda: QuantizedKVCache(QuantConfig("kqv", 4, "kqv", 4, residual_length=residual), layers)),
+        (f"QuantizedKVCache kivi k4 v4 (window {residual})", "kvqrs", lambda: QuantizedKVCache(QuantConfig("kivi", 4, "kivi", 4, residual_length=residual), layers)),
+    ]
+
+
+def generation_table(contexts: list[int], new_tokens: int, residual: int) -> None:
+    """Print the table row by row (a 16k-token prefill takes minutes)."""
+    from kvqrs.evaluation.model import load
+
+    model, _ = load("float32")
+    layers = model.config.num_hidden_layers
+    rng = np.random.default_rng(0)
+    print(table(["context", "cache", "tokens/s", "vs dense SDPA", "tokens equal to dense", "shared prefill s"], [], "rlrrrr"), flush=True)
+    for ctx in contexts:
+        ids = torch.from_numpy(rng.integers(0, model.config.vocab_size, (1, ctx)))
+        t0 = time.perf_counter()
+        kv = _prefill(model, ids[:, :-1])
+        prefill_s = time.perf_counter() - t0
+        dense_rate = dense_tokens = None
+        for label, attn, make in rows_for(layers, residual):
+            rate, toks = _generate(model, ids, kv, make(), attn, new_tokens)
+            if dense_rate is None:
+                dense_rate, dense_tokens = rate, toks
+            same = int((toks == dense_tokens).cumprod(0).sum())
+            print(row((ctx, label, f"{rate:.2f}", f"{rate / dense_rate:.2f}x", f"{same}/{new_tokens}", f"{prefill_s:.0f}")), flush=True)
+        del kv
+    model.set_attn_implementation("kvqrs")
