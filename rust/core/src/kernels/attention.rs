@@ -571,16 +571,15 @@ fn qjl_scores(isa: Isa, p: &QjlPlan, qr: &[f32], h: usize, t: usize, s: &mut [f3
     for (o, row) in sq.chunks_exact_mut(cd).zip(qr.chunks_exact(cd)) {
         ops::dots(isa, p.sketcher.matrix(), row, o);
     }
-    let qb = p.reader.row_bytes;
-    for (j, signs) in p.signs[h * t * qb..(h + 1) * t * qb]
-        .chunks_exact(qb)
-        .enumerate()
-    {
+    // sigma_j decoded to +-1 (products with +-1 are exact sign flips).
+    let mut dots = vec![0.0f32; qr.len() / cd];
+    p.reader.each_row(isa, p.signs, h, t, |j, sigma| {
+        ops::dots(isa, &sq, sigma, &mut dots);
         let kr = p.k * p.norms.get(h * t + j);
-        for (r, sr) in sq.chunks_exact(cd).enumerate() {
-            s[r * t + j] += kr * ops::dot_signs(isa, sr, signs);
+        for (r, &v) in dots.iter().enumerate() {
+            s[r * t + j] += kr * v;
         }
-    }
+    });
 }
 
 /// Adds the HeadQ side correction `sign * s_j * (U^T q) . (code_j - h)` to the scores.
@@ -669,28 +668,31 @@ fn head_scores(
             group,
             groups,
         } => {
-            s.fill(0.0);
             let rb = reader.row_bytes;
             let mut scratch = vec![0u8; *group];
-            let mut buf = vec![0.0f32; *group];
-            let mut zsum = vec![0.0f32; rows];
+            // One group of tokens: the codes of every channel as levels (d x n), and per query
+            // row the channel weights q_c s_(c,g) and the zero-point sum sum_c q_c z_(c,g).
+            let mut block = vec![0.0f32; d * group];
+            let mut w = vec![0.0f32; d];
             for g in 0..*groups {
                 let (t0, t1) = (g * group, ((g + 1) * group).min(t));
-                let lev = &mut buf[..t1 - t0];
-                zsum.fill(0.0);
-                for c in 0..d {
+                let n = t1 - t0;
+                for (c, lev) in block.chunks_exact_mut(n).take(d).enumerate() {
                     let ch = h * d + c;
                     reader.decode(isa, &codes[ch * rb..(ch + 1) * rb], t0, &mut scratch, lev);
-                    let (sc, z) = (scales.get(ch * groups + g), zeros.get(ch * groups + g));
-                    for (r, zs) in zsum.iter_mut().enumerate() {
-                        let qc = q[r * d + c];
-                        *zs += qc * z;
-                        // SIMD over the tokens of the group; channels summed in order.
-                        ops::axpy_f32(isa, &mut s[r * t + t0..r * t + t1], qc * sc, lev);
-                    }
                 }
-                for (r, zs) in zsum.iter().enumerate() {
-                    s[r * t + t0..r * t + t1].iter_mut().for_each(|o| *o += zs);
+                for (r, qr) in q.chunks_exact(d).enumerate() {
+                    let mut zs = 0.0f32;
+                    for (c, (wc, &qc)) in w.iter_mut().zip(qr).enumerate() {
+                        let ch = h * d + c;
+                        zs += qc * zeros.get(ch * groups + g);
+                        *wc = qc * scales.get(ch * groups + g);
+                    }
+                    let out = &mut s[r * t + t0..r * t + t1];
+                    out.fill(0.0);
+                    // SIMD over the tokens of the group; channels summed in order.
+                    ops::axpy_rows_f32(isa, out, &w, &block[..d * n]);
+                    out.iter_mut().for_each(|o| *o += zs);
                 }
             }
         }

@@ -59,6 +59,13 @@ pub(crate) mod scalar {
             .for_each(|(a, &v)| *a += w * f64::from(v));
     }
 
+    pub(crate) fn axpy_rows_f32(o: &mut [f32], w: &[f32], mat: &[f32]) {
+        let n = o.len();
+        for (&wc, row) in w.iter().zip(mat.chunks_exact(n.max(1))) {
+            axpy_f32(o, wc, row);
+        }
+    }
+
     pub(crate) fn axpy_f32(o: &mut [f32], w: f32, x: &[f32]) {
         o.iter_mut().zip(x).for_each(|(a, &v)| *a += w * v);
     }
@@ -349,6 +356,20 @@ pub(crate) fn axpy_f64(isa: Isa, acc: &mut [f64], w: f64, x: &[f32]) {
     }
 }
 
+/// `o[i] += sum_c w[c] * mat[c * o.len() + i]`, the terms added in increasing `c` for each
+/// `i` (`mat` holds `w.len()` rows of `o.len()`): a run of [`axpy_f32`] calls with `o` kept in
+/// registers.
+pub(crate) fn axpy_rows_f32(isa: Isa, o: &mut [f32], w: &[f32], mat: &[f32]) {
+    match isa {
+        // SAFETY (all arms): `isa` is supported.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => unsafe { avx512::axpy_rows_f32(o, w, mat) },
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe { avx2::axpy_rows_f32(o, w, mat) },
+        _ => scalar::axpy_rows_f32(o, w, mat),
+    }
+}
+
 /// `o[i] += w * x[i]` for `i < o.len()` in float32 (elementwise; no fused multiply-add).
 pub(crate) fn axpy_f32(isa: Isa, o: &mut [f32], w: f32, x: &[f32]) {
     match isa {
@@ -528,6 +549,12 @@ mod tests {
                     let b64 = |v: &[f64]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
                     assert_eq!(b64(&a), b64(&b), "{isa:?} n={n}");
                 }
+                let w: Vec<f32> = values(900 + n as u64, 5).iter().map(|v| v * 1e-20).collect();
+                let mat = values(77 + n as u64, 5 * n);
+                let (mut a, mut b) = (x.clone(), x.clone());
+                axpy_rows_f32(isa, &mut a, &w, &mat);
+                axpy_rows_f32(Isa::Scalar, &mut b, &w, &mat);
+                assert_eq!(bits(&a), bits(&b), "{isa:?} n={n}");
                 for negative in [false, true] {
                     let (mut a, mut b) = (x.clone(), x.clone());
                     add_signed(isa, &mut a, &s, negative);

@@ -490,6 +490,33 @@ pub(super) mod avx2 {
         super::super::ops::scalar::axpy_f64(&mut acc[n8..n], w, &x[n8..n]);
     }
 
+    /// `o[i] += sum_c w[c] * mat[c * n + i]` in increasing `c`, eight lanes of `o` held in a
+    /// register over every `c`.
+    #[target_feature(enable = "avx2,bmi2")]
+    pub(crate) fn axpy_rows_f32(o: &mut [f32], w: &[f32], mat: &[f32]) {
+        let n = o.len();
+        let n8 = n / 8 * 8;
+        debug_assert!(mat.len() >= w.len() * n);
+        let mut i = 0;
+        while i < n8 {
+            // SAFETY: i + 8 <= n; row c spans mat[c*n..(c+1)*n].
+            unsafe {
+                let mut acc = _mm256_loadu_ps(o.as_ptr().add(i));
+                for (c, &wc) in w.iter().enumerate() {
+                    let v = _mm256_loadu_ps(mat.as_ptr().add(c * n + i));
+                    acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_set1_ps(wc), v));
+                }
+                _mm256_storeu_ps(o.as_mut_ptr().add(i), acc);
+            }
+            i += 8;
+        }
+        for (j, oj) in o.iter_mut().enumerate().skip(n8) {
+            for (c, &wc) in w.iter().enumerate() {
+                *oj += wc * mat[c * n + j];
+            }
+        }
+    }
+
     /// `o[i] += w * x[i]` for `i < o.len()`.
     #[target_feature(enable = "avx2,bmi2")]
     pub(crate) fn axpy_f32(o: &mut [f32], w: f32, x: &[f32]) {
@@ -970,6 +997,28 @@ pub(super) mod avx512 {
                 _mm512_mask_storeu_pd(acc.as_mut_ptr().add(i), k, r);
             }
             i += 8;
+        }
+    }
+
+    /// `o[i] += sum_c w[c] * mat[c * n + i]` in increasing `c`, sixteen lanes of `o` held in
+    /// a register over every `c`, masked tail.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,bmi2")]
+    pub(crate) fn axpy_rows_f32(o: &mut [f32], w: &[f32], mat: &[f32]) {
+        let n = o.len();
+        debug_assert!(mat.len() >= w.len() * n);
+        let mut i = 0;
+        while i < n {
+            let k = mask16((n - i).min(16));
+            // SAFETY: the masked lanes stay below n in o and in each row c of mat.
+            unsafe {
+                let mut acc = _mm512_maskz_loadu_ps(k, o.as_ptr().add(i));
+                for (c, &wc) in w.iter().enumerate() {
+                    let v = _mm512_maskz_loadu_ps(k, mat.as_ptr().add(c * n + i));
+                    acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_set1_ps(wc), v));
+                }
+                _mm512_mask_storeu_ps(o.as_mut_ptr().add(i), k, acc);
+            }
+            i += 16;
         }
     }
 
