@@ -184,6 +184,37 @@ impl RowReader {
         }
     }
 
+    /// Calls `f(j0, values of rows j0 .. j0 + count)` (count x n) for the `t` rows of head `h`
+    /// in `codes`, in blocks of [`BLOCK`] tokens from token 0. When rows hold no padding bits
+    /// (`n * bits % 8 == 0`) a block is one bit stream, decoded in one call.
+    fn each_block(
+        &self,
+        isa: Isa,
+        codes: &[u8],
+        h: usize,
+        t: usize,
+        mut f: impl FnMut(usize, &[f32]),
+    ) {
+        let (rb, n) = (self.row_bytes, self.n);
+        let stream = (n * self.bits as usize).is_multiple_of(8);
+        let mut scratch = vec![0u8; n];
+        let mut dec = vec![0.0f32; BLOCK * n];
+        for (b, rows) in codes[h * t * rb..(h + 1) * t * rb]
+            .chunks(BLOCK * rb)
+            .enumerate()
+        {
+            let out = &mut dec[..rows.len() / rb * n];
+            if stream {
+                ops::decode_packed(isa, rows, self.bits, &self.table, out);
+            } else {
+                for (row, o) in rows.chunks_exact(rb).zip(out.chunks_exact_mut(n)) {
+                    self.decode(isa, row, 0, &mut scratch, o);
+                }
+            }
+            f(b * BLOCK, out);
+        }
+    }
+
     /// Calls `f(j, values of row j)` for the `t` rows of head `h` in `codes`, in token order.
     fn each_row(
         &self,
@@ -193,16 +224,12 @@ impl RowReader {
         t: usize,
         mut f: impl FnMut(usize, &[f32]),
     ) {
-        let rb = self.row_bytes;
-        let mut scratch = vec![0u8; self.n];
-        let mut dec = vec![0.0f32; self.n];
-        for (j, row) in codes[h * t * rb..(h + 1) * t * rb]
-            .chunks_exact(rb)
-            .enumerate()
-        {
-            self.decode(isa, row, 0, &mut scratch, &mut dec);
-            f(j, &dec);
-        }
+        let n = self.n;
+        self.each_block(isa, codes, h, t, |j0, block| {
+            for (k, row) in block.chunks_exact(n).enumerate() {
+                f(j0 + k, row);
+            }
+        });
     }
 }
 
@@ -211,13 +238,15 @@ impl RowReader {
 /// weights of a softmax sum to one, so the value error stays below `2e-6 max |v_hat|`.
 const BLOCK: usize = 32;
 
-/// Per-query-row sums `sum_j w_(r,j) x_j` of rows `x_j` in the code domain: SIMD float32
-/// lanes within a block of [`BLOCK`] tokens, float64 across blocks. Every step is elementwise
-/// and the blocks are fixed by the token count, so every path and thread count agrees.
+/// Per-query-row sums `sum_j w_(r,j) x_j` of rows `x_j` in the code domain: each block of
+/// [`BLOCK`] tokens summed in SIMD float32 lanes held in registers (`ops::axpy_rows_f32`, tokens
+/// in increasing order), then carried into float64. Every step is elementwise and the blocks
+/// are fixed by the token index, so every path and thread count agrees.
 struct Accumulator {
     part: Vec<f32>,
     total: Vec<f64>,
-    tokens: usize,
+    w: Vec<f32>,
+    n: usize,
 }
 
 impl Accumulator {
@@ -226,26 +255,21 @@ impl Accumulator {
         Self {
             part: vec![0.0; rows * n],
             total: vec![0.0; rows * n],
-            tokens: 0,
+            w: Vec::with_capacity(BLOCK),
+            n,
         }
     }
 
-    /// Adds one token's row `x` with weight `weight(r)` for each query row `r`.
-    #[inline]
-    fn add(&mut self, isa: Isa, x: &[f32], weight: impl Fn(usize) -> f32) {
-        for (r, pr) in self.part.chunks_exact_mut(x.len()).enumerate() {
-            ops::axpy_f32(isa, pr, weight(r), x);
+    /// Adds one block of rows (count x n, tokens `j0 ..`) with weight `weight(r, k)` for query
+    /// row `r` and the block's row `k`.
+    fn add_block(&mut self, isa: Isa, block: &[f32], weight: impl Fn(usize, usize) -> f32) {
+        let count = block.len() / self.n;
+        for (r, pr) in self.part.chunks_exact_mut(self.n).enumerate() {
+            self.w.clear();
+            self.w.extend((0..count).map(|k| weight(r, k)));
+            ops::axpy_rows_f32(isa, pr, &self.w, block, self.n);
         }
-        self.next_token();
-    }
-
-    /// Counts one token, carrying the float32 block into float64 every [`BLOCK`] tokens.
-    #[inline]
-    fn next_token(&mut self) {
-        self.tokens += 1;
-        if self.tokens.is_multiple_of(BLOCK) {
-            self.carry();
-        }
+        self.carry();
     }
 
     fn carry(&mut self) {
@@ -256,8 +280,7 @@ impl Accumulator {
     }
 
     /// The float64 sums, rows x n.
-    fn finish(mut self) -> Vec<f64> {
-        self.carry();
+    fn finish(self) -> Vec<f64> {
         self.total
     }
 }
@@ -691,7 +714,7 @@ fn head_scores(
                     let out = &mut s[r * t + t0..r * t + t1];
                     out.fill(0.0);
                     // SIMD over the tokens of the group; channels summed in order.
-                    ops::axpy_rows_f32(isa, out, &w, &block[..d * n]);
+                    ops::axpy_rows_f32(isa, out, &w, &block[..d * n], n);
                     out.iter_mut().for_each(|o| *o += zs);
                 }
             }
@@ -748,18 +771,23 @@ fn head_values(
         } => {
             let cd = reader.n;
             let mut sum = Accumulator::new(rows, cd);
-            reader.each_row(isa, codes, h, t, |j, v| {
-                let nj = norms.get(h * t + j);
-                sum.add(isa, v, |r| p[r * t + j] * nj);
+            let mut nb = [0.0f32; BLOCK];
+            reader.each_block(isa, codes, h, t, |j0, block| {
+                for (k, v) in nb.iter_mut().take(block.len() / cd).enumerate() {
+                    *v = norms.get(h * t + j0 + k);
+                }
+                sum.add_block(isa, block, |r, k| p[r * t + j0 + k] * nb[k]);
             });
             let mut acc = sum.finish();
             if let Some(q) = qjl {
                 // The residual accumulated in sketch space, u = sum_j p_j ||r_j|| sigma_j, then
                 // mapped back once: acc += sqrt(pi/2)/m * S^T u (rows of S in increasing order).
                 let mut u = Accumulator::new(rows, cd);
-                q.reader.each_row(isa, q.signs, h, t, |j, sigma| {
-                    let rn = q.norms.get(h * t + j);
-                    u.add(isa, sigma, |r| p[r * t + j] * rn);
+                q.reader.each_block(isa, q.signs, h, t, |j0, block| {
+                    for (k, v) in nb.iter_mut().take(block.len() / cd).enumerate() {
+                        *v = q.norms.get(h * t + j0 + k);
+                    }
+                    u.add_block(isa, block, |r, k| p[r * t + j0 + k] * nb[k]);
                 });
                 let u = u.finish();
                 let k = f64::from(q.k);
@@ -783,16 +811,21 @@ fn head_values(
             let cd = reader.n;
             let mut sum = Accumulator::new(rows, cd);
             let mut zacc = vec![0.0f64; rows * groups];
-            reader.each_row(isa, codes, h, t, |j, v| {
-                let base = (h * t + j) * groups;
+            reader.each_block(isa, codes, h, t, |j0, block| {
+                let count = block.len() / cd;
                 for (r, ar) in sum.part.chunks_exact_mut(cd).enumerate() {
-                    let pj = p[r * t + j];
-                    for (g, (ag, vg)) in ar.chunks_mut(*group).zip(v.chunks(*group)).enumerate() {
-                        ops::axpy_f32(isa, ag, pj * scales.get(base + g), vg);
-                        zacc[r * groups + g] += f64::from(pj) * f64::from(zeros.get(base + g));
+                    for (g, ag) in ar.chunks_mut(*group).enumerate() {
+                        let w = &mut sum.w;
+                        w.clear();
+                        w.extend((0..count).map(|k| {
+                            let (pj, at) = (p[r * t + j0 + k], (h * t + j0 + k) * groups + g);
+                            zacc[r * groups + g] += f64::from(pj) * f64::from(zeros.get(at));
+                            pj * scales.get(at)
+                        }));
+                        ops::axpy_rows_f32(isa, ag, w, &block[g * group..], cd);
                     }
                 }
-                sum.next_token();
+                sum.carry();
             });
             let mut acc = sum.finish();
             for (ar, zr) in acc.chunks_exact_mut(cd).zip(zacc.chunks_exact(*groups)) {
@@ -806,8 +839,8 @@ fn head_values(
         Plan::Channels { .. } => {}
         Plan::Dense(x) => {
             let mut sum = Accumulator::new(rows, d);
-            for (j, v) in x[h * t * d..(h + 1) * t * d].chunks_exact(d).enumerate() {
-                sum.add(isa, v, |r| p[r * t + j]);
+            for (b, block) in x[h * t * d..(h + 1) * t * d].chunks(BLOCK * d).enumerate() {
+                sum.add_block(isa, block, |r, k| p[r * t + b * BLOCK + k]);
             }
             finish(isa, &None, &sum.finish(), sums, out);
         }

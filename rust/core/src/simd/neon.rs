@@ -207,22 +207,3 @@ pub(crate) fn axpy_f64(acc: &mut [f64], w: f64, x: &[f32]) {
     }
     super::ops::scalar::axpy_f64(&mut acc[n4..n], w, &x[n4..n]);
 }
-
-/// `o[i] += w * x[i]` for `i < o.len()`.
-#[target_feature(enable = "neon")]
-pub(crate) fn axpy_f32(o: &mut [f32], w: f32, x: &[f32]) {
-    let n = o.len().min(x.len());
-    let n4 = n / 4 * 4;
-    let wv = vdupq_n_f32(w);
-    let mut i = 0;
-    while i < n4 {
-        // SAFETY: i + 4 <= n for o and x.
-        unsafe {
-            let p = o.as_mut_ptr().add(i);
-            let v = vmulq_f32(wv, vld1q_f32(x.as_ptr().add(i)));
-            vst1q_f32(p, vaddq_f32(vld1q_f32(p), v));
-        }
-        i += 4;
-    }
-    super::ops::scalar::axpy_f32(&mut o[n4..n], w, &x[n4..n]);
-}

@@ -59,10 +59,10 @@ pub(crate) mod scalar {
             .for_each(|(a, &v)| *a += w * f64::from(v));
     }
 
-    pub(crate) fn axpy_rows_f32(o: &mut [f32], w: &[f32], mat: &[f32]) {
+    pub(crate) fn axpy_rows_f32(o: &mut [f32], w: &[f32], mat: &[f32], stride: usize) {
         let n = o.len();
-        for (&wc, row) in w.iter().zip(mat.chunks_exact(n.max(1))) {
-            axpy_f32(o, wc, row);
+        for (c, &wc) in w.iter().enumerate() {
+            axpy_f32(o, wc, &mat[c * stride..c * stride + n]);
         }
     }
 
@@ -188,7 +188,9 @@ pub(crate) fn decode(isa: Isa, codes: &[u8], table: &[f32], bits: u32, mul: f32,
 /// bits; exact copies of table entries, so every path agrees.
 pub(crate) fn decode_packed(isa: Isa, packed: &[u8], bits: u32, table: &[f32], out: &mut [f32]) {
     match isa {
-        // SAFETY: `isa` is supported; `table` has 256 entries.
+        // SAFETY (both arms): `isa` is supported; `table` has 256 entries.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 if bits == 4 => unsafe { avx512::decode_packed4(packed, table, out) },
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 | Isa::Avx512 if bits <= 4 => unsafe {
             avx2::decode_packed(packed, bits, table, out)
@@ -356,31 +358,18 @@ pub(crate) fn axpy_f64(isa: Isa, acc: &mut [f64], w: f64, x: &[f32]) {
     }
 }
 
-/// `o[i] += sum_c w[c] * mat[c * o.len() + i]`, the terms added in increasing `c` for each
-/// `i` (`mat` holds `w.len()` rows of `o.len()`): a run of [`axpy_f32`] calls with `o` kept in
-/// registers.
-pub(crate) fn axpy_rows_f32(isa: Isa, o: &mut [f32], w: &[f32], mat: &[f32]) {
+/// `o[i] += sum_c w[c] * mat[c * stride + i]`, the terms added in increasing `c` for each `i`
+/// (row `c` of `mat` starts at `c * stride` and holds at least `o.len()` values): a run of
+/// `o += w[c] * row c` steps with `o` kept in registers.
+pub(crate) fn axpy_rows_f32(isa: Isa, o: &mut [f32], w: &[f32], mat: &[f32], stride: usize) {
+    debug_assert!(w.is_empty() || mat.len() >= (w.len() - 1) * stride + o.len());
     match isa {
         // SAFETY (all arms): `isa` is supported.
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 => unsafe { avx512::axpy_rows_f32(o, w, mat) },
+        Isa::Avx512 => unsafe { avx512::axpy_rows_f32(o, w, mat, stride) },
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => unsafe { avx2::axpy_rows_f32(o, w, mat) },
-        _ => scalar::axpy_rows_f32(o, w, mat),
-    }
-}
-
-/// `o[i] += w * x[i]` for `i < o.len()` in float32 (elementwise; no fused multiply-add).
-pub(crate) fn axpy_f32(isa: Isa, o: &mut [f32], w: f32, x: &[f32]) {
-    match isa {
-        // SAFETY (all arms): `isa` is supported.
-        #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 => unsafe { avx512::axpy_f32(o, w, x) },
-        #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => unsafe { avx2::axpy_f32(o, w, x) },
-        #[cfg(target_arch = "aarch64")]
-        Isa::Neon => unsafe { neon::axpy_f32(o, w, x) },
-        _ => scalar::axpy_f32(o, w, x),
+        Isa::Avx2 => unsafe { avx2::axpy_rows_f32(o, w, mat, stride) },
+        _ => scalar::axpy_rows_f32(o, w, mat, stride),
     }
 }
 
@@ -537,11 +526,6 @@ mod tests {
                     assert_eq!(bits(&a), bits(&b));
                 }
                 for w in [1.0f32, -0.37, 1e-30, 3e20] {
-                    let small: Vec<f32> = s.iter().map(|v| v * 1e-20).collect();
-                    let (mut a, mut b) = (x.clone(), x.clone());
-                    axpy_f32(isa, &mut a, w, &small);
-                    axpy_f32(Isa::Scalar, &mut b, w, &small);
-                    assert_eq!(bits(&a), bits(&b), "{isa:?} n={n}");
                     let acc: Vec<f64> = x.iter().map(|&v| f64::from(v) * 1e-3).collect();
                     let (mut a, mut b) = (acc.clone(), acc);
                     axpy_f64(isa, &mut a, f64::from(w) * 1.1, &s);
@@ -549,12 +533,17 @@ mod tests {
                     let b64 = |v: &[f64]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
                     assert_eq!(b64(&a), b64(&b), "{isa:?} n={n}");
                 }
-                let w: Vec<f32> = values(900 + n as u64, 5).iter().map(|v| v * 1e-20).collect();
-                let mat = values(77 + n as u64, 5 * n);
-                let (mut a, mut b) = (x.clone(), x.clone());
-                axpy_rows_f32(isa, &mut a, &w, &mat);
-                axpy_rows_f32(Isa::Scalar, &mut b, &w, &mat);
-                assert_eq!(bits(&a), bits(&b), "{isa:?} n={n}");
+                let w: Vec<f32> = values(900 + n as u64, 5)
+                    .iter()
+                    .map(|v| v * 1e-20)
+                    .collect();
+                let mat = values(77 + n as u64, 5 * n + 12);
+                for stride in [n, n + 3] {
+                    let (mut a, mut b) = (x.clone(), x.clone());
+                    axpy_rows_f32(isa, &mut a, &w, &mat, stride);
+                    axpy_rows_f32(Isa::Scalar, &mut b, &w, &mat, stride);
+                    assert_eq!(bits(&a), bits(&b), "{isa:?} n={n}");
+                }
                 for negative in [false, true] {
                     let (mut a, mut b) = (x.clone(), x.clone());
                     add_signed(isa, &mut a, &s, negative);

@@ -490,20 +490,19 @@ pub(super) mod avx2 {
         super::super::ops::scalar::axpy_f64(&mut acc[n8..n], w, &x[n8..n]);
     }
 
-    /// `o[i] += sum_c w[c] * mat[c * n + i]` in increasing `c`, eight lanes of `o` held in a
-    /// register over every `c`.
+    /// `o[i] += sum_c w[c] * mat[c * stride + i]` in increasing `c`, eight lanes of `o` held
+    /// in a register over every `c`.
     #[target_feature(enable = "avx2,bmi2")]
-    pub(crate) fn axpy_rows_f32(o: &mut [f32], w: &[f32], mat: &[f32]) {
+    pub(crate) fn axpy_rows_f32(o: &mut [f32], w: &[f32], mat: &[f32], stride: usize) {
         let n = o.len();
         let n8 = n / 8 * 8;
-        debug_assert!(mat.len() >= w.len() * n);
         let mut i = 0;
         while i < n8 {
-            // SAFETY: i + 8 <= n; row c spans mat[c*n..(c+1)*n].
+            // SAFETY: i + 8 <= n; row c spans mat[c*stride..c*stride+n] (the caller's bound).
             unsafe {
                 let mut acc = _mm256_loadu_ps(o.as_ptr().add(i));
                 for (c, &wc) in w.iter().enumerate() {
-                    let v = _mm256_loadu_ps(mat.as_ptr().add(c * n + i));
+                    let v = _mm256_loadu_ps(mat.as_ptr().add(c * stride + i));
                     acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_set1_ps(wc), v));
                 }
                 _mm256_storeu_ps(o.as_mut_ptr().add(i), acc);
@@ -512,28 +511,9 @@ pub(super) mod avx2 {
         }
         for (j, oj) in o.iter_mut().enumerate().skip(n8) {
             for (c, &wc) in w.iter().enumerate() {
-                *oj += wc * mat[c * n + j];
+                *oj += wc * mat[c * stride + j];
             }
         }
-    }
-
-    /// `o[i] += w * x[i]` for `i < o.len()`.
-    #[target_feature(enable = "avx2,bmi2")]
-    pub(crate) fn axpy_f32(o: &mut [f32], w: f32, x: &[f32]) {
-        let n = o.len().min(x.len());
-        let n8 = n / 8 * 8;
-        let wv = _mm256_set1_ps(w);
-        let mut i = 0;
-        while i < n8 {
-            // SAFETY: i + 8 <= n for o and x.
-            unsafe {
-                let p = o.as_mut_ptr().add(i);
-                let v = _mm256_mul_ps(wv, _mm256_loadu_ps(x.as_ptr().add(i)));
-                _mm256_storeu_ps(p, _mm256_add_ps(_mm256_loadu_ps(p), v));
-            }
-            i += 8;
-        }
-        super::super::ops::scalar::axpy_f32(&mut o[n8..n], w, &x[n8..n]);
     }
 
     /// `o *= k` elementwise.
@@ -1000,20 +980,19 @@ pub(super) mod avx512 {
         }
     }
 
-    /// `o[i] += sum_c w[c] * mat[c * n + i]` in increasing `c`, sixteen lanes of `o` held in
-    /// a register over every `c`, masked tail.
+    /// `o[i] += sum_c w[c] * mat[c * stride + i]` in increasing `c`, sixteen lanes of `o` held
+    /// in a register over every `c`, masked tail.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,bmi2")]
-    pub(crate) fn axpy_rows_f32(o: &mut [f32], w: &[f32], mat: &[f32]) {
+    pub(crate) fn axpy_rows_f32(o: &mut [f32], w: &[f32], mat: &[f32], stride: usize) {
         let n = o.len();
-        debug_assert!(mat.len() >= w.len() * n);
         let mut i = 0;
         while i < n {
             let k = mask16((n - i).min(16));
-            // SAFETY: the masked lanes stay below n in o and in each row c of mat.
+            // SAFETY: the masked lanes stay below n in o and in each row c of mat (at c*stride).
             unsafe {
                 let mut acc = _mm512_maskz_loadu_ps(k, o.as_ptr().add(i));
                 for (c, &wc) in w.iter().enumerate() {
-                    let v = _mm512_maskz_loadu_ps(k, mat.as_ptr().add(c * n + i));
+                    let v = _mm512_maskz_loadu_ps(k, mat.as_ptr().add(c * stride + i));
                     acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_set1_ps(wc), v));
                 }
                 _mm512_mask_storeu_ps(o.as_mut_ptr().add(i), k, acc);
@@ -1022,22 +1001,32 @@ pub(super) mod avx512 {
         }
     }
 
-    /// `o[i] += w * x[i]` for `i < o.len()`: sixteen lanes, masked tail.
+    /// `out[i] = table[code_i]` for a packed row of 4-bit codes: sixteen codes (eight bytes)
+    /// per step, each byte duplicated, widened to 32-bit lanes and shifted by 0 or 4, then one
+    /// 16-entry permute.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,bmi2")]
-    pub(crate) fn axpy_f32(o: &mut [f32], w: f32, x: &[f32]) {
-        let n = o.len().min(x.len());
-        let wv = _mm512_set1_ps(w);
+    pub(crate) fn decode_packed4(packed: &[u8], table: &[f32], out: &mut [f32]) {
+        debug_assert!(table.len() >= 256);
+        let n16 = out.len() / 16 * 16;
+        let dup = _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+        let shifts = _mm512_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4);
+        let mask = _mm512_set1_epi32(15);
+        // SAFETY: table has 256 >= 16 entries.
+        let lut = unsafe { _mm512_loadu_ps(table.as_ptr()) };
         let mut i = 0;
-        while i < n {
-            let k = mask16((n - i).min(16));
-            // SAFETY: the masked lanes stay below n for o and x.
+        while i < n16 {
+            // SAFETY: the 8 bytes of codes i .. i + 16 are in the row (i + 16 <= out.len());
+            // i + 16 <= out.len() for the store.
             unsafe {
-                let v = _mm512_mul_ps(wv, _mm512_maskz_loadu_ps(k, x.as_ptr().add(i)));
-                let a = _mm512_maskz_loadu_ps(k, o.as_ptr().add(i));
-                _mm512_mask_storeu_ps(o.as_mut_ptr().add(i), k, _mm512_add_ps(a, v));
+                let b = _mm_loadl_epi64(packed.as_ptr().add(i / 2).cast());
+                let idx = _mm512_cvtepu8_epi32(_mm_shuffle_epi8(b, dup));
+                let idx = _mm512_and_si512(_mm512_srlv_epi32(idx, shifts), mask);
+                _mm512_storeu_ps(out.as_mut_ptr().add(i), _mm512_permutexvar_ps(idx, lut));
             }
             i += 16;
         }
+        // AVX2 is part of this path's features, so the call needs no `unsafe`.
+        super::avx2::decode_packed(&packed[n16 / 2..], 4, table, &mut out[n16..]);
     }
 
     /// Whether every value is finite (exponent not all ones).
