@@ -14,11 +14,12 @@
 //!   HeadQ: `+ sign * s_j * sum_i (U^T q)_i (code_i - h)` (SPEC 2.6);
 //! - a numerically stable softmax (max subtracted, float64 normaliser, log-sum-exp returned so
 //!   that callers can merge another softmax part exactly);
-//! - the weighted sum of values: each value row is decoded the same way once (shared by every
-//!   query row of the group) and added with weight `p_j ||v_j||` to a float64 accumulator per
-//!   query row (SIMD float64 lanes, elementwise); the QJL value residual is accumulated in
-//!   sketch space and mapped back once with `S^T`, uniform values with their zero points summed
-//!   per group; the result is un-rotated once.
+//! - the weighted sum of values: the value rows are decoded the same way, a block of 32 tokens
+//!   at a time (shared by every query row of the group), and added with weights `p_j ||v_j||`
+//!   to float32 SIMD lanes held in registers across the block, whose sums are then carried into
+//!   float64 per query row; the QJL value residual is accumulated in sketch space and mapped
+//!   back once with `S^T`, uniform values with their zero points summed per group; the result
+//!   is un-rotated once.
 //!
 //! Every floating-point step is either elementwise or a fixed-order reduction, so the scalar
 //! reference and every SIMD path give the same bits. Heads run in parallel (rayon); each head's
