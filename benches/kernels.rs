@@ -12,6 +12,12 @@
 //!   4-bit MSE encode/decode (also with packing), into reused output buffers (`_into`) and
 //!   through the allocating API. `KVQRS_BENCH_ROWS_LOG2` sets the size (default 20).
 //!
+//! - `attention/*`: fused decode attention (issue 6) on one thread, 3 KV heads x 3 query rows
+//!   (9 query heads, GQA), head_dim 64, 4k and 32k tokens, the four 4-bit cache layouts of
+//!   `benches/bench_attention.py` (`kv`, `kqv` = 4-bit keys + 3-bit values with a QJL residual,
+//!   `kivi`, `qkqv`); throughput counts the tokens' float32 keys and values (2 x 64 x 4 bytes
+//!   each), the bytes SDPA over a float32 cache reads.
+//!
 //! Run: `cargo bench -p kvqrs-core --bench kernels` (add a filter such as `dram/` or `mse`).
 
 use std::hint::black_box;
@@ -19,13 +25,15 @@ use std::time::{Duration, Instant};
 
 use criterion::measurement::WallTime;
 use criterion::{criterion_group, criterion_main, Bencher, BenchmarkGroup, Criterion, Throughput};
+use kvqrs_core::kernels::attention::{decode_attention_with, CodedRows, Layout, QjlRows};
 use kvqrs_core::kernels::hadamard::Rotation;
 use kvqrs_core::kernels::headq::HeadqCoder;
 use kvqrs_core::kernels::lloyd_max::codebook;
 use kvqrs_core::kernels::mse::MseQuantizer;
-use kvqrs_core::kernels::pack::{pack_into, pack_with, unpack_into, unpack_with};
+use kvqrs_core::kernels::pack::{pack_into, pack_with, packed_len, unpack_into, unpack_with};
 use kvqrs_core::kernels::qjl::QjlSketcher;
 use kvqrs_core::rng::{gaussians, random_orthonormal_basis};
+use kvqrs_core::scalars::ScalarView;
 use kvqrs_core::Isa;
 use rayon::prelude::*;
 
@@ -258,5 +266,128 @@ fn dram(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, cache, dram);
+/// Pseudo-random bytes (the kernel's time does not depend on the code values).
+fn bytes(seed: u64, n: usize) -> Vec<u8> {
+    (0..n as u64)
+        .map(|i| ((seed ^ i).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 56) as u8)
+        .collect()
+}
+
+/// float16 bit patterns of values in [1, 1.25) (stored norms and scales are float16).
+fn halves(seed: u64, n: usize) -> Vec<u16> {
+    bytes(seed, n)
+        .iter()
+        .map(|&b| 0x3C00 | u16::from(b))
+        .collect()
+}
+
+/// The stored parts of one side of a cache of `heads x t` vectors: codes, per-token norms or
+/// per-group scales and zeros, QJL signs and norms.
+struct Side {
+    codes: Vec<u8>,
+    scalars: Vec<u16>,
+    zeros: Vec<u16>,
+    signs: Vec<u8>,
+    qjl_norms: Vec<u16>,
+}
+
+impl Side {
+    fn new(seed: u64, vectors: usize, row_bytes: usize, scalars: usize, d: usize) -> Self {
+        Self {
+            codes: bytes(seed, vectors * row_bytes),
+            scalars: halves(seed + 1, scalars),
+            zeros: halves(seed + 2, scalars)
+                .iter()
+                .map(|h| h | 0x8000)
+                .collect(),
+            signs: bytes(seed + 3, vectors * d / 8),
+            qjl_norms: halves(seed + 4, vectors),
+        }
+    }
+
+    fn mse(&self, bits: u32, seed: Option<u64>, qjl: bool) -> CodedRows<'_> {
+        CodedRows::Mse {
+            codes: &self.codes,
+            norms: ScalarView::F16(&self.scalars),
+            bits,
+            seed,
+            qjl: qjl.then_some(QjlRows {
+                signs: &self.signs,
+                norms: ScalarView::F16(&self.qjl_norms),
+                seed: 7,
+            }),
+        }
+    }
+}
+
+fn attention(c: &mut Criterion) {
+    const HEADS: usize = 3;
+    const ROWS: usize = 3;
+    const HD: usize = 64;
+    const GROUP: usize = 32;
+    let one = pool(1);
+    let mut g = c.benchmark_group("attention");
+    g.sample_size(10);
+    g.warm_up_time(Duration::from_millis(500));
+    g.measurement_time(Duration::from_secs(2));
+    let q = gaussians(9, 7, HEADS * ROWS * HD);
+    for t in [4096usize, 32768] {
+        g.throughput(Throughput::Bytes((t * HEADS * 2 * HD * 4) as u64));
+        let v = HEADS * t;
+        let lay = Layout {
+            heads: HEADS,
+            rows: ROWS,
+            tokens: t,
+            head_dim: HD,
+            scale: 0.125,
+        };
+        let (m4, m3) = (packed_len(HD, 4), packed_len(HD, 3));
+        let (k4, k3) = (Side::new(1, v, m4, v, HD), Side::new(11, v, m3, v, HD));
+        let v4 = Side::new(21, v, m4, v, HD);
+        let v3 = Side::new(31, v, m3, v, HD);
+        let kc = Side::new(
+            41,
+            HEADS * HD,
+            packed_len(t, 4),
+            HEADS * HD * t.div_ceil(GROUP),
+            HD,
+        );
+        let vt = Side::new(51, v, m4, v * HD / GROUP, HD);
+        let kivi_keys = CodedRows::UniformChannels {
+            codes: &kc.codes,
+            scales: ScalarView::F16(&kc.scalars),
+            zeros: ScalarView::F16(&kc.zeros),
+            bits: 4,
+            group: GROUP,
+        };
+        let kivi_values = CodedRows::UniformTokens {
+            codes: &vt.codes,
+            scales: ScalarView::F16(&vt.scalars),
+            zeros: ScalarView::F16(&vt.zeros),
+            bits: 4,
+            group: GROUP,
+            seed: None,
+        };
+        let layouts = [
+            ("kv", k4.mse(4, None, false), v4.mse(4, None, false)),
+            ("kqv", k4.mse(4, Some(1), false), v3.mse(3, Some(2), true)),
+            ("kivi", kivi_keys, kivi_values),
+            ("qkqv", k3.mse(3, Some(1), true), v3.mse(3, Some(2), true)),
+        ];
+        for (scheme, keys, values) in &layouts {
+            for isa in paths() {
+                g.bench_function(
+                    format!("{scheme}/{t}/{}", isa.name()),
+                    timed(&one, || {
+                        decode_attention_with(isa, &q, &lay, keys, None, values, false)
+                            .expect("attention")
+                    }),
+                );
+            }
+        }
+    }
+    g.finish();
+}
+
+criterion_group!(benches, cache, dram, attention);
 criterion_main!(benches);

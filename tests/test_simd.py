@@ -18,6 +18,7 @@ import kvqrs
 from kvqrs import _native
 
 from .strategies import HEAD_DIMS, bits, float_rows, head_dims, seeds
+from .test_attention import problems
 
 SIMD = [i for i in _native.simd_available() if i != "scalar"]
 
@@ -120,6 +121,14 @@ def test_qjl_and_headq_are_identical_on_every_path(x, seed, extra, data):
         )
 
     assert_identical(kernels)
+
+
+@given(data=st.data())
+def test_fused_attention_is_identical_on_every_path(data):
+    # Every key and value layout of the fused kernel (tests/test_attention.py draws them):
+    # outputs, log-sum-exp and probabilities bit for bit.
+    codec, q, ck, cv = data.draw(problems())
+    assert_identical(lambda: tuple(codec.fused_attention(q, ck, cv, probs=True)))
 
 
 @pytest.mark.parametrize("d", HEAD_DIMS)

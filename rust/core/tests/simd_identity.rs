@@ -2,13 +2,17 @@
 //! bytes exactly: codes, packed bytes, stored norms and scales, floats (compared as bits), and
 //! the same errors. Also: results do not depend on the rayon thread count.
 
-use kvqrs_core::kernels::hadamard::Rotation;
+use kvqrs_core::kernels::attention::{
+    decode_attention_with, Attention, CodedRows, Layout, QjlRows, SideRows,
+};
+use kvqrs_core::kernels::hadamard::{padded_dim, Rotation};
 use kvqrs_core::kernels::headq::HeadqCoder;
 use kvqrs_core::kernels::lloyd_max::codebook;
 use kvqrs_core::kernels::mse::MseQuantizer;
 use kvqrs_core::kernels::pack::{pack_with, packed_len, unpack_with};
 use kvqrs_core::kernels::qjl::QjlSketcher;
 use kvqrs_core::rng::{gaussians, random_orthonormal_basis};
+use kvqrs_core::scalars::ScalarView;
 use kvqrs_core::Isa;
 use proptest::prelude::*;
 
@@ -287,6 +291,167 @@ fn results_do_not_depend_on_the_thread_count() {
     let one = run(1);
     for threads in [2, 3, 4] {
         assert!(run(threads) == one, "{threads} threads differ from one");
+    }
+}
+
+/// Pseudo-random bytes: valid packed codes of any width.
+fn bytes(seed: u64, n: usize) -> Vec<u8> {
+    (0..n as u64)
+        .map(|i| ((seed ^ i).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 56) as u8)
+        .collect()
+}
+
+/// Positive float16 bit patterns (norms, scales) in [0.5, 2); `neg` sets the sign (zeros).
+fn halves(seed: u64, n: usize, neg: bool) -> Vec<u16> {
+    bytes(seed, n)
+        .iter()
+        .map(|&b| 0x3800 + u16::from(b) * 4 + if neg && b % 2 == 1 { 0x8000 } else { 0 })
+        .collect()
+}
+
+/// Stored parts of one side of a cache for the fused attention identity test.
+struct Stored {
+    codes: Vec<u8>,
+    scalars: Vec<u16>,
+    zeros: Vec<u16>,
+    signs: Vec<u8>,
+    qjl_norms: Vec<u16>,
+    dense: Vec<f32>,
+}
+
+impl Stored {
+    fn new(seed: u64, heads: usize, t: usize, d: usize) -> Self {
+        let n = heads * t * 256;
+        Self {
+            codes: bytes(seed, n),
+            scalars: halves(seed + 1, n, false),
+            zeros: halves(seed + 2, n, true),
+            signs: bytes(seed + 3, n),
+            qjl_norms: halves(seed + 4, n, false),
+            dense: mixed_rows(seed + 5, heads * t, d),
+        }
+    }
+
+    /// The layouts of one side: MSE (no rotation; rotated; rotated with a QJL residual),
+    /// uniform groups along tokens (plain, rotated), per-channel groups, dense rows.
+    fn layouts(&self, h: usize, t: usize, d: usize, bits: u32, group: usize) -> Vec<CodedRows<'_>> {
+        let v = h * t;
+        let mse = |n: usize, seed: Option<u64>, qjl: bool| CodedRows::Mse {
+            codes: &self.codes[..v * packed_len(n, bits)],
+            norms: ScalarView::F16(&self.scalars[..v]),
+            bits,
+            seed,
+            qjl: qjl.then_some(QjlRows {
+                signs: &self.signs[..v * n.div_ceil(8)],
+                norms: ScalarView::F16(&self.qjl_norms[..v]),
+                seed: 9,
+            }),
+        };
+        let tokens = |n: usize, seed: Option<u64>| CodedRows::UniformTokens {
+            codes: &self.codes[..v * packed_len(n, bits)],
+            scales: ScalarView::F16(&self.scalars[..v * n.div_ceil(group)]),
+            zeros: ScalarView::F16(&self.zeros[..v * n.div_ceil(group)]),
+            bits,
+            group,
+            seed,
+        };
+        let cd = padded_dim(d);
+        let ch = h * d;
+        vec![
+            mse(d, None, false),
+            mse(cd, Some(3), false),
+            mse(cd, Some(3), true),
+            tokens(d, None),
+            tokens(cd, Some(4)),
+            CodedRows::UniformChannels {
+                codes: &self.codes[..ch * packed_len(t, bits)],
+                scales: ScalarView::F16(&self.scalars[..ch * t.div_ceil(group)]),
+                zeros: ScalarView::F16(&self.zeros[..ch * t.div_ceil(group)]),
+                bits,
+                group,
+            },
+            CodedRows::Dense(&self.dense[..v * d]),
+        ]
+    }
+}
+
+fn attention_bits(a: &Attention) -> (Vec<u32>, Vec<u32>, Vec<u32>) {
+    (bits_of(&a.out), bits_of(&a.lse), bits_of(&a.probs))
+}
+
+#[test]
+fn fused_attention_is_bit_identical_on_every_isa_and_thread_count() {
+    // Token counts below, at and across the float32 accumulation block (32); head_dims with
+    // vector tails and rotation padding; GQA groups of 1, 3 and 5 query rows.
+    for (d, t, rows, bits, group) in [
+        (64, 37, 3, 4, 32),
+        (40, 100, 1, 3, 8),
+        (33, 64, 5, 2, 5),
+        (17, 31, 2, 1, 3),
+        (96, 70, 3, 8, 32),
+        (8, 9, 4, 5, 7),
+    ] {
+        let heads = 2;
+        let (ks, vs) = (
+            Stored::new(d as u64, heads, t, d),
+            Stored::new(7 + d as u64, heads, t, d),
+        );
+        let q: Vec<f32> = mixed_rows(3, heads * rows, d)
+            .iter()
+            .map(|v| v * 0.1)
+            .collect();
+        let q: Vec<f32> = q.iter().map(|v| v.clamp(-1e3, 1e3)).collect();
+        let lay = Layout {
+            heads,
+            rows,
+            tokens: t,
+            head_dim: d,
+            scale: 1.0 / (d as f32).sqrt(),
+        };
+        let rank = d.min(4);
+        let basis = random_orthonormal_basis(5, d, rank).unwrap();
+        let side_codes = bytes(11, heads * t * packed_len(rank, 2));
+        let side_scales = halves(12, heads * t, false);
+        let side = SideRows {
+            codes: &side_codes,
+            scales: ScalarView::F16(&side_scales),
+            basis: &basis,
+            basis_heads: 1,
+            rank,
+            bits: 2,
+            sign: 1.0,
+        };
+        let keys = ks.layouts(heads, t, d, bits, group);
+        let values = vs.layouts(heads, t, d, bits, group);
+        for (ki, k) in keys.iter().enumerate() {
+            for (vi, v) in values.iter().enumerate() {
+                if matches!(v, CodedRows::UniformChannels { .. }) {
+                    continue;
+                }
+                let sd = (ki == vi).then_some(&side);
+                let run = |isa: Isa| {
+                    decode_attention_with(isa, &q, &lay, k, sd, v, true).map(|a| attention_bits(&a))
+                };
+                let want = run(Isa::Scalar).unwrap();
+                for isa in simd_isas() {
+                    assert!(
+                        run(isa).unwrap() == want,
+                        "{isa:?} d={d} t={t} keys {ki} values {vi}"
+                    );
+                }
+                for threads in [1, 3] {
+                    let pool = rayon::ThreadPoolBuilder::new()
+                        .num_threads(threads)
+                        .build()
+                        .unwrap();
+                    let got = pool.install(|| run(Isa::best()).unwrap());
+                    assert!(
+                        got == want,
+                        "{threads} threads d={d} t={t} keys {ki} values {vi}"
+                    );
+                }
+            }
+        }
     }
 }
 

@@ -1,26 +1,29 @@
 //! Fused decode attention straight from a compressed KV cache, for one or a few query rows per
-//! KV head (issue 6; docs/kernels.md section 11). Nothing is decoded back to keys or values:
+//! KV head (issue 6; docs/kernels.md section 11). No key or value is reconstructed in the head
+//! domain: each stored row is decoded, in registers of the active SIMD path, to its values in
+//! the code domain (the rotated domain for rotation schemes) and used there at once:
 //!
-//! - the query is rotated once (rotation schemes) and turned into a lookup table over the
-//!   stored symbols (a packed byte when `8 % bits == 0`, else one unpacked code):
-//!   `table[p][a] = sum_t w_(p,t) * value(code_t(a))`, so a score is one table read per byte;
-//!   MSE keys: `w = R q`, `value = centroid`, score `||k|| * sum_p table[p][byte_p]`;
-//!   QJL residual (qkqv): `w = S R q`, `value = +-1`, times `sqrt(pi/2)/m * ||r||`
-//!   (the estimator of Zandieh et al. 2024);
-//!   uniform groups along a token (block): the same per group, `z_g sum_(i in g) w_i +
-//!   s_g * lookup`; KIVI per-channel keys: `sum_c q_c z_(c,g) + sum_c (q_c s_(c,g)) code_(c,j)`;
+//! - the query rows of a GQA group are rotated once; a key row is unpacked (SIMD unpack), mapped
+//!   through its 256-entry value table (a register permute for <= 4 bits: centroids for MSE,
+//!   integer levels for uniform groups) and dotted with every query row in one pass
+//!   (`ops::dots`, the fixed 8-lane order of `reduce.rs`); MSE keys: `||k|| * (R q) . c`;
+//!   QJL residual (qkqv): `sqrt(pi/2)/m * ||r|| * (S R q) . sigma` straight from the packed
+//!   sign bits (the estimator of Zandieh et al. 2024); uniform groups along a token (block):
+//!   `sum_g z_g sum_(i in g) w_i + s_g (w_g . code_g)`; KIVI per-channel keys:
+//!   `sum_c q_c z_(c,g) + sum_c (q_c s_(c,g)) code_(c,j)`, SIMD over the tokens of a group;
 //!   HeadQ: `+ sign * s_j * sum_i (U^T q)_i (code_i - h)` (SPEC 2.6);
 //! - a numerically stable softmax (max subtracted, float64 normaliser, log-sum-exp returned so
 //!   that callers can merge another softmax part exactly);
-//! - the weighted sum of values accumulated from their codes in the code domain: each coded
-//!   row is decoded once through a per-symbol table (shared by every query row of the group) and
-//!   added with weight `p_j ||v_j||` to a float64 accumulator per query row; the QJL value
-//!   residual is accumulated in sketch space and mapped back once with `S^T`, uniform values
-//!   with their zero points summed per group; the result is un-rotated once.
+//! - the weighted sum of values: the value rows are decoded the same way, a block of 32 tokens
+//!   at a time (shared by every query row of the group), and added with weights `p_j ||v_j||`
+//!   to float32 SIMD lanes held in registers across the block, whose sums are then carried into
+//!   float64 per query row; the QJL value residual is accumulated in sketch space and mapped
+//!   back once with `S^T`, uniform values with their zero points summed per group; the result
+//!   is un-rotated once.
 //!
-//! The query rows of one KV head (a GQA group of query heads times the query tokens) share one
-//! pass over that head's codes. Heads run in parallel (rayon); each head's arithmetic is
-//! sequential in a fixed order, so results do not depend on the thread count.
+//! Every floating-point step is either elementwise or a fixed-order reduction, so the scalar
+//! reference and every SIMD path give the same bits. Heads run in parallel (rayon); each head's
+//! arithmetic is sequential in a fixed order, so results do not depend on the thread count.
 
 use std::f64::consts::PI;
 use std::sync::Arc;
@@ -34,8 +37,8 @@ use super::pack::{packed_len, unpack_range};
 use super::qjl::QjlSketcher;
 use super::{check_bits, check_finite, check_head_dim, check_len, check_row_len};
 use crate::error::{KvqError, Result};
-use crate::reduce::dot;
 use crate::scalars::ScalarView;
+use crate::simd::{self, ops, Isa};
 
 /// The QJL sketch of the rotated residual that follows an MSE stage (`kqv` values, `qkqv`).
 #[derive(Debug, Clone, Copy)]
@@ -144,142 +147,142 @@ pub struct Attention {
     pub probs: Vec<f32>,
 }
 
-/// How a packed row is read through lookup tables: bytes (alphabet 256) when the codes never
-/// straddle a byte and every group boundary falls on a byte, else unpacked codes.
-#[derive(Debug, Clone, Copy)]
-struct Symbols {
+/// Reads packed rows of `bits`-bit codes as float32 values through a 256-entry table
+/// (centroids, integer levels or `+-1` signs): the SIMD unpack, then the table decode of the
+/// path (a register permute up to 4 bits).
+#[derive(Debug, Clone)]
+struct RowReader {
     n: usize,
     bits: u32,
     row_bytes: usize,
-    per: usize,
-    aligned: bool,
-    positions: usize,
-    alphabet: usize,
+    table: Vec<f32>,
 }
 
-impl Symbols {
-    fn new(n: usize, bits: u32, group: Option<usize>) -> Self {
-        let per = (8 / bits) as usize;
-        let row_bytes = packed_len(n, bits);
-        if 8 % bits == 0 && group.is_none_or(|g| g % per == 0) {
-            Self {
-                n,
-                bits,
-                row_bytes,
-                per,
-                aligned: true,
-                positions: row_bytes,
-                alphabet: 256,
-            }
-        } else {
-            Self {
-                n,
-                bits,
-                row_bytes,
-                per: 1,
-                aligned: false,
-                positions: n,
-                alphabet: 1 << bits,
-            }
+impl RowReader {
+    /// Rows of `n` codes whose code `c` stands for `values[c]`.
+    fn new(n: usize, bits: u32, values: &[f32]) -> Self {
+        let mut table = values.to_vec();
+        table.resize(256, 0.0);
+        Self {
+            n,
+            bits,
+            row_bytes: packed_len(n, bits),
+            table,
         }
     }
 
-    fn table_len(&self) -> usize {
-        self.positions * self.alphabet
-    }
-
-    /// Symbol positions per group of `group` codes.
-    fn group_positions(&self, group: usize) -> usize {
-        group / self.per
-    }
-
-    /// The symbols of one packed row: the row itself, or its codes unpacked into `scratch`.
+    /// `out[i] = values[code(start + i)]` for the codes of a packed row from code `start`
+    /// (`scratch` holds at least `out.len()` bytes).
     #[inline]
-    fn read<'b>(&self, row: &'b [u8], scratch: &'b mut [u8]) -> &'b [u8] {
-        if self.aligned {
-            row
+    fn decode(&self, isa: Isa, row: &[u8], start: usize, scratch: &mut [u8], out: &mut [f32]) {
+        let bit = start * self.bits as usize;
+        if bit.is_multiple_of(8) {
+            ops::decode_packed(isa, &row[bit / 8..], self.bits, &self.table, out);
         } else {
-            unpack_range(row, self.bits, 0, &mut scratch[..self.n]);
-            &scratch[..self.n]
+            let codes = &mut scratch[..out.len()];
+            unpack_range(row, self.bits, start, codes);
+            ops::decode(isa, codes, &self.table, self.bits, 1.0, out);
         }
     }
 
-    /// Code number `t` of symbol `a`.
-    #[inline]
-    fn code(&self, a: usize, t: usize) -> usize {
-        (a >> (t as u32 * self.bits)) & ((1usize << self.bits) - 1)
-    }
-
-    /// `table[p][a] = sum_t weights[p * per + t] * values[code_t(a)]` over the codes present.
-    fn build_table(&self, weights: &[f32], values: &[f32], table: &mut [f32]) {
-        for (p, t) in table.chunks_exact_mut(self.alphabet).enumerate() {
-            let lo = p * self.per;
-            let w = &weights[lo..(lo + self.per).min(self.n)];
-            for (a, slot) in t.iter_mut().enumerate() {
-                let mut acc = 0.0f32;
-                for (k, &wk) in w.iter().enumerate() {
-                    acc += wk * values[self.code(a, k)];
+    /// Calls `f(j0, values of rows j0 .. j0 + count)` (count x n) for the `t` rows of head `h`
+    /// in `codes`, in blocks of [`BLOCK`] tokens from token 0. When rows hold no padding bits
+    /// (`n * bits % 8 == 0`) a block is one bit stream, decoded in one call.
+    fn each_block(
+        &self,
+        isa: Isa,
+        codes: &[u8],
+        h: usize,
+        t: usize,
+        mut f: impl FnMut(usize, &[f32]),
+    ) {
+        let (rb, n) = (self.row_bytes, self.n);
+        let stream = (n * self.bits as usize).is_multiple_of(8);
+        let mut scratch = vec![0u8; n];
+        let mut dec = vec![0.0f32; BLOCK * n];
+        for (b, rows) in codes[h * t * rb..(h + 1) * t * rb]
+            .chunks(BLOCK * rb)
+            .enumerate()
+        {
+            let out = &mut dec[..rows.len() / rb * n];
+            if stream {
+                ops::decode_packed(isa, rows, self.bits, &self.table, out);
+            } else {
+                for (row, o) in rows.chunks_exact(rb).zip(out.chunks_exact_mut(n)) {
+                    self.decode(isa, row, 0, &mut scratch, o);
                 }
-                *slot = acc;
             }
+            f(b * BLOCK, out);
         }
     }
 
-    /// `sum_p table[p][sym[p]]` over positions `p0 .. p1`: four register accumulators over
-    /// consecutive positions, combined as `(a0 + a2) + (a1 + a3)` (a fixed order).
-    #[inline]
-    fn lookup(&self, table: &[f32], sym: &[u8], p0: usize, p1: usize) -> f32 {
-        let a = self.alphabet;
-        let mut tc = table[p0 * a..p1 * a].chunks_exact(4 * a);
-        let mut sc = sym[p0..p1].chunks_exact(4);
-        let (mut a0, mut a1, mut a2, mut a3) = (0.0f32, 0.0f32, 0.0f32, 0.0f32);
-        for (t, s) in (&mut tc).zip(&mut sc) {
-            a0 += t[usize::from(s[0])];
-            a1 += t[a + usize::from(s[1])];
-            a2 += t[2 * a + usize::from(s[2])];
-            a3 += t[3 * a + usize::from(s[3])];
-        }
-        for (t, &s) in tc.remainder().chunks_exact(a).zip(sc.remainder()) {
-            a0 += t[usize::from(s)];
-        }
-        (a0 + a2) + (a1 + a3)
-    }
-
-    /// `dtab[a][t] = values[code_t(a)]`: the decode of every symbol (built once per call).
-    fn decode_table(&self, values: &[f32]) -> Vec<f32> {
-        let mut dtab = vec![0.0f32; self.alphabet * self.per];
-        for (a, d) in dtab.chunks_exact_mut(self.per).enumerate() {
-            for (t, v) in d.iter_mut().enumerate() {
-                *v = values[self.code(a, t)];
+    /// Calls `f(j, values of row j)` for the `t` rows of head `h` in `codes`, in token order.
+    fn each_row(
+        &self,
+        isa: Isa,
+        codes: &[u8],
+        h: usize,
+        t: usize,
+        mut f: impl FnMut(usize, &[f32]),
+    ) {
+        let n = self.n;
+        self.each_block(isa, codes, h, t, |j0, block| {
+            for (k, row) in block.chunks_exact(n).enumerate() {
+                f(j0 + k, row);
             }
-        }
-        dtab
-    }
-
-    /// `out[i] = values[code_i]` for one row through its decode table (`out.len() == n`).
-    #[inline]
-    fn decode(&self, sym: &[u8], dtab: &[f32], out: &mut [f32]) {
-        let mut oc = out.chunks_exact_mut(self.per);
-        for (o, &s) in (&mut oc).zip(sym) {
-            let at = usize::from(s) * self.per;
-            // Element copies: a slice copy of a run-time length of 1..8 floats calls memmove.
-            for (x, &v) in o.iter_mut().zip(&dtab[at..at + self.per]) {
-                *x = v;
-            }
-        }
-        let rest = oc.into_remainder();
-        if !rest.is_empty() {
-            let at = usize::from(sym[self.n / self.per]) * self.per;
-            rest.copy_from_slice(&dtab[at..at + rest.len()]);
-        }
+        });
     }
 }
 
-/// `acc[i] += w * x[i]` in float64 (the value accumulation; vectorisable).
-#[inline]
-fn axpy(acc: &mut [f64], w: f64, x: &[f32]) {
-    for (a, &v) in acc.iter_mut().zip(x) {
-        *a += w * f64::from(v);
+/// Tokens summed in float32 lanes before their sum is carried into float64. A float32 sum of
+/// `BLOCK` terms `w_j x_j` errs by at most about `BLOCK * 2^-24` of `sum_j |w_j x_j|`, and the
+/// weights of a softmax sum to one, so the value error stays below `2e-6 max |v_hat|`.
+const BLOCK: usize = 32;
+
+/// Per-query-row sums `sum_j w_(r,j) x_j` of rows `x_j` in the code domain: each block of
+/// [`BLOCK`] tokens summed in SIMD float32 lanes held in registers (`ops::axpy_rows_f32`, tokens
+/// in increasing order), then carried into float64. Every step is elementwise and the blocks
+/// are fixed by the token index, so every path and thread count agrees.
+struct Accumulator {
+    part: Vec<f32>,
+    total: Vec<f64>,
+    w: Vec<f32>,
+    n: usize,
+}
+
+impl Accumulator {
+    /// Sums for `rows` query rows of `n` values each.
+    fn new(rows: usize, n: usize) -> Self {
+        Self {
+            part: vec![0.0; rows * n],
+            total: vec![0.0; rows * n],
+            w: Vec::with_capacity(BLOCK),
+            n,
+        }
+    }
+
+    /// Adds one block of rows (count x n, tokens `j0 ..`) with weight `weight(r, k)` for query
+    /// row `r` and the block's row `k`.
+    fn add_block(&mut self, isa: Isa, block: &[f32], weight: impl Fn(usize, usize) -> f32) {
+        let count = block.len() / self.n;
+        for (r, pr) in self.part.chunks_exact_mut(self.n).enumerate() {
+            self.w.clear();
+            self.w.extend((0..count).map(|k| weight(r, k)));
+            ops::axpy_rows_f32(isa, pr, &self.w, block, self.n);
+        }
+        self.carry();
+    }
+
+    fn carry(&mut self) {
+        for (t, p) in self.total.iter_mut().zip(self.part.iter_mut()) {
+            *t += f64::from(*p);
+            *p = 0.0;
+        }
+    }
+
+    /// The float64 sums, rows x n.
+    fn finish(self) -> Vec<f64> {
+        self.total
     }
 }
 
@@ -288,7 +291,7 @@ struct QjlPlan<'a> {
     signs: &'a [u8],
     norms: ScalarView<'a>,
     sketcher: Arc<QjlSketcher>,
-    sym: Symbols,
+    reader: RowReader,
     k: f32,
 }
 
@@ -298,8 +301,7 @@ enum Plan<'a> {
         codes: &'a [u8],
         norms: ScalarView<'a>,
         rot: Option<Rotation>,
-        centroids: Vec<f32>,
-        sym: Symbols,
+        reader: RowReader,
         qjl: Option<QjlPlan<'a>>,
     },
     Tokens {
@@ -307,8 +309,7 @@ enum Plan<'a> {
         scales: ScalarView<'a>,
         zeros: ScalarView<'a>,
         rot: Option<Rotation>,
-        levels: Vec<f32>,
-        sym: Symbols,
+        reader: RowReader,
         group: usize,
         groups: usize,
     },
@@ -316,14 +317,12 @@ enum Plan<'a> {
         codes: &'a [u8],
         scales: ScalarView<'a>,
         zeros: ScalarView<'a>,
-        bits: u32,
+        reader: RowReader,
         group: usize,
         groups: usize,
-        row_bytes: usize,
     },
     Dense(&'a [f32]),
 }
-
 /// Argument names per side, so that errors name `keys.codes` or `values.codes`.
 struct Names {
     codes: &'static str,
@@ -389,11 +388,11 @@ impl<'a> Plan<'a> {
                 check_bits(names.bits, bits)?;
                 let rot = seed.map(|s| Rotation::new(d, Some(s))).transpose()?;
                 let cd = rot.as_ref().map_or(d, Rotation::padded_dim);
-                let sym = Symbols::new(cd, bits, None);
+                let reader = RowReader::new(cd, bits, &codebook(cd, bits)?.centroids_f32);
                 check_len(
                     names.codes,
                     codes.len(),
-                    mul(names.codes, vectors, sym.row_bytes)?,
+                    mul(names.codes, vectors, reader.row_bytes)?,
                     "heads x tokens x packed codes",
                 )?;
                 norms.validate(names.norms, vectors)?;
@@ -408,11 +407,11 @@ impl<'a> Plan<'a> {
                                 actual: 0,
                             });
                         }
-                        let qsym = Symbols::new(cd, 1, None);
+                        let qreader = RowReader::new(cd, 1, &[1.0, -1.0]);
                         check_len(
                             names.qjl_signs,
                             q.signs.len(),
-                            mul(names.qjl_signs, vectors, qsym.row_bytes)?,
+                            mul(names.qjl_signs, vectors, qreader.row_bytes)?,
                             "heads x tokens x ceil(d'/8) sign bytes",
                         )?;
                         q.norms.validate(names.qjl_norms, vectors)?;
@@ -420,7 +419,7 @@ impl<'a> Plan<'a> {
                             signs: q.signs,
                             norms: q.norms,
                             sketcher: QjlSketcher::cached(cd, cd, q.seed)?,
-                            sym: qsym,
+                            reader: qreader,
                             k: ((PI / 2.0).sqrt() / cd as f64) as f32,
                         })
                     }
@@ -429,8 +428,7 @@ impl<'a> Plan<'a> {
                     codes,
                     norms,
                     rot,
-                    centroids: codebook(cd, bits)?.centroids_f32.clone(),
-                    sym,
+                    reader,
                     qjl,
                 })
             }
@@ -446,12 +444,12 @@ impl<'a> Plan<'a> {
                 check_row_len(names.group, group)?;
                 let rot = seed.map(|s| Rotation::new(d, Some(s))).transpose()?;
                 let cd = rot.as_ref().map_or(d, Rotation::padded_dim);
-                let sym = Symbols::new(cd, bits, Some(group));
+                let reader = RowReader::new(cd, bits, &levels(bits));
                 let groups = cd.div_ceil(group);
                 check_len(
                     names.codes,
                     codes.len(),
-                    mul(names.codes, vectors, sym.row_bytes)?,
+                    mul(names.codes, vectors, reader.row_bytes)?,
                     "heads x tokens x packed codes",
                 )?;
                 scales.validate(names.scales, mul(names.scales, vectors, groups)?)?;
@@ -461,8 +459,7 @@ impl<'a> Plan<'a> {
                     scales,
                     zeros,
                     rot,
-                    levels: levels(bits),
-                    sym,
+                    reader,
                     group,
                     groups,
                 })
@@ -476,13 +473,13 @@ impl<'a> Plan<'a> {
             } => {
                 check_bits(names.bits, bits)?;
                 check_row_len(names.group, group)?;
-                let row_bytes = packed_len(t, bits);
+                let reader = RowReader::new(t, bits, &levels(bits));
                 let groups = t.div_ceil(group);
                 let channels = mul(names.codes, h, d)?;
                 check_len(
                     names.codes,
                     codes.len(),
-                    mul(names.codes, channels, row_bytes)?,
+                    mul(names.codes, channels, reader.row_bytes)?,
                     "heads x head_dim x packed tokens",
                 )?;
                 scales.validate(names.scales, mul(names.scales, channels, groups)?)?;
@@ -491,10 +488,9 @@ impl<'a> Plan<'a> {
                     codes,
                     scales,
                     zeros,
-                    bits,
+                    reader,
                     group,
                     groups,
-                    row_bytes,
                 })
             }
             CodedRows::Dense(x) => {
@@ -516,13 +512,12 @@ struct SidePlan<'a> {
     codes: &'a [u8],
     scales: ScalarView<'a>,
     coders: Vec<HeadqCoder>,
-    sym: Symbols,
-    levels: Vec<f32>,
+    reader: RowReader,
     sign: f32,
 }
 
 impl<'a> SidePlan<'a> {
-    fn new(s: &SideRows<'a>, layout: &Layout) -> Result<Self> {
+    fn new(s: &SideRows<'a>, layout: &Layout, isa: Isa) -> Result<Self> {
         check_bits("side.bits", s.bits)?;
         check_row_len("side.rank", s.rank)?;
         if s.sign != 1.0 && s.sign != -1.0 {
@@ -532,7 +527,7 @@ impl<'a> SidePlan<'a> {
                 actual: s.sign as i64,
             });
         }
-        if s.basis_heads == 0 || layout.heads % s.basis_heads != 0 {
+        if s.basis_heads == 0 || !layout.heads.is_multiple_of(s.basis_heads) {
             return Err(KvqError::InvalidDimension {
                 arg: "side.basis",
                 expected: format!(
@@ -552,40 +547,86 @@ impl<'a> SidePlan<'a> {
         let coders = s
             .basis
             .chunks_exact(per.max(1))
-            .map(|u| HeadqCoder::new(u, layout.head_dim, s.rank, s.bits))
+            .map(|u| HeadqCoder::new(u, layout.head_dim, s.rank, s.bits)?.with_isa(isa))
             .collect::<Result<Vec<_>>>()?;
-        let sym = Symbols::new(s.rank, s.bits, None);
+        // Side code c stands for c - h (SPEC 2.6).
+        let half = coders[0].half();
+        let levels: Vec<f32> = (0..1u32 << s.bits).map(|v| v as f32 - half).collect();
+        let reader = RowReader::new(s.rank, s.bits, &levels);
         let vectors = layout.heads * layout.tokens;
         check_len(
             "side.codes",
             s.codes.len(),
-            mul("side.codes", vectors, sym.row_bytes)?,
+            mul("side.codes", vectors, reader.row_bytes)?,
             "heads x tokens x packed side codes",
         )?;
         s.scales.validate("side.scales", vectors)?;
-        let half = coders[0].half();
-        let levels = (0..1u32 << s.bits).map(|v| v as f32 - half).collect();
         Ok(Self {
             codes: s.codes,
             scales: s.scales,
             coders,
-            sym,
-            levels,
+            reader,
             sign: s.sign,
         })
     }
 }
 
 /// Rotates one query row into `out` (d' values), or copies it when there is no rotation.
-fn rotate(rot: &Option<Rotation>, q: &[f32], out: &mut [f32]) {
+fn rotate(isa: Isa, rot: &Option<Rotation>, q: &[f32], out: &mut [f32]) {
     match rot {
-        Some(r) => r.forward_row(q, out),
+        Some(r) => r.forward_row_isa(isa, q, out),
         None => out.copy_from_slice(q),
     }
 }
 
+/// The query rows of one head in the code domain (rotated, or copied): rows x `cd`.
+fn code_queries(isa: Isa, rot: &Option<Rotation>, q: &[f32], d: usize, cd: usize) -> Vec<f32> {
+    let mut qr = vec![0.0f32; q.len() / d * cd];
+    for (o, row) in qr.chunks_exact_mut(cd).zip(q.chunks_exact(d)) {
+        rotate(isa, rot, row, o);
+    }
+    qr
+}
+
+/// Adds the QJL residual estimate `k ||r_j|| (S R q) . sigma_j` to the scores of head `h`.
+fn qjl_scores(isa: Isa, p: &QjlPlan, qr: &[f32], h: usize, t: usize, s: &mut [f32]) {
+    let cd = p.reader.n;
+    let mut sq = vec![0.0f32; qr.len()];
+    for (o, row) in sq.chunks_exact_mut(cd).zip(qr.chunks_exact(cd)) {
+        ops::dots(isa, p.sketcher.matrix(), row, o);
+    }
+    // sigma_j decoded to +-1 (products with +-1 are exact sign flips).
+    let mut dots = vec![0.0f32; qr.len() / cd];
+    p.reader.each_row(isa, p.signs, h, t, |j, sigma| {
+        ops::dots(isa, &sq, sigma, &mut dots);
+        let kr = p.k * p.norms.get(h * t + j);
+        for (r, &v) in dots.iter().enumerate() {
+            s[r * t + j] += kr * v;
+        }
+    });
+}
+
+/// Adds the HeadQ side correction `sign * s_j * (U^T q) . (code_j - h)` to the scores.
+fn side_scores(isa: Isa, sp: &SidePlan, q: &[f32], h: usize, lay: &Layout, s: &mut [f32]) {
+    let (t, d) = (lay.tokens, lay.head_dim);
+    let coder = &sp.coders[h % sp.coders.len()];
+    let mut qu = vec![0.0f32; lay.rows * sp.reader.n];
+    for (o, row) in qu.chunks_exact_mut(sp.reader.n).zip(q.chunks_exact(d)) {
+        coder.project_row(row, o);
+    }
+    let mut dots = vec![0.0f32; lay.rows];
+    sp.reader.each_row(isa, sp.codes, h, t, |j, c| {
+        ops::dots(isa, &qu, c, &mut dots);
+        let sc = sp.sign * sp.scales.get(h * t + j);
+        for (r, &v) in dots.iter().enumerate() {
+            s[r * t + j] += sc * v;
+        }
+    });
+}
+
 /// Raw scores `q . k_hat` (plus the side correction), rows x tokens, for head `h`.
 fn head_scores(
+    isa: Isa,
     plan: &Plan,
     side: Option<&SidePlan>,
     q: &[f32],
@@ -594,54 +635,25 @@ fn head_scores(
     s: &mut [f32],
 ) {
     let (t, d, rows) = (lay.tokens, lay.head_dim, lay.rows);
+    let mut dots = vec![0.0f32; rows];
     match plan {
         Plan::Mse {
             codes,
             norms,
             rot,
-            centroids,
-            sym,
+            reader,
             qjl,
         } => {
-            let cd = sym.n;
-            let tl = sym.table_len();
-            let mut tables = vec![0.0f32; rows * tl];
-            let mut qr = vec![0.0f32; cd];
-            let mut qjl_tables = qjl.as_ref().map(|p| vec![0.0f32; rows * p.sym.table_len()]);
-            let mut sq = vec![0.0f32; cd];
-            for r in 0..rows {
-                rotate(rot, &q[r * d..(r + 1) * d], &mut qr);
-                sym.build_table(&qr, centroids, &mut tables[r * tl..(r + 1) * tl]);
-                if let (Some(p), Some(qt)) = (qjl, qjl_tables.as_mut()) {
-                    p.sketcher.project_row(&qr, &mut sq);
-                    let ql = p.sym.table_len();
-                    p.sym
-                        .build_table(&sq, &[1.0, -1.0], &mut qt[r * ql..(r + 1) * ql]);
-                }
-            }
-            let rb = sym.row_bytes;
-            let mut scratch = vec![0u8; cd];
-            for (j, row) in codes[h * t * rb..(h + 1) * t * rb]
-                .chunks_exact(rb)
-                .enumerate()
-            {
-                let sy = sym.read(row, &mut scratch);
+            let qr = code_queries(isa, rot, q, d, reader.n);
+            reader.each_row(isa, codes, h, t, |j, k| {
+                ops::dots(isa, &qr, k, &mut dots);
                 let nj = norms.get(h * t + j);
-                for (r, table) in tables.chunks_exact(tl).enumerate() {
-                    s[r * t + j] = nj * sym.lookup(table, sy, 0, sym.positions);
+                for (r, &v) in dots.iter().enumerate() {
+                    s[r * t + j] = nj * v;
                 }
-            }
-            if let (Some(p), Some(qt)) = (qjl, qjl_tables.as_ref()) {
-                let (qb, ql) = (p.sym.row_bytes, p.sym.table_len());
-                for (j, row) in p.signs[h * t * qb..(h + 1) * t * qb]
-                    .chunks_exact(qb)
-                    .enumerate()
-                {
-                    let kr = p.k * p.norms.get(h * t + j);
-                    for (r, table) in qt.chunks_exact(ql).enumerate() {
-                        s[r * t + j] += kr * p.sym.lookup(table, row, 0, p.sym.positions);
-                    }
-                }
+            });
+            if let Some(p) = qjl {
+                qjl_scores(isa, p, &qr, h, t, s);
             }
         }
         Plan::Tokens {
@@ -649,248 +661,207 @@ fn head_scores(
             scales,
             zeros,
             rot,
-            levels,
-            sym,
+            reader,
             group,
             groups,
         } => {
-            let cd = sym.n;
-            let tl = sym.table_len();
-            let gp = sym.group_positions(*group);
-            let mut tables = vec![0.0f32; rows * tl];
-            let mut sums = vec![0.0f32; rows * groups];
-            let mut qr = vec![0.0f32; cd];
-            for r in 0..rows {
-                rotate(rot, &q[r * d..(r + 1) * d], &mut qr);
-                sym.build_table(&qr, levels, &mut tables[r * tl..(r + 1) * tl]);
-                for (g, c) in qr.chunks(*group).enumerate() {
-                    sums[r * groups + g] = c.iter().sum();
-                }
-            }
-            let rb = sym.row_bytes;
-            let mut scratch = vec![0u8; cd];
-            for (j, row) in codes[h * t * rb..(h + 1) * t * rb]
-                .chunks_exact(rb)
-                .enumerate()
-            {
-                let sy = sym.read(row, &mut scratch);
+            let cd = reader.n;
+            let qr = code_queries(isa, rot, q, d, cd);
+            // sum_(i in g) w_i per row and group: the zero point's share of each group.
+            let sums: Vec<f32> = qr
+                .chunks_exact(cd)
+                .flat_map(|row| row.chunks(*group).map(|c| c.iter().sum::<f32>()))
+                .collect();
+            reader.each_row(isa, codes, h, t, |j, k| {
                 let base = (h * t + j) * groups;
-                for (r, table) in tables.chunks_exact(tl).enumerate() {
+                for (r, row) in qr.chunks_exact(cd).enumerate() {
                     let mut acc = 0.0f32;
-                    for g in 0..*groups {
-                        let p1 = ((g + 1) * gp).min(sym.positions);
+                    for (g, (qg, kg)) in row.chunks(*group).zip(k.chunks(*group)).enumerate() {
                         acc += zeros.get(base + g) * sums[r * groups + g]
-                            + scales.get(base + g) * sym.lookup(table, sy, g * gp, p1);
+                            + scales.get(base + g) * ops::dot(isa, qg, kg);
                     }
                     s[r * t + j] = acc;
                 }
-            }
+            });
         }
         Plan::Channels {
             codes,
             scales,
             zeros,
-            bits,
+            reader,
             group,
             groups,
-            row_bytes,
         } => {
-            s.fill(0.0);
-            let mut buf = vec![0u8; *group];
-            let mut zsum = vec![0.0f32; rows];
+            let rb = reader.row_bytes;
+            let mut scratch = vec![0u8; *group];
+            // One group of tokens: the codes of every channel as levels (d x n), and per query
+            // row the channel weights q_c s_(c,g) and the zero-point sum sum_c q_c z_(c,g).
+            let mut block = vec![0.0f32; d * group];
+            let mut w = vec![0.0f32; d];
             for g in 0..*groups {
                 let (t0, t1) = (g * group, ((g + 1) * group).min(t));
-                let code = &mut buf[..t1 - t0];
-                zsum.fill(0.0);
-                for c in 0..d {
+                let n = t1 - t0;
+                for (c, lev) in block.chunks_exact_mut(n).take(d).enumerate() {
                     let ch = h * d + c;
-                    unpack_range(
-                        &codes[ch * row_bytes..(ch + 1) * row_bytes],
-                        *bits,
-                        t0,
-                        code,
-                    );
-                    let (sc, z) = (scales.get(ch * groups + g), zeros.get(ch * groups + g));
-                    for (r, zs) in zsum.iter_mut().enumerate() {
-                        let qc = q[r * d + c];
-                        *zs += qc * z;
-                        let w = qc * sc;
-                        for (o, &k) in s[r * t + t0..r * t + t1].iter_mut().zip(code.iter()) {
-                            *o += w * f32::from(k);
-                        }
-                    }
+                    reader.decode(isa, &codes[ch * rb..(ch + 1) * rb], t0, &mut scratch, lev);
                 }
-                for (r, zs) in zsum.iter().enumerate() {
-                    s[r * t + t0..r * t + t1].iter_mut().for_each(|o| *o += zs);
+                for (r, qr) in q.chunks_exact(d).enumerate() {
+                    let mut zs = 0.0f32;
+                    for (c, (wc, &qc)) in w.iter_mut().zip(qr).enumerate() {
+                        let ch = h * d + c;
+                        zs += qc * zeros.get(ch * groups + g);
+                        *wc = qc * scales.get(ch * groups + g);
+                    }
+                    let out = &mut s[r * t + t0..r * t + t1];
+                    out.fill(0.0);
+                    // SIMD over the tokens of the group; channels summed in order.
+                    ops::axpy_rows_f32(isa, out, &w, &block[..d * n], n);
+                    out.iter_mut().for_each(|o| *o += zs);
                 }
             }
         }
         Plan::Dense(x) => {
             for (j, k) in x[h * t * d..(h + 1) * t * d].chunks_exact(d).enumerate() {
-                for r in 0..rows {
-                    s[r * t + j] = dot(&q[r * d..(r + 1) * d], k);
+                ops::dots(isa, q, k, &mut dots);
+                for (r, &v) in dots.iter().enumerate() {
+                    s[r * t + j] = v;
                 }
             }
         }
     }
     if let Some(sp) = side {
-        let coder = &sp.coders[h % sp.coders.len()];
-        let rank = sp.sym.n;
-        let tl = sp.sym.table_len();
-        let mut tables = vec![0.0f32; rows * tl];
-        let mut qu = vec![0.0f32; rank];
-        for r in 0..rows {
-            coder.project_row(&q[r * d..(r + 1) * d], &mut qu);
-            sp.sym
-                .build_table(&qu, &sp.levels, &mut tables[r * tl..(r + 1) * tl]);
-        }
-        let rb = sp.sym.row_bytes;
-        let mut scratch = vec![0u8; rank];
-        for (j, row) in sp.codes[h * t * rb..(h + 1) * t * rb]
-            .chunks_exact(rb)
-            .enumerate()
-        {
-            let sy = sp.sym.read(row, &mut scratch);
-            let sc = sp.sign * sp.scales.get(h * t + j);
-            for (r, table) in tables.chunks_exact(tl).enumerate() {
-                s[r * t + j] += sc * sp.sym.lookup(table, sy, 0, sp.sym.positions);
-            }
-        }
+        side_scores(isa, sp, q, h, lay, s);
     }
 }
 
-/// Un-rotates (or copies) a float64 code-domain accumulator divided by `sum` into `out`.
-fn finish(rot: &Option<Rotation>, acc: &[f64], sum: f64, buf: &mut [f32], out: &mut [f32]) {
-    for (b, &a) in buf.iter_mut().zip(acc) {
-        *b = (a / sum) as f32;
-    }
-    match rot {
-        Some(r) => r.inverse_row(buf, out),
-        None => out.copy_from_slice(&buf[..out.len()]),
+/// Un-rotates (or copies) each row of a float64 code-domain accumulator (rows x d') divided
+/// by its softmax normaliser into `out` (rows x d).
+fn finish(isa: Isa, rot: &Option<Rotation>, acc: &[f64], sums: &[f64], out: &mut [f32]) {
+    let cd = acc.len() / sums.len();
+    let d = out.len() / sums.len();
+    let mut buf = vec![0.0f32; cd];
+    for ((ar, &sum), o) in acc.chunks_exact(cd).zip(sums).zip(out.chunks_exact_mut(d)) {
+        for (b, &a) in buf.iter_mut().zip(ar) {
+            *b = (a / sum) as f32;
+        }
+        match rot {
+            Some(r) => r.inverse_row_isa(isa, &mut buf, o),
+            None => o.copy_from_slice(&buf[..d]),
+        }
     }
 }
 
 /// `sum_j p_j v_hat_j / sums` for head `h` from the unnormalised weights `p` (rows x tokens).
-fn head_values(plan: &Plan, p: &[f32], sums: &[f64], h: usize, lay: &Layout, out: &mut [f32]) {
+fn head_values(
+    isa: Isa,
+    plan: &Plan,
+    p: &[f32],
+    sums: &[f64],
+    h: usize,
+    lay: &Layout,
+    out: &mut [f32],
+) {
     let (t, d, rows) = (lay.tokens, lay.head_dim, lay.rows);
     match plan {
         Plan::Mse {
             codes,
             norms,
             rot,
-            centroids,
-            sym,
+            reader,
             qjl,
         } => {
-            let cd = sym.n;
-            let dtab = sym.decode_table(centroids);
-            let mut acc = vec![0.0f64; rows * cd];
-            let mut dec = vec![0.0f32; cd];
-            let mut scratch = vec![0u8; cd];
-            let rb = sym.row_bytes;
-            for (j, row) in codes[h * t * rb..(h + 1) * t * rb]
-                .chunks_exact(rb)
-                .enumerate()
-            {
-                sym.decode(sym.read(row, &mut scratch), &dtab, &mut dec);
-                let nj = f64::from(norms.get(h * t + j));
-                for (r, ar) in acc.chunks_exact_mut(cd).enumerate() {
-                    axpy(ar, f64::from(p[r * t + j]) * nj, &dec);
+            let cd = reader.n;
+            let mut sum = Accumulator::new(rows, cd);
+            let mut nb = [0.0f32; BLOCK];
+            reader.each_block(isa, codes, h, t, |j0, block| {
+                for (k, v) in nb.iter_mut().take(block.len() / cd).enumerate() {
+                    *v = norms.get(h * t + j0 + k);
                 }
-            }
+                sum.add_block(isa, block, |r, k| p[r * t + j0 + k] * nb[k]);
+            });
+            let mut acc = sum.finish();
             if let Some(q) = qjl {
                 // The residual accumulated in sketch space, u = sum_j p_j ||r_j|| sigma_j, then
                 // mapped back once: acc += sqrt(pi/2)/m * S^T u (rows of S in increasing order).
-                let qtab = q.sym.decode_table(&[1.0, -1.0]);
-                let mut u = vec![0.0f64; rows * cd];
-                let qb = q.sym.row_bytes;
-                for (j, row) in q.signs[h * t * qb..(h + 1) * t * qb]
-                    .chunks_exact(qb)
-                    .enumerate()
-                {
-                    q.sym.decode(row, &qtab, &mut dec);
-                    let rn = f64::from(q.norms.get(h * t + j));
-                    for (r, ur) in u.chunks_exact_mut(cd).enumerate() {
-                        axpy(ur, f64::from(p[r * t + j]) * rn, &dec);
+                let mut u = Accumulator::new(rows, cd);
+                q.reader.each_block(isa, q.signs, h, t, |j0, block| {
+                    for (k, v) in nb.iter_mut().take(block.len() / cd).enumerate() {
+                        *v = q.norms.get(h * t + j0 + k);
                     }
-                }
+                    u.add_block(isa, block, |r, k| p[r * t + j0 + k] * nb[k]);
+                });
+                let u = u.finish();
                 let k = f64::from(q.k);
                 for (ar, ur) in acc.chunks_exact_mut(cd).zip(u.chunks_exact(cd)) {
                     for (srow, &ui) in q.sketcher.matrix().chunks_exact(cd).zip(ur) {
-                        axpy(ar, k * ui, srow);
+                        ops::axpy_f64(isa, ar, k * ui, srow);
                     }
                 }
             }
-            let mut buf = vec![0.0f32; cd];
-            for (r, ar) in acc.chunks_exact(cd).enumerate() {
-                finish(rot, ar, sums[r], &mut buf, &mut out[r * d..(r + 1) * d]);
-            }
+            finish(isa, rot, &acc, sums, out);
         }
         Plan::Tokens {
             codes,
             scales,
             zeros,
             rot,
-            levels,
-            sym,
+            reader,
             group,
             groups,
         } => {
-            let cd = sym.n;
-            let dtab = sym.decode_table(levels);
-            let mut acc = vec![0.0f64; rows * cd];
+            let cd = reader.n;
+            let mut sum = Accumulator::new(rows, cd);
             let mut zacc = vec![0.0f64; rows * groups];
-            let mut dec = vec![0.0f32; cd];
-            let mut scratch = vec![0u8; cd];
-            let rb = sym.row_bytes;
-            for (j, row) in codes[h * t * rb..(h + 1) * t * rb]
-                .chunks_exact(rb)
-                .enumerate()
-            {
-                sym.decode(sym.read(row, &mut scratch), &dtab, &mut dec);
-                let base = (h * t + j) * groups;
-                for (r, ar) in acc.chunks_exact_mut(cd).enumerate() {
-                    let pj = f64::from(p[r * t + j]);
-                    for (g, (ag, dg)) in ar.chunks_mut(*group).zip(dec.chunks(*group)).enumerate() {
-                        axpy(ag, pj * f64::from(scales.get(base + g)), dg);
-                        zacc[r * groups + g] += pj * f64::from(zeros.get(base + g));
+            reader.each_block(isa, codes, h, t, |j0, block| {
+                let count = block.len() / cd;
+                for (r, ar) in sum.part.chunks_exact_mut(cd).enumerate() {
+                    for (g, ag) in ar.chunks_mut(*group).enumerate() {
+                        let w = &mut sum.w;
+                        w.clear();
+                        w.extend((0..count).map(|k| {
+                            let (pj, at) = (p[r * t + j0 + k], (h * t + j0 + k) * groups + g);
+                            zacc[r * groups + g] += f64::from(pj) * f64::from(zeros.get(at));
+                            pj * scales.get(at)
+                        }));
+                        ops::axpy_rows_f32(isa, ag, w, &block[g * group..], cd);
                     }
                 }
-            }
-            let mut buf = vec![0.0f32; cd];
-            for (r, ar) in acc.chunks_exact_mut(cd).enumerate() {
+                sum.carry();
+            });
+            let mut acc = sum.finish();
+            for (ar, zr) in acc.chunks_exact_mut(cd).zip(zacc.chunks_exact(*groups)) {
                 for (i, a) in ar.iter_mut().enumerate() {
-                    *a += zacc[r * groups + i / group];
+                    *a += zr[i / group];
                 }
-                finish(rot, ar, sums[r], &mut buf, &mut out[r * d..(r + 1) * d]);
             }
+            finish(isa, rot, &acc, sums, out);
         }
+        // Rejected before any head runs (per-channel groups are a key layout).
         Plan::Channels { .. } => {}
         Plan::Dense(x) => {
-            let mut acc = vec![0.0f64; d];
-            let mut buf = vec![0.0f32; d];
-            for r in 0..rows {
-                acc.fill(0.0);
-                for (j, v) in x[h * t * d..(h + 1) * t * d].chunks_exact(d).enumerate() {
-                    let pj = f64::from(p[r * t + j]);
-                    for (a, &vc) in acc.iter_mut().zip(v) {
-                        *a += pj * f64::from(vc);
-                    }
-                }
-                finish(&None, &acc, sums[r], &mut buf, &mut out[r * d..(r + 1) * d]);
+            let mut sum = Accumulator::new(rows, d);
+            for (b, block) in x[h * t * d..(h + 1) * t * d].chunks(BLOCK * d).enumerate() {
+                sum.add_block(isa, block, |r, k| p[r * t + b * BLOCK + k]);
             }
+            finish(isa, &None, &sum.finish(), sums, out);
         }
     }
 }
 
-/// One head: scores, softmax, values. Errors only on a non-finite logit.
 /// One head's (out, lse, probs).
 type HeadResult = (Vec<f32>, Vec<f32>, Vec<f32>);
 
+/// The validated keys (with their side code) and values of one call.
+struct Plans<'a> {
+    keys: Plan<'a>,
+    side: Option<SidePlan<'a>>,
+    values: Plan<'a>,
+}
+
+/// One head: scores, softmax, values. Errors only on a non-finite logit.
 fn head(
-    kp: &Plan,
-    side: Option<&SidePlan>,
-    vp: &Plan,
+    isa: Isa,
+    plans: &Plans,
     q: &[f32],
     h: usize,
     lay: &Layout,
@@ -898,7 +869,7 @@ fn head(
 ) -> Result<HeadResult> {
     let (t, rows) = (lay.tokens, lay.rows);
     let mut s = vec![0.0f32; rows * t];
-    head_scores(kp, side, q, h, lay, &mut s);
+    head_scores(isa, &plans.keys, plans.side.as_ref(), q, h, lay, &mut s);
     let mut sums = vec![0.0f64; rows];
     let mut lse = vec![0.0f32; rows];
     for (r, sr) in s.chunks_exact_mut(t).enumerate() {
@@ -924,7 +895,7 @@ fn head(
         lse[r] = (f64::from(m) + sum.ln()) as f32;
     }
     let mut out = vec![0.0f32; rows * lay.head_dim];
-    head_values(vp, &s, &sums, h, lay, &mut out);
+    head_values(isa, &plans.values, &s, &sums, h, lay, &mut out);
     let probs = if want_probs {
         s.chunks_exact(t)
             .zip(&sums)
@@ -946,6 +917,9 @@ fn head(
 /// Errors: head_dim < 2, no tokens, rows == 0, a non-finite or non-positive scale, a buffer
 /// whose length does not match the layout (naming it, e.g. `keys.codes`), invalid stored
 /// scalars, bad bits or group, a bad HeadQ basis, non-finite queries or logits.
+///
+/// Runs on the active instruction-set path ([`simd::active`]); every path returns the same
+/// bits.
 pub fn decode_attention(
     q: &[f32],
     layout: &Layout,
@@ -954,6 +928,21 @@ pub fn decode_attention(
     values: &CodedRows,
     want_probs: bool,
 ) -> Result<Attention> {
+    decode_attention_with(simd::active(), q, layout, keys, side, values, want_probs)
+}
+
+/// [`decode_attention`] on the path `isa` (tests, benches). Errors as [`decode_attention`],
+/// and if this CPU lacks `isa`.
+pub fn decode_attention_with(
+    isa: Isa,
+    q: &[f32],
+    layout: &Layout,
+    keys: &CodedRows,
+    side: Option<&SideRows>,
+    values: &CodedRows,
+    want_probs: bool,
+) -> Result<Attention> {
+    let isa = isa.checked()?;
     let lay = *layout;
     check_head_dim("head_dim", lay.head_dim)?;
     check_row_len("tokens", lay.tokens)?;
@@ -975,14 +964,16 @@ pub fn decode_attention(
             actual: 0,
         });
     }
-    let kp = Plan::new(keys, &KEY_NAMES, &lay)?;
-    let vp = Plan::new(values, &VALUE_NAMES, &lay)?;
-    let sp = side.map(|s| SidePlan::new(s, &lay)).transpose()?;
+    let plans = Plans {
+        keys: Plan::new(keys, &KEY_NAMES, &lay)?,
+        values: Plan::new(values, &VALUE_NAMES, &lay)?,
+        side: side.map(|s| SidePlan::new(s, &lay, isa)).transpose()?,
+    };
     let per_head: Vec<Result<HeadResult>> = (0..lay.heads)
         .into_par_iter()
         .map(|h| {
             let qh = &q[h * lay.rows * lay.head_dim..(h + 1) * lay.rows * lay.head_dim];
-            head(&kp, sp.as_ref(), &vp, qh, h, &lay, want_probs)
+            head(isa, &plans, qh, h, &lay, want_probs)
         })
         .collect();
     let mut res = Attention {

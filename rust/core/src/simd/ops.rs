@@ -36,6 +36,40 @@ pub(crate) mod scalar {
         }
     }
 
+    /// [`super::decode_packed`] through the row primitives, 64 codes (a whole number of
+    /// bytes) at a time.
+    pub(crate) fn decode_packed(
+        isa: super::Isa,
+        packed: &[u8],
+        bits: u32,
+        table: &[f32],
+        out: &mut [f32],
+    ) {
+        let mut codes = [0u8; 64];
+        for (k, o) in out.chunks_mut(64).enumerate() {
+            let c = &mut codes[..o.len()];
+            super::unpack_row(isa, &packed[8 * k * bits as usize..], bits, c);
+            super::decode(isa, c, table, bits, 1.0, o);
+        }
+    }
+
+    pub(crate) fn axpy_f64(acc: &mut [f64], w: f64, x: &[f32]) {
+        acc.iter_mut()
+            .zip(x)
+            .for_each(|(a, &v)| *a += w * f64::from(v));
+    }
+
+    pub(crate) fn axpy_rows_f32(o: &mut [f32], w: &[f32], mat: &[f32], stride: usize) {
+        let n = o.len();
+        for (c, &wc) in w.iter().enumerate() {
+            axpy_f32(o, wc, &mat[c * stride..c * stride + n]);
+        }
+    }
+
+    pub(crate) fn axpy_f32(o: &mut [f32], w: f32, x: &[f32]) {
+        o.iter_mut().zip(x).for_each(|(a, &v)| *a += w * v);
+    }
+
     pub(crate) fn add_signed(o: &mut [f32], s: &[f32], negative: bool) {
         if negative {
             o.iter_mut().zip(s).for_each(|(o, v)| *o -= v);
@@ -146,6 +180,22 @@ pub(crate) fn decode(isa: Isa, codes: &[u8], table: &[f32], bits: u32, mul: f32,
             .iter_mut()
             .zip(codes)
             .for_each(|(o, &c)| *o = table[usize::from(c)] * mul),
+    }
+}
+
+/// `out[i] = table[code_i]` for the first `out.len()` codes of a packed row of `bits`-bit codes
+/// (`table` has 256 entries): unpack and table decode in one pass, in registers on x86 up to 4
+/// bits; exact copies of table entries, so every path agrees.
+pub(crate) fn decode_packed(isa: Isa, packed: &[u8], bits: u32, table: &[f32], out: &mut [f32]) {
+    match isa {
+        // SAFETY (both arms): `isa` is supported; `table` has 256 entries.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 if bits == 4 => unsafe { avx512::decode_packed4(packed, table, out) },
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 | Isa::Avx512 if bits <= 4 => unsafe {
+            avx2::decode_packed(packed, bits, table, out)
+        },
+        _ => scalar::decode_packed(isa, packed, bits, table, out),
     }
 }
 
@@ -290,6 +340,36 @@ pub(crate) fn scale(isa: Isa, o: &mut [f32], k: f32) {
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 | Isa::Avx512 => unsafe { avx2::scale(o, k) },
         _ => o.iter_mut().for_each(|v| *v *= k),
+    }
+}
+
+/// `acc[i] += w * f64(x[i])` for `i < acc.len()` (`x` at least as long): elementwise, so
+/// every path gives the same bits without any lane convention.
+pub(crate) fn axpy_f64(isa: Isa, acc: &mut [f64], w: f64, x: &[f32]) {
+    match isa {
+        // SAFETY (all arms): `isa` is supported.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => unsafe { avx512::axpy_f64(acc, w, x) },
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe { avx2::axpy_f64(acc, w, x) },
+        #[cfg(target_arch = "aarch64")]
+        Isa::Neon => unsafe { neon::axpy_f64(acc, w, x) },
+        _ => scalar::axpy_f64(acc, w, x),
+    }
+}
+
+/// `o[i] += sum_c w[c] * mat[c * stride + i]`, the terms added in increasing `c` for each `i`
+/// (row `c` of `mat` starts at `c * stride` and holds at least `o.len()` values): a run of
+/// `o += w[c] * row c` steps with `o` kept in registers.
+pub(crate) fn axpy_rows_f32(isa: Isa, o: &mut [f32], w: &[f32], mat: &[f32], stride: usize) {
+    debug_assert!(w.is_empty() || mat.len() >= (w.len() - 1) * stride + o.len());
+    match isa {
+        // SAFETY (all arms): `isa` is supported.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => unsafe { avx512::axpy_rows_f32(o, w, mat, stride) },
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe { avx2::axpy_rows_f32(o, w, mat, stride) },
+        _ => scalar::axpy_rows_f32(o, w, mat, stride),
     }
 }
 
@@ -445,6 +525,25 @@ mod tests {
                     scale(Isa::Scalar, &mut b, mul);
                     assert_eq!(bits(&a), bits(&b));
                 }
+                for w in [1.0f32, -0.37, 1e-30, 3e20] {
+                    let acc: Vec<f64> = x.iter().map(|&v| f64::from(v) * 1e-3).collect();
+                    let (mut a, mut b) = (acc.clone(), acc);
+                    axpy_f64(isa, &mut a, f64::from(w) * 1.1, &s);
+                    axpy_f64(Isa::Scalar, &mut b, f64::from(w) * 1.1, &s);
+                    let b64 = |v: &[f64]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(b64(&a), b64(&b), "{isa:?} n={n}");
+                }
+                let w: Vec<f32> = values(900 + n as u64, 5)
+                    .iter()
+                    .map(|v| v * 1e-20)
+                    .collect();
+                let mat = values(77 + n as u64, 5 * n + 12);
+                for stride in [n, n + 3] {
+                    let (mut a, mut b) = (x.clone(), x.clone());
+                    axpy_rows_f32(isa, &mut a, &w, &mat, stride);
+                    axpy_rows_f32(Isa::Scalar, &mut b, &w, &mat, stride);
+                    assert_eq!(bits(&a), bits(&b), "{isa:?} n={n}");
+                }
                 for negative in [false, true] {
                     let (mut a, mut b) = (x.clone(), x.clone());
                     add_signed(isa, &mut a, &s, negative);
@@ -503,6 +602,12 @@ mod tests {
                     let mut u = vec![0u8; count];
                     unpack_row(isa, &p1, bits_, &mut u);
                     assert_eq!(u, c);
+                    let (mut a, mut b) = (vec![0.0; count], vec![0.0; count]);
+                    decode_packed(isa, &p1, bits_, lookup, &mut a);
+                    decode_packed(Isa::Scalar, &p1, bits_, lookup, &mut b);
+                    assert_eq!(bits(&a), bits(&b), "{isa:?} bits={bits_} count={count}");
+                    let want: Vec<f32> = c.iter().map(|&k| lookup[usize::from(k)]).collect();
+                    assert_eq!(bits(&b), bits(&want), "bits={bits_} count={count}");
                 }
             }
         }

@@ -89,37 +89,44 @@ pub(super) mod avx2 {
         finish_dot(store8(acc), &a[n8..n], &b[n8..n])
     }
 
-    /// `out[r] = dot(mat[r*n..(r+1)*n], x)`, four rows at a time so each load of `x` serves four
-    /// accumulators.
+    /// `out[r] = dot(mat[r*n..(r+1)*n], x)`, up to four rows at a time so each load of `x`
+    /// serves every accumulator of the block (a GQA group of 3 query rows is one block).
     #[target_feature(enable = "avx2,bmi2")]
     pub(crate) fn dots(mat: &[f32], x: &[f32], out: &mut [f32]) {
         let n = x.len();
-        let n8 = n / 8 * 8;
-        let rows = out.len();
-        debug_assert!(mat.len() >= rows * n);
-        let mut r = 0;
-        while r + 4 <= rows {
-            let m = &mat[r * n..(r + 4) * n];
-            let mut acc = [_mm256_setzero_ps(); 4];
-            let mut i = 0;
-            while i < n8 {
-                // SAFETY: row q of the block spans m[q*n..(q+1)*n] and i + 8 <= n.
-                unsafe {
-                    let xv = _mm256_loadu_ps(x.as_ptr().add(i));
-                    for (q, a) in acc.iter_mut().enumerate() {
-                        let v = _mm256_loadu_ps(m.as_ptr().add(q * n + i));
-                        *a = _mm256_add_ps(*a, _mm256_mul_ps(v, xv));
-                    }
-                }
-                i += 8;
+        debug_assert!(mat.len() >= out.len() * n);
+        for (k, o) in out.chunks_mut(4).enumerate() {
+            let m = &mat[4 * k * n..(4 * k + o.len()) * n];
+            match o.len() {
+                4 => dots_block::<4>(m, x, o),
+                3 => dots_block::<3>(m, x, o),
+                2 => dots_block::<2>(m, x, o),
+                _ => dots_block::<1>(m, x, o),
             }
-            for (q, a) in acc.iter().enumerate() {
-                out[r + q] = finish_dot(store8(*a), &m[q * n + n8..(q + 1) * n], &x[n8..]);
-            }
-            r += 4;
         }
-        for (q, o) in out.iter_mut().enumerate().skip(r) {
-            *o = dot(&mat[q * n..(q + 1) * n], x);
+    }
+
+    /// [`dots`] for exactly `R` rows (`m` holds `R` rows of `x.len()`).
+    #[inline]
+    #[target_feature(enable = "avx2,bmi2")]
+    fn dots_block<const R: usize>(m: &[f32], x: &[f32], out: &mut [f32]) {
+        let n = x.len();
+        let n8 = n / 8 * 8;
+        let mut acc = [_mm256_setzero_ps(); R];
+        let mut i = 0;
+        while i < n8 {
+            // SAFETY: row q of the block spans m[q*n..(q+1)*n] and i + 8 <= n.
+            unsafe {
+                let xv = _mm256_loadu_ps(x.as_ptr().add(i));
+                for (q, a) in acc.iter_mut().enumerate() {
+                    let v = _mm256_loadu_ps(m.as_ptr().add(q * n + i));
+                    *a = _mm256_add_ps(*a, _mm256_mul_ps(v, xv));
+                }
+            }
+            i += 8;
+        }
+        for (q, a) in acc.iter().enumerate() {
+            out[q] = finish_dot(store8(*a), &m[q * n + n8..(q + 1) * n], &x[n8..]);
         }
     }
 
@@ -407,6 +414,108 @@ pub(super) mod avx2 {
         super::super::ops::scalar::add_signed(&mut o[n8..n], &s[n8..n], negative);
     }
 
+    /// `out[i] = table[code_i]` for a packed row of codes of at most 4 bits: eight codes span
+    /// `bits` whole bytes, read as one little-endian word and split by variable shifts (code
+    /// `l` sits at bit `l * bits`), then looked up by register permutes as in [`decode`].
+    #[target_feature(enable = "avx2,bmi2")]
+    pub(crate) fn decode_packed(packed: &[u8], bits: u32, table: &[f32], out: &mut [f32]) {
+        debug_assert!(bits <= 4 && table.len() >= 256);
+        let b = bits as usize;
+        let n8 = out.len() / 8 * 8;
+        let bv = bits as i32;
+        let shifts = _mm256_setr_epi32(0, bv, 2 * bv, 3 * bv, 4 * bv, 5 * bv, 6 * bv, 7 * bv);
+        let mask = _mm256_set1_epi32((1 << bits) - 1);
+        // SAFETY: table has 256 >= 16 entries.
+        let (lo, hi) = unsafe {
+            (
+                _mm256_loadu_ps(table.as_ptr()),
+                _mm256_loadu_ps(table.as_ptr().add(8)),
+            )
+        };
+        let mut i = 0;
+        while i < n8 {
+            let at = i / 8 * b;
+            let w = if at + 4 <= packed.len() {
+                // SAFETY: at + 4 <= packed.len().
+                unsafe { packed.as_ptr().add(at).cast::<i32>().read_unaligned() }
+            } else {
+                let mut w = [0u8; 4];
+                w[..b].copy_from_slice(&packed[at..at + b]);
+                i32::from_le_bytes(w)
+            };
+            let idx = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(w), shifts), mask);
+            let v = if bits <= 3 {
+                _mm256_permutevar8x32_ps(lo, idx)
+            } else {
+                let sel = _mm256_castsi256_ps(_mm256_slli_epi32::<28>(idx));
+                _mm256_blendv_ps(
+                    _mm256_permutevar8x32_ps(lo, idx),
+                    _mm256_permutevar8x32_ps(hi, idx),
+                    sel,
+                )
+            };
+            // SAFETY: i + 8 <= out.len().
+            unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(i), v) };
+            i += 8;
+        }
+        let mut codes = [0u8; 8];
+        let rest = &mut codes[..out.len() - n8];
+        crate::kernels::pack::unpack_row(&packed[n8 / 8 * b..], bits, rest);
+        for (o, &c) in out[n8..].iter_mut().zip(rest.iter()) {
+            *o = table[usize::from(c)];
+        }
+    }
+
+    /// `acc[i] += w * f64(x[i])` for `i < acc.len()`: four f64 lanes per register.
+    #[target_feature(enable = "avx2,bmi2")]
+    pub(crate) fn axpy_f64(acc: &mut [f64], w: f64, x: &[f32]) {
+        let n = acc.len().min(x.len());
+        let n8 = n / 8 * 8;
+        let wv = _mm256_set1_pd(w);
+        let (a, xp) = (acc.as_mut_ptr(), x.as_ptr());
+        let mut i = 0;
+        while i < n8 {
+            // SAFETY: i + 8 <= n for acc and x.
+            unsafe {
+                let v = _mm256_loadu_ps(xp.add(i));
+                let lo = _mm256_cvtps_pd(_mm256_castps256_ps128(v));
+                let hi = _mm256_cvtps_pd(_mm256_extractf128_ps::<1>(v));
+                let s0 = _mm256_add_pd(_mm256_loadu_pd(a.add(i)), _mm256_mul_pd(wv, lo));
+                let s1 = _mm256_add_pd(_mm256_loadu_pd(a.add(i + 4)), _mm256_mul_pd(wv, hi));
+                _mm256_storeu_pd(a.add(i), s0);
+                _mm256_storeu_pd(a.add(i + 4), s1);
+            }
+            i += 8;
+        }
+        super::super::ops::scalar::axpy_f64(&mut acc[n8..n], w, &x[n8..n]);
+    }
+
+    /// `o[i] += sum_c w[c] * mat[c * stride + i]` in increasing `c`, eight lanes of `o` held
+    /// in a register over every `c`.
+    #[target_feature(enable = "avx2,bmi2")]
+    pub(crate) fn axpy_rows_f32(o: &mut [f32], w: &[f32], mat: &[f32], stride: usize) {
+        let n = o.len();
+        let n8 = n / 8 * 8;
+        let mut i = 0;
+        while i < n8 {
+            // SAFETY: i + 8 <= n; row c spans mat[c*stride..c*stride+n] (the caller's bound).
+            unsafe {
+                let mut acc = _mm256_loadu_ps(o.as_ptr().add(i));
+                for (c, &wc) in w.iter().enumerate() {
+                    let v = _mm256_loadu_ps(mat.as_ptr().add(c * stride + i));
+                    acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_set1_ps(wc), v));
+                }
+                _mm256_storeu_ps(o.as_mut_ptr().add(i), acc);
+            }
+            i += 8;
+        }
+        for (j, oj) in o.iter_mut().enumerate().skip(n8) {
+            for (c, &wc) in w.iter().enumerate() {
+                *oj += wc * mat[c * stride + j];
+            }
+        }
+    }
+
     /// `o *= k` elementwise.
     #[target_feature(enable = "avx2,bmi2")]
     pub(crate) fn scale(o: &mut [f32], k: f32) {
@@ -542,10 +651,9 @@ pub(super) mod avx512 {
             }
             r += 4;
         }
-        for (q, o) in out.iter_mut().enumerate().skip(r) {
-            // AVX2 is part of this path's features, so the call needs no `unsafe`.
-            *o = super::avx2::dot(&mat[q * n..(q + 1) * n], x);
-        }
+        // The last 1..3 rows as one block; AVX2 is part of this path's features, so the call
+        // needs no `unsafe`.
+        super::avx2::dots(&mat[r * n..], x, &mut out[r..]);
     }
 
     /// Butterflies of strides 1, 2, 4, 8 inside one 16-float vector (see `avx2::fwht8`).
@@ -851,6 +959,74 @@ pub(super) mod avx512 {
             }
             i += 16;
         }
+    }
+
+    /// `acc[i] += w * f64(x[i])` for `i < acc.len()`: eight f64 lanes, masked tail.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,bmi2")]
+    pub(crate) fn axpy_f64(acc: &mut [f64], w: f64, x: &[f32]) {
+        let n = acc.len().min(x.len());
+        let wv = _mm512_set1_pd(w);
+        let mut i = 0;
+        while i < n {
+            let k = ((1u32 << (n - i).min(8)) - 1) as __mmask8;
+            // SAFETY: the masked lanes stay below n for acc and x.
+            unsafe {
+                let v = _mm512_cvtps_pd(_mm256_maskz_loadu_ps(k, x.as_ptr().add(i)));
+                let a = _mm512_maskz_loadu_pd(k, acc.as_ptr().add(i));
+                let r = _mm512_add_pd(a, _mm512_mul_pd(wv, v));
+                _mm512_mask_storeu_pd(acc.as_mut_ptr().add(i), k, r);
+            }
+            i += 8;
+        }
+    }
+
+    /// `o[i] += sum_c w[c] * mat[c * stride + i]` in increasing `c`, sixteen lanes of `o` held
+    /// in a register over every `c`, masked tail.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,bmi2")]
+    pub(crate) fn axpy_rows_f32(o: &mut [f32], w: &[f32], mat: &[f32], stride: usize) {
+        let n = o.len();
+        let mut i = 0;
+        while i < n {
+            let k = mask16((n - i).min(16));
+            // SAFETY: the masked lanes stay below n in o and in each row c of mat (at c*stride).
+            unsafe {
+                let mut acc = _mm512_maskz_loadu_ps(k, o.as_ptr().add(i));
+                for (c, &wc) in w.iter().enumerate() {
+                    let v = _mm512_maskz_loadu_ps(k, mat.as_ptr().add(c * stride + i));
+                    acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_set1_ps(wc), v));
+                }
+                _mm512_mask_storeu_ps(o.as_mut_ptr().add(i), k, acc);
+            }
+            i += 16;
+        }
+    }
+
+    /// `out[i] = table[code_i]` for a packed row of 4-bit codes: sixteen codes (eight bytes)
+    /// per step, each byte duplicated, widened to 32-bit lanes and shifted by 0 or 4, then one
+    /// 16-entry permute.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,bmi2")]
+    pub(crate) fn decode_packed4(packed: &[u8], table: &[f32], out: &mut [f32]) {
+        debug_assert!(table.len() >= 256);
+        let n16 = out.len() / 16 * 16;
+        let dup = _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+        let shifts = _mm512_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4);
+        let mask = _mm512_set1_epi32(15);
+        // SAFETY: table has 256 >= 16 entries.
+        let lut = unsafe { _mm512_loadu_ps(table.as_ptr()) };
+        let mut i = 0;
+        while i < n16 {
+            // SAFETY: the 8 bytes of codes i .. i + 16 are in the row (i + 16 <= out.len());
+            // i + 16 <= out.len() for the store.
+            unsafe {
+                let b = _mm_loadl_epi64(packed.as_ptr().add(i / 2).cast());
+                let idx = _mm512_cvtepu8_epi32(_mm_shuffle_epi8(b, dup));
+                let idx = _mm512_and_si512(_mm512_srlv_epi32(idx, shifts), mask);
+                _mm512_storeu_ps(out.as_mut_ptr().add(i), _mm512_permutexvar_ps(idx, lut));
+            }
+            i += 16;
+        }
+        // AVX2 is part of this path's features, so the call needs no `unsafe`.
+        super::avx2::decode_packed(&packed[n16 / 2..], 4, table, &mut out[n16..]);
     }
 
     /// Whether every value is finite (exponent not all ones).
