@@ -658,3 +658,15 @@ def test_packed_decode_rejects_bad_input():
         kvqrs.mse_decode_packed(c.codes, -np.abs(c.norms) - 1, 3, 40, 5)
     with pytest.raises(kvqrs.KvqrsError, match="x: .*NaN"):
         kvqrs.mse_encode_packed(np.full((2, 40), np.nan, np.float32), 3, 5)
+
+
+@pytest.mark.parametrize("decode", ["mse_decode", "mse_decode_packed"])
+def test_decode_beyond_float32_is_an_error_naming_the_row(decode):
+    """The kernel checks each decoded row (the Python layer no longer scans float32 outputs): a
+    stored norm near float32's top times a rotated centroid above 1 raises, naming the row."""
+    codes = np.array([[0, 0], [255, 255]], np.uint8)  # d' = 2, 8 bits: ||c|| ~ 1.41
+    norms = np.array([1.0, 3.0e38], np.float32)
+    with pytest.raises(kvqrs.KvqrsError, match=r"norms: row 1 overflows float32"):
+        getattr(kvqrs, decode)(codes, norms, 8, 2, 1)
+    ok = getattr(kvqrs, decode)(codes[:1], norms[:1], 8, 2, 1)
+    assert np.isfinite(ok).all()

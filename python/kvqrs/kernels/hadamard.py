@@ -38,7 +38,7 @@ def hadamard(x: Any, seed: int | None = None) -> np.ndarray:
     flat, leading, d, dtype = as_float_rows(x, "x", min_dim=2)
     s = check_seed(seed)
     out = _native.hadamard(flat, d, s)
-    return restore(out, leading, padded_dim(d), dtype)
+    return restore(out, leading, padded_dim(d), dtype, finite=True)
 
 
 def inverse_hadamard(y: Any, seed: int | None = None, head_dim: int | None = None) -> np.ndarray:
@@ -64,4 +64,4 @@ def inverse_hadamard(y: Any, seed: int | None = None, head_dim: int | None = Non
             f"y: expected a last axis of padded_dim({d}) = {padded_dim(d)}, got shape {(*leading, dp)}"
         )
     out = _native.inverse_hadamard(flat, d, check_seed(seed))
-    return restore(out, leading, d, dtype)
+    return restore(out, leading, d, dtype, finite=True)

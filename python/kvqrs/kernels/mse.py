@@ -88,7 +88,7 @@ def mse_decode(
     """
     flat, n, leading, b, d, s = decode_args(codes, norms, bits, head_dim, seed)
     out = _native.mse_decode(flat, n, d, b, s)
-    return restore(out, leading, d, check_out_dtype(dtype))
+    return restore(out, leading, d, check_out_dtype(dtype), finite=True)
 
 
 def mse_encode_packed(x: Any, bits: int, seed: int | None = None) -> MSECode:
@@ -143,7 +143,7 @@ def mse_decode_packed(
     s = check_seed(seed)
     flat, leading, b, _ = packed_rows(packed, b, d if s is None else padded_dim(d))
     out = _native.mse_decode_packed(flat, as_scalars(norms, "norms", leading), d, b, s)
-    return restore(out, leading, d, check_out_dtype(dtype))
+    return restore(out, leading, d, check_out_dtype(dtype), finite=True)
 
 
 def decode_args(

@@ -295,8 +295,9 @@ impl MseQuantizer {
             check_codes("codes", input, cd, bits)?;
         }
         check_len("out", out.len(), rows * d, "rows x head_dim")?;
-        // Decoding cannot fail once the codes and norms are valid.
-        let _ = par::rows1(
+        // Valid codes and norms decode to `norm * R^T c`, which passes float32's range only for
+        // norms near its top: checked per row while the row is in cache (no output scan).
+        let done = par::rows1(
             rows,
             cd,
             (input, width),
@@ -315,11 +316,14 @@ impl MseQuantizer {
                         src
                     };
                     self.decode_row_isa(isa, codes, norms.get(first + k), buf, dst);
+                    if !ops::all_finite(isa, dst) {
+                        return Err(first + k);
+                    }
                 }
                 Ok(())
             },
         );
-        Ok(())
+        done.map_err(|row| KvqError::NormOverflow { arg: "norms", row })
     }
 
     /// Decodes one row; `buf` has code_dim values of scratch.
