@@ -2,6 +2,7 @@
 //! power of two (SPEC 2.2; docs/kernels.md section 3).
 
 use super::{check_finite, check_head_dim, check_len, rows_of};
+use crate::alloc::output_vec;
 use crate::error::{KvqError, Result};
 use crate::par;
 use crate::rng::rotation_signs;
@@ -156,7 +157,7 @@ impl Rotation {
     /// non-finite input.
     pub fn forward(&self, x: &[f32]) -> Result<Vec<f32>> {
         let rows = rows_of("x", x.len(), self.head_dim)?;
-        let mut out = vec![0.0f32; rows * self.padded];
+        let mut out = output_vec(rows * self.padded);
         self.forward_into(x, &mut out)?;
         Ok(out)
     }
@@ -198,7 +199,7 @@ impl Rotation {
         let isa = self.isa();
         let (d, n) = (self.head_dim, self.padded);
         let rows = rows_of("y", y.len(), n)?;
-        let mut out = vec![0.0f32; rows * d];
+        let mut out = output_vec(rows * d);
         let done = par::rows1(
             rows,
             n,

@@ -2,6 +2,7 @@
 //! as a score-space correction with the live query (SPEC 2.6; docs/kernels.md section 7).
 
 use super::{check_bits, check_finite, rows_of};
+use crate::alloc::output_vec;
 use crate::error::{KvqError, Result};
 use crate::par;
 use crate::scalars::{ScalarPlane, ScalarView};
@@ -173,7 +174,7 @@ impl HeadqCoder {
     /// [`HeadqCoder::decode`] from borrowed codes and scales.
     pub fn decode_parts(&self, codes: &[u8], scales: ScalarView<'_>) -> Result<Vec<f32>> {
         let rows = self.check(codes, scales)?;
-        let mut out = vec![0.0f32; rows * self.head_dim];
+        let mut out = output_vec(rows * self.head_dim);
         let mut z = vec![0.0f32; self.rank];
         for (i, orow) in out.chunks_exact_mut(self.head_dim).enumerate() {
             self.side_values(

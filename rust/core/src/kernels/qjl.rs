@@ -8,6 +8,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use super::pack::packed_len;
 use super::{check_finite, rows_of};
+use crate::alloc::output_vec;
 use crate::error::{KvqError, Result};
 use crate::par;
 use crate::rng::qjl_matrix;
@@ -211,7 +212,7 @@ impl QjlSketcher {
         let rows = self.check_sketch(signs, norms)?;
         let rb = packed_len(m, 1);
         let k = self.k();
-        let mut out = vec![0.0f32; rows * d];
+        let mut out = output_vec(rows * d);
         let _ = par::rows1(
             rows,
             m * d,

@@ -4,6 +4,7 @@
 //! rows (groups of tokens), its per-token values by groups of channels within a row.
 
 use super::{check_bits, check_finite, check_row_len, rows_of};
+use crate::alloc::output_vec;
 use crate::error::{KvqError, Result};
 use crate::scalars::{ScalarPlane, ScalarView};
 
@@ -106,7 +107,7 @@ impl UniformQuantizer {
         scales.validate("scales", rows * g)?;
         zeros.validate_signed("zeros", rows * g)?;
         super::mse::check_codes("codes", codes, self.n, self.bits)?;
-        let mut out = vec![0.0f32; codes.len()];
+        let mut out = output_vec(codes.len());
         for (r, (cr, orow)) in codes
             .chunks_exact(self.n)
             .zip(out.chunks_exact_mut(self.n))
