@@ -39,11 +39,25 @@ impl Rng {
 
 /// Valid containers of every dtype, an empty one, one with an empty payload and a deep shape.
 fn valid_seeds() -> Vec<Vec<u8>> {
-    let sec = |name: &str, dtype, shape: Vec<u64>, len: usize| Section { name: name.into(), dtype, shape, payload: (0..len).map(|i| (i * 37) as u8).collect() };
+    let sec = |name: &str, dtype, shape: Vec<u64>, len: usize| Section {
+        name: name.into(),
+        dtype,
+        shape,
+        payload: (0..len).map(|i| (i * 37) as u8).collect(),
+    };
     let sets = [
         vec![],
-        vec![sec("meta", Dtype::Utf8, vec![2], 2), sec("codes", Dtype::U8, vec![2, 3], 6), sec("norms", Dtype::F16, vec![2], 4)],
-        vec![sec("a", Dtype::F32, vec![3], 12), sec("b", Dtype::F64, vec![1], 8), sec("c", Dtype::I64, vec![2, 1], 16), sec("d", Dtype::Bf16, vec![0, 4], 0)],
+        vec![
+            sec("meta", Dtype::Utf8, vec![2], 2),
+            sec("codes", Dtype::U8, vec![2, 3], 6),
+            sec("norms", Dtype::F16, vec![2], 4),
+        ],
+        vec![
+            sec("a", Dtype::F32, vec![3], 12),
+            sec("b", Dtype::F64, vec![1], 8),
+            sec("c", Dtype::I64, vec![2, 1], 16),
+            sec("d", Dtype::Bf16, vec![0, 4], 0),
+        ],
         vec![sec("deep", Dtype::U8, vec![1; 16], 1)],
     ];
     sets.iter().map(|s| write(s).expect("valid seed")).collect()
@@ -52,10 +66,17 @@ fn valid_seeds() -> Vec<Vec<u8>> {
 /// Every `.bin` file of the corpus folder.
 fn corpus_files(dir: &Path) -> Vec<(PathBuf, Vec<u8>)> {
     let mut out: Vec<_> = std::fs::read_dir(dir)
-        .map(|it| it.filter_map(|e| e.ok()).map(|e| e.path()).filter(|p| p.extension().is_some_and(|x| x == "bin")).collect())
+        .map(|it| {
+            it.filter_map(|e| e.ok())
+                .map(|e| e.path())
+                .filter(|p| p.extension().is_some_and(|x| x == "bin"))
+                .collect()
+        })
         .unwrap_or_default();
     out.sort();
-    out.into_iter().filter_map(|p| std::fs::read(&p).ok().map(|b| (p, b))).collect()
+    out.into_iter()
+        .filter_map(|p| std::fs::read(&p).ok().map(|b| (p, b)))
+        .collect()
 }
 
 /// Rewrite every section checksum that the (lenient) walk of the header can place, so that a
@@ -68,9 +89,19 @@ fn fix_checksums(b: &mut [u8]) {
         pos += 1 + name_len as usize + 1;
         let Some(&ndim) = b.get(pos) else { return };
         pos += 1 + 8 * ndim as usize;
-        let Some(len) = b.get(pos..pos + 8).map(|s| u64::from_le_bytes(s.try_into().expect("8 bytes"))) else { return };
+        let Some(len) = b
+            .get(pos..pos + 8)
+            .map(|s| u64::from_le_bytes(s.try_into().expect("8 bytes")))
+        else {
+            return;
+        };
         pos += 8;
-        let Some(end) = pos.checked_add(len.min(usize::MAX as u64) as usize).filter(|&e| e.checked_add(4).is_some_and(|x| x <= b.len())) else { return };
+        let Some(end) = pos
+            .checked_add(len.min(usize::MAX as u64) as usize)
+            .filter(|&e| e.checked_add(4).is_some_and(|x| x <= b.len()))
+        else {
+            return;
+        };
         let crc = crc32fast::hash(&b[start..end]);
         b[end..end + 4].copy_from_slice(&crc.to_le_bytes());
         pos = end + 4;
@@ -89,8 +120,16 @@ fn length_fields(b: &[u8]) -> Vec<(usize, usize)> {
         out.push((pos, 1));
         out.extend((0..=ndim as usize).map(|i| (pos + 1 + 8 * i, 8)));
         pos += 1 + 8 * ndim as usize;
-        let Some(len) = b.get(pos..pos + 8).map(|s| u64::from_le_bytes(s.try_into().expect("8 bytes"))) else { break };
-        pos = pos.saturating_add(8).saturating_add(len.min(usize::MAX as u64 / 2) as usize).saturating_add(4);
+        let Some(len) = b
+            .get(pos..pos + 8)
+            .map(|s| u64::from_le_bytes(s.try_into().expect("8 bytes")))
+        else {
+            break;
+        };
+        pos = pos
+            .saturating_add(8)
+            .saturating_add(len.min(usize::MAX as u64 / 2) as usize)
+            .saturating_add(4);
     }
     out.retain(|&(at, n)| at + n <= b.len());
     out
@@ -127,7 +166,15 @@ fn mutate(data: &[u8], rng: &mut Rng, pool: &[Vec<u8>]) -> Vec<u8> {
                     let mut v = [0u8; 8];
                     v[..n].copy_from_slice(&b[at..at + n]);
                     let x = u64::from_le_bytes(v);
-                    let edge = [0, 1, x.wrapping_add(1), x.wrapping_sub(1), u64::MAX, 1 << 31, 1 << 62][rng.below(7)];
+                    let edge = [
+                        0,
+                        1,
+                        x.wrapping_add(1),
+                        x.wrapping_sub(1),
+                        u64::MAX,
+                        1 << 31,
+                        1 << 62,
+                    ][rng.below(7)];
                     b[at..at + n].copy_from_slice(&edge.to_le_bytes()[..n]);
                 }
             }
@@ -184,7 +231,9 @@ fn check(data: &[u8]) -> Outcome {
         Ok(Err(e)) => Outcome::Finding(format!("an error other than CorruptData: {e}")),
         Ok(Ok(sections)) => match write(&sections) {
             Ok(back) if back == data => Outcome::Read,
-            Ok(_) => Outcome::Finding("read sections that write() does not turn back into the input".into()),
+            Ok(_) => Outcome::Finding(
+                "read sections that write() does not turn back into the input".into(),
+            ),
             Err(e) => Outcome::Finding(format!("read sections that write() refuses: {e}")),
         },
     }
@@ -199,7 +248,12 @@ struct Args {
 
 fn args() -> Args {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/corpus/format");
-    let mut a = Args { seconds: 60.0, seed: 0, corpus: root, save: false };
+    let mut a = Args {
+        seconds: 60.0,
+        seed: 0,
+        corpus: root,
+        save: false,
+    };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
         let mut value = || it.next().unwrap_or_else(|| panic!("{flag} needs a value"));
@@ -208,7 +262,9 @@ fn args() -> Args {
             "--seed" => a.seed = value().parse().expect("--seed: an integer"),
             "--corpus" => a.corpus = PathBuf::from(value()),
             "--save" => a.save = true,
-            other => panic!("unknown argument {other} (expected --seconds S, --seed N, --corpus DIR, --save)"),
+            other => panic!(
+                "unknown argument {other} (expected --seconds S, --seed N, --corpus DIR, --save)"
+            ),
         }
     }
     a
@@ -260,7 +316,11 @@ fn main() {
         println!("  new error: {sig}");
     }
     for (what, data) in findings.iter().take(10) {
-        println!("  FINDING {what} on {} bytes: {:02x?}", data.len(), &data[..data.len().min(48)]);
+        println!(
+            "  FINDING {what} on {} bytes: {:02x?}",
+            data.len(),
+            &data[..data.len().min(48)]
+        );
     }
     if a.save {
         std::fs::create_dir_all(&a.corpus).expect("corpus folder");
@@ -270,7 +330,11 @@ fn main() {
         };
         new.values().for_each(|d| save("rs-", d));
         findings.iter().for_each(|(_, d)| save("finding-rs-", d));
-        println!("corpus: {} inputs written to {}", new.len() + findings.len(), a.corpus.display());
+        println!(
+            "corpus: {} inputs written to {}",
+            new.len() + findings.len(),
+            a.corpus.display()
+        );
     }
     std::process::exit(i32::from(!findings.is_empty()));
 }

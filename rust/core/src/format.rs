@@ -78,27 +78,51 @@ fn corrupt(what: String) -> KvqError {
 
 /// Payload bytes implied by a shape and dtype, or an error if that overflows.
 fn expected_len(shape: &[u64], dtype: Dtype) -> Option<u64> {
-    shape.iter().try_fold(dtype.itemsize() as u64, |acc, &n| acc.checked_mul(n))
+    shape
+        .iter()
+        .try_fold(dtype.itemsize() as u64, |acc, &n| acc.checked_mul(n))
 }
 
 /// Serialize sections; errors on a name that is empty, too long or repeated, or a payload
 /// whose length does not match its shape and dtype.
 pub fn write(sections: &[Section]) -> Result<Vec<u8>> {
     if sections.len() > MAX_SECTIONS as usize {
-        return Err(KvqError::InvalidDimension { arg: "sections", expected: format!("at most {MAX_SECTIONS} sections"), actual: sections.len() as i64 });
+        return Err(KvqError::InvalidDimension {
+            arg: "sections",
+            expected: format!("at most {MAX_SECTIONS} sections"),
+            actual: sections.len() as i64,
+        });
     }
-    let mut out = Vec::with_capacity(14 + sections.iter().map(|s| s.payload.len() + 32).sum::<usize>());
+    let mut out =
+        Vec::with_capacity(14 + sections.iter().map(|s| s.payload.len() + 32).sum::<usize>());
     out.extend_from_slice(MAGIC);
     out.extend_from_slice(&VERSION.to_le_bytes());
     out.extend_from_slice(&(sections.len() as u32).to_le_bytes());
     let mut seen = std::collections::HashSet::new();
     for s in sections {
-        check_name(&s.name, &mut seen).map_err(|what| KvqError::ShapeMismatch { arg: "sections", expected: "unique names of 1..128 bytes".into(), actual: what })?;
+        check_name(&s.name, &mut seen).map_err(|what| KvqError::ShapeMismatch {
+            arg: "sections",
+            expected: "unique names of 1..128 bytes".into(),
+            actual: what,
+        })?;
         if s.shape.len() > MAX_NDIM as usize {
-            return Err(KvqError::InvalidDimension { arg: "shape", expected: format!("at most {MAX_NDIM} dimensions"), actual: s.shape.len() as i64 });
+            return Err(KvqError::InvalidDimension {
+                arg: "shape",
+                expected: format!("at most {MAX_NDIM} dimensions"),
+                actual: s.shape.len() as i64,
+            });
         }
         if expected_len(&s.shape, s.dtype) != Some(s.payload.len() as u64) {
-            return Err(KvqError::ShapeMismatch { arg: "payload", expected: format!("{:?} x {} bytes for section {:?}", s.shape, s.dtype.itemsize(), s.name), actual: format!("{} bytes", s.payload.len()) });
+            return Err(KvqError::ShapeMismatch {
+                arg: "payload",
+                expected: format!(
+                    "{:?} x {} bytes for section {:?}",
+                    s.shape,
+                    s.dtype.itemsize(),
+                    s.name
+                ),
+                actual: format!("{} bytes", s.payload.len()),
+            });
         }
         let start = out.len();
         out.push(s.name.len() as u8);
@@ -116,7 +140,10 @@ pub fn write(sections: &[Section]) -> Result<Vec<u8>> {
     Ok(out)
 }
 
-fn check_name(name: &str, seen: &mut std::collections::HashSet<String>) -> std::result::Result<(), String> {
+fn check_name(
+    name: &str,
+    seen: &mut std::collections::HashSet<String>,
+) -> std::result::Result<(), String> {
     if name.is_empty() || name.len() > MAX_NAME_LEN as usize {
         return Err(format!("a name of {} bytes", name.len()));
     }
@@ -136,7 +163,10 @@ impl<'a> Reader<'a> {
     fn take(&mut self, n: u64, what: &str) -> Result<&'a [u8]> {
         let left = (self.bytes.len() - self.pos) as u64;
         if n > left {
-            return Err(corrupt(format!("truncated: {what} needs {n} bytes at offset {}, {left} left", self.pos)));
+            return Err(corrupt(format!(
+                "truncated: {what} needs {n} bytes at offset {}, {left} left",
+                self.pos
+            )));
         }
         let s = &self.bytes[self.pos..self.pos + n as usize];
         self.pos += n as usize;
@@ -146,13 +176,19 @@ impl<'a> Reader<'a> {
         Ok(self.take(1, what)?[0])
     }
     fn u16(&mut self, what: &str) -> Result<u16> {
-        Ok(u16::from_le_bytes(self.take(2, what)?.try_into().expect("2 bytes")))
+        Ok(u16::from_le_bytes(
+            self.take(2, what)?.try_into().expect("2 bytes"),
+        ))
     }
     fn u32(&mut self, what: &str) -> Result<u32> {
-        Ok(u32::from_le_bytes(self.take(4, what)?.try_into().expect("4 bytes")))
+        Ok(u32::from_le_bytes(
+            self.take(4, what)?.try_into().expect("4 bytes"),
+        ))
     }
     fn u64(&mut self, what: &str) -> Result<u64> {
-        Ok(u64::from_le_bytes(self.take(8, what)?.try_into().expect("8 bytes")))
+        Ok(u64::from_le_bytes(
+            self.take(8, what)?.try_into().expect("8 bytes"),
+        ))
     }
 }
 
@@ -164,11 +200,15 @@ pub fn read(bytes: &[u8]) -> Result<Vec<Section>> {
     }
     let version = r.u16("the version")?;
     if version != VERSION {
-        return Err(corrupt(format!("format version {version}, this build reads version {VERSION}")));
+        return Err(corrupt(format!(
+            "format version {version}, this build reads version {VERSION}"
+        )));
     }
     let count = r.u32("the section count")?;
     if count > MAX_SECTIONS {
-        return Err(corrupt(format!("{count} sections (at most {MAX_SECTIONS})")));
+        return Err(corrupt(format!(
+            "{count} sections (at most {MAX_SECTIONS})"
+        )));
     }
     let mut seen = std::collections::HashSet::new();
     let mut sections = Vec::new();
@@ -180,12 +220,17 @@ pub fn read(bytes: &[u8]) -> Result<Vec<Section>> {
             .to_owned();
         check_name(&name, &mut seen).map_err(|what| corrupt(format!("section {i}: {what}")))?;
         let code = r.u8("a dtype")?;
-        let dtype = Dtype::from_code(code).ok_or_else(|| corrupt(format!("section {name:?}: unknown dtype code {code}")))?;
+        let dtype = Dtype::from_code(code)
+            .ok_or_else(|| corrupt(format!("section {name:?}: unknown dtype code {code}")))?;
         let ndim = r.u8("a rank")?;
         if ndim > MAX_NDIM {
-            return Err(corrupt(format!("section {name:?}: {ndim} dimensions (at most {MAX_NDIM})")));
+            return Err(corrupt(format!(
+                "section {name:?}: {ndim} dimensions (at most {MAX_NDIM})"
+            )));
         }
-        let shape = (0..ndim).map(|_| r.u64("a shape")).collect::<Result<Vec<u64>>>()?;
+        let shape = (0..ndim)
+            .map(|_| r.u64("a shape"))
+            .collect::<Result<Vec<u64>>>()?;
         let len = r.u64("a payload length")?;
         if expected_len(&shape, dtype) != Some(len) {
             return Err(corrupt(format!("section {name:?}: payload of {len} bytes does not match shape {shape:?} of {}-byte elements", dtype.itemsize())));
@@ -193,12 +238,22 @@ pub fn read(bytes: &[u8]) -> Result<Vec<Section>> {
         let payload = r.take(len, &format!("section {name:?}"))?;
         let covered = crc32fast::hash(&bytes[start..r.pos]);
         if r.u32("a checksum")? != covered {
-            return Err(corrupt(format!("section {name:?}: checksum mismatch (the bytes were altered)")));
+            return Err(corrupt(format!(
+                "section {name:?}: checksum mismatch (the bytes were altered)"
+            )));
         }
-        sections.push(Section { name, dtype, shape, payload: payload.to_vec() });
+        sections.push(Section {
+            name,
+            dtype,
+            shape,
+            payload: payload.to_vec(),
+        });
     }
     if r.pos != bytes.len() {
-        return Err(corrupt(format!("{} trailing bytes after the last section", bytes.len() - r.pos)));
+        return Err(corrupt(format!(
+            "{} trailing bytes after the last section",
+            bytes.len() - r.pos
+        )));
     }
     Ok(sections)
 }
@@ -209,10 +264,30 @@ mod tests {
 
     fn sample() -> Vec<Section> {
         vec![
-            Section { name: "meta".into(), dtype: Dtype::Utf8, shape: vec![2], payload: b"{}".to_vec() },
-            Section { name: "codes".into(), dtype: Dtype::U8, shape: vec![2, 3], payload: vec![1, 2, 3, 4, 5, 6] },
-            Section { name: "norms".into(), dtype: Dtype::F32, shape: vec![2], payload: vec![0; 8] },
-            Section { name: "empty".into(), dtype: Dtype::F16, shape: vec![0, 5], payload: vec![] },
+            Section {
+                name: "meta".into(),
+                dtype: Dtype::Utf8,
+                shape: vec![2],
+                payload: b"{}".to_vec(),
+            },
+            Section {
+                name: "codes".into(),
+                dtype: Dtype::U8,
+                shape: vec![2, 3],
+                payload: vec![1, 2, 3, 4, 5, 6],
+            },
+            Section {
+                name: "norms".into(),
+                dtype: Dtype::F32,
+                shape: vec![2],
+                payload: vec![0; 8],
+            },
+            Section {
+                name: "empty".into(),
+                dtype: Dtype::F16,
+                shape: vec![0, 5],
+                payload: vec![],
+            },
         ]
     }
 
@@ -226,7 +301,10 @@ mod tests {
     fn every_truncation_and_every_single_byte_change_is_an_error() {
         let bytes = write(&sample()).unwrap();
         for n in 0..bytes.len() {
-            assert!(matches!(read(&bytes[..n]), Err(KvqError::CorruptData { .. })), "prefix {n}");
+            assert!(
+                matches!(read(&bytes[..n]), Err(KvqError::CorruptData { .. })),
+                "prefix {n}"
+            );
         }
         for i in 0..bytes.len() {
             for flip in [1u8, 0x80] {

@@ -199,7 +199,10 @@ mod tests {
         assert_eq!(p.bits(), 32);
         assert_eq!(p.to_f32(), vec![1.0, 1e-6, 1e5]);
         // Chunked storage joins to the same values as one call.
-        let (a, b) = (ScalarPlane::store(&[1.0001]), ScalarPlane::store(&[1e-6, 1e5]));
+        let (a, b) = (
+            ScalarPlane::store(&[1.0001]),
+            ScalarPlane::store(&[1e-6, 1e5]),
+        );
         let joined: Vec<f32> = a.to_f32().into_iter().chain(b.to_f32()).collect();
         assert_eq!(joined, p.to_f32());
     }

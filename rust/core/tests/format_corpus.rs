@@ -19,7 +19,11 @@ fn every_corpus_input_is_a_clean_error() {
         .filter(|p| p.extension().is_some_and(|x| x == "bin"))
         .collect();
     files.sort();
-    assert!(files.len() >= 10, "the fuzz corpus in {} is missing", dir.display());
+    assert!(
+        files.len() >= 10,
+        "the fuzz corpus in {} is missing",
+        dir.display()
+    );
     for path in files {
         let bytes = std::fs::read(&path).expect("read corpus file");
         let outcome = catch_unwind(AssertUnwindSafe(|| read(&bytes)));
@@ -27,7 +31,12 @@ fn every_corpus_input_is_a_clean_error() {
             Err(_) => panic!("{}: the decoder panicked", path.display()),
             Ok(Err(KvqError::CorruptData { .. })) => {}
             Ok(Err(e)) => panic!("{}: an error other than CorruptData: {e}", path.display()),
-            Ok(Ok(s)) => assert_eq!(write(&s).expect("write what was read"), bytes, "{}: not read back identically", path.display()),
+            Ok(Ok(s)) => assert_eq!(
+                write(&s).expect("write what was read"),
+                bytes,
+                "{}: not read back identically",
+                path.display()
+            ),
         }
     }
 }

@@ -176,9 +176,10 @@ pub fn mse_encode_packed<'py>(
     seed: Option<u64>,
 ) -> PyResult<(U8Out<'py>, Bound<'py, PyAny>)> {
     let xs = slice(&x, "x")?;
-    let (packed, norms) = py_result(
-        py.allow_threads(|| MseQuantizer::new(head_dim, bits_u32(bits), seed)?.encode_packed(xs)),
-    )?;
+    let (packed, norms) =
+        py_result(py.allow_threads(|| {
+            MseQuantizer::new(head_dim, bits_u32(bits), seed)?.encode_packed(xs)
+        }))?;
     Ok((PyArray1::from_vec(py, packed), plane_to_py(py, norms)))
 }
 
@@ -194,9 +195,10 @@ pub fn mse_decode_packed<'py>(
     seed: Option<u64>,
 ) -> PyResult<F32Out<'py>> {
     let (c, n) = (slice(&packed, "packed")?, norms.view("norms")?);
-    let out = py_result(py.allow_threads(|| {
-        MseQuantizer::new(head_dim, bits_u32(bits), seed)?.decode_packed(c, n)
-    }))?;
+    let out =
+        py_result(py.allow_threads(|| {
+            MseQuantizer::new(head_dim, bits_u32(bits), seed)?.decode_packed(c, n)
+        }))?;
     Ok(PyArray1::from_vec(py, out))
 }
 
