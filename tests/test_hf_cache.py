@@ -502,6 +502,8 @@ BATCH_OPS = [
     pytest.param("reorder_cache", lambda: torch.tensor([1, 1, 2]), id="reorder-dup"),
     pytest.param("batch_select_indices", lambda: torch.tensor([2, 0]), id="select"),
     pytest.param("batch_select_indices", lambda: torch.tensor([1]), id="select-one"),
+    pytest.param("batch_select_indices", lambda: torch.tensor([True, False, True]), id="select-mask"),
+    pytest.param("batch_select_indices", lambda: torch.tensor([-1, 0]), id="select-negative"),
     pytest.param("batch_repeat_interleave", lambda: 2, id="repeat"),
 ]
 
@@ -980,7 +982,7 @@ def test_layer_does_not_keep_the_decoded_keys_alive():
     assert layer._returned() is None  # nbytes() counts what the cache holds, nothing hidden
 
 
-@pytest.mark.parametrize("bad", [torch.tensor([5]), torch.tensor([-3]), torch.tensor([[0]]), torch.tensor([True, False])])
+@pytest.mark.parametrize("bad", [torch.tensor([5]), torch.tensor([-3]), torch.tensor([[0]]), torch.tensor([True, False, True]), torch.tensor([0.0])])
 def test_batch_select_rejects_bad_indices(bad):
     layer = QuantizedLayer(QuantConfig("kqv", 3, "kqv", 3), 0)
     k, v = _kv(batch=2, tokens=5)

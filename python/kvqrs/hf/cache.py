@@ -196,8 +196,11 @@ class QuantizedLayer(CacheLayerMixin):
             return
         idx = torch.as_tensor(indices).to(self.keys.device)
         batch = self.keys.shape[0]
-        if idx.dtype in (torch.bool, torch.float16, torch.float32, torch.float64) or idx.ndim != 1 or (idx.numel() and not (-batch <= int(idx.min()) and int(idx.max()) < batch)):
-            raise KvqrsError(f"indices: expected a 1-d integer tensor of batch rows in 0..{batch - 1}, got {indices!r}")
+        if idx.dtype == torch.bool and idx.shape == (batch,):
+            idx = idx.nonzero().flatten()  # a mask of the rows to keep, as DynamicLayer takes it
+        if idx.dtype.is_floating_point or idx.dtype == torch.bool or idx.ndim != 1 or (idx.numel() and not (-batch <= int(idx.min()) and int(idx.max()) < batch)):
+            raise KvqrsError(f"indices: expected a 1-d integer tensor of batch rows in -{batch}..{batch - 1} or a boolean mask of {batch} rows, got {indices!r}")
+        idx = idx.remainder(batch)  # negative rows count from the end, as in Python indexing
         self._batch(lambda c: _select(c, idx))
         self.keys, self.values = self.keys.index_select(0, idx), self.values.index_select(0, idx)
         if hasattr(self, "_fp_values_quantized"):
