@@ -187,8 +187,18 @@ def test_scheme_layer_rejects_inconsistent_input():
         c.attention(q, ck, c.encode_values(k[:, :2]))
     with pytest.raises(kvqrs.KvqrsError, match="cv: expected values with the keys' heads and tokens"):
         c.attention(q, ck, c.encode_values(k[..., :10, :]))
-    with pytest.raises(kvqrs.KvqrsError, match="cv: expected encoded values"):
+    with pytest.raises(kvqrs.KvqrsError, match="value_scheme: this codec keeps values in full precision"):
         KVCodec("kqv", 3, 64, value_scheme="none").attention(q, ck, None)
+    cv = c.encode_values(k)
+    with pytest.raises(kvqrs.KvqrsError, match=r"ck: expected encoded keys, got encoded values \(keys and values swapped\?\)"):
+        c.attention(q, cv, ck)
+    with pytest.raises(kvqrs.KvqrsError, match="cv: expected encoded values, got NoneType"):
+        c.attention(q, ck, None)
+    for bad, shown in ((float("nan"), "NaN"), (float("inf"), "inf"), (-0.5, "-0.5")):
+        with pytest.raises(kvqrs.KvqrsError, match=f"scale: expected a finite positive logit scale, got {shown}$"):
+            c.fused_attention(q[:, :4], ck, cv, scale=bad)
+    with pytest.raises(kvqrs.KvqrsError, match="scale: expected a finite positive number, got 'a'"):
+        c.fused_attention(q[:, :4], ck, cv, scale="a")
     with pytest.raises(kvqrs.KvqrsError, match="n: expected 0 <= n <= 40"):
         c.slice_tokens(ck, 100)
     with pytest.raises(kvqrs.KvqrsError, match=r"q: expected finite values, got nan at index \(0, 0, 0, 0\)"):

@@ -924,6 +924,12 @@ def test_cache_load_under_other_settings_raises(other):
         QuantizedKVCache.from_bytes(data, other)
 
 
+def test_cache_load_with_a_config_that_is_not_a_quant_config_raises():
+    data = _filled_cache(QuantConfig("kqv", 3, "kqv", 3, residual_length=4)).to_bytes()
+    with pytest.raises(KvqrsError, match="config: expected a QuantConfig or None, got dict"):
+        QuantizedKVCache.from_bytes(data, {"key_scheme": "kqv"})
+
+
 def test_cache_bytes_altered_or_truncated_raise():
     data = _filled_cache(QuantConfig("kivi", 2, "kivi", 2, residual_length=5), tokens=40).to_bytes()
     rng = np.random.default_rng(3)
@@ -1012,3 +1018,29 @@ def test_generate_does_not_mutate_a_shared_config(model32):
         assert cache.layers[0].quantized > 0  # the generation really went through this cache
     assert {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name != "_codecs"} == before
     assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize(
+    "k_shape, v_shape",
+    [((1, 3, 8, 64), (1, 3, 7, 64)), ((2, 3, 8, 64), (1, 3, 8, 64)), ((1, 2, 8, 64), (1, 3, 8, 64)), ((1, 3, 8, 64, 1), (1, 3, 8, 64, 1))],
+)
+def test_update_refuses_keys_and_values_that_disagree(k_shape, v_shape):
+    """Keys and values of different batch, heads or tokens used to be stored as they came (a
+    cache that then failed to load, or returned values of another batch)."""
+    cache = QuantizedKVCache(QuantConfig("kqv", 4, "kqv", 4, residual_length=4), 1)
+    with pytest.raises(KvqrsError, match="key_states|value_states"):
+        cache.update(torch.randn(*k_shape), torch.randn(*v_shape), 0)
+    assert cache.get_seq_length() == 0
+
+
+@pytest.mark.parametrize("shape", [(1, 3, 4, 64), (2, 5, 4, 64), (2, 3, 4, 32)])
+def test_update_refuses_states_the_layer_cannot_join(shape):
+    """A later update of another batch, head count or head_dim raises KvqrsError (it used to
+    escape as torch's RuntimeError from the concatenation) and leaves the layer as it was."""
+    cache = QuantizedKVCache(QuantConfig("kqv", 4, "kqv", 4), 1)
+    cache.update(torch.randn(2, 3, 8, 64), torch.randn(2, 3, 8, 64), 0)
+    before = [t.clone() for t in cache.layers[0].materialize()]
+    with pytest.raises(KvqrsError, match="layer 0 holds"):
+        cache.update(torch.randn(*shape), torch.randn(*shape), 0)
+    assert cache.get_seq_length() == 8
+    assert all(torch.equal(a, b) for a, b in zip(cache.layers[0].materialize(), before))

@@ -79,6 +79,7 @@ class QuantizedLayer(CacheLayerMixin):
         values attention reads: decoded codes then the window, or, on a fused decode step
         (``fused=True``, passed by :class:`QuantizedKVCache` when ``QuantConfig.fused``), the
         window alone, the codes being read by :meth:`attend`."""
+        self._check_states(key_states, value_states)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self.keys = torch.cat([self.keys, key_states], dim=-2)
@@ -91,6 +92,23 @@ class QuantizedLayer(CacheLayerMixin):
         k, v = self.materialize()
         self._returned = weakref.ref(k)
         return k, v
+
+    def _check_states(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Refuse states that cannot join this layer, before anything is stored: keys and values
+        of different batch, heads or tokens, or a batch, head count or head_dim other than the
+        layer holds (after ``batch_select_indices`` the batch is the selected one)."""
+        ks, vs = tuple(key_states.shape), tuple(value_states.shape)
+        if len(ks) != 4 or len(vs) != 4:
+            raise KvqrsError(f"key_states, value_states: expected (batch, kv_heads, tokens, head_dim) tensors, got shapes {ks} and {vs}")
+        if ks[:3] != vs[:3]:
+            raise KvqrsError(f"value_states: expected the (batch, kv_heads, tokens) of key_states {ks[:3]}, got {vs[:3]}")
+        if self.is_initialized:
+            held_k = (self.keys.shape[0], self.keys.shape[1], self.keys.shape[3])
+            if (ks[0], ks[1], ks[3]) != held_k or vs[3] != self.values.shape[3]:
+                raise KvqrsError(
+                    f"key_states: layer {self.layer_idx} holds (batch, kv_heads, head_dim) {held_k} "
+                    f"(value head_dim {self.values.shape[3]}), got keys {ks} and values {vs}"
+                )
 
     def _can_fuse(self, new_tokens: int) -> bool:
         if not (self._attended and self.quantized and new_tokens <= FUSED_MAX_QUERY and self.dtype != torch.float64):

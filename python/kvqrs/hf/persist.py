@@ -104,6 +104,8 @@ def loads(data: bytes, config: QuantConfig | None = None):
         saved = QuantConfig(**meta["config"], bases=bases)
     except (TypeError, KvqrsError) as e:
         raise KvqrsError(f"compressed cache: its config cannot be rebuilt ({e})") from None
+    if config is not None and not isinstance(config, QuantConfig):
+        raise KvqrsError(f"config: expected a QuantConfig or None, got {type(config).__name__}")
     if config is not None:
         _check_same(config, saved)
     cache = QuantizedKVCache(config or saved, len(meta["layers"]))

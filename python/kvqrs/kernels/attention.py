@@ -275,7 +275,7 @@ def decode_attention(
             basis=np.ascontiguousarray(basis).reshape(-1),
             sign=float(side.sign),
         )
-    sc = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    sc = 1.0 / math.sqrt(d) if scale is None else _scale(scale)
     heads = int(np.prod(lead)) if lead else 1
     if rows == 0 or heads == 0:  # no query rows (or heads): nothing to attend, nothing to call
         out, lse, p = np.zeros(0, np.float32), np.zeros(0, np.float32), np.zeros(0, np.float32)
@@ -286,3 +286,10 @@ def decode_attention(
         lse.reshape(*lead, rows),
         p.reshape(*lead, rows, t) if probs else None,
     )
+
+
+def _scale(scale: Any) -> float:
+    """The logit scale as a float (the kernel checks that it is finite and positive)."""
+    if isinstance(scale, bool) or not isinstance(scale, (int, float, np.integer, np.floating)):
+        raise KvqrsError(f"scale: expected a finite positive number, got {scale!r}")
+    return float(scale)

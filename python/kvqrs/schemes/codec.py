@@ -304,10 +304,14 @@ class KVCodec:
             raise KvqrsError("ck: expected at least one token to attend to, got 0")
 
     def _check_attention(self, ck: Encoded, cv: Encoded) -> None:
-        if self.values is None or not isinstance(cv, Encoded) or cv.kind != "values":
-            raise KvqrsError("cv: expected encoded values (this codec's value_scheme must not be 'none')")
+        if self.values is None:
+            raise KvqrsError("value_scheme: this codec keeps values in full precision ('none'); nothing encoded to attend over")
         if not isinstance(ck, Encoded) or ck.kind != "keys":
-            raise KvqrsError("ck: expected encoded keys")
+            got = f"encoded {ck.kind} (keys and values swapped?)" if isinstance(ck, Encoded) else type(ck).__name__
+            raise KvqrsError(f"ck: expected encoded keys, got {got}")
+        if not isinstance(cv, Encoded) or cv.kind != "values":
+            got = f"encoded {cv.kind}" if isinstance(cv, Encoded) else type(cv).__name__
+            raise KvqrsError(f"cv: expected encoded values, got {got}")
         if cv.shape[:-1] != ck.shape[:-1]:
             raise KvqrsError(f"cv: expected values with the keys' heads and tokens {ck.shape[:-1]}, got {cv.shape[:-1]}")
         self._check_keys(ck)

@@ -26,6 +26,14 @@ pub enum KvqError {
         actual: i64,
     },
 
+    /// A real-valued argument (a logit scale) outside its allowed range.
+    #[error("{arg}: expected {expected}, got {value}")]
+    InvalidValue {
+        arg: &'static str,
+        expected: &'static str,
+        value: f64,
+    },
+
     /// A buffer whose length does not match the shape implied by the other arguments.
     #[error("{arg}: expected {expected}, got {actual}")]
     ShapeMismatch {

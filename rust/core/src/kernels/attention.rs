@@ -948,10 +948,10 @@ pub fn decode_attention_with(
     check_row_len("tokens", lay.tokens)?;
     check_row_len("rows", lay.rows)?;
     if !(lay.scale.is_finite() && lay.scale > 0.0) {
-        return Err(KvqError::InvalidDimension {
+        return Err(KvqError::InvalidValue {
             arg: "scale",
-            expected: "a finite positive logit scale".into(),
-            actual: lay.scale as i64,
+            expected: "a finite positive logit scale",
+            value: f64::from(lay.scale),
         });
     }
     let qlen = mul("q", mul("q", lay.heads, lay.rows)?, lay.head_dim)?;
