@@ -1012,3 +1012,15 @@ def test_mse_coder_native_path_raises_what_the_kernel_raises(bad):
     with pytest.raises(kvqrs.KvqrsError) as lean:
         MSECoder(64, 4, 1, "kqv", "keys").encode(x)
     assert str(lean.value) == str(general.value)
+
+
+@pytest.mark.parametrize("scale", [0.0, 2.0])
+def test_headq_refuses_a_basis_without_orthonormal_columns(scale):
+    """A zero or scaled basis used to be accepted (the correction then is not q^T U U^T e)."""
+    q = np.linalg.qr(np.random.default_rng(0).standard_normal((64, 4)))[0]
+    with pytest.raises(kvqrs.KvqrsError, match="basis: expected orthonormal columns"):
+        KVCodec("headq", 2, 64, basis=q * scale)
+    KVCodec("headq", 2, 64, basis=q)  # the same columns, orthonormal: accepted
+    per_head = np.stack([q, q * scale])  # head 0 orthonormal, head 1 not
+    with pytest.raises(kvqrs.KvqrsError, match="of KV head 1"):
+        KVCodec("headq", 2, 64, basis=per_head)

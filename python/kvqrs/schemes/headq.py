@@ -40,6 +40,7 @@ class HeadQCoder:
         if b.ndim not in (2, 3) or b.shape[-2] != base.head_dim:
             raise KvqrsError(f"basis: expected (head_dim={base.head_dim}, rank) or (kv_heads, head_dim, rank), got shape {b.shape}")
         first_nonfinite(b, "basis")  # refused here, not at the first encode
+        _check_orthonormal(b)
         self.base, self.basis, self.side_bits, self.sign = base, b, side_bits, sign
         self.k = base.k
         self.head_dim, self.rank, self.scheme, self.kind = base.head_dim, b.shape[-1], scheme, "keys"
@@ -141,3 +142,20 @@ class HeadQCoder:
         space with the live query; the key is never rebuilt for it."""
         base, _ = self._split(enc)
         return self.base.scores(q, base) + self.correction(q, enc)
+
+
+# Columns of a float32 PCA or QR basis are orthonormal to ~1e-6; 1e-3 leaves room for bases
+# computed in float32 elsewhere while refusing a zero, scaled or skewed matrix.
+ORTHONORMAL_TOL = 1e-3
+
+
+def _check_orthonormal(b: np.ndarray) -> None:
+    """HeadQ's correction ``(U^T q) . z`` equals ``q^T U U^T e`` only for orthonormal columns
+    (HeadQ, the side code in a PCA basis): refuse any other basis when the codec is built."""
+    u = b.astype(np.float64).reshape(-1, *b.shape[-2:])
+    gram = np.einsum("hdr,hds->hrs", u, u)
+    err = np.abs(gram - np.eye(u.shape[-1])).max(axis=(1, 2))
+    if err.size and float(err.max()) > ORTHONORMAL_TOL:
+        h = int(err.argmax())
+        where = f" of KV head {h}" if b.ndim == 3 else ""
+        raise KvqrsError(f"basis: expected orthonormal columns (U^T U = I within {ORTHONORMAL_TOL}), got a deviation of {float(err[h]):.3g}{where}")
