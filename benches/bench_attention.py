@@ -25,7 +25,6 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
-
 from kvqrs.kernels import decode_attention
 from kvqrs.schemes import KVCodec
 from kvqrs.schemes.base import Encoded
@@ -64,10 +63,14 @@ def main() -> None:
     args = ap.parse_args()
 
     rng = np.random.default_rng(0)
-    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__} "
-          f"({torch.get_num_threads()} threads), kvqrs rayon pool: RAYON_NUM_THREADS={os.environ.get('RAYON_NUM_THREADS', 'default')}")
-    print(f"shape: {Q_HEADS} query heads, {KV_HEADS} KV heads, head_dim {HEAD_DIM}, 1 query token; "
-          f"each row cycles through >= {args.cycle_mib} MiB of cache\n")
+    print(
+        f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__} "
+        f"({torch.get_num_threads()} threads), kvqrs rayon pool: RAYON_NUM_THREADS={os.environ.get('RAYON_NUM_THREADS', 'default')}"
+    )
+    print(
+        f"shape: {Q_HEADS} query heads, {KV_HEADS} KV heads, head_dim {HEAD_DIM}, 1 query token; "
+        f"each row cycles through >= {args.cycle_mib} MiB of cache\n"
+    )
     rows: list[tuple[int, str, float, int]] = []
     for t in args.tokens:
         k = rng.standard_normal((1, KV_HEADS, t, HEAD_DIM)).astype(np.float32)
@@ -80,7 +83,9 @@ def main() -> None:
             caches = [(kt.clone(), vt.clone()) for _ in range(n)]
             qd = qt.to(dtype)
             with torch.no_grad():
-                fns = [lambda kk=kk, vv=vv: torch.nn.functional.scaled_dot_product_attention(qd, kk, vv, enable_gqa=True) for kk, vv in caches]
+                fns = [
+                    lambda kk=kk, vv=vv: torch.nn.functional.scaled_dot_product_attention(qd, kk, vv, enable_gqa=True) for kk, vv in caches
+                ]
                 rows.append((t, name, timed(fns, args.passes), 2 * kt.numel() * kt.element_size()))
             del caches, fns
         for scheme in args.schemes:

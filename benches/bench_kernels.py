@@ -12,9 +12,8 @@ import platform
 import time
 from typing import Callable
 
-import numpy as np
-
 import kvqrs
+import numpy as np
 from kvqrs import oracle
 
 

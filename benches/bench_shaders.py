@@ -20,10 +20,9 @@ from typing import Callable
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_kernels import best_of  # noqa: E402
-
-import kvqrs  # noqa: E402
-from kvqrs import gpu  # noqa: E402
+import kvqrs
+from bench_kernels import best_of
+from kvqrs import gpu
 
 
 def cases(x: np.ndarray, b: int) -> list[tuple[str, Callable[[object], object]]]:

@@ -32,15 +32,15 @@ warnings.filterwarnings("ignore", category=FutureWarning)  # transformers 5: pas
 
 import numpy as np
 import torch
-
 from speed_common import machine
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test of the harness")
-    ap.add_argument("--sections", nargs="+", default=["kernels", "peers", "append", "generate"],
-                    choices=["kernels", "peers", "append", "generate"])
+    ap.add_argument(
+        "--sections", nargs="+", default=["kernels", "peers", "append", "generate"], choices=["kernels", "peers", "append", "generate"]
+    )
     ap.add_argument("--vectors", type=int, default=None, help="vectors of head_dim 128 for the kernels (default 2^20)")
     ap.add_argument("--oracle-vectors", type=int, default=None, help="vectors for the float64 oracle (default 2^16)")
     ap.add_argument("--peer-vectors", type=int, default=None, help="vectors for the TurboQuant peers (default 2^16)")
@@ -52,8 +52,14 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--peer-worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     q = args.quick
-    defaults = {"vectors": 1 << (12 if q else 20), "oracle_vectors": 1 << (10 if q else 16), "peer_vectors": 1 << (10 if q else 16),
-                "repeats": 1 if q else 5, "contexts": [64] if q else [1024, 4096, 16384], "new_tokens": 4 if q else 32}
+    defaults = {
+        "vectors": 1 << (12 if q else 20),
+        "oracle_vectors": 1 << (10 if q else 16),
+        "peer_vectors": 1 << (10 if q else 16),
+        "repeats": 1 if q else 5,
+        "contexts": [64] if q else [1024, 4096, 16384],
+        "new_tokens": 4 if q else 32,
+    }
     for k, v in defaults.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
@@ -76,7 +82,9 @@ def main(argv: list[str] | None = None) -> None:
         x = np.random.default_rng(0).standard_normal((args.vectors, 128)).astype(np.float32)
         rows = rotation_rows(x, args.repeats, args.oracle_vectors, args.threads, notes) + codec_rows(x, args.repeats)
         del x
-        print(f"\n### Kernels: {args.vectors} vectors x head_dim 128 float32 ({args.vectors * 512 / 2**20:.0f} MiB), best of {args.repeats}\n")
+        print(
+            f"\n### Kernels: {args.vectors} vectors x head_dim 128 float32 ({args.vectors * 512 / 2**20:.0f} MiB), best of {args.repeats}\n"
+        )
         print(kernel_table(rows))
         for n in notes:
             print(f"\nnote: {n}")
@@ -94,7 +102,9 @@ def main(argv: list[str] | None = None) -> None:
         from speed_generate import generation_table
 
         rounds = 1 if args.quick else 2
-        print(f"\n### model.generate on SmolLM2-135M (float32): {args.new_tokens} greedy tokens after the prompt, torch threads={args.threads}, best of {rounds} interleaved rounds\n")
+        print(
+            f"\n### model.generate on SmolLM2-135M (float32): {args.new_tokens} greedy tokens after the prompt, torch threads={args.threads}, best of {rounds} interleaved rounds\n"
+        )
         generation_table(args.contexts, args.new_tokens, args.residual, rounds)
     print(f"\n(harness run: {time.perf_counter() - start:.0f} s; {machine(args.threads).split('; ')[0].split(', ')[-1]} at the end)")
 

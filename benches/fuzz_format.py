@@ -19,9 +19,8 @@ import re
 import sys
 import time
 
-import numpy as np
-
 import kvqrs
+import numpy as np
 from kvqrs import format as fmt
 from kvqrs.schemes import KVCodec
 
@@ -88,10 +87,12 @@ def main(argv=None) -> int:
                 findings.append((data, "loaded although changed"))
         except kvqrs.KvqrsError as e:
             kept.setdefault(signature(e), data)
-        except Exception as e:  # noqa: BLE001 - every other outcome is a finding
+        except Exception as e:
             findings.append((data, repr(e)))
-    print(f"fuzz_format: {runs} inputs in {args.seconds:.0f} s, {loaded} loaded (unchanged or equivalent), "
-          f"{runs - loaded} rejected with KvqrsError ({len(kept)} distinct messages), {len(findings)} findings")
+    print(
+        f"fuzz_format: {runs} inputs in {args.seconds:.0f} s, {loaded} loaded (unchanged or equivalent), "
+        f"{runs - loaded} rejected with KvqrsError ({len(kept)} distinct messages), {len(findings)} findings"
+    )
     for data, err in findings[:10]:
         print(f"  FINDING {err} on {len(data)} bytes: {data[:48].hex()}...")
     if args.corpus:

@@ -9,13 +9,11 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from transformers import DynamicCache
-
 from kvqrs import _native
 from kvqrs.hf import QuantConfig, QuantizedKVCache
 from kvqrs.schemes import KVCodec
-
 from speed_common import best_of, per_call, table
+from transformers import DynamicCache
 
 HEAD_DIM, BITS, SEED = 128, 4, 1
 BATCH = 4096
@@ -68,7 +66,12 @@ def append_table(context: int, quick: bool) -> str:
     calls, upd = (50, 10) if quick else (2000, 200)
     flat1 = one.reshape(-1)
     small = [
-        ("one native call: _native.mse_encode, 1 row", lambda: _native.mse_encode(flat1, HEAD_DIM, BITS, SEED), calls, "the binding's floor"),
+        (
+            "one native call: _native.mse_encode, 1 row",
+            lambda: _native.mse_encode(flat1, HEAD_DIM, BITS, SEED),
+            calls,
+            "the binding's floor",
+        ),
         ("KVCodec.encode_keys, 1 token (kqv k4)", lambda: codec.encode_keys(one), calls, "smallest Python call appending a token"),
         ("KVCodec.encode_values, 1 token (kqv v4: 3-bit MSE + QJL)", lambda: codec.encode_values(one), calls // 4, "five kernel calls"),
     ]
@@ -77,9 +80,14 @@ def append_table(context: int, quick: bool) -> str:
     for i, (name, fn, n, note) in enumerate(small):
         wall, cpu = per_call(fn, n), per_call(fn, n, clock=time.thread_time)
         out.append((name, f"{wall * 1e6:.2f}", f"{cpu * 1e6:.2f}", f"{(cpu - rust) * 1e6:.2f}" if i < 2 else "", note))
-    cfgs = [("DynamicCache.update (dense)", None), ("QuantizedKVCache.update, kqv k4 v4", QuantConfig("kqv", 4, "kqv", 4, residual_length=128)),
-            ("QuantizedKVCache.update, kivi k4 v4", QuantConfig("kivi", 4, "kivi", 4, residual_length=128))]
+    cfgs = [
+        ("DynamicCache.update (dense)", None),
+        ("QuantizedKVCache.update, kqv k4 v4", QuantConfig("kqv", 4, "kqv", 4, residual_length=128)),
+        ("QuantizedKVCache.update, kivi k4 v4", QuantConfig("kivi", 4, "kivi", 4, residual_length=128)),
+    ]
     for name, cfg in cfgs:
         wall, cpu = _cache_update(cfg, context, upd, time.perf_counter), _cache_update(cfg, context, upd, time.thread_time)
-        out.append((f"{name}, 1 token x 3 heads x 64, {context} cached", f"{wall * 1e6:.1f}", f"{cpu * 1e6:.1f}", "", "per layer per decode step"))
+        out.append(
+            (f"{name}, 1 token x 3 heads x 64, {context} cached", f"{wall * 1e6:.1f}", f"{cpu * 1e6:.1f}", "", "per layer per decode step")
+        )
     return table(["call", "us (wall)", "us (thread CPU)", "overhead over the Rust work, us", "note"], out, "lrrrl")

@@ -7,7 +7,8 @@ import os
 import platform
 import statistics
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Sequence
+from typing import Any, Callable
 
 
 def _first(path: str, key: str) -> str | None:
@@ -35,11 +36,10 @@ def _l3() -> str:
 
 def machine(threads: int) -> str:
     """One line: CPU model, cores, LLC, RAM, load average, thread counts, ISA, versions."""
-    import numpy as np
-    import torch
-
     import kvqrs
     import kvqrs._native
+    import numpy as np
+    import torch
 
     cpu = _first("/proc/cpuinfo", "model name") or platform.processor() or platform.machine()
     mem = _first("/proc/meminfo", "MemTotal")

@@ -16,11 +16,9 @@ import time
 
 import numpy as np
 import torch
-from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
-
 from kvqrs.hf import QuantConfig, QuantizedKVCache
-
 from speed_common import row, table
+from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
 
 PREFILL_CHUNK = 1024
 
@@ -53,9 +51,16 @@ def _generate(model, ids, kv, cache, attn: str, new_tokens: int) -> tuple[float,
     model.set_attn_implementation(attn)
     stamps = _Stamps()
     with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=new_tokens,
-                             min_new_tokens=new_tokens, do_sample=False, logits_processor=LogitsProcessorList([stamps]),
-                             pad_token_id=model.config.eos_token_id)
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            past_key_values=cache,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            logits_processor=LogitsProcessorList([stamps]),
+            pad_token_id=model.config.eos_token_id,
+        )
     t = stamps.t
     return (len(t) - 1) / (t[-1] - t[0]), out[0, ids.shape[1] :]
 
@@ -65,8 +70,16 @@ def rows_for(layers: int, residual: int) -> list[tuple[str, str, object]]:
     return [
         ("dense DynamicCache, SDPA", "sdpa", DynamicCache),
         ("dense DynamicCache, eager", "eager", DynamicCache),
-        (f"QuantizedKVCache kqv k4 v4 (window {residual})", "kvqrs", lambda: QuantizedKVCache(QuantConfig("kqv", 4, "kqv", 4, residual_length=residual), layers)),
-        (f"QuantizedKVCache kivi k4 v4 (window {residual})", "kvqrs", lambda: QuantizedKVCache(QuantConfig("kivi", 4, "kivi", 4, residual_length=residual), layers)),
+        (
+            f"QuantizedKVCache kqv k4 v4 (window {residual})",
+            "kvqrs",
+            lambda: QuantizedKVCache(QuantConfig("kqv", 4, "kqv", 4, residual_length=residual), layers),
+        ),
+        (
+            f"QuantizedKVCache kivi k4 v4 (window {residual})",
+            "kvqrs",
+            lambda: QuantizedKVCache(QuantConfig("kivi", 4, "kivi", 4, residual_length=residual), layers),
+        ),
     ]
 
 

@@ -19,14 +19,12 @@ import subprocess
 import sys
 from typing import Any, Callable
 
+import kvqrs
 import numpy as np
 import torch
-
-import kvqrs
 from kvqrs import oracle
 from kvqrs.kernels import rotation_signs
 from kvqrs.schemes import KVCodec
-
 from speed_common import best_of, gbs, table
 
 HEAD_DIM, BITS, SEED = 128, 4, 1
@@ -85,11 +83,20 @@ def rotation_rows(x: np.ndarray, repeats: int, oracle_vectors: int, threads: int
     ]
     work = (np.empty_like(x), np.empty_like(x))
     _check("numpy butterfly", numpy_butterfly(sample, signs, (np.empty_like(sample), np.empty_like(sample))), want)
-    rows.append(("NumPy butterfly", "float32, 2 reused buffers, 1 thread", best_of(lambda: numpy_butterfly(x, signs, work), repeats), nbytes))
+    rows.append(
+        ("NumPy butterfly", "float32, 2 reused buffers, 1 thread", best_of(lambda: numpy_butterfly(x, signs, work), repeats), nbytes)
+    )
     del work
     xs = x[:oracle_vectors]
     _check("oracle.hadamard", oracle.hadamard(sample, SEED).astype(np.float32), want)
-    rows.append((f"NumPy oracle (Sylvester matmul, float64; {len(xs)} vectors)", "oracle.hadamard", best_of(lambda: oracle.hadamard(xs, SEED), max(1, repeats // 2)), xs.nbytes))
+    rows.append(
+        (
+            f"NumPy oracle (Sylvester matmul, float64; {len(xs)} vectors)",
+            "oracle.hadamard",
+            best_of(lambda: oracle.hadamard(xs, SEED), max(1, repeats // 2)),
+            xs.nbytes,
+        )
+    )
     xt, st = torch.from_numpy(x), torch.from_numpy(signs)
     _check("torch butterfly", torch_butterfly(torch.from_numpy(sample), st).numpy(), want)
     with torch.no_grad():
@@ -113,21 +120,42 @@ def _peer_rotations(x, sample, signs, want, buf, repeats, threads, notes) -> lis
         _check("hadamard-transform", hadamard_transform(torch.from_numpy(pre)).numpy(), want)
         xt = torch.from_numpy(x)
         with torch.no_grad():
-            rows.append(("hadamard-transform (peer)", f"torch, normalized, no signs, threads={threads}", best_of(lambda: hadamard_transform(xt), repeats), x.nbytes))
+            rows.append(
+                (
+                    "hadamard-transform (peer)",
+                    f"torch, normalized, no signs, threads={threads}",
+                    best_of(lambda: hadamard_transform(xt), repeats),
+                    x.nbytes,
+                )
+            )
     else:
         notes.append("hadamard-transform: not installed")
     if importlib.util.find_spec("fht_cpu"):
         import fht_cpu
 
         _check("fht-cpu", fht_cpu.fht(pre.copy()) * scale, want)
-        rows.append(("fht-cpu (peer)", f"in place on a buffer, no signs/scale, OpenMP threads={threads}", best_of(lambda: fht_cpu.fht(buf, num_threads=threads), repeats, reset), x.nbytes))
+        rows.append(
+            (
+                "fht-cpu (peer)",
+                f"in place on a buffer, no signs/scale, OpenMP threads={threads}",
+                best_of(lambda: fht_cpu.fht(buf, num_threads=threads), repeats, reset),
+                x.nbytes,
+            )
+        )
     else:
         notes.append("fht-cpu: not installed")
     if importlib.util.find_spec("ffht"):
         import ffht
 
         _check("ffht", ffht.fht(pre.copy()) * scale, want)
-        rows.append(("ffht-unofficial (peer)", f"fht_ in place on a buffer, no signs/scale, nthreads={threads}", best_of(lambda: ffht.fht_(buf, threads), repeats, reset), x.nbytes))
+        rows.append(
+            (
+                "ffht-unofficial (peer)",
+                f"fht_ in place on a buffer, no signs/scale, nthreads={threads}",
+                best_of(lambda: ffht.fht_(buf, threads), repeats, reset),
+                x.nbytes,
+            )
+        )
     else:
         notes.append("ffht-unofficial: not installed")
     return rows
@@ -143,7 +171,12 @@ def codec_rows(x: np.ndarray, repeats: int) -> list[tuple]:
         ("kqv k4 encode (KVCodec.encode_keys)", "allocating API, rayon pool", best_of(lambda: codec.encode_keys(x), repeats), x.nbytes),
         ("kqv k4 decode (KVCodec.decode_keys)", "allocating API, rayon pool", best_of(lambda: codec.decode_keys(ck), repeats), x.nbytes),
         ("kvqrs.mse_encode (4 bits, no packing)", "allocating API", best_of(lambda: kvqrs.mse_encode(x, BITS, SEED), repeats), x.nbytes),
-        ("kvqrs.mse_decode (4 bits, no packing)", "allocating API", best_of(lambda: kvqrs.mse_decode(code.codes, code.norms, BITS, x.shape[1], SEED), repeats), x.nbytes),
+        (
+            "kvqrs.mse_decode (4 bits, no packing)",
+            "allocating API",
+            best_of(lambda: kvqrs.mse_decode(code.codes, code.norms, BITS, x.shape[1], SEED), repeats),
+            x.nbytes,
+        ),
     ]
 
 
@@ -184,7 +217,11 @@ def _peer_codec(peer: str) -> tuple[Callable[[np.ndarray], Any], Callable[[Any],
         import turboquant as tq
 
         q = tq.TurboQuantMSE(HEAD_DIM, BITS, device="cpu", seed=0)
-        return (lambda x: q.quantize(torch.from_numpy(x))), (lambda o: q.dequantize(*o)), "TurboQuantMSE, torch, dense rotation (np.trapz shimmed for NumPy 2)"
+        return (
+            (lambda x: q.quantize(torch.from_numpy(x))),
+            (lambda o: q.dequantize(*o)),
+            "TurboQuantMSE, torch, dense rotation (np.trapz shimmed for NumPy 2)",
+        )
     if peer == "turbo-quant-lite":
         from turbo_quant_lite import TurboQuant
 
@@ -232,8 +269,18 @@ def _run_peer(peer: str, vectors: int, repeats: int, threads: int) -> dict:
         env["PYTHONPATH"] = os.pathsep.join([str(folder), env.get("PYTHONPATH", "")])
     elif importlib.util.find_spec(module) is None:
         return {"error": "not installed"}
-    cmd = [sys.executable, str(pathlib.Path(__file__).with_name("bench_speed.py")), "--peer-worker", peer,
-           "--peer-vectors", str(vectors), "--repeats", str(repeats), "--threads", str(threads)]
+    cmd = [
+        sys.executable,
+        str(pathlib.Path(__file__).with_name("bench_speed.py")),
+        "--peer-worker",
+        peer,
+        "--peer-vectors",
+        str(vectors),
+        "--repeats",
+        str(repeats),
+        "--threads",
+        str(threads),
+    ]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if p.returncode != 0:
         last = (p.stderr.strip().splitlines() or ["no output"])[-1]
@@ -247,16 +294,48 @@ def quantizer_table(vectors: int, repeats: int, threads: int) -> str:
     codec = KVCodec("kqv", BITS, HEAD_DIM, seed=SEED)
     ck = codec.encode_keys(x)
     y = codec.decode_keys(ck)
-    ours = {"encode_s": best_of(lambda: codec.encode_keys(x), repeats), "decode_s": best_of(lambda: codec.decode_keys(ck), repeats),
-            "rel_mse": float(np.sum((y - x) ** 2) / np.sum(x**2))}
-    rows = [("kvqrs kqv k4 (KVCodec)", f"{gbs(x.nbytes, ours['encode_s']):.3f}", f"{gbs(x.nbytes, ours['decode_s']):.3f}", "1.0x", "1.0x",
-             f"{ours['rel_mse']:.4f}", "packed 4-bit codes + float16 norm")]
+    ours = {
+        "encode_s": best_of(lambda: codec.encode_keys(x), repeats),
+        "decode_s": best_of(lambda: codec.decode_keys(ck), repeats),
+        "rel_mse": float(np.sum((y - x) ** 2) / np.sum(x**2)),
+    }
+    rows = [
+        (
+            "kvqrs kqv k4 (KVCodec)",
+            f"{gbs(x.nbytes, ours['encode_s']):.3f}",
+            f"{gbs(x.nbytes, ours['decode_s']):.3f}",
+            "1.0x",
+            "1.0x",
+            f"{ours['rel_mse']:.4f}",
+            "packed 4-bit codes + float16 norm",
+        )
+    ]
     for peer in PEERS:
         r = _run_peer(peer, vectors, repeats, threads)
         if "error" in r:
             rows.append((peer, "", "", "", "", "", r["error"]))
             continue
-        rows.append((peer, f"{gbs(x.nbytes, r['encode_s']):.3f}", f"{gbs(x.nbytes, r['decode_s']):.3f}",
-                     f"{r['encode_s'] / ours['encode_s']:.0f}x", f"{r['decode_s'] / ours['decode_s']:.0f}x", f"{r['rel_mse']:.4f}", r["note"]))
-    return table(["quantizer (4 bits, head_dim 128)", "encode GB/s", "decode GB/s", "kvqrs encode speed-up", "kvqrs decode speed-up",
-                  "relative MSE", "notes"], rows, "lrrrrrl")
+        rows.append(
+            (
+                peer,
+                f"{gbs(x.nbytes, r['encode_s']):.3f}",
+                f"{gbs(x.nbytes, r['decode_s']):.3f}",
+                f"{r['encode_s'] / ours['encode_s']:.0f}x",
+                f"{r['decode_s'] / ours['decode_s']:.0f}x",
+                f"{r['rel_mse']:.4f}",
+                r["note"],
+            )
+        )
+    return table(
+        [
+            "quantizer (4 bits, head_dim 128)",
+            "encode GB/s",
+            "decode GB/s",
+            "kvqrs encode speed-up",
+            "kvqrs decode speed-up",
+            "relative MSE",
+            "notes",
+        ],
+        rows,
+        "lrrrrrl",
+    )

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from kvqrs.gpu import unavailable_reason
 
 # Computed once per session: None when a WebGPU adapter exists (lavapipe counts), else why not.

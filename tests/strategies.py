@@ -74,11 +74,8 @@ def finite_rows(draw, leading, dim, scale=10.0, dtype=np.float32, tiny=TINY):
         hnp.arrays(
             np.float32,
             (*leading, dim),
-            elements=st.floats(
-                -bound, bound, allow_nan=False, allow_infinity=False, allow_subnormal=False, width=32
-            ),
+            elements=st.floats(-bound, bound, allow_nan=False, allow_infinity=False, allow_subnormal=False, width=32),
         )
     )
     x[np.abs(x) < tiny] = 0.0
     return x.astype(dtype)
-

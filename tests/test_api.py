@@ -9,12 +9,11 @@ import pathlib
 import subprocess
 import sys
 
+import kvqrs
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-import kvqrs
 from kvqrs import _native
 
 STUB = pathlib.Path(kvqrs.__file__).with_name("_native.pyi")
@@ -22,11 +21,7 @@ STUB = pathlib.Path(kvqrs.__file__).with_name("_native.pyi")
 
 def _stub_functions() -> dict[str, list[str]]:
     tree = ast.parse(STUB.read_text())
-    return {
-        node.name: [a.arg for a in node.args.args]
-        for node in tree.body
-        if isinstance(node, ast.FunctionDef)
-    }
+    return {node.name: [a.arg for a in node.args.args] for node in tree.body if isinstance(node, ast.FunctionDef)}
 
 
 def test_every_export_resolves():
@@ -46,11 +41,7 @@ def test_package_ships_type_information():
 
 def test_stub_matches_native_functions_and_parameters():
     stub = _stub_functions()
-    runtime = {
-        name: obj
-        for name, obj in vars(_native).items()
-        if callable(obj) and not isinstance(obj, type) and not name.startswith("_")
-    }
+    runtime = {name: obj for name, obj in vars(_native).items() if callable(obj) and not isinstance(obj, type) and not name.startswith("_")}
     assert set(stub) == set(runtime), f"stub-only {set(stub) - set(runtime)}, runtime-only {set(runtime) - set(stub)}"
     for name, params in stub.items():
         got = list(inspect.signature(runtime[name]).parameters)
@@ -102,10 +93,27 @@ _norms = st.integers(0, 40).map(lambda n: np.ones(n, dtype=np.float16))
             lambda a, b, c, n, s: _native.rotation_signs(s, a),
             lambda a, b, c, n, s: _native.gaussians(s, 1, a),
             lambda a, b, c, n, s: _native.decode_attention(
-                c, {"kind": ["mse", "uniform_tokens", "uniform_channels", "dense"][s % 4], "codes": b, "norms": n, "scales": n,
-                    "zeros": n, "values": c, "bits": s % 10, "group": s % 40, "seed": s if s % 3 else None},
-                {"kind": "dense", "values": c}, {"codes": b, "scales": n, "basis": c, "basis_heads": s % 3, "rank": s % 5, "bits": s % 9,
-                                                 "sign": 1.0} if s % 2 else None, a % 7, s % 5, s % 7, a, 1.0, bool(s % 2)),
+                c,
+                {
+                    "kind": ["mse", "uniform_tokens", "uniform_channels", "dense"][s % 4],
+                    "codes": b,
+                    "norms": n,
+                    "scales": n,
+                    "zeros": n,
+                    "values": c,
+                    "bits": s % 10,
+                    "group": s % 40,
+                    "seed": s if s % 3 else None,
+                },
+                {"kind": "dense", "values": c},
+                {"codes": b, "scales": n, "basis": c, "basis_heads": s % 3, "rank": s % 5, "bits": s % 9, "sign": 1.0} if s % 2 else None,
+                a % 7,
+                s % 5,
+                s % 7,
+                a,
+                1.0,
+                bool(s % 2),
+            ),
             # Never a valid path name, so the process-wide setting stays as it is.
             lambda a, b, c, n, s: _native.set_isa(f"isa{s}"),
         ]

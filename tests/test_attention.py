@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from kvqrs import KvqrsError, oracle, random_orthonormal_basis
 from kvqrs.kernels import DenseRows, MSERows, SideRows, UniformRows, decode_attention
 from kvqrs.schemes import KVCodec
@@ -72,7 +71,11 @@ def problems(draw, key_scheme=None, value_scheme=None):
     tokens = draw(st.integers(1, 70))
     seed = draw(st.integers(0, 2**64 - 1))
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
-    k_scale, v_scale, q_scale = draw(st.sampled_from([0.05, 1.0, 8.0])), draw(st.sampled_from([1e-3, 1.0, 100.0])), draw(st.sampled_from([0.1, 1.0, 3.0]))
+    k_scale, v_scale, q_scale = (
+        draw(st.sampled_from([0.05, 1.0, 8.0])),
+        draw(st.sampled_from([1e-3, 1.0, 100.0])),
+        draw(st.sampled_from([0.1, 1.0, 3.0])),
+    )
     extra = {}
     scheme = ks
     if ks.startswith("headq"):

@@ -5,7 +5,6 @@ times computes kvqrs' rotation (the harness exits otherwise); it asserts no spee
 from __future__ import annotations
 
 import pathlib
-import sys
 
 import pytest
 
@@ -33,17 +32,24 @@ def test_quick_kernels_and_append(bench_speed, capsys):
         torch.set_num_threads(threads)
     out = capsys.readouterr().out
     assert out.startswith("machine: ")
-    for row in ("memcpy float32", "kvqrs.hadamard (rotation)", "NumPy butterfly", "torch butterfly", "kqv k4 encode", "kqv k4 decode",
-                "KVCodec.encode_keys, 1 token", "QuantizedKVCache.update, kqv k4 v4"):
+    for row in (
+        "memcpy float32",
+        "kvqrs.hadamard (rotation)",
+        "NumPy butterfly",
+        "torch butterfly",
+        "kqv k4 encode",
+        "kqv k4 decode",
+        "KVCodec.encode_keys, 1 token",
+        "QuantizedKVCache.update, kqv k4 v4",
+    ):
         assert f"| {row}" in out, row
     assert "nan" not in out and "inf" not in out.replace("info", "")
 
 
 def test_butterflies_compute_the_kvqrs_rotation(bench_speed):
+    import kvqrs
     import numpy as np
     import torch
-
-    import kvqrs
     from kvqrs.kernels import rotation_signs
     from speed_kernels import numpy_butterfly, torch_butterfly
 

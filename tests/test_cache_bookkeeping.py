@@ -20,10 +20,9 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from transformers.cache_utils import DynamicCache  # noqa: E402
-
 from kvqrs.hf import QuantConfig, QuantizedKVCache, QuantizedLayer, fake_quant  # noqa: E402
 from kvqrs.hf.attention import _STATE, FakeQuant, active  # noqa: E402
+from transformers.cache_utils import DynamicCache  # noqa: E402
 
 HEAD_DIM = 64
 TEXT = (
@@ -333,10 +332,13 @@ def test_beam_search_reorders_quantized_rows(model64, monkeypatch):
 
 
 @pytest.mark.filterwarnings("ignore::FutureWarning")
-@pytest.mark.parametrize("cfg", [
-    pytest.param(UNQUANTIZED, id="unquantized"),
-    pytest.param(QuantConfig("kqv", 3, "kqv", 3, residual_length=6), id="kqv-r6"),
-])
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        pytest.param(UNQUANTIZED, id="unquantized"),
+        pytest.param(QuantConfig("kqv", 3, "kqv", 3, residual_length=6), id="kqv-r6"),
+    ],
+)
 def test_crop_then_continue(model64, cfg):
     """Crop back by 5 (a rejected draft) and by 12 (into the quantized part), then decode other
     tokens. Unquantized: DynamicCache's logits exactly. Quantized: layer 0 holds the one-shot

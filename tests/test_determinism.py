@@ -12,7 +12,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
-
 from kvqrs import format as fmt
 from kvqrs.schemes import KVCodec
 
@@ -43,11 +42,15 @@ def _digest_here() -> str:
     return out.getvalue().strip()
 
 
-@pytest.mark.parametrize("env", [{}, {"RAYON_NUM_THREADS": "1"}, {"RAYON_NUM_THREADS": "7"}, {"KVQRS_FORCE_SCALAR": "1"}],
-                         ids=["default", "1-thread", "7-threads", "scalar"])
+@pytest.mark.parametrize(
+    "env",
+    [{}, {"RAYON_NUM_THREADS": "1"}, {"RAYON_NUM_THREADS": "7"}, {"KVQRS_FORCE_SCALAR": "1"}],
+    ids=["default", "1-thread", "7-threads", "scalar"],
+)
 def test_same_bytes_in_another_process(env):
-    proc = subprocess.run([sys.executable, "-c", SCRIPT.format(schemes=SCHEMES)], capture_output=True, text=True,
-                          env={**os.environ, **env}, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT.format(schemes=SCHEMES)], capture_output=True, text=True, env={**os.environ, **env}, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip() == _digest_here()
 

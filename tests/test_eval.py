@@ -180,13 +180,13 @@ def _expected_rows(quick: bool) -> dict[str, tuple[str, str | None, int, str | N
     """name -> (group, key scheme, key bits, value scheme) of the rows the issue names."""
     rows = {"dense": ("dense", None, 0, None)}
     for scheme in ("kv", "kqv", "qkqv"):
-        for n in ((2, 4) if quick else (2, 3, 4)):
+        for n in (2, 4) if quick else (2, 3, 4):
             rows[f"{scheme} k{n}"] = ("key-only", scheme, n, None)
             rows[f"{scheme} k{n} v{n}"] = ("full KV", scheme, n, scheme)
     for n in (2, 4):
         rows[f"kivi k{n}"] = ("key-only", "kivi", n, None)
         rows[f"kivi k{n} v{n}"] = ("full KV", "kivi", n, "kivi")
-    for n in ((4,) if quick else (4, 8)):
+    for n in (4,) if quick else (4, 8):
         rows[f"block k{n}"] = ("key-only", "block", n, None)
         rows[f"block k{n} v{n}"] = ("full KV", "block", n, "block")
     for base in ("kivi", "kqv"):
@@ -225,8 +225,12 @@ def test_default_rows_contain_the_issue_rows(quick, residual):
     # A^2 against uniform values at 2 bits: the oracle pair in the run's window, the causal pair
     # (importances only from queries inside a full-precision window) in a window of >= 64.
     w = max(residual, 64)
-    pairs = {"uniform v2": (residual, True, None), "a2 v2 (oracle weights)": (residual, False, None),
-             f"uniform v2 (window {w})": (w, True, None), f"a2 v2 (causal, window {w})": (w, False, w)}
+    pairs = {
+        "uniform v2": (residual, True, None),
+        "a2 v2 (oracle weights)": (residual, False, None),
+        f"uniform v2 (window {w})": (w, True, None),
+        f"a2 v2 (causal, window {w})": (w, False, w),
+    }
     for name, (window, uniform, lookahead) in pairs.items():
         cfg = by[name].config
         assert by[name].group == "values-only" and cfg.key_scheme is None and (cfg.value_scheme, cfg.value_bits) == ("a2", 2)
@@ -363,7 +367,11 @@ def _env():
 def test_cli_eval_missing_data_file_is_a_clean_error(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "kvqrs", "eval", "--data", str(tmp_path / "nope.txt"), "--out", str(tmp_path / "o")],
-        capture_output=True, text=True, env=_env(), timeout=CLI_TIMEOUT_S, cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=CLI_TIMEOUT_S,
+        cwd=tmp_path,
     )
     assert proc.returncode == 2
     assert "kvqrs eval: error: --data" in proc.stderr
@@ -380,8 +388,23 @@ def test_cli_eval_quick(tmp_path):
         pytest.skip(f"SmolLM2 model not available: {e}")
     pytest.importorskip("gensim", reason="the default evaluation text ships in gensim's wheel")
     out = tmp_path / "eval"
-    cmd = [sys.executable, "-m", "kvqrs", "eval", "--quick", "--rows", "kqv", "--window", "32", "--windows", "1",
-           "--calibration-windows", "1", "--out", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvqrs",
+        "eval",
+        "--quick",
+        "--rows",
+        "kqv",
+        "--window",
+        "32",
+        "--windows",
+        "1",
+        "--calibration-windows",
+        "1",
+        "--out",
+        str(out),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=CLI_TIMEOUT_S, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert {p.name for p in out.iterdir()} == {"eval.md", "eval.csv", "eval.json", "quality_vs_bits.png"}
@@ -405,8 +428,14 @@ def test_cli_eval_quick(tmp_path):
 
 @pytest.mark.parametrize("args, match", [(["--window", "1"], "--window: expected at least 2"), (["--window", "9000"], "8192")])
 def test_cli_eval_window_bounds(tmp_path, args, match):
-    proc = subprocess.run([sys.executable, "-m", "kvqrs", "eval", *args, "--out", str(tmp_path / "o")],
-                          capture_output=True, text=True, env=_env(), timeout=CLI_TIMEOUT_S, cwd=tmp_path)
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvqrs", "eval", *args, "--out", str(tmp_path / "o")],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=CLI_TIMEOUT_S,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 2 and match in proc.stderr and "Traceback" not in proc.stderr
 
 

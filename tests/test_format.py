@@ -7,12 +7,11 @@ from __future__ import annotations
 import json
 import pathlib
 
+import kvqrs
 import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-
-import kvqrs
 from kvqrs import _native
 from kvqrs import format as fmt
 from kvqrs.schemes import KVCodec
@@ -36,8 +35,16 @@ def test_round_trip_every_scheme(scheme, shape, tmp_path):
     x = tensor(shape)
     for enc, decode in ((c.encode_keys(x), c.decode_keys), (c.encode_values(x), c.decode_values)):
         back = fmt.loads(fmt.dumps(enc), c)
-        assert (back.scheme, back.kind, back.shape, back.dtype, dict(back.params)) == (enc.scheme, enc.kind, enc.shape, enc.dtype, dict(enc.params))
-        assert all(np.array_equal(back.parts[k], np.asarray(v)) and back.parts[k].dtype == np.asarray(v).dtype for k, v in enc.parts.items())
+        assert (back.scheme, back.kind, back.shape, back.dtype, dict(back.params)) == (
+            enc.scheme,
+            enc.kind,
+            enc.shape,
+            enc.dtype,
+            dict(enc.params),
+        )
+        assert all(
+            np.array_equal(back.parts[k], np.asarray(v)) and back.parts[k].dtype == np.asarray(v).dtype for k, v in enc.parts.items()
+        )
         np.testing.assert_array_equal(decode(back), decode(enc))
         fmt.save(tmp_path / "t.kvq", enc)
         np.testing.assert_array_equal(decode(fmt.load(tmp_path / "t.kvq", c)), decode(enc))
@@ -60,10 +67,17 @@ def test_a2_values_round_trip():
     np.testing.assert_array_equal(c.decode_values(fmt.loads(fmt.dumps(enc), c)), c.decode_values(enc))
 
 
-@pytest.mark.parametrize("other", [
-    dict(scheme="kqv", seed=2), dict(scheme="kqv", bits=4), dict(scheme="qkqv"), dict(scheme="kv"), dict(scheme="kivi"),
-    dict(scheme="kqv", d=48),
-])
+@pytest.mark.parametrize(
+    "other",
+    [
+        dict(scheme="kqv", seed=2),
+        dict(scheme="kqv", bits=4),
+        dict(scheme="qkqv"),
+        dict(scheme="kv"),
+        dict(scheme="kivi"),
+        dict(scheme="kqv", d=48),
+    ],
+)
 def test_loading_under_other_settings_raises(other):
     enc = codec("kqv").encode_keys(tensor())
     with pytest.raises(kvqrs.KvqrsError, match="compressed cache|encoded"):
@@ -107,17 +121,20 @@ def test_part_of_the_wrong_shape_is_caught_with_a_valid_checksum():
         fmt.loads(data, c)  # ... that this codec did not write
 
 
-@pytest.mark.parametrize("edit, match", [
-    (lambda m: m.update(format="kvqrs-encoded-v9"), "format"),
-    (lambda m: m.pop("params"), "meta must hold"),
-    (lambda m: m.update(shape="12"), "meta must hold"),
-    (lambda m: m.update(shape=[-1, 40]), "non-negative"),
-    (lambda m: m.update(shape=[True, 40]), "non-negative"),
-    (lambda m: m.update(shape=[]), "non-empty"),
-    (lambda m: m.update(kind="queries"), "kind"),
-    (lambda m: m.update(dtype="int8"), "dtype"),
-    (lambda m: m.update(parts=["norms", "codes"]), "lists parts"),
-])
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        (lambda m: m.update(format="kvqrs-encoded-v9"), "format"),
+        (lambda m: m.pop("params"), "meta must hold"),
+        (lambda m: m.update(shape="12"), "meta must hold"),
+        (lambda m: m.update(shape=[-1, 40]), "non-negative"),
+        (lambda m: m.update(shape=[True, 40]), "non-negative"),
+        (lambda m: m.update(shape=[]), "non-empty"),
+        (lambda m: m.update(kind="queries"), "kind"),
+        (lambda m: m.update(dtype="int8"), "dtype"),
+        (lambda m: m.update(parts=["norms", "codes"]), "lists parts"),
+    ],
+)
 def test_well_formed_container_with_a_bad_meta(edit, match):
     sections = _sections(codec("kqv").encode_keys(tensor()))
     meta = json.loads(sections[0][3])
@@ -128,7 +145,9 @@ def test_well_formed_container_with_a_bad_meta(edit, match):
         fmt.loads(_rebuild(sections))
 
 
-@pytest.mark.parametrize("first", [("meta", 0, [2], b"{}"), ("codes", 5, [2], b"{}"), ("meta", 5, [3], b"\xff\xfe{"), ("meta", 5, [2], b"[]")])
+@pytest.mark.parametrize(
+    "first", [("meta", 0, [2], b"{}"), ("codes", 5, [2], b"{}"), ("meta", 5, [3], b"\xff\xfe{"), ("meta", 5, [2], b"[]")]
+)
 def test_bad_meta_section(first):
     with pytest.raises(kvqrs.KvqrsError, match="compressed cache"):
         fmt.loads(_native.container_write([first]))

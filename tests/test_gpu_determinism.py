@@ -9,13 +9,13 @@ import os
 import subprocess
 import sys
 
-import numpy as np
-
 import kvqrs
+import numpy as np
 from kvqrs import format as fmt
 from kvqrs import gpu
 from kvqrs.gpu import _device
 from kvqrs.schemes import KVCodec
+
 from tests.gpu_helpers import FLUSH_ATOL, requires_adapter
 from tests.test_gpu_schemes import assert_parts_close
 
@@ -78,7 +78,9 @@ def _digest_here() -> str:
 
 
 def test_same_bytes_in_another_process():
-    proc = subprocess.run([sys.executable, "-c", SCRIPT.format(schemes=SCHEMES)], capture_output=True, text=True, env=dict(os.environ), timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT.format(schemes=SCHEMES)], capture_output=True, text=True, env=dict(os.environ), timeout=600
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip() == _digest_here()
 

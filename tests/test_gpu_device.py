@@ -9,13 +9,13 @@ import re
 from importlib import resources
 from pathlib import Path
 
+import kvqrs
 import numpy as np
 import pytest
-
-import kvqrs
 from kvqrs import gpu
 from kvqrs.gpu import _device
 from kvqrs.schemes import KVCodec, get_backend
+
 from tests.gpu_helpers import requires_adapter
 
 REPO_SHADERS = Path(__file__).resolve().parents[1] / "shaders"
@@ -49,7 +49,9 @@ def test_kernel_shader_headers(name):
         assert word in text, f"{name}.wgsl header lacks {word!r}"
     # Every declared binding is listed in the header.
     for binding, var in re.findall(r"@binding\((\d+)\) var<[^>]+> (\w+)", text):
-        assert re.search(rf"//\s+{binding}\s+\w+.*\b{var}\b", text) or (binding == "0" and "uniform  Params" in text), f"{name}.wgsl: binding {binding} ({var}) not in the header"
+        assert re.search(rf"//\s+{binding}\s+\w+.*\b{var}\b", text) or (binding == "0" and "uniform  Params" in text), (
+            f"{name}.wgsl: binding {binding} ({var}) not in the header"
+        )
 
 
 def test_composed_source_prepends_the_pieces():
@@ -148,7 +150,9 @@ def test_torch_tensors_in_and_out():
     code = gpu.uniform_encode(x, 4, 32)
     assert isinstance(code.codes, torch.Tensor) and isinstance(code.scales, torch.Tensor)
     out = gpu.uniform_decode(code)
-    np.testing.assert_array_equal(out.numpy(), kvqrs.uniform_decode(kvqrs.UniformCode(*(v.numpy() if hasattr(v, "numpy") else v for v in code))))
+    np.testing.assert_array_equal(
+        out.numpy(), kvqrs.uniform_decode(kvqrs.UniformCode(*(v.numpy() if hasattr(v, "numpy") else v for v in code)))
+    )
 
 
 @requires_adapter

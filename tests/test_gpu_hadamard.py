@@ -5,14 +5,14 @@ drivers that flush subnormals to zero."""
 
 from __future__ import annotations
 
+import kvqrs
 import ml_dtypes
 import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-
-import kvqrs
 from kvqrs import gpu
+
 from tests.gpu_helpers import FLUSH_ATOL, requires_adapter, same_error
 from tests.strategies import EDGE_DIMS, HEAD_DIMS, float_rows, leading_shapes, seeds
 

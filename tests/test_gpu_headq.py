@@ -5,13 +5,13 @@ decode and score corrections within SUM_RTOL of their absolute terms."""
 
 from __future__ import annotations
 
+import kvqrs
 import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-
-import kvqrs
 from kvqrs import gpu
+
 from tests.gpu_helpers import ROUND_TIE_TOL, SUM_RTOL, assert_stored_close, codes_equal_except_ties, requires_adapter, same_error
 from tests.strategies import bits, finite_rows, leading_shapes, seeds
 
@@ -85,8 +85,12 @@ def test_cross_path_every_width(q):
         lambda m, u: m.headq_encode(np.ones((2, 8), np.float32), np.ones(8, np.float32), 2),
         lambda m, u: m.headq_decode(kvqrs.HeadQCode(np.zeros((2, 3), np.uint8), np.ones(2, np.float16), 2), u),
         lambda m, u: m.headq_decode(kvqrs.HeadQCode(np.full((2, 2), 4, np.uint8), np.ones(2, np.float16), 2), u),
-        lambda m, u: m.headq_score_correction(np.ones((1, 7), np.float32), kvqrs.HeadQCode(np.zeros((2, 2), np.uint8), np.ones(2, np.float16), 2), u),
-        lambda m, u: m.headq_score_correction(np.ones((1, 8), np.float32), kvqrs.HeadQCode(np.zeros((2, 2), np.uint8), np.array([1, -1], np.float32), 2), u),
+        lambda m, u: m.headq_score_correction(
+            np.ones((1, 7), np.float32), kvqrs.HeadQCode(np.zeros((2, 2), np.uint8), np.ones(2, np.float16), 2), u
+        ),
+        lambda m, u: m.headq_score_correction(
+            np.ones((1, 8), np.float32), kvqrs.HeadQCode(np.zeros((2, 2), np.uint8), np.array([1, -1], np.float32), 2), u
+        ),
     ],
 )
 def test_bad_input_raises_like_rust_path(call):

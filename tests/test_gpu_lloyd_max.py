@@ -4,14 +4,14 @@ centroids are equal with no tolerance."""
 
 from __future__ import annotations
 
+import kvqrs
 import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
-
-import kvqrs
 from kvqrs import gpu
+
 from tests.gpu_helpers import requires_adapter, same_error
 from tests.strategies import bits, head_dims, leading_shapes
 
@@ -50,7 +50,9 @@ def test_decode_equals_rust_path(case):
 def test_cross_path_every_width(bits):
     cb = kvqrs.lloyd_max_codebook(128, bits)
     x = np.random.default_rng(bits).uniform(-0.4, 0.4, (9, 128)).astype(np.float32)
-    np.testing.assert_array_equal(kvqrs.lloyd_max_decode(gpu.lloyd_max_encode(x, cb), cb), gpu.lloyd_max_decode(kvqrs.lloyd_max_encode(x, cb), cb))
+    np.testing.assert_array_equal(
+        kvqrs.lloyd_max_decode(gpu.lloyd_max_encode(x, cb), cb), gpu.lloyd_max_decode(kvqrs.lloyd_max_encode(x, cb), cb)
+    )
 
 
 def test_scalar_and_codebook_methods_shape():

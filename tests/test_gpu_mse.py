@@ -7,14 +7,14 @@ GPU_BOUNDARY_TOL of a Lloyd-Max boundary; decoding the same codes is exact (FLUS
 
 from __future__ import annotations
 
+import kvqrs
 import ml_dtypes
 import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-
-import kvqrs
 from kvqrs import gpu
+
 from tests.gpu_helpers import (
     FLUSH_ATOL,
     GPU_BOUNDARY_TOL,
@@ -82,8 +82,12 @@ def test_cross_path_decoding_every_width(bits, seed):
     g, c = gpu.mse_encode(x, bits, seed), kvqrs.mse_encode(x, bits, seed)
     # Encoded on the device, decoded by the Rust path (and the reverse): the same as decoding
     # on the encoding path.
-    np.testing.assert_allclose(kvqrs.mse_decode(g.codes, g.norms, bits, 96, seed), gpu.mse_decode(g.codes, g.norms, bits, 96, seed), rtol=0, atol=FLUSH_ATOL)
-    np.testing.assert_allclose(gpu.mse_decode(c.codes, c.norms, bits, 96, seed), kvqrs.mse_decode(c.codes, c.norms, bits, 96, seed), rtol=0, atol=FLUSH_ATOL)
+    np.testing.assert_allclose(
+        kvqrs.mse_decode(g.codes, g.norms, bits, 96, seed), gpu.mse_decode(g.codes, g.norms, bits, 96, seed), rtol=0, atol=FLUSH_ATOL
+    )
+    np.testing.assert_allclose(
+        gpu.mse_decode(c.codes, c.norms, bits, 96, seed), kvqrs.mse_decode(c.codes, c.norms, bits, 96, seed), rtol=0, atol=FLUSH_ATOL
+    )
     # Both paths' codes are almost all equal on Gaussian rows.
     assert np.mean(g.codes != c.codes) < 1e-3
 

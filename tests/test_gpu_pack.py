@@ -4,14 +4,14 @@ codes byte for byte, cross-path round trips at every width, errors like the Rust
 
 from __future__ import annotations
 
+import kvqrs
 import numpy as np
 import pytest
 from hypothesis import given
-
-import kvqrs
 from kvqrs import gpu
+
 from tests.gpu_helpers import requires_adapter, same_error
-from tests.test_pack import CODE_DTYPES, code_arrays
+from tests.test_pack import code_arrays
 
 pytestmark = requires_adapter
 
@@ -70,4 +70,3 @@ def test_bad_input_raises_like_rust_path(call):
 def test_empty_inputs():
     assert gpu.pack_bits(np.zeros((3, 0), np.uint8), 5).shape == (3, 0)
     assert gpu.unpack_bits(np.zeros((0, 2), np.uint8), 4, 4).shape == (0, 4)
-

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import math
 
+import kvqrs
 import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-
-import kvqrs
 from kvqrs import gpu
+
 from tests.gpu_helpers import SUM_RTOL, assert_stored_close, requires_adapter, same_error
 from tests.strategies import finite_rows, head_dims, leading_shapes, seeds
 from tests.test_qjl import SIGN_TOL

@@ -4,13 +4,13 @@ generated on the device bit for bit (docs/kernels.md section 1)."""
 
 from __future__ import annotations
 
+import kvqrs
 import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-
-import kvqrs
 from kvqrs import gpu, oracle
+
 from tests.gpu_helpers import requires_adapter, same_error
 from tests.strategies import seeds
 

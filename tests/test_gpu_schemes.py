@@ -5,11 +5,11 @@ backends in both directions, and the same scores and attention outputs."""
 
 from __future__ import annotations
 
+import kvqrs
 import numpy as np
 import pytest
-
-import kvqrs
 from kvqrs.schemes import KVCodec
+
 from tests.gpu_helpers import F16_RTOL, requires_adapter
 
 pytestmark = requires_adapter

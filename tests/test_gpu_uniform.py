@@ -5,13 +5,13 @@ decoding the same code equal within one rounding where a driver fuses z + s * co
 
 from __future__ import annotations
 
+import kvqrs
 import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-
-import kvqrs
 from kvqrs import gpu
+
 from tests.gpu_helpers import ROUND_TIE_TOL, assert_stored_close, codes_equal_except_ties, requires_adapter, same_error
 from tests.strategies import bits, finite_rows, leading_shapes
 
@@ -70,10 +70,18 @@ def test_cross_path_every_width(bits):
         lambda m: m.uniform_encode(np.array([[1.0, np.nan]], np.float32), 2, 2),
         lambda m: m.uniform_encode(np.ones((2, 4), np.float32), 2, 0),
         lambda m: m.uniform_encode(np.array([[-3e38, 3e38]], np.float32), 2, 2),  # range overflow
-        lambda m: m.uniform_decode(kvqrs.UniformCode(np.zeros((2, 4), np.uint8), np.ones((2, 1), np.float16), np.ones((2, 2), np.float16), 4, 2)),
-        lambda m: m.uniform_decode(kvqrs.UniformCode(np.full((2, 4), 4, np.uint8), np.ones((2, 1), np.float16), np.ones((2, 1), np.float16), 4, 2)),
-        lambda m: m.uniform_decode(kvqrs.UniformCode(np.zeros((2, 4), np.uint8), -np.ones((2, 1), np.float32), np.ones((2, 1), np.float16), 4, 2)),
-        lambda m: m.uniform_decode(kvqrs.UniformCode(np.zeros((2, 4), np.uint8), np.ones((2, 1), np.float32), np.full((2, 1), np.inf, np.float32), 4, 2)),
+        lambda m: m.uniform_decode(
+            kvqrs.UniformCode(np.zeros((2, 4), np.uint8), np.ones((2, 1), np.float16), np.ones((2, 2), np.float16), 4, 2)
+        ),
+        lambda m: m.uniform_decode(
+            kvqrs.UniformCode(np.full((2, 4), 4, np.uint8), np.ones((2, 1), np.float16), np.ones((2, 1), np.float16), 4, 2)
+        ),
+        lambda m: m.uniform_decode(
+            kvqrs.UniformCode(np.zeros((2, 4), np.uint8), -np.ones((2, 1), np.float32), np.ones((2, 1), np.float16), 4, 2)
+        ),
+        lambda m: m.uniform_decode(
+            kvqrs.UniformCode(np.zeros((2, 4), np.uint8), np.ones((2, 1), np.float32), np.full((2, 1), np.inf, np.float32), 4, 2)
+        ),
         lambda m: m.uniform_decode("code"),
     ],
 )

@@ -6,16 +6,16 @@ from __future__ import annotations
 
 import math
 
+import kvqrs
 import ml_dtypes
 import numpy as np
 import pytest
 import scipy.linalg
-from hypothesis import assume, given
+from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
-
-import kvqrs
 from kvqrs import oracle
+
 from tests.strategies import EDGE_DIMS, HEAD_DIMS, float_rows, gaussian_rows, leading_shapes, seeds
 
 ALL_DIMS = HEAD_DIMS + EDGE_DIMS

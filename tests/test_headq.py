@@ -4,14 +4,14 @@ NumPy oracle, plus the score-space identities the read path relies on."""
 
 from __future__ import annotations
 
+import kvqrs
 import ml_dtypes
 import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-
-import kvqrs
 from kvqrs import oracle
+
 from tests.strategies import bits, finite_rows, gaussian_rows, head_dims, leading_shapes, seeds
 
 # --------------------------------------------------------------------------------------------
@@ -173,9 +173,7 @@ def test_other_input_dtypes_equal_their_float32_values(dtype):
     ref = kvqrs.headq_encode(e.astype(np.float32), u.astype(dtype).astype(np.float32), 4)
     np.testing.assert_array_equal(code.codes, ref.codes)
     np.testing.assert_array_equal(code.scales, ref.scales)
-    np.testing.assert_array_equal(
-        kvqrs.headq_score_correction(qs, code, u), kvqrs.headq_score_correction(qs.astype(np.float32), code, u)
-    )
+    np.testing.assert_array_equal(kvqrs.headq_score_correction(qs, code, u), kvqrs.headq_score_correction(qs.astype(np.float32), code, u))
     out = kvqrs.headq_decode(code, u, dtype=dtype)
     assert out.dtype == np.dtype(dtype)
 
@@ -378,9 +376,17 @@ def test_random_orthonormal_basis_equals_oracle(seed, d, rank):
     assert not np.allclose(u, other)
 
 
-@pytest.mark.parametrize(("seed", "d", "rank", "pattern"), [
-    (1, 8, 0, "rank"), (1, 8, 9, "rank"), (-1, 8, 2, "seed"), (2**64, 8, 2, "seed"), (None, 8, 2, "seed"), (1, 0, 1, "head_dim"),
-])
+@pytest.mark.parametrize(
+    ("seed", "d", "rank", "pattern"),
+    [
+        (1, 8, 0, "rank"),
+        (1, 8, 9, "rank"),
+        (-1, 8, 2, "seed"),
+        (2**64, 8, 2, "seed"),
+        (None, 8, 2, "seed"),
+        (1, 0, 1, "head_dim"),
+    ],
+)
 def test_random_orthonormal_basis_errors(seed, d, rank, pattern):
     with pytest.raises(kvqrs.KvqrsError, match=pattern):
         kvqrs.random_orthonormal_basis(seed, d, rank)

@@ -17,11 +17,8 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from transformers.cache_utils import DynamicCache  # noqa: E402
-
 from kvqrs import KvqrsError  # noqa: E402
 from kvqrs import format as fmt  # noqa: E402
-from kvqrs.schemes import KVCodec  # noqa: E402
 from kvqrs.hf import (  # noqa: E402
     QuantConfig,
     QuantizedKVCache,
@@ -33,6 +30,8 @@ from kvqrs.hf import (  # noqa: E402
     save_bases,
 )
 from kvqrs.hf.attention import _STATE  # noqa: E402
+from kvqrs.schemes import KVCodec  # noqa: E402
+from transformers.cache_utils import DynamicCache  # noqa: E402
 
 # --- tolerances ---------------------------------------------------------------------------------
 
@@ -424,8 +423,6 @@ def test_crop_inside_window(cfg, remove):
     _check_against_dynamic(qc, dc, cfg)
 
 
-
-
 @pytest.mark.parametrize(
     "cfg",
     [
@@ -566,7 +563,19 @@ def test_nbytes_by_hand_kqv3():
 
 @pytest.mark.parametrize(
     "scheme,bits",
-    [("kv", 2), ("kv", 4), ("kqv", 2), ("kqv", 3), ("kqv", 4), ("qkqv", 2), ("qkqv", 3), ("qkqv", 4), ("kivi", 2), ("kivi", 4), ("block", 4)],
+    [
+        ("kv", 2),
+        ("kv", 4),
+        ("kqv", 2),
+        ("kqv", 3),
+        ("kqv", 4),
+        ("qkqv", 2),
+        ("qkqv", 3),
+        ("qkqv", 4),
+        ("kivi", 2),
+        ("kivi", 4),
+        ("block", 4),
+    ],
 )
 def test_nbytes_smaller_than_dense(scheme, bits):
     cfg = QuantConfig(scheme, bits, scheme, bits, residual_length=0)
@@ -842,8 +851,9 @@ def test_generation_with_fused_steps_matches_the_decoded_cache(model32, cfg, mon
         calls.update(fused=0, materialize=0)
         cache = QuantizedKVCache(dataclasses.replace(cfg, fused=fused, _codecs={}), _layers(model))
         with torch.no_grad():
-            g = model.generate(prompt, past_key_values=cache, max_new_tokens=new, do_sample=False,
-                               output_logits=True, return_dict_in_generate=True)
+            g = model.generate(
+                prompt, past_key_values=cache, max_new_tokens=new, do_sample=False, output_logits=True, return_dict_in_generate=True
+            )
         runs[fused] = (g.sequences, torch.stack(g.logits), dict(calls))
     layers = _layers(model)
     # decoded run: the whole cache decoded at prefill and at every one of the new - 1 steps
@@ -914,10 +924,15 @@ def test_cache_with_calibrated_bases_and_an_empty_layer():
         QuantizedKVCache.from_bytes(cache.to_bytes(), QuantConfig("headq", 2, residual_length=3, headq_base="kqv", bases=other))
 
 
-@pytest.mark.parametrize("other", [
-    QuantConfig("kqv", 3, "kqv", 3, residual_length=4, seed=1), QuantConfig("kqv", 4, "kqv", 4, residual_length=4),
-    QuantConfig("kqv", 3, "kqv", 3, residual_length=5), QuantConfig("qkqv", 3, "qkqv", 3, residual_length=4),
-])
+@pytest.mark.parametrize(
+    "other",
+    [
+        QuantConfig("kqv", 3, "kqv", 3, residual_length=4, seed=1),
+        QuantConfig("kqv", 4, "kqv", 4, residual_length=4),
+        QuantConfig("kqv", 3, "kqv", 3, residual_length=5),
+        QuantConfig("qkqv", 3, "qkqv", 3, residual_length=4),
+    ],
+)
 def test_cache_load_under_other_settings_raises(other):
     data = _filled_cache(QuantConfig("kqv", 3, "kqv", 3, residual_length=4)).to_bytes()
     with pytest.raises(KvqrsError, match="other settings"):
@@ -988,7 +1003,9 @@ def test_layer_does_not_keep_the_decoded_keys_alive():
     assert layer._returned() is None  # nbytes() counts what the cache holds, nothing hidden
 
 
-@pytest.mark.parametrize("bad", [torch.tensor([5]), torch.tensor([-3]), torch.tensor([[0]]), torch.tensor([True, False, True]), torch.tensor([0.0])])
+@pytest.mark.parametrize(
+    "bad", [torch.tensor([5]), torch.tensor([-3]), torch.tensor([[0]]), torch.tensor([True, False, True]), torch.tensor([0.0])]
+)
 def test_batch_select_rejects_bad_indices(bad):
     layer = QuantizedLayer(QuantConfig("kqv", 3, "kqv", 3), 0)
     k, v = _kv(batch=2, tokens=5)

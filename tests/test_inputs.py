@@ -24,14 +24,13 @@ import math
 import re
 import warnings
 
+import kvqrs
 import ml_dtypes
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
-
-import kvqrs
 from kvqrs import KvqrsError, oracle
 from kvqrs import format as fmt
 from kvqrs.kernels import DenseRows, decode_attention
@@ -41,7 +40,11 @@ from .test_attention import check as check_attention
 from .test_schemes import (
     assert_uniform_codes_close,
     oracle_derive_seed,
+)
+from .test_schemes import (
     test_keys_decode_matches_oracle_composition as keys_match_oracle,
+)
+from .test_schemes import (
     test_values_decode_matches_oracle_composition as values_match_oracle,
 )
 
@@ -243,7 +246,13 @@ def test_numpy_dtypes_give_the_float32_result_of_their_values(name, dtype):
 def test_decode_returns_the_encoded_dtype(scheme, dtype):
     c = codec("kv", value_scheme="a2") if scheme == "a2" else codec(scheme)
     x = torch.from_numpy(KEYS).to(dtype) if isinstance(dtype, torch.dtype) else KEYS.astype(dtype)
-    want = BF16 if dtype == torch.bfloat16 else (np.float16 if dtype == torch.float16 else np.float32) if isinstance(dtype, torch.dtype) else dtype
+    want = (
+        BF16
+        if dtype == torch.bfloat16
+        else (np.float16 if dtype == torch.float16 else np.float32)
+        if isinstance(dtype, torch.dtype)
+        else dtype
+    )
     out = c.decode_values(c.encode_values(x))
     assert out.dtype == np.dtype(want) and out.shape == SHAPE
     if scheme != "a2":
@@ -338,9 +347,11 @@ def test_cache_attention_refuses_a_nonfinite_query(fused):
 
 EMPTY_SHAPES = [(0, 3, 5, 64), (2, 0, 5, 64), (2, 3, 0, 64)]
 # Documented errors: a basis needs queries; attention needs at least one token to weigh.
-EMPTY_RAISES = {"headq_basis": "queries: expected at least one calibration query",
-                "headq.calibrate": "queries: expected .* n >= rank",
-                "decode_attention.values": "values: expected at least one token"}
+EMPTY_RAISES = {
+    "headq_basis": "queries: expected at least one calibration query",
+    "headq.calibrate": "queries: expected .* n >= rank",
+    "decode_attention.values": "values: expected at least one token",
+}
 
 
 def empty_applies(name, shape):
@@ -524,9 +535,17 @@ def test_gqa_ratios_through_kvcodec(scheme, g, kv_heads):
 def tiny_llama(kv_heads, g, d):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=64, hidden_size=8 * kv_heads * g, intermediate_size=32, num_hidden_layers=2,
-                      num_attention_heads=kv_heads * g, num_key_value_heads=kv_heads, head_dim=d,
-                      max_position_embeddings=64, attn_implementation="kvqrs")
+    cfg = LlamaConfig(
+        vocab_size=64,
+        hidden_size=8 * kv_heads * g,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=kv_heads * g,
+        num_key_value_heads=kv_heads,
+        head_dim=d,
+        max_position_embeddings=64,
+        attn_implementation="kvqrs",
+    )
     torch.manual_seed(0)
     return LlamaForCausalLM(cfg).eval()
 
@@ -553,9 +572,8 @@ CACHE_CASES = [(g, kv, 40 if kv == 1 else 96, s) for (g, kv), s in zip(GQA, ["kq
 
 @pytest.mark.parametrize("g,kv_heads,d,scheme", CACHE_CASES)
 def test_gqa_ratios_through_the_quantized_cache(g, kv_heads, d, scheme):
-    from transformers import DynamicCache
-
     from kvqrs.hf import QuantConfig, QuantizedKVCache, register
+    from transformers import DynamicCache
 
     register()
     model = tiny_llama(kv_heads, g, d)
@@ -605,7 +623,7 @@ def test_bfloat16_beyond_float16_range_stays_finite_and_accurate(scheme, big):
     x = gaussian((1, 2, 40, 64), 21).astype(BF16)
     xb = x.copy()
     xb[0, 1, 3, 5] = big
-    for kind in (("values",) if scheme == "a2" else ("keys", "values")):
+    for kind in ("values",) if scheme == "a2" else ("keys", "values"):
         enc = c.encode_keys if kind == "keys" else c.encode_values
         # HeadQ keys: the base keys (the side code is a low-rank correction of the base error,
         # which the outlier's channel dominates; it enters scores, checked below, not keys).

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+import kvqrs
 import ml_dtypes
 import numpy as np
 import pytest
@@ -14,9 +15,8 @@ import scipy.special
 from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
-
-import kvqrs
 from kvqrs import oracle
+
 from tests.strategies import BOUNDARY_TOL, bits, codes_match_except_near_boundaries, gaussian_rows
 
 CODEBOOK_DIMS = [2, 3, 40, 64, 80, 96, 112, 128, 160, 192, 256, 1024]
@@ -58,9 +58,7 @@ def cell_integral(dim: int, lo: float, hi: float, power: int, center: float = 0.
         g = lambda x: (x - center) ** power * (1 + x) ** (a - 1) / norm  # noqa: E731
         val, _ = scipy.integrate.quad(g, lo, hi, weight="alg", wvar=(0.0, a - 1), epsabs=0, epsrel=1e-12)
         return val
-    val, _ = scipy.integrate.quad(
-        lambda x: (x - center) ** power * density(dim, x), lo, hi, epsabs=0, epsrel=1e-12, limit=200
-    )
+    val, _ = scipy.integrate.quad(lambda x: (x - center) ** power * density(dim, x), lo, hi, epsabs=0, epsrel=1e-12, limit=200)
     return val
 
 
@@ -262,9 +260,7 @@ def test_encode_matches_oracle(case):
 def test_encode_other_dtypes_round_to_float32(case, dtype):
     cb, x = case
     xd = x.astype(dtype)
-    np.testing.assert_array_equal(
-        kvqrs.lloyd_max_encode(xd, cb), oracle.lloyd_max_encode(xd.astype(np.float32), cb.boundaries)
-    )
+    np.testing.assert_array_equal(kvqrs.lloyd_max_encode(xd, cb), oracle.lloyd_max_encode(xd.astype(np.float32), cb.boundaries))
 
 
 @pytest.mark.parametrize("b", ALL_BITS)

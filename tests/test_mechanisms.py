@@ -30,8 +30,10 @@ EXACT = 0.0
 SHIFT_RTOL = 2e-3
 CLI_TIMEOUT_S = 300
 
-TEXT = ("The river rises in the northern hills and flows south through farmland, past three market "
-        "towns and a cathedral city, before it reaches the estuary and the sea. ") * 40
+TEXT = (
+    "The river rises in the northern hills and flows south through farmland, past three market "
+    "towns and a cathedral city, before it reaches the estuary and the sea. "
+) * 40
 
 
 @pytest.fixture(autouse=True)
@@ -116,8 +118,7 @@ def test_score_space_ranking_definition():
     for scheme in ("a", "b"):
         for i in range(20):
             kl = float(rng.uniform(0.1, 1.0))
-            rows.append({"scheme": scheme, "bits": 2, "kl_mean": kl, "fisher": 2 * kl, "score_mse": -kl,
-                         "key_mse": float(rng.uniform())})
+            rows.append({"scheme": scheme, "bits": 2, "kl_mean": kl, "fisher": 2 * kl, "score_mse": -kl, "key_mse": float(rng.uniform())})
     out = score_space_ranking(rows)
     assert [(r["scheme"], r["bits"], r["samples"]) for r in out] == [("all", "all", 40), ("a", 2, 20), ("b", 2, 20)]
     for r in out:
@@ -159,9 +160,33 @@ def test_cli_study_from_model(tmp_path):
     except KvqrsError as e:
         pytest.skip(f"SmolLM2 model not available: {e}")
     out = tmp_path / "study"
-    cmd = [sys.executable, "-m", "kvqrs", "study", "--from-model", "--quick", "--seeds", "2", "--tokens", "64", "--queries", "6",
-           "--schemes", "kqv", "kivi", "--bits", "2", "--distributions", "gaussian", "--permutations", "9", "--no-progress",
-           "--brief", "--out", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvqrs",
+        "study",
+        "--from-model",
+        "--quick",
+        "--seeds",
+        "2",
+        "--tokens",
+        "64",
+        "--queries",
+        "6",
+        "--schemes",
+        "kqv",
+        "kivi",
+        "--bits",
+        "2",
+        "--distributions",
+        "gaussian",
+        "--permutations",
+        "9",
+        "--no-progress",
+        "--brief",
+        "--out",
+        str(out),
+    ]
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=CLI_TIMEOUT_S, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -12,7 +12,6 @@ import scipy.stats
 from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
-
 from kvqrs.metrics import (
     SIX_D_NAMES,
     SNR_CEILING_DB,
@@ -85,8 +84,7 @@ def test_snr_degenerate_cases_are_defined():
     assert -SNR_CEILING_DB <= snr_db(np.array([[1e-150]]), np.array([[1e150]])) <= SNR_CEILING_DB
 
 
-@given(hnp.arrays(np.float64, (4, 5), elements=finite), hnp.arrays(np.float64, (4, 5), elements=finite),
-       st.floats(1e-3, 1e3))
+@given(hnp.arrays(np.float64, (4, 5), elements=finite), hnp.arrays(np.float64, (4, 5), elements=finite), st.floats(1e-3, 1e3))
 def test_snr_is_scale_invariant_and_bounded(x, xh, c):
     s = snr_db(x, xh)
     assert np.isfinite(s) and -SNR_CEILING_DB <= s <= SNR_CEILING_DB
@@ -110,8 +108,10 @@ def test_direction_angles_of_zero_vectors_are_defined():
     assert direction_error(np.zeros((0, 4)), np.zeros((0, 4))) == 0.0
 
 
-@given(hnp.arrays(np.float32, (6, 4), elements=st.floats(allow_nan=False, allow_infinity=False, width=32)),
-       hnp.arrays(np.float32, (6, 4), elements=st.floats(allow_nan=False, allow_infinity=False, width=32)))
+@given(
+    hnp.arrays(np.float32, (6, 4), elements=st.floats(allow_nan=False, allow_infinity=False, width=32)),
+    hnp.arrays(np.float32, (6, 4), elements=st.floats(allow_nan=False, allow_infinity=False, width=32)),
+)
 def test_direction_angles_never_nan_on_float32_data(x, y):
     """Any float32 data (subnormals, zeros, float32's extremes) gives angles in [0, pi]."""
     a = direction_angles(x, y)
@@ -131,8 +131,14 @@ def test_key_mse_and_six_d_point():
     t, th = r.standard_normal((4, 8)), r.standard_normal((4, 8))
     pt = six_d_point(k, kh, v, vh, t, th)
     assert tuple(pt) == SIX_D_NAMES
-    assert pt == {"snr_k": snr_db(k, kh), "phi_k": direction_error(k, kh), "snr_v": snr_db(v, vh),
-                  "phi_v": direction_error(v, vh), "snr_t": snr_db(t, th), "phi_t": direction_error(t, th)}
+    assert pt == {
+        "snr_k": snr_db(k, kh),
+        "phi_k": direction_error(k, kh),
+        "snr_v": snr_db(v, vh),
+        "phi_v": direction_error(v, vh),
+        "snr_t": snr_db(t, th),
+        "phi_t": direction_error(t, th),
+    }
     assert key_mse(k, kh) == pytest.approx(np.mean(np.sum((k - kh) ** 2, -1)), rel=EXACT_RTOL)
     exact = six_d_point(k, k, v, v, t, t)
     assert exact["snr_k"] == exact["snr_v"] == exact["snr_t"] == SNR_CEILING_DB
@@ -347,7 +353,7 @@ def direct_energy(x, y):
     z = np.concatenate([x, y]).astype(np.float64)
     sd = z.std(axis=0)
     z = (z - z.mean(axis=0)) / np.where(sd > 0, sd, 1.0)
-    xs, ys = z[: len(x)], z[len(x):]
+    xs, ys = z[: len(x)], z[len(x) :]
 
     def mean_dist(a, b):
         return sum(math.dist(u, w) for u in a for w in b) / (len(a) * len(b))

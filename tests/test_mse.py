@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import re
 
+import kvqrs
 import ml_dtypes
 import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
-
-import kvqrs
 from kvqrs import oracle
+
 from tests.strategies import (
     EDGE_DIMS,
     HEAD_DIMS,
@@ -77,9 +77,7 @@ def assert_norms_match(got, want):
     want = np.asarray(want)
     assert got.dtype == want.dtype, f"norm storage {got.dtype} != oracle {want.dtype}"
     assert got.shape == want.shape
-    np.testing.assert_allclose(
-        got.astype(np.float64), want.astype(np.float64), rtol=NORM_RTOL[got.dtype], atol=0
-    )
+    np.testing.assert_allclose(got.astype(np.float64), want.astype(np.float64), rtol=NORM_RTOL[got.dtype], atol=0)
 
 
 def assert_decode_close(got, want, norms):
@@ -194,9 +192,7 @@ def test_other_input_dtypes_equal_their_float32_values(dtype, case):
 
 def test_float64_input_is_rounded_to_float32_once():
     x64 = gaussian_rows(1, 8, 64).astype(np.float64) + 1e-12  # below float32 resolution at ~1
-    np.testing.assert_array_equal(
-        kvqrs.mse_encode(x64, 4, 3).codes, kvqrs.mse_encode(x64.astype(np.float32), 4, 3).codes
-    )
+    np.testing.assert_array_equal(kvqrs.mse_encode(x64, 4, 3).codes, kvqrs.mse_encode(x64.astype(np.float32), 4, 3).codes)
 
 
 @pytest.mark.parametrize("seed", [None, 77])
@@ -246,9 +242,7 @@ def test_decode_output_dtype():
     for dtype in (np.float16, np.float32, np.float64, ml_dtypes.bfloat16):
         out = kvqrs.mse_decode(codes, norms, 4, 64, 1, dtype=dtype)
         assert out.dtype == np.dtype(dtype)
-        np.testing.assert_array_equal(
-            out, kvqrs.mse_decode(codes, norms, 4, 64, 1).astype(dtype)
-        )
+        np.testing.assert_array_equal(out, kvqrs.mse_decode(codes, norms, 4, 64, 1).astype(dtype))
 
 
 # --------------------------------------------------------------------------------------------
@@ -620,6 +614,7 @@ def test_error_messages_are_kvqrs_errors_and_value_errors():
 # --------------------------------------------------------------------------------------------
 # Fused packed encode / decode (what the schemes store)
 # --------------------------------------------------------------------------------------------
+
 
 @given(mse_inputs())
 def test_packed_encode_equals_pack_of_codes(case):

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import re
 
+import kvqrs
 import numpy as np
 import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
-
-import kvqrs
 from kvqrs import oracle
+
 from tests.strategies import bits, leading_shapes
 
 CODE_DTYPES = [np.uint8, np.uint16, np.uint32, np.uint64, np.int8, np.int16, np.int32, np.int64]
@@ -101,9 +101,7 @@ def test_unpack_strided_input(b, m, data):
     nbytes = kvqrs.packed_size(m, b)
     packed = data.draw(hnp.arrays(np.uint8, (3, 2 * nbytes)))
     view = packed[::-1, ::2]
-    np.testing.assert_array_equal(
-        kvqrs.unpack_bits(view, b, m), kvqrs.unpack_bits(np.ascontiguousarray(view), b, m)
-    )
+    np.testing.assert_array_equal(kvqrs.unpack_bits(view, b, m), kvqrs.unpack_bits(np.ascontiguousarray(view), b, m))
 
 
 @given(code_arrays())

@@ -6,15 +6,15 @@ from __future__ import annotations
 
 import math
 
+import kvqrs
 import ml_dtypes
 import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from kvqrs import oracle
 from scipy import stats
 
-import kvqrs
-from kvqrs import oracle
 from tests.strategies import finite_rows, gaussian_rows, head_dims, leading_shapes, seeds
 
 # --------------------------------------------------------------------------------------------
@@ -134,9 +134,7 @@ def test_other_input_dtypes_equal_their_float32_values(dtype):
     sk32 = kvqrs.qjl_sketch(r.astype(np.float32), 5, 24)
     np.testing.assert_array_equal(sk.signs, sk32.signs)
     np.testing.assert_array_equal(sk.norms, sk32.norms)
-    np.testing.assert_array_equal(
-        kvqrs.qjl_inner_product(y, sk, 5), kvqrs.qjl_inner_product(y.astype(np.float32), sk32, 5)
-    )
+    np.testing.assert_array_equal(kvqrs.qjl_inner_product(y, sk, 5), kvqrs.qjl_inner_product(y.astype(np.float32), sk32, 5))
     est = kvqrs.qjl_vector_estimate(sk, 5, dtype=dtype)
     assert est.dtype == np.dtype(dtype)
     np.testing.assert_array_equal(est, kvqrs.qjl_vector_estimate(sk32, 5).astype(dtype))
@@ -451,7 +449,6 @@ def test_corrupted_sketch_rejected(name, sketch, pattern):
         kvqrs.qjl_vector_estimate(sketch, 1)
     with pytest.raises(kvqrs.KvqrsError, match=pattern):
         kvqrs.qjl_inner_product(np.ones((2, 24), np.float32), sketch, 1)
-
 
 
 @pytest.mark.parametrize("sketch", ["not a sketch", None, (np.zeros((1, 3), np.uint8), np.ones(1, np.float32))])

@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import math
 
+import kvqrs
 import numpy as np
 import pytest
 import scipy.stats
 from hypothesis import given
 from hypothesis import strategies as st
-
-import kvqrs
 from kvqrs import oracle
-from tests.strategies import HEAD_DIMS, EDGE_DIMS, seeds
+
+from tests.strategies import EDGE_DIMS, HEAD_DIMS, seeds
 
 U32 = st.integers(min_value=0, max_value=2**32 - 1)
 
@@ -137,9 +137,7 @@ def test_rotation_signs_are_top_bits_of_stream_1(seed):
 @given(seed=any_seeds, short=st.integers(1, 64), extra=st.integers(0, 64))
 def test_rotation_signs_prefix_stable(seed, short, extra):
     # Sign i depends only on (seed, i): a longer vector extends a shorter one.
-    np.testing.assert_array_equal(
-        kvqrs.rng.rotation_signs(seed, short + extra)[:short], kvqrs.rng.rotation_signs(seed, short)
-    )
+    np.testing.assert_array_equal(kvqrs.rng.rotation_signs(seed, short + extra)[:short], kvqrs.rng.rotation_signs(seed, short))
 
 
 def test_rotation_signs_balanced():
@@ -181,9 +179,7 @@ def test_gaussians_match_oracle(seed, stream, count):
 
 @given(seed=any_seeds, short=st.integers(0, 50), extra=st.integers(0, 50))
 def test_gaussians_prefix_stable(seed, short, extra):
-    np.testing.assert_array_equal(
-        kvqrs.rng.gaussians(seed, 2, short + extra)[:short], kvqrs.rng.gaussians(seed, 2, short)
-    )
+    np.testing.assert_array_equal(kvqrs.rng.gaussians(seed, 2, short + extra)[:short], kvqrs.rng.gaussians(seed, 2, short))
 
 
 def test_gaussians_streams_differ():
@@ -203,9 +199,7 @@ def test_qjl_matrix_matches_oracle(seed, m, dim):
 
 @given(seed=any_seeds, m=st.integers(1, 8), dim=st.integers(1, 40))
 def test_qjl_matrix_is_stream_2_row_major(seed, m, dim):
-    np.testing.assert_array_equal(
-        kvqrs.rng.qjl_matrix(seed, m, dim).reshape(-1), kvqrs.rng.gaussians(seed, 2, m * dim)
-    )
+    np.testing.assert_array_equal(kvqrs.rng.qjl_matrix(seed, m, dim).reshape(-1), kvqrs.rng.gaussians(seed, 2, m * dim))
 
 
 @pytest.mark.parametrize("seed", [0, 99, 2**64 - 1])

@@ -9,15 +9,15 @@ import heapq
 import itertools
 import math
 
+import kvqrs
 import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
-
-import kvqrs
 from kvqrs import oracle
 from kvqrs.schemes import Encoded, KVCodec, allocate_bits, derive_seed
+
 from tests.strategies import codes_match_except_near_boundaries
 
 # --------------------------------------------------------------------------------------------
@@ -80,9 +80,7 @@ def padded(d):
 
 def oracle_derive_seed(seed: int, tag: int) -> int:
     """Philox4x32-10 at counter (tag, 0, 0xFFFFFFFF, 0), key = seed (schemes.codec.derive_seed)."""
-    w = oracle.philox4x32_10(
-        np.array([tag, 0, 0xFFFFFFFF, 0], np.uint32), np.array([seed & 0xFFFFFFFF, seed >> 32], np.uint32)
-    )
+    w = oracle.philox4x32_10(np.array([tag, 0, 0xFFFFFFFF, 0], np.uint32), np.array([seed & 0xFFFFFFFF, seed >> 32], np.uint32))
     return int(w[0]) | (int(w[1]) << 32)
 
 
@@ -108,8 +106,15 @@ def oracle_mse(x, bits, seed):
     safe = np.where(n32 > 0, n32, 1.0)[..., None]
     unit = np.where(n32[..., None] > 0, y / safe, 0.0).astype(np.float32)
     rotated = oracle.lloyd_max_decode(codes, cent) * f32(norms)[..., None]
-    return {"codes": codes, "norms": norms, "unit": unit, "boundaries": bounds, "rotated": rotated,
-            "decode": oracle.mse_decode(codes, norms, bits, d, seed), "y": y}
+    return {
+        "codes": codes,
+        "norms": norms,
+        "unit": unit,
+        "boundaries": bounds,
+        "rotated": rotated,
+        "decode": oracle.mse_decode(codes, norms, bits, d, seed),
+        "y": y,
+    }
 
 
 def oracle_mse_qjl(x, bits, rot, qjl):
@@ -120,16 +125,14 @@ def oracle_mse_qjl(x, bits, rot, qjl):
     r = (base["y"] - base["rotated"]).astype(np.float32)
     signs, rnorms = oracle.qjl_sketch(r, qjl)
     r_hat = oracle.qjl_vector_estimate(signs, rnorms, qjl, padded(d))
-    return {**base, "residual": r, "signs": signs, "rnorms": rnorms,
-            "decode": oracle.inverse_hadamard(base["rotated"] + r_hat, rot, d)}
+    return {**base, "residual": r, "signs": signs, "rnorms": rnorms, "decode": oracle.inverse_hadamard(base["rotated"] + r_hat, rot, d)}
 
 
 def oracle_kivi(x, bits, group, per_channel):
     rows = np.swapaxes(np.asarray(x, np.float32), -1, -2) if per_channel else np.asarray(x, np.float32)
     codes, scales, zeros = oracle.uniform_encode(rows, bits, group)
     dec = oracle.uniform_decode(codes, scales, zeros, bits, group)
-    return {"codes": codes, "scales": scales, "zeros": zeros, "rows": rows,
-            "decode": np.swapaxes(dec, -1, -2) if per_channel else dec}
+    return {"codes": codes, "scales": scales, "zeros": zeros, "rows": rows, "decode": np.swapaxes(dec, -1, -2) if per_channel else dec}
 
 
 def row_norms(x):
@@ -347,7 +350,9 @@ def test_values_decode_matches_oracle_composition(scheme, d, bits):
             assert widths[i].mean() == bits
             np.testing.assert_allclose(
                 allocation_objective(widths[i], weights[i], sq[i], padded(d)),
-                allocation_objective(ref, weights[i], sq[i], padded(d)), rtol=1e-6)
+                allocation_objective(ref, weights[i], sq[i], padded(d)),
+                rtol=1e-6,
+            )
         want = np.zeros(v.shape)
         same = np.ones(v.shape[:-1], bool)
         for b in np.unique(widths):
@@ -580,9 +585,15 @@ def test_one_tiny_kivi_zero_point_widens_every_zero_point():
 # Score paths
 # --------------------------------------------------------------------------------------------
 
-SCORE_SCHEMES = [("kv", {}), ("kqv", {}), ("qkqv", {}), ("kivi", {}),
-                 ("headq", {"headq_base": "kivi"}), ("headq", {"headq_base": "kqv"}),
-                 ("headq", {"headq_base": "kivi", "sign": -1})]
+SCORE_SCHEMES = [
+    ("kv", {}),
+    ("kqv", {}),
+    ("qkqv", {}),
+    ("kivi", {}),
+    ("headq", {"headq_base": "kivi"}),
+    ("headq", {"headq_base": "kqv"}),
+    ("headq", {"headq_base": "kivi", "sign": -1}),
+]
 
 
 def make_codec(scheme, bits, d, kw, kv_heads=None, seed=SEED):
@@ -638,8 +649,17 @@ def test_gqa_scores(scheme, kw):
 def _head_slice(codec, k, kv_head):
     """(codec, encoded) for one KV head alone with the same settings (its own basis selected)."""
     if codec.scheme == "headq" and codec.keys.basis.ndim == 3:
-        codec = KVCodec("headq", codec.bits, codec.head_dim, seed=codec.seed, headq_base=codec.headq_base,
-                        rank=codec.rank, side_bits=codec.side_bits, sign=codec.sign, basis=codec.keys.basis[kv_head])
+        codec = KVCodec(
+            "headq",
+            codec.bits,
+            codec.head_dim,
+            seed=codec.seed,
+            headq_base=codec.headq_base,
+            rank=codec.rank,
+            side_bits=codec.side_bits,
+            sign=codec.sign,
+            basis=codec.keys.basis[kv_head],
+        )
     return codec, codec.encode_keys(k[:, kv_head : kv_head + 1])
 
 
@@ -761,10 +781,7 @@ def test_allocate_bits_is_optimal_against_exhaustive_search():
         t, bits = 4, 1 + trial % 4
         w = rng.exponential(size=t) ** 2
         sq = rng.uniform(0.5, 2.0, size=t)
-        best = min(
-            float(np.sum(w * sq * dist[np.array(c) - 1]))
-            for c in itertools.product(range(1, 9), repeat=t) if sum(c) == bits * t
-        )
+        best = min(float(np.sum(w * sq * dist[np.array(c) - 1])) for c in itertools.product(range(1, 9), repeat=t) if sum(c) == bits * t)
         got = allocate_bits(w, sq, bits, d)
         assert allocation_objective(got, w, sq, d) == pytest.approx(best, rel=1e-6)
 

@@ -9,12 +9,11 @@ import os
 import subprocess
 import sys
 
+import kvqrs
 import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-
-import kvqrs
 from kvqrs import _native
 
 from .strategies import HEAD_DIMS, bits, float_rows, head_dims, seeds

@@ -14,7 +14,6 @@ import sys
 
 import numpy as np
 import pytest
-
 from kvqrs import oracle
 from kvqrs.evaluation import theory
 from kvqrs.evaluation.report import TABLE_METRICS, cell_table, pairwise, write_report
@@ -34,22 +33,49 @@ BIAS_Z_MAX = 4.0
 # percent; within a factor 2 of the theory.
 TWO_PI_FACTOR_SLACK = 2.0
 
-GRID = StudyConfig(schemes=("kqv", "qkqv"), bits=(2, 3), distributions=("gaussian",), head_dims=(64,),
-                   seeds=3, tokens=64, n_queries=8)
+GRID = StudyConfig(schemes=("kqv", "qkqv"), bits=(2, 3), distributions=("gaussian",), head_dims=(64,), seeds=3, tokens=64, n_queries=8)
 PERMUTATIONS = 19
-REPORT_FILES = {"summary.md", "samples.csv", "samples.json", "pairwise.csv",
-                "shannon_phi_plane.png", "kl_distributions.png", "routing_recall.png"}
-ROW_KEYS = ["scheme", "bits", "distribution", "head_dim", "seed", *SIX_D_NAMES, "kl_mean", "kl_p99", "kl_max",
-            "topk_recall", "fisher", "score_mse", "key_mse", "key_mse_rel", "a2", "bpe_k", "bpe_v"]
+REPORT_FILES = {
+    "summary.md",
+    "samples.csv",
+    "samples.json",
+    "pairwise.csv",
+    "shannon_phi_plane.png",
+    "kl_distributions.png",
+    "routing_recall.png",
+}
+ROW_KEYS = [
+    "scheme",
+    "bits",
+    "distribution",
+    "head_dim",
+    "seed",
+    *SIX_D_NAMES,
+    "kl_mean",
+    "kl_p99",
+    "kl_max",
+    "topk_recall",
+    "fisher",
+    "score_mse",
+    "key_mse",
+    "key_mse_rel",
+    "a2",
+    "bpe_k",
+    "bpe_v",
+]
 
 
 def bpe(scheme, n, d=64, tokens=64):
     """Hand-computed bits per element of the study's cells (keys, values) at d' = d = 64."""
-    keys = {"kv": n + 16 / d, "kqv": n + 16 / d, "qkqv": (n - 1) + 1 + 32 / d,
-            "kivi": n + 32 * math.ceil(tokens / 32) / tokens}
+    keys = {"kv": n + 16 / d, "kqv": n + 16 / d, "qkqv": (n - 1) + 1 + 32 / d, "kivi": n + 32 * math.ceil(tokens / 32) / tokens}
     keys["headq"] = keys["kivi"] + 8 * math.ceil(4 * 4 / 8) / d + 16 / d
-    values = {"kv": n + 16 / d, "kqv": (n - 1) + 1 + 32 / d, "qkqv": (n - 1) + 1 + 32 / d,
-              "kivi": n + 32 * math.ceil(d / 32) / d, "headq": n + 32 * math.ceil(d / 32) / d}
+    values = {
+        "kv": n + 16 / d,
+        "kqv": (n - 1) + 1 + 32 / d,
+        "qkqv": (n - 1) + 1 + 32 / d,
+        "kivi": n + 32 * math.ceil(d / 32) / d,
+        "headq": n + 32 * math.ceil(d / 32) / d,
+    }
     return keys[scheme], values[scheme]
 
 
@@ -131,12 +157,21 @@ def test_summary_tables(study):
     rows, out, _ = study
     text = (out / "summary.md").read_text()
     header = "| distribution | d | n | scheme | " + " | ".join(TABLE_METRICS) + " |"
-    for needle in ("# kvqrs synthetic study", "## Per-cell means", header, "## Theory checks",
-                   "QJL variance inflation", "| distribution | d | n | measured | theory |",
-                   "| distribution | d | n | KL ratio qkqv/kqv |", "## Pairwise tests", "## Plots",
-                   "![shannon_phi_plane](shannon_phi_plane.png)", f"{len(rows)} samples"):
+    for needle in (
+        "# kvqrs synthetic study",
+        "## Per-cell means",
+        header,
+        "## Theory checks",
+        "QJL variance inflation",
+        "| distribution | d | n | measured | theory |",
+        "| distribution | d | n | KL ratio qkqv/kqv |",
+        "## Pairwise tests",
+        "## Plots",
+        "![shannon_phi_plane](shannon_phi_plane.png)",
+        f"{len(rows)} samples",
+    ):
         assert needle in text, needle
-    section = text[text.index(header): text.index("## Theory checks")]
+    section = text[text.index(header) : text.index("## Theory checks")]
     cell_lines = [ln for ln in section.splitlines() if ln.startswith("| gaussian | 64 |")]
     assert len(cell_lines) == len(GRID.cells())
     assert all(ln.count("±") == len(TABLE_METRICS) for ln in cell_lines)
@@ -196,9 +231,33 @@ def test_single_scheme_study_writes_a_report(tmp_path):
 
 def test_cli_study_runs(tmp_path):
     out = tmp_path / "cli"
-    cmd = [sys.executable, "-m", "kvqrs", "study", "--schemes", "kv", "kivi", "--bits", "2", "--distributions",
-           "gaussian", "--head-dims", "64", "--seeds", "2", "--tokens", "32", "--queries", "4",
-           "--permutations", "9", "--no-progress", "--brief", "--out", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvqrs",
+        "study",
+        "--schemes",
+        "kv",
+        "kivi",
+        "--bits",
+        "2",
+        "--distributions",
+        "gaussian",
+        "--head-dims",
+        "64",
+        "--seeds",
+        "2",
+        "--tokens",
+        "32",
+        "--queries",
+        "4",
+        "--permutations",
+        "9",
+        "--no-progress",
+        "--brief",
+        "--out",
+        str(out),
+    ]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "kvqrs study: 2 synthetic cells x 2 seeds" in res.stdout
@@ -273,7 +332,9 @@ def test_value_qjl_check_rows():
 
 def test_synthetic_study_does_not_need_torch():
     # `kvqrs study` runs with the study extra alone: no module on its path may import torch.
-    code = ("import sys; import kvqrs.evaluation.report, kvqrs.evaluation.study, kvqrs.evaluation.mechanisms, kvqrs.cli; "
-            "assert 'torch' not in sys.modules, 'torch imported'")
+    code = (
+        "import sys; import kvqrs.evaluation.report, kvqrs.evaluation.study, kvqrs.evaluation.mechanisms, kvqrs.cli; "
+        "assert 'torch' not in sys.modules, 'torch imported'"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -4,13 +4,12 @@ attention), plus the error on bad names and parameters."""
 
 from __future__ import annotations
 
+import kvqrs
 import numpy as np
 import pytest
 import scipy.stats
 from hypothesis import given
 from hypothesis import strategies as st
-
-import kvqrs
 from kvqrs.metrics import attention_logits, softmax
 from kvqrs.synthetic import DISTRIBUTIONS, generate, parse
 

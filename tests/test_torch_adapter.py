@@ -189,9 +189,7 @@ def test_transposed_input_equals_contiguous(dtype, fn):
 
 @pytest.mark.parametrize("dtype", ALL_FLOAT_DTYPES)
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize(
-    "scheme,kind", [("kqv", "keys"), ("kqv", "values"), ("kivi", "keys"), ("qkqv", "keys"), ("block", "values")]
-)
+@pytest.mark.parametrize("scheme,kind", [("kqv", "keys"), ("kqv", "values"), ("kivi", "keys"), ("qkqv", "keys"), ("block", "values")])
 def test_quantize_dequantize_matches_codec(dtype, device, scheme, kind):
     codec = KVCodec(scheme, 4, 64, seed=3)
     x = _rows((2, 3, 32, 64), dtype, seed=7, device=device)
@@ -241,9 +239,7 @@ def test_non_float_tensor_raises(dtype, fn):
         fn(t)
 
 
-@pytest.mark.parametrize(
-    "obj", [np.ones((2, 64), np.float32), [[1.0] * 64], 3.0, None], ids=["ndarray", "list", "float", "None"]
-)
+@pytest.mark.parametrize("obj", [np.ones((2, 64), np.float32), [[1.0] * 64], 3.0, None], ids=["ndarray", "list", "float", "None"])
 @pytest.mark.parametrize("fn", ENTRY_POINTS, ids=ENTRY_IDS)
 def test_non_tensor_raises(obj, fn):
     with pytest.raises(kvqrs.KvqrsError, match="torch.Tensor"):

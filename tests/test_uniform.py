@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
+import kvqrs
 import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-
-import kvqrs
 from kvqrs import oracle
+
 from tests.strategies import bits, finite_rows, leading_shapes
 
 # A value whose scaled position (x - z) / s + 0.5 lies this close to an integer may round either
@@ -34,7 +34,9 @@ def test_matches_oracle(data, b, n, group, leading):
         frac = np.abs(t - np.round(t))[diff]
         assert np.all(frac < ROUNDING_TOL), frac
     dec = kvqrs.uniform_decode(got)
-    np.testing.assert_allclose(dec, oracle.uniform_decode(codes, scales, zeros, b, group), rtol=1e-6, atol=1e-5 * (1 + np.abs(x).max(initial=0)))
+    np.testing.assert_allclose(
+        dec, oracle.uniform_decode(codes, scales, zeros, b, group), rtol=1e-6, atol=1e-5 * (1 + np.abs(x).max(initial=0))
+    )
 
 
 @given(data=st.data(), b=bits, n=st.integers(1, 64), group=st.integers(1, 32))

@@ -18,8 +18,20 @@ import zipfile
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-SUITES = ["test_rng.py", "test_pack.py", "test_hadamard.py", "test_lloyd_max.py", "test_mse.py", "test_qjl.py", "test_headq.py",
-          "test_uniform.py", "test_schemes.py", "test_format.py", "test_determinism.py", "test_api.py"]
+SUITES = [
+    "test_rng.py",
+    "test_pack.py",
+    "test_hadamard.py",
+    "test_lloyd_max.py",
+    "test_mse.py",
+    "test_qjl.py",
+    "test_headq.py",
+    "test_uniform.py",
+    "test_schemes.py",
+    "test_format.py",
+    "test_determinism.py",
+    "test_api.py",
+]
 BUILD_TIMEOUT_S = 1800  # a cold release build on two cores
 
 
@@ -33,7 +45,9 @@ def _maturin() -> list[str]:
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> pathlib.Path:
     out = tmp_path_factory.mktemp("wheels")
-    proc = subprocess.run([*_maturin(), "build", "--release", "-o", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+    proc = subprocess.run(
+        [*_maturin(), "build", "--release", "-o", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     (whl,) = out.glob("kvqrs-*.whl")
     return whl
@@ -52,7 +66,9 @@ def test_suite_passes_against_the_installed_wheel(wheel, tmp_path):
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
     py = venv / "bin" / "python"
     subprocess.run([str(py), "-m", "pip", "install", "--quiet", "--no-deps", "--no-index", str(wheel)], check=True, timeout=600)
-    fresh_site = pathlib.Path(subprocess.check_output([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], text=True).strip())
+    fresh_site = pathlib.Path(
+        subprocess.check_output([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], text=True).strip()
+    )
     (fresh_site / "zz_kvqrs_test_deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     tests = tmp_path / "tests"
     shutil.copytree(ROOT / "tests", tests, ignore=shutil.ignore_patterns("__pycache__", ".hypothesis"))
@@ -60,8 +76,13 @@ def test_suite_passes_against_the_installed_wheel(wheel, tmp_path):
     assert where.startswith(str(fresh_site)), f"kvqrs imported from {where}, not from the wheel"
     version = subprocess.run([str(py), "-m", "kvqrs", "--version"], capture_output=True, text=True, cwd=tmp_path, timeout=60)
     assert version.returncode == 0 and version.stdout.startswith("kvqrs ")
-    proc = subprocess.run([str(py), "-m", "pytest", "-q", "-p", "no:cacheprovider", *[str(tests / s) for s in SUITES]],
-                          capture_output=True, text=True, cwd=tmp_path, timeout=1800)
+    proc = subprocess.run(
+        [str(py), "-m", "pytest", "-q", "-p", "no:cacheprovider", *[str(tests / s) for s in SUITES]],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=1800,
+    )
     assert proc.returncode == 0, proc.stdout[-4000:]
     assert " passed" in proc.stdout.splitlines()[-1] and "failed" not in proc.stdout.splitlines()[-1]
 

@@ -6,12 +6,14 @@ sketch and the HeadQ side code. All run in Rust (``kvqrs._native``); ``kvqrs.ora
 their float64 NumPy references.
 """
 
+from . import oracle
 from ._native import KvqrsError, __version__
 from .kernels import (
     Codebook,
     HeadQCode,
     MSECode,
     QJLSketch,
+    UniformCode,
     hadamard,
     headq_basis,
     headq_decode,
@@ -32,13 +34,11 @@ from .kernels import (
     qjl_sketch,
     qjl_vector_estimate,
     random_orthonormal_basis,
-    unpack_bits,
-    UniformCode,
+    rng,
     uniform_decode,
     uniform_encode,
+    unpack_bits,
 )
-from . import oracle
-from .kernels import rng
 
 __all__ = [
     "Codebook",

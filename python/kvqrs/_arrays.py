@@ -59,12 +59,12 @@ def torch_to_numpy(t: Any, arg: str = "x") -> np.ndarray:
     """A CPU NumPy array holding a torch tensor's values in its own dtype: bfloat16 becomes
     ml_dtypes' bfloat16 (same bits: NumPy has no bfloat16 of its own), and tensors that require
     grad or live on another device are detached and copied, which ``np.asarray`` refuses."""
-    import torch  # noqa: PLC0415 - only reached with a torch tensor in hand
+    import torch
 
     t = t.detach().cpu()
     if t.dtype == torch.bfloat16:
         try:
-            import ml_dtypes  # noqa: PLC0415 - optional (the test extra)
+            import ml_dtypes
         except ImportError:
             raise KvqrsError(f"{arg}: a bfloat16 tensor needs ml_dtypes (pip install ml_dtypes), or pass tensor.float()") from None
         return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
@@ -142,9 +142,7 @@ def as_float_rows(x: Any, arg: str, min_dim: int = 1) -> tuple[np.ndarray, tuple
     """
     arr = as_array(x, arg)
     if _dtype_name(arr.dtype) not in _FLOAT_NAMES:
-        raise KvqrsError(
-            f"{arg}: expected a float16, bfloat16, float32 or float64 array, got dtype {arr.dtype}"
-        )
+        raise KvqrsError(f"{arg}: expected a float16, bfloat16, float32 or float64 array, got dtype {arr.dtype}")
     if arr.ndim == 0:
         raise KvqrsError(f"{arg}: expected an array of shape (..., head_dim), got a scalar")
     dim = arr.shape[-1]
@@ -155,9 +153,7 @@ def as_float_rows(x: Any, arg: str, min_dim: int = 1) -> tuple[np.ndarray, tuple
             big = np.isfinite(arr) & (np.abs(arr) > np.finfo(np.float32).max)
         if big.any():
             pos = tuple(int(p) for p in np.unravel_index(int(np.argmax(big)), arr.shape))
-            raise KvqrsError(
-                f"{arg}: expected values within the float32 range (|x| <= 3.4e38), got {arr[pos]} at index {pos}"
-            )
+            raise KvqrsError(f"{arg}: expected values within the float32 range (|x| <= 3.4e38), got {arr[pos]} at index {pos}")
     flat = np.ascontiguousarray(arr, dtype=np.float32).reshape(-1)
     return flat, tuple(arr.shape[:-1]), dim, arr.dtype
 

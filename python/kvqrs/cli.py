@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -92,8 +92,17 @@ def _study(args: argparse.Namespace) -> int:
     config = StudyConfig.quick() if args.quick or args.from_model else StudyConfig()
     if args.from_model and not args.quick:
         config = dataclasses.replace(config, tokens=1024, n_queries=64)
-    overrides = {k: tuple(v) for k, v in (("schemes", args.schemes), ("bits", args.bits), ("distributions", args.distributions), ("head_dims", args.head_dims)) if v}
-    for name, value in (("--seeds", args.seeds), ("--tokens", args.tokens), ("--queries", args.queries), ("--permutations", args.permutations)):
+    overrides = {
+        k: tuple(v)
+        for k, v in (("schemes", args.schemes), ("bits", args.bits), ("distributions", args.distributions), ("head_dims", args.head_dims))
+        if v
+    }
+    for name, value in (
+        ("--seeds", args.seeds),
+        ("--tokens", args.tokens),
+        ("--queries", args.queries),
+        ("--permutations", args.permutations),
+    ):
         if value is not None and value < 1:
             raise KvqrsError(f"{name}: expected a positive integer, got {value}")
     overrides.update({k: v for k, v in (("seeds", args.seeds), ("tokens", args.tokens), ("n_queries", args.queries)) if v is not None})
@@ -130,14 +139,16 @@ def _capture(args: argparse.Namespace, config):
     torch_threads(1 if args.threads is None else args.threads)
     model, tok = model_mod.load()
     captured = capture_heads(model, tok, texts, config.tokens, config.n_queries)
-    print(f"captured {len(captured.heads)} heads (layer x KV head) of {config.tokens} tokens, {config.n_queries} queries each; text: {captured.source}")
+    print(
+        f"captured {len(captured.heads)} heads (layer x KV head) of {config.tokens} tokens, {config.n_queries} queries each; text: {captured.source}"
+    )
     return captured
 
 
 def _mechanisms(out, summary, rows, captured, config) -> None:
-    from .evaluation.sample import MODEL_DISTRIBUTION
     from .evaluation.mechanisms import score_space_ranking, softmax_null
     from .evaluation.report import write_mechanisms
+    from .evaluation.sample import MODEL_DISTRIBUTION
 
     ranking = score_space_ranking([r for r in rows if r["distribution"] == MODEL_DISTRIBUTION])
     null_rows, null_summary = softmax_null(captured.heads, bits=config.bits)
@@ -188,7 +199,9 @@ def _eval(args: argparse.Namespace) -> int:
     model, tok = model_mod.load()
     if args.threads is None:
         n, probe = model_mod.fastest_threads(model, tok(texts.evaluation[:20000], return_tensors="pt").input_ids[:, :window])
-        print(f"torch threads: {n} (one forward of {window} tokens: " + ", ".join(f"{k} thread(s) {t:.2f} s" for k, t in probe.items()) + ")")
+        print(
+            f"torch threads: {n} (one forward of {window} tokens: " + ", ".join(f"{k} thread(s) {t:.2f} s" for k, t in probe.items()) + ")"
+        )
     rows = default_rows(quick=args.quick, residual_length=args.residual_length)
     if args.rows:
         rows = [r for r in rows if r.name == "dense" or any(r.name.startswith(p) for p in args.rows)]
@@ -206,8 +219,12 @@ def _eval(args: argparse.Namespace) -> int:
 def _text_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", help="a plain text file (its first 20%% calibrates HeadQ, the rest is evaluated)")
     p.add_argument("--wikitext", help="folder of a local WikiText-2/103 raw copy (wiki.test.raw, wiki.valid.*)")
-    p.add_argument("--threads", type=int, default=None,
-                   help="PyTorch intra-op threads (eval default: the faster of 1 and all cores, timed on one forward; study: 1)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="PyTorch intra-op threads (eval default: the faster of 1 and all cores, timed on one forward; study: 1)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -233,9 +250,12 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--permutations", type=int, default=199, help="energy-distance permutations per pair")
     st.add_argument("--no-progress", action="store_true")
     st.add_argument("--brief", action="store_true", help="print only the header of the summary")
-    st.add_argument("--from-model", action="store_true",
-                    help="also run every scheme on SmolLM2-135M's captured heads (all layers x KV heads) beside the synthetic "
-                         "distributions at head_dim 64, with the HeadQ mechanism checks")
+    st.add_argument(
+        "--from-model",
+        action="store_true",
+        help="also run every scheme on SmolLM2-135M's captured heads (all layers x KV heads) beside the synthetic "
+        "distributions at head_dim 64, with the HeadQ mechanism checks",
+    )
     _text_options(st)
     st.set_defaults(func=_study)
     ev = sub.add_parser("eval", help="quantize SmolLM2-135M's KV cache with every scheme; perplexity, KL, top-1, bytes")
@@ -263,7 +283,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ModuleNotFoundError as e:
         if e.name not in ("torch", "transformers", "gguf", "accelerate", "gensim", "matplotlib", "tqdm"):
             raise
-        parser.exit(2, f"kvqrs {args.command}: error: {e.name} is not installed; pip install 'kvqrs[eval]' (model evaluation) or 'kvqrs[study]'\n")
+        parser.exit(
+            2, f"kvqrs {args.command}: error: {e.name} is not installed; pip install 'kvqrs[eval]' (model evaluation) or 'kvqrs[study]'\n"
+        )
     except OSError as e:
         parser.exit(2, f"kvqrs {args.command}: error: {e}\n")
     except KvqrsError as e:

@@ -45,8 +45,15 @@ def dumps(enc: Encoded) -> bytes:
     dtype or parameters that JSON cannot hold."""
     if not isinstance(enc, Encoded):
         raise KvqrsError(f"enc: expected a kvqrs Encoded object, got {type(enc).__name__}")
-    meta = {"format": FORMAT, "scheme": enc.scheme, "kind": enc.kind, "shape": [int(n) for n in enc.shape],
-            "dtype": str(np.dtype(enc.dtype)), "params": dict(enc.params), "parts": list(enc.parts)}
+    meta = {
+        "format": FORMAT,
+        "scheme": enc.scheme,
+        "kind": enc.kind,
+        "shape": [int(n) for n in enc.shape],
+        "dtype": str(np.dtype(enc.dtype)),
+        "params": dict(enc.params),
+        "parts": list(enc.parts),
+    }
     try:
         text = json.dumps(meta, sort_keys=True).encode()
     except TypeError as e:

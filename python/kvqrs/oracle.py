@@ -298,10 +298,7 @@ def pack_bits(codes, bits) -> np.ndarray:
     bad = (rows < 0) | (rows >= 2**bits)
     if bad.any():
         pos = np.unravel_index(int(np.argmax(bad.reshape(-1))), codes.shape)
-        raise ValueError(
-            f"code {int(codes[pos])} at position {tuple(int(p) for p in pos)} "
-            f"does not fit in {bits} bits"
-        )
+        raise ValueError(f"code {int(codes[pos])} at position {tuple(int(p) for p in pos)} does not fit in {bits} bits")
     n, m = rows.shape
     nbytes = (m * bits + 7) // 8
     out = np.zeros((n, nbytes), dtype=np.uint8)
@@ -331,9 +328,7 @@ def unpack_bits(packed, bits, count) -> np.ndarray:
         raise ValueError("packed entries must be bytes in [0, 255]")
     nbytes = (count * bits + 7) // 8
     if rows.shape[1] != nbytes:
-        raise ValueError(
-            f"expected {nbytes} bytes per row for {count} codes of {bits} bits, got {rows.shape[1]}"
-        )
+        raise ValueError(f"expected {nbytes} bytes per row for {count} codes of {bits} bits, got {rows.shape[1]}")
     out = np.zeros((rows.shape[0], count), dtype=np.int64)
     for i in range(count):
         for k in range(bits):
@@ -457,12 +452,10 @@ class _SphereMarginal:
 
 
 def _valid_positive_centroids(cent) -> bool:
-    return bool(
-        np.all(np.isfinite(cent)) and cent[0] > 0.0 and cent[-1] < 1.0 and np.all(np.diff(cent) > 0)
-    )
+    return bool(np.all(np.isfinite(cent)) and cent[0] > 0.0 and cent[-1] < 1.0 and np.all(np.diff(cent) > 0))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _lloyd_max_cached(dim: int, bits: int) -> tuple[np.ndarray, np.ndarray, float]:
     dist = _SphereMarginal(dim)
     levels = 2**bits
@@ -833,6 +826,7 @@ def uniform_decode(codes, scales, zeros, bits, group) -> np.ndarray:
     z = np.asarray(zeros, dtype=np.float64)[..., idx]
     return z + s * c.astype(np.float64)
 
+
 # --------------------------------------------------------------------------------------------
 # Fused decode attention (issue 6; kernels.md section 11), from this module's own decoders
 # --------------------------------------------------------------------------------------------
@@ -892,8 +886,13 @@ def decode_attention(q, keys, values, side=None, scale=None) -> tuple[np.ndarray
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     kspec = dict(keys)
     if kspec["kind"] == "uniform_channels":
-        kspec["tokens"] = np.asarray(values["norms"] if values["kind"] == "mse" else
-                                     values["scales"][..., 0] if values["kind"] != "dense" else values["values"][..., 0]).shape[-1]
+        kspec["tokens"] = np.asarray(
+            values["norms"]
+            if values["kind"] == "mse"
+            else values["scales"][..., 0]
+            if values["kind"] != "dense"
+            else values["values"][..., 0]
+        ).shape[-1]
     qjl = kspec.pop("qjl_signs", None) if kspec["kind"] == "mse" else None
     k = decode_rows(kspec, d)
     s = q @ np.swapaxes(k, -1, -2)

@@ -56,9 +56,18 @@ def _student_t(rng: np.random.Generator, nu: float, shape: tuple[int, ...]) -> n
     return x * np.sqrt((nu - 2) / nu) if nu > 2 else x
 
 
-def generate(name: str, *, tokens: int, n_queries: int, head_dim: int, seed: int,
-             outlier_channels: int = 4, outlier_scale: float = 8.0, noise: float = 0.05,
-             sharpness: float = 6.0) -> Head:
+def generate(
+    name: str,
+    *,
+    tokens: int,
+    n_queries: int,
+    head_dim: int,
+    seed: int,
+    outlier_channels: int = 4,
+    outlier_scale: float = 8.0,
+    noise: float = 0.05,
+    sharpness: float = 6.0,
+) -> Head:
     """Draw one head.
 
     - ``gaussian``: i.i.d. N(0, 1) queries, keys and values.

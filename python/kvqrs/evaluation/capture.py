@@ -18,8 +18,7 @@ import torch
 from .._arrays import KvqrsError
 from ..synthetic import Head
 from ..torch import to_numpy
-
-from .sample import MODEL_DISTRIBUTION  # noqa: F401 (re-exported: the label of captured heads)
+from .sample import MODEL_DISTRIBUTION
 
 
 class Recorder:
@@ -32,7 +31,9 @@ class Recorder:
 
     def attend(self, module, query, key, value, attention_mask, scaling):
         if self.layers is None or module.layer_idx in self.layers:
-            self.tensors[module.layer_idx] = tuple(to_numpy(x[0], name).copy() for x, name in ((query, "query"), (key, "keys"), (value, "values")))
+            self.tensors[module.layer_idx] = tuple(
+                to_numpy(x[0], name).copy() for x, name in ((query, "query"), (key, "keys"), (value, "values"))
+            )
         return None
 
 
@@ -83,13 +84,17 @@ def capture_heads(model, tokenizer, texts, tokens: int, n_queries: int) -> Captu
     for name, text in (("evaluation", texts.evaluation), ("calibration", texts.calibration)):
         t = tokenizer(text, return_tensors="pt").input_ids[:, :window]
         if t.shape[1] < window:
-            raise KvqrsError(f"capture: the {name} text has {t.shape[1]} tokens, fewer than the {window} needed ({tokens} + {positions} query positions); use smaller --tokens")
+            raise KvqrsError(
+                f"capture: the {name} text has {t.shape[1]} tokens, fewer than the {window} needed ({tokens} + {positions} query positions); use smaller --tokens"
+            )
         ids[name] = t
     ev, cal = record(model, ids["evaluation"]), record(model, ids["calibration"])
     heads, calib = [], []
     for layer in sorted(ev):
         q, k, v = ev[layer]
         for h in range(k.shape[0]):
-            heads.append(Head(_group_queries(q, k.shape[0], h, slice(tokens, window))[:n_queries], k[h, :tokens], v[h, :tokens], MODEL_DISTRIBUTION))
+            heads.append(
+                Head(_group_queries(q, k.shape[0], h, slice(tokens, window))[:n_queries], k[h, :tokens], v[h, :tokens], MODEL_DISTRIBUTION)
+            )
             calib.append(_group_queries(cal[layer][0], k.shape[0], h, slice(0, window)))
     return CapturedHeads(heads, calib, model.config.num_key_value_heads, texts.source)

@@ -43,8 +43,11 @@ def score_space_ranking(rows: list[dict]) -> list[dict]:
 
 def _damage(q: np.ndarray, k: np.ndarray, k_hat: np.ndarray) -> dict:
     s, s_hat = attention_logits(q, k), attention_logits(q, k_hat)
-    return {"fisher": float(fisher_score_error(softmax(s), s_hat - s).mean()),
-            "kl": float(kl_divergence(s, s_hat).mean()), "key_mse": key_mse(k, k_hat)}
+    return {
+        "fisher": float(fisher_score_error(softmax(s), s_hat - s).mean()),
+        "kl": float(kl_divergence(s, s_hat).mean()),
+        "key_mse": key_mse(k, k_hat),
+    }
 
 
 def softmax_null_head(q: np.ndarray, k: np.ndarray, scheme: str, bits: int, seed: int) -> dict:
@@ -57,28 +60,37 @@ def softmax_null_head(q: np.ndarray, k: np.ndarray, scheme: str, bits: int, seed
     as_is = _damage(q, k, codec.decode_keys(codec.encode_keys(k)))
     restored = _damage(q, k, codec.decode_keys(codec.encode_keys(centred)).astype(np.float64) + mu)
     share = float(mu @ mu / np.mean(np.sum(k.astype(np.float64) ** 2, axis=-1)))
-    return {"scheme": scheme, "bits": bits, "mean_share": share,
-            **{f"{m}_as_is": as_is[m] for m in as_is}, **{f"{m}_restored": restored[m] for m in restored}}
+    return {
+        "scheme": scheme,
+        "bits": bits,
+        "mean_share": share,
+        **{f"{m}_as_is": as_is[m] for m in as_is},
+        **{f"{m}_restored": restored[m] for m in restored},
+    }
 
 
 def softmax_null(heads, schemes=NULL_SCHEMES, bits=(2, 3, 4)) -> tuple[list[dict], list[dict]]:
     """Per-head rows of :func:`softmax_null_head` for every head (its index seeds the codec),
     scheme and n, and their summary per (scheme, n): median damage ratios as-is / restored and
     the paired Wilcoxon signed-rank p-value on the Fisher damage."""
-    rows = [dict(head=i, **softmax_null_head(h.queries, h.keys, s, n, seed=i))
-            for i, h in enumerate(heads) for s in schemes for n in bits]
+    rows = [dict(head=i, **softmax_null_head(h.queries, h.keys, s, n, seed=i)) for i, h in enumerate(heads) for s in schemes for n in bits]
     summary = []
     for (s, n), rs in group_by(rows, "scheme", "bits").items():
         a = np.array([r["fisher_as_is"] for r in rs])
         b = np.array([r["fisher_restored"] for r in rs])
         p = float(stats.wilcoxon(a, b).pvalue) if np.any(a != b) else 1.0
-        summary.append({
-            "scheme": s, "bits": n, "heads": len(rs),
-            "median_mean_share": float(np.median([r["mean_share"] for r in rs])),
-            "fisher_as_is": float(a.mean()), "fisher_restored": float(b.mean()),
-            "median_fisher_ratio": float(np.median(a / np.maximum(b, 1e-300))),
-            "median_kl_ratio": float(np.median([r["kl_as_is"] / max(r["kl_restored"], 1e-300) for r in rs])),
-            "median_key_mse_ratio": float(np.median([r["key_mse_as_is"] / max(r["key_mse_restored"], 1e-300) for r in rs])),
-            "wilcoxon_p": p,
-        })
+        summary.append(
+            {
+                "scheme": s,
+                "bits": n,
+                "heads": len(rs),
+                "median_mean_share": float(np.median([r["mean_share"] for r in rs])),
+                "fisher_as_is": float(a.mean()),
+                "fisher_restored": float(b.mean()),
+                "median_fisher_ratio": float(np.median(a / np.maximum(b, 1e-300))),
+                "median_kl_ratio": float(np.median([r["kl_as_is"] / max(r["kl_restored"], 1e-300) for r in rs])),
+                "median_key_mse_ratio": float(np.median([r["key_mse_as_is"] / max(r["key_mse_restored"], 1e-300) for r in rs])),
+                "wilcoxon_p": p,
+            }
+        )
     return rows, summary

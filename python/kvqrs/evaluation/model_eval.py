@@ -16,11 +16,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .._arrays import KvqrsError
 from ..hf import QuantConfig, QuantizedKVCache, calibrate, fake_quant
 from ..hf.attention import active
-from .._arrays import KvqrsError
 from .capture import Recorder
-
 
 A2_WINDOW = 64
 """Full-precision window of the causal A^2 rows (and their uniform baseline)."""
@@ -49,7 +48,7 @@ def default_rows(quick: bool = False, residual_length: int = 0) -> list[Row]:
     for n in (2, 4):
         rows.append(Row(f"kivi k{n}", QuantConfig("kivi", n, residual_length=r), "key-only"))
         rows.append(Row(f"kivi k{n} v{n}", QuantConfig("kivi", n, "kivi", n, residual_length=r), "full KV"))
-    for n in ((4,) if quick else (4, 8)):
+    for n in (4,) if quick else (4, 8):
         rows.append(Row(f"block k{n}", QuantConfig("block", n, residual_length=r), "key-only"))
         rows.append(Row(f"block k{n} v{n}", QuantConfig("block", n, "block", n, residual_length=r), "full KV"))
     # A^2 value allocation against uniform widths, both rotated Lloyd-Max values at 2 bits
@@ -107,18 +106,21 @@ def storage(cfg: QuantConfig, kv: dict[int, tuple[np.ndarray, np.ndarray]]) -> d
     return {"bpe_k": bpe_k, "bpe_v": bpe_v, "cache_bytes": cache.nbytes()}
 
 
-def run_eval(model, tokenizer, texts, rows: list[Row], window: int, windows: int, calib_windows: int,
-             progress: bool = True) -> dict:
+def run_eval(model, tokenizer, texts, rows: list[Row], window: int, windows: int, calib_windows: int, progress: bool = True) -> dict:
     """Evaluate every row; returns ``{"rows": [...], "dense_check": {...}, ...}``."""
     from tqdm import tqdm
 
     ev = token_windows(tokenizer, texts.evaluation, window, windows)
     cal = token_windows(tokenizer, texts.calibration, window, calib_windows)
     if not ev:
-        raise KvqrsError(f"text: the evaluation text is shorter than one window of {window} tokens ({texts.source}); use a smaller --window")
+        raise KvqrsError(
+            f"text: the evaluation text is shorter than one window of {window} tokens ({texts.source}); use a smaller --window"
+        )
     needs_calibration = any(r.config is not None and r.config.key_scheme == "headq" and r.config.bases is None for r in rows)
     if needs_calibration and not cal:
-        raise KvqrsError(f"text: the calibration text is shorter than one window of {window} tokens ({texts.source}); use a smaller --window")
+        raise KvqrsError(
+            f"text: the calibration text is shorter than one window of {window} tokens ({texts.source}); use a smaller --window"
+        )
     bases = calibrate(model, cal, rank=4) if needs_calibration else None
     rec = Recorder()
     dense_lp = []
@@ -143,19 +145,35 @@ def run_eval(model, tokenizer, texts, rows: list[Row], window: int, windows: int
             for k in ("nll", "kl_sum", "agree", "n"):
                 acc[k] += s[k]
             acc["kl_max"] = max(acc["kl_max"], s["kl_max"])
-        out = {"row": row.name, "group": row.group, "ppl": math.exp(acc["nll"] / acc["n"]),
-               "kl_mean": acc["kl_sum"] / acc["n"], "kl_max": acc["kl_max"], "top1": acc["agree"] / acc["n"], "tokens": acc["n"]}
+        out = {
+            "row": row.name,
+            "group": row.group,
+            "ppl": math.exp(acc["nll"] / acc["n"]),
+            "kl_mean": acc["kl_sum"] / acc["n"],
+            "kl_max": acc["kl_max"],
+            "top1": acc["agree"] / acc["n"],
+            "tokens": acc["n"],
+        }
         if cfg is None:
             d = model.config.head_dim if hasattr(model.config, "head_dim") else kv[0][0].shape[-1]
-            out.update(bpe_k=32.0, bpe_v=32.0, cache_bytes=2 * model.config.num_hidden_layers * model.config.num_key_value_heads * window * d * 4)
+            out.update(
+                bpe_k=32.0, bpe_v=32.0, cache_bytes=2 * model.config.num_hidden_layers * model.config.num_key_value_heads * window * d * 4
+            )
         else:
             out.update(storage(cfg, kv))
         results.append(out)
     dense_ppl = results[0]["ppl"]
     for r in results:
         r["excess_ppl"] = r["ppl"] - dense_ppl
-    return {"rows": results, "dense_check": check, "windows": len(ev), "window": window, "source": texts.source,
-            "calibration_windows": len(cal), "headq_recovered": headq_recovered(results)}
+    return {
+        "rows": results,
+        "dense_check": check,
+        "windows": len(ev),
+        "window": window,
+        "source": texts.source,
+        "calibration_windows": len(cal),
+        "headq_recovered": headq_recovered(results),
+    }
 
 
 def dense_check(model, windows: list[torch.Tensor], log_probs: list[torch.Tensor]) -> dict:

@@ -73,7 +73,10 @@ def routing_recall(rows: list[dict], out: pathlib.Path) -> pathlib.Path:
     width = 0.8 / len(schemes)
     for ax, dist in zip(axes[0], dists):
         for i, s in enumerate(schemes):
-            vals = [np.mean([r["topk_recall"] for r in rows if r["scheme"] == s and r["bits"] == n and r["distribution"] == dist] or [np.nan]) for n in bits]
+            vals = [
+                np.mean([r["topk_recall"] for r in rows if r["scheme"] == s and r["bits"] == n and r["distribution"] == dist] or [np.nan])
+                for n in bits
+            ]
             ax.bar(np.arange(len(bits)) + i * width, vals, width, label=s, color=f"C{i}")
         ax.set_xticks(np.arange(len(bits)) + 0.4 - width / 2, [f"n={n}" for n in bits])
         ax.set_ylim(0, 1.05)

@@ -53,8 +53,9 @@ def run_sample(cell: Cell, seed: int, tokens: int, n_queries: int, topk: int = 5
     head = generate(cell.distribution, tokens=tokens, n_queries=n_queries, head_dim=cell.head_dim, seed=seed)
     calib = None
     if cell.scheme == "headq":
-        calib = generate(cell.distribution, tokens=tokens, n_queries=max(4 * n_queries, 64),
-                         head_dim=cell.head_dim, seed=seed + CALIBRATION_SEED_OFFSET).queries
+        calib = generate(
+            cell.distribution, tokens=tokens, n_queries=max(4 * n_queries, 64), head_dim=cell.head_dim, seed=seed + CALIBRATION_SEED_OFFSET
+        ).queries
     return measure(cell, seed, head, make_codec(cell, seed, calib), topk)
 
 

@@ -26,7 +26,7 @@ class StudyConfig:
     extra: dict = field(default_factory=dict)
 
     @classmethod
-    def quick(cls) -> "StudyConfig":
+    def quick(cls) -> StudyConfig:
         """A grid that finishes in under two minutes on two cores."""
         return cls(
             distributions=("gaussian", "heavy-3", "lowrank-4", "focused-1"),
@@ -57,8 +57,12 @@ def run_model_study(config: StudyConfig, captured, progress: bool = True) -> tup
     from tqdm import tqdm
 
     d = captured.heads[0].keys.shape[-1]
-    jobs = [(Cell(s, n, captured.heads[0].distribution, d), i) for i in range(len(captured.heads)) for n in config.bits for s in config.schemes]
+    jobs = [
+        (Cell(s, n, captured.heads[0].distribution, d), i) for i in range(len(captured.heads)) for n in config.bits for s in config.schemes
+    ]
     start = time.perf_counter()
-    rows = [measure(c, i, captured.heads[i], make_codec(c, i, captured.calibration_queries[i]))
-            for c, i in tqdm(jobs, desc="model heads", unit="sample", disable=not progress)]
+    rows = [
+        measure(c, i, captured.heads[i], make_codec(c, i, captured.calibration_queries[i]))
+        for c, i in tqdm(jobs, desc="model heads", unit="sample", disable=not progress)
+    ]
     return rows, time.perf_counter() - start

@@ -33,8 +33,13 @@ def qjl_inflation(head_dim: int = 128, trials: int = 2000, seed: int = 0) -> dic
     scale = float(np.sum(r.astype(np.float64) ** 2) * np.sum(y.astype(np.float64) ** 2)) / head_dim
     measured = float(np.var(est - truth, ddof=1)) / scale
     exact = math.pi / 2 - truth**2 / scale / head_dim
-    return {"head_dim": head_dim, "trials": trials, "measured": measured, "theory": exact,
-            "bias_z": float(np.mean(est - truth) / (np.std(est, ddof=1) / math.sqrt(trials)))}
+    return {
+        "head_dim": head_dim,
+        "trials": trials,
+        "measured": measured,
+        "theory": exact,
+        "bias_z": float(np.mean(est - truth) / (np.std(est, ddof=1) / math.sqrt(trials))),
+    }
 
 
 def group_by(rows: list[dict], *keys: str) -> dict:
@@ -69,8 +74,17 @@ def kl_ratio(rows: list[dict], num: str = "qkqv", den: str = "kqv") -> list[dict
         if not a or not b:
             continue
         mw = mann_whitney(a, b)
-        out.append({"distribution": dist, "head_dim": d, "bits": n, "ratio": float(np.mean(a) / max(np.mean(b), 1e-300)),
-                    "p": mw.pvalue, "rank_biserial": mw.effect, "samples": len(a)})
+        out.append(
+            {
+                "distribution": dist,
+                "head_dim": d,
+                "bits": n,
+                "ratio": float(np.mean(a) / max(np.mean(b), 1e-300)),
+                "p": mw.pvalue,
+                "rank_biserial": mw.effect,
+                "samples": len(a),
+            }
+        )
     return out
 
 
@@ -84,10 +98,17 @@ def lowrank_vs_gaussian(rows: list[dict]) -> list[dict]:
         if not dist.startswith("lowrank") or ("gaussian", d, n, s) not in by:
             continue
         g = by[("gaussian", d, n, s)]
-        out.append({"distribution": dist, "head_dim": d, "bits": n, "scheme": s,
-                    "kl_ratio": float(np.mean([r["kl_mean"] for r in rs]) / max(np.mean([r["kl_mean"] for r in g]), 1e-300)),
-                    "recall_lowrank": float(np.mean([r["topk_recall"] for r in rs])),
-                    "recall_gaussian": float(np.mean([r["topk_recall"] for r in g]))})
+        out.append(
+            {
+                "distribution": dist,
+                "head_dim": d,
+                "bits": n,
+                "scheme": s,
+                "kl_ratio": float(np.mean([r["kl_mean"] for r in rs]) / max(np.mean([r["kl_mean"] for r in g]), 1e-300)),
+                "recall_lowrank": float(np.mean([r["topk_recall"] for r in rs])),
+                "recall_gaussian": float(np.mean([r["topk_recall"] for r in g])),
+            }
+        )
     return out
 
 
@@ -100,13 +121,23 @@ def direction_crossover(rows: list[dict]) -> list[dict]:
         if not a or not b:
             continue
         mw = mann_whitney(b, a)
-        out.append({"distribution": dist, "head_dim": d, "bits": n, "phi_k_kqv": float(np.mean(a)),
-                    "phi_k_qkqv": float(np.mean(b)), "better": "qkqv" if np.mean(b) < np.mean(a) else "kqv", "p": mw.pvalue})
+        out.append(
+            {
+                "distribution": dist,
+                "head_dim": d,
+                "bits": n,
+                "phi_k_kqv": float(np.mean(a)),
+                "phi_k_qkqv": float(np.mean(b)),
+                "better": "qkqv" if np.mean(b) < np.mean(a) else "kqv",
+                "p": mw.pvalue,
+            }
+        )
     return out
 
 
-def value_qjl_check(distributions, head_dim: int = 128, bits=(2, 3, 4), seeds: int = 8,
-                    tokens: int = 256, n_queries: int = 32) -> list[dict]:
+def value_qjl_check(
+    distributions, head_dim: int = 128, bits=(2, 3, 4), seeds: int = 8, tokens: int = 256, n_queries: int = 32
+) -> list[dict]:
     """Values alone: rotated n-bit scalar against (n-1)-bit + 1-bit QJL at the same budget, with
     the exact attention probabilities, so only the value code differs. Reports SNR of V and of
     the output T: QJL's errors are unbiased and independent across tokens, so they average out
@@ -120,15 +151,25 @@ def value_qjl_check(distributions, head_dim: int = 128, bits=(2, 3, 4), seeds: i
                 head = generate(dist, tokens=tokens, n_queries=n_queries, head_dim=head_dim, seed=seed)
                 p = softmax(attention_logits(head.queries, head.keys))
                 t = p @ head.values.astype(np.float64)
-                coders = {"scalar": MSECoder(head_dim, n, seed, "study", "values"),
-                          "qjl": MSEQJLCoder(head_dim, n, seed, seed + 1, "study", "values")}
+                coders = {
+                    "scalar": MSECoder(head_dim, n, seed, "study", "values"),
+                    "qjl": MSEQJLCoder(head_dim, n, seed, seed + 1, "study", "values"),
+                }
                 for name, coder in coders.items():
                     v_hat = coder.decode(coder.encode(head.values)).astype(np.float64)
                     acc[name][0].append(snr_db(head.values, v_hat))
                     acc[name][1].append(snr_db(t, p @ v_hat))
             mw = mann_whitney(acc["qjl"][1], acc["scalar"][1])
-            out.append({"distribution": dist, "head_dim": head_dim, "bits": n,
-                        "snr_v_scalar": float(np.mean(acc["scalar"][0])), "snr_v_qjl": float(np.mean(acc["qjl"][0])),
-                        "snr_t_scalar": float(np.mean(acc["scalar"][1])), "snr_t_qjl": float(np.mean(acc["qjl"][1])),
-                        "p": mw.pvalue})
+            out.append(
+                {
+                    "distribution": dist,
+                    "head_dim": head_dim,
+                    "bits": n,
+                    "snr_v_scalar": float(np.mean(acc["scalar"][0])),
+                    "snr_v_qjl": float(np.mean(acc["qjl"][0])),
+                    "snr_t_scalar": float(np.mean(acc["scalar"][1])),
+                    "snr_t_qjl": float(np.mean(acc["qjl"][1])),
+                    "p": mw.pvalue,
+                }
+            )
     return out

@@ -12,7 +12,8 @@ import math
 import struct
 import threading
 from collections import OrderedDict
-from typing import Any, Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any, Callable
 
 import numpy as np
 
@@ -38,7 +39,7 @@ _CONSTANTS = 64  # device-resident constants kept (least recently used dropped f
 
 def _wgpu() -> Any:
     try:
-        import wgpu  # noqa: PLC0415 - optional dependency
+        import wgpu
     except ImportError:
         raise KvqrsError(
             "backend 'wgpu': the wgpu package is not installed; install it with `pip install 'kvqrs[gpu]'` (or `pip install wgpu`)"
@@ -145,7 +146,7 @@ class Device:
                 self._constants.popitem(last=False)[1].destroy()
         return buf
 
-    def call(self) -> "Call":
+    def call(self) -> Call:
         """A scope for one kernel call: borrowed buffers go back to the pool on exit."""
         return Call(self)
 
@@ -175,7 +176,7 @@ class Call:
         self._borrowed: list[tuple[int, Any]] = []
         self._encoder: Any = None
 
-    def __enter__(self) -> "Call":
+    def __enter__(self) -> Call:
         return self
 
     def __exit__(self, *exc: Any) -> None:

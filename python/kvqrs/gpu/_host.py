@@ -66,9 +66,7 @@ def check_code_range(flat: np.ndarray, width: int, bits: int, arg: str) -> None:
     limit = 1 << bits
     if flat.size and bits < 8 and int(flat.max()) >= limit:
         i, row, col = _position(flat >= limit, width)
-        raise KvqrsError(
-            f"{arg}: code {int(flat[i])} at row {row}, position {col} does not fit in {bits} bits (expected < {limit})"
-        )
+        raise KvqrsError(f"{arg}: code {int(flat[i])} at row {row}, position {col} does not fit in {bits} bits (expected < {limit})")
 
 
 def check_stored(values: np.ndarray, arg: str, signed: bool = False) -> np.ndarray:
@@ -78,9 +76,7 @@ def check_stored(values: np.ndarray, arg: str, signed: bool = False) -> np.ndarr
     bad = ~np.isfinite(v) if signed else ~(np.isfinite(v) & (v >= 0))
     if bad.any():
         i = int(np.argmax(bad))
-        raise KvqrsError(
-            f"{arg}: expected finite stored scalars (non-negative for norms and scales), got {rust_float(v[i])} at row {i}"
-        )
+        raise KvqrsError(f"{arg}: expected finite stored scalars (non-negative for norms and scales), got {rust_float(v[i])} at row {i}")
     return v
 
 
@@ -89,9 +85,7 @@ def check_overflow(values: np.ndarray, per_row: int, arg: str) -> None:
     bad = ~np.isfinite(values)
     if bad.any():
         _, row, _ = _position(bad, per_row)
-        raise KvqrsError(
-            f"{arg}: row {row} overflows float32 (expected values whose norm, range or result stays below 3.4e38)"
-        )
+        raise KvqrsError(f"{arg}: row {row} overflows float32 (expected values whose norm, range or result stays below 3.4e38)")
 
 
 def store(values: np.ndarray) -> np.ndarray:
@@ -119,7 +113,7 @@ def _to_numpy(v: Any, torch: Any) -> Any:
     if isinstance(v, torch.Tensor):
         t = v.detach()
         if t.dtype == torch.bfloat16:
-            from ..torch import to_numpy  # noqa: PLC0415
+            from ..torch import to_numpy
 
             return to_numpy(t)
         return t.cpu().numpy()

@@ -41,12 +41,12 @@ def read_shader(filename: str) -> str:
         ) from None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def source(name: str) -> str:
     """The complete WGSL module of kernel ``name``: its required pieces, then the kernel."""
     if name not in KERNEL_SHADERS:
         raise KvqrsError(f"shader: expected one of {KERNEL_SHADERS}, got {name!r}")
     text = read_shader(f"{name}.wgsl")
     first = text.splitlines()[0] if text else ""
-    pieces = first[len(_REQUIRES):].split() if first.startswith(_REQUIRES) else []
+    pieces = first[len(_REQUIRES) :].split() if first.startswith(_REQUIRES) else []
     return "\n".join([*(read_shader(p) for p in pieces), text])

@@ -10,7 +10,8 @@ import numpy as np
 
 from .._arrays import KvqrsError, as_float_rows, check_positive_int, check_seed, restore
 from ..kernels.hadamard import padded_dim
-from ._device import Call, Device, device as _device
+from ._device import Call, Device
+from ._device import device as _device
 from ._host import check_finite, check_overflow, tensors_in_out
 from .rng import signs_buffer
 

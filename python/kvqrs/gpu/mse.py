@@ -16,7 +16,8 @@ from .._arrays import as_float_rows, check_bits, check_out_dtype, check_seed, re
 from ..kernels.hadamard import padded_dim
 from ..kernels.lloyd_max import lloyd_max_codebook
 from ..kernels.mse import MSECode, decode_args
-from ._device import Call, device as _device
+from ._device import Call
+from ._device import device as _device
 from ._host import check_code_range, check_finite, check_overflow, check_row_len, check_stored, store, tensors_in_out
 from .hadamard import forward_on_device, inverse_on_device
 from .lloyd_max import decode_on_device, encode_on_device

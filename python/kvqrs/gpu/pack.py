@@ -12,7 +12,8 @@ import numpy as np
 
 from .._arrays import as_code_rows, check_bits
 from ..kernels.pack import packed_rows, packed_size
-from ._device import Call, device as _device
+from ._device import Call
+from ._device import device as _device
 from ._host import check_code_range, tensors_in_out
 
 __all__ = ["pack_bits", "packed_size", "unpack_bits", "pack_on_device"]

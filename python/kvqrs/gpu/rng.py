@@ -8,7 +8,8 @@ The Gaussian objects (the QJL matrix, the random orthonormal basis) are specifie
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -18,11 +19,14 @@ from ..kernels.rng import (
     STREAM_RANDOM_BASIS,
     STREAM_ROTATION_SIGNS,
     gaussians,
-    philox4x32_10 as _cpu_philox,
     qjl_matrix,
     random_orthonormal_basis,
 )
-from ._device import Device, device as _device
+from ..kernels.rng import (
+    philox4x32_10 as _cpu_philox,
+)
+from ._device import Device
+from ._device import device as _device
 
 __all__ = [
     "STREAM_QJL_MATRIX",

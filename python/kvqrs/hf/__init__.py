@@ -6,4 +6,15 @@ from .cache import QuantizedKVCache, QuantizedLayer
 from .calibration import calibrate, load_bases, save_bases
 from .config import QuantConfig
 
-__all__ = ["QuantConfig", "QuantizedKVCache", "QuantizedLayer", "active", "calibrate", "load_bases", "save_bases", "fake_quant", "kvqrs_attention", "register"]
+__all__ = [
+    "QuantConfig",
+    "QuantizedKVCache",
+    "QuantizedLayer",
+    "active",
+    "calibrate",
+    "load_bases",
+    "save_bases",
+    "fake_quant",
+    "kvqrs_attention",
+    "register",
+]

@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 from transformers import AttentionInterface
-from transformers.masking_utils import AttentionMaskInterface, eager_mask
 from transformers.integrations.sdpa_attention import repeat_kv
+from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
 from .._arrays import KvqrsError
 from ..torch import from_numpy, to_numpy
@@ -154,6 +155,7 @@ def fake_quant(config: QuantConfig) -> Iterator[FakeQuant]:
     if state.calls == 0:
         # A model with another attention implementation (sdpa, eager) never consults the plan:
         # its output would be the dense model's, reported as if quantized.
-        raise KvqrsError("fake_quant: no attention call went through kvqrs; load the model with "
-                         "attn_implementation='kvqrs' (or model.set_attn_implementation('kvqrs')) after kvqrs.hf.register()")
-
+        raise KvqrsError(
+            "fake_quant: no attention call went through kvqrs; load the model with "
+            "attn_implementation='kvqrs' (or model.set_attn_implementation('kvqrs')) after kvqrs.hf.register()"
+        )

@@ -17,7 +17,6 @@ softmax part by log-sum-exp, exactly; see ``QuantConfig.fused`` for when. Use th
 from __future__ import annotations
 
 import weakref
-
 from typing import Any
 
 import numpy as np
@@ -28,10 +27,8 @@ from .._arrays import KvqrsError
 from ..kernels.attention import DenseRows
 from ..schemes import Encoded
 from ..torch import check_finite, from_numpy, to_numpy
-from .attention import _softmax_out, register
-from .attention import _STATE
+from .attention import _STATE, _softmax_out, register
 from .config import QuantConfig
-
 
 FUSED_MAX_QUERY = 4
 """Decode steps with at most this many new query tokens attend from the codes."""
@@ -216,8 +213,15 @@ class QuantizedLayer(CacheLayerMixin):
         batch = self.keys.shape[0]
         if idx.dtype == torch.bool and idx.shape == (batch,):
             idx = idx.nonzero().flatten()  # a mask of the rows to keep, as DynamicLayer takes it
-        if idx.dtype.is_floating_point or idx.dtype == torch.bool or idx.ndim != 1 or (idx.numel() and not (-batch <= int(idx.min()) and int(idx.max()) < batch)):
-            raise KvqrsError(f"indices: expected a 1-d integer tensor of batch rows in -{batch}..{batch - 1} or a boolean mask of {batch} rows, got {indices!r}")
+        if (
+            idx.dtype.is_floating_point
+            or idx.dtype == torch.bool
+            or idx.ndim != 1
+            or (idx.numel() and not (-batch <= int(idx.min()) and int(idx.max()) < batch))
+        ):
+            raise KvqrsError(
+                f"indices: expected a 1-d integer tensor of batch rows in -{batch}..{batch - 1} or a boolean mask of {batch} rows, got {indices!r}"
+            )
         idx = idx.remainder(batch)  # negative rows count from the end, as in Python indexing
         self._batch(lambda c: _select(c, idx))
         self.keys, self.values = self.keys.index_select(0, idx), self.values.index_select(0, idx)
@@ -323,7 +327,9 @@ class QuantizedKVCache(Cache):
         if config.key_scheme is None:
             raise KvqrsError("key_scheme: the cache quantizes keys; value-only rows run in the fast evaluation path only")
         if config.value_scheme == "a2":
-            raise KvqrsError("value_scheme: the a2 allocation needs each token's future attention; it runs in the fast evaluation path only")
+            raise KvqrsError(
+                "value_scheme: the a2 allocation needs each token's future attention; it runs in the fast evaluation path only"
+            )
         if num_layers < 1:
             raise KvqrsError(f"num_layers: expected >= 1, got {num_layers}")
         self.config = config
@@ -357,7 +363,7 @@ class QuantizedKVCache(Cache):
         return dumps(self)
 
     @classmethod
-    def from_bytes(cls, data: bytes, config: QuantConfig | None = None) -> "QuantizedKVCache":
+    def from_bytes(cls, data: bytes, config: QuantConfig | None = None) -> QuantizedKVCache:
         """A cache from :meth:`to_bytes`; with ``config``, its settings must equal the saved
         ones. Raises :class:`KvqrsError` on altered, truncated or foreign bytes."""
         from .persist import loads
@@ -370,7 +376,7 @@ class QuantizedKVCache(Cache):
             f.write(self.to_bytes())
 
     @classmethod
-    def load(cls, path, config: QuantConfig | None = None) -> "QuantizedKVCache":
+    def load(cls, path, config: QuantConfig | None = None) -> QuantizedKVCache:
         """Read a cache written by :meth:`save` (see :meth:`from_bytes`)."""
         with open(path, "rb") as f:
             return cls.from_bytes(f.read(), config)

@@ -5,7 +5,7 @@ calibration text disjoint from the evaluation text (SPEC 2.6). Saved and loaded 
 from __future__ import annotations
 
 import pathlib
-from typing import Iterable
+from collections.abc import Iterable
 
 import numpy as np
 import torch
@@ -45,8 +45,7 @@ def calibrate(model, windows: Iterable[torch.Tensor], rank: int = 4) -> dict[int
     if not rec.queries:
         raise KvqrsError("calibration: no queries were recorded (is the model using attn_implementation='kvqrs'?)")
     return {
-        layer: np.stack([headq_basis(h, rank) for h in np.concatenate(chunks, axis=1)])
-        for layer, chunks in sorted(rec.queries.items())
+        layer: np.stack([headq_basis(h, rank) for h in np.concatenate(chunks, axis=1)]) for layer, chunks in sorted(rec.queries.items())
     }
 
 

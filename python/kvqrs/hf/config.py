@@ -60,8 +60,8 @@ class QuantConfig:
     _codecs: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        from ..schemes.codec import KEY_SCHEMES, VALUE_SCHEMES
         from .._arrays import check_bits
+        from ..schemes.codec import KEY_SCHEMES, VALUE_SCHEMES
 
         if self.key_scheme is not None and self.key_scheme not in KEY_SCHEMES:
             raise KvqrsError(f"key_scheme: expected one of {KEY_SCHEMES} or None, got {self.key_scheme!r}")
@@ -77,8 +77,10 @@ class QuantConfig:
         if self.residual_length < 0:
             raise KvqrsError(f"residual_length: expected >= 0, got {self.residual_length}")
         if self.a2_lookahead is not None and not 1 <= self.a2_lookahead <= self.residual_length:
-            raise KvqrsError(f"a2_lookahead: expected 1 .. residual_length ({self.residual_length}) so that only queries that "
-                             f"read a token in full precision weigh it, got {self.a2_lookahead}")
+            raise KvqrsError(
+                f"a2_lookahead: expected 1 .. residual_length ({self.residual_length}) so that only queries that "
+                f"read a token in full precision weigh it, got {self.a2_lookahead}"
+            )
 
     @property
     def chunk(self) -> int:
@@ -99,13 +101,24 @@ class QuantConfig:
                 if isinstance(self.bases, str):
                     basis = self.bases
                 elif self.bases is None or layer not in self.bases:
-                    raise KvqrsError(f"bases: the headq scheme needs a calibrated basis for layer {layer} (see kvqrs.hf.calibrate) or bases='random'")
+                    raise KvqrsError(
+                        f"bases: the headq scheme needs a calibrated basis for layer {layer} (see kvqrs.hf.calibrate) or bases='random'"
+                    )
                 else:
                     basis = np.asarray(self.bases[layer])
             self._codecs[key] = KVCodec(
-                self.key_scheme or "kv", self.key_bits, head_dim, seed=self.seed,
-                value_bits=self.value_bits, value_scheme=self.value_scheme or "none", group=self.group,
-                headq_base=self.headq_base, rank=self.rank, side_bits=self.side_bits, basis=basis, sign=self.sign,
+                self.key_scheme or "kv",
+                self.key_bits,
+                head_dim,
+                seed=self.seed,
+                value_bits=self.value_bits,
+                value_scheme=self.value_scheme or "none",
+                group=self.group,
+                headq_base=self.headq_base,
+                rank=self.rank,
+                side_bits=self.side_bits,
+                basis=basis,
+                sign=self.sign,
             )
         return self._codecs[key]
 

@@ -46,9 +46,13 @@ def dumps(cache) -> bytes:
         if layer.is_initialized:
             if layer.keys.device.type != "cpu":
                 raise KvqrsError(f"cache: layer {i} lives on {layer.keys.device}; move it to the CPU to save it")
-            info.update(dtype=str(layer.dtype).removeprefix("torch."), head_dim=int(layer.head_dim), keys=bool(layer.chunks_k),
-                        values=bool(layer.chunks_v and layer.chunks_v[0] is not None),
-                        fp_values=getattr(layer, "_fp_values_quantized", None) is not None)
+            info.update(
+                dtype=str(layer.dtype).removeprefix("torch."),
+                head_dim=int(layer.head_dim),
+                keys=bool(layer.chunks_k),
+                values=bool(layer.chunks_v and layer.chunks_v[0] is not None),
+                fp_values=getattr(layer, "_fp_values_quantized", None) is not None,
+            )
             sections += [_tensor_section(f"L{i}.window_keys", layer.keys), _tensor_section(f"L{i}.window_values", layer.values)]
             if info["keys"]:
                 blob = fmt.dumps(layer.chunks_k[0])
@@ -98,7 +102,11 @@ def loads(data: bytes, config: QuantConfig | None = None):
     sections = {name: (code, shape, payload) for name, code, shape, payload in raw[1:]}
     bases: Any = meta["bases"]
     if bases is None:
-        found = {int(n.split(".")[1]): np.frombuffer(p, np.float32).reshape(s) for n, (c, s, p) in sections.items() if n.startswith("bases.") and c == 2}
+        found = {
+            int(n.split(".")[1]): np.frombuffer(p, np.float32).reshape(s)
+            for n, (c, s, p) in sections.items()
+            if n.startswith("bases.") and c == 2
+        }
         bases = found or None
     try:
         saved = QuantConfig(**meta["config"], bases=bases)
@@ -120,7 +128,9 @@ def _check_same(config: QuantConfig, saved: QuantConfig) -> None:
     diff = sorted(k for k in a if a[k] != b.get(k))
     same_bases = (isinstance(config.bases, str) or config.bases is None) and config.bases == saved.bases
     if not same_bases and isinstance(config.bases, dict) and isinstance(saved.bases, dict):
-        same_bases = config.bases.keys() == saved.bases.keys() and all(np.array_equal(np.asarray(config.bases[k], np.float32), saved.bases[k]) for k in config.bases)
+        same_bases = config.bases.keys() == saved.bases.keys() and all(
+            np.array_equal(np.asarray(config.bases[k], np.float32), saved.bases[k]) for k in config.bases
+        )
     if diff or not same_bases:
         raise KvqrsError(f"compressed cache: saved with other settings (differs in {', '.join(diff + ([] if same_bases else ['bases']))})")
 

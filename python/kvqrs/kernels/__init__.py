@@ -7,8 +7,8 @@ from .lloyd_max import Codebook, lloyd_max_codebook, lloyd_max_decode, lloyd_max
 from .mse import MSECode, mse_decode, mse_decode_packed, mse_encode, mse_encode_packed
 from .pack import pack_bits, packed_size, unpack_bits
 from .qjl import QJLSketch, qjl_inner_product, qjl_sketch, qjl_vector_estimate
-from .uniform import UniformCode, uniform_decode, uniform_encode
 from .rng import gaussians, philox4x32_10, qjl_matrix, random_orthonormal_basis, rotation_signs
+from .uniform import UniformCode, uniform_decode, uniform_encode
 
 __all__ = [
     "AttentionResult",

@@ -56,8 +56,8 @@ class MSERows(NamedTuple):
     codes: np.ndarray
     norms: np.ndarray
     bits: int
-    seed: Optional[int]
-    qjl: Optional[QJLRows] = None
+    seed: int | None
+    qjl: QJLRows | None = None
 
     def spec(self) -> dict[str, Any]:
         d: dict[str, Any] = {"kind": "mse", "codes": self.codes, "norms": self.norms, "bits": self.bits, "seed": self.seed}
@@ -86,11 +86,18 @@ class UniformRows(NamedTuple):
     bits: int
     group: int
     per_channel: bool = False
-    seed: Optional[int] = None
+    seed: int | None = None
 
     def spec(self) -> dict[str, Any]:
-        return {"kind": "uniform_channels" if self.per_channel else "uniform_tokens", "codes": self.codes,
-                "scales": self.scales, "zeros": self.zeros, "bits": self.bits, "group": self.group, "seed": self.seed}
+        return {
+            "kind": "uniform_channels" if self.per_channel else "uniform_tokens",
+            "codes": self.codes,
+            "scales": self.scales,
+            "zeros": self.zeros,
+            "bits": self.bits,
+            "group": self.group,
+            "seed": self.seed,
+        }
 
 
 class DenseRows(NamedTuple):
@@ -122,8 +129,15 @@ class SideRows(NamedTuple):
 
     def spec(self) -> dict[str, Any]:
         b = np.asarray(self.basis)
-        return {"codes": self.codes, "scales": self.scales, "basis": b, "bits": self.bits, "sign": self.sign,
-                "rank": int(b.shape[-1]) if b.ndim else 0, "basis_heads": 1 if b.ndim == 2 else int(b.shape[0]) if b.ndim == 3 else 0}
+        return {
+            "codes": self.codes,
+            "scales": self.scales,
+            "basis": b,
+            "bits": self.bits,
+            "sign": self.sign,
+            "rank": int(b.shape[-1]) if b.ndim else 0,
+            "basis_heads": 1 if b.ndim == 2 else int(b.shape[0]) if b.ndim == 3 else 0,
+        }
 
 
 class AttentionResult(NamedTuple):
@@ -138,7 +152,7 @@ class AttentionResult(NamedTuple):
 
     out: np.ndarray
     lse: np.ndarray
-    probs: Optional[np.ndarray]
+    probs: np.ndarray | None
 
 
 Rows = Union[MSERows, UniformRows, DenseRows]
@@ -266,7 +280,9 @@ def decode_attention(
         sspec = side.spec()
         basis = np.asarray(side.basis, dtype=np.float32)
         if basis.ndim not in (2, 3) or basis.shape[-2] != d or (basis.ndim == 3 and (not lead or lead[-1] != basis.shape[0])):
-            raise KvqrsError(f"side.basis: expected (head_dim={d}, rank) or (kv_heads={lead[-1] if lead else 1}, {d}, rank), got shape {basis.shape}")
+            raise KvqrsError(
+                f"side.basis: expected (head_dim={d}, rank) or (kv_heads={lead[-1] if lead else 1}, {d}, rank), got shape {basis.shape}"
+            )
         qb = check_bits(side.bits, "side.bits")
         r = basis.shape[-1]
         sspec.update(

@@ -60,8 +60,6 @@ def inverse_hadamard(y: Any, seed: int | None = None, head_dim: int | None = Non
     flat, leading, dp, dtype = as_float_rows(y, "y")
     d = dp if head_dim is None else check_positive_int(head_dim, "head_dim", minimum=2)
     if padded_dim(d) != dp:
-        raise KvqrsError(
-            f"y: expected a last axis of padded_dim({d}) = {padded_dim(d)}, got shape {(*leading, dp)}"
-        )
+        raise KvqrsError(f"y: expected a last axis of padded_dim({d}) = {padded_dim(d)}, got shape {(*leading, dp)}")
     out = _native.inverse_hadamard(flat, d, check_seed(seed))
     return restore(out, leading, d, dtype, finite=True)

@@ -8,8 +8,17 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from .. import _native
-from .._arrays import check_finite_output, check_out_dtype, KvqrsError, as_code_rows, as_float_rows, as_scalars, check_bits, check_positive_int, restore
-
+from .._arrays import (
+    KvqrsError,
+    as_code_rows,
+    as_float_rows,
+    as_scalars,
+    check_bits,
+    check_finite_output,
+    check_out_dtype,
+    check_positive_int,
+    restore,
+)
 
 MAX_BASIS_DIM = 4096
 """Largest head_dim :func:`headq_basis` accepts (it eigendecomposes a dense d x d matrix)."""

@@ -8,12 +8,12 @@ import numpy as np
 
 from .. import _native
 from .._arrays import (
-    check_out_dtype,
     KvqrsError,
     as_code_rows,
     as_float_rows,
     as_scalars,
     check_bits,
+    check_out_dtype,
     check_positive_int,
     check_seed,
     restore,

@@ -67,7 +67,5 @@ def packed_rows(packed: Any, bits: int, count: int) -> tuple[np.ndarray, tuple[i
         raise KvqrsError("packed: expected an array of shape (..., bytes), got a scalar")
     want = packed_size(n, b)
     if arr.shape[-1] != want:
-        raise KvqrsError(
-            f"packed: expected a last axis of {want} bytes for {n} codes of {b} bits, got shape {arr.shape}"
-        )
+        raise KvqrsError(f"packed: expected a last axis of {want} bytes for {n} codes of {b} bits, got shape {arr.shape}")
     return np.ascontiguousarray(arr).reshape(-1), tuple(arr.shape[:-1]), b, n

@@ -9,7 +9,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from .. import _native
-from .._arrays import check_finite_output, check_out_dtype, KvqrsError, as_float_rows, as_scalars, check_positive_int, check_seed, restore
+from .._arrays import KvqrsError, as_float_rows, as_scalars, check_finite_output, check_out_dtype, check_positive_int, check_seed, restore
 from .pack import packed_size
 
 
@@ -60,7 +60,9 @@ def _sketch_parts(sketch: QJLSketch) -> tuple[np.ndarray, np.ndarray, tuple[int,
     if signs.dtype != np.uint8 or signs.ndim == 0:
         raise KvqrsError(f"sketch.signs: expected a uint8 array (..., ceil(m/8)), got dtype {signs.dtype}, shape {signs.shape}")
     if signs.shape[-1] != packed_size(sketch.m, 1):
-        raise KvqrsError(f"sketch.signs: expected a last axis of {packed_size(sketch.m, 1)} bytes for m = {sketch.m}, got shape {signs.shape}")
+        raise KvqrsError(
+            f"sketch.signs: expected a last axis of {packed_size(sketch.m, 1)} bytes for m = {sketch.m}, got shape {signs.shape}"
+        )
     leading = tuple(signs.shape[:-1])
     norms = as_scalars(sketch.norms, "sketch.norms", leading)
     return np.ascontiguousarray(signs).reshape(-1), norms, leading

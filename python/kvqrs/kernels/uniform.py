@@ -8,7 +8,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from .. import _native
-from .._arrays import check_out_dtype, KvqrsError, as_code_rows, as_float_rows, as_scalars, check_bits, check_positive_int, restore
+from .._arrays import KvqrsError, as_code_rows, as_float_rows, as_scalars, check_bits, check_out_dtype, check_positive_int, restore
 
 
 class UniformCode(NamedTuple):
@@ -51,9 +51,7 @@ def uniform_encode(x: Any, bits: int, group: int) -> UniformCode:
     flat, leading, n, _ = as_float_rows(x, "x")
     codes, scales, zeros = _native.uniform_encode(flat, n, g, b)
     groups = -(-n // g)
-    return UniformCode(
-        codes.reshape(*leading, n), scales.reshape(*leading, groups), zeros.reshape(*leading, groups), g, b
-    )
+    return UniformCode(codes.reshape(*leading, n), scales.reshape(*leading, groups), zeros.reshape(*leading, groups), g, b)
 
 
 def uniform_decode(code: UniformCode, dtype: Any = np.float32) -> np.ndarray:

@@ -39,7 +39,7 @@ def allocate_bits(weights: np.ndarray, sq_norms: np.ndarray, bits: int, head_dim
     dp = padded_dim(head_dim)
     dist = np.array([lloyd_max_codebook(dp, b).unit_mse for b in range(MIN_BITS, MAX_BITS + 1)])
     gains = -np.diff(dist)  # D(b) - D(b+1), b = 1..7, decreasing
-    w = (np.asarray(weights, dtype=np.float64) * np.asarray(sq_norms, dtype=np.float64))
+    w = np.asarray(weights, dtype=np.float64) * np.asarray(sq_norms, dtype=np.float64)
     lead, t = w.shape[:-1], w.shape[-1]
     flat = w.reshape(math.prod(lead), t)  # (not -1: a tensor of no tokens has no rows to infer)
     out = np.empty(flat.shape, dtype=np.uint8)

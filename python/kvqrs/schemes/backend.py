@@ -111,7 +111,7 @@ class Backend:
 CPU = Backend("cpu", {k: getattr(kernels, k) for k in KERNEL_FUNCTIONS + FUSED_FUNCTIONS})
 """The Rust path (:mod:`kvqrs.kernels`)."""
 
-_gpu_backends: "weakref.WeakKeyDictionary[Any, Backend]" = weakref.WeakKeyDictionary()
+_gpu_backends: weakref.WeakKeyDictionary[Any, Backend] = weakref.WeakKeyDictionary()
 
 
 def get_backend(backend: Any = "cpu") -> Backend:
@@ -128,7 +128,7 @@ def get_backend(backend: Any = "cpu") -> Backend:
         return CPU
     if isinstance(backend, str) and backend != "wgpu":
         raise KvqrsError(f"backend: expected 'cpu', 'wgpu', a kvqrs.gpu.Device or a wgpu.GPUAdapter, got {backend!r}")
-    from .. import gpu  # noqa: PLC0415 - wgpu is optional
+    from .. import gpu
 
     dev = gpu.device(backend)
     if dev not in _gpu_backends:

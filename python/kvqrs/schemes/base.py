@@ -8,8 +8,9 @@ elements.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -67,7 +68,13 @@ def concat_tokens(encs: list[Encoded], axes: Mapping[str, int]) -> Encoded:
         raise KvqrsError("encoded: expected at least one chunk to concatenate")
     first = encs[0]
     for e in encs[1:]:
-        if (e.scheme, e.kind, dict(e.params), e.shape[:-2], e.shape[-1]) != (first.scheme, first.kind, dict(first.params), first.shape[:-2], first.shape[-1]):
+        if (e.scheme, e.kind, dict(e.params), e.shape[:-2], e.shape[-1]) != (
+            first.scheme,
+            first.kind,
+            dict(first.params),
+            first.shape[:-2],
+            first.shape[-1],
+        ):
             raise KvqrsError("encoded: chunks to concatenate must share scheme, parameters and shape except tokens")
     parts = {k: np.concatenate([np.asarray(e.parts[k]) for e in encs], axis=axes[k]) for k in first.parts}
     tokens = sum(e.shape[-2] for e in encs)
@@ -102,9 +109,7 @@ def check_encoded(enc: Encoded, scheme: str, kind: str, params: Mapping[str, Any
         raise KvqrsError(f"encoded: expected {kind} of scheme {scheme!r}, got {enc.kind} of scheme {enc.scheme!r}")
     if params is not None and dict(enc.params) != dict(params):
         diff = sorted(k for k in set(params) | set(enc.params) if params.get(k) != enc.params.get(k))
-        raise KvqrsError(
-            f"encoded: expected {kind} encoded with {dict(params)}, got {dict(enc.params)} (differs in {', '.join(diff)})"
-        )
+        raise KvqrsError(f"encoded: expected {kind} encoded with {dict(params)}, got {dict(enc.params)} (differs in {', '.join(diff)})")
 
 
 def as_float_array(x: Any, arg: str) -> np.ndarray:

@@ -3,19 +3,18 @@ computes attention logits and outputs from the encoded cache."""
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import numpy as np
 
-from .._arrays import KvqrsError, as_float_rows, check_bits, check_finite_output, first_nonfinite, check_positive_int, check_seed
-from ..kernels.rng import philox4x32_10, random_orthonormal_basis
+from .._arrays import KvqrsError, as_float_rows, check_bits, check_finite_output, check_positive_int, check_seed, first_nonfinite
 from ..kernels.attention import AttentionResult, DenseRows, decode_attention
 from ..kernels.headq import headq_basis
+from ..kernels.rng import philox4x32_10, random_orthonormal_basis
 from .a2 import A2ValueCoder
-from .block import BlockCoder
 from .backend import Backend, get_backend
 from .base import Encoded, as_float_array, concat_tokens, name_nonfinite
+from .block import BlockCoder
 from .headq import HeadQCoder
 from .kivi import KIVICoder
 from .mse import MSECoder, MSEQJLCoder
@@ -77,8 +76,10 @@ def _as_dtype(x: np.ndarray, dtype: np.dtype, what: str) -> np.ndarray:
         out = x.astype(dtype)
     if not np.isfinite(out).all():
         pos = tuple(int(i) for i in np.argwhere(~np.isfinite(out))[0])
-        raise KvqrsError(f"{what}: decoded value {x[pos]:.6g} at index {pos} does not fit the encoded dtype "
-                         f"{np.dtype(dtype).name}; encode a float32 copy to decode in float32")
+        raise KvqrsError(
+            f"{what}: decoded value {x[pos]:.6g} at index {pos} does not fit the encoded dtype "
+            f"{np.dtype(dtype).name}; encode a float32 copy to decode in float32"
+        )
     return out
 
 
@@ -430,4 +431,3 @@ class KVCodec:
             + ("" if self.backend.name == "cpu" else f", backend={self.backend.name!r}")
             + ")"
         )
-

@@ -16,7 +16,7 @@ import numpy as np
 from .._arrays import KvqrsError, first_nonfinite
 from ..kernels.attention import SideRows
 from ..kernels.headq import HeadQCode
-from .base import Encoded, as_float_array, check_encoded, slice_rows, flat_rows
+from .base import Encoded, as_float_array, check_encoded, flat_rows, slice_rows
 from .mse import blockwise
 
 
@@ -45,8 +45,13 @@ class HeadQCoder:
         self.k = base.k
         self.head_dim, self.rank, self.scheme, self.kind = base.head_dim, b.shape[-1], scheme, "keys"
         # The basis identity travels with the codes: decoding under another basis raises.
-        self.params = {"base": dict(base.params, scheme=base.scheme), "side_bits": side_bits, "rank": self.rank,
-                       "sign": sign, "basis_sha256": hashlib.sha256(np.ascontiguousarray(b).tobytes()).hexdigest()[:16]}
+        self.params = {
+            "base": dict(base.params, scheme=base.scheme),
+            "side_bits": side_bits,
+            "rank": self.rank,
+            "sign": sign,
+            "basis_sha256": hashlib.sha256(np.ascontiguousarray(b).tobytes()).hexdigest()[:16],
+        }
 
     def token_axes(self) -> dict[str, int]:
         return {**{f"base_{k}": v for k, v in self.base.token_axes().items()}, "side_codes": -2, "side_scales": -1}
@@ -55,9 +60,11 @@ class HeadQCoder:
         """The first ``n`` tokens of base codes and side codes (codes untouched)."""
         base, _ = self._split(enc)
         kept = self.base.slice_tokens(base, n)
-        side = slice_rows(Encoded(enc.scheme, "keys", enc.shape, enc.dtype,
-                                  {k: v for k, v in enc.parts.items() if k.startswith("side_")}, enc.params),
-                          {"side_codes": -2, "side_scales": -1}, n)
+        side = slice_rows(
+            Encoded(enc.scheme, "keys", enc.shape, enc.dtype, {k: v for k, v in enc.parts.items() if k.startswith("side_")}, enc.params),
+            {"side_codes": -2, "side_scales": -1},
+            n,
+        )
         parts = {**{f"base_{k}": v for k, v in kept.parts.items()}, **side.parts}
         return Encoded(enc.scheme, "keys", side.shape, enc.dtype, parts, enc.params)
 
@@ -67,7 +74,9 @@ class HeadQCoder:
         if self.basis.ndim == 2:
             return [self.basis] * count
         if not lead or lead[-1] != self.basis.shape[0]:
-            raise KvqrsError(f"keys: expected shape (..., kv_heads={self.basis.shape[0]}, tokens, d) for a per-head basis, got leading dims {lead}")
+            raise KvqrsError(
+                f"keys: expected shape (..., kv_heads={self.basis.shape[0]}, tokens, d) for a per-head basis, got leading dims {lead}"
+            )
         return [self.basis[i % self.basis.shape[0]] for i in range(count)]
 
     def encode(self, k) -> Encoded:
@@ -77,11 +86,17 @@ class HeadQCoder:
         bases = self._bases(k.shape[:-2])
         sides = [self.k.headq_encode(residual[i], bases[i], self.side_bits) for i in range(len(bases))]
         if not sides:  # no batch rows or heads: an empty code, with the kernel's dtypes
-            sides = [self.k.headq_encode(residual.reshape(0, self.head_dim), self.basis.reshape(-1, self.head_dim, self.rank)[0], self.side_bits)]
+            sides = [
+                self.k.headq_encode(residual.reshape(0, self.head_dim), self.basis.reshape(-1, self.head_dim, self.rank)[0], self.side_bits)
+            ]
         lead = k.shape[:-1]
         codes = np.stack([s.codes for s in sides]).reshape(*lead, self.rank)
         scales = np.stack([s.scales for s in sides]).reshape(lead)
-        parts = {**{f"base_{n}": v for n, v in base.parts.items()}, "side_codes": self.k.pack_bits(codes, self.side_bits), "side_scales": scales}
+        parts = {
+            **{f"base_{n}": v for n, v in base.parts.items()},
+            "side_codes": self.k.pack_bits(codes, self.side_bits),
+            "side_scales": scales,
+        }
         return Encoded(self.scheme, "keys", k.shape, k.dtype, parts, self.params)
 
     def _base(self, enc: Encoded) -> Encoded:
@@ -158,4 +173,6 @@ def _check_orthonormal(b: np.ndarray) -> None:
     if err.size and float(err.max()) > ORTHONORMAL_TOL:
         h = int(err.argmax())
         where = f" of KV head {h}" if b.ndim == 3 else ""
-        raise KvqrsError(f"basis: expected orthonormal columns (U^T U = I within {ORTHONORMAL_TOL}), got a deviation of {float(err[h]):.3g}{where}")
+        raise KvqrsError(
+            f"basis: expected orthonormal columns (U^T U = I within {ORTHONORMAL_TOL}), got a deviation of {float(err[h]):.3g}{where}"
+        )

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from .._arrays import KvqrsError
 from ..kernels.attention import UniformRows
 from ..kernels.uniform import UniformCode
-from .._arrays import KvqrsError
 from .backend import CPU, Backend
 from .base import Encoded, as_float_array, check_encoded, check_head_dim, slice_rows
 from .mse import decoded_scores
@@ -39,7 +39,9 @@ class KIVICoder:
     def check_concat(self, encs: list[Encoded]) -> None:
         """Per-channel key chunks join only if every chunk but the last holds whole groups."""
         if self.per_channel and any(e.shape[-2] % self.group or (e.shape[-2] * self.bits) % 8 for e in encs[:-1]):
-            raise KvqrsError(f"encoded: per-channel KIVI key chunks must hold whole groups of {self.group} tokens, got {[e.shape[-2] for e in encs]}")
+            raise KvqrsError(
+                f"encoded: per-channel KIVI key chunks must hold whole groups of {self.group} tokens, got {[e.shape[-2] for e in encs]}"
+            )
 
     def slice_tokens(self, enc: Encoded, n: int) -> Encoded:
         """The first ``n`` tokens. Per-channel keys keep whole groups only: ``n`` must be a

@@ -18,7 +18,7 @@ from ..kernels import lloyd_max_codebook, packed_size, padded_dim
 from ..kernels.attention import MSERows, QJLRows
 from ..kernels.qjl import QJLSketch
 from .backend import CPU, Backend
-from .base import Encoded, as_float_array, check_encoded, check_head_dim, slice_rows, flat_rows
+from .base import Encoded, as_float_array, check_encoded, check_head_dim, flat_rows, slice_rows
 
 
 def decoded_scores(q: np.ndarray, k_hat: np.ndarray) -> np.ndarray:
