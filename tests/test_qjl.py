@@ -53,9 +53,12 @@ def flat_rows(a, d):
 ms = st.one_of(st.none(), st.integers(1, 300))
 
 
+SKETCH_DIMS = st.one_of(head_dims, st.integers(1, 9))
+
+
 @st.composite
-def sketch_inputs(draw, dims=st.one_of(head_dims, st.integers(1, 9))):
-    d = draw(dims)
+def sketch_inputs(draw):
+    d = draw(SKETCH_DIMS)
     r = finite_rows(draw, draw(leading_shapes), d, scale=draw(st.sampled_from([1e-3, 1.0, 100.0])))
     return r, draw(seeds), draw(ms)
 

@@ -2,7 +2,7 @@
 out; the public wrappers in ``kvqrs.kernels`` restore shapes and dtypes)."""
 
 from collections.abc import Sequence
-from typing import Any, Dict, Optional, Tuple, Union
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -15,7 +15,7 @@ class KvqrsError(ValueError): ...
 _F32 = npt.NDArray[np.float32]
 _F64 = npt.NDArray[np.float64]
 _U8 = npt.NDArray[np.uint8]
-_Scalars = Union[npt.NDArray[np.float16], npt.NDArray[np.float32]]
+_Scalars = npt.NDArray[np.float16] | npt.NDArray[np.float32]
 
 def pack_bits(codes: _U8, count: int, bits: int) -> _U8: ...
 def unpack_bits(packed: _U8, count: int, bits: int) -> _U8: ...

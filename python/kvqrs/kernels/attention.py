@@ -17,7 +17,7 @@ and HeadQ's side code with :class:`SideRows`. The float64 reference is
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple, Optional, Union
+from typing import Any, NamedTuple, Union
 
 import numpy as np
 
