@@ -12,11 +12,11 @@ from typing import Any
 
 import numpy as np
 
-from .._arrays import as_code_rows, as_float_rows, restore
+from .._arrays import as_code_rows, as_float_rows, restore, tensors_in_out
 from ..kernels.lloyd_max import Codebook, _check_codebook, lloyd_max_codebook
 from ._device import Call, Device
 from ._device import device as _device
-from ._host import check_code_range, check_finite, tensors_in_out
+from ._host import check_code_range, check_finite
 
 __all__ = ["Codebook", "lloyd_max_codebook", "lloyd_max_decode", "lloyd_max_encode", "encode_on_device", "decode_on_device"]
 

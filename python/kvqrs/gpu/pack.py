@@ -10,11 +10,11 @@ from typing import Any
 
 import numpy as np
 
-from .._arrays import as_code_rows, check_bits
+from .._arrays import as_code_rows, check_bits, tensors_in_out
 from ..kernels.pack import packed_rows, packed_size
 from ._device import Call
 from ._device import device as _device
-from ._host import check_code_range, tensors_in_out
+from ._host import check_code_range
 
 __all__ = ["pack_bits", "packed_size", "unpack_bits", "pack_on_device"]
 

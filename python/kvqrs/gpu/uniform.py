@@ -7,10 +7,10 @@ from typing import Any
 
 import numpy as np
 
-from .._arrays import as_float_rows, check_bits, check_out_dtype, check_positive_int, restore
+from .._arrays import as_float_rows, check_bits, check_out_dtype, check_positive_int, restore, tensors_in_out
 from ..kernels.uniform import UniformCode, decode_args
 from ._device import device as _device
-from ._host import check_code_range, check_finite, check_overflow, check_row_len, check_stored, store, tensors_in_out
+from ._host import check_code_range, check_finite, check_overflow, check_row_len, check_stored, store
 
 __all__ = ["UniformCode", "uniform_decode", "uniform_encode"]
 

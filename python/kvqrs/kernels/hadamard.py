@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from .. import _native
-from .._arrays import KvqrsError, as_float_rows, check_positive_int, check_seed, restore
+from .._arrays import KvqrsError, as_float_rows, check_positive_int, check_seed, restore, tensors_in_out
 
 
 def padded_dim(head_dim: int) -> int:
@@ -17,6 +17,7 @@ def padded_dim(head_dim: int) -> int:
     return 1 << (d - 1).bit_length()
 
 
+@tensors_in_out()
 def hadamard(x: Any, seed: int | None = None) -> np.ndarray:
     """Rotate rows with the randomized Walsh-Hadamard transform.
 
@@ -41,6 +42,7 @@ def hadamard(x: Any, seed: int | None = None) -> np.ndarray:
     return restore(out, leading, padded_dim(d), dtype, finite=True)
 
 
+@tensors_in_out()
 def inverse_hadamard(y: Any, seed: int | None = None, head_dim: int | None = None) -> np.ndarray:
     """Inverse of :func:`hadamard`: ``(diag(s) H_{d'} y / sqrt(d'))[..., :head_dim]``.
 

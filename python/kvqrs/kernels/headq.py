@@ -18,6 +18,7 @@ from .._arrays import (
     check_out_dtype,
     check_positive_int,
     restore,
+    tensors_in_out,
 )
 
 MAX_BASIS_DIM = 4096
@@ -47,6 +48,7 @@ def _basis(basis: Any) -> tuple[np.ndarray, int, int]:
     return flat, arr.shape[0], rank
 
 
+@tensors_in_out()
 def headq_encode(residual: Any, basis: Any, bits: int) -> HeadQCode:
     """Encode ``z = Q_side(U^T e)`` per row.
 
@@ -84,6 +86,7 @@ def _code_parts(code: HeadQCode, rank: int) -> tuple[np.ndarray, np.ndarray, tup
     return flat, as_scalars(code.scales, "code.scales", leading), leading
 
 
+@tensors_in_out()
 def headq_decode(code: HeadQCode, basis: Any, dtype: Any = np.float32) -> np.ndarray:
     """Reconstruct the side estimate ``U z`` of the residual.
 
@@ -97,6 +100,7 @@ def headq_decode(code: HeadQCode, basis: Any, dtype: Any = np.float32) -> np.nda
     return restore(out, leading, d, check_out_dtype(dtype))
 
 
+@tensors_in_out()
 def headq_score_correction(q: Any, code: HeadQCode, basis: Any) -> np.ndarray:
     """Score-space correction ``(U^T q_i) . z_j`` for every query row i and coded key j.
 
@@ -120,6 +124,7 @@ def headq_score_correction(q: Any, code: HeadQCode, basis: Any) -> np.ndarray:
     return check_finite_output(out.reshape((*lq, *lk)))
 
 
+@tensors_in_out()
 def headq_basis(queries: Any, rank: int) -> np.ndarray:
     """Calibration basis: top-``rank`` eigenvectors of the uncentred second moment ``Q^T Q / n``.
 

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from .. import _native
-from .._arrays import KvqrsError, as_code_rows, as_float_rows, check_bits, check_positive_int, restore
+from .._arrays import KvqrsError, as_code_rows, as_float_rows, check_bits, check_positive_int, restore, tensors_in_out
 
 
 @dataclass(frozen=True)
@@ -77,6 +77,7 @@ def _check_codebook(codebook: Any) -> None:
     check_bits(codebook.bits, "codebook.bits")
 
 
+@tensors_in_out()
 def lloyd_max_encode(x: Any, codebook: Codebook) -> np.ndarray:
     """``bucketize(x, boundaries)``: the number of float32 boundaries <= each float32 value.
 
@@ -98,6 +99,7 @@ def lloyd_max_encode(x: Any, codebook: Codebook) -> np.ndarray:
     return restore(out, leading, n)
 
 
+@tensors_in_out()
 def lloyd_max_decode(codes: Any, codebook: Codebook) -> np.ndarray:
     """``centroids[codes]`` as float32 (the centroids rounded once to float32).
 

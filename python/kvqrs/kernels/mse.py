@@ -17,6 +17,7 @@ from .._arrays import (
     check_positive_int,
     check_seed,
     restore,
+    tensors_in_out,
 )
 from .hadamard import padded_dim
 from .pack import packed_rows, packed_size
@@ -36,6 +37,7 @@ class MSECode(NamedTuple):
     norms: np.ndarray
 
 
+@tensors_in_out()
 def mse_encode(x: Any, bits: int, seed: int | None = None) -> MSECode:
     """Quantize rows as ``(||x||, codes of R x / ||x||)``.
 
@@ -63,6 +65,7 @@ def mse_encode(x: Any, bits: int, seed: int | None = None) -> MSECode:
     return MSECode(codes.reshape(*leading, code_dim), norms.reshape(leading))
 
 
+@tensors_in_out()
 def mse_decode(
     codes: Any,
     norms: Any,
@@ -91,6 +94,7 @@ def mse_decode(
     return restore(out, leading, d, check_out_dtype(dtype), finite=True)
 
 
+@tensors_in_out()
 def mse_encode_packed(x: Any, bits: int, seed: int | None = None) -> MSECode:
     """:func:`mse_encode` followed by :func:`~kvqrs.pack_bits`, fused row by row in Rust: the
     same bytes without the unpacked ``(..., code_dim)`` intermediate (what the schemes store).
@@ -115,6 +119,7 @@ def mse_encode_packed(x: Any, bits: int, seed: int | None = None) -> MSECode:
     return MSECode(packed.reshape(*leading, packed_size(code_dim, b)), norms.reshape(leading))
 
 
+@tensors_in_out()
 def mse_decode_packed(
     packed: Any,
     norms: Any,

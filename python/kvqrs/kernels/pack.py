@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 
 from .. import _native
-from .._arrays import KvqrsError, as_code_rows, check_bits, check_positive_int
+from .._arrays import KvqrsError, as_code_rows, check_bits, check_positive_int, tensors_in_out
 
 
 def packed_size(count: int, bits: int) -> int:
@@ -16,6 +16,7 @@ def packed_size(count: int, bits: int) -> int:
     return (n * check_bits(bits) + 7) // 8
 
 
+@tensors_in_out()
 def pack_bits(codes: Any, bits: int) -> np.ndarray:
     """Pack b-bit codes, little-endian within each row.
 
@@ -37,6 +38,7 @@ def pack_bits(codes: Any, bits: int) -> np.ndarray:
     return out.reshape(*leading, packed_size(m, b))
 
 
+@tensors_in_out()
 def unpack_bits(packed: Any, bits: int, count: int) -> np.ndarray:
     """Exact inverse of :func:`pack_bits`.
 

@@ -9,7 +9,17 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from .. import _native
-from .._arrays import KvqrsError, as_float_rows, as_scalars, check_finite_output, check_out_dtype, check_positive_int, check_seed, restore
+from .._arrays import (
+    KvqrsError,
+    as_float_rows,
+    as_scalars,
+    check_finite_output,
+    check_out_dtype,
+    check_positive_int,
+    check_seed,
+    restore,
+    tensors_in_out,
+)
 from .pack import packed_size
 
 
@@ -30,6 +40,7 @@ class QJLSketch(NamedTuple):
     dim: int
 
 
+@tensors_in_out()
 def qjl_sketch(r: Any, seed: int, m: int | None = None) -> QJLSketch:
     """Sketch residual rows: ``sign(S r)`` packed, plus ``||r||``.
 
@@ -68,6 +79,7 @@ def _sketch_parts(sketch: QJLSketch) -> tuple[np.ndarray, np.ndarray, tuple[int,
     return np.ascontiguousarray(signs).reshape(-1), norms, leading
 
 
+@tensors_in_out()
 def qjl_inner_product(y: Any, sketch: QJLSketch, seed: int) -> np.ndarray:
     """Unbiased estimates of ``<y_i, r_j>`` for every query row i and sketched row j.
 
@@ -93,6 +105,7 @@ def qjl_inner_product(y: Any, sketch: QJLSketch, seed: int) -> np.ndarray:
     return check_finite_output(out.reshape((*ly, *lr)))
 
 
+@tensors_in_out()
 def qjl_vector_estimate(sketch: QJLSketch, seed: int, dtype: Any = np.float32) -> np.ndarray:
     """Unbiased vector estimate ``r_hat = sqrt(pi/2) / m * ||r|| * S^T sign(S r)``.
 

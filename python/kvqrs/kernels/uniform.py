@@ -8,7 +8,17 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from .. import _native
-from .._arrays import KvqrsError, as_code_rows, as_float_rows, as_scalars, check_bits, check_out_dtype, check_positive_int, restore
+from .._arrays import (
+    KvqrsError,
+    as_code_rows,
+    as_float_rows,
+    as_scalars,
+    check_bits,
+    check_out_dtype,
+    check_positive_int,
+    restore,
+    tensors_in_out,
+)
 
 
 class UniformCode(NamedTuple):
@@ -29,6 +39,7 @@ class UniformCode(NamedTuple):
     bits: int
 
 
+@tensors_in_out()
 def uniform_encode(x: Any, bits: int, group: int) -> UniformCode:
     """Quantize consecutive groups of ``group`` values along the last axis.
 
@@ -54,6 +65,7 @@ def uniform_encode(x: Any, bits: int, group: int) -> UniformCode:
     return UniformCode(codes.reshape(*leading, n), scales.reshape(*leading, groups), zeros.reshape(*leading, groups), g, b)
 
 
+@tensors_in_out()
 def uniform_decode(code: UniformCode, dtype: Any = np.float32) -> np.ndarray:
     """Reconstruct ``zero + scale * code`` per group.
 

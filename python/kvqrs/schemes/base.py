@@ -29,6 +29,10 @@ class Encoded:
         parts: name -> stored array (packed codes, norms, scales, sketches, side codes, ...).
         params: scheme parameters needed to decode (bits, seeds, group sizes); not counted as
             storage, since they are per-codec constants, not per-token data.
+        device: the torch device (``"cpu"``, ``"cuda:0"``, ...) of the tensor it was encoded
+            from, None for a NumPy array: :class:`~kvqrs.schemes.KVCodec` decodes a tensor's
+            codes back to a tensor of its dtype on that device. The parts themselves are NumPy
+            arrays in host memory either way; not stored by :mod:`kvqrs.format`.
     """
 
     scheme: str
@@ -37,6 +41,7 @@ class Encoded:
     dtype: np.dtype
     parts: Mapping[str, np.ndarray]
     params: Mapping[str, Any] = field(default_factory=dict)
+    device: str | None = None
 
     @property
     def numel(self) -> int:

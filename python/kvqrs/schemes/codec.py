@@ -3,11 +3,22 @@ computes attention logits and outputs from the encoded cache."""
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+from typing import TYPE_CHECKING, Any, Union
 
 import numpy as np
 
-from .._arrays import KvqrsError, as_float_rows, check_bits, check_finite_output, check_positive_int, check_seed, first_nonfinite
+from .._arrays import (
+    KvqrsError,
+    as_float_rows,
+    check_bits,
+    check_finite_output,
+    check_positive_int,
+    check_seed,
+    first_nonfinite,
+    is_tensor,
+    numpy_to_torch,
+)
 from ..kernels.attention import AttentionResult, DenseRows, decode_attention
 from ..kernels.headq import headq_basis
 from ..kernels.rng import philox4x32_10, random_orthonormal_basis
@@ -65,6 +76,39 @@ def _value_coder(scheme: str, bits: int, head_dim: int, seed: int, group: int, b
     if scheme == "none":
         return None
     raise KvqrsError(f"value_scheme: expected one of {VALUE_SCHEMES}, got {scheme!r}")
+
+
+if TYPE_CHECKING:
+    import torch
+
+    Array = Union[np.ndarray, torch.Tensor]
+    """A NumPy array or a torch tensor (any float dtype, any device)."""
+
+
+def _with_source(enc: Encoded, x: Any) -> Encoded:
+    """``enc`` marked with the torch device of ``x`` when ``x`` is a tensor (decodes return one)."""
+    return dataclasses.replace(enc, device=str(x.device)) if is_tensor(x) else enc
+
+
+def _like_source(out: np.ndarray, enc: Encoded) -> Any:
+    """A decoded array as the caller gave the source: a tensor on ``enc.device`` (in the
+    encoded dtype) when it was a tensor, else the array itself."""
+    if enc.device is None:
+        return out
+    import torch
+
+    return numpy_to_torch(out, torch.empty(0, device=enc.device))
+
+
+def _like_query(out: Any, q: Any) -> Any:
+    """Results of a query-driven method as tensors on ``q``'s device when ``q`` is a tensor
+    (in the dtypes the NumPy path returns), else unchanged."""
+    if not is_tensor(q) or out is None:
+        return out
+    if isinstance(out, np.ndarray):
+        return numpy_to_torch(out, q)
+    items = [_like_query(o, q) for o in out]
+    return type(out)(*items) if hasattr(out, "_fields") else tuple(items)
 
 
 def _as_dtype(x: np.ndarray, dtype: np.dtype, what: str) -> np.ndarray:
@@ -189,7 +233,7 @@ class KVCodec:
             raise KvqrsError(f"queries: expected (n, d) or (kv_heads, n, d) with n >= rank = {self.rank}, got shape {q.shape}")
         basis = headq_basis(q, self.rank) if q.ndim == 2 else np.stack([headq_basis(h, self.rank) for h in q])
         self.set_basis(basis)
-        return basis
+        return _like_query(basis, queries)
 
     def _key_coder(self):
         if self.keys is None:
@@ -206,16 +250,18 @@ class KVCodec:
             KvqrsError: a NaN or infinity (named by its index in ``k``), a wrong head_dim, a
                 row whose norm or range overflows float32.
         """
-        return name_nonfinite(self._key_coder().encode, k, "keys")
+        return _with_source(name_nonfinite(self._key_coder().encode, k, "keys"), k)
 
-    def decode_keys(self, ck: Encoded, base_only: bool = False) -> np.ndarray:
-        """Reconstruct keys ``(..., tokens, head_dim)`` in the dtype they were encoded from.
+    def decode_keys(self, ck: Encoded, base_only: bool = False) -> Array:
+        """Reconstruct keys ``(..., tokens, head_dim)`` in the dtype they were encoded from: a
+        NumPy array, or a torch tensor on the source's device when a tensor was encoded
+        (:attr:`Encoded.device`).
 
         ``base_only=True`` returns HeadQ's base keys without the side code (what the score
         path multiplies the query with before adding :meth:`score_correction`)."""
         coder = self._key_coder()
         out = coder.decode_base(ck) if base_only and self.scheme == "headq" else coder.decode(ck)
-        return _as_dtype(out, ck.dtype, "keys")
+        return _like_source(_as_dtype(out, ck.dtype, "keys"), ck)
 
     def scores(self, q: Any, ck: Encoded) -> np.ndarray:
         """Attention logits ``q . k_hat / sqrt(d)``, float32 ``(..., q_heads, nq, tokens)``.
@@ -229,7 +275,7 @@ class KVCodec:
             KvqrsError: a NaN or infinity in ``q`` (named by its index), leading dims that do not
                 match, or a logit beyond float32 (keys near the bfloat16/float32 limit).
         """
-        return self._grouped(q, ck, self._key_coder().scores)
+        return _like_query(self._grouped(q, ck, self._key_coder().scores), q)
 
     def score_correction(self, q: Any, ck: Encoded) -> np.ndarray | None:
         """HeadQ's score-space correction ``sign * (U^T q) . z / sqrt(d)`` alone, shaped like
@@ -237,7 +283,7 @@ class KVCodec:
         ``q . decode_keys(ck, base_only=True) / sqrt(d)`` it gives :meth:`scores`."""
         if self.scheme != "headq":
             return None
-        return self._grouped(q, ck, self._key_coder().correction)
+        return _like_query(self._grouped(q, ck, self._key_coder().correction), q)
 
     def _grouped(self, q: Any, ck: Encoded, fn) -> np.ndarray:
         """Apply a per-KV-head score function with GQA grouping of query heads."""
@@ -269,7 +315,7 @@ class KVCodec:
         if not 0 <= int(n) <= enc.shape[-2]:
             raise KvqrsError(f"n: expected 0 <= n <= {enc.shape[-2]} tokens, got {n}")
         coder = self._key_coder() if enc.kind == "keys" else self.values
-        return coder.slice_tokens(enc, n)
+        return dataclasses.replace(coder.slice_tokens(enc, n), device=enc.device)
 
     def concat(self, encs: list[Encoded]) -> Encoded:
         """Join chunks of consecutive tokens encoded by this codec (keys or values)."""
@@ -277,7 +323,7 @@ class KVCodec:
         base = getattr(coder, "base", coder)
         if hasattr(base, "check_concat"):
             base.check_concat(encs)
-        return concat_tokens(encs, coder.token_axes())
+        return dataclasses.replace(concat_tokens(encs, coder.token_axes()), device=encs[0].device)
 
     # -- values --------------------------------------------------------------------------------
     def encode_values(self, v: Any, weights: Any = None) -> Encoded:
@@ -287,16 +333,17 @@ class KVCodec:
         if self.values is None:
             raise KvqrsError("value_scheme: this codec keeps values in full precision ('none'); nothing to encode")
         if self.value_scheme == "a2":
-            return name_nonfinite(self.values.encode, v, "values", weights)
+            return _with_source(name_nonfinite(self.values.encode, v, "values", weights), v)
         if weights is not None:
             raise KvqrsError(f"weights: only the a2 value scheme uses attention weights, this codec's values are {self.value_scheme!r}")
-        return name_nonfinite(self.values.encode, v, "values")
+        return _with_source(name_nonfinite(self.values.encode, v, "values"), v)
 
-    def decode_values(self, cv: Encoded) -> np.ndarray:
-        """Reconstruct values ``(..., tokens, head_dim)`` in the dtype they were encoded from."""
+    def decode_values(self, cv: Encoded) -> Array:
+        """Reconstruct values ``(..., tokens, head_dim)`` in the dtype they were encoded from
+        (a torch tensor on the source's device when a tensor was encoded, as :meth:`decode_keys`)."""
         if self.values is None:
             raise KvqrsError("value_scheme: this codec keeps values in full precision ('none'); nothing to decode")
-        return _as_dtype(self.values.decode(cv), cv.dtype, "values")
+        return _like_source(_as_dtype(self.values.decode(cv), cv.dtype, "values"), cv)
 
     def _check_keys(self, ck: Encoded) -> None:
         if not isinstance(ck, Encoded) or ck.kind != "keys":
@@ -388,11 +435,12 @@ class KVCodec:
         grouped, q_lead, nq = self._group_queries(q, ck)
         res = decode_attention(grouped, rows[0], rows[1], side=rows[2], scale=scale, probs=probs)
         t = ck.shape[-2]
-        return AttentionResult(
+        out = AttentionResult(
             res.out.reshape(*q_lead, nq, self.head_dim),
             res.lse.reshape(*q_lead, nq),
             None if res.probs is None else res.probs.reshape(*q_lead, nq, t),
         )
+        return _like_query(out, q)
 
     def attention(self, q: Any, ck: Encoded, cv: Encoded, fused: bool | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Attention over the encoded cache: ``(softmax(scores) @ v_hat, probabilities)``.
@@ -409,6 +457,8 @@ class KVCodec:
             ``(..., q_heads, nq, T)`` (computed in float32 on the fused path).
         """
         self._check_attention(ck, cv)
+        if is_tensor(q):
+            return _like_query(self.attention(as_float_array(q, "q"), ck, cv, fused), q)
         if fused is None:
             fused = self.fused_rows(ck, cv) is not None
         if fused:
