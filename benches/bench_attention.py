@@ -1,5 +1,5 @@
 """Decode attention from a compressed cache against torch SDPA over a dense cache, side by side in
-one run on the same inputs (issue 6): one query token, 9 query heads over 3 KV heads (GQA),
+one run on the same inputs: one query token, 9 query heads over 3 KV heads (GQA),
 head_dim 64 (SmolLM2-135M's attention), at 4k and 32k cached tokens.
 
 Rows: ``torch.nn.functional.scaled_dot_product_attention`` over a float32 and a bfloat16 cache

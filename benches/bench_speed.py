@@ -1,5 +1,5 @@
 """The speed harness: kvqrs side by side with a float32 memory copy, the NumPy oracle, torch and
-the installable peers, in one run on the same inputs (issue 5/6). Prints Markdown tables headed
+the installable peers, in one run on the same inputs. Prints Markdown tables headed
 by the machine they were measured on.
 
 Sections (``--sections``, all by default):

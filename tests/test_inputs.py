@@ -1,4 +1,4 @@
-"""The input-class sweep (issue 6/6, robustness): every public entry point that takes float data,
+"""The input-class sweep (robustness): every public entry point that takes float data,
 fed float16 / bfloat16 / float32 / float64 NumPy arrays and torch tensors, strided, transposed,
 broadcast and reversed views, empty tensors, zero / constant / one-hot rows, bfloat16 values
 beyond float16's range, NaN and infinities; every scheme at head_dim 40, 80, 96, 112, 160, 192

@@ -1,4 +1,4 @@
-"""The compressed-cache format (SPEC section 6): an :class:`~kvqrs.schemes.Encoded` tensor as
+"""The compressed-cache format (docs/format.md): an :class:`~kvqrs.schemes.Encoded` tensor as
 versioned, self-describing, checksummed bytes.
 
 The container (magic, version, length-prefixed sections, each with a CRC-32 over its header and
@@ -54,6 +54,8 @@ def dumps(enc: Encoded) -> bytes:
         "params": dict(enc.params),
         "parts": list(enc.parts),
     }
+    if enc.seed is not None:
+        meta["codec_seed"] = int(enc.seed)  # named by seed-mismatch errors; optional
     try:
         text = json.dumps(meta, sort_keys=True).encode()
     except TypeError as e:
@@ -114,7 +116,9 @@ def loads(data: bytes, codec: Any = None) -> Encoded:
         if code not in codes:
             raise KvqrsError(f"compressed cache: part {name!r} has dtype code {code}")
         parts[name] = np.frombuffer(payload, dtype=_np_dtype(codes[code])).reshape(shape)
-    enc = Encoded(meta["scheme"], meta["kind"], tuple(meta["shape"]), _np_dtype(meta["dtype"]), parts, meta["params"])
+    seed = meta.get("codec_seed")
+    seed = seed if isinstance(seed, int) and not isinstance(seed, bool) and 0 <= seed < 2**64 else None
+    enc = Encoded(meta["scheme"], meta["kind"], tuple(meta["shape"]), _np_dtype(meta["dtype"]), parts, meta["params"], seed=seed)
     if codec is not None:
         check_belongs(enc, codec)
     return enc
@@ -129,6 +133,7 @@ def check_belongs(enc: Encoded, codec: Any) -> None:
     coder = codec._key_coder() if enc.kind == "keys" else codec.values
     if coder is None:
         raise KvqrsError(f"compressed cache: the codec stores no {enc.kind}")
+    codec.check_seed_of(enc)
     check_encoded(enc, coder.scheme, enc.kind, coder.params)
     if len(enc.shape) < 2 or enc.shape[-1] != codec.head_dim:
         raise KvqrsError(f"compressed cache: shape {enc.shape}, the codec expects (..., tokens, {codec.head_dim})")

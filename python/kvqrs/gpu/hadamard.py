@@ -1,5 +1,4 @@
-"""The randomized Walsh-Hadamard rotation on the device (shaders/hadamard.wgsl; SPEC 2.2;
-docs/kernels.md section 3). Same arguments, results and errors as
+"""The randomized Walsh-Hadamard rotation on the device (shaders/hadamard.wgsl; docs/kernels.md section 3). Same arguments, results and errors as
 :mod:`kvqrs.kernels.hadamard`; bit for bit the Rust path's float32 arithmetic."""
 
 from __future__ import annotations

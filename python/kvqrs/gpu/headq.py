@@ -1,4 +1,4 @@
-"""The HeadQ side code on the device (shaders/headq.wgsl; SPEC 2.6; docs/kernels.md section 7).
+"""The HeadQ side code on the device (shaders/headq.wgsl; docs/kernels.md section 7).
 
 The basis is the host's (:func:`kvqrs.headq_basis`, an eigendecomposition, re-exported; or the
 random-basis control from :func:`kvqrs.random_orthonormal_basis`). Same arguments, results and

@@ -1,5 +1,4 @@
-"""Lloyd-Max encode and decode on the device (shaders/lloyd_max.wgsl; SPEC 2.3;
-docs/kernels.md section 4).
+"""Lloyd-Max encode and decode on the device (shaders/lloyd_max.wgsl; docs/kernels.md section 4).
 
 The codebook is the host's (:func:`kvqrs.lloyd_max_codebook`, re-exported): a float64 Lloyd
 iteration, rounded once to float32 and uploaded once per (head_dim, bits). Same arguments,

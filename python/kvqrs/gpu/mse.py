@@ -1,5 +1,5 @@
 """The norm-and-direction (MSE) stage on the device (shaders/mse.wgsl for the norm, composed
-with hadamard.wgsl and lloyd_max.wgsl in one submission; SPEC 2.4; docs/kernels.md section 5).
+with hadamard.wgsl and lloyd_max.wgsl in one submission; docs/kernels.md section 5).
 
 Same arguments, results and errors as :mod:`kvqrs.kernels.mse`. The norm is a float32
 reduction on the device (the Rust path's is float64): stored norms can differ from the Rust

@@ -1,4 +1,4 @@
-"""Bit packing on the device (shaders/pack.wgsl; SPEC 2.1; docs/kernels.md section 2).
+"""Bit packing on the device (shaders/pack.wgsl; docs/kernels.md section 2).
 
 Same arguments, results and errors as :mod:`kvqrs.kernels.pack`; the packed bytes are the
 Rust path's, byte for byte.

@@ -1,5 +1,5 @@
 """The QJL sign sketch and its estimators on the device (shaders/qjl.wgsl, with mse.wgsl for
-``||r||`` and pack.wgsl for the sign bits; SPEC 2.5; docs/kernels.md section 6).
+``||r||`` and pack.wgsl for the sign bits; docs/kernels.md section 6).
 
 ``S`` is built on the host by the Rust generator (float64 Box-Muller, which WGSL cannot do) and
 uploaded once per (seed, m, dim). Same arguments, results and errors as :mod:`kvqrs.kernels.qjl`.

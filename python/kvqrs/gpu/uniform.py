@@ -1,4 +1,4 @@
-"""The KIVI asymmetric uniform quantizer on the device (shaders/uniform.wgsl; SPEC 3;
+"""The KIVI asymmetric uniform quantizer on the device (shaders/uniform.wgsl; docs/schemes.md;
 docs/kernels.md section 9). Same arguments, results and errors as :mod:`kvqrs.kernels.uniform`."""
 
 from __future__ import annotations

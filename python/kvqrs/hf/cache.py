@@ -355,7 +355,7 @@ class QuantizedKVCache(Cache):
         the full-precision window)."""
         return sum(layer.nbytes() for layer in self.layers)
 
-    # -- the compressed-cache format (SPEC 6; kvqrs.hf.persist) ---------------------------------
+    # -- the compressed-cache format (docs/format.md; kvqrs.hf.persist) ---------------------------------
     def to_bytes(self) -> bytes:
         """The whole cache (config, codes, full-precision window, HeadQ bases) as checksummed bytes."""
         from .persist import dumps

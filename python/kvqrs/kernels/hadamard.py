@@ -1,5 +1,5 @@
 """Randomized Walsh-Hadamard rotation ``R = H_{d'} diag(s) / sqrt(d')`` with zero padding
-(SPEC 2.2; docs/kernels.md section 3)."""
+(docs/kernels.md section 3)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """HeadQ side code: a low-rank code of the key residual in a PCA basis of calibration queries,
-added back in score space with the live query (SPEC 2.6; docs/kernels.md section 7)."""
+added back in score space with the live query (docs/kernels.md section 7)."""
 
 from __future__ import annotations
 

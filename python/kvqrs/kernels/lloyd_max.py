@@ -1,5 +1,4 @@
-"""Lloyd-Max codebooks for one coordinate of a random unit vector (SPEC 2.3;
-docs/kernels.md section 4)."""
+"""Lloyd-Max codebooks for one coordinate of a random unit vector (docs/kernels.md section 4)."""
 
 from __future__ import annotations
 

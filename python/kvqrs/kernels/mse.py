@@ -1,4 +1,4 @@
-"""Norm-and-direction quantization, the MSE stage (SPEC 2.4; docs/kernels.md section 5)."""
+"""Norm-and-direction quantization, the MSE stage (docs/kernels.md section 5)."""
 
 from __future__ import annotations
 
@@ -106,7 +106,7 @@ def mse_encode_packed(x: Any, bits: int, seed: int | None = None) -> MSECode:
 
     Returns:
         :class:`MSECode` whose ``codes`` are packed: uint8 ``(..., ceil(code_dim * bits / 8))``
-        (SPEC 2.1 bit order).
+        (docs/kernels.md section 2 bit order).
 
     Raises:
         KvqrsError: as :func:`mse_encode`.

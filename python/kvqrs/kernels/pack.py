@@ -1,4 +1,4 @@
-"""Bit packing of b-bit codes (SPEC 2.1; docs/kernels.md section 2)."""
+"""Bit packing of b-bit codes (docs/kernels.md section 2)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """QJL: the 1-bit Johnson-Lindenstrauss sign sketch of a residual and its unbiased estimators
-(SPEC 2.5; docs/kernels.md section 6). ``S`` is the seeded dense Gaussian matrix (m x dim)."""
+(docs/kernels.md section 6). ``S`` is the seeded dense Gaussian matrix (m x dim)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Asymmetric min-max uniform quantization of consecutive groups: the KIVI quantizer
-(SPEC 3; docs/kernels.md section 9)."""
+(docs/schemes.md; docs/kernels.md section 9)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Compute backends of the schemes: which implementation of the kernels a coder composes.
 
-A :class:`Backend` exposes the kernel functions of SPEC section 2 under their
+A :class:`Backend` exposes the kernel functions of docs/kernels.md under their
 :mod:`kvqrs.kernels` names. ``"cpu"`` is the Rust path (the default); ``"wgpu"`` is the WGSL path
 of :mod:`kvqrs.gpu` on its default device; a ``kvqrs.gpu.Device`` or ``wgpu.GPUAdapter`` selects
 a device explicitly. Both paths produce the same codes and formats, so a tensor encoded on one

@@ -1,4 +1,4 @@
-"""``KVCodec``: one object that encodes keys and values with a named scheme (SPEC 3) and
+"""``KVCodec``: one object that encodes keys and values with a named scheme (docs/schemes.md) and
 computes attention logits and outputs from the encoded cache."""
 
 from __future__ import annotations
@@ -85,9 +85,10 @@ if TYPE_CHECKING:
     """A NumPy array or a torch tensor (any float dtype, any device)."""
 
 
-def _with_source(enc: Encoded, x: Any) -> Encoded:
-    """``enc`` marked with the torch device of ``x`` when ``x`` is a tensor (decodes return one)."""
-    return dataclasses.replace(enc, device=str(x.device)) if is_tensor(x) else enc
+def _with_source(enc: Encoded, x: Any, seed: int) -> Encoded:
+    """``enc`` marked with the codec's seed and, when ``x`` is a tensor, its torch device
+    (decodes return a tensor there)."""
+    return dataclasses.replace(enc, device=str(x.device) if is_tensor(x) else None, seed=seed)
 
 
 def _like_source(out: np.ndarray, enc: Encoded) -> Any:
@@ -128,7 +129,7 @@ def _as_dtype(x: np.ndarray, dtype: np.dtype, what: str) -> np.ndarray:
 
 
 class KVCodec:
-    """Encode keys and values of one attention layer with a scheme of SPEC section 3.
+    """Encode keys and values of one attention layer with a scheme of docs/schemes.md.
 
     Args:
         scheme: ``kv``, ``kqv``, ``qkqv``, ``kivi``, ``block`` (rotation + llama.cpp-style
@@ -235,6 +236,25 @@ class KVCodec:
         self.set_basis(basis)
         return _like_query(basis, queries)
 
+    def check_seed_of(self, enc: Any) -> None:
+        """Raise :class:`KvqrsError` naming both codec seeds when ``enc`` was encoded under a
+        seed other than this codec's and its rotation or sketch seeds therefore differ (the
+        coders' own check can only name the derived seeds)."""
+        if not isinstance(enc, Encoded):
+            return
+        coder = self.keys if enc.kind == "keys" else self.values
+        params = getattr(coder, "params", None)
+        if params is None or enc.scheme != coder.scheme:
+            return
+        diff = [k for k in set(params) | set(enc.params) if params.get(k) != enc.params.get(k)]
+        if not diff or not all("seed" in k for k in diff):
+            return
+        given = "another seed" if enc.seed is None else f"seed={enc.seed}"
+        raise KvqrsError(
+            f"encoded: these {enc.kind} were encoded by a KVCodec with {given}, this codec has seed={self.seed} "
+            f"(the rotation and sketch seeds derive from it); decode them with the codec of the seed they were encoded with"
+        )
+
     def _key_coder(self):
         if self.keys is None:
             raise KvqrsError("basis: the headq scheme needs a basis; call calibrate(queries) or pass basis=")
@@ -250,7 +270,7 @@ class KVCodec:
             KvqrsError: a NaN or infinity (named by its index in ``k``), a wrong head_dim, a
                 row whose norm or range overflows float32.
         """
-        return _with_source(name_nonfinite(self._key_coder().encode, k, "keys"), k)
+        return _with_source(name_nonfinite(self._key_coder().encode, k, "keys"), k, self.seed)
 
     def decode_keys(self, ck: Encoded, base_only: bool = False) -> Array:
         """Reconstruct keys ``(..., tokens, head_dim)`` in the dtype they were encoded from: a
@@ -260,6 +280,7 @@ class KVCodec:
         ``base_only=True`` returns HeadQ's base keys without the side code (what the score
         path multiplies the query with before adding :meth:`score_correction`)."""
         coder = self._key_coder()
+        self.check_seed_of(ck)
         out = coder.decode_base(ck) if base_only and self.scheme == "headq" else coder.decode(ck)
         return _like_source(_as_dtype(out, ck.dtype, "keys"), ck)
 
@@ -287,6 +308,7 @@ class KVCodec:
 
     def _grouped(self, q: Any, ck: Encoded, fn) -> np.ndarray:
         """Apply a per-KV-head score function with GQA grouping of query heads."""
+        self.check_seed_of(ck)
         grouped, q_lead, nq = self._group_queries(q, ck)
         s = fn(grouped, ck)
         # Keys near the float32 limit can push a logit beyond it: an error, not inf or NaN later.
@@ -315,7 +337,8 @@ class KVCodec:
         if not 0 <= int(n) <= enc.shape[-2]:
             raise KvqrsError(f"n: expected 0 <= n <= {enc.shape[-2]} tokens, got {n}")
         coder = self._key_coder() if enc.kind == "keys" else self.values
-        return dataclasses.replace(coder.slice_tokens(enc, n), device=enc.device)
+        self.check_seed_of(enc)
+        return dataclasses.replace(coder.slice_tokens(enc, n), device=enc.device, seed=enc.seed)
 
     def concat(self, encs: list[Encoded]) -> Encoded:
         """Join chunks of consecutive tokens encoded by this codec (keys or values)."""
@@ -323,7 +346,9 @@ class KVCodec:
         base = getattr(coder, "base", coder)
         if hasattr(base, "check_concat"):
             base.check_concat(encs)
-        return dataclasses.replace(concat_tokens(encs, coder.token_axes()), device=encs[0].device)
+        for e in encs:
+            self.check_seed_of(e)
+        return dataclasses.replace(concat_tokens(encs, coder.token_axes()), device=encs[0].device, seed=encs[0].seed)
 
     # -- values --------------------------------------------------------------------------------
     def encode_values(self, v: Any, weights: Any = None) -> Encoded:
@@ -333,16 +358,17 @@ class KVCodec:
         if self.values is None:
             raise KvqrsError("value_scheme: this codec keeps values in full precision ('none'); nothing to encode")
         if self.value_scheme == "a2":
-            return _with_source(name_nonfinite(self.values.encode, v, "values", weights), v)
+            return _with_source(name_nonfinite(self.values.encode, v, "values", weights), v, self.seed)
         if weights is not None:
             raise KvqrsError(f"weights: only the a2 value scheme uses attention weights, this codec's values are {self.value_scheme!r}")
-        return _with_source(name_nonfinite(self.values.encode, v, "values"), v)
+        return _with_source(name_nonfinite(self.values.encode, v, "values"), v, self.seed)
 
     def decode_values(self, cv: Encoded) -> Array:
         """Reconstruct values ``(..., tokens, head_dim)`` in the dtype they were encoded from
         (a torch tensor on the source's device when a tensor was encoded, as :meth:`decode_keys`)."""
         if self.values is None:
             raise KvqrsError("value_scheme: this codec keeps values in full precision ('none'); nothing to decode")
+        self.check_seed_of(cv)
         return _like_source(_as_dtype(self.values.decode(cv), cv.dtype, "values"), cv)
 
     def _check_keys(self, ck: Encoded) -> None:
@@ -426,6 +452,8 @@ class KVCodec:
                 raise KvqrsError(f"cv: expected values with the keys' heads and tokens {ck.shape[:-1]}, got {np.shape(cv.values)[:-1]}")
         else:
             self._check_attention(ck, cv)
+            self.check_seed_of(cv)
+        self.check_seed_of(ck)
         rows = self.fused_rows(ck, cv)
         if rows is None:
             raise KvqrsError(
@@ -457,6 +485,8 @@ class KVCodec:
             ``(..., q_heads, nq, T)`` (computed in float32 on the fused path).
         """
         self._check_attention(ck, cv)
+        self.check_seed_of(ck)
+        self.check_seed_of(cv)
         if is_tensor(q):
             return _like_query(self.attention(as_float_array(q, "q"), ck, cv, fused), q)
         if fused is None:
