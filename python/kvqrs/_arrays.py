@@ -12,7 +12,7 @@ import inspect
 import operator
 import sys
 import warnings
-from typing import Any, Callable, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, TypeVar, Union
 
 import numpy as np
 
@@ -38,6 +38,15 @@ __all__ = [
 ]
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+if TYPE_CHECKING:
+    import numpy.typing as npt
+    import torch
+
+    Array = Union[np.ndarray, torch.Tensor]
+    """What the public functions take and return: a NumPy array, or a torch tensor (any device)."""
+    DTypeLike = Union[npt.DTypeLike, torch.dtype]
+    """An output dtype: a NumPy dtype or its name, or a torch float dtype."""
 
 GRAD_WARNING = (
     "{arg}: the tensor requires grad, but kvqrs computes outside autograd: the result is detached "

@@ -18,13 +18,16 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from . import _native
 from ._arrays import KvqrsError
 from .schemes.base import Encoded
+
+if TYPE_CHECKING:
+    from .schemes.codec import KVCodec
 
 FORMAT = "kvqrs-encoded-v1"
 _DTYPES = {"uint8": 0, "float16": 1, "float32": 2, "float64": 3, "int64": 4, "bfloat16": 6}
@@ -89,7 +92,7 @@ def _meta(section) -> dict:
     return meta
 
 
-def loads(data: bytes, codec: Any = None) -> Encoded:
+def loads(data: bytes, codec: KVCodec | None = None) -> Encoded:
     """Container bytes back into an :class:`Encoded`.
 
     Args:
@@ -124,7 +127,7 @@ def loads(data: bytes, codec: Any = None) -> Encoded:
     return enc
 
 
-def check_belongs(enc: Encoded, codec: Any) -> None:
+def check_belongs(enc: Encoded, codec: KVCodec) -> None:
     """Raise :class:`KvqrsError` unless ``enc`` is a tensor ``codec`` could have stored:
     same scheme, side and parameters (seeds, bits, basis hash), and every part with the name,
     shape and kind of dtype the codec stores for that shape."""
@@ -155,7 +158,7 @@ def save(path: str | os.PathLike, enc: Encoded) -> None:
         f.write(dumps(enc))
 
 
-def load(path: str | os.PathLike, codec: Any = None) -> Encoded:
+def load(path: str | os.PathLike, codec: KVCodec | None = None) -> Encoded:
     """Read a file written by :func:`save` (see :func:`loads`)."""
     with open(path, "rb") as f:
         return loads(f.read(), codec)

@@ -8,12 +8,15 @@ Results come back in the caller's dtype and on the caller's device.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 import torch
 
 from ._arrays import KvqrsError, warn_if_grad
+
+if TYPE_CHECKING:
+    from .schemes.codec import KVCodec
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
@@ -76,7 +79,7 @@ def inverse_hadamard(y: torch.Tensor, seed: int | None = None, head_dim: int | N
     return apply(_ih, y, seed, head_dim)
 
 
-def quantize_dequantize(codec: Any, x: torch.Tensor, kind: str = "keys") -> torch.Tensor:
+def quantize_dequantize(codec: KVCodec, x: torch.Tensor, kind: str = "keys") -> torch.Tensor:
     """Encode then decode ``x`` ``(..., tokens, head_dim)`` with a :class:`kvqrs.schemes.KVCodec`
     (``kind`` = ``"keys"`` or ``"values"``); returns a tensor like ``x``."""
     a = to_numpy(x, kind)

@@ -34,7 +34,7 @@ class _QueryRecorder:
         return None
 
 
-def calibrate(model, windows: Iterable[torch.Tensor], rank: int = 4) -> dict[int, np.ndarray]:
+def calibrate(model: torch.nn.Module, windows: Iterable[torch.Tensor], rank: int = 4) -> dict[int, np.ndarray]:
     """Run ``model`` (``attn_implementation="kvqrs"``) over calibration token windows and fit
     the bases. Returns ``{layer: float32 (kv_heads, head_dim, rank)}``."""
     register()

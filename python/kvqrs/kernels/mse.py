@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
@@ -22,6 +22,9 @@ from .._arrays import (
 from .hadamard import padded_dim
 from .pack import packed_rows, packed_size
 
+if TYPE_CHECKING:
+    from .._arrays import Array, DTypeLike
+
 
 class MSECode(NamedTuple):
     """Output of :func:`mse_encode`.
@@ -38,7 +41,7 @@ class MSECode(NamedTuple):
 
 
 @tensors_in_out()
-def mse_encode(x: Any, bits: int, seed: int | None = None) -> MSECode:
+def mse_encode(x: Array, bits: int, seed: int | None = None) -> MSECode:
     """Quantize rows as ``(||x||, codes of R x / ||x||)``.
 
     Equivalent to ``oracle.mse_encode``: rotate (``seed`` given) or not (``seed=None``, the
@@ -67,13 +70,13 @@ def mse_encode(x: Any, bits: int, seed: int | None = None) -> MSECode:
 
 @tensors_in_out()
 def mse_decode(
-    codes: Any,
-    norms: Any,
+    codes: Array,
+    norms: Array,
     bits: int,
     head_dim: int,
     seed: int | None = None,
-    dtype: Any = np.float32,
-) -> np.ndarray:
+    dtype: DTypeLike = np.float32,
+) -> Array:
     """Reconstruct ``norm * R^T centroids[codes]`` (first ``head_dim`` coordinates).
 
     Args:
@@ -95,7 +98,7 @@ def mse_decode(
 
 
 @tensors_in_out()
-def mse_encode_packed(x: Any, bits: int, seed: int | None = None) -> MSECode:
+def mse_encode_packed(x: Array, bits: int, seed: int | None = None) -> MSECode:
     """:func:`mse_encode` followed by :func:`~kvqrs.pack_bits`, fused row by row in Rust: the
     same bytes without the unpacked ``(..., code_dim)`` intermediate (what the schemes store).
 
@@ -121,13 +124,13 @@ def mse_encode_packed(x: Any, bits: int, seed: int | None = None) -> MSECode:
 
 @tensors_in_out()
 def mse_decode_packed(
-    packed: Any,
-    norms: Any,
+    packed: Array,
+    norms: Array,
     bits: int,
     head_dim: int,
     seed: int | None = None,
-    dtype: Any = np.float32,
-) -> np.ndarray:
+    dtype: DTypeLike = np.float32,
+) -> Array:
     """:func:`~kvqrs.unpack_bits` followed by :func:`mse_decode`, fused row by row in Rust.
 
     Args:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .. import _native
 from .._arrays import KvqrsError, as_code_rows, check_bits, check_positive_int, tensors_in_out
+
+if TYPE_CHECKING:
+    from .._arrays import Array
 
 
 def packed_size(count: int, bits: int) -> int:
@@ -17,7 +20,7 @@ def packed_size(count: int, bits: int) -> int:
 
 
 @tensors_in_out()
-def pack_bits(codes: Any, bits: int) -> np.ndarray:
+def pack_bits(codes: Array, bits: int) -> Array:
     """Pack b-bit codes, little-endian within each row.
 
     Args:
@@ -39,7 +42,7 @@ def pack_bits(codes: Any, bits: int) -> np.ndarray:
 
 
 @tensors_in_out()
-def unpack_bits(packed: Any, bits: int, count: int) -> np.ndarray:
+def unpack_bits(packed: Array, bits: int, count: int) -> Array:
     """Exact inverse of :func:`pack_bits`.
 
     Args:

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
@@ -21,6 +21,9 @@ from .._arrays import (
     tensors_in_out,
 )
 from .pack import packed_size
+
+if TYPE_CHECKING:
+    from .._arrays import Array, DTypeLike
 
 
 class QJLSketch(NamedTuple):
@@ -41,7 +44,7 @@ class QJLSketch(NamedTuple):
 
 
 @tensors_in_out()
-def qjl_sketch(r: Any, seed: int, m: int | None = None) -> QJLSketch:
+def qjl_sketch(r: Array, seed: int, m: int | None = None) -> QJLSketch:
     """Sketch residual rows: ``sign(S r)`` packed, plus ``||r||``.
 
     Args:
@@ -80,7 +83,7 @@ def _sketch_parts(sketch: QJLSketch) -> tuple[np.ndarray, np.ndarray, tuple[int,
 
 
 @tensors_in_out()
-def qjl_inner_product(y: Any, sketch: QJLSketch, seed: int) -> np.ndarray:
+def qjl_inner_product(y: Array, sketch: QJLSketch, seed: int) -> Array:
     """Unbiased estimates of ``<y_i, r_j>`` for every query row i and sketched row j.
 
     ``sqrt(pi/2) / m * ||r_j|| * <S y_i, sign(S r_j)>`` (QJL, Zandieh et al. 2024, Lemma 3.2);
@@ -106,7 +109,7 @@ def qjl_inner_product(y: Any, sketch: QJLSketch, seed: int) -> np.ndarray:
 
 
 @tensors_in_out()
-def qjl_vector_estimate(sketch: QJLSketch, seed: int, dtype: Any = np.float32) -> np.ndarray:
+def qjl_vector_estimate(sketch: QJLSketch, seed: int, dtype: DTypeLike = np.float32) -> Array:
     """Unbiased vector estimate ``r_hat = sqrt(pi/2) / m * ||r|| * S^T sign(S r)``.
 
     Returns:

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
@@ -19,6 +19,9 @@ from .._arrays import (
     restore,
     tensors_in_out,
 )
+
+if TYPE_CHECKING:
+    from .._arrays import Array, DTypeLike
 
 
 class UniformCode(NamedTuple):
@@ -40,7 +43,7 @@ class UniformCode(NamedTuple):
 
 
 @tensors_in_out()
-def uniform_encode(x: Any, bits: int, group: int) -> UniformCode:
+def uniform_encode(x: Array, bits: int, group: int) -> UniformCode:
     """Quantize consecutive groups of ``group`` values along the last axis.
 
     ``code = clamp(floor((x - zero) / scale + 0.5), 0, 2^bits - 1)`` with the stored (float16,
@@ -66,7 +69,7 @@ def uniform_encode(x: Any, bits: int, group: int) -> UniformCode:
 
 
 @tensors_in_out()
-def uniform_decode(code: UniformCode, dtype: Any = np.float32) -> np.ndarray:
+def uniform_decode(code: UniformCode, dtype: DTypeLike = np.float32) -> Array:
     """Reconstruct ``zero + scale * code`` per group.
 
     Returns:

@@ -4,7 +4,7 @@ computes attention logits and outputs from the encoded cache."""
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, Union
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -79,10 +79,7 @@ def _value_coder(scheme: str, bits: int, head_dim: int, seed: int, group: int, b
 
 
 if TYPE_CHECKING:
-    import torch
-
-    Array = Union[np.ndarray, torch.Tensor]
-    """A NumPy array or a torch tensor (any float dtype, any device)."""
+    from .._arrays import Array
 
 
 def _with_source(enc: Encoded, x: Any, seed: int) -> Encoded:
@@ -211,12 +208,12 @@ class KVCodec:
             self.keys = _key_coder(scheme, self.bits, self.head_dim, self.seed, self.group, self.backend)
 
     # -- HeadQ calibration ------------------------------------------------------------------
-    def set_basis(self, basis: Any) -> None:
+    def set_basis(self, basis: Array) -> None:
         """Use ``basis`` (``(d, r)`` or ``(kv_heads, d, r)``) for the HeadQ side code."""
         self.keys = HeadQCoder(self._base, as_float_array(basis, "basis"), self.side_bits, self.sign, "headq")
         self.rank = self.keys.rank
 
-    def calibrate(self, queries: Any) -> np.ndarray:
+    def calibrate(self, queries: Array) -> Array:
         """Fit HeadQ's basis: top-``rank`` PCA directions of post-RoPE calibration queries.
 
         Args:
@@ -236,7 +233,7 @@ class KVCodec:
         self.set_basis(basis)
         return _like_query(basis, queries)
 
-    def check_seed_of(self, enc: Any) -> None:
+    def check_seed_of(self, enc: Encoded) -> None:
         """Raise :class:`KvqrsError` naming both codec seeds when ``enc`` was encoded under a
         seed other than this codec's and its rotation or sketch seeds therefore differ (the
         coders' own check can only name the derived seeds)."""
@@ -261,7 +258,7 @@ class KVCodec:
         return self.keys
 
     # -- keys ----------------------------------------------------------------------------------
-    def encode_keys(self, k: Any) -> Encoded:
+    def encode_keys(self, k: Array) -> Encoded:
         """Encode keys ``(..., tokens, head_dim)`` (float16 / bfloat16 / float32 / float64
         NumPy array or torch tensor, any strides; empty axes allowed); returns an
         :class:`Encoded` that records the dtype.
@@ -284,7 +281,7 @@ class KVCodec:
         out = coder.decode_base(ck) if base_only and self.scheme == "headq" else coder.decode(ck)
         return _like_source(_as_dtype(out, ck.dtype, "keys"), ck)
 
-    def scores(self, q: Any, ck: Encoded) -> np.ndarray:
+    def scores(self, q: Array, ck: Encoded) -> Array:
         """Attention logits ``q . k_hat / sqrt(d)``, float32 ``(..., q_heads, nq, tokens)``.
 
         Uses the scheme's score path: the QJL inner-product estimator for ``qkqv`` keys, the
@@ -298,7 +295,7 @@ class KVCodec:
         """
         return _like_query(self._grouped(q, ck, self._key_coder().scores), q)
 
-    def score_correction(self, q: Any, ck: Encoded) -> np.ndarray | None:
+    def score_correction(self, q: Array, ck: Encoded) -> Array | None:
         """HeadQ's score-space correction ``sign * (U^T q) . z / sqrt(d)`` alone, shaped like
         :meth:`scores` (None for schemes without a side code). Added to
         ``q . decode_keys(ck, base_only=True) / sqrt(d)`` it gives :meth:`scores`."""
@@ -351,7 +348,7 @@ class KVCodec:
         return dataclasses.replace(concat_tokens(encs, coder.token_axes()), device=encs[0].device, seed=encs[0].seed)
 
     # -- values --------------------------------------------------------------------------------
-    def encode_values(self, v: Any, weights: Any = None) -> Encoded:
+    def encode_values(self, v: Array, weights: Array | None = None) -> Encoded:
         """Encode values ``(..., tokens, head_dim)`` (inputs and errors as in
         :meth:`encode_keys`). ``weights`` (``(..., tokens)``, the A^2 importances
         ``sum_q p_qj^2``) is used by the ``a2`` value scheme only."""
@@ -409,7 +406,7 @@ class KVCodec:
             return None if k is None else (k, None)
         return k
 
-    def fused_rows(self, ck: Encoded, cv: Any) -> tuple[Any, Any, Any] | None:
+    def fused_rows(self, ck: Encoded, cv: Encoded | DenseRows) -> tuple[Any, Any, Any] | None:
         """``(key rows, value rows, HeadQ side rows or None)`` for
         :func:`kvqrs.kernels.decode_attention`, or None when this codec has no fused read path:
         a backend other than ``"cpu"``, or ``a2`` values (per-token widths). ``cv`` may also be
@@ -424,7 +421,9 @@ class KVCodec:
             return None
         return keys[0], vrows(cv), keys[1]
 
-    def fused_attention(self, q: Any, ck: Encoded, cv: Encoded, probs: bool = False, scale: float | None = None) -> AttentionResult:
+    def fused_attention(
+        self, q: Array, ck: Encoded, cv: Encoded | DenseRows, probs: bool = False, scale: float | None = None
+    ) -> AttentionResult:
         """Decode attention straight from the codes (:func:`kvqrs.kernels.decode_attention`):
         no key or value is reconstructed; the query heads of a GQA group share one pass over
         their KV head's codes.
@@ -470,7 +469,7 @@ class KVCodec:
         )
         return _like_query(out, q)
 
-    def attention(self, q: Any, ck: Encoded, cv: Encoded, fused: bool | None = None) -> tuple[np.ndarray, np.ndarray]:
+    def attention(self, q: Array, ck: Encoded, cv: Encoded, fused: bool | None = None) -> tuple[Array, Array]:
         """Attention over the encoded cache: ``(softmax(scores) @ v_hat, probabilities)``.
 
         Args:
