@@ -26,6 +26,9 @@ class QuantConfig:
         seed: seed of every rotation and sketch.
         group: KIVI / block group size (KIVI keys flush in chunks of ``group`` tokens).
         headq_base, rank, side_bits, sign: HeadQ settings (see :class:`KVCodec`).
+        calibration: for the ``matched`` scheme, ``{layer: MatchedCalibration}``
+            (:func:`kvqrs.hf.calibrate_matched`, saved by ``kvqrs calibrate``); ``group`` is then
+            its key scale group in tokens.
         bases: HeadQ bases per layer, ``{layer: (kv_heads, d, r)}``, or ``"random"`` for the
             random-basis control.
         a2_uniform: with ``value_scheme="a2"``, give every token the same width (the uniform
@@ -57,6 +60,7 @@ class QuantConfig:
     a2_uniform: bool = False
     a2_lookahead: int | None = None
     fused: bool = True
+    calibration: Any = None
     _codecs: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -86,7 +90,7 @@ class QuantConfig:
     def chunk(self) -> int:
         """Tokens per flush: KIVI keys are quantized per channel over whole groups of tokens."""
         kivi_keys = self.key_scheme == "kivi" or (self.key_scheme == "headq" and self.headq_base == "kivi")
-        return self.group if kivi_keys else 1
+        return self.group if kivi_keys or self.key_scheme == "matched" else 1
 
     def quantized_count(self, seen: int) -> int:
         """Tokens held quantized after ``seen`` tokens: whole chunks beyond the window."""
@@ -106,6 +110,14 @@ class QuantConfig:
                     )
                 else:
                     basis = np.asarray(self.bases[layer])
+            calibration = None
+            if "matched" in (self.key_scheme, self.value_scheme):
+                if not isinstance(self.calibration, dict) or layer not in self.calibration:
+                    raise KvqrsError(
+                        f"calibration: the matched scheme needs a calibration for layer {layer} "
+                        "(kvqrs.hf.calibrate_matched, or `kvqrs calibrate` and kvqrs.hf.load_matched)"
+                    )
+                calibration = self.calibration[layer]
             self._codecs[key] = KVCodec(
                 self.key_scheme or "kv",
                 self.key_bits,
@@ -119,6 +131,7 @@ class QuantConfig:
                 side_bits=self.side_bits,
                 basis=basis,
                 sign=self.sign,
+                calibration=calibration,
             )
         return self._codecs[key]
 
