@@ -956,7 +956,7 @@ def test_cache_bytes_altered_or_truncated_raise():
     for n in rng.integers(0, len(data), 100):
         with pytest.raises(KvqrsError):
             QuantizedKVCache.from_bytes(data[:n])
-    with pytest.raises(KvqrsError, match="not a kvqrs-cache-v1"):
+    with pytest.raises(KvqrsError, match="not a kvqrs-cache-v2"):
         QuantizedKVCache.from_bytes(fmt.dumps(KVCodec("kqv", 3, 8).encode_keys(np.ones((2, 8), np.float32))))
 
 
