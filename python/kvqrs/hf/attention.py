@@ -116,21 +116,24 @@ class FakeQuant:
         if not (all_held and cfg.quantizes_keys) or (cfg.value_scheme == "a2" and not cfg.a2_uniform):
             s_fp = (query @ repeat_kv(key, g).transpose(2, 3)) * scaling
         logits = s_fp
+        # The sinks are never quantized: codes (and KIVI key groups) start after them, as in the cache.
+        sink = cfg.sink_tokens
         if cfg.quantizes_keys:
-            ck = codec.encode_keys(to_numpy(key, "keys"))
-            k_hat = from_numpy(codec.decode_keys(ck, base_only=True), key)
+            ck = codec.encode_keys(to_numpy(key[..., sink:, :], "keys"))
+            k_hat = torch.cat([key[..., :sink, :], from_numpy(codec.decode_keys(ck, base_only=True), key)], dim=-2)
             s_q = (query @ repeat_kv(k_hat, g).transpose(2, 3)) * scaling
             corr = codec.score_correction(to_numpy(query, "query"), ck)
             if corr is not None:
-                s_q = s_q + torch.from_numpy(corr).to(s_q.dtype)
+                s_q[..., sink:] += torch.from_numpy(corr).to(s_q.dtype)
             m = held.to(s_q.dtype)
             logits = s_q if all_held else m * s_q + (1 - m) * s_fp
         if codec.values is None:
             return _softmax_out(module, query, logits, attention_mask, [(None, value)])
         weights = None
         if cfg.value_scheme == "a2" and not cfg.a2_uniform:
-            weights = _a2_importance(module, s_fp, attention_mask, cfg.a2_lookahead)
-        v_hat = from_numpy(codec.decode_values(codec.encode_values(to_numpy(value, "values"), weights)), value)
+            weights = _a2_importance(module, s_fp, attention_mask, cfg.a2_lookahead)[..., sink:]
+        v_hat = from_numpy(codec.decode_values(codec.encode_values(to_numpy(value[..., sink:, :], "values"), weights)), value)
+        v_hat = torch.cat([value[..., :sink, :], v_hat], dim=-2)
         if all_held:
             return _softmax_out(module, query, logits, attention_mask, [(None, v_hat)])
         m = held.to(logits.dtype)

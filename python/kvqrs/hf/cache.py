@@ -16,6 +16,7 @@ softmax part by log-sum-exp, exactly; see ``QuantConfig.fused`` for when. Use th
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -67,6 +68,12 @@ class _View:
     q_start: int
     window_k: torch.Tensor
     window_v: torch.Tensor
+    # The forward's first query position, and the full-precision originals of the codes it
+    # flushed (the newest code tokens): query t reads them quantized only from the step that
+    # quantizes them (QuantConfig.quantized_span(t + 1)), as one token at a time would.
+    first_query: int = 0
+    fresh_k: torch.Tensor | None = None
+    fresh_v: torch.Tensor | None = None
 
     @property
     def skip(self) -> int:
@@ -172,8 +179,8 @@ class QuantizedLayer(CacheLayerMixin):
         self.values = torch.cat([self.values, value_states], dim=-2)
         self.seen += key_states.shape[-2]
         self._absorb_sinks()
-        self._flush()
-        self._view = self.view(view_start)
+        fresh = self._flush()
+        self._view = dataclasses.replace(self.view(view_start), first_query=self.seen - key_states.shape[-2], **fresh)
         if not self.record_past:
             self._evict()
         self._fused = fused and self._can_fuse(key_states.shape[-2])
@@ -205,6 +212,8 @@ class QuantizedLayer(CacheLayerMixin):
         view = self._view
         if not (self._attended and view.coded and not view.skip and new_tokens <= FUSED_MAX_QUERY and self.dtype != torch.float64):
             return False
+        if view.fresh_k is not None and self.config.quantized_span(view.first_query + 1)[1] < self.window_start:
+            return False  # an early query still reads some new codes in full precision
         return self.codec().has_fused_path()
 
     # -- positions --------------------------------------------------------------------------------
@@ -237,11 +246,12 @@ class QuantizedLayer(CacheLayerMixin):
         self.keys, self.values = _tokens(self.keys, n), _tokens(self.values, n)
         self.q_start += n
 
-    def _flush(self) -> None:
-        """Encode whole chunks that have left the full-precision window."""
+    def _flush(self) -> dict:
+        """Encode whole chunks that have left the full-precision window; returns their
+        originals (``fresh_k``, ``fresh_v``; empty when none)."""
         n = self.config.quantized_span(self.seen)[1] - self.window_start
         if n <= 0:
-            return
+            return {}
         codec = self.codec()
         k, v = _tokens(self.keys, 0, n), _tokens(self.values, 0, n)
         # One Encoded per side: new chunks are appended along the token axis of every part.
@@ -256,6 +266,7 @@ class QuantizedLayer(CacheLayerMixin):
             self.pending_v = v if self.pending_v is None else torch.cat([self.pending_v, v], dim=-2)
         self.keys, self.values = _tokens(self.keys, n), _tokens(self.values, n)
         self.quantized += n
+        return {"fresh_k": k, "fresh_v": v}
 
     def _slice_codes(self, lo: int, hi: int) -> None:
         """Keep code tokens ``lo .. hi - 1`` (offsets into the codes, chunk-aligned)."""
@@ -267,7 +278,9 @@ class QuantizedLayer(CacheLayerMixin):
             self.chunks_v = [c if c is None else codec.slice_tokens(c, hi, lo) for c in self.chunks_v]
         else:
             self.chunks_k, self.chunks_v = [], []
-        if hasattr(self, "_fp_values_quantized"):
+        if hi <= lo:
+            self.__dict__.pop("_fp_values_quantized", None)
+        elif hasattr(self, "_fp_values_quantized"):
             self._fp_values_quantized = _tokens(self._fp_values_quantized, lo, hi)
         self.q_start += lo
         self.quantized = max(0, hi - lo)
@@ -487,12 +500,39 @@ class QuantizedLayer(CacheLayerMixin):
             if self._codes_visible(view, attention_mask, query.shape[-2]):
                 return self._attend_fused(view, module, query, attention_mask, scaling)
             key, value = self.materialize(view)  # a mask hides some codes: the decoded path
-        logits = (query @ repeat_kv(key, module.num_key_value_groups).transpose(2, 3)) * scaling
+        g = module.num_key_value_groups
+        logits = (query @ repeat_kv(key, g).transpose(2, 3)) * scaling
         corr = self.correction(query, view)
         if corr is not None:
             ns = view.sink_k.shape[-2]
             logits[..., ns : ns + corr.shape[-1]] += corr.to(logits.dtype)
-        return _softmax_out(module, query, logits, attention_mask, [(None, value)])
+        held = self._fresh_held(view, query.shape[-2], key.shape[-2])
+        if held is None:
+            return _softmax_out(module, query, logits, attention_mask, [(None, value)])
+        # Queries that precede a new code's step read its original: the fast path's mixing.
+        cols, m = held
+        key_fp, value_fp = key.clone(), value.clone()
+        key_fp[..., cols, :], value_fp[..., cols, :] = view.fresh_k[..., -len(cols) :, :], view.fresh_v[..., -len(cols) :, :]
+        s_fp = (query @ repeat_kv(key_fp, g).transpose(2, 3)) * scaling
+        mf = m.to(logits.dtype)
+        logits = mf * logits + (1 - mf) * s_fp
+        return _softmax_out(module, query, logits, attention_mask, [(mf, value), (1 - mf, value_fp)])
+
+    def _fresh_held(self, view: _View, nq: int, columns: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """For the codes this forward flushed: their columns in the view, and ``m``
+        ``(nq, columns)``, True where query ``i`` reads column ``c`` quantized (its position
+        lies in ``quantized_span`` of query ``i``'s step) or the column is not new. None when
+        every query reads every new code quantized."""
+        if view.fresh_k is None:
+            return None
+        q_end = view.q_start + view.coded + view.skip
+        lo = max(view.start, q_end - view.fresh_k.shape[-2])
+        his = torch.tensor([self.config.quantized_span(view.first_query + i + 1)[1] for i in range(nq)])
+        if lo >= q_end or not bool((his < q_end).any()):
+            return None
+        pos = torch.arange(view.start, view.start + columns)
+        m = (pos[None, :] < his[:, None]) | (pos[None, :] < lo) | (pos[None, :] >= q_end)
+        return torch.arange(lo - view.start, q_end - view.start), m
 
 
 def _fp_part(query, keys, values, groups: int, mask, scaling) -> tuple[torch.Tensor, torch.Tensor]:
