@@ -131,6 +131,9 @@ FAST_VS_CACHE = [
     # No window, per-token keys: every visible key is quantized (the fast path's shortcut).
     pytest.param(QuantConfig("kqv", 3, "kqv", 3, residual_length=0), id="kqv-k3v3-r0"),
     pytest.param(QuantConfig("headq", 2, residual_length=0, headq_base="kivi", bases="random"), id="headq-kivi-random"),
+    # Attention sinks: the first tokens stay in full precision, KIVI groups count from after them.
+    pytest.param(QuantConfig("kqv", 3, "kqv", 3, residual_length=4, sink_tokens=4), id="kqv-k3v3-r4-s4"),
+    pytest.param(QuantConfig("kivi", 2, "kivi", 2, residual_length=3, group=16, sink_tokens=3), id="kivi-k2v2-g16-r3-s3"),
 ]
 
 
@@ -146,6 +149,7 @@ def test_fast_path_matches_token_by_token_cache(model64, ids, dense_logits, cfg)
     # both paths quantize), then decode one token at a time: from there on each query sees
     # exactly the keys the cache holds quantized at its step.
     prefill = max((p for p in range(1, T_EVAL + 1) if cfg.quantized_count(p) == 0), default=1)
+    assert prefill >= cfg.sink_tokens
     steps = []
     with torch.no_grad():
         steps.append(model(ids[:, :prefill], past_key_values=cache, use_cache=True).logits)

@@ -1,15 +1,24 @@
-"""``QuantizedKVCache``: a transformers ``Cache`` whose layers store keys and values compressed
-with any kvqrs scheme, keep the newest ``residual_length`` tokens in full precision (during
-prefill too), and report their real memory in bytes.
+"""``QuantizedKVCache``: a transformers cache whose layers store keys and values compressed
+with any kvqrs scheme, keep the first ``sink_tokens`` and the newest ``residual_length`` tokens
+in full precision (during prefill too), and report their real memory in bytes.
 
-Each layer holds a list of encoded chunks (``Encoded``, batch on axis 0) plus a full-precision
-window. At each update the window grows; whole chunks beyond ``residual_length`` are encoded
-(chunks of one token, or of ``group`` tokens when KIVI keys need whole groups).
+Each layer holds full-precision sinks, encoded chunks (``Encoded``, batch on axis 0) and a
+full-precision window. At each update the window grows; whole chunks beyond ``residual_length``
+are encoded (chunks of one token, or of ``group`` tokens when KIVI keys need whole groups).
+Built with ``model_config=``, the cache follows the model's layer types as
+``DynamicCache(config=...)`` does: sliding-window layers hold only their window.
+
+A forward over several new tokens (prefill, drafted tokens) reads, for each query, the keys as
+one token at a time would: a code flushed by this forward is read in full precision by the
+queries that precede its step (:func:`kvqrs.hf.fake_quant` applies the same schedule).
+``crop`` returns exactly to the state of a cache fed only the kept tokens; past recording
+(``activate_past_recording``, set by transformers' assisted generation) keeps the originals that
+a rollback needs until the next ``crop``.
 
 Prefill (and any step with more than :data:`FUSED_MAX_QUERY` new tokens) attends over the
 decoded (base) keys and values; HeadQ's side code enters the logits through the ``kvqrs``
 attention function, with the live query. Decode steps attend straight from the codes
-(``KVCodec.fused_attention``: no key or value is decoded) and merge the full-precision window's
+(``KVCodec.fused_attention``: no key or value is decoded) and merge the full-precision tokens'
 softmax part by log-sum-exp, exactly; see ``QuantConfig.fused`` for when. Use the model with
 ``attn_implementation="kvqrs"``.
 """
@@ -325,7 +334,9 @@ class QuantizedLayer(CacheLayerMixin):
         restored = []
         if restore_hi > restore_lo:
             off = restore_lo - (self.window_start - pending)
-            restored = [(_tokens(self.pending_k, off, off + restore_hi - restore_lo), _tokens(self.pending_v, off, off + restore_hi - restore_lo))]
+            restored = [
+                (_tokens(self.pending_k, off, off + restore_hi - restore_lo), _tokens(self.pending_v, off, off + restore_hi - restore_lo))
+            ]
         w_keep = max(0, keep - self.window_start)
         self.keys = torch.cat([*(k for k, _ in restored), _tokens(self.keys, 0, w_keep)], dim=-2)
         self.values = torch.cat([*(v for _, v in restored), _tokens(self.values, 0, w_keep)], dim=-2)
