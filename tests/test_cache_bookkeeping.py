@@ -85,7 +85,7 @@ def _one_shot(codec, k, v, n):
 
 def _check_holds_one_shot(layer, cfg, k, v, n=None):
     """``layer`` holds encode(first n tokens) bit for bit and the newest tokens untouched; ``n``
-    is ``quantized_count(seen)`` unless given (after a crop, kept codes stay quantized)."""
+    is ``quantized_count(seen)`` unless given."""
     n = cfg.quantized_count(k.shape[-2]) if n is None else n
     assert layer.quantized == n
     assert torch.equal(layer.keys, k[..., n:, :]) and torch.equal(layer.values, v[..., n:, :])
@@ -347,31 +347,35 @@ def test_beam_search_reorders_quantized_rows(model64, monkeypatch):
     ],
 )
 def test_crop_then_continue(model64, cfg):
-    """Crop back by 5 (a rejected draft) and by 12 (into the quantized part), then decode other
-    tokens. Unquantized: DynamicCache's logits exactly. Quantized: layer 0 holds the one-shot
-    encoding of the kept tokens; tokens quantized before the crop stay quantized."""
+    """Crop back by 12 (into the quantized part) and by 5 (a rejected draft: no deeper than the
+    tokens fed since the previous crop), then decode other tokens. Unquantized: DynamicCache's logits exactly. Quantized (past recording on, as
+    assisted generation sets it): the kept tokens are held as a fresh cache fed only them
+    would hold them (the newest back in full precision), and decoding continues by the schedule."""
     model, tok = model64
     ids = tok(TEXT, return_tensors="pt").input_ids[:, :40]
     qc, dc = QuantizedKVCache(cfg, model.config.num_hidden_layers), DynamicCache()
+    qc.activate_past_recording()
     for cache in (qc, dc):
         _forward(model, ids[:, :24], cache)
         for t in range(24, 28):
             _forward(model, ids[:, t : t + 1], cache)
     seen = 28
-    for remove, feed in ((5, ids[:, 30:33]), (12, ids[:, 33:40])):
-        held = qc.layers[0].quantized
+    for remove, feed in ((12, ids[:, 33:40]), (5, ids[:, 30:33])):
         qc.crop(-remove)
         dc.crop(-remove)
         seen -= remove
         assert qc.get_seq_length() == dc.get_seq_length() == seen
-        assert qc.layers[0].quantized == min(held, seen)
+        assert qc.layers[0].quantized == cfg.quantized_count(seen)
+        _check_holds_one_shot(qc.layers[0], cfg, dc.layers[0].keys, dc.layers[0].values)
         for t in range(feed.shape[1]):
             a, b = _forward(model, feed[:, t : t + 1], qc), _forward(model, feed[:, t : t + 1], dc)
             seen += 1
             if cfg is UNQUANTIZED:
                 assert torch.equal(a, b)
-        n = max(min(held, seen - feed.shape[1]), cfg.quantized_count(seen))
-        _check_holds_one_shot(qc.layers[0], cfg, dc.layers[0].keys, dc.layers[0].values, n)
+        _check_holds_one_shot(qc.layers[0], cfg, dc.layers[0].keys, dc.layers[0].values)
+    qc.crop(0)
+    assert qc.layers[0].pending_k is None
+    _check_holds_one_shot(qc.layers[0], cfg, dc.layers[0].keys, dc.layers[0].values)
 
 
 def _left_padded(tok, texts, pad_id=0):

@@ -47,8 +47,19 @@ def _softmax_out(module, query, logits, attention_mask, value_parts):
     return out.to(query.dtype).transpose(1, 2).contiguous(), p.to(query.dtype)
 
 
+def _check_supported(module, kwargs) -> None:
+    """Refuse attention variants this function does not compute (it would silently return
+    plain softmax attention): logit soft-capping (Gemma-2) and learned sink logits (gpt-oss)."""
+    if kwargs.get("softcap") is not None:
+        raise KvqrsError(f"attention: logit soft-capping (softcap={kwargs['softcap']}, Gemma-2) is not supported by the kvqrs attention")
+    if kwargs.get("s_aux") is not None or getattr(module, "sinks", None) is not None:
+        raise KvqrsError("attention: learned sink logits (gpt-oss s_aux) are not supported by the kvqrs attention")
+
+
 def kvqrs_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
-    """Attention interface function (registered as ``"kvqrs"``)."""
+    """Attention interface function (registered as ``"kvqrs"``). Raises :class:`KvqrsError`
+    for logit soft-capping or learned sink logits, which it does not compute."""
+    _check_supported(module, kwargs)
     state = _STATE.get()
     if state is not None:
         handled = state.attend(module, query, key, value, attention_mask, scaling)

@@ -352,7 +352,8 @@ class QuantizedLayer(CacheLayerMixin):
         count), leaving the layer exactly as a fresh one fed only the kept tokens; then forget
         the originals kept for a rollback (``crop(0)`` does only that). Raises
         :class:`KvqrsError` when asked to drop more tokens than the layer has seen, or when the
-        kept state needs originals it no longer holds (see the class docstring)."""
+        kept state needs originals it no longer holds (see the class docstring: with past
+        recording, a crop may reach back to the previous crop, as in assisted generation)."""
         if tokens_to_remove > 0:
             raise ValueError(f"crop: expected a negative number of tokens to remove, got {tokens_to_remove}")
         if not self.is_initialized:

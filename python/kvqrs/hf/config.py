@@ -147,4 +147,5 @@ class QuantConfig:
         if self.key_scheme == "headq" and isinstance(self.bases, str):
             k += "[random-basis]"
         v = "" if self.value_scheme is None else f" v:{self.value_scheme}{self.value_bits or self.key_bits}"
-        return f"{k} k{self.key_bits}{v}"
+        sinks = f" sinks:{self.sink_tokens}" if self.sink_tokens else ""
+        return f"{k} k{self.key_bits}{v}{sinks}"
