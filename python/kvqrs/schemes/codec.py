@@ -267,8 +267,10 @@ class KVCodec:
     def slice_tokens(self, enc: Encoded, n: int, start: int = 0) -> Encoded:
         """Tokens ``start .. n - 1`` of an encoded tensor, codes untouched (a cache crop keeps
         a prefix; a sliding-window layer drops its oldest tokens)."""
-        if not 0 <= int(start) <= int(n) <= enc.shape[-2]:
-            raise KvqrsError(f"n, start: expected 0 <= start <= n <= {enc.shape[-2]} tokens, got start={start}, n={n}")
+        if not 0 <= int(n) <= enc.shape[-2]:
+            raise KvqrsError(f"n: expected 0 <= n <= {enc.shape[-2]} tokens, got {n}")
+        if not 0 <= int(start) <= int(n):
+            raise KvqrsError(f"start: expected 0 <= start <= n = {n}, got {start}")
         coder = self._key_coder() if enc.kind == "keys" else self.values
         return coder.slice_tokens(enc, int(n), int(start))
 
