@@ -23,6 +23,10 @@ class QuantConfig:
         value_scheme: value scheme, or None to keep values in full precision (key-only).
         value_bits: value budget (default ``key_bits``).
         residual_length: newest tokens kept in full precision (during prefill too).
+        sink_tokens: the first tokens of the sequence kept in full precision for good (attention
+            sinks, Xiao et al. 2023, "Efficient Streaming Language Models with Attention
+            Sinks"); quantized tokens start after them. The first forward (the prompt) must hold
+            at least this many tokens.
         seed: seed of every rotation and sketch.
         group: KIVI / block group size (KIVI keys flush in chunks of ``group`` tokens).
         headq_base, rank, side_bits, sign: HeadQ settings (see :class:`KVCodec`).
@@ -50,6 +54,7 @@ class QuantConfig:
     value_scheme: str | None = None
     value_bits: int | None = None
     residual_length: int = 0
+    sink_tokens: int = 0
     seed: int = 0
     group: int = 32
     headq_base: str = "kivi"
@@ -74,12 +79,13 @@ class QuantConfig:
         check_bits(self.key_bits, "key_bits")
         if self.value_bits is not None:
             check_bits(self.value_bits, "value_bits")
-        for name in ("residual_length", "seed", "group", "rank", "side_bits"):
+        for name in ("residual_length", "sink_tokens", "seed", "group", "rank", "side_bits"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
                 raise KvqrsError(f"{name}: expected an integer, got {value!r}")
-        if self.residual_length < 0:
-            raise KvqrsError(f"residual_length: expected >= 0, got {self.residual_length}")
+        for name in ("residual_length", "sink_tokens"):
+            if getattr(self, name) < 0:
+                raise KvqrsError(f"{name}: expected >= 0, got {getattr(self, name)}")
         if self.a2_lookahead is not None and not 1 <= self.a2_lookahead <= self.residual_length:
             raise KvqrsError(
                 f"a2_lookahead: expected 1 .. residual_length ({self.residual_length}) so that only queries that "
@@ -93,8 +99,15 @@ class QuantConfig:
         return self.group if kivi_keys or self.key_scheme == "matched" else 1
 
     def quantized_count(self, seen: int) -> int:
-        """Tokens held quantized after ``seen`` tokens: whole chunks beyond the window."""
-        return max(0, (seen - self.residual_length) // self.chunk * self.chunk)
+        """Tokens quantized after ``seen`` tokens: whole chunks between the sinks and the
+        full-precision window (positions ``quantized_span(seen)``)."""
+        return max(0, (seen - self.sink_tokens - self.residual_length) // self.chunk * self.chunk)
+
+    def quantized_span(self, seen: int) -> tuple[int, int]:
+        """Positions ``[start, stop)`` held quantized after ``seen`` tokens: the sinks
+        (``0 .. sink_tokens - 1``) and the newest ``residual_length`` tokens stay in full
+        precision; chunks count from the first token after the sinks."""
+        return self.sink_tokens, self.sink_tokens + self.quantized_count(seen)
 
     def codec(self, layer: int, head_dim: int) -> KVCodec:
         """The (cached) codec of one layer."""
@@ -147,4 +160,5 @@ class QuantConfig:
         if self.key_scheme == "headq" and isinstance(self.bases, str):
             k += "[random-basis]"
         v = "" if self.value_scheme is None else f" v:{self.value_scheme}{self.value_bits or self.key_bits}"
-        return f"{k} k{self.key_bits}{v}"
+        sinks = f" sinks:{self.sink_tokens}" if self.sink_tokens else ""
+        return f"{k} k{self.key_bits}{v}{sinks}"

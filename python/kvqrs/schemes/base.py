@@ -90,11 +90,11 @@ def concat_tokens(encs: list[Encoded], axes: Mapping[str, int]) -> Encoded:
     return Encoded(first.scheme, first.kind, (*first.shape[:-2], tokens, first.shape[-1]), first.dtype, parts, first.params)
 
 
-def slice_rows(enc: Encoded, axes: Mapping[str, int], n: int) -> Encoded:
-    """The first ``n`` tokens of ``enc`` when every part stores one entry per token along its
+def slice_rows(enc: Encoded, axes: Mapping[str, int], n: int, start: int = 0) -> Encoded:
+    """Tokens ``start .. n - 1`` of ``enc`` when every part stores one entry per token along its
     axis in ``axes`` (per-token codes, norms, scales, sketches, side codes)."""
-    parts = {k: np.take(np.asarray(v), np.arange(n), axis=axes[k]) for k, v in enc.parts.items()}
-    return Encoded(enc.scheme, enc.kind, (*enc.shape[:-2], n, enc.shape[-1]), enc.dtype, parts, enc.params)
+    parts = {k: np.take(np.asarray(v), np.arange(start, n), axis=axes[k]) for k, v in enc.parts.items()}
+    return Encoded(enc.scheme, enc.kind, (*enc.shape[:-2], n - start, enc.shape[-1]), enc.dtype, parts, enc.params)
 
 
 def flat_rows(a: np.ndarray, tail: int) -> np.ndarray:

@@ -27,8 +27,8 @@ class BlockCoder:
     def token_axes(self) -> dict[str, int]:
         return {"codes": -2, "scales": -2, "zeros": -2}
 
-    def slice_tokens(self, enc: Encoded, n: int) -> Encoded:
-        return slice_rows(enc, self.token_axes(), n)
+    def slice_tokens(self, enc: Encoded, n: int, start: int = 0) -> Encoded:
+        return slice_rows(enc, self.token_axes(), n, start)
 
     def encode(self, x) -> Encoded:
         x = as_float_array(x, self.kind)

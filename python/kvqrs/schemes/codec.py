@@ -350,13 +350,16 @@ class KVCodec:
             return qa.reshape(*kv_lead, g * qa.shape[-2], self.head_dim), q_lead, qa.shape[-2]
         raise KvqrsError(f"q: leading dims {q_lead} do not match the keys' {kv_lead} (or a GQA multiple of their heads)")
 
-    def slice_tokens(self, enc: Encoded, n: int) -> Encoded:
-        """The first ``n`` tokens of an encoded tensor, codes untouched (cache crop)."""
+    def slice_tokens(self, enc: Encoded, n: int, start: int = 0) -> Encoded:
+        """Tokens ``start .. n - 1`` of an encoded tensor, codes untouched (a cache crop keeps
+        a prefix; a sliding-window layer drops its oldest tokens)."""
         if not 0 <= int(n) <= enc.shape[-2]:
             raise KvqrsError(f"n: expected 0 <= n <= {enc.shape[-2]} tokens, got {n}")
+        if not 0 <= int(start) <= int(n):
+            raise KvqrsError(f"start: expected 0 <= start <= n = {n}, got {start}")
         coder = self._key_coder() if enc.kind == "keys" else self.values
         self.check_seed_of(enc)
-        return dataclasses.replace(coder.slice_tokens(enc, n), device=enc.device, seed=enc.seed)
+        return dataclasses.replace(coder.slice_tokens(enc, int(n), int(start)), device=enc.device, seed=enc.seed)
 
     def concat(self, encs: list[Encoded]) -> Encoded:
         """Join chunks of consecutive tokens encoded by this codec (keys or values)."""

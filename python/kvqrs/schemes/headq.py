@@ -56,14 +56,15 @@ class HeadQCoder:
     def token_axes(self) -> dict[str, int]:
         return {**{f"base_{k}": v for k, v in self.base.token_axes().items()}, "side_codes": -2, "side_scales": -1}
 
-    def slice_tokens(self, enc: Encoded, n: int) -> Encoded:
-        """The first ``n`` tokens of base codes and side codes (codes untouched)."""
+    def slice_tokens(self, enc: Encoded, n: int, start: int = 0) -> Encoded:
+        """Tokens ``start .. n - 1`` of base codes and side codes (codes untouched)."""
         base, _ = self._split(enc)
-        kept = self.base.slice_tokens(base, n)
+        kept = self.base.slice_tokens(base, n, start)
         side = slice_rows(
             Encoded(enc.scheme, "keys", enc.shape, enc.dtype, {k: v for k, v in enc.parts.items() if k.startswith("side_")}, enc.params),
             {"side_codes": -2, "side_scales": -1},
             n,
+            start,
         )
         parts = {**{f"base_{k}": v for k, v in kept.parts.items()}, **side.parts}
         return Encoded(enc.scheme, "keys", side.shape, enc.dtype, parts, enc.params)

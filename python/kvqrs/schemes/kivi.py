@@ -43,19 +43,20 @@ class KIVICoder:
                 f"encoded: per-channel KIVI key chunks must hold whole groups of {self.group} tokens, got {[e.shape[-2] for e in encs]}"
             )
 
-    def slice_tokens(self, enc: Encoded, n: int) -> Encoded:
-        """The first ``n`` tokens. Per-channel keys keep whole groups only: ``n`` must be a
-        multiple of ``group`` whose codes end on a byte (``n * bits % 8 == 0``)."""
+    def slice_tokens(self, enc: Encoded, n: int, start: int = 0) -> Encoded:
+        """Tokens ``start .. n - 1``. Per-channel keys keep whole groups only: ``start`` and
+        ``n`` must be multiples of ``group`` whose codes end on a byte (``n * bits % 8 == 0``)."""
         if not self.per_channel:
-            return slice_rows(enc, self.token_axes(), n)
-        if n % self.group or (n * self.bits) % 8:
-            raise KvqrsError(f"n: per-channel KIVI keys can only keep whole groups of {self.group} tokens, got {n}")
+            return slice_rows(enc, self.token_axes(), n, start)
+        for m, name in ((start, "start"), (n, "n")):
+            if m % self.group or (m * self.bits) % 8:
+                raise KvqrsError(f"{name}: per-channel KIVI keys can only keep whole groups of {self.group} tokens, got {m}")
         parts = {
-            "codes": np.asarray(enc.parts["codes"])[..., : n * self.bits // 8],
-            "scales": np.asarray(enc.parts["scales"])[..., : n // self.group],
-            "zeros": np.asarray(enc.parts["zeros"])[..., : n // self.group],
+            "codes": np.asarray(enc.parts["codes"])[..., start * self.bits // 8 : n * self.bits // 8],
+            "scales": np.asarray(enc.parts["scales"])[..., start // self.group : n // self.group],
+            "zeros": np.asarray(enc.parts["zeros"])[..., start // self.group : n // self.group],
         }
-        return Encoded(enc.scheme, enc.kind, (*enc.shape[:-2], n, enc.shape[-1]), enc.dtype, parts, enc.params)
+        return Encoded(enc.scheme, enc.kind, (*enc.shape[:-2], n - start, enc.shape[-1]), enc.dtype, parts, enc.params)
 
     def _layout(self, x: np.ndarray) -> np.ndarray:
         # Per-channel groups run along tokens: lay each channel's tokens out as a row.

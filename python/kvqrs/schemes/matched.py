@@ -248,16 +248,18 @@ class MatchedCoder:
         if bad:
             raise KvqrsError(f"encoded: matched chunks must hold whole groups of {self.group} tokens, got {[e.shape[-2] for e in encs]}")
 
-    def slice_tokens(self, enc: Encoded, n: int) -> Encoded:
-        """The first ``n`` tokens: whole groups only (``n`` a multiple of ``group``)."""
-        if n % self.group and n != enc.shape[-2]:
-            raise KvqrsError(f"n: matched codes can only keep whole groups of {self.group} tokens, got {n}")
+    def slice_tokens(self, enc: Encoded, n: int, start: int = 0) -> Encoded:
+        """Tokens ``start .. n - 1``: whole groups only (``start`` a multiple of ``group``, and
+        ``n`` too unless it is the last token held)."""
+        for m, name in ((start, "start"), (n, "n")):
+            if m % self.group and not (name == "n" and m == enc.shape[-2]):
+                raise KvqrsError(f"{name}: matched codes can only keep whole groups of {self.group} tokens, got {m}")
         parts = {}
         for b, _, _ in self.runs:
-            parts[f"codes{b}"] = np.asarray(enc.parts[f"codes{b}"])[..., : -(-n * b // 8)]
+            parts[f"codes{b}"] = np.asarray(enc.parts[f"codes{b}"])[..., start * b // 8 : -(-n * b // 8)]
             for p in ("scales", "zeros"):
-                parts[f"{p}{b}"] = np.asarray(enc.parts[f"{p}{b}"])[..., : -(-n // self.group)]
-        return Encoded(enc.scheme, enc.kind, (*enc.shape[:-2], n, enc.shape[-1]), enc.dtype, parts, enc.params)
+                parts[f"{p}{b}"] = np.asarray(enc.parts[f"{p}{b}"])[..., start // self.group : -(-n // self.group)]
+        return Encoded(enc.scheme, enc.kind, (*enc.shape[:-2], n - start, enc.shape[-1]), enc.dtype, parts, enc.params)
 
     # -- transform -------------------------------------------------------------------------
     def _heads(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -391,8 +393,8 @@ class MatchedValueCoder:
     def token_axes(self) -> dict[str, int]:
         return self.mse.token_axes()
 
-    def slice_tokens(self, enc: Encoded, n: int) -> Encoded:
-        return self.mse.slice_tokens(enc, n)
+    def slice_tokens(self, enc: Encoded, n: int, start: int = 0) -> Encoded:
+        return self.mse.slice_tokens(enc, n, start)
 
     def decode(self, enc: Encoded) -> np.ndarray:
         check_encoded(enc, self.scheme, self.kind, self.params)

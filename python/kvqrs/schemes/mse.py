@@ -81,9 +81,9 @@ class MSECoder:
         """Token axis of each stored part (for concatenating chunks)."""
         return {"codes": -2, "norms": -1}
 
-    def slice_tokens(self, enc: Encoded, n: int) -> Encoded:
-        """The first ``n`` tokens, codes untouched."""
-        return slice_rows(enc, self.token_axes(), n)
+    def slice_tokens(self, enc: Encoded, n: int, start: int = 0) -> Encoded:
+        """Tokens ``start .. n - 1``, codes untouched."""
+        return slice_rows(enc, self.token_axes(), n, start)
 
     def codes(self, enc: Encoded) -> np.ndarray:
         """Unpacked codes ``(..., tokens, code_dim)``."""
@@ -142,8 +142,8 @@ class MSEQJLCoder:
     def token_axes(self) -> dict[str, int]:
         return {"codes": -2, "norms": -1, "qjl_signs": -2, "qjl_norms": -1}
 
-    def slice_tokens(self, enc: Encoded, n: int) -> Encoded:
-        return slice_rows(enc, self.token_axes(), n)
+    def slice_tokens(self, enc: Encoded, n: int, start: int = 0) -> Encoded:
+        return slice_rows(enc, self.token_axes(), n, start)
 
     def _sketch(self, enc: Encoded) -> QJLSketch:
         return QJLSketch(enc.parts["qjl_signs"], enc.parts["qjl_norms"], self.code_dim, self.code_dim)
