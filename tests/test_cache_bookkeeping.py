@@ -44,6 +44,7 @@ EVERY_SCHEME = [
     pytest.param(QuantConfig("headq", 2, "kivi", 2, residual_length=2, headq_base="kqv", bases="random"), id="headq-kqv"),
     pytest.param(QuantConfig("headq", 2, residual_length=0, group=8, bases="random"), id="headq-kivi"),
     pytest.param(QuantConfig("headq", 3, "block", 3, residual_length=3, headq_base="block", bases="random"), id="headq-block"),
+    pytest.param(QuantConfig("matched", 3, "matched", 3, residual_length=3, group=8, calibration="random"), id="matched"),
 ]
 
 

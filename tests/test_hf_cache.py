@@ -134,6 +134,9 @@ FAST_VS_CACHE = [
     # Attention sinks: the first tokens stay in full precision, KIVI groups count from after them.
     pytest.param(QuantConfig("kqv", 3, "kqv", 3, residual_length=4, sink_tokens=4), id="kqv-k3v3-r4-s4"),
     pytest.param(QuantConfig("kivi", 2, "kivi", 2, residual_length=3, group=8, sink_tokens=3), id="kivi-k2v2-g8-r3-s3"),
+    pytest.param(
+        QuantConfig("matched", 2, "matched", 2, residual_length=3, group=8, sink_tokens=1, calibration="random"), id="matched-k2v2-g8-r3-s1"
+    ),
 ]
 
 
@@ -260,6 +263,7 @@ PER_TOKEN = [
 GROUPED = [
     pytest.param(QuantConfig("kivi", 2, "kivi", 2, residual_length=5), id="kivi"),
     pytest.param(QuantConfig("headq", 2, residual_length=0, bases="random"), id="headq-kivi"),
+    pytest.param(QuantConfig("matched", 3, "matched", 3, residual_length=2, group=8, calibration="random"), id="matched"),
 ]
 
 
@@ -371,6 +375,7 @@ CROP_SCHEMES = [
     pytest.param(QuantConfig("kivi", 2, "kivi", 2, residual_length=6, group=8), id="kivi"),
     pytest.param(QuantConfig("kqv", 4, residual_length=6), id="kqv-keyonly"),
     pytest.param(QuantConfig("headq", 2, residual_length=6, headq_base="kqv", bases="random"), id="headq-kqv"),
+    pytest.param(QuantConfig("matched", 3, "matched", 3, residual_length=6, group=8, calibration="random"), id="matched"),
 ]
 
 
@@ -829,7 +834,9 @@ def test_fused_decode_step_matches_decoded_layer(cfg, nq):
         rk, rv = layer.update(k2, v2, fused=fused)
         # fused only when every new query reads every new code quantized (a per-token scheme
         # flushing 3 tokens in one step is read in full precision by its earlier queries)
-        assert layer._fused == (fused and cfg.quantized_span(46)[1] >= cfg.quantized_span(45 + nq)[1])
+        # (and only for codecs with a fused read path: the matched scheme decodes)
+        has_path = cfg.codec(0, HEAD_DIM).has_fused_path()
+        assert layer._fused == (fused and has_path and cfg.quantized_span(46)[1] >= cfg.quantized_span(45 + nq)[1])
         # a fused step hands back the window alone: nothing is decoded
         assert rk.shape[-2] == (layer.keys.shape[-2] if layer._fused else 45 + nq)
         mask = _causal_mask(2, nq, 45 + nq)

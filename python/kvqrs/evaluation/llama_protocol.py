@@ -70,21 +70,19 @@ def llama_rows(calibration: dict | None = None) -> list[LlamaRow]:
 
 
 def matched_rows(calibration: dict) -> list[LlamaRow]:
-    """The ``matched`` rows: ``calibration`` maps a key budget in bits to ``{layer:
-    MatchedCalibration}`` fitted at that budget."""
+    """The ``matched`` rows: ``calibration`` maps ``(key code bits, key scale group)`` to
+    ``{layer: MatchedCalibration}`` fitted at that budget. Values take the Lloyd-Max width
+    ``ceil(bits)``; each budget also gets its keys-only and its sink-free row (each technique's
+    effect alone)."""
     out = []
-    for bits in sorted(calibration, reverse=True):
-        cal = calibration[bits]
-        vb = max(1, int(math.ceil(bits)))
-        out.append(
-            LlamaRow(
-                f"matched k{bits:g} v{vb} sinks:1", QuantConfig("matched", vb, "matched", vb, group=128, sink_tokens=1, calibration=cal)
-            )
-        )
-        out.append(
-            LlamaRow(f"matched k{bits:g} sinks:1 (keys only)", QuantConfig("matched", vb, None, group=128, sink_tokens=1, calibration=cal))
-        )
-        out.append(LlamaRow(f"matched k{bits:g} v{vb} (no sinks)", QuantConfig("matched", vb, "matched", vb, group=128, calibration=cal)))
+    for bits, group in sorted(calibration, reverse=True):
+        cal = calibration[bits, group]
+        vb = max(1, math.ceil(bits))
+        g = "" if group == 128 else f" g{group}"
+        kw = {"group": group, "calibration": cal}
+        out.append(LlamaRow(f"matched k{bits:g}{g} v{vb} sinks:1", QuantConfig("matched", vb, "matched", vb, sink_tokens=1, **kw)))
+        out.append(LlamaRow(f"matched k{bits:g}{g} sinks:1 (keys only)", QuantConfig("matched", vb, None, sink_tokens=1, **kw)))
+        out.append(LlamaRow(f"matched k{bits:g}{g} v{vb} (no sinks)", QuantConfig("matched", vb, "matched", vb, **kw)))
     return out
 
 

@@ -4,7 +4,7 @@ path, :class:`QuantizedKVCache`, HeadQ calibration and the torch thread count
 
 from .attention import active, fake_quant, kvqrs_attention, register
 from .cache import QuantizedKVCache, QuantizedLayer
-from .calibration import calibrate, calibrate_matched, load_bases, load_matched, save_bases, save_matched
+from .calibration import calibrate, calibrate_matched, fit_matched, load_bases, load_matched, record_matched, save_bases, save_matched
 from .config import QuantConfig
 from .threads import fastest_threads, set_num_threads
 
@@ -15,6 +15,8 @@ __all__ = [
     "active",
     "calibrate",
     "calibrate_matched",
+    "fit_matched",
+    "record_matched",
     "load_matched",
     "save_matched",
     "load_bases",

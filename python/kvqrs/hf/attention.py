@@ -92,8 +92,9 @@ class FakeQuant:
     """The fast path: quantize-dequantize inside one forward pass over a window that starts at
     position 0, with the cache's schedule (``QuantConfig.quantized_span``) applied per query."""
 
-    def __init__(self, config: QuantConfig):
+    def __init__(self, config: QuantConfig, one_shot: bool = False):
         self.config = config
+        self.one_shot = one_shot
         self.calls = 0
         self._schedules: dict[int, tuple[torch.Tensor, bool]] = {}
 
@@ -104,10 +105,14 @@ class FakeQuant:
         if length < self.config.sink_tokens:
             raise KvqrsError(f"sink_tokens: {self.config.sink_tokens} sink tokens, but the window holds only {length} tokens")
         if length not in self._schedules:
-            spans = torch.tensor([self.config.quantized_span(t) for t in range(1, length + 1)])
+            if self.one_shot:  # the prefill of a cache that holds the whole window: every token after the sinks coded
+                spans = torch.tensor([[self.config.sink_tokens, length]] * length)
+            else:
+                spans = torch.tensor([self.config.quantized_span(t) for t in range(1, length + 1)])
             j = torch.arange(length)[None, :]
             m = (j >= spans[:, :1]) & (j < spans[:, 1:])
-            self._schedules[length] = (m, bool(torch.equal(m, torch.ones(length, length, dtype=torch.bool).tril())))
+            tril = torch.ones(length, length, dtype=torch.bool).tril()
+            self._schedules[length] = (m, bool(torch.equal(m & tril, tril)))
         return self._schedules[length]
 
     def attend(self, module, query, key, value, attention_mask, scaling):
@@ -165,11 +170,15 @@ def _a2_importance(module, s_fp, attention_mask, lookahead):
 
 
 @contextlib.contextmanager
-def fake_quant(config: QuantConfig) -> Iterator[FakeQuant]:
+def fake_quant(config: QuantConfig, one_shot: bool = False) -> Iterator[FakeQuant]:
     """``with fake_quant(cfg): model(ids)`` runs the fast evaluation path (the model must use
-    ``attn_implementation="kvqrs"``)."""
+    ``attn_implementation="kvqrs"``).
+
+    ``one_shot=True``: every token after the sinks is read quantized, whatever the window and
+    chunk settings (a cache prefilled with the whole window in one pass: llama.cpp's perplexity
+    protocol, in which KIVI-style groups are coded with the tokens of the whole window)."""
     register()
-    with active(FakeQuant(config)) as state:
+    with active(FakeQuant(config, one_shot)) as state:
         yield state
     if state.calls == 0:
         # A model with another attention implementation (sdpa, eager) never consults the plan:

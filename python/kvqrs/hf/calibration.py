@@ -90,29 +90,11 @@ class _KVQRecorder:
         return None
 
 
-def calibrate_matched(model, windows: Iterable[torch.Tensor], key_bits: float, group: int, skip: int = 0) -> dict:
-    """Fit the ``matched`` scheme's per-layer calibration on calibration token windows.
-
-    Keys: :func:`kvqrs.schemes.matched.fit_basis` weighted by the second moment ``E[q q^T]`` of
-    the post-RoPE queries of each GQA group (the score-space error weight), ``key_bits`` average
-    code bits, scale groups of ``group`` tokens. Values: the mean per KV head.
-
-    Args:
-        model: a transformers model loaded with ``attn_implementation="kvqrs"``.
-        windows: ``(1, len)`` token tensors from a calibration text (never the evaluation text).
-        key_bits: average key code bits per coordinate (0 < key_bits <= 8).
-        group: tokens per key scale group.
-        skip: leading positions of each window left out (the attention-sink tokens that the
-            cache keeps in full precision: their outlying keys are never coded).
-
-    Returns:
-        ``{layer: MatchedCalibration}``.
-
-    Raises:
-        KvqrsError: no attention call was recorded, or a window shorter than ``skip + 2``.
-    """
-    from ..schemes.matched import MatchedCalibration, fit_basis
-
+def record_matched(model, windows: Iterable[torch.Tensor], skip: int = 0) -> dict:
+    """Run ``model`` over calibration windows and collect what the ``matched`` calibration
+    needs, per layer: ``(query second moment (kv_heads, d, d), keys (kv_heads, n, d), values
+    (kv_heads, n, d))``, positions ``skip..`` of each window (the sink tokens a cache keeps in
+    full precision are never coded, so they are left out of the statistics)."""
     register()
     rec = _KVQRecorder(int(skip))
     with torch.no_grad(), active(rec):
@@ -125,11 +107,42 @@ def calibrate_matched(model, windows: Iterable[torch.Tensor], key_bits: float, g
     out = {}
     for layer in sorted(rec.k):
         q = np.concatenate(rec.q[layer], axis=1).astype(np.float64)
-        k = np.concatenate(rec.k[layer], axis=1)
-        v = np.concatenate(rec.v[layer], axis=1)
-        weight = np.einsum("hnd,hne->hde", q, q) / q.shape[1]
-        out[layer] = MatchedCalibration(fit_basis(k, key_bits, group, weight), v.mean(axis=1))
+        out[layer] = (
+            np.einsum("hnd,hne->hde", q, q) / q.shape[1],
+            np.concatenate(rec.k[layer], axis=1),
+            np.concatenate(rec.v[layer], axis=1),
+        )
     return out
+
+
+def fit_matched(stats: dict, key_bits: float, group: int) -> dict:
+    """``{layer: MatchedCalibration}`` from :func:`record_matched`'s statistics: keys by
+    :func:`kvqrs.schemes.matched.fit_basis` weighted by the queries' second moment (the
+    score-space error weight) at ``key_bits`` average code bits and scale groups of ``group``
+    tokens; values by their mean per KV head."""
+    from ..schemes.matched import MatchedCalibration, fit_basis
+
+    return {layer: MatchedCalibration(fit_basis(k, key_bits, group, w), v.mean(axis=1)) for layer, (w, k, v) in stats.items()}
+
+
+def calibrate_matched(model, windows: Iterable[torch.Tensor], key_bits: float, group: int = 128, skip: int = 0) -> dict:
+    """Fit the ``matched`` scheme's per-layer calibration on calibration token windows
+    (:func:`record_matched` then :func:`fit_matched`).
+
+    Args:
+        model: a transformers model loaded with ``attn_implementation="kvqrs"``.
+        windows: ``(1, len)`` token tensors from a calibration text (never the evaluation text).
+        key_bits: average key code bits per coordinate (0 < key_bits <= 8).
+        group: tokens per key scale group.
+        skip: leading positions of each window left out (the attention sinks).
+
+    Returns:
+        ``{layer: MatchedCalibration}``.
+
+    Raises:
+        KvqrsError: no attention call was recorded, or a window shorter than ``skip + 2``.
+    """
+    return fit_matched(record_matched(model, windows, skip), key_bits, group)
 
 
 MATCHED_FORMAT = "kvqrs-matched-calibration-v1"
@@ -158,6 +171,6 @@ def load_matched(path: str | pathlib.Path) -> dict:
             if "format" not in z or str(z["format"]) != MATCHED_FORMAT:
                 raise KvqrsError(f"calibration: {str(path)!r} is not a kvqrs matched calibration file ({MATCHED_FORMAT})")
             layers = sorted(int(k[6:]) for k in z.files if k.startswith("basis_"))
-            return {l: MatchedCalibration(MatchedBasis(z[f"mean_{l}"], z[f"basis_{l}"], z[f"widths_{l}"]), z[f"vmean_{l}"]) for l in layers}
+            return {i: MatchedCalibration(MatchedBasis(z[f"mean_{i}"], z[f"basis_{i}"], z[f"widths_{i}"]), z[f"vmean_{i}"]) for i in layers}
     except (OSError, ValueError, KeyError) as e:
         raise KvqrsError(f"calibration: cannot read {str(path)!r}: {e}") from None

@@ -32,7 +32,7 @@ class QuantConfig:
         headq_base, rank, side_bits, sign: HeadQ settings (see :class:`KVCodec`).
         calibration: for the ``matched`` scheme, ``{layer: MatchedCalibration}``
             (:func:`kvqrs.hf.calibrate_matched`, saved by ``kvqrs calibrate``); ``group`` is then
-            its key scale group in tokens.
+            its key scale group in tokens; ``"random"`` for the random-basis control.
         bases: HeadQ bases per layer, ``{layer: (kv_heads, d, r)}``, or ``"random"`` for the
             random-basis control.
         a2_uniform: with ``value_scheme="a2"``, give every token the same width (the uniform
@@ -123,14 +123,7 @@ class QuantConfig:
                     )
                 else:
                     basis = np.asarray(self.bases[layer])
-            calibration = None
-            if "matched" in (self.key_scheme, self.value_scheme):
-                if not isinstance(self.calibration, dict) or layer not in self.calibration:
-                    raise KvqrsError(
-                        f"calibration: the matched scheme needs a calibration for layer {layer} "
-                        "(kvqrs.hf.calibrate_matched, or `kvqrs calibrate` and kvqrs.hf.load_matched)"
-                    )
-                calibration = self.calibration[layer]
+            calibration = self._matched_calibration(layer, head_dim) if "matched" in (self.key_scheme, self.value_scheme) else None
             self._codecs[key] = KVCodec(
                 self.key_scheme or "kv",
                 self.key_bits,
@@ -147,6 +140,23 @@ class QuantConfig:
                 calibration=calibration,
             )
         return self._codecs[key]
+
+    def _matched_calibration(self, layer: int, head_dim: int):
+        """The ``matched`` calibration of ``layer``: fitted (``calibration[layer]``) or the
+        seeded random-basis control (``calibration="random"``)."""
+        if isinstance(self.calibration, str):
+            if self.calibration != "random":
+                raise KvqrsError(f"calibration: expected {{layer: MatchedCalibration}} or 'random', got {self.calibration!r}")
+            from ..schemes.codec import derive_seed
+            from ..schemes.matched import random_calibration
+
+            return random_calibration(head_dim, self.key_bits, derive_seed(self.seed, 1000 + layer))
+        if not isinstance(self.calibration, dict) or layer not in self.calibration:
+            raise KvqrsError(
+                f"calibration: the matched scheme needs a calibration for layer {layer} "
+                "(kvqrs.hf.calibrate_matched, or `kvqrs calibrate` and kvqrs.hf.load_matched), or calibration='random'"
+            )
+        return self.calibration[layer]
 
     @property
     def quantizes_keys(self) -> bool:

@@ -400,3 +400,24 @@ class MatchedValueCoder:
         check_encoded(enc, self.scheme, self.kind, self.params)
         y = self.mse.decode_unchecked(enc)
         return y + self._mean(y)
+
+
+def random_calibration(head_dim: int, bits: int, seed: int) -> MatchedCalibration:
+    """The random-basis control of the ``matched`` scheme: one seeded random orthonormal basis
+    (:func:`kvqrs.kernels.rng.random_orthonormal_basis`) shared by every KV head, zero means,
+    and widths ``bits + 1`` on the first quarter of the columns, ``bits - 1`` on the last
+    quarter and ``bits`` between (the same average; several width runs, as a fitted layout has).
+    Nothing is learned from data: it measures what calibration adds, and lets tests run the
+    scheme without a model."""
+    from ..kernels.rng import random_orthonormal_basis
+
+    if not 1 <= int(bits) <= MAX_WIDTH - 1:
+        raise KvqrsError(f"bits: the random matched control takes 1..{MAX_WIDTH - 1} bits, got {bits}")
+    q = head_dim // 4
+    widths = np.full(head_dim, int(bits))
+    if q:
+        widths[:q] += 1
+        widths[head_dim - q :] -= 1
+    basis = random_orthonormal_basis(seed, head_dim, head_dim)[None]
+    zeros = np.zeros((1, head_dim), np.float32)
+    return MatchedCalibration(MatchedBasis(zeros, basis, widths), zeros)
