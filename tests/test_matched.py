@@ -209,3 +209,22 @@ def test_calibration_file_round_trip(tmp_path):
 def test_random_control_keeps_the_average_width():
     cal = random_calibration(64, 3, 9)
     assert cal.keys.code_bits() == 3.0 and len(cal.keys.width_runs()) == 3
+
+
+def test_cache_save_load_round_trip(tmp_path):
+    import torch
+
+    from kvqrs.hf import QuantizedKVCache
+    from kvqrs.hf.attention import active
+
+    cfg = QuantConfig("matched", 3, "matched", 3, residual_length=2, group=8, calibration="random", sink_tokens=1)
+    cache = QuantizedKVCache(cfg, 2)
+    g = torch.Generator().manual_seed(0)
+    with active(None):
+        for layer in range(2):
+            cache.update(torch.randn(1, 3, 30, 16, generator=g), torch.randn(1, 3, 30, 16, generator=g), layer)
+    cache.save(tmp_path / "m.kvqc")
+    back = QuantizedKVCache.load(tmp_path / "m.kvqc", cfg)
+    assert back.nbytes() == cache.nbytes()
+    for a, b in zip(cache.layers, back.layers):
+        torch.testing.assert_close(a.keys, b.keys)

@@ -141,6 +141,36 @@ class QuantConfig:
             )
         return self._codecs[key]
 
+    @classmethod
+    def preset(cls, name: str, calibration: Any, **overrides: Any) -> QuantConfig:
+        """A recommended configuration per budget (see :data:`PRESETS` and docs/schemes.md for
+        the measurements they were chosen from).
+
+        Args:
+            name: ``"4bit"``, ``"3bit"`` or ``"2bit"``: the average stored bits per element of
+                keys and values, every byte counted (codes, scales, norms, sinks).
+            calibration: ``{layer: MatchedCalibration}`` fitted at the preset's key budget
+                (:func:`kvqrs.hf.calibrate_matched` with ``PRESETS[name]["key_code_bits"]``), or
+                the path of a ``kvqrs calibrate`` file.
+            overrides: other :class:`QuantConfig` fields (``residual_length``, ``seed``, ...).
+
+        Raises:
+            KvqrsError: an unknown name (the message lists them) or no calibration.
+        """
+        if name not in PRESETS:
+            raise KvqrsError(f"preset: expected one of {sorted(PRESETS)}, got {name!r}")
+        if calibration is None:
+            raise KvqrsError(
+                f"preset: {name!r} uses the matched scheme and needs a calibration (`kvqrs calibrate --bits {PRESETS[name]['key_code_bits']:g}`)"
+            )
+        if not isinstance(calibration, dict):
+            from .calibration import load_matched
+
+            calibration = load_matched(calibration)
+        p = PRESETS[name]
+        kw = {"group": p["group"], "sink_tokens": p["sink_tokens"], "calibration": calibration, **overrides}
+        return cls("matched", p["value_bits"], "matched", p["value_bits"], **kw)
+
     def _matched_calibration(self, layer: int, head_dim: int):
         """The ``matched`` calibration of ``layer``: fitted (``calibration[layer]``) or the
         seeded random-basis control (``calibration="random"``)."""
@@ -172,3 +202,14 @@ class QuantConfig:
         v = "" if self.value_scheme is None else f" v:{self.value_scheme}{self.value_bits or self.key_bits}"
         sinks = f" sinks:{self.sink_tokens}" if self.sink_tokens else ""
         return f"{k} k{self.key_bits}{v}{sinks}"
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # Measured on llama.cpp's perplexity protocol (docs/evaluation.md): the matched scheme's key
+    # code budget and scale group, value width and sinks that keep the average stored bits per
+    # element (every byte counted) within the name.
+    "4bit": {"key_code_bits": 3.75, "group": 128, "value_bits": 4, "sink_tokens": 1},
+    "3bit": {"key_code_bits": 3.0, "group": 128, "value_bits": 3, "sink_tokens": 1},
+    "2bit": {"key_code_bits": 2.0, "group": 128, "value_bits": 2, "sink_tokens": 1},
+}
+"""The recommended presets of :meth:`QuantConfig.preset`."""

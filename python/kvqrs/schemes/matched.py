@@ -232,7 +232,11 @@ class MatchedCoder:
         self.head_dim, self.cal, self.group, self.scheme, self.kind = head_dim, calibration, group, scheme, kind
         self.k = backend
         self.runs = calibration.width_runs()
-        self.params = {"group": group, "widths": tuple(int(w) for w in calibration.widths), "fingerprint": _fingerprint(calibration)}
+        self.params = {
+            "group": group,
+            "widths": ",".join(str(int(w)) for w in calibration.widths),
+            "fingerprint": _fingerprint(calibration),
+        }
 
     # -- layout --------------------------------------------------------------------------
     def part_names(self) -> list[str]:
