@@ -213,7 +213,6 @@ def test_random_control_keeps_the_average_width():
 
 def test_cache_save_load_round_trip(tmp_path):
     import torch
-
     from kvqrs.hf import QuantizedKVCache
     from kvqrs.hf.attention import active
 
