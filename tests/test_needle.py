@@ -246,14 +246,7 @@ def test_report_files(tmp_path):
     assert "| kqv k2 v2 | 2000 | 1/2 | 2/2 |" in body
 
 
-def test_cli_needle_quick(tmp_path):
-    try:
-        from kvqrs.evaluation import model as model_mod
-
-        model_mod.model_dir()
-    except KvqrsError as e:
-        pytest.skip(f"SmolLM2 model not available: {e}")
-    pytest.importorskip("gensim", reason="the default filler text ships in gensim's wheel")
+def test_cli_needle_quick(tmp_path, smollm2_installed):
     out = tmp_path / "needle"
     cmd = [sys.executable, "-m", "kvqrs", "eval", "--task", "needle", "--quick", "--rows", "kqv", "--contexts", "512", "--threads", "1"]
     cmd += ["--out", str(out), "--no-progress"]

@@ -313,7 +313,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ev.add_argument("--contexts", type=int, nargs="+", help="needle: prompt lengths in tokens (default 1000 2000 4000 8000, quick 1000)")
     ev.add_argument(
-        "--depths", type=float, nargs="+", help="needle: needle depths, fractions of the filler (default 0 .25 .5 .75 1, quick .25 .75)"
+        "--depths", type=float, nargs="+", help="needle: needle depths, fractions of the filler (default 0 .5 1, quick .25 .75)"
     )
     ev.add_argument("--trials", type=int, help="needle: prompts per (context, depth), each with its own key and filler (default 2)")
     ev.add_argument("--seed", type=int, default=0, help="needle: seed of the keys and filler offsets")
