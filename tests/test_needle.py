@@ -70,7 +70,7 @@ def test_prompt_length_layout_and_depth(tok, hay, context, depth):
     # without the needle, the filler is one contiguous run of corpus tokens, whole sentences
     filler = _strip_needle(p)[len(hay.head) : len(hay.head) + p.filler_len]
     assert np.array_equal(filler, hay.corpus[p.offset : p.offset + p.filler_len])
-    assert hay.boundary[p.offset] and hay.boundary[p.offset + p.filler_len]
+    assert hay.opens[p.offset] and hay.boundary[p.offset + p.filler_len]
     # the needle is at the last sentence boundary at or before the stated depth
     at, target = p.needle_start - p.filler_start, int(round(depth * p.filler_len))
     assert at <= target and hay.boundary[p.offset + at]
@@ -90,7 +90,8 @@ def test_prompt_text_reads_as_a_chat(tok, hay):
     assert text.count("<|im_start|>user\n" + needle.INSTRUCTION) == 1
     assert text.endswith(needle.QUESTION + "<|im_end|>\n<|im_start|>assistant\n" + needle.ANSWER_PREFIX)
     assert text.count(p.key) == 2  # only the needle states the key (twice); the filler has no digits
-    assert ". The pass key is" in text and "the pass key. " in text  # between two sentences
+    before, after = text.split(needle.NEEDLE.format(key=p.key))
+    assert before.endswith((".", "\n")) and after.startswith((" ", "\n"))  # between two sentences or lines
 
 
 def test_prompts_are_deterministic_by_seed(hay):

@@ -96,8 +96,9 @@ class Haystack:
     """Builds passkey prompts from a tokenizer with a chat template and a filler corpus.
 
     The corpus is tokenized once; the filler of a prompt is a contiguous run of its tokens that
-    starts after a sentence end. The needle goes in at the last sentence end at or before
-    ``round(depth * filler_len)`` (Kamradt's placement), so it never splits a sentence.
+    starts after a sentence end and ends at a sentence or line end. The needle goes in at the
+    last sentence or line end at or before ``round(depth * filler_len)`` (Kamradt's placement),
+    so it never splits a sentence.
 
     Raises :class:`KvqrsError` if the tokenizer has no chat template, or the corpus is shorter
     than the filler a prompt needs.
@@ -108,7 +109,7 @@ class Haystack:
             raise KvqrsError("tokenizer: the needle task needs a chat template (an instruct model)")
         self.tokenizer, self.source = tokenizer, source
         self.corpus = np.asarray(tokenizer(corpus, add_special_tokens=False).input_ids, dtype=np.int64)
-        self.boundary = self._sentence_boundaries()
+        self.opens, self.boundary = self._sentence_boundaries()
         head, tail = self._template()
         self.head = self._encode(head + INSTRUCTION)
         self.tail = self._encode(QUESTION + tail + ANSWER_PREFIX)
@@ -125,18 +126,23 @@ class Haystack:
             raise KvqrsError("tokenizer: its chat template does not reproduce the user message")
         return head, tail
 
-    def _sentence_boundaries(self) -> np.ndarray:
-        """``boundary[i]``: a sentence ends just before corpus token ``i`` and token ``i`` opens
-        the next one with a space (so a needle that starts with a space fits in between);
-        ``boundary[len]`` when the corpus ends a sentence."""
+    def _sentence_boundaries(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(opens, boundary)``, both of ``len(corpus) + 1``. ``opens[i]``: a sentence ends just
+        before corpus token ``i`` and token ``i`` opens the next one with a space (a filler
+        starts there). ``boundary[i]``: that, or token ``i - 1`` ends a line (a needle may go in
+        there: lists and headings have no sentence ends); ``boundary[len]`` when the corpus ends
+        a sentence or a line."""
         ids = np.unique(self.corpus)
         texts = self.tokenizer.batch_decode(ids[:, None])
         ends = np.isin(self.corpus, ids[[bool(_SENTENCE_END.search(t)) for t in texts]])
-        opens = np.isin(self.corpus, ids[[t.startswith(" ") and t[1:2].strip() != "" for t in texts]])
-        boundary = np.zeros(len(self.corpus) + 1, dtype=bool)
-        boundary[1:-1] = ends[:-1] & opens[1:]
-        boundary[-1] = bool(ends[-1]) if len(ends) else False
-        return boundary
+        spaced = np.isin(self.corpus, ids[[t.startswith(" ") and t[1:2].strip() != "" for t in texts]])
+        lines = np.isin(self.corpus, ids[[t.endswith("\n") for t in texts]])
+        opens = np.zeros(len(self.corpus) + 1, dtype=bool)
+        opens[1:-1] = ends[:-1] & spaced[1:]
+        boundary = opens.copy()
+        boundary[1:] |= lines
+        boundary[-1] |= bool(ends[-1]) if len(ends) else False
+        return opens, boundary
 
     def needle(self, key: str) -> np.ndarray:
         return self._encode(NEEDLE.format(key=key))
@@ -153,7 +159,7 @@ class Haystack:
         n = context - len(self.head) - len(self.tail) - len(needle)
         if n < 1:
             raise KvqrsError(f"context: expected more than {context - n} tokens (the template, question and needle), got {context}")
-        starts = np.flatnonzero(self.boundary[: len(self.corpus) - n + 1] & self.boundary[n:])
+        starts = np.flatnonzero(self.opens[: len(self.corpus) - n + 1] & self.boundary[n:])
         if len(starts) == 0:
             raise KvqrsError(
                 f"text: the filler corpus ({self.source}, {len(self.corpus)} tokens) has no run of whole sentences "
