@@ -184,6 +184,8 @@ def _eval(args: argparse.Namespace) -> int:
     from .evaluation import model_report
     from .evaluation.model_eval import default_rows, run_eval
 
+    if args.task == "needle":
+        return _needle(args)
     texts = _texts(args)
     for name, value in (("--window", args.window), ("--windows", args.windows), ("--calibration-windows", args.calibration_windows or 1)):
         if value is not None and value < 1:
@@ -251,6 +253,45 @@ def _eval_llama(args: argparse.Namespace) -> int:
     seconds = time.perf_counter() - start
     md = lp.write(result, out, seconds)
     print(lp.markdown(result))
+    print(f"report: {md}")
+    return 0
+
+
+def _needle(args: argparse.Namespace) -> int:
+    """``kvqrs eval --task needle``: pass key retrieval through the real cache (evaluation/needle.py)."""
+    import pathlib
+    import time
+
+    from .evaluation import model as model_mod
+    from .evaluation import needle, needle_report
+
+    contexts = args.contexts or (needle.QUICK_CONTEXTS if args.quick else needle.CONTEXTS)
+    depths = args.depths or (needle.QUICK_DEPTHS if args.quick else needle.DEPTHS)
+    trials = args.trials if args.trials is not None else (needle.QUICK_TRIALS if args.quick else needle.TRIALS)
+    needle.check_grid(contexts, depths, trials)
+    rows = needle.needle_rows(residual_length=args.residual_length, quick=args.quick)
+    if args.rows:
+        rows = [r for r in rows if r.name == "dense" or any(r.name.startswith(p) for p in args.rows)]
+    texts = _texts(args)
+    torch_threads(1 if args.threads is None else args.threads)
+    start = time.perf_counter()
+    model, tok = model_mod.load(progress=not args.no_progress)
+    if args.threads is None:
+        n, probe = model_mod.fastest_threads(model, tok(texts.evaluation[:20000], return_tensors="pt").input_ids[:, :512])
+        print(f"torch threads: {n} (one forward of 512 tokens: " + ", ".join(f"{k} thread(s) {t:.2f} s" for k, t in probe.items()) + ")")
+    print(
+        f"kvqrs eval --task needle: {len(rows)} rows x {len(contexts)} contexts x {len(depths)} depths x {trials} trials, filler: {texts.source}"
+    )
+    result = needle.run_needle(model, tok, texts, rows, contexts, depths, trials, seed=args.seed, progress=not args.no_progress)
+    seconds = time.perf_counter() - start
+    machine = needle.machine_line()
+    md = needle_report.write(
+        result,
+        pathlib.Path(args.out if args.out is not None else ("reports/needle-quick" if args.quick else "reports/needle")),
+        seconds,
+        machine,
+    )
+    print(needle_report.summary(result, seconds, machine))
     print(f"report: {md}")
     return 0
 
@@ -366,6 +407,19 @@ def build_parser() -> argparse.ArgumentParser:
         default=["4", "3", "2"],
         help="llama protocol: key code budgets of the matched rows, BITS or BITS@GROUP (default: 4 3 2)",
     )
+    ev.add_argument(
+        "--task",
+        choices=("perplexity", "needle"),
+        default="perplexity",
+        help="perplexity (fast path, the default) or needle: pass key retrieval at several depths and contexts through the real "
+        "cache in generate (writes needle.md / .csv / .json / needle_accuracy.png into --out)",
+    )
+    ev.add_argument("--contexts", type=int, nargs="+", help="needle: prompt lengths in tokens (default 1000 2000 4000 8000, quick 1000)")
+    ev.add_argument(
+        "--depths", type=float, nargs="+", help="needle: needle depths, fractions of the filler (default 0 .5 1, quick .25 .75)"
+    )
+    ev.add_argument("--trials", type=int, help="needle: prompts per (context, depth), each with its own key and filler (default 2)")
+    ev.add_argument("--seed", type=int, default=0, help="needle: seed of the keys and filler offsets")
     ev.set_defaults(func=lambda a: _eval_llama(a) if a.protocol == "llama" else _eval(a))
     ca = sub.add_parser("calibrate", help="fit the matched scheme (key transform, widths, value mean) on a calibration text and save it")
     _text_options(ca)
