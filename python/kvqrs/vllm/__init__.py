@@ -1,0 +1,1 @@
+"""kvqrs as a vLLM KV-cache backend (see docs/vllm.md)."""
