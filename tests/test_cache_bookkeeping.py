@@ -1,5 +1,5 @@
 """QuantizedKVCache bookkeeping against transformers' DynamicCache and against one-shot encoding
-(issue 6/6, robustness): streaming one token at a time equals one encode call for every scheme,
+(robustness): streaming one token at a time equals one encode call for every scheme,
 bit for bit, also when some stored scalars fall outside float16's range; the residual window
 at every prefill and decode step; what a multi-token prefill holds and what the prompt's own
 queries read; beam search, crop-then-continue and dropping a finished row of a left-padded

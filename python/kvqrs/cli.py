@@ -24,7 +24,7 @@ def selfcheck_rows(head_dims: Sequence[int], bits_list: Sequence[int], vectors: 
     ``mse`` is ``mean ||x - x_hat||^2 / ||x||^2`` over ``vectors`` seeded N(0, I) rows with the
     rotation on; ``code_mse`` is the same error in the rotated code domain,
     ``mean ||R x / ||x|| - centroids[codes]||^2``, which is what the Lloyd-Max theory
-    ``d' * D_b`` of the ``(d', bits)`` codebook predicts (SPEC 2.3). They coincide when
+    ``d' * D_b`` of the ``(d', bits)`` codebook predicts (docs/kernels.md section 4). They coincide when
     head_dim is a power of two; with zero padding the decoder keeps only the first head_dim
     coordinates, which discards part of the error, so ``mse < code_mse``. Bits per element
     count the codes of all ``d'`` coordinates plus the stored norm.
@@ -138,7 +138,7 @@ def _capture(args: argparse.Namespace, config):
 
     texts = _texts(args)
     torch_threads(1 if args.threads is None else args.threads)
-    model, tok = model_mod.load()
+    model, tok = model_mod.load(progress=not args.no_progress)
     captured = capture_heads(model, tok, texts, config.tokens, config.n_queries)
     print(
         f"captured {len(captured.heads)} heads (layer x KV head) of {config.tokens} tokens, {config.n_queries} queries each; text: {captured.source}"
@@ -195,11 +195,13 @@ def _eval(args: argparse.Namespace) -> int:
         raise KvqrsError(f"--window: expected at most the model's context of 8192 tokens, got {args.window}")
     window = args.window if args.window is not None else (256 if args.quick else 512)
     windows = args.windows if args.windows is not None else (1 if args.quick else 3)
+    rows = select_rows(default_rows(quick=args.quick, residual_length=args.residual_length), args.rows)  # before the model loads
+    out = pathlib.Path(args.out if args.out is not None else ("reports/eval-quick" if args.quick else "reports/eval"))
     threads = 1 if args.threads is None else args.threads
     torch_threads(threads)
     ray = _ray(args)
     start = time.perf_counter()
-    model, tok = model_mod.load()
+    model, tok = model_mod.load(progress=not args.no_progress)
     if args.threads is None:
         threads, probe = model_mod.fastest_threads(model, tok(texts.evaluation[:20000], return_tensors="pt").input_ids[:, :window])
         print(
@@ -207,11 +209,6 @@ def _eval(args: argparse.Namespace) -> int:
             + ", ".join(f"{k} thread(s) {t:.2f} s" for k, t in probe.items())
             + ")"
         )
-    rows = default_rows(quick=args.quick, residual_length=args.residual_length)
-    if args.rows:
-        rows = [r for r in rows if r.name == "dense" or any(r.name.startswith(p) for p in args.rows)]
-        if len(rows) == 1:
-            raise KvqrsError(f"--rows: no row label starts with any of {args.rows}")
     print(f"kvqrs eval: {len(rows)} rows x {windows} windows of {window} tokens, text: {texts.source}")
     result = run_eval(
         model,
@@ -226,7 +223,7 @@ def _eval(args: argparse.Namespace) -> int:
         threads=threads,
     )
     seconds = time.perf_counter() - start
-    md = model_report.write(result, pathlib.Path(args.out), seconds)
+    md = model_report.write(result, out, seconds)
     print(model_report.summary(result, seconds))
     print(f"report: {md}")
     return 0
@@ -242,6 +239,18 @@ def _ray(args: argparse.Namespace):
     nodes = sum(1 for n in ray.nodes() if n.get("Alive"))
     print(f"ray: {cluster_cpus(ray)} CPUs on {nodes} node(s) at {args.ray}")
     return ray
+
+
+def select_rows(rows: list, prefixes: Sequence[str] | None) -> list:
+    """The rows whose label starts with one of ``prefixes`` (all rows when None), dense always
+    kept. Raises :class:`KvqrsError` listing the valid labels when a prefix matches no row."""
+    if not prefixes:
+        return rows
+    unmatched = [p for p in prefixes if not any(r.name.startswith(p) for r in rows)]
+    if unmatched:
+        labels = ", ".join(repr(r.name) for r in rows)
+        raise KvqrsError(f"--rows: no row label starts with {', '.join(map(repr, unmatched))}; the labels are {labels}")
+    return [r for r in rows if r.name == "dense" or any(r.name.startswith(p) for p in prefixes)]
 
 
 def _text_options(p: argparse.ArgumentParser) -> None:
@@ -266,14 +275,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"kvqrs {__version__}")
     sub = parser.add_subparsers(dest="command")
     sc = sub.add_parser("selfcheck", help="measured MSE beside the Lloyd-Max theory, per head_dim and bits")
-    sc.add_argument("--head-dims", type=int, nargs="+", default=[64, 96, 128, 256])
-    sc.add_argument("--bits", type=int, nargs="+", default=[1, 2, 3, 4, 8])
-    sc.add_argument("--vectors", type=int, default=20000)
-    sc.add_argument("--seed", type=int, default=0)
+    sc.add_argument("--head-dims", type=int, nargs="+", default=[64, 96, 128, 256], help="head dimensions (default: 64 96 128 256)")
+    sc.add_argument("--bits", type=int, nargs="+", default=[1, 2, 3, 4, 8], help="bit widths (default: 1 2 3 4 8)")
+    sc.add_argument("--vectors", type=int, default=20000, help="random vectors per cell (default: %(default)s)")
+    sc.add_argument("--seed", type=int, default=0, help="rotation and data seed (default: %(default)s)")
     sc.set_defaults(func=_selfcheck)
     st = sub.add_parser("study", help="the synthetic study: scheme x n x distribution x head_dim over seeds")
     st.add_argument("--quick", action="store_true", help="a small grid that finishes in under two minutes")
-    st.add_argument("--out", default="reports/study", help="report folder (default reports/study)")
+    st.add_argument("--out", default="reports/study", help="report folder (default: %(default)s)")
     st.add_argument("--schemes", nargs="+")
     st.add_argument("--bits", type=int, nargs="+")
     st.add_argument("--distributions", nargs="+")
@@ -281,8 +290,8 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--seeds", type=int)
     st.add_argument("--tokens", type=int)
     st.add_argument("--queries", type=int)
-    st.add_argument("--permutations", type=int, default=199, help="energy-distance permutations per pair")
-    st.add_argument("--no-progress", action="store_true")
+    st.add_argument("--permutations", type=int, default=199, help="energy-distance permutations per pair (default: %(default)s)")
+    st.add_argument("--no-progress", action="store_true", help="no progress bars (also none while the model loads)")
     st.add_argument("--brief", action="store_true", help="print only the header of the summary")
     st.add_argument(
         "--from-model",
@@ -297,11 +306,18 @@ def build_parser() -> argparse.ArgumentParser:
     _text_options(ev)
     ev.add_argument("--window", type=int, help="tokens per window (default 512, quick 256)")
     ev.add_argument("--windows", type=int, help="evaluation windows (default 3, quick 1)")
-    ev.add_argument("--calibration-windows", type=int, default=2)
-    ev.add_argument("--residual-length", type=int, default=0, help="newest tokens kept in full precision")
-    ev.add_argument("--rows", nargs="+", help="only rows whose label starts with one of these (dense is always kept)")
-    ev.add_argument("--out", default="reports/eval")
-    ev.add_argument("--no-progress", action="store_true")
+    ev.add_argument(
+        "--calibration-windows", type=int, default=2, help="windows of calibration text for the HeadQ bases (default: %(default)s)"
+    )
+    ev.add_argument("--residual-length", type=int, default=0, help="newest tokens kept in full precision (default: %(default)s)")
+    ev.add_argument(
+        "--rows",
+        nargs="+",
+        help="only rows whose label starts with one of these, e.g. 'kqv k4' kivi (dense is always kept; "
+        "an unknown prefix is refused before the model loads, listing the labels)",
+    )
+    ev.add_argument("--out", default=None, help="report folder (default: reports/eval; with --quick: reports/eval-quick)")
+    ev.add_argument("--no-progress", action="store_true", help="no progress bars (also none while the model loads)")
     ev.set_defaults(func=_eval)
     return parser
 

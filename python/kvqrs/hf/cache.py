@@ -16,6 +16,7 @@ softmax part by log-sum-exp, exactly; see ``QuantConfig.fused`` for when. Use th
 
 from __future__ import annotations
 
+import os
 import weakref
 from typing import Any
 
@@ -355,7 +356,7 @@ class QuantizedKVCache(Cache):
         the full-precision window)."""
         return sum(layer.nbytes() for layer in self.layers)
 
-    # -- the compressed-cache format (SPEC 6; kvqrs.hf.persist) ---------------------------------
+    # -- the compressed-cache format (docs/format.md; kvqrs.hf.persist) ---------------------------------
     def to_bytes(self) -> bytes:
         """The whole cache (config, codes, full-precision window, HeadQ bases) as checksummed bytes."""
         from .persist import dumps
@@ -370,13 +371,13 @@ class QuantizedKVCache(Cache):
 
         return loads(data, config)
 
-    def save(self, path) -> None:
+    def save(self, path: str | os.PathLike) -> None:
         """Write :meth:`to_bytes` to ``path``."""
         with open(path, "wb") as f:
             f.write(self.to_bytes())
 
     @classmethod
-    def load(cls, path, config: QuantConfig | None = None) -> QuantizedKVCache:
+    def load(cls, path: str | os.PathLike, config: QuantConfig | None = None) -> QuantizedKVCache:
         """Read a cache written by :meth:`save` (see :meth:`from_bytes`)."""
         with open(path, "rb") as f:
             return cls.from_bytes(f.read(), config)

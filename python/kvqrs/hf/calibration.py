@@ -1,6 +1,6 @@
 """HeadQ calibration: per layer and KV head, the rank-r PCA basis (top eigenvectors of the
 uncentred second moment) of the post-RoPE queries of the heads in that group, from a
-calibration text disjoint from the evaluation text (SPEC 2.6). Saved and loaded as ``.npz``."""
+calibration text disjoint from the evaluation text (docs/kernels.md section 7). Saved and loaded as ``.npz``."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ class _QueryRecorder:
         return None
 
 
-def calibrate(model, windows: Iterable[torch.Tensor], rank: int = 4) -> dict[int, np.ndarray]:
+def calibrate(model: torch.nn.Module, windows: Iterable[torch.Tensor], rank: int = 4) -> dict[int, np.ndarray]:
     """Run ``model`` (``attn_implementation="kvqrs"``) over calibration token windows and fit
     the bases. Returns ``{layer: float32 (kv_heads, head_dim, rank)}``."""
     register()

@@ -1,4 +1,4 @@
-"""A whole :class:`~kvqrs.hf.QuantizedKVCache` as bytes (SPEC section 6), and back.
+"""A whole :class:`~kvqrs.hf.QuantizedKVCache` as bytes (docs/format.md), and back.
 
 One container (``kvqrs_core::format``): a ``meta`` section (format tag, the
 :class:`~kvqrs.hf.QuantConfig` fields, per layer the quantized token count, dtype and which

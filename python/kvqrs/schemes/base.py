@@ -29,6 +29,13 @@ class Encoded:
         parts: name -> stored array (packed codes, norms, scales, sketches, side codes, ...).
         params: scheme parameters needed to decode (bits, seeds, group sizes); not counted as
             storage, since they are per-codec constants, not per-token data.
+        device: the torch device (``"cpu"``, ``"cuda:0"``, ...) of the tensor it was encoded
+            from, None for a NumPy array: :class:`~kvqrs.schemes.KVCodec` decodes a tensor's
+            codes back to a tensor of its dtype on that device. The parts themselves are NumPy
+            arrays in host memory either way; not stored by :mod:`kvqrs.format`.
+        seed: the seed of the :class:`~kvqrs.schemes.KVCodec` that encoded it (its rotation
+            and sketch seeds in ``params`` derive from it), None when unknown: errors about
+            decoding under another seed name this one. Stored by :mod:`kvqrs.format`.
     """
 
     scheme: str
@@ -37,6 +44,8 @@ class Encoded:
     dtype: np.dtype
     parts: Mapping[str, np.ndarray]
     params: Mapping[str, Any] = field(default_factory=dict)
+    device: str | None = None
+    seed: int | None = None
 
     @property
     def numel(self) -> int:

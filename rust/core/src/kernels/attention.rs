@@ -1,5 +1,5 @@
 //! Fused decode attention straight from a compressed KV cache, for one or a few query rows per
-//! KV head (issue 6; docs/kernels.md section 11). No key or value is reconstructed in the head
+//! KV head (docs/kernels.md section 11). No key or value is reconstructed in the head
 //! domain: each stored row is decoded, in registers of the active SIMD path, to its values in
 //! the code domain (the rotated domain for rotation schemes) and used there at once:
 //!
@@ -11,7 +11,7 @@
 //!   sign bits (the estimator of Zandieh et al. 2024); uniform groups along a token (block):
 //!   `sum_g z_g sum_(i in g) w_i + s_g (w_g . code_g)`; KIVI per-channel keys:
 //!   `sum_c q_c z_(c,g) + sum_c (q_c s_(c,g)) code_(c,j)`, SIMD over the tokens of a group;
-//!   HeadQ: `+ sign * s_j * sum_i (U^T q)_i (code_i - h)` (SPEC 2.6);
+//!   HeadQ: `+ sign * s_j * sum_i (U^T q)_i (code_i - h)` (docs/kernels.md section 7);
 //! - a numerically stable softmax (max subtracted, float64 normaliser, log-sum-exp returned so
 //!   that callers can merge another softmax part exactly);
 //! - the weighted sum of values: the value rows are decoded the same way, a block of 32 tokens
@@ -549,7 +549,7 @@ impl<'a> SidePlan<'a> {
             .chunks_exact(per.max(1))
             .map(|u| HeadqCoder::new(u, layout.head_dim, s.rank, s.bits)?.with_isa(isa))
             .collect::<Result<Vec<_>>>()?;
-        // Side code c stands for c - h (SPEC 2.6).
+        // Side code c stands for c - h (docs/kernels.md section 7).
         let half = coders[0].half();
         let levels: Vec<f32> = (0..1u32 << s.bits).map(|v| v as f32 - half).collect();
         let reader = RowReader::new(s.rank, s.bits, &levels);
