@@ -28,6 +28,7 @@ __all__ = [
     "mse_encode",
     "mse_encode_packed",
     "pack_bits",
+    "paged_decode_attention",
     "philox4x32_10",
     "qjl_inner_product",
     "qjl_matrix",
