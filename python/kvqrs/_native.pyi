@@ -28,6 +28,7 @@ __all__ = [
     "mse_encode",
     "mse_encode_packed",
     "pack_bits",
+    "paged_decode_attention",
     "philox4x32_10",
     "qjl_inner_product",
     "qjl_matrix",
@@ -51,6 +52,7 @@ class KvqrsError(ValueError): ...
 _F32 = npt.NDArray[np.float32]
 _F64 = npt.NDArray[np.float64]
 _U8 = npt.NDArray[np.uint8]
+_I32 = npt.NDArray[np.int32]
 _Scalars = npt.NDArray[np.float16] | npt.NDArray[np.float32]
 
 def pack_bits(codes: _U8, count: int, bits: int) -> _U8: ...
@@ -102,3 +104,22 @@ def decode_attention(
     scale: float,
     probs: bool,
 ) -> tuple[_F32, _F32, _F32]: ...
+def paged_decode_attention(
+    cache: _U8,
+    blocks: int,
+    kv_heads: int,
+    block_size: int,
+    page_bytes: int,
+    block_stride: int,
+    head_stride: int,
+    keys: dict[str, Any],
+    values: dict[str, Any],
+    q: _F32,
+    q_heads: int,
+    head_dim: int,
+    scale: float,
+    seq: _I32,
+    lengths: _I32,
+    block_table: _I32,
+    table_width: int,
+) -> _F32: ...

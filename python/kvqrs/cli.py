@@ -112,12 +112,13 @@ def _study(args: argparse.Namespace) -> int:
     captured = _capture(args, config) if args.from_model else None
     if captured is not None and not args.head_dims:
         config = dataclasses.replace(config, head_dims=(captured.heads[0].keys.shape[-1],))  # the model's head_dim
+    ray = _ray(args)
     print(f"kvqrs study: {len(config.cells())} synthetic cells x {config.seeds} seeds -> {args.out}")
-    rows, seconds = run_study(config, progress=not args.no_progress)
+    rows, seconds = run_study(config, progress=not args.no_progress, ray=ray)
     if captured is not None:
         from .evaluation.study import run_model_study
 
-        model_rows, model_seconds = run_model_study(config, captured, progress=not args.no_progress)
+        model_rows, model_seconds = run_model_study(config, captured, progress=not args.no_progress, ray=ray)
         rows, seconds = rows + model_rows, seconds + model_seconds
         config = dataclasses.replace(config, distributions=(*config.distributions, captured.heads[0].distribution))
     out = pathlib.Path(args.out)
@@ -198,16 +199,31 @@ def _eval(args: argparse.Namespace) -> int:
     windows = args.windows if args.windows is not None else (1 if args.quick else 3)
     rows = select_rows(default_rows(quick=args.quick, residual_length=args.residual_length), args.rows)  # before the model loads
     out = pathlib.Path(args.out if args.out is not None else ("reports/eval-quick" if args.quick else "reports/eval"))
-    torch_threads(1 if args.threads is None else args.threads)
+    threads = 1 if args.threads is None else args.threads
+    torch_threads(threads)
+    ray = _ray(args)
     start = time.perf_counter()
     model, tok = model_mod.load(progress=not args.no_progress)
     if args.threads is None:
-        n, probe = model_mod.fastest_threads(model, tok(texts.evaluation[:20000], return_tensors="pt").input_ids[:, :window])
+        threads, probe = model_mod.fastest_threads(model, tok(texts.evaluation[:20000], return_tensors="pt").input_ids[:, :window])
         print(
-            f"torch threads: {n} (one forward of {window} tokens: " + ", ".join(f"{k} thread(s) {t:.2f} s" for k, t in probe.items()) + ")"
+            f"torch threads: {threads} (one forward of {window} tokens: "
+            + ", ".join(f"{k} thread(s) {t:.2f} s" for k, t in probe.items())
+            + ")"
         )
     print(f"kvqrs eval: {len(rows)} rows x {windows} windows of {window} tokens, text: {texts.source}")
-    result = run_eval(model, tok, texts, rows, window, windows, calib_windows=args.calibration_windows or 2, progress=not args.no_progress)
+    result = run_eval(
+        model,
+        tok,
+        texts,
+        rows,
+        window,
+        windows,
+        calib_windows=args.calibration_windows or 2,
+        progress=not args.no_progress,
+        ray=ray,
+        threads=threads,
+    )
     seconds = time.perf_counter() - start
     md = model_report.write(result, out, seconds)
     print(model_report.summary(result, seconds))
@@ -314,6 +330,18 @@ def _calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _ray(args: argparse.Namespace):
+    """The connected ``ray`` module for ``--ray ADDRESS``, else None (a serial run)."""
+    if args.ray is None:
+        return None
+    from .evaluation.distributed import cluster_cpus, connect
+
+    ray = connect(args.ray)
+    nodes = sum(1 for n in ray.nodes() if n.get("Alive"))
+    print(f"ray: {cluster_cpus(ray)} CPUs on {nodes} node(s) at {args.ray}")
+    return ray
+
+
 def select_rows(rows: list, prefixes: Sequence[str] | None) -> list:
     """The rows whose label starts with one of ``prefixes`` (all rows when None), dense always
     kept. Raises :class:`KvqrsError` listing the valid labels when a prefix matches no row."""
@@ -334,6 +362,12 @@ def _text_options(p: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="PyTorch intra-op threads (eval default: the faster of 1 and all cores, timed on one forward; study: 1)",
+    )
+    p.add_argument(
+        "--ray",
+        metavar="ADDRESS",
+        help="run the samples (study) or rows (eval) on a Ray cluster: 'auto' (the one `ray start` runs here, or RAY_ADDRESS), "
+        "HOST:PORT, ray://HOST:PORT, or 'local' (a new one in this process); the results equal the serial run's",
     )
 
 

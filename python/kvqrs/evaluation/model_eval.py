@@ -106,74 +106,142 @@ def storage(cfg: QuantConfig, kv: dict[int, tuple[np.ndarray, np.ndarray]]) -> d
     return {"bpe_k": bpe_k, "bpe_v": bpe_v, "cache_bytes": cache.nbytes()}
 
 
-def run_eval(model, tokenizer, texts, rows: list[Row], window: int, windows: int, calib_windows: int, progress: bool = True) -> dict:
-    """Evaluate every row; returns ``{"rows": [...], "dense_check": {...}, ...}``."""
-    from tqdm import tqdm
+@dataclass
+class EvalInputs:
+    """What every row is scored against: the evaluation windows, dense log-probabilities of each
+    (through kvqrs' attention), the last window's keys and values of every layer
+    ``{layer: (kv_heads, window, d)}``, and the number of calibration windows used."""
 
+    windows: list[torch.Tensor]
+    dense_log_probs: list[torch.Tensor]
+    kv: dict[int, tuple[np.ndarray, np.ndarray]]
+    calibration_windows: int
+
+
+def prepare(
+    model, tokenizer, texts, rows: list[Row], window: int, windows: int, calib_windows: int, calibrate_rows: bool = True
+) -> EvalInputs:
+    """Tokenize the windows, run dense, and (``calibrate_rows``) fit the HeadQ bases of the rows
+    that need them on the calibration windows, writing them into those rows' configs. Raises
+    KvqrsError when a text is shorter than one window."""
     ev = token_windows(tokenizer, texts.evaluation, window, windows)
     cal = token_windows(tokenizer, texts.calibration, window, calib_windows)
     if not ev:
         raise KvqrsError(
             f"text: the evaluation text is shorter than one window of {window} tokens ({texts.source}); use a smaller --window"
         )
-    needs_calibration = any(r.config is not None and r.config.key_scheme == "headq" and r.config.bases is None for r in rows)
-    if needs_calibration and not cal:
+    uncalibrated = [r for r in rows if r.config is not None and r.config.key_scheme == "headq" and r.config.bases is None]
+    if uncalibrated and not cal:
         raise KvqrsError(
             f"text: the calibration text is shorter than one window of {window} tokens ({texts.source}); use a smaller --window"
         )
-    bases = calibrate(model, cal, rank=4) if needs_calibration else None
+    if uncalibrated and calibrate_rows:
+        bases = calibrate(model, cal, rank=4)
+        for r in uncalibrated:
+            r.config.bases = bases
     rec = Recorder()
     dense_lp = []
     for ids in ev:
         with active(rec):
             dense_lp.append(_log_probs(model, ids))
     kv = {layer: t[1:] for layer, t in rec.tensors.items()}  # the last window's keys and values, every layer
-    check = dense_check(model, ev, dense_lp)
-    results = []
-    for row in tqdm(rows, desc="eval", unit="row", disable=not progress):
-        cfg = row.config
-        if cfg is not None and cfg.key_scheme == "headq" and cfg.bases is None:
-            cfg.bases = bases
-        acc = {"nll": 0.0, "kl_sum": 0.0, "kl_max": 0.0, "agree": 0.0, "n": 0}
-        for ids, lpd in zip(ev, dense_lp):
-            if cfg is None:
-                lp = lpd
-            else:
-                with fake_quant(cfg):
-                    lp = _log_probs(model, ids)
-            s = score_row(lp, lpd, ids)
-            for k in ("nll", "kl_sum", "agree", "n"):
-                acc[k] += s[k]
-            acc["kl_max"] = max(acc["kl_max"], s["kl_max"])
-        out = {
-            "row": row.name,
-            "group": row.group,
-            "ppl": math.exp(acc["nll"] / acc["n"]),
-            "kl_mean": acc["kl_sum"] / acc["n"],
-            "kl_max": acc["kl_max"],
-            "top1": acc["agree"] / acc["n"],
-            "tokens": acc["n"],
-        }
+    return EvalInputs(ev, dense_lp, kv, len(cal))
+
+
+def evaluate_row(model, inputs: EvalInputs, row: Row) -> dict:
+    """Perplexity, KL against dense (mean and max), top-1 agreement, bits per element and cache
+    bytes of one row over every evaluation window."""
+    cfg = row.config
+    acc = {"nll": 0.0, "kl_sum": 0.0, "kl_max": 0.0, "agree": 0.0, "n": 0}
+    for ids, lpd in zip(inputs.windows, inputs.dense_log_probs):
         if cfg is None:
-            d = model.config.head_dim if hasattr(model.config, "head_dim") else kv[0][0].shape[-1]
-            out.update(
-                bpe_k=32.0, bpe_v=32.0, cache_bytes=2 * model.config.num_hidden_layers * model.config.num_key_value_heads * window * d * 4
-            )
+            lp = lpd
         else:
-            out.update(storage(cfg, kv))
-        results.append(out)
+            with fake_quant(cfg):
+                lp = _log_probs(model, ids)
+        s = score_row(lp, lpd, ids)
+        for k in ("nll", "kl_sum", "agree", "n"):
+            acc[k] += s[k]
+        acc["kl_max"] = max(acc["kl_max"], s["kl_max"])
+    out = {
+        "row": row.name,
+        "group": row.group,
+        "ppl": math.exp(acc["nll"] / acc["n"]),
+        "kl_mean": acc["kl_sum"] / acc["n"],
+        "kl_max": acc["kl_max"],
+        "top1": acc["agree"] / acc["n"],
+        "tokens": acc["n"],
+    }
+    if cfg is None:
+        kv = inputs.kv
+        d = model.config.head_dim if hasattr(model.config, "head_dim") else kv[0][0].shape[-1]
+        window = inputs.windows[0].shape[-1]
+        out.update(
+            bpe_k=32.0, bpe_v=32.0, cache_bytes=2 * model.config.num_hidden_layers * model.config.num_key_value_heads * window * d * 4
+        )
+    else:
+        out.update(storage(cfg, inputs.kv))
+    return out
+
+
+def run_eval(
+    model,
+    tokenizer,
+    texts,
+    rows: list[Row],
+    window: int,
+    windows: int,
+    calib_windows: int,
+    progress: bool = True,
+    ray=None,
+    threads: int = 1,
+) -> dict:
+    """Evaluate every row; returns ``{"rows": [...], "dense_check": {...}, ...}``.
+
+    ``ray``: a connected ``ray`` module (:func:`.distributed.connect`): the rows are spread over
+    actors that each load the model (``threads`` PyTorch threads and as many CPUs each, as many
+    actors as the cluster's CPUs allow) and score against their own dense pass; the HeadQ bases
+    are fitted here once and sent with the rows. The results equal the serial run's when the
+    actors run the same PyTorch build with the same thread count."""
+    from tqdm import tqdm
+
+    inputs = prepare(model, tokenizer, texts, rows, window, windows, calib_windows)
+    check = dense_check(model, inputs.windows, inputs.dense_log_probs)
+    if ray is None:
+        results = [evaluate_row(model, inputs, row) for row in tqdm(rows, desc="eval", unit="row", disable=not progress)]
+    else:
+        from .distributed import cluster_cpus, map_actors
+
+        count = max(1, cluster_cpus(ray) // threads)
+        args = (texts, window, windows, calib_windows, threads)
+        results = map_actors(ray, RowWorker, args, rows, "evaluate", count, threads, progress, "eval")
     dense_ppl = results[0]["ppl"]
     for r in results:
         r["excess_ppl"] = r["ppl"] - dense_ppl
     return {
         "rows": results,
         "dense_check": check,
-        "windows": len(ev),
+        "windows": len(inputs.windows),
         "window": window,
         "source": texts.source,
-        "calibration_windows": len(cal),
+        "calibration_windows": inputs.calibration_windows,
         "headq_recovered": headq_recovered(results),
     }
+
+
+class RowWorker:
+    """A Ray actor of the distributed :func:`run_eval`: the model, loaded once, and its own dense
+    pass over the same windows; :meth:`evaluate` scores one row (HeadQ rows arrive calibrated)."""
+
+    def __init__(self, texts, window: int, windows: int, calib_windows: int, threads: int):
+        from . import model as model_mod
+
+        torch.set_num_threads(threads)
+        self.model, tokenizer = model_mod.load()
+        self.inputs = prepare(self.model, tokenizer, texts, [], window, windows, calib_windows, calibrate_rows=False)
+
+    def evaluate(self, row: Row) -> dict:
+        return evaluate_row(self.model, self.inputs, row)
 
 
 def dense_check(model, windows: list[torch.Tensor], log_probs: list[torch.Tensor]) -> dict:

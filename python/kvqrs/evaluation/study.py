@@ -40,29 +40,48 @@ class StudyConfig:
         return [Cell(s, n, dist, d) for dist, d, n, s in itertools.product(self.distributions, self.head_dims, self.bits, self.schemes)]
 
 
-def run_study(config: StudyConfig, progress: bool = True) -> tuple[list[dict], float]:
-    """Run every cell x seed; returns the per-sample rows and the wall time in seconds."""
+def run_study(config: StudyConfig, progress: bool = True, ray=None) -> tuple[list[dict], float]:
+    """Run every cell x seed; returns the per-sample rows (cell-major, seeds in order) and the
+    wall time in seconds. ``ray``: a connected ``ray`` module (:func:`.distributed.connect`) to
+    run one task per cell on the cluster; the rows are the same as the serial run's."""
     from tqdm import tqdm
 
-    jobs = [(c, s) for c in config.cells() for s in range(config.seeds)]
     start = time.perf_counter()
-    rows = [run_sample(c, s, config.tokens, config.n_queries) for c, s in tqdm(jobs, desc="study", unit="sample", disable=not progress)]
+    if ray is not None:
+        from .distributed import map_chunks
+
+        chunks = [[(c, s) for s in range(config.seeds)] for c in config.cells()]
+        rows = map_chunks(ray, _samples, chunks, shared=(config.tokens, config.n_queries), progress=progress, desc="study")
+        return rows, time.perf_counter() - start
+    jobs = [(c, s) for c in config.cells() for s in range(config.seeds)]
+    rows = _samples(config.tokens, config.n_queries, tqdm(jobs, desc="study", unit="sample", disable=not progress))
     return rows, time.perf_counter() - start
 
 
-def run_model_study(config: StudyConfig, captured, progress: bool = True) -> tuple[list[dict], float]:
+def _samples(tokens: int, n_queries: int, jobs) -> list[dict]:
+    return [run_sample(c, s, tokens, n_queries) for c, s in jobs]
+
+
+def run_model_study(config: StudyConfig, captured, progress: bool = True, ray=None) -> tuple[list[dict], float]:
     """Every scheme x n of ``config`` on every captured head (:mod:`.capture`); the row's
     ``seed`` is the head index (``layer * kv_heads + kv_head``), which also seeds the codec;
-    HeadQ calibrates on the same head's queries from the calibration text."""
+    HeadQ calibrates on the same head's queries from the calibration text. ``ray``: as in
+    :func:`run_study`, one task per head, the captured heads sent to the cluster once."""
     from tqdm import tqdm
 
     d = captured.heads[0].keys.shape[-1]
-    jobs = [
-        (Cell(s, n, captured.heads[0].distribution, d), i) for i in range(len(captured.heads)) for n in config.bits for s in config.schemes
-    ]
+    cells = [Cell(s, n, captured.heads[0].distribution, d) for n in config.bits for s in config.schemes]
     start = time.perf_counter()
-    rows = [
-        measure(c, i, captured.heads[i], make_codec(c, i, captured.calibration_queries[i]))
-        for c, i in tqdm(jobs, desc="model heads", unit="sample", disable=not progress)
-    ]
+    if ray is not None:
+        from .distributed import map_chunks
+
+        chunks = [[(c, i) for c in cells] for i in range(len(captured.heads))]
+        rows = map_chunks(ray, _head_samples, chunks, shared=(captured,), progress=progress, desc="model heads")
+        return rows, time.perf_counter() - start
+    jobs = [(c, i) for i in range(len(captured.heads)) for c in cells]
+    rows = _head_samples(captured, tqdm(jobs, desc="model heads", unit="sample", disable=not progress))
     return rows, time.perf_counter() - start
+
+
+def _head_samples(captured, jobs) -> list[dict]:
+    return [measure(c, i, captured.heads[i], make_codec(c, i, captured.calibration_queries[i])) for c, i in jobs]

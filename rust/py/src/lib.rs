@@ -6,6 +6,7 @@ mod attention;
 mod errors;
 mod format;
 mod kernels;
+mod paged;
 
 use pyo3::prelude::*;
 
@@ -47,5 +48,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(format::container_write, m)?)?;
     m.add_function(wrap_pyfunction!(format::container_read, m)?)?;
     m.add_function(wrap_pyfunction!(attention::decode_attention, m)?)?;
+    m.add_function(wrap_pyfunction!(paged::paged_decode_attention, m)?)?;
     Ok(())
 }

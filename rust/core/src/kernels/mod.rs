@@ -6,6 +6,7 @@ pub mod headq;
 pub mod lloyd_max;
 pub mod mse;
 pub mod pack;
+pub mod paged;
 pub mod qjl;
 pub mod uniform;
 

@@ -1,0 +1,183 @@
+"""kvqrs' attention backend for vLLM (CPU platform): every KV head's tokens stored as kvqrs codes
+of a fixed byte size in vLLM's paged cache (:mod:`.layout`), attention computed from the codes
+through the block table by the Rust paged kernel, for decode and prefill tokens alike.
+
+- ``customize_spec`` turns the layer's cache into uint8 pages of ``slot_bytes`` per (token,
+  KV head), head-major (``LBHNC``), so a page is one block of one KV head;
+- ``do_kv_cache_update`` encodes the new keys and values (the layer's codec, the same bytes as
+  :class:`~kvqrs.hf.QuantizedKVCache`) and writes them through ``slot_mapping``;
+- ``forward`` attends every query token causally over its sequence's codes: decode tokens,
+  prefill chunks and tokens after a cached prefix are one call. Prefill therefore sees its own
+  tokens quantized, as ``QuantizedKVCache`` does with ``residual_length=0``.
+
+Imported by vLLM only (it imports vllm); selected by :func:`kvqrs.vllm.register`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import ClassVar
+
+import numpy as np
+import torch
+from vllm.model_executor.models.utils import extract_layer_index
+from vllm.v1.attention.backend import (
+    AttentionBackend,
+    AttentionImpl,
+    AttentionMetadataBuilder,
+    AttentionType,
+    CommonAttentionMetadata,
+    MultipleOf,
+)
+from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
+
+from .._arrays import KvqrsError
+from .layout import SlotLayout, query_positions
+from .settings import config_from_env
+
+BLOCK_MULTIPLE = 16
+"""Block sizes the backend takes: any multiple of this (pages are never split)."""
+
+
+class KvqrsAttentionBackend(AttentionBackend):
+    """Paged attention over kvqrs codes (registered in place of ``CPU_ATTN``)."""
+
+    accept_output_buffer: bool = True
+    forward_includes_kv_cache_update: bool = False
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
+    supported_kv_cache_dtypes: ClassVar[list] = ["auto"]
+
+    @staticmethod
+    def get_name() -> str:
+        return "CPU_ATTN"
+
+    @staticmethod
+    def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list:
+        return [MultipleOf(BLOCK_MULTIPLE)]
+
+    @classmethod
+    def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
+        return (KVCacheLayout.LBHNC,)  # one contiguous page per (block, KV head)
+
+    @classmethod
+    def customize_spec(cls, spec: AttentionSpec) -> AttentionSpec:
+        """uint8 slots of the kvqrs layout's size (the same for every layer)."""
+        if spec.state_content_bytes is not None:
+            return spec
+        if spec.head_size_v != spec.head_size:
+            raise KvqrsError(f"kvqrs vLLM backend: keys and values of one head_dim expected, got {spec.head_size} and {spec.head_size_v}")
+        layout = SlotLayout(config_from_env(), 0, spec.head_size)
+        return replace(spec, dtype=torch.uint8, state_content_bytes=layout.slot_bytes)
+
+    @staticmethod
+    def get_impl_cls() -> type[KvqrsAttentionImpl]:
+        return KvqrsAttentionImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[KvqrsMetadataBuilder]:
+        return KvqrsMetadataBuilder
+
+
+@dataclass
+class KvqrsMetadata:
+    """Per-batch inputs of the paged kernel: each query token's sequence (block-table row) and
+    the number of tokens it attends to."""
+
+    num_actual_tokens: int
+    seq: np.ndarray
+    lengths: np.ndarray
+    block_table: np.ndarray
+
+
+class KvqrsMetadataBuilder(AttentionMetadataBuilder[KvqrsMetadata]):
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+
+    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False) -> KvqrsMetadata:
+        m = common_attn_metadata
+        if m.causal is not True:
+            raise KvqrsError("kvqrs vLLM backend: only causal decoder attention is supported")
+        n = m.num_reqs
+        seq, lengths = query_positions(m.query_start_loc_cpu[: n + 1].numpy(), m.seq_lens[:n].cpu().numpy())
+        return KvqrsMetadata(m.num_actual_tokens, seq, lengths, m.block_table_tensor[:n].cpu().numpy())
+
+
+class KvqrsAttentionImpl(AttentionImpl[KvqrsMetadata]):
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int | None = None,
+        alibi_slopes: list[float] | None = None,
+        sliding_window: int | None = None,
+        kv_cache_dtype: str = "auto",
+        logits_soft_cap: float | None = None,
+        attn_type: str = AttentionType.DECODER,
+        kv_sharing_target_layer_name: str | None = None,
+        sinks: torch.Tensor | None = None,
+        **kwargs,
+    ) -> None:
+        unsupported = {
+            "ALiBi slopes": alibi_slopes is not None,
+            "a sliding window": sliding_window is not None,
+            "a logit soft cap": bool(logits_soft_cap),
+            "attention sinks": sinks is not None,
+            f"attention type {attn_type}": attn_type != AttentionType.DECODER,
+            f"kv_cache_dtype {kv_cache_dtype!r} (kvqrs chooses the cache's bytes; use 'auto')": kv_cache_dtype != "auto",
+            "a KV cache shared with another layer": kv_sharing_target_layer_name is not None,
+        }
+        refused = [k for k, v in unsupported.items() if v]
+        if refused:
+            raise KvqrsError(f"kvqrs vLLM backend: {', '.join(refused)} not supported")
+        self.num_heads, self.head_size, self.scale = num_heads, head_size, float(scale)
+        self.num_kv_heads = num_kv_heads or num_heads
+        self.kv_sharing_target_layer_name = None
+        self.config = config_from_env()
+        self._layouts: dict[str, SlotLayout] = {}
+
+    def _layout(self, layer) -> SlotLayout:
+        """The layer's slot layout (its codec is seeded per layer index, as in QuantizedKVCache)."""
+        name = layer.layer_name
+        if name not in self._layouts:
+            self._layouts[name] = SlotLayout(self.config, extract_layer_index(name), self.head_size)
+        return self._layouts[name]
+
+    def do_kv_cache_update(self, layer, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        n = slot_mapping.shape[0]
+        if n == 0:
+            return
+        self._layout(layer).write(
+            kv_cache.numpy(),
+            key[:n].float().numpy(),
+            value[:n].float().numpy(),
+            slot_mapping.cpu().numpy(),
+        )
+
+    def forward(
+        self,
+        layer,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: KvqrsMetadata | None,
+        output: torch.Tensor | None = None,
+        output_scale: torch.Tensor | None = None,
+        output_block_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if output_scale is not None or output_block_scale is not None:
+            raise KvqrsError("kvqrs vLLM backend: fused output quantization is not supported")
+        if output is None:
+            output = torch.empty_like(query)
+        if attn_metadata is None:  # profiling / warm-up run: no cache yet
+            return output.zero_()
+        n = attn_metadata.num_actual_tokens
+        if n == 0:
+            return output
+        q = query[:n].view(n, self.num_heads, self.head_size).float().numpy()
+        out = self._layout(layer).attend(
+            kv_cache.numpy(), q, attn_metadata.seq, attn_metadata.lengths, attn_metadata.block_table, self.scale
+        )
+        output[:n] = torch.from_numpy(out).view(output[:n].shape).to(output.dtype)
+        return output

@@ -1,0 +1,242 @@
+"""The slot layout of a paged kvqrs cache: every KV head's token as kvqrs codes of one fixed byte
+size, in pages of ``block_size`` slots (one page per block and KV head, vLLM's paged layout).
+
+A page stores its slots part by part (a structure of arrays): each stored part of a token
+(packed codes, norms, QJL signs and norms, block scales and zero points; keys first, then
+values) fills ``block_size * row_bytes`` bytes at ``block_size`` times the part's offset within
+the slot. The rows of one page are then exactly the per-head arrays of kvqrs' fused decode
+attention, which the Rust entry point ``_native.paged_decode_attention`` reads in place through
+the block table (:meth:`SlotLayout.attend`). This module needs NumPy only (no vLLM).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .. import _native
+from .._arrays import KvqrsError
+from ..hf.config import QuantConfig
+from ..schemes import KVCodec
+
+PAGED_SCHEMES = ("kv", "kqv", "qkqv", "block")
+"""Schemes whose every token has a fixed stored size (KIVI keys group tokens per channel; HeadQ
+needs calibrated bases; A^2 values give each token its own width)."""
+
+_PARTS = ("codes", "norms", "qjl_signs", "qjl_norms", "scales", "zeros")
+
+
+@dataclass(frozen=True)
+class Part:
+    """One stored part of a slot: ``row_bytes`` bytes per token at ``offset`` bytes into the slot
+    (``block_size * offset`` into a page), ``dtype`` its NumPy storage type."""
+
+    side: str
+    name: str
+    offset: int
+    row_bytes: int
+    dtype: np.dtype
+    per_token: tuple[int, ...]
+
+
+def refuse_reason(config: QuantConfig) -> str | None:
+    """Why ``config`` cannot be stored in fixed-size slots, or None when it can."""
+    if config.key_scheme not in PAGED_SCHEMES:
+        why = {
+            "kivi": "KIVI keys share per-channel statistics over groups of tokens",
+            "headq": "HeadQ needs calibrated bases per layer",
+            None: "the keys must be quantized",
+        }.get(config.key_scheme, "an unknown scheme")
+        return f"key scheme {config.key_scheme!r}: {why}; a paged cache needs a fixed size per token ({', '.join(PAGED_SCHEMES)})"
+    if config.value_scheme not in PAGED_SCHEMES:
+        why = {
+            "kivi": "KIVI values are per-token groups, but kvqrs pairs them with per-channel keys only",
+            "a2": "A^2 gives every token its own width",
+            "none": "values kept in full precision",
+            None: "values kept in full precision",
+        }.get(config.value_scheme, "an unknown scheme")
+        return f"value scheme {config.value_scheme!r}: {why}; choose one of {', '.join(PAGED_SCHEMES)}"
+    if config.residual_length:
+        return f"residual_length {config.residual_length}: a paged cache stores every token as codes (use 0)"
+    return None
+
+
+class SlotLayout:
+    """Fixed-size slots of one layer's kvqrs codes.
+
+    Args:
+        config: the quantization settings (:class:`~kvqrs.hf.QuantConfig`; the same settings
+            give the same codes as :class:`~kvqrs.hf.QuantizedKVCache`).
+        layer: layer index (each layer's rotations and sketches are its codec's).
+        head_dim: d.
+
+    Raises:
+        KvqrsError: a scheme without a fixed size per token (:func:`refuse_reason`).
+    """
+
+    def __init__(self, config: QuantConfig, layer: int, head_dim: int):
+        reason = refuse_reason(config)
+        if reason is not None:
+            raise KvqrsError(f"kvqrs paged cache: {reason}")
+        self.config, self.layer, self.head_dim = config, layer, head_dim
+        self.codec: KVCodec = config.codec(layer, head_dim)
+        probe = np.random.default_rng(0).standard_normal((1, 1, head_dim)).astype(np.float32)
+        ck, cv = self.codec.encode_keys(probe), self.codec.encode_values(probe)
+        krows, vrows, side = self.codec.fused_rows(ck, cv)
+        if side is not None:
+            raise KvqrsError("kvqrs paged cache: HeadQ side codes are not stored in paged slots")
+        self.parts: list[Part] = []
+        self.specs = {}
+        for side_name, enc, rows in (("keys", ck, krows), ("values", cv, vrows)):
+            self.specs[side_name] = self._side(side_name, enc, rows.spec())
+        self.slot_bytes = sum(p.row_bytes for p in self.parts)
+
+    def _side(self, side: str, enc, spec: dict) -> dict:
+        """Append this side's parts; return its layout dict for the Rust entry point (offsets
+        within a slot; :meth:`_page_spec` scales them to a page)."""
+        names = [n for n in _PARTS if isinstance(spec.get(n), np.ndarray)]
+        if spec["kind"] not in ("mse", "uniform_tokens") or set(names) != set(enc.parts):
+            raise KvqrsError(f"kvqrs paged cache: {side} of kind {spec['kind']!r} have no fixed per-token layout")
+        out = {k: spec[k] for k in ("kind", "bits", "seed", "group", "qjl_seed") if k in spec}
+        for n in names:
+            a = np.asarray(enc.parts[n])
+            offset = sum(p.row_bytes for p in self.parts)
+            self.parts.append(Part(side, n, offset, a.nbytes, a.dtype, a.shape[2:]))
+            out[n] = (offset, a.nbytes) if a.dtype == np.uint8 else (offset, a.nbytes, a.dtype.name)
+        return out
+
+    def _page_spec(self, side: str, block_size: int) -> dict:
+        """The side's layout dict with each part at its offset in a page of ``block_size`` slots."""
+        spec = dict(self.specs[side])
+        for p in self.parts:
+            if p.side == side:
+                spec[p.name] = (block_size * p.offset, *spec[p.name][1:])
+        return spec
+
+    def bits_per_element(self) -> float:
+        """Stored bits per key and value element (every byte of the slot counted)."""
+        return 8.0 * self.slot_bytes / (2 * self.head_dim)
+
+    # -- the cache array ----------------------------------------------------------------------
+    def check_cache(self, cache: np.ndarray) -> tuple[int, int, int]:
+        """``(blocks, kv_heads, block_size)`` of a uint8 cache ``(blocks, kv_heads, block_size,
+        slot_bytes)`` whose pages are contiguous; raises KvqrsError otherwise."""
+        if cache.dtype != np.uint8 or cache.ndim != 4 or cache.shape[3] != self.slot_bytes:
+            raise KvqrsError(f"cache: expected uint8 (blocks, kv_heads, block_size, {self.slot_bytes}), got {cache.dtype} {cache.shape}")
+        b, h, n, c = cache.shape
+        if cache.strides[2:] != (c, 1) or (h > 1 and cache.strides[1] < n * c) or (b > 1 and cache.strides[0] < h * n * c):
+            raise KvqrsError(f"cache: expected every (block, KV head) page contiguous, got strides {cache.strides}")
+        return b, h, n
+
+    @staticmethod
+    def _span(cache: np.ndarray) -> np.ndarray:
+        """Every byte from the first page to the end of the last, as a flat view (no copy)."""
+        b, h, n, c = cache.shape
+        span = (b - 1) * cache.strides[0] + (h - 1) * cache.strides[1] + n * c
+        return np.lib.stride_tricks.as_strided(cache, shape=(span,), strides=(1,))
+
+    def write(self, cache: np.ndarray, keys: np.ndarray, values: np.ndarray, slots: np.ndarray) -> None:
+        """Encode ``keys`` and ``values`` float ``(tokens, kv_heads, head_dim)`` and store token
+        ``i`` in slot ``slots[i]`` (block ``slot // block_size``, position ``slot % block_size``;
+        negative slots are padding and skipped), in place.
+
+        Raises:
+            KvqrsError: shapes that do not match the cache, a slot beyond it, NaN/Inf inputs.
+        """
+        b, h, n = self.check_cache(cache)
+        slots = np.asarray(slots).reshape(-1)
+        keep = slots >= 0
+        if keys.shape != values.shape or keys.shape[1:] != (h, self.head_dim) or keys.shape[0] != slots.shape[0]:
+            raise KvqrsError(
+                f"keys, values: expected (tokens={slots.shape[0]}, kv_heads={h}, head_dim={self.head_dim}), got {keys.shape} and {values.shape}"
+            )
+        if not keep.all():
+            keys, values, slots = keys[keep], values[keep], slots[keep]
+        if slots.size == 0:
+            return
+        if slots.max() >= b * n:
+            raise KvqrsError(f"slots: expected slots below {b * n} ({b} blocks of {n}), got {int(slots.max())}")
+        encoded = {
+            "keys": self.codec.encode_keys(np.ascontiguousarray(keys, dtype=np.float32)),
+            "values": self.codec.encode_values(np.ascontiguousarray(values, dtype=np.float32)),
+        }
+        span = self._span(cache)
+        blocks, pos = slots // n, slots % n
+        for p in self.parts:
+            region = np.lib.stride_tricks.as_strided(
+                span[n * p.offset :],
+                shape=(b, h, n, p.row_bytes),
+                strides=(cache.strides[0], cache.strides[1], p.row_bytes, 1),
+                writeable=True,
+            )
+            data = np.ascontiguousarray(encoded[p.side].parts[p.name]).view(np.uint8).reshape(len(slots), h, p.row_bytes)
+            region[blocks, :, pos, :] = data
+
+    def attend(
+        self,
+        cache: np.ndarray,
+        queries: np.ndarray,
+        seq: np.ndarray,
+        lengths: np.ndarray,
+        block_table: np.ndarray,
+        scale: float,
+    ) -> np.ndarray:
+        """Attention of each query token over the first ``lengths[t]`` tokens of sequence
+        ``seq[t]`` (its block-table row), computed from the codes in place (docs/kernels.md
+        section 11; the pages' softmax parts merged by log-sum-exp).
+
+        Args:
+            cache: the uint8 cache of :meth:`check_cache`.
+            queries: float ``(tokens, q_heads, head_dim)``; query head ``i`` reads KV head
+                ``i // (q_heads // kv_heads)``.
+            seq, lengths: int ``(tokens,)``.
+            block_table: int ``(sequences, width)`` block ids.
+            scale: logit scale.
+
+        Returns:
+            float32 ``(tokens, q_heads, head_dim)``.
+
+        Raises:
+            KvqrsError: shapes or indices out of range (named), non-finite queries or logits.
+        """
+        b, h, n = self.check_cache(cache)
+        q = np.ascontiguousarray(queries, dtype=np.float32)
+        if q.ndim != 3 or q.shape[2] != self.head_dim:
+            raise KvqrsError(f"queries: expected (tokens, q_heads, {self.head_dim}), got {q.shape}")
+        table = np.ascontiguousarray(block_table, dtype=np.int32)
+        if table.ndim != 2 or table.shape[1] == 0:
+            raise KvqrsError(f"block_table: expected (sequences, width >= 1), got {table.shape}")
+        out = _native.paged_decode_attention(
+            self._span(cache),
+            b,
+            h,
+            n,
+            n * self.slot_bytes,
+            cache.strides[0],
+            cache.strides[1],
+            self._page_spec("keys", n),
+            self._page_spec("values", n),
+            q.reshape(-1),
+            q.shape[1],
+            self.head_dim,
+            float(scale),
+            np.ascontiguousarray(seq, dtype=np.int32).reshape(-1),
+            np.ascontiguousarray(lengths, dtype=np.int32).reshape(-1),
+            table.reshape(-1),
+            table.shape[1],
+        )
+        return out.reshape(q.shape)
+
+
+def query_positions(query_start: np.ndarray, seq_lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(seq, lengths)`` of every query token of a batch: request ``r``'s query tokens are rows
+    ``query_start[r] .. query_start[r + 1]`` and the last ``q_len`` of its ``seq_lens[r]`` tokens,
+    so query token ``i`` of it attends causally to its first ``seq_lens[r] - q_len + i + 1``."""
+    qs = np.asarray(query_start, dtype=np.int64)
+    q_lens = np.diff(qs)
+    sl = np.asarray(seq_lens, dtype=np.int64)[: len(q_lens)]
+    seq = np.repeat(np.arange(len(q_lens), dtype=np.int32), q_lens)
+    first = np.repeat(sl - q_lens + 1, q_lens)
+    within = np.arange(int(qs[-1] - qs[0])) - np.repeat(qs[:-1] - qs[0], q_lens)
+    return seq, (first + within).astype(np.int32)

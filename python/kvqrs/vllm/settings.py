@@ -1,0 +1,89 @@
+"""The ``KVQRS_*`` environment that selects kvqrs' vLLM backend and its quantization settings.
+
+vLLM builds its engine in other processes, which inherit the environment: set these before
+``vllm.LLM(...)`` (or ``vllm serve``) starts, e.g. with ``os.environ.update(environment("kqv", 4))``.
+
+========================  ======================================================  ===========
+variable                  meaning                                                 default
+========================  ======================================================  ===========
+``KVQRS_SCHEME``          key scheme (``kv``, ``kqv``, ``qkqv``, ``block``);       unset: vLLM's
+                          setting it turns the backend on                          own backend
+``KVQRS_BITS``            key bits n (1..8; ``qkqv`` and ``kqv`` values: >= 2)     4
+``KVQRS_VALUE_SCHEME``    value scheme                                            the key scheme
+``KVQRS_VALUE_BITS``      value bits                                              the key bits
+``KVQRS_SEED``            seed of every rotation and sketch                        0
+``KVQRS_GROUP``           coordinates per group of the ``block`` scheme            32
+========================  ======================================================  ===========
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+from .._arrays import KvqrsError
+from ..hf.config import QuantConfig
+from .layout import refuse_reason
+
+VARIABLES = ("KVQRS_SCHEME", "KVQRS_BITS", "KVQRS_VALUE_SCHEME", "KVQRS_VALUE_BITS", "KVQRS_SEED", "KVQRS_GROUP")
+
+
+def enabled(env: Mapping[str, str] | None = None) -> bool:
+    """Whether ``KVQRS_SCHEME`` asks for the kvqrs backend."""
+    return bool((os.environ if env is None else env).get("KVQRS_SCHEME", "").strip())
+
+
+def _int(env: Mapping[str, str], name: str, default: int) -> int:
+    raw = env.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise KvqrsError(f"{name}: expected an integer, got {raw!r}") from None
+
+
+def config_from_env(env: Mapping[str, str] | None = None) -> QuantConfig:
+    """The :class:`~kvqrs.hf.QuantConfig` the ``KVQRS_*`` variables describe.
+
+    Raises:
+        KvqrsError: ``KVQRS_SCHEME`` unset, a value that is not an integer, or settings a
+            paged cache cannot hold (naming the scheme and why).
+    """
+    env = os.environ if env is None else env
+    scheme = env.get("KVQRS_SCHEME", "").strip()
+    if not scheme:
+        raise KvqrsError("KVQRS_SCHEME: not set; set it to one of kv, kqv, qkqv, block to use kvqrs' vLLM backend")
+    bits = _int(env, "KVQRS_BITS", 4)
+    try:
+        config = QuantConfig(
+            scheme,
+            bits,
+            env.get("KVQRS_VALUE_SCHEME", "").strip() or scheme,
+            _int(env, "KVQRS_VALUE_BITS", bits),
+            seed=_int(env, "KVQRS_SEED", 0),
+            group=_int(env, "KVQRS_GROUP", 32),
+        )
+    except KvqrsError as e:
+        raise KvqrsError(f"KVQRS_*: {e}") from None
+    reason = refuse_reason(config)
+    if reason is not None:
+        raise KvqrsError(f"KVQRS_*: {reason}")
+    return config
+
+
+def environment(
+    scheme: str, bits: int, value_scheme: str | None = None, value_bits: int | None = None, seed: int = 0, group: int = 32
+) -> dict[str, str]:
+    """The ``KVQRS_*`` variables for these settings (checked at once), to put in ``os.environ``
+    before vLLM starts."""
+    env = {
+        "KVQRS_SCHEME": scheme,
+        "KVQRS_BITS": str(bits),
+        "KVQRS_VALUE_SCHEME": value_scheme or scheme,
+        "KVQRS_VALUE_BITS": str(bits if value_bits is None else value_bits),
+        "KVQRS_SEED": str(seed),
+        "KVQRS_GROUP": str(group),
+    }
+    config_from_env(env)
+    return env

@@ -1,0 +1,145 @@
+"""The paged kvqrs cache (``kvqrs.vllm.layout`` and the Rust ``paged_decode_attention``): tokens
+written through a slot mapping into pages of a shuffled block table, then decode and causal
+prefill attention from the codes, against kvqrs' contiguous fused attention over the same codes;
+the stored bytes are the codec's own; refused schemes and bad input are clear errors. NumPy only
+(no vLLM)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from kvqrs import KvqrsError
+from kvqrs.hf import QuantConfig
+from kvqrs.vllm.layout import PAGED_SCHEMES, SlotLayout, query_positions, refuse_reason
+
+D, KV_HEADS, Q_HEADS, BLOCK = 64, 3, 9, 16
+# Per-page softmax parts merged by log-sum-exp against one softmax over all tokens: the parts'
+# float32 outputs and log-sum-exps round at ~6e-8 relative; 1e-5 leaves room for 8 pages.
+MERGE_RTOL = 1e-5
+
+
+def _cache(layout: SlotLayout, blocks: int) -> np.ndarray:
+    return np.zeros((blocks, KV_HEADS, BLOCK, layout.slot_bytes), np.uint8)
+
+
+def _fill(layout, lengths, seed=0):
+    """Keys, values and queries of sequences of ``lengths`` written into a cache whose blocks are
+    handed out in a shuffled order; returns (cache, block_table, keys, values)."""
+    rng = np.random.default_rng(seed)
+    width = max(-(-n // BLOCK) for n in lengths)
+    blocks = sum(-(-n // BLOCK) for n in lengths) + 2
+    order = rng.permutation(blocks)
+    table = np.full((len(lengths), width), -1, np.int32)
+    used = 0
+    for r, n in enumerate(lengths):
+        k = -(-n // BLOCK)
+        table[r, :k] = order[used : used + k]
+        used += k
+    cache = _cache(layout, blocks)
+    keys = [rng.standard_normal((n, KV_HEADS, D)).astype(np.float32) for n in lengths]
+    values = [rng.standard_normal((n, KV_HEADS, D)).astype(np.float32) for n in lengths]
+    for r, n in enumerate(lengths):
+        pos = np.arange(n)
+        slots = table[r, pos // BLOCK] * BLOCK + pos % BLOCK
+        # in two steps, as a prefill then decode steps would
+        layout.write(cache, keys[r][: n - 1], values[r][: n - 1], slots[: n - 1])
+        layout.write(cache, keys[r][n - 1 :], values[r][n - 1 :], slots[n - 1 :])
+    return cache, np.where(table < 0, 0, table), keys, values
+
+
+def _reference(layout, q, keys, values, length):
+    """kvqrs' contiguous fused attention over the first ``length`` tokens: ``(q_heads, d)``."""
+    codec = layout.codec
+    ck = codec.encode_keys(np.ascontiguousarray(keys[:length].transpose(1, 0, 2)))
+    cv = codec.encode_values(np.ascontiguousarray(values[:length].transpose(1, 0, 2)))
+    return codec.fused_attention(q[:, None, :], ck, cv, scale=D**-0.5).out[:, 0, :]
+
+
+@pytest.mark.parametrize("scheme, bits", [("kqv", 4), ("kv", 8), ("qkqv", 3), ("block", 4)])
+def test_decode_and_prefill_from_pages_equal_the_contiguous_kernel(scheme, bits):
+    layout = SlotLayout(QuantConfig(scheme, bits, scheme, bits), layer=2, head_dim=D)
+    lengths = [37, 20, 1]
+    cache, table, keys, values = _fill(layout, lengths)
+    rng = np.random.default_rng(1)
+    # a batch as vLLM forms it: a decode token of sequence 0, a prefill of 5 tokens of sequence 1
+    # (its last 5), and the single token of sequence 2
+    query_start = np.array([0, 1, 6, 7])
+    seq_lens = np.array(lengths)
+    seq, lens = query_positions(query_start, seq_lens)
+    assert seq.tolist() == [0, 1, 1, 1, 1, 1, 2] and lens.tolist() == [37, 16, 17, 18, 19, 20, 1]
+    q = rng.standard_normal((7, Q_HEADS, D)).astype(np.float32)
+    out = layout.attend(cache, q, seq, lens, table, scale=D**-0.5)
+    assert out.shape == (7, Q_HEADS, D) and out.dtype == np.float32
+    for t in range(7):
+        want = _reference(layout, q[t], keys[seq[t]], values[seq[t]], lens[t])
+        np.testing.assert_allclose(out[t], want, rtol=MERGE_RTOL, atol=MERGE_RTOL)
+
+
+def test_stored_bytes_are_the_codecs():
+    layout = SlotLayout(QuantConfig("qkqv", 4, "qkqv", 4), layer=0, head_dim=D)
+    cache, table, keys, _ = _fill(layout, [21])
+    ck = layout.codec.encode_keys(keys[0])  # (tokens, kv_heads, d): parts (tokens, kv_heads, ...)
+    page = cache[table[0, 1]].reshape(KV_HEADS, -1)  # tokens 16 .. 20 sit in the second block
+    for p in (p for p in layout.parts if p.side == "keys"):
+        rows = page[:, BLOCK * p.offset : BLOCK * (p.offset + p.row_bytes)].reshape(KV_HEADS, BLOCK, p.row_bytes)
+        want = np.ascontiguousarray(ck.parts[p.name][16:21]).view(np.uint8).reshape(5, KV_HEADS, p.row_bytes)
+        np.testing.assert_array_equal(rows[:, :5].transpose(1, 0, 2), want)
+    # every stored byte counted: 3-bit codes of 64 + f16 norm + 64 sign bits + f16 residual norm
+    assert layout.slot_bytes == 2 * (24 + 2 + 8 + 2)
+    assert layout.bits_per_element() == pytest.approx(8 * 72 / 128)
+
+
+def test_padding_slots_are_skipped():
+    layout = SlotLayout(QuantConfig("kqv", 4, "kqv", 4), layer=0, head_dim=D)
+    cache = _cache(layout, 2)
+    x = np.ones((3, KV_HEADS, D), np.float32)
+    layout.write(cache, x, x, np.array([-1, 5, -1]))
+    touched = np.nonzero(cache.reshape(2, KV_HEADS, -1).any(axis=(0, 1)))[0]
+    assert touched.size and np.all(cache[1] == 0)  # only block 0 written
+
+
+@pytest.mark.parametrize(
+    "config, match",
+    [
+        (QuantConfig("kivi", 2, "kivi", 2), "KIVI keys share per-channel statistics"),
+        (QuantConfig("headq", 2, "kqv", 2, bases="random"), "HeadQ needs calibrated bases"),
+        (QuantConfig("kqv", 2, "a2", 2), "A\\^2 gives every token its own width"),
+        (QuantConfig("kqv", 4), "values kept in full precision"),
+        (QuantConfig("kqv", 4, "kqv", 4, residual_length=8), "residual_length 8"),
+    ],
+)
+def test_schemes_without_a_fixed_token_size_are_refused(config, match):
+    assert refuse_reason(config) is not None
+    with pytest.raises(KvqrsError, match=match):
+        SlotLayout(config, 0, D)
+
+
+def test_every_paged_scheme_is_accepted():
+    for s in PAGED_SCHEMES:
+        assert refuse_reason(QuantConfig(s, 4, s, 4)) is None
+
+
+def test_bad_input_is_a_clean_error():
+    layout = SlotLayout(QuantConfig("kqv", 4, "kqv", 4), layer=0, head_dim=D)
+    cache = _cache(layout, 2)
+    x = np.ones((2, KV_HEADS, D), np.float32)
+    with pytest.raises(KvqrsError, match="slots: expected slots below 32"):
+        layout.write(cache, x, x, np.array([0, 32]))
+    with pytest.raises(KvqrsError, match="cache: expected uint8"):
+        layout.write(cache.astype(np.int16), x, x, np.array([0, 1]))
+    with pytest.raises(KvqrsError, match="keys, values: expected"):
+        layout.write(cache, x[:, :2], x[:, :2], np.array([0, 1]))
+    with pytest.raises(KvqrsError, match="non-finite|NaN|finite"):
+        layout.write(cache, np.full_like(x, np.nan), x, np.array([0, 1]))
+    layout.write(cache, x, x, np.array([0, 1]))
+    q = np.ones((1, Q_HEADS, D), np.float32)
+    table = np.array([[0, 1]], np.int32)
+    with pytest.raises(KvqrsError, match="lengths: expected 1 ..= 32"):
+        layout.attend(cache, q, [0], [33], table, 0.125)
+    with pytest.raises(KvqrsError, match="block_table: expected block ids in 0..2"):
+        layout.attend(cache, q, [0], [20], np.array([[0, 7]]), 0.125)
+    with pytest.raises(KvqrsError, match="q_heads: expected a positive multiple of the 3 KV heads"):
+        layout.attend(cache, np.ones((1, 4, D), np.float32), [0], [2], table, 0.125)
+    with pytest.raises(KvqrsError, match="q: expected finite"):
+        layout.attend(cache, np.full_like(q, np.inf), [0], [2], table, 0.125)
+    assert np.isfinite(layout.attend(cache, q, [0], [2], table, 0.125)).all()
