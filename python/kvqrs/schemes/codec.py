@@ -13,7 +13,7 @@ from ..kernels.headq import headq_basis
 from ..kernels.rng import philox4x32_10, random_orthonormal_basis
 from .a2 import A2ValueCoder
 from .backend import Backend, get_backend
-from .base import Encoded, as_float_array, concat_tokens, name_nonfinite
+from .base import Encoded, as_float_array, concat_tokens, name_nonfinite, slice_rows
 from .block import BlockCoder
 from .headq import HeadQCoder
 from .kivi import KIVICoder
@@ -268,16 +268,21 @@ class KVCodec:
         """The first ``n`` tokens of an encoded tensor, codes untouched (cache crop)."""
         if not 0 <= int(n) <= enc.shape[-2]:
             raise KvqrsError(f"n: expected 0 <= n <= {enc.shape[-2]} tokens, got {n}")
-        coder = self._key_coder() if enc.kind == "keys" else self.values
-        return coder.slice_tokens(enc, n)
+        return slice_rows(enc, self._layout_of(enc.kind), int(n))
 
     def concat(self, encs: list[Encoded]) -> Encoded:
         """Join chunks of consecutive tokens encoded by this codec (keys or values)."""
-        coder = self._key_coder() if encs and encs[0].kind == "keys" else self.values
-        base = getattr(coder, "base", coder)
-        if hasattr(base, "check_concat"):
-            base.check_concat(encs)
-        return concat_tokens(encs, coder.token_axes())
+        return concat_tokens(encs, self._layout_of(encs[0].kind if encs else "keys"))
+
+    def _layout_of(self, kind: str):
+        """The ``layout(shape)`` of this codec's keys or values (:mod:`kvqrs.layout`)."""
+        coder = self._key_coder() if kind == "keys" else self.values
+        layout = getattr(coder, "layout", None)
+        if layout is None:
+            raise KvqrsError(
+                f"encoded: {self.value_scheme if kind == 'values' else self.scheme} {kind} have no per-token layout to join or cut"
+            )
+        return layout
 
     # -- values --------------------------------------------------------------------------------
     def encode_values(self, v: Any, weights: Any = None) -> Encoded:
