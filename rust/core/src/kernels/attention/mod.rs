@@ -379,6 +379,15 @@ fn merge(
     (out, lse, probs)
 }
 
+/// The error for per-channel value rows.
+fn channel_values() -> KvqError {
+    KvqError::InvalidDimension {
+        arg: "values",
+        expected: "per-token values (per-channel uniform groups are a key layout)".into(),
+        actual: 0,
+    }
+}
+
 /// Decode attention for `layout.rows` query rows per KV head over `layout.tokens` coded keys and
 /// values: `out = softmax(scale * (q . k_hat_j + side_j)) @ v_hat`, computed from the codes.
 ///
@@ -430,11 +439,7 @@ pub fn decode_attention_with(
     check_len("q", q.len(), qlen, "heads x rows x head_dim")?;
     check_finite("q", q, lay.head_dim)?;
     if matches!(values, CodedRows::UniformChannels { .. }) {
-        return Err(KvqError::InvalidDimension {
-            arg: "values",
-            expected: "per-token values (per-channel uniform groups are a key layout)".into(),
-            actual: 0,
-        });
+        return Err(channel_values());
     }
     let kplan = Plan::new(keys, &KEY_NAMES, &lay)?;
     let vplan = Plan::new(values, &VALUE_NAMES, &lay)?;
@@ -443,9 +448,7 @@ pub fn decode_attention_with(
     if let Some(sp) = &splan {
         terms.push(sp);
     }
-    let Some(vrows) = vplan.values() else {
-        unreachable!("per-channel values are rejected above")
-    };
+    let vrows = vplan.values().ok_or_else(channel_values)?;
     let (rows, d, t) = (lay.rows, lay.head_dim, lay.tokens);
     let qp: Vec<Vec<Vec<f32>>> = (0..lay.heads)
         .into_par_iter()
