@@ -9,15 +9,19 @@ between the first and the last generated token (a logits processor stamps each s
 neither the prefill nor the first step (which for ``QuantizedKVCache`` decodes the cache once
 before the fused path engages) is counted.
 
-Memory: a thread samples the resident set (``/proc/self/statm``) every millisecond from just
-before the cache is made until ``generate`` returns; the row reports the peak above the
-resident set at the start (the model and the shared prompt keys and values are already
-there, so what grows is the cache's own keys and values plus the step's temporaries), and its
-ratio to the dense SDPA row's.
+Memory: before each row, freed heap is handed back to the system (``malloc_trim``), so that
+memory a previous row freed is not counted as already resident; a thread then samples the
+resident set (``/proc/self/statm``) every millisecond from just before the cache is made until
+``generate`` returns. The row reports the peak above the resident set at the start (the model
+and the shared prompt keys and values are already there, so what grows is the cache's own keys
+and values plus the temporaries of loading it and of each step), its ratio to the dense SDPA
+row's, and the bytes the cache itself holds at the end (``QuantizedKVCache.nbytes``; the dense
+layers' tensors).
 """
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import os
 import threading
@@ -43,6 +47,21 @@ class _Stamps(LogitsProcessor):
         return scores
 
 
+def _trim() -> None:
+    """Return freed heap pages to the system (glibc), where the C library has the call."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _cache_bytes(cache) -> int:
+    """Bytes of keys and values the cache holds."""
+    if hasattr(cache, "nbytes"):
+        return int(cache.nbytes())
+    return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values) if t is not None)
+
+
 class _PeakRss:
     """Peak resident set size, in bytes above the size at entry, sampled by a thread."""
 
@@ -63,6 +82,7 @@ class _PeakRss:
 
     def __enter__(self) -> _PeakRss:
         gc.collect()
+        _trim()
         self.start, self._stop = self.rss(), threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -84,12 +104,14 @@ def _prefill(model, ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]
     return [(layer.keys, layer.values) for layer in cache.layers]
 
 
-def _generate(model, ids, kv, make, attn: str, new_tokens: int) -> tuple[float, torch.Tensor, int]:
+def _generate(model, ids, kv, make, attn: str, new_tokens: int) -> tuple[float, torch.Tensor, int, int]:
     """Tokens per second of ``new_tokens`` greedy steps from ``kv`` loaded into a cache from
-    ``make()``, the generated tokens and the peak resident bytes above the start."""
+    ``make()``, the generated tokens, the peak resident bytes above the start and the bytes the
+    cache holds at the end."""
     with _PeakRss() as mem:
-        rate, toks = _run(model, ids, kv, make(), attn, new_tokens)
-    return rate, toks, mem.peak
+        cache = make()
+        rate, toks = _run(model, ids, kv, cache, attn, new_tokens)
+    return rate, toks, mem.peak, _cache_bytes(cache)
 
 
 def _run(model, ids, kv, cache, attn: str, new_tokens: int) -> tuple[float, torch.Tensor]:
@@ -147,9 +169,10 @@ def generation_table(contexts: list[int], new_tokens: int, residual: int, rounds
         "tokens equal to dense",
         "peak RSS above start MiB",
         "vs dense",
+        "cache MiB",
         "shared prefill s",
     ]
-    print(table(heads, [], "rlrrrrrr"), flush=True)
+    print(table(heads, [], "rlrrrrrrr"), flush=True)
     for ctx in contexts:
         ids = torch.from_numpy(rng.integers(0, model.config.vocab_size, (1, ctx)))
         t0 = time.perf_counter()
@@ -158,10 +181,11 @@ def generation_table(contexts: list[int], new_tokens: int, residual: int, rounds
         rows = rows_for(layers, residual)
         best: list[float] = [0.0] * len(rows)
         peak: list[int] = [0] * len(rows)
+        held: list[int] = [0] * len(rows)
         tokens: list[torch.Tensor | None] = [None] * len(rows)
         for _ in range(max(1, rounds)):
             for i, (_label, attn, make) in enumerate(rows):
-                rate, toks, mem = _generate(model, ids, kv, make, attn, new_tokens)
+                rate, toks, mem, held[i] = _generate(model, ids, kv, make, attn, new_tokens)
                 best[i], tokens[i], peak[i] = max(best[i], rate), toks, max(peak[i], mem)
         for i, (label, _attn, _make) in enumerate(rows):
             same = int((tokens[i] == tokens[0]).cumprod(0).sum())
@@ -174,6 +198,7 @@ def generation_table(contexts: list[int], new_tokens: int, residual: int, rounds
                 f"{same}/{new_tokens}",
                 f"{mib:.0f}",
                 f"{ratio:.2f}x",
+                f"{held[i] / 2**20:.1f}",
                 f"{prefill_s:.0f}",
             )
             print(row(cells), flush=True)
