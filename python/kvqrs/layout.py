@@ -132,7 +132,7 @@ def flat(x: Any, arg: str, part: Part) -> np.ndarray:
 
 def _aligned(layout: Layout, tokens: int) -> list[str]:
     """Parts that cannot be cut after ``tokens`` tokens."""
-    return [f"{k} (multiples of {p.align} tokens)" for k, p in layout.items() if tokens % p.align]
+    return [f"{k} whole groups of {p.align} tokens" for k, p in layout.items() if tokens % p.align]
 
 
 def concat(chunks: list[Mapping[str, Any]], tokens: list[int], layout: Layout) -> dict[str, np.ndarray]:
@@ -142,7 +142,7 @@ def concat(chunks: list[Mapping[str, Any]], tokens: list[int], layout: Layout) -
     for n in tokens[:-1]:
         bad = _aligned(layout, n)
         if bad:
-            raise KvqrsError(f"encoded: chunks of {tokens} tokens cannot be joined: {', '.join(bad)} join only at whole groups or bytes")
+            raise KvqrsError(f"encoded: chunks of {tokens} tokens cannot be joined: every chunk but the last must hold {', '.join(bad)}")
     out = {k: np.concatenate([np.asarray(c[k]) for c in chunks], axis=p.token_axis) for k, p in layout.items()}
     check_parts(out, layout, "encoded")
     return out
@@ -153,7 +153,7 @@ def take(parts: Mapping[str, Any], n: int, layout: Layout) -> dict[str, np.ndarr
     every part can be cut after ``n`` tokens."""
     bad = _aligned(layout, n)
     if bad:
-        raise KvqrsError(f"n: cannot keep {n} tokens: {', '.join(bad)} keep only whole groups or bytes")
+        raise KvqrsError(f"n: cannot keep {n} tokens: a prefix must hold {', '.join(bad)}")
     out = {}
     for k, p in layout.items():
         a = np.asarray(parts[k])
