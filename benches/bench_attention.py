@@ -1,5 +1,5 @@
 """Decode attention from a compressed cache against torch SDPA over a dense cache, side by side in
-one run on the same inputs (issue 6): one query token, 9 query heads over 3 KV heads (GQA),
+one run on the same inputs: one query token, 9 query heads over 3 KV heads (GQA),
 head_dim 64 (SmolLM2-135M's attention), at 4k and 32k cached tokens.
 
 Rows: ``torch.nn.functional.scaled_dot_product_attention`` over a float32 and a bfloat16 cache
@@ -84,7 +84,8 @@ def main() -> None:
             qd = qt.to(dtype)
             with torch.no_grad():
                 fns = [
-                    lambda kk=kk, vv=vv: torch.nn.functional.scaled_dot_product_attention(qd, kk, vv, enable_gqa=True) for kk, vv in caches
+                    lambda kk=kk, vv=vv, qd=qd: torch.nn.functional.scaled_dot_product_attention(qd, kk, vv, enable_gqa=True)
+                    for kk, vv in caches
                 ]
                 rows.append((t, name, timed(fns, args.passes), 2 * kt.numel() * kt.element_size()))
             del caches, fns
@@ -93,17 +94,17 @@ def main() -> None:
             ck, cv = codec.encode_keys(k), codec.encode_values(v)
             n = copies(ck.nbytes + cv.nbytes, args.cycle_mib)
             caches = [(copy_encoded(ck), copy_encoded(cv)) for _ in range(n)]
-            fns = [lambda a=a, b=b: codec.fused_attention(q, a, b) for a, b in caches]
+            fns = [lambda a=a, b=b, codec=codec, q=q: codec.fused_attention(q, a, b) for a, b in caches]
             label = f"fused {scheme} k4 v{4 if scheme not in ('kqv', 'qkqv') else '3+QJL'}"
             rows.append((t, label, timed(fns, args.passes), ck.nbytes + cv.nbytes))
             if scheme == args.schemes[0]:
                 prepared = [codec.fused_rows(a, b) for a, b in caches]
                 qg = q.reshape(1, KV_HEADS, Q_HEADS // KV_HEADS, HEAD_DIM)
-                fns = [lambda r=r: decode_attention(qg, r[0], r[1], side=r[2]) for r in prepared]
+                fns = [lambda r=r, qg=qg: decode_attention(qg, r[0], r[1], side=r[2]) for r in prepared]
                 rows.append((t, f"  bare kernel ({scheme})", timed(fns, args.passes), ck.nbytes + cv.nbytes))
                 del prepared
             if scheme == "kqv":
-                ref = timed([lambda: codec.attention(q, ck, cv, fused=False)], max(1, args.passes // 2))
+                ref = timed([lambda codec=codec, q=q, ck=ck, cv=cv: codec.attention(q, ck, cv, fused=False)], max(1, args.passes // 2))
                 rows.append((t, "decode-based reference (kqv)", ref, ck.nbytes + cv.nbytes))
             del caches, fns
 

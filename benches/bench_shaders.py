@@ -76,8 +76,8 @@ def main() -> None:
     print("| --- | ---: | ---: | ---: | ---: | ---: |")
     for name, fn in cases(x, b):
         fn(gpu)  # warm: compile the pipelines, upload the constants, fill the buffer pool
-        t_rust = best_of(lambda: fn(kvqrs), args.repeats)
-        t_wgsl = best_of(lambda: fn(gpu), args.repeats)
+        t_rust = best_of(lambda fn=fn: fn(kvqrs), args.repeats)
+        t_wgsl = best_of(lambda fn=fn: fn(gpu), args.repeats)
         gb = n * d * 4 / 1e9
         print(f"| {name} | {n / t_rust:,.0f} | {gb / t_rust:.3f} | {n / t_wgsl:,.0f} | {gb / t_wgsl:.3f} | {t_rust / t_wgsl:.2f} |")
 

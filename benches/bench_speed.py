@@ -1,5 +1,5 @@
 """The speed harness: kvqrs side by side with a float32 memory copy, the NumPy oracle, torch and
-the installable peers, in one run on the same inputs (issue 5/6). Prints Markdown tables headed
+the installable peers, in one run on the same inputs. Prints Markdown tables headed
 by the machine they were measured on.
 
 Sections (``--sections``, all by default):
@@ -30,9 +30,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is downloaded: the model
 os.environ.setdefault("TQDM_DISABLE", "1")  # transformers' GGUF conversion progress bar
 warnings.filterwarnings("ignore", category=FutureWarning)  # transformers 5: past_key_values renamed
 
-import numpy as np
-import torch
-from speed_common import machine
+import numpy as np  # noqa: E402 (after the environment settings above)
+import torch  # noqa: E402 (after the environment settings above)
+from speed_common import machine  # noqa: E402 (after the environment settings above)
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:

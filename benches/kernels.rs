@@ -12,7 +12,7 @@
 //!   4-bit MSE encode/decode (also with packing), into reused output buffers (`_into`) and
 //!   through the allocating API. `KVQRS_BENCH_ROWS_LOG2` sets the size (default 20).
 //!
-//! - `attention/*`: fused decode attention (issue 6) on one thread, 3 KV heads x 3 query rows
+//! - `attention/*`: fused decode attention on one thread, 3 KV heads x 3 query rows
 //!   (9 query heads, GQA), head_dim 64, 4k and 32k tokens, the four 4-bit cache layouts of
 //!   `benches/bench_attention.py` (`kv`, `kqv` = 4-bit keys + 3-bit values with a QJL residual,
 //!   `kivi`, `qkqv`); throughput counts the tokens' float32 keys and values (2 x 64 x 4 bytes

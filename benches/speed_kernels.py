@@ -84,7 +84,12 @@ def rotation_rows(x: np.ndarray, repeats: int, oracle_vectors: int, threads: int
     work = (np.empty_like(x), np.empty_like(x))
     _check("numpy butterfly", numpy_butterfly(sample, signs, (np.empty_like(sample), np.empty_like(sample))), want)
     rows.append(
-        ("NumPy butterfly", "float32, 2 reused buffers, 1 thread", best_of(lambda: numpy_butterfly(x, signs, work), repeats), nbytes)
+        (
+            "NumPy butterfly",
+            "float32, 2 reused buffers, 1 thread",
+            best_of(lambda work=work: numpy_butterfly(x, signs, work), repeats),
+            nbytes,
+        )
     )
     del work
     xs = x[:oracle_vectors]

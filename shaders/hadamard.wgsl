@@ -1,7 +1,7 @@
 // kvqrs:requires common.wgsl
 //
 // hadamard.wgsl: the randomized Walsh-Hadamard rotation R = H_{d'} diag(s) / sqrt(d') and its
-// inverse (SPEC 2.2; docs/kernels.md section 3), float32, bit for bit the arithmetic of
+// inverse (docs/kernels.md section 3), float32, bit for bit the arithmetic of
 // rust/core/src/kernels/hadamard.rs: coordinate i is multiplied by (s_i * (1/sqrt(d'))) (one
 // float32 product), then the unnormalised fast transform runs with butterflies
 // (a, b) -> (a + b, a - b) over strides h = 1, 2, ..., d'/2. WGSL requires + and * on f32 to

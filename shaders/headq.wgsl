@@ -1,6 +1,6 @@
 // kvqrs:requires common.wgsl
 //
-// headq.wgsl: the HeadQ side code (SPEC 2.6; docs/kernels.md section 7), float32 as in
+// headq.wgsl: the HeadQ side code (docs/kernels.md section 7), float32 as in
 // rust/core/src/kernels/headq.rs. The basis U (d x r) comes from the host (a PCA of
 // calibration queries, or the random-basis control built by the Rust generator in float64)
 // and is uploaded transposed (r x d).

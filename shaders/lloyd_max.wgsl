@@ -1,6 +1,6 @@
 // kvqrs:requires common.wgsl
 //
-// lloyd_max.wgsl: Lloyd-Max encode and decode (SPEC 2.3; docs/kernels.md section 4), and the
+// lloyd_max.wgsl: Lloyd-Max encode and decode (docs/kernels.md section 4), and the
 // direction step of the MSE stage (section 5, steps 3-4). The codebook itself (centroids and
 // boundaries of the sphere marginal, a float64 Lloyd iteration) is computed on the host by the
 // Rust path, rounded once to float32 and uploaded once per (d', bits).

@@ -1,6 +1,6 @@
 // kvqrs:requires common.wgsl
 //
-// mse.wgsl: the row norm of the norm-and-direction (MSE) stage (SPEC 2.4; docs/kernels.md
+// mse.wgsl: the row norm of the norm-and-direction (MSE) stage (docs/kernels.md section 5; docs/kernels.md
 // section 5, step 1), also used for the QJL residual norm ||r|| (section 6). The rest of the
 // MSE stage is composed on the host from the other kernels, all on the device in one
 // submission: encode = norms -> hadamard.forward -> lloyd_max.encode (divided by the norm);

@@ -1,6 +1,6 @@
 // kvqrs:requires common.wgsl
 //
-// pack.wgsl: bit packing of b-bit codes, 1 <= b <= 8 (SPEC 2.1; docs/kernels.md section 2).
+// pack.wgsl: bit packing of b-bit codes, 1 <= b <= 8 (docs/kernels.md section 2).
 // Code i of a row occupies bits i*b .. i*b+b-1 of the row's little-endian bit stream (bit 0 =
 // least significant bit of byte 0); every row starts on a byte boundary; unused high bits of a
 // row's last byte are zero. Same bytes as rust/core/src/kernels/pack.rs.

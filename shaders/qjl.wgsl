@@ -1,6 +1,6 @@
 // kvqrs:requires common.wgsl
 //
-// qjl.wgsl: the 1-bit QJL sign sketch and its estimators (SPEC 2.5; docs/kernels.md section 6).
+// qjl.wgsl: the 1-bit QJL sign sketch and its estimators (docs/kernels.md section 6).
 //
 // S (m x dim, i.i.d. N(0, 1)) is NOT generated here: its Box-Muller step is specified in
 // float64 and WGSL has no f64, so kvqrs.gpu builds S on the host with the Rust generator

@@ -1,6 +1,6 @@
 // kvqrs:requires common.wgsl
 //
-// uniform.wgsl: the asymmetric min-max uniform quantizer of KIVI (SPEC 3; docs/kernels.md
+// uniform.wgsl: the asymmetric min-max uniform quantizer of KIVI (docs/schemes.md; docs/kernels.md
 // section 9), float32 as in rust/core/src/kernels/uniform.rs. Each row of n values is cut into
 // consecutive groups of `group` values (the last may be shorter).
 //

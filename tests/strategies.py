@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-# The head_dims the issue names, plus small and odd ones.
+# Head dims of common models (40 to 256), plus small and odd ones.
 HEAD_DIMS = [40, 64, 80, 96, 112, 128, 160, 192, 256]
 EDGE_DIMS = [2, 3, 5, 8, 17, 33]
 

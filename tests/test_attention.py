@@ -1,4 +1,4 @@
-"""Fused decode attention (issue 6; docs/kernels.md section 11): kvqrs.kernels.decode_attention
+"""Fused decode attention (docs/kernels.md section 11): kvqrs.kernels.decode_attention
 and KVCodec.fused_attention against the float64 oracle (oracle.decode_attention, built from the
 oracle's own decoders) and against the decode-based reference (KVCodec.attention(fused=False):
 decode keys and values, softmax in float64), for every scheme with a fused read path, GQA

@@ -26,7 +26,7 @@ from kvqrs.hf.attention import _STATE  # noqa: E402
 
 # Dense perplexity through kvqrs' eager attention vs transformers' own loss with SDPA, float32 on
 # one 32-token window: only summation order differs (measured ~2e-7 .. 7e-7); 1e-4 is the bound
-# the issue states and still catches a wrong mask, scaling or GQA mapping (those move it by >1%).
+# the evaluation's stated tolerance and still catches a wrong mask, scaling or GQA mapping (those move it by >1%).
 DENSE_CHECK_RTOL = 1e-4
 # The dense row's perplexity (sum of float32 log-probs, then exp) vs the dense check's (mean,
 # then exp) on the same forward: float32 summation of 31 terms, ~1e-7 relative.
@@ -177,7 +177,7 @@ def test_headq_recovered_arithmetic():
 
 
 def _expected_rows(quick: bool) -> dict[str, tuple[str, str | None, int, str | None]]:
-    """name -> (group, key scheme, key bits, value scheme) of the rows the issue names."""
+    """name -> (group, key scheme, key bits, value scheme) of the evaluation's named rows."""
     rows = {"dense": ("dense", None, 0, None)}
     for scheme in ("kv", "kqv", "qkqv"):
         for n in (2, 4) if quick else (2, 3, 4):
@@ -197,7 +197,7 @@ def _expected_rows(quick: bool) -> dict[str, tuple[str, str | None, int, str | N
 
 @pytest.mark.parametrize("quick", [False, True])
 @pytest.mark.parametrize("residual", [0, 16])
-def test_default_rows_contain_the_issue_rows(quick, residual):
+def test_default_rows_contain_the_named_rows(quick, residual):
     rows = default_rows(quick=quick, residual_length=residual)
     names = [r.name for r in rows]
     assert len(names) == len(set(names))

@@ -1,4 +1,4 @@
-"""The compressed-cache format (SPEC 6): round trips of every scheme, identity checks against a
+"""The compressed-cache format (docs/format.md): round trips of every scheme, identity checks against a
 codec, and every kind of broken input (truncated, altered, hostile, well-formed but wrong meta)
 raising KvqrsError; the fuzz corpus from benches/fuzz_format.py as a regression test."""
 

@@ -1,4 +1,4 @@
-"""The WGSL path beyond one dispatch's workgroup limit, and its determinism (issue 6/6): a call
+"""The WGSL path beyond one dispatch's workgroup limit, and its determinism: a call
 needing more than 65535 workgroups in x runs on the 2-D grid (common.wgsl) and equals the Rust
 path; the same seed gives the same stored bytes on repeated dispatches and in another process,
 and those equal the cpu backend's within the stated boundary tolerance (test_gpu_schemes)."""

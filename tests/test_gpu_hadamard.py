@@ -1,5 +1,5 @@
 """The randomized Walsh-Hadamard rotation in WGSL (shaders/hadamard.wgsl) against the Rust
-path (SPEC 2.2; docs/kernels.md section 3). Both evaluate the same float32 operations in the same
+path (docs/kernels.md section 3). Both evaluate the same float32 operations in the same
 order with no multiply-add to fuse, so results are equal; the only tolerance is FLUSH_ATOL for
 drivers that flush subnormals to zero."""
 

@@ -1,5 +1,4 @@
-"""The HeadQ side code in WGSL (shaders/headq.wgsl) against the Rust path (SPEC 2.6;
-docs/kernels.md section 7). Side codes are equal except where p / s + h + 0.5 lies within
+"""The HeadQ side code in WGSL (shaders/headq.wgsl) against the Rust path (docs/kernels.md section 7). Side codes are equal except where p / s + h + 0.5 lies within
 ROUND_TIE_TOL of an integer (WGSL division is within 2.5 ulp); scales within one float16 ulp;
 decode and score corrections within SUM_RTOL of their absolute terms."""
 

@@ -1,5 +1,4 @@
-"""Lloyd-Max encode/decode in WGSL (shaders/lloyd_max.wgsl) against the Rust path (SPEC 2.3;
-docs/kernels.md section 4). Comparisons with the float32 boundaries are exact, so codes and
+"""Lloyd-Max encode/decode in WGSL (shaders/lloyd_max.wgsl) against the Rust path (docs/kernels.md section 4). Comparisons with the float32 boundaries are exact, so codes and
 centroids are equal with no tolerance."""
 
 from __future__ import annotations

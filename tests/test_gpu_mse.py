@@ -1,5 +1,5 @@
 """The MSE stage in WGSL (shaders/mse.wgsl composed with hadamard.wgsl and lloyd_max.wgsl)
-against the Rust path (SPEC 2.4; docs/kernels.md section 5).
+against the Rust path (docs/kernels.md section 5).
 
 The device's norm is a float32 reduction (the Rust path's is float64), so stored norms agree
 within NORM_RTOL / one float16 ulp and codes are equal except for coordinates within

@@ -1,6 +1,6 @@
 """Bit packing in WGSL (shaders/pack.wgsl) against the Rust path: packed bytes and unpacked
 codes byte for byte, cross-path round trips at every width, errors like the Rust path's
-(SPEC 2.1; docs/kernels.md section 2). Packing is exact: no tolerance anywhere."""
+(docs/kernels.md section 2). Packing is exact: no tolerance anywhere."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The QJL sketch in WGSL (shaders/qjl.wgsl with mse.wgsl and pack.wgsl) against the Rust path
-(SPEC 2.5; docs/kernels.md section 6). S is the host's (float64 Box-Muller) and uploaded once.
+(docs/kernels.md section 6). S is the host's (float64 Box-Muller) and uploaded once.
 Sign bits are equal except where |(S r)_i| is at rounding level (SIGN_TOL of test_qjl); norms
 within NORM_RTOL / one float16 ulp; estimators within SUM_RTOL of their absolute terms."""
 

@@ -1,4 +1,4 @@
-"""The KIVI quantizer in WGSL (shaders/uniform.wgsl) against the Rust path (SPEC 3;
+"""The KIVI quantizer in WGSL (shaders/uniform.wgsl) against the Rust path (docs/schemes.md;
 docs/kernels.md section 9). Zero points are exact (group minima); scales within one float16
 ulp; codes equal except where (x - z) / s + 0.5 lies within ROUND_TIE_TOL of an integer;
 decoding the same code equal within one rounding where a driver fuses z + s * code."""

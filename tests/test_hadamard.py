@@ -1,4 +1,4 @@
-"""Randomized Walsh-Hadamard rotation (SPEC 2.2, docs/kernels.md section 3): hadamard and
+"""Randomized Walsh-Hadamard rotation (docs/kernels.md section 3): hadamard and
 inverse_hadamard against the float64 oracle (explicit Sylvester matrix), orthogonality,
 padding, dtypes, strided inputs and argument errors."""
 

@@ -1,5 +1,5 @@
 """HeadQ side code: kvqrs.headq_encode / headq_decode / headq_score_correction / headq_basis and
-kvqrs.random_orthonormal_basis (SPEC 2.6; docs/kernels.md sections 1 and 7) against the float64
+kvqrs.random_orthonormal_basis (docs/kernels.md section 7; docs/kernels.md sections 1 and 7) against the float64
 NumPy oracle, plus the score-space identities the read path relies on."""
 
 from __future__ import annotations

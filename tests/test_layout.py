@@ -73,8 +73,14 @@ def test_kivi_keys_join_and_cut_only_at_whole_groups_and_bytes():
     part = codec.keys.layout(x.shape)
     assert part["codes"].align == 8 and part["scales"].align == 8
     ck = codec.encode_keys(x)
-    with pytest.raises(KvqrsError, match="cannot keep 12 tokens"):
+    with pytest.raises(KvqrsError, match="n: cannot cut after 12 tokens"):
         codec.slice_tokens(ck, 12)
+    with pytest.raises(KvqrsError, match="start: cannot cut after 4 tokens"):
+        codec.slice_tokens(ck, 40, 4)
+    # A window's oldest whole groups dropped: the same bytes as encoding the rest alone.
+    tail = codec.slice_tokens(ck, 40, 8)
+    for name, part in codec.encode_keys(x[:, 8:]).parts.items():
+        np.testing.assert_array_equal(tail.parts[name], part, err_msg=name)
     with pytest.raises(KvqrsError, match="cannot be joined"):
         codec.concat([codec.encode_keys(x[:, :12]), codec.encode_keys(x[:, 12:])])
     kept = codec.slice_tokens(ck, 16)

@@ -1,4 +1,4 @@
-"""Lloyd-Max codebooks for the sphere marginal (SPEC 2.3, docs/kernels.md section 4): codebooks
+"""Lloyd-Max codebooks for the sphere marginal (docs/kernels.md section 4): codebooks
 against the oracle and against independent numerical integration, the sanity values, structure
 (symmetry, midpoints, monotone distortion), encode/decode against the oracle and errors."""
 
@@ -22,14 +22,14 @@ from tests.strategies import BOUNDARY_TOL, bits, codes_match_except_near_boundar
 CODEBOOK_DIMS = [2, 3, 40, 64, 80, 96, 112, 128, 160, 192, 256, 1024]
 ALL_BITS = list(range(1, 9))
 
-# Kernel vs oracle codebooks: both solve the same fixed point to ~1e-11 / sqrt(D); SPEC asks for
+# Kernel vs oracle codebooks: both solve the same fixed point to ~1e-11 / sqrt(D); docs/kernels.md section 4 asks for
 # 1e-6 relative accuracy, we hold the two implementations to 1e-7 relative of each centroid.
 CENTROID_RTOL = 1e-7
 # The distortion 1/D - sum m1^2/p loses a few digits to cancellation at 8 bits.
 DISTORTION_RTOL = 1e-6
 # Independent check by adaptive quadrature (scipy.integrate.quad, default tolerances ~1.5e-8).
 QUAD_RTOL = 1e-6
-# SPEC 2.3 sanity values are stated to 2-3 significant digits; "about" = within 1%.
+# docs/kernels.md section 4 sanity values are stated to 2-3 significant digits; "about" = within 1%.
 SANITY_RTOL = 0.01
 # At D = 16384 the marginal is N(0, 1/D) up to O(1/D); Max's (1960) Gaussian values hold to 0.5%.
 GAUSSIAN_LIMIT_RTOL = 0.005
@@ -44,7 +44,7 @@ codebook_dims = st.sampled_from(CODEBOOK_DIMS)
 
 
 def density(dim: int, x):
-    """Sphere-marginal density (1 - x^2)^((D-3)/2) / B(1/2, (D-1)/2), written from SPEC 2.3."""
+    """Sphere-marginal density (1 - x^2)^((D-3)/2) / B(1/2, (D-1)/2), written from docs/kernels.md section 4."""
     a = (dim - 1) / 2
     return (1 - np.asarray(x, dtype=np.float64) ** 2) ** (a - 1) / scipy.special.beta(0.5, a)
 
@@ -126,7 +126,7 @@ def test_centroids_are_conditional_means(d, b):
 
 @pytest.mark.parametrize("b, spec_value", [(1, 0.36), (2, 0.117), (3, 0.034), (4, 0.0093)])
 def test_spec_sanity_values(b, spec_value):
-    # SPEC 2.3 numbers, per-coordinate MSE times d'; they match D = 128 to within 1%.
+    # docs/kernels.md section 4 numbers, per-coordinate MSE times d'; they match D = 128 to within 1%.
     assert math.isclose(kvqrs.lloyd_max_codebook(128, b).unit_mse, spec_value, rel_tol=SANITY_RTOL)
 
 

@@ -116,7 +116,7 @@ def test_score_space_ranking_definition():
     rng = np.random.default_rng(0)
     rows = []
     for scheme in ("a", "b"):
-        for i in range(20):
+        for _ in range(20):
             kl = float(rng.uniform(0.1, 1.0))
             rows.append({"scheme": scheme, "bits": 2, "kl_mean": kl, "fisher": 2 * kl, "score_mse": -kl, "key_mse": float(rng.uniform())})
     out = score_space_ranking(rows)

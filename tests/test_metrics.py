@@ -1,4 +1,4 @@
-"""Metrics of SPEC section 4 (``kvqrs.metrics``): the 6D error point, attention KL and its
+"""Metrics of docs/evaluation.md (``kvqrs.metrics``): the 6D error point, attention KL and its
 summary, routing recall, Fisher score error, A^2 distortion and the statistical comparisons,
 on hand-computed cases, against scipy, and on degenerate inputs (always defined, never NaN)."""
 

@@ -1,4 +1,4 @@
-"""Norm-and-direction (MSE) stage: kvqrs.mse_encode / kvqrs.mse_decode (SPEC 2.4; docs/kernels.md
+"""Norm-and-direction (MSE) stage: kvqrs.mse_encode / kvqrs.mse_decode (docs/kernels.md section 5; docs/kernels.md
 section 5) against the float64 NumPy oracle, plus its statistical and edge-case invariants."""
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ DECODE_RTOL = 2e-6
 # practice); allow one ulp of the storage dtype in case a compute path rounds the float32 once
 # differently (which may then round to the adjacent float16).
 NORM_RTOL = {np.dtype(np.float16): 2.0**-10, np.dtype(np.float32): 2.0**-23}
-# Relative MSE vs Lloyd-Max theory (the issue's 2%), with the sampling standard error required
+# Relative MSE vs Lloyd-Max theory (the 2% the self-check allows), with the sampling standard error required
 # to be at most a quarter of it (so a pass is a >= 4-sigma statement, not luck).
 THEORY_RTOL = 0.02
 THEORY_MAX_SE = THEORY_RTOL / 4

@@ -1,4 +1,4 @@
-"""Bit packing (SPEC 2.1, docs/kernels.md section 2): pack_bits / unpack_bits against the oracle,
+"""Bit packing (docs/kernels.md section 2): pack_bits / unpack_bits against the oracle,
 hand-checked layouts and argument errors. Packing is exact, so every comparison is byte for byte."""
 
 from __future__ import annotations

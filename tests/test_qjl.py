@@ -1,5 +1,5 @@
 """QJL sign sketch and its estimators: kvqrs.qjl_sketch / qjl_inner_product /
-qjl_vector_estimate (SPEC 2.5; docs/kernels.md section 6) against the float64 NumPy oracle, plus
+qjl_vector_estimate (docs/kernels.md section 6) against the float64 NumPy oracle, plus
 seeded statistical checks of unbiasedness and variance over many sketch seeds."""
 
 from __future__ import annotations
@@ -53,9 +53,12 @@ def flat_rows(a, d):
 ms = st.one_of(st.none(), st.integers(1, 300))
 
 
+SKETCH_DIMS = st.one_of(head_dims, st.integers(1, 9))
+
+
 @st.composite
-def sketch_inputs(draw, dims=st.one_of(head_dims, st.integers(1, 9))):
-    d = draw(dims)
+def sketch_inputs(draw):
+    d = draw(SKETCH_DIMS)
     r = finite_rows(draw, draw(leading_shapes), d, scale=draw(st.sampled_from([1e-3, 1.0, 100.0])))
     return r, draw(seeds), draw(ms)
 
@@ -320,7 +323,7 @@ def test_inner_product_is_unbiased(seed_runs, case):
 def test_inner_product_variance(seed_runs, case):
     """Sample variance vs the exact Gaussian-sketch variance (exact_ip_variance); the standard
     error of a sample variance is sqrt((mu4 - sigma^4 (n-3)/(n-1)) / n), mu4 estimated from the
-    same samples. For the orthogonal query this is the SPEC's (pi/2)||r||^2||y||^2/m. With 4000
+    same samples. For the orthogonal query this is the documented approximation (pi/2)||r||^2||y||^2/m. With 4000
     seeds the test detects variance errors of roughly 10% or more (a 2% scale error, 4% in
     variance, gives |z| ~ 2-4: not reliably detected; the unbiasedness test catches it)."""
     run = seed_runs[case]
@@ -339,7 +342,7 @@ def test_inner_product_variance(seed_runs, case):
         if name == "orthogonal":
             assert abs(want / spec - 1) < 1e-6
         else:
-            # Power check: here the SPEC's approximation is ~40% too large and must be rejected
+            # Power check: here the documented approximation is ~40% too large and must be rejected
             # (measured |z| ~ 30), so this test can tell the exact form from the approximate one.
             assert abs((var - spec) / se) > Z_MAX
 

@@ -1,4 +1,4 @@
-"""Schemes of SPEC section 3 (``kvqrs.schemes``): every scheme's decode against the composition of
+"""Schemes of docs/schemes.md (``kvqrs.schemes``): every scheme's decode against the composition of
 the kernel oracles (``kvqrs.oracle``) computed here from the codec's derived seeds, the storage
 accounting (bits per element, overhead included), the score paths (incl. GQA and per-head HeadQ
 bases), HeadQ's controls, the A^2 value allocation and the error handling."""
@@ -497,7 +497,7 @@ def value_bpe_formula(scheme, n, d, n_tokens):
     return n * dp / d + 16 / d + 8 * ceil_div(3 * n_tokens, 8) / (n_tokens * d)
 
 
-def test_bpe_formula_examples_from_the_issue():
+def test_bpe_formula_examples():
     """The formulas themselves, on numbers worked by hand."""
     assert key_bpe_formula("kv", 4, 128, 40) == 4.125
     assert key_bpe_formula("kqv", 3, 96, 40) == 3 * 128 / 96 + 16 / 96 == 4 + 1 / 6
@@ -557,7 +557,7 @@ def test_a2_uniform_and_weighted_allocations_cost_the_same():
 
 
 def test_wide_norms_are_stored_and_counted_as_32_bits():
-    """SPEC 2.4: stored scalars outside float16's range are float32 and cost 32 bits."""
+    """docs/kernels.md section 5: stored scalars outside float16's range are float32 and cost 32 bits."""
     d, n = 64, 3
     k = gaussian(6, (TOKENS, d), scale=1e5)  # norms ~ 8e5 > 65504
     ck = KVCodec("kv", n, d, seed=SEED).encode_keys(k)

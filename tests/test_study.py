@@ -290,7 +290,7 @@ def test_two_pi_factor_rows(study):
         n = r["bits"]
         want = (math.pi / 2) * oracle.lloyd_max_codebook(64, n - 1)[2] / oracle.lloyd_max_codebook(64, n)[2]
         assert r["theory"] == pytest.approx(want, rel=1e-4)
-        mse = lambda s: np.mean([x["score_mse"] for x in rows if x["scheme"] == s and x["bits"] == n])  # noqa: E731
+        mse = lambda s, n=n: np.mean([x["score_mse"] for x in rows if x["scheme"] == s and x["bits"] == n])  # noqa: E731
         assert r["ratio"] == pytest.approx(mse("qkqv") / mse("kqv"), rel=1e-12)
         assert want / TWO_PI_FACTOR_SLACK < r["ratio"] < want * TWO_PI_FACTOR_SLACK
     assert theory.two_pi_factor([x for x in rows if x["scheme"] == "kqv"]) == []
@@ -301,7 +301,7 @@ def test_kl_ratio_rows(study):
     out = theory.kl_ratio(rows)
     assert len(out) == 2
     for r in out:
-        kl = lambda s: np.mean([x["kl_mean"] for x in rows if x["scheme"] == s and x["bits"] == r["bits"]])  # noqa: E731
+        kl = lambda s, r=r: np.mean([x["kl_mean"] for x in rows if x["scheme"] == s and x["bits"] == r["bits"]])  # noqa: E731
         assert r["ratio"] == pytest.approx(kl("qkqv") / kl("kqv"), rel=1e-12)
         assert r["samples"] == GRID.seeds and 0 < r["p"] <= 1 and -1 <= r["rank_biserial"] <= 1
     flipped = theory.kl_ratio(rows, "kqv", "qkqv")
@@ -314,7 +314,7 @@ def test_direction_crossover_rows(study):
     out = theory.direction_crossover(rows)
     assert len(out) == 2
     for r in out:
-        phi = lambda s: np.mean([x["phi_k"] for x in rows if x["scheme"] == s and x["bits"] == r["bits"]])  # noqa: E731
+        phi = lambda s, r=r: np.mean([x["phi_k"] for x in rows if x["scheme"] == s and x["bits"] == r["bits"]])  # noqa: E731
         assert r["phi_k_kqv"] == pytest.approx(phi("kqv")) and r["phi_k_qkqv"] == pytest.approx(phi("qkqv"))
         assert r["better"] == ("qkqv" if r["phi_k_qkqv"] < r["phi_k_kqv"] else "kqv")
         assert 0 < r["p"] <= 1

@@ -1,4 +1,4 @@
-"""Seeded synthetic attention heads (SPEC 5, ``kvqrs.synthetic``): shapes, dtypes, determinism,
+"""Seeded synthetic attention heads (docs/evaluation.md, ``kvqrs.synthetic``): shapes, dtypes, determinism,
 and the property that defines each family (heavy tails and outlier channels, low rank, focused
 attention), plus the error on bad names and parameters."""
 

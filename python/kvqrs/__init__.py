@@ -1,6 +1,6 @@
 """kvqrs: KV-cache quantization kernels and studies.
 
-Kernels (SPEC section 2, docs/kernels.md): bit packing, the randomized Walsh-Hadamard rotation,
+Kernels (docs/kernels.md, docs/kernels.md): bit packing, the randomized Walsh-Hadamard rotation,
 Lloyd-Max codebooks for the sphere marginal, the norm-and-direction MSE stage, the QJL sign
 sketch and the HeadQ side code. All run in Rust (``kvqrs._native``); ``kvqrs.oracle`` holds
 their float64 NumPy references.

@@ -7,8 +7,12 @@ caller's leading shape and float dtype on the way out.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import operator
-from typing import Any
+import sys
+import warnings
+from typing import TYPE_CHECKING, Any, Callable, TypeVar, Union
 
 import numpy as np
 
@@ -27,8 +31,29 @@ __all__ = [
     "check_positive_int",
     "first_nonfinite",
     "restore",
+    "is_tensor",
+    "numpy_to_torch",
+    "tensors_in_out",
     "torch_to_numpy",
 ]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+if TYPE_CHECKING:
+    import numpy.typing as npt
+    import torch
+
+    Array = Union[np.ndarray, torch.Tensor]
+    """What the public functions take and return: a NumPy array, or a torch tensor (any device)."""
+    DTypeLike = Union[npt.DTypeLike, torch.dtype]
+    """An output dtype: a NumPy dtype or its name, or a torch float dtype."""
+
+GRAD_WARNING = (
+    "{arg}: the tensor requires grad, but kvqrs computes outside autograd: the result is detached "
+    "and no gradient flows back through it (pass tensor.detach() to silence this warning)"
+)
+"""kvqrs' kernels are not differentiable (integer codes, searches, Rust): a tensor that requires
+grad is detached, with this :class:`UserWarning` (once per call site, Python's default filter)."""
 
 _FLOAT_NAMES = ("float16", "bfloat16", "float32", "float64")
 
@@ -55,12 +80,34 @@ def as_array(x: Any, arg: str) -> np.ndarray:
         raise KvqrsError(f"{arg}: expected an array, got {type(x).__name__} that NumPy cannot convert ({e})") from None
 
 
+def is_tensor(x: Any) -> bool:
+    """Whether ``x`` is a torch tensor, without importing torch."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(x, torch.Tensor)
+
+
+def _caller_stacklevel() -> int:
+    """The stack level of the first frame outside the kvqrs package (where a warning belongs)."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_globals.get("__name__", "").split(".")[0] == "kvqrs":
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def warn_if_grad(t: Any, arg: str) -> None:
+    """Warn (:data:`GRAD_WARNING`) when ``t`` requires grad: it is about to be detached."""
+    if getattr(t, "requires_grad", False):
+        warnings.warn(GRAD_WARNING.format(arg=arg), UserWarning, stacklevel=_caller_stacklevel())
+
+
 def torch_to_numpy(t: Any, arg: str = "x") -> np.ndarray:
     """A CPU NumPy array holding a torch tensor's values in its own dtype: bfloat16 becomes
-    ml_dtypes' bfloat16 (same bits: NumPy has no bfloat16 of its own), and tensors that require
-    grad or live on another device are detached and copied, which ``np.asarray`` refuses."""
+    ml_dtypes' bfloat16 (same bits: NumPy has no bfloat16 of its own), and tensors on another
+    device are copied, which ``np.asarray`` refuses. A tensor that requires grad is detached with
+    a warning (:data:`GRAD_WARNING`)."""
     import torch
 
+    warn_if_grad(t, arg)
     t = t.detach().cpu()
     if t.dtype == torch.bfloat16:
         try:
@@ -69,6 +116,14 @@ def torch_to_numpy(t: Any, arg: str = "x") -> np.ndarray:
             raise KvqrsError(f"{arg}: a bfloat16 tensor needs ml_dtypes (pip install ml_dtypes), or pass tensor.float()") from None
         return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
     return t.numpy()
+
+
+def _bfloat16(arg: str) -> Any:
+    try:
+        import ml_dtypes
+    except ImportError:
+        raise KvqrsError(f"{arg}: bfloat16 needs ml_dtypes (pip install ml_dtypes)") from None
+    return ml_dtypes.bfloat16
 
 
 def first_nonfinite(arr: np.ndarray, arg: str) -> None:
@@ -80,7 +135,12 @@ def first_nonfinite(arr: np.ndarray, arg: str) -> None:
 
 
 def check_out_dtype(dtype: Any, arg: str = "dtype") -> np.dtype:
-    """Return ``dtype`` if it is float16, bfloat16, float32 or float64, else raise."""
+    """Return ``dtype`` (a NumPy dtype, its name, or a torch float dtype) as a NumPy dtype if it
+    is float16, bfloat16, float32 or float64, else raise."""
+    if type(dtype).__module__ == "torch" and str(dtype).startswith("torch."):
+        dtype = str(dtype)[len("torch.") :]
+        if dtype == "bfloat16":
+            dtype = _bfloat16(arg)
     try:
         dt = np.dtype(dtype)
     except TypeError:
@@ -212,3 +272,75 @@ def check_finite_output(out: np.ndarray, what: str = "result", hint: str = "choo
         pos = tuple(int(p) for p in np.unravel_index(int(np.argmax(~np.isfinite(out))), out.shape))
         raise KvqrsError(f"{what}: expected values that fit the output dtype {out.dtype}, got {out[pos]} at index {pos} ({hint})")
     return out
+
+
+# -- torch tensors in and out ----------------------------------------------------------------------
+
+
+def numpy_to_torch(a: np.ndarray, like: Any, float_dtype: bool = False) -> Any:
+    """``a`` as a tensor on ``like``'s device, in ``a``'s own dtype (ml_dtypes' bfloat16 becomes
+    ``torch.bfloat16``, bit for bit), or in ``like``'s float dtype when ``float_dtype`` and ``a``
+    holds floats."""
+    import torch
+
+    a = np.ascontiguousarray(a)
+    if _dtype_name(a.dtype) == "bfloat16":
+        out = torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    else:
+        out = torch.from_numpy(a)
+    if float_dtype and out.is_floating_point() and out.dtype != like.dtype:
+        out = out.to(dtype=like.dtype)
+    return out.to(device=like.device)
+
+
+def _to_numpy(v: Any, arg: str) -> Any:
+    if is_tensor(v):
+        return torch_to_numpy(v, arg)
+    if isinstance(v, tuple) and hasattr(v, "_fields"):  # a code tuple (MSECode, QJLSketch, ...)
+        return type(v)(*(_to_numpy(x, arg) for x in v))
+    return v
+
+
+def _to_torch(v: Any, like: Any, float_dtype: bool) -> Any:
+    if isinstance(v, np.ndarray):
+        return numpy_to_torch(v, like, float_dtype)
+    if isinstance(v, tuple) and hasattr(v, "_fields"):
+        return type(v)(*(_to_torch(x, like, False) for x in v))
+    return v
+
+
+def _first_tensor(values: Any) -> Any:
+    for v in values:
+        if is_tensor(v):
+            return v
+        if isinstance(v, tuple) and hasattr(v, "_fields"):
+            t = _first_tensor(v)
+            if t is not None:
+                return t
+    return None
+
+
+def tensors_in_out(keep_dtype: bool = False) -> Callable[[F], F]:
+    """Let a NumPy-facing function take torch tensors: tensors (also inside code tuples such as
+    :class:`~kvqrs.MSECode`) are staged to NumPy (:func:`torch_to_numpy`), and array results come
+    back as tensors on the first tensor argument's device, in the dtype the NumPy path returns
+    (the caller's dtype for transforms, ``dtype=`` for decoders); with ``keep_dtype``, float
+    results take the first tensor's float dtype. NumPy calls pass straight through."""
+
+    def wrap(fn: F) -> F:
+        names = list(inspect.signature(fn).parameters)
+
+        @functools.wraps(fn)
+        def inner(*args: Any, **kwargs: Any) -> Any:
+            if "torch" not in sys.modules:
+                return fn(*args, **kwargs)
+            like = _first_tensor([*args, *kwargs.values()])
+            if like is None:
+                return fn(*args, **kwargs)
+            staged = [_to_numpy(a, names[i] if i < len(names) else "x") for i, a in enumerate(args)]
+            out = fn(*staged, **{k: _to_numpy(v, k) for k, v in kwargs.items()})
+            return _to_torch(out, like, keep_dtype)
+
+        return inner  # type: ignore[return-value]
+
+    return wrap

@@ -2,10 +2,46 @@
 out; the public wrappers in ``kvqrs.kernels`` restore shapes and dtypes)."""
 
 from collections.abc import Sequence
-from typing import Any, Dict, Optional, Tuple, Union
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+
+__all__ = [
+    "KvqrsError",
+    "MAX_CODEBOOK_DIM",
+    "__version__",
+    "container_read",
+    "container_write",
+    "decode_attention",
+    "gaussians",
+    "hadamard",
+    "headq_decode",
+    "headq_encode",
+    "headq_score_correction",
+    "inverse_hadamard",
+    "lloyd_max_codebook",
+    "lloyd_max_decode",
+    "lloyd_max_encode",
+    "mse_decode",
+    "mse_decode_packed",
+    "mse_encode",
+    "mse_encode_packed",
+    "pack_bits",
+    "philox4x32_10",
+    "qjl_inner_product",
+    "qjl_matrix",
+    "qjl_sketch",
+    "qjl_vector_estimate",
+    "random_orthonormal_basis",
+    "rotation_signs",
+    "set_isa",
+    "simd_available",
+    "simd_level",
+    "uniform_decode",
+    "uniform_encode",
+    "unpack_bits",
+]
 
 __version__: str
 MAX_CODEBOOK_DIM: int
@@ -15,7 +51,7 @@ class KvqrsError(ValueError): ...
 _F32 = npt.NDArray[np.float32]
 _F64 = npt.NDArray[np.float64]
 _U8 = npt.NDArray[np.uint8]
-_Scalars = Union[npt.NDArray[np.float16], npt.NDArray[np.float32]]
+_Scalars = npt.NDArray[np.float16] | npt.NDArray[np.float32]
 
 def pack_bits(codes: _U8, count: int, bits: int) -> _U8: ...
 def unpack_bits(packed: _U8, count: int, bits: int) -> _U8: ...

@@ -24,7 +24,7 @@ def selfcheck_rows(head_dims: Sequence[int], bits_list: Sequence[int], vectors: 
     ``mse`` is ``mean ||x - x_hat||^2 / ||x||^2`` over ``vectors`` seeded N(0, I) rows with the
     rotation on; ``code_mse`` is the same error in the rotated code domain,
     ``mean ||R x / ||x|| - centroids[codes]||^2``, which is what the Lloyd-Max theory
-    ``d' * D_b`` of the ``(d', bits)`` codebook predicts (SPEC 2.3). They coincide when
+    ``d' * D_b`` of the ``(d', bits)`` codebook predicts (docs/kernels.md section 4). They coincide when
     head_dim is a power of two; with zero padding the decoder keeps only the first head_dim
     coordinates, which discards part of the error, so ``mse < code_mse``. Bits per element
     count the codes of all ``d'`` coordinates plus the stored norm.
@@ -137,7 +137,7 @@ def _capture(args: argparse.Namespace, config):
 
     texts = _texts(args)
     torch_threads(1 if args.threads is None else args.threads)
-    model, tok = model_mod.load()
+    model, tok = model_mod.load(progress=not args.no_progress)
     captured = capture_heads(model, tok, texts, config.tokens, config.n_queries)
     print(
         f"captured {len(captured.heads)} heads (layer x KV head) of {config.tokens} tokens, {config.n_queries} queries each; text: {captured.source}"
@@ -185,7 +185,7 @@ def _eval(args: argparse.Namespace) -> int:
     from .evaluation.model_eval import default_rows, run_eval
 
     texts = _texts(args)
-    for name, value in (("--window", args.window), ("--windows", args.windows), ("--calibration-windows", args.calibration_windows)):
+    for name, value in (("--window", args.window), ("--windows", args.windows), ("--calibration-windows", args.calibration_windows or 1)):
         if value is not None and value < 1:
             raise KvqrsError(f"{name}: expected a positive integer, got {value}")
     if args.window is not None and args.window < 2:
@@ -194,26 +194,95 @@ def _eval(args: argparse.Namespace) -> int:
         raise KvqrsError(f"--window: expected at most the model's context of 8192 tokens, got {args.window}")
     window = args.window if args.window is not None else (256 if args.quick else 512)
     windows = args.windows if args.windows is not None else (1 if args.quick else 3)
+    rows = select_rows(default_rows(quick=args.quick, residual_length=args.residual_length), args.rows)  # before the model loads
+    out = pathlib.Path(args.out if args.out is not None else ("reports/eval-quick" if args.quick else "reports/eval"))
     torch_threads(1 if args.threads is None else args.threads)
     start = time.perf_counter()
-    model, tok = model_mod.load()
+    model, tok = model_mod.load(progress=not args.no_progress)
     if args.threads is None:
         n, probe = model_mod.fastest_threads(model, tok(texts.evaluation[:20000], return_tensors="pt").input_ids[:, :window])
         print(
             f"torch threads: {n} (one forward of {window} tokens: " + ", ".join(f"{k} thread(s) {t:.2f} s" for k, t in probe.items()) + ")"
         )
-    rows = default_rows(quick=args.quick, residual_length=args.residual_length)
-    if args.rows:
-        rows = [r for r in rows if r.name == "dense" or any(r.name.startswith(p) for p in args.rows)]
-        if len(rows) == 1:
-            raise KvqrsError(f"--rows: no row label starts with any of {args.rows}")
     print(f"kvqrs eval: {len(rows)} rows x {windows} windows of {window} tokens, text: {texts.source}")
-    result = run_eval(model, tok, texts, rows, window, windows, calib_windows=args.calibration_windows, progress=not args.no_progress)
+    result = run_eval(model, tok, texts, rows, window, windows, calib_windows=args.calibration_windows or 2, progress=not args.no_progress)
     seconds = time.perf_counter() - start
-    md = model_report.write(result, pathlib.Path(args.out), seconds)
+    md = model_report.write(result, out, seconds)
     print(model_report.summary(result, seconds))
     print(f"report: {md}")
     return 0
+
+
+def _eval_llama(args: argparse.Namespace) -> int:
+    """``kvqrs eval --protocol llama``: llama.cpp's perplexity protocol (chunks of ``--ctx``
+    tokens, the second half scored) for the baselines and the calibrated ``matched`` rows."""
+    import pathlib
+    import time
+
+    from .evaluation import llama_protocol as lp
+    from .evaluation import model as model_mod
+    from .hf import fit_matched, load_matched, record_matched
+
+    texts = _texts(args)
+    out = pathlib.Path(args.out if args.out is not None else ("reports/llama-quick" if args.quick else "reports/llama"))
+    chunks = args.chunks if args.chunks is not None else (2 if args.quick else 40)
+    torch_threads(1 if args.threads is None else args.threads)
+    start = time.perf_counter()
+    model, tok = model_mod.load(progress=not args.no_progress)
+    if args.calibration:
+        cal = {"file": load_matched(args.calibration)}
+        bits = {"file": cal["file"]}
+        rows = [r for r in lp.llama_rows() if r.config is None] + lp.matched_rows({(4.0, 128): cal["file"]})
+    else:
+        windows = lp.llama_chunks(tok, texts.calibration, args.ctx, args.calibration_windows or 8)
+        stats = record_matched(model, windows, skip=1)
+        bits = {}
+        for spec in args.matched_bits:
+            b, _, g = spec.partition("@")
+            try:
+                key = (float(b), int(g or 128))
+            except ValueError:
+                raise KvqrsError(f"--matched-bits: expected BITS or BITS@GROUP (e.g. 4 or 4@256), got {spec!r}") from None
+            bits[key] = fit_matched(stats, *key)
+        rows = lp.llama_rows(bits)
+    rows = select_rows(rows, args.rows)
+    print(f"kvqrs eval --protocol llama: {len(rows)} rows x {chunks} chunks of {args.ctx} tokens, text: {texts.source}")
+    result = lp.run_llama(model, tok, texts, rows, ctx=args.ctx, chunks=chunks, progress=not args.no_progress)
+    seconds = time.perf_counter() - start
+    md = lp.write(result, out, seconds)
+    print(lp.markdown(result))
+    print(f"report: {md}")
+    return 0
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    """``kvqrs calibrate``: fit the ``matched`` scheme on the calibration text and save it."""
+    from .evaluation import llama_protocol as lp
+    from .evaluation import model as model_mod
+    from .hf import calibrate_matched, save_matched
+
+    texts = _texts(args)
+    torch_threads(1 if args.threads is None else args.threads)
+    model, tok = model_mod.load(progress=not args.no_progress)
+    windows = lp.llama_chunks(tok, texts.calibration, args.ctx, args.windows)
+    cal = calibrate_matched(model, windows, args.bits, args.group, skip=args.sink_tokens)
+    path = save_matched(args.out, cal, {"bits": args.bits, "group": args.group, "sink_tokens": args.sink_tokens, "source": texts.source})
+    print(
+        f"kvqrs calibrate: {len(cal)} layers, key code bits {args.bits}, group {args.group}, {len(windows)} windows of {args.ctx} tokens; wrote {path}"
+    )
+    return 0
+
+
+def select_rows(rows: list, prefixes: Sequence[str] | None) -> list:
+    """The rows whose label starts with one of ``prefixes`` (all rows when None), dense always
+    kept. Raises :class:`KvqrsError` listing the valid labels when a prefix matches no row."""
+    if not prefixes:
+        return rows
+    unmatched = [p for p in prefixes if not any(r.name.startswith(p) for r in rows)]
+    if unmatched:
+        labels = ", ".join(repr(r.name) for r in rows)
+        raise KvqrsError(f"--rows: no row label starts with {', '.join(map(repr, unmatched))}; the labels are {labels}")
+    return [r for r in rows if r.name == "dense" or any(r.name.startswith(p) for p in prefixes)]
 
 
 def _text_options(p: argparse.ArgumentParser) -> None:
@@ -232,14 +301,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"kvqrs {__version__}")
     sub = parser.add_subparsers(dest="command")
     sc = sub.add_parser("selfcheck", help="measured MSE beside the Lloyd-Max theory, per head_dim and bits")
-    sc.add_argument("--head-dims", type=int, nargs="+", default=[64, 96, 128, 256])
-    sc.add_argument("--bits", type=int, nargs="+", default=[1, 2, 3, 4, 8])
-    sc.add_argument("--vectors", type=int, default=20000)
-    sc.add_argument("--seed", type=int, default=0)
+    sc.add_argument("--head-dims", type=int, nargs="+", default=[64, 96, 128, 256], help="head dimensions (default: 64 96 128 256)")
+    sc.add_argument("--bits", type=int, nargs="+", default=[1, 2, 3, 4, 8], help="bit widths (default: 1 2 3 4 8)")
+    sc.add_argument("--vectors", type=int, default=20000, help="random vectors per cell (default: %(default)s)")
+    sc.add_argument("--seed", type=int, default=0, help="rotation and data seed (default: %(default)s)")
     sc.set_defaults(func=_selfcheck)
     st = sub.add_parser("study", help="the synthetic study: scheme x n x distribution x head_dim over seeds")
     st.add_argument("--quick", action="store_true", help="a small grid that finishes in under two minutes")
-    st.add_argument("--out", default="reports/study", help="report folder (default reports/study)")
+    st.add_argument("--out", default="reports/study", help="report folder (default: %(default)s)")
     st.add_argument("--schemes", nargs="+")
     st.add_argument("--bits", type=int, nargs="+")
     st.add_argument("--distributions", nargs="+")
@@ -247,8 +316,8 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--seeds", type=int)
     st.add_argument("--tokens", type=int)
     st.add_argument("--queries", type=int)
-    st.add_argument("--permutations", type=int, default=199, help="energy-distance permutations per pair")
-    st.add_argument("--no-progress", action="store_true")
+    st.add_argument("--permutations", type=int, default=199, help="energy-distance permutations per pair (default: %(default)s)")
+    st.add_argument("--no-progress", action="store_true", help="no progress bars (also none while the model loads)")
     st.add_argument("--brief", action="store_true", help="print only the header of the summary")
     st.add_argument(
         "--from-model",
@@ -263,12 +332,56 @@ def build_parser() -> argparse.ArgumentParser:
     _text_options(ev)
     ev.add_argument("--window", type=int, help="tokens per window (default 512, quick 256)")
     ev.add_argument("--windows", type=int, help="evaluation windows (default 3, quick 1)")
-    ev.add_argument("--calibration-windows", type=int, default=2)
-    ev.add_argument("--residual-length", type=int, default=0, help="newest tokens kept in full precision")
-    ev.add_argument("--rows", nargs="+", help="only rows whose label starts with one of these (dense is always kept)")
-    ev.add_argument("--out", default="reports/eval")
-    ev.add_argument("--no-progress", action="store_true")
-    ev.set_defaults(func=_eval)
+    ev.add_argument(
+        "--calibration-windows",
+        type=int,
+        default=None,
+        help="windows of calibration text: HeadQ bases (default 2), matched rows of the llama protocol (default 8)",
+    )
+    ev.add_argument("--residual-length", type=int, default=0, help="newest tokens kept in full precision (default: %(default)s)")
+    ev.add_argument(
+        "--rows",
+        nargs="+",
+        help="only rows whose label starts with one of these, e.g. 'kqv k4' kivi (dense is always kept; "
+        "an unknown prefix is refused before the model loads, listing the labels)",
+    )
+    ev.add_argument("--out", default=None, help="report folder (default: reports/eval; with --quick: reports/eval-quick)")
+    ev.add_argument("--no-progress", action="store_true", help="no progress bars (also none while the model loads)")
+    ev.add_argument(
+        "--protocol",
+        choices=("windows", "llama"),
+        default="windows",
+        help="windows: the fast-path study rows; llama: llama.cpp's perplexity protocol beside its quantized-cache numbers (default: %(default)s)",
+    )
+    ev.add_argument("--ctx", type=int, default=512, help="llama protocol: tokens per chunk (default: %(default)s)")
+    ev.add_argument("--chunks", type=int, default=None, help="llama protocol: chunks evaluated (default 40, quick 2)")
+    ev.add_argument(
+        "--calibration",
+        default=None,
+        help="llama protocol: a `kvqrs calibrate` file for the matched rows (default: fit on the calibration text)",
+    )
+    ev.add_argument(
+        "--matched-bits",
+        nargs="+",
+        default=["4", "3", "2"],
+        help="llama protocol: key code budgets of the matched rows, BITS or BITS@GROUP (default: 4 3 2)",
+    )
+    ev.set_defaults(func=lambda a: _eval_llama(a) if a.protocol == "llama" else _eval(a))
+    ca = sub.add_parser("calibrate", help="fit the matched scheme (key transform, widths, value mean) on a calibration text and save it")
+    _text_options(ca)
+    ca.add_argument("--bits", type=float, default=4.0, help="average key code bits per coordinate (default: %(default)s)")
+    ca.add_argument("--group", type=int, default=128, help="tokens per key scale group (default: %(default)s)")
+    ca.add_argument(
+        "--sink-tokens",
+        type=int,
+        default=1,
+        help="leading tokens kept in full precision, left out of the statistics (default: %(default)s)",
+    )
+    ca.add_argument("--ctx", type=int, default=512, help="tokens per calibration window (default: %(default)s)")
+    ca.add_argument("--windows", type=int, default=8, help="calibration windows (default: %(default)s)")
+    ca.add_argument("--out", default="matched-calibration.npz", help="output file (default: %(default)s)")
+    ca.add_argument("--no-progress", action="store_true", help="no progress bars")
+    ca.set_defaults(func=_calibrate)
     return parser
 
 

@@ -1,4 +1,4 @@
-"""The compressed-cache format (SPEC section 6): an :class:`~kvqrs.schemes.Encoded` tensor as
+"""The compressed-cache format (docs/format.md): an :class:`~kvqrs.schemes.Encoded` tensor as
 versioned, self-describing, checksummed bytes.
 
 The container (magic, version, length-prefixed sections, each with a CRC-32 over its header and
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -26,6 +26,9 @@ from . import _native
 from ._arrays import KvqrsError
 from .layout import check_parts
 from .schemes.base import Encoded
+
+if TYPE_CHECKING:
+    from .schemes.codec import KVCodec
 
 FORMAT = "kvqrs-encoded-v1"
 _DTYPES = {"uint8": 0, "float16": 1, "float32": 2, "float64": 3, "int64": 4, "bfloat16": 6}
@@ -55,6 +58,8 @@ def dumps(enc: Encoded) -> bytes:
         "params": dict(enc.params),
         "parts": list(enc.parts),
     }
+    if enc.seed is not None:
+        meta["codec_seed"] = int(enc.seed)  # named by seed-mismatch errors; optional
     try:
         text = json.dumps(meta, sort_keys=True).encode()
     except TypeError as e:
@@ -88,7 +93,7 @@ def _meta(section) -> dict:
     return meta
 
 
-def loads(data: bytes, codec: Any = None) -> Encoded:
+def loads(data: bytes, codec: KVCodec | None = None) -> Encoded:
     """Container bytes back into an :class:`Encoded`.
 
     Args:
@@ -115,13 +120,15 @@ def loads(data: bytes, codec: Any = None) -> Encoded:
         if code not in codes:
             raise KvqrsError(f"compressed cache: part {name!r} has dtype code {code}")
         parts[name] = np.frombuffer(payload, dtype=_np_dtype(codes[code])).reshape(shape)
-    enc = Encoded(meta["scheme"], meta["kind"], tuple(meta["shape"]), _np_dtype(meta["dtype"]), parts, meta["params"])
+    seed = meta.get("codec_seed")
+    seed = seed if isinstance(seed, int) and not isinstance(seed, bool) and 0 <= seed < 2**64 else None
+    enc = Encoded(meta["scheme"], meta["kind"], tuple(meta["shape"]), _np_dtype(meta["dtype"]), parts, meta["params"], seed=seed)
     if codec is not None:
         check_belongs(enc, codec)
     return enc
 
 
-def check_belongs(enc: Encoded, codec: Any) -> None:
+def check_belongs(enc: Encoded, codec: KVCodec) -> None:
     """Raise :class:`KvqrsError` unless ``enc`` is a tensor ``codec`` could have stored:
     same scheme, side and parameters (seeds, bits, basis hash), and exactly the parts of the
     coder's declared layout for that shape (:mod:`kvqrs.layout`), each of its shape and dtype."""
@@ -130,6 +137,7 @@ def check_belongs(enc: Encoded, codec: Any) -> None:
     coder = codec._key_coder() if enc.kind == "keys" else codec.values
     if coder is None:
         raise KvqrsError(f"compressed cache: the codec stores no {enc.kind}")
+    codec.check_seed_of(enc)
     check_encoded(enc, coder.scheme, enc.kind, coder.params)
     if len(enc.shape) < 2 or enc.shape[-1] != codec.head_dim:
         raise KvqrsError(f"compressed cache: shape {enc.shape}, the codec expects (..., tokens, {codec.head_dim})")
@@ -145,7 +153,7 @@ def save(path: str | os.PathLike, enc: Encoded) -> None:
         f.write(dumps(enc))
 
 
-def load(path: str | os.PathLike, codec: Any = None) -> Encoded:
+def load(path: str | os.PathLike, codec: KVCodec | None = None) -> Encoded:
     """Read a file written by :func:`save` (see :func:`loads`)."""
     with open(path, "rb") as f:
         return loads(f.read(), codec)

@@ -148,14 +148,17 @@ def concat(chunks: list[Mapping[str, Any]], tokens: list[int], layout: Layout) -
     return out
 
 
-def take(parts: Mapping[str, Any], n: int, layout: Layout) -> dict[str, np.ndarray]:
-    """The parts of the first ``n`` tokens; ``layout`` is that of ``n`` tokens. Raises unless
-    every part can be cut after ``n`` tokens."""
-    bad = _aligned(layout, n)
-    if bad:
-        raise KvqrsError(f"n: cannot keep {n} tokens: a prefix must hold {', '.join(bad)}")
+def take(parts: Mapping[str, Any], layouts: tuple[Layout, Layout], span: tuple[int, int], to_end: bool = False) -> dict[str, np.ndarray]:
+    """The parts of tokens ``start .. n - 1`` (``span``), given the layouts of ``start`` and of
+    ``n`` tokens. Raises unless every part can be cut after ``start`` tokens, and after ``n``
+    unless ``to_end`` (``n`` is the last token held)."""
+    (at_start, at_n), (start, n) = layouts, span
+    for m, name, layout in ((start, "start", at_start), (n, "n", at_n)):
+        bad = [] if name == "n" and to_end else _aligned(layout, m)
+        if bad:
+            raise KvqrsError(f"{name}: cannot cut after {m} tokens: a prefix must hold {', '.join(bad)}")
     out = {}
-    for k, p in layout.items():
+    for k, p in at_n.items():
         a = np.asarray(parts[k])
-        out[k] = np.take(a, np.arange(p.shape[p.token_axis]), axis=p.token_axis)
+        out[k] = np.take(a, np.arange(at_start[k].shape[p.token_axis], p.shape[p.token_axis]), axis=p.token_axis)
     return out

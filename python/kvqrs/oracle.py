@@ -1,6 +1,6 @@
 """Plain NumPy reference ("oracle") for every kvqrs kernel.
 
-Written straight from ``shared/SPEC.md`` (section 2) and ``docs/kernels.md`` for clarity, not
+Written straight from the kernel definitions in ``docs/kernels.md`` for clarity, not
 speed. Arithmetic is float64 unless a docstring says otherwise; the few places where the kernel
 convention fixes float32 rounding (the section 8 dot products behind the QJL signs and the HeadQ
 projections, the MSE division ``u = y / norm``, the HeadQ code formula, boundaries and centroids
@@ -10,7 +10,7 @@ wherever the documented arithmetic allows it.
 Every function takes rows along the last axis with any leading shape; rows are flattened to
 ``(rows, d)`` internally and the leading shape is restored on output.
 
-Section references: "SPEC 2.x" is ``shared/SPEC.md``, "kernels.md §x" is ``docs/kernels.md``.
+Section references: "kernels.md §x" is section x of ``docs/kernels.md``.
 """
 
 from __future__ import annotations
@@ -283,7 +283,7 @@ def padded_dim(head_dim: int) -> int:
 
 
 def pack_bits(codes, bits) -> np.ndarray:
-    """Pack ``m`` codes of ``bits`` bits per row (SPEC 2.1, kernels.md §2).
+    """Pack ``m`` codes of ``bits`` bits per row (docs/kernels.md section 2).
 
     ``codes``: integer ``(..., m)`` with ``0 <= code < 2^bits``; returns uint8
     ``(..., ceil(m * bits / 8))``. Code ``i`` occupies bits ``i*bits .. i*bits+bits-1`` of the
@@ -311,7 +311,7 @@ def pack_bits(codes, bits) -> np.ndarray:
 
 
 def unpack_bits(packed, bits, count) -> np.ndarray:
-    """Exact inverse of :func:`pack_bits` (SPEC 2.1, kernels.md §2).
+    """Exact inverse of :func:`pack_bits` (docs/kernels.md section 2).
 
     ``packed``: uint8 ``(..., ceil(count * bits / 8))``; returns uint8 ``(..., count)``. The unused
     high bits of the last byte are ignored.
@@ -339,7 +339,7 @@ def unpack_bits(packed, bits, count) -> np.ndarray:
 
 
 # --------------------------------------------------------------------------------------------
-# SPEC 2.2 / kernels.md §3: randomized Walsh-Hadamard rotation
+# docs/kernels.md section 3 / kernels.md §3: randomized Walsh-Hadamard rotation
 # --------------------------------------------------------------------------------------------
 
 
@@ -351,7 +351,7 @@ def _sylvester(dim: int) -> np.ndarray:
 
 
 def hadamard(x, seed: int | None) -> np.ndarray:
-    """Randomized Walsh-Hadamard rotation ``R x`` (SPEC 2.2, kernels.md §3), float64.
+    """Randomized Walsh-Hadamard rotation ``R x`` (docs/kernels.md section 3), float64.
 
     ``x``: ``(..., d)``; returns float64 ``(..., d')``: zero-pad to ``d' = padded_dim(d)``,
     multiply by the signs of ``seed`` (skipped when ``seed is None``), multiply by the explicit
@@ -369,7 +369,7 @@ def hadamard(x, seed: int | None) -> np.ndarray:
 
 
 def inverse_hadamard(y, seed: int | None, head_dim: int) -> np.ndarray:
-    """Inverse rotation ``R^T y`` (SPEC 2.2, kernels.md §3), float64.
+    """Inverse rotation ``R^T y`` (docs/kernels.md section 3), float64.
 
     ``y``: ``(..., d')`` with ``d' = padded_dim(head_dim)``; returns float64 ``(..., head_dim)``:
     multiply by ``H_{d'} / sqrt(d')``, then by the signs (skipped when ``seed is None``), keep the
@@ -387,7 +387,7 @@ def inverse_hadamard(y, seed: int | None, head_dim: int) -> np.ndarray:
 
 
 # --------------------------------------------------------------------------------------------
-# SPEC 2.3 / kernels.md §4: Lloyd-Max codebook for the sphere marginal
+# docs/kernels.md section 4 / kernels.md §4: Lloyd-Max codebook for the sphere marginal
 # --------------------------------------------------------------------------------------------
 
 
@@ -505,7 +505,7 @@ def _lloyd_max_cached(dim: int, bits: int) -> tuple[np.ndarray, np.ndarray, floa
 
 def lloyd_max_codebook(dim: int, bits: int) -> tuple[np.ndarray, np.ndarray, float]:
     """MSE-optimal scalar quantizer for a coordinate of a uniform unit vector in R^dim
-    (SPEC 2.3, kernels.md §4).
+    (docs/kernels.md section 4).
 
     Returns ``(centroids, boundaries, distortion)``: float64 ascending arrays of length ``2^bits``
     and ``2^bits - 1`` (symmetric; boundaries are midpoints, the middle one is 0) and the
@@ -540,7 +540,7 @@ def lloyd_max_decode(codes, centroids) -> np.ndarray:
 
 
 # --------------------------------------------------------------------------------------------
-# SPEC 2.4 / kernels.md §5, §8: stored scalars, norms and the MSE stage
+# docs/kernels.md section 5 / kernels.md §5, §8: stored scalars, norms and the MSE stage
 # --------------------------------------------------------------------------------------------
 
 _F16_MIN_NORMAL = 2.0**-14
@@ -548,7 +548,7 @@ _F16_MAX = 65504.0
 
 
 def store_scalars(values) -> np.ndarray:
-    """Storage rule for per-vector scalars (kernels.md §5 step 5, SPEC 2.4).
+    """Storage rule for per-vector scalars (kernels.md §5 step 5, docs/kernels.md section 5).
 
     ``values`` (any shape) are taken as float32. Each value that is zero or whose absolute value
     lies in ``[2^-14, 65504)`` is rounded to float16; the result is float16 when every value is,
@@ -576,7 +576,7 @@ def vector_norm(x) -> np.ndarray:
 
 
 def mse_encode(x, bits, seed: int | None) -> tuple[np.ndarray, np.ndarray]:
-    """Norm-and-direction encode (SPEC 2.4, kernels.md §5).
+    """Norm-and-direction encode (docs/kernels.md section 5).
 
     ``x``: ``(..., d)``, taken as float32. Returns ``codes`` uint8 ``(..., d')`` and ``norms``
     ``(...)`` as returned by :func:`store_scalars`. With ``seed is None`` there is no rotation and
@@ -599,7 +599,7 @@ def mse_encode(x, bits, seed: int | None) -> tuple[np.ndarray, np.ndarray]:
 
 
 def mse_decode(codes, norms, bits, head_dim, seed) -> np.ndarray:
-    """Norm-and-direction decode (SPEC 2.4, kernels.md §5): float64 ``(..., head_dim)``.
+    """Norm-and-direction decode (docs/kernels.md section 5): float64 ``(..., head_dim)``.
 
     ``codes`` uint8 ``(..., d')`` (``d' = head_dim`` without rotation, else
     ``padded_dim(head_dim)``), ``norms`` ``(...)``. Returns
@@ -621,12 +621,12 @@ def mse_decode(codes, norms, bits, head_dim, seed) -> np.ndarray:
 
 
 # --------------------------------------------------------------------------------------------
-# SPEC 2.5 / kernels.md §6: QJL sign sketch
+# docs/kernels.md section 6 / kernels.md §6: QJL sign sketch
 # --------------------------------------------------------------------------------------------
 
 
 def qjl_sketch(r, seed, m: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """QJL sign sketch of residual rows (SPEC 2.5, kernels.md §6).
+    """QJL sign sketch of residual rows (docs/kernels.md section 6).
 
     ``r``: ``(..., d')``, already in the rotated domain (no padding here), taken as float32.
     ``S = qjl_matrix(seed, m, d')`` (``m`` defaults to ``d'``); ``t = S r`` with the float32
@@ -652,7 +652,7 @@ def _check_sign_bits(sign_bits) -> np.ndarray:
 
 
 def qjl_inner_product(y, sign_bits, norms, seed) -> np.ndarray:
-    """QJL inner-product estimates (SPEC 2.5, kernels.md §6), float64.
+    """QJL inner-product estimates (docs/kernels.md section 6), float64.
 
     ``y`` ``(..., ny, d')``, ``sign_bits`` ``(..., nr, m)``, ``norms`` ``(..., nr)``; the leading
     shapes broadcast. Returns ``(..., ny, nr)``:
@@ -670,8 +670,7 @@ def qjl_inner_product(y, sign_bits, norms, seed) -> np.ndarray:
 
 
 def qjl_vector_estimate(sign_bits, norms, seed, dim) -> np.ndarray:
-    """QJL vector estimate ``r_hat = sqrt(pi/2) / m * ||r|| * S^T sigma`` (SPEC 2.5,
-    kernels.md §6), float64 ``(..., dim)`` where ``dim`` is ``d'`` (the columns of ``S``).
+    """QJL vector estimate ``r_hat = sqrt(pi/2) / m * ||r|| * S^T sigma`` (docs/kernels.md section 6), float64 ``(..., dim)`` where ``dim`` is ``d'`` (the columns of ``S``).
 
     ``sign_bits`` uint8 ``(..., m)`` in {0, 1}; ``norms`` ``(...)``.
     """
@@ -687,7 +686,7 @@ def qjl_vector_estimate(sign_bits, norms, seed, dim) -> np.ndarray:
 
 
 # --------------------------------------------------------------------------------------------
-# SPEC 2.6 / kernels.md §7: HeadQ side code
+# docs/kernels.md section 7 / kernels.md §7: HeadQ side code
 # --------------------------------------------------------------------------------------------
 
 
@@ -699,7 +698,7 @@ def _check_basis(basis) -> np.ndarray:
 
 
 def headq_encode(e, basis, bits) -> tuple[np.ndarray, np.ndarray]:
-    """HeadQ side-code encode (SPEC 2.6, kernels.md §7).
+    """HeadQ side-code encode (docs/kernels.md section 7).
 
     ``e``: residual rows ``(..., d)`` taken as float32; ``basis``: ``U`` float32 ``(d, r)``.
     ``p = U^T e`` (float32 fixed-order dot products, §8); ``h = (2^bits - 1) / 2``;
@@ -747,7 +746,7 @@ def headq_decode(codes, scales, basis, bits) -> np.ndarray:
 
 
 def headq_score_correction(q, basis, codes, scales, bits) -> np.ndarray:
-    """HeadQ score correction ``sum_i (U^T q)_i z_i`` (SPEC 2.6, kernels.md §7), float64.
+    """HeadQ score correction ``sum_i (U^T q)_i z_i`` (docs/kernels.md section 7), float64.
 
     ``q`` ``(..., nq, d)``, ``codes`` ``(..., nk, r)``, ``scales`` ``(..., nk)``; leading shapes
     broadcast. Returns ``(..., nq, nk)`` (not divided by ``sqrt(d)``; the caller does that).
@@ -759,7 +758,7 @@ def headq_score_correction(q, basis, codes, scales, bits) -> np.ndarray:
 
 
 def headq_basis(queries, rank) -> np.ndarray:
-    """HeadQ basis from calibration queries (SPEC 2.6): float32 ``(d, rank)``.
+    """HeadQ basis from calibration queries (docs/kernels.md section 7): float32 ``(d, rank)``.
 
     ``queries`` ``(..., d)`` (all rows pooled, n rows): the top-``rank`` eigenvectors, by
     descending eigenvalue, of the uncentred second moment ``Q^T Q / n`` (float64); each column's
@@ -828,7 +827,7 @@ def uniform_decode(codes, scales, zeros, bits, group) -> np.ndarray:
 
 
 # --------------------------------------------------------------------------------------------
-# Fused decode attention (issue 6; kernels.md section 11), from this module's own decoders
+# Fused decode attention (kernels.md section 11), from this module's own decoders
 # --------------------------------------------------------------------------------------------
 
 
@@ -933,7 +932,7 @@ if __name__ == "__main__":
     assert np.array_equal(random_words(7, 2, 5, 6), w[5:11])
     print("philox: ok")
 
-    # Codebook sanity (SPEC 2.3): dim * D_b at dim 128.
+    # Codebook sanity (docs/kernels.md section 4): dim * D_b at dim 128.
     expected = {1: 0.36, 2: 0.117, 3: 0.034, 4: 0.0093}
     for b, ref in expected.items():
         c, bd, dist = lloyd_max_codebook(128, b)

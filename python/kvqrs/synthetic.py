@@ -1,4 +1,4 @@
-"""Seeded synthetic attention heads (SPEC 5): ``gaussian``, ``heavy``, ``lowrank``, ``focused``.
+"""Seeded synthetic attention heads (docs/evaluation.md): ``gaussian``, ``heavy``, ``lowrank``, ``focused``.
 
 Each generator returns queries ``(n_queries, d)``, keys and values ``(tokens, d)`` as float32,
 from ``numpy.random.default_rng(seed)`` (data, not a kernel's random object, so NumPy's PCG64 is

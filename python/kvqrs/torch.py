@@ -8,23 +8,28 @@ Results come back in the caller's dtype and on the caller's device.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 import torch
 
-from ._arrays import KvqrsError
+from ._arrays import KvqrsError, warn_if_grad
+
+if TYPE_CHECKING:
+    from .schemes.codec import KVCodec
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
 def to_numpy(t: torch.Tensor, arg: str = "x") -> np.ndarray:
     """A float32 NumPy view of ``t`` (zero-copy for contiguous float32 CPU tensors; otherwise
-    one contiguous staging copy). Raises :class:`KvqrsError` for non-float tensors."""
+    one contiguous staging copy). Raises :class:`KvqrsError` for non-float tensors; a tensor that
+    requires grad is detached with a :class:`UserWarning` (kvqrs is outside autograd)."""
     if not isinstance(t, torch.Tensor):
         raise KvqrsError(f"{arg}: expected a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in _FLOATS:
         raise KvqrsError(f"{arg}: expected a float32, float16, bfloat16 or float64 tensor, got {t.dtype}")
+    warn_if_grad(t, arg)
     staged = t.detach()
     if staged.device.type != "cpu" or staged.dtype != torch.float32 or not staged.is_contiguous():
         staged = staged.to(device="cpu", dtype=torch.float32).contiguous()
@@ -74,7 +79,7 @@ def inverse_hadamard(y: torch.Tensor, seed: int | None = None, head_dim: int | N
     return apply(_ih, y, seed, head_dim)
 
 
-def quantize_dequantize(codec: Any, x: torch.Tensor, kind: str = "keys") -> torch.Tensor:
+def quantize_dequantize(codec: KVCodec, x: torch.Tensor, kind: str = "keys") -> torch.Tensor:
     """Encode then decode ``x`` ``(..., tokens, head_dim)`` with a :class:`kvqrs.schemes.KVCodec`
     (``kind`` = ``"keys"`` or ``"values"``); returns a tensor like ``x``."""
     a = to_numpy(x, kind)

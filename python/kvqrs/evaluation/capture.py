@@ -1,5 +1,5 @@
 """Real attention tensors from the model: per layer and KV head, the post-RoPE queries, keys and
-values of one forward pass (issue 3/6, the HeadQ paper's mechanism checks and
+values of one forward pass (the HeadQ paper's mechanism checks and
 ``kvqrs study --from-model``).
 
 A captured head is a decode-time situation: the keys and values of the first ``tokens``

@@ -1,4 +1,4 @@
-"""The HeadQ paper's mechanism checks on real attention heads (issue 3/6).
+"""The HeadQ paper's mechanism checks on real attention heads.
 
 - **Score space against storage space**: across heads, schemes and bit widths, how well does
   each error measure rank the damage to attention? Spearman rho against the per-head mean

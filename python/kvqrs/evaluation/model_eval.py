@@ -1,4 +1,4 @@
-"""``kvqrs eval``: the model-level evaluation on SmolLM2-135M (issue 3/6).
+"""``kvqrs eval``: the model-level evaluation on SmolLM2-135M.
 
 For every row (a :class:`~kvqrs.hf.QuantConfig`, or dense) and every evaluation window: one
 forward pass through the fast path (quantize-dequantize with the cache's schedule, HeadQ in score
@@ -35,7 +35,7 @@ class Row:
 
 
 def default_rows(quick: bool = False, residual_length: int = 0) -> list[Row]:
-    """The rows of issue 3/6: dense; kv / kqv / qkqv at n in {2, 3, 4}; kivi at 2 and 4; the
+    """The default rows: dense; kv / kqv / qkqv at n in {2, 3, 4}; kivi at 2 and 4; the
     llama.cpp-style blockwise 4 and 8 bits with rotation; HeadQ keys at 2 bits, rank 4 on the
     kivi and kqv bases with wrong-sign and random-basis controls. Key-only and full KV."""
     r = residual_length

@@ -39,7 +39,7 @@ def pairwise(rows: list[dict], permutations: int) -> list[dict]:
             ka = [r["kl_mean"] for r in by[(a,)]]
             kb = [r["kl_mean"] for r in by[(b,)]]
             mw, ks = mann_whitney(ka, kb), kolmogorov_smirnov(ka, kb)
-            cloud = lambda s: np.array([[r[x] for x in SIX_D_NAMES] for r in by[(s,)]])  # noqa: E731
+            cloud = lambda s, by=by: np.array([[r[x] for x in SIX_D_NAMES] for r in by[(s,)]])  # noqa: E731
             en = energy_distance(cloud(a), cloud(b), permutations=permutations)
             out.append(
                 {

@@ -1,5 +1,5 @@
 """One sample of the synthetic study: a seeded head, one scheme at one budget, every metric of
-SPEC section 4 on it."""
+docs/evaluation.md on it."""
 
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ def run_sample(cell: Cell, seed: int, tokens: int, n_queries: int, topk: int = 5
 
 
 def measure(cell: Cell, seed: int, head: Head, codec: KVCodec, topk: int = 5) -> dict:
-    """Every metric of SPEC section 4 for ``codec`` on one head (synthetic or captured):
+    """Every metric of docs/evaluation.md for ``codec`` on one head (synthetic or captured):
     the 6D point, attention KL (nats), top-k recall, Fisher score error, score MSE, raw and
     relative key MSE, A^2 value distortion, bits per element. Returns a flat dict."""
     q, k, v = head.queries, head.keys, head.values

@@ -1,4 +1,4 @@
-"""The synthetic study: scheme x n x distribution x head_dim over many seeds (issue 2/6), with a
+"""The synthetic study: scheme x n x distribution x head_dim over many seeds, with a
 progress bar, written as a report folder by :mod:`kvqrs.evaluation.report`."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Checks of the theory behind the study, each reported with its measured value (issue 2/6):
+"""Checks of the theory behind the study, each reported with its measured value:
 
 - QJL variance inflation: the inner-product estimator's error variance over that of an
   isotropic residual of the same norm, ``||r||^2 ||y||^2 / m`` (theory: pi/2 - <r,y>^2 term);

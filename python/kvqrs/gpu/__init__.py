@@ -1,4 +1,4 @@
-"""The WGSL compute-shader path (issue 4/6): every kernel of SPEC section 2 as a shader in the
+"""The WGSL compute-shader path: every kernel of docs/kernels.md as a shader in the
 repository's ``shaders/`` directory (shipped inside the package as ``kvqrs/shaders``),
 dispatched with wgpu-py.
 

@@ -9,9 +9,7 @@ each value rounded to float16 when it fits) is decided here, exactly as
 
 from __future__ import annotations
 
-import functools
-import sys
-from typing import Any, Callable, TypeVar
+from typing import Any
 
 import numpy as np
 
@@ -19,8 +17,6 @@ from .._arrays import KvqrsError
 
 F16_MIN_NORMAL = np.float32(2.0**-14)
 F16_MAX = np.float32(65504.0)
-
-F = TypeVar("F", bound=Callable[..., Any])
 
 MAX_LOOP_ROW = 8192
 """Longest row an invocation of the WGSL path loops over (norms, projections, estimators, KIVI
@@ -100,67 +96,3 @@ def store(values: np.ndarray) -> np.ndarray:
     if np.all(fits):
         return half
     return np.where(fits, half.astype(np.float32), v)
-
-
-# -- torch tensors in and out ---------------------------------------------------------------------
-
-
-def _torch() -> Any:
-    return sys.modules.get("torch")
-
-
-def _to_numpy(v: Any, torch: Any) -> Any:
-    if isinstance(v, torch.Tensor):
-        t = v.detach()
-        if t.dtype == torch.bfloat16:
-            from ..torch import to_numpy
-
-            return to_numpy(t)
-        return t.cpu().numpy()
-    if isinstance(v, tuple) and hasattr(v, "_fields"):
-        return type(v)(*(_to_numpy(x, torch) for x in v))
-    return v
-
-
-def _to_torch(v: Any, like: Any, torch: Any, float_like: bool) -> Any:
-    if isinstance(v, np.ndarray):
-        out = torch.from_numpy(np.ascontiguousarray(v))
-        if float_like and out.is_floating_point():
-            out = out.to(dtype=like.dtype)
-        return out.to(device=like.device)
-    if isinstance(v, tuple) and hasattr(v, "_fields"):
-        return type(v)(*(_to_torch(x, like, torch, False) for x in v))
-    return v
-
-
-def _first_tensor(values: Any, torch: Any) -> Any:
-    for v in values:
-        if isinstance(v, torch.Tensor):
-            return v
-        if isinstance(v, tuple) and hasattr(v, "_fields"):
-            t = _first_tensor(v, torch)
-            if t is not None:
-                return t
-    return None
-
-
-def tensors_in_out(keep_dtype: bool = False) -> Callable[[F], F]:
-    """Let a NumPy kernel take torch tensors: tensors (also inside code tuples) are staged to
-    NumPy, and array results come back as tensors on the first tensor argument's device
-    (with its float dtype when ``keep_dtype``, for transforms that return the caller's dtype)."""
-
-    def wrap(fn: F) -> F:
-        @functools.wraps(fn)
-        def inner(*args: Any, **kwargs: Any) -> Any:
-            torch = _torch()
-            if torch is None:
-                return fn(*args, **kwargs)
-            like = _first_tensor([*args, *kwargs.values()], torch)
-            if like is None:
-                return fn(*args, **kwargs)
-            out = fn(*(_to_numpy(a, torch) for a in args), **{k: _to_numpy(v, torch) for k, v in kwargs.items()})
-            return _to_torch(out, like, torch, keep_dtype)
-
-        return inner  # type: ignore[return-value]
-
-    return wrap

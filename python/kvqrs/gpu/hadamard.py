@@ -1,5 +1,4 @@
-"""The randomized Walsh-Hadamard rotation on the device (shaders/hadamard.wgsl; SPEC 2.2;
-docs/kernels.md section 3). Same arguments, results and errors as
+"""The randomized Walsh-Hadamard rotation on the device (shaders/hadamard.wgsl; docs/kernels.md section 3). Same arguments, results and errors as
 :mod:`kvqrs.kernels.hadamard`; bit for bit the Rust path's float32 arithmetic."""
 
 from __future__ import annotations
@@ -8,11 +7,11 @@ from typing import Any
 
 import numpy as np
 
-from .._arrays import KvqrsError, as_float_rows, check_positive_int, check_seed, restore
+from .._arrays import KvqrsError, as_float_rows, check_positive_int, check_seed, restore, tensors_in_out
 from ..kernels.hadamard import padded_dim
 from ._device import Call, Device
 from ._device import device as _device
-from ._host import check_finite, check_overflow, tensors_in_out
+from ._host import check_finite, check_overflow
 from .rng import signs_buffer
 
 __all__ = ["hadamard", "inverse_hadamard", "padded_dim", "forward_on_device", "inverse_on_device"]

@@ -1,4 +1,4 @@
-"""The HeadQ side code on the device (shaders/headq.wgsl; SPEC 2.6; docs/kernels.md section 7).
+"""The HeadQ side code on the device (shaders/headq.wgsl; docs/kernels.md section 7).
 
 The basis is the host's (:func:`kvqrs.headq_basis`, an eigendecomposition, re-exported; or the
 random-basis control from :func:`kvqrs.random_orthonormal_basis`). Same arguments, results and
@@ -11,11 +11,11 @@ from typing import Any
 
 import numpy as np
 
-from .._arrays import KvqrsError, as_float_rows, check_bits, check_finite_output, check_out_dtype, restore
+from .._arrays import KvqrsError, as_float_rows, check_bits, check_finite_output, check_out_dtype, restore, tensors_in_out
 from ..kernels.headq import HeadQCode, _basis, _code_parts, headq_basis
 from ._device import Call
 from ._device import device as _device
-from ._host import check_code_range, check_finite, check_overflow, check_row_len, check_stored, store, tensors_in_out
+from ._host import check_code_range, check_finite, check_overflow, check_row_len, check_stored, store
 
 __all__ = ["HeadQCode", "headq_basis", "headq_decode", "headq_encode", "headq_score_correction"]
 

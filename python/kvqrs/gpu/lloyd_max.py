@@ -1,5 +1,4 @@
-"""Lloyd-Max encode and decode on the device (shaders/lloyd_max.wgsl; SPEC 2.3;
-docs/kernels.md section 4).
+"""Lloyd-Max encode and decode on the device (shaders/lloyd_max.wgsl; docs/kernels.md section 4).
 
 The codebook is the host's (:func:`kvqrs.lloyd_max_codebook`, re-exported): a float64 Lloyd
 iteration, rounded once to float32 and uploaded once per (head_dim, bits). Same arguments,
@@ -12,11 +11,11 @@ from typing import Any
 
 import numpy as np
 
-from .._arrays import as_code_rows, as_float_rows, restore
+from .._arrays import as_code_rows, as_float_rows, restore, tensors_in_out
 from ..kernels.lloyd_max import Codebook, _check_codebook, lloyd_max_codebook
 from ._device import Call, Device
 from ._device import device as _device
-from ._host import check_code_range, check_finite, tensors_in_out
+from ._host import check_code_range, check_finite
 
 __all__ = ["Codebook", "lloyd_max_codebook", "lloyd_max_decode", "lloyd_max_encode", "encode_on_device", "decode_on_device"]
 

@@ -1,5 +1,5 @@
 """The norm-and-direction (MSE) stage on the device (shaders/mse.wgsl for the norm, composed
-with hadamard.wgsl and lloyd_max.wgsl in one submission; SPEC 2.4; docs/kernels.md section 5).
+with hadamard.wgsl and lloyd_max.wgsl in one submission; docs/kernels.md section 5).
 
 Same arguments, results and errors as :mod:`kvqrs.kernels.mse`. The norm is a float32
 reduction on the device (the Rust path's is float64): stored norms can differ from the Rust
@@ -12,13 +12,13 @@ from typing import Any
 
 import numpy as np
 
-from .._arrays import as_float_rows, check_bits, check_out_dtype, check_seed, restore
+from .._arrays import as_float_rows, check_bits, check_out_dtype, check_seed, restore, tensors_in_out
 from ..kernels.hadamard import padded_dim
 from ..kernels.lloyd_max import lloyd_max_codebook
 from ..kernels.mse import MSECode, decode_args
 from ._device import Call
 from ._device import device as _device
-from ._host import check_code_range, check_finite, check_overflow, check_row_len, check_stored, store, tensors_in_out
+from ._host import check_code_range, check_finite, check_overflow, check_row_len, check_stored, store
 from .hadamard import forward_on_device, inverse_on_device
 from .lloyd_max import decode_on_device, encode_on_device
 

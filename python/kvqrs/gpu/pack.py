@@ -1,4 +1,4 @@
-"""Bit packing on the device (shaders/pack.wgsl; SPEC 2.1; docs/kernels.md section 2).
+"""Bit packing on the device (shaders/pack.wgsl; docs/kernels.md section 2).
 
 Same arguments, results and errors as :mod:`kvqrs.kernels.pack`; the packed bytes are the
 Rust path's, byte for byte.
@@ -10,11 +10,11 @@ from typing import Any
 
 import numpy as np
 
-from .._arrays import as_code_rows, check_bits
+from .._arrays import as_code_rows, check_bits, tensors_in_out
 from ..kernels.pack import packed_rows, packed_size
 from ._device import Call
 from ._device import device as _device
-from ._host import check_code_range, tensors_in_out
+from ._host import check_code_range
 
 __all__ = ["pack_bits", "packed_size", "unpack_bits", "pack_on_device"]
 

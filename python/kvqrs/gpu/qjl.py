@@ -1,5 +1,5 @@
 """The QJL sign sketch and its estimators on the device (shaders/qjl.wgsl, with mse.wgsl for
-``||r||`` and pack.wgsl for the sign bits; SPEC 2.5; docs/kernels.md section 6).
+``||r||`` and pack.wgsl for the sign bits; docs/kernels.md section 6).
 
 ``S`` is built on the host by the Rust generator (float64 Box-Muller, which WGSL cannot do) and
 uploaded once per (seed, m, dim). Same arguments, results and errors as :mod:`kvqrs.kernels.qjl`.
@@ -12,13 +12,22 @@ from typing import Any
 
 import numpy as np
 
-from .._arrays import KvqrsError, as_float_rows, check_finite_output, check_out_dtype, check_positive_int, check_seed, restore
+from .._arrays import (
+    KvqrsError,
+    as_float_rows,
+    check_finite_output,
+    check_out_dtype,
+    check_positive_int,
+    check_seed,
+    restore,
+    tensors_in_out,
+)
 from ..kernels.pack import packed_size
 from ..kernels.qjl import QJL_CONSTANT, QJLSketch, _sketch_parts
 from ..kernels.rng import qjl_matrix
 from ._device import Call, Device
 from ._device import device as _device
-from ._host import check_finite, check_overflow, check_row_len, check_stored, store, tensors_in_out
+from ._host import check_finite, check_overflow, check_row_len, check_stored, store
 from .mse import norms_on_device
 from .pack import pack_on_device
 

@@ -1,4 +1,4 @@
-"""The KIVI asymmetric uniform quantizer on the device (shaders/uniform.wgsl; SPEC 3;
+"""The KIVI asymmetric uniform quantizer on the device (shaders/uniform.wgsl; docs/schemes.md;
 docs/kernels.md section 9). Same arguments, results and errors as :mod:`kvqrs.kernels.uniform`."""
 
 from __future__ import annotations
@@ -7,10 +7,10 @@ from typing import Any
 
 import numpy as np
 
-from .._arrays import as_float_rows, check_bits, check_out_dtype, check_positive_int, restore
+from .._arrays import as_float_rows, check_bits, check_out_dtype, check_positive_int, restore, tensors_in_out
 from ..kernels.uniform import UniformCode, decode_args
 from ._device import device as _device
-from ._host import check_code_range, check_finite, check_overflow, check_row_len, check_stored, store, tensors_in_out
+from ._host import check_code_range, check_finite, check_overflow, check_row_len, check_stored, store
 
 __all__ = ["UniformCode", "uniform_decode", "uniform_encode"]
 

@@ -1,4 +1,4 @@
-"""The kernels of SPEC section 2, one module each, over the native Rust implementation."""
+"""The kernels of docs/kernels.md, one module each, over the native Rust implementation."""
 
 from .attention import AttentionResult, DenseRows, MSERows, QJLRows, SideRows, UniformRows, decode_attention
 from .hadamard import hadamard, inverse_hadamard, padded_dim

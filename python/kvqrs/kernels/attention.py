@@ -1,4 +1,4 @@
-"""Fused decode attention over a compressed KV cache (issue 6; docs/kernels.md section 11).
+"""Fused decode attention over a compressed KV cache (docs/kernels.md section 11).
 
 For one or a few query rows per KV head, :func:`decode_attention` computes
 ``softmax(scale * (q . k_hat_j + side_j)) @ v_hat`` straight from the stored codes: the query is
@@ -245,7 +245,7 @@ def decode_attention(
     """Attention of a few query rows over a coded cache, computed from the codes.
 
     ``out[..., r, :] = sum_j p_rj v_hat_j`` with ``p_r = softmax_j(scale * (q_r . k_hat_j +
-    side_j))`` and ``side_j = sign * (U^T q_r) . z_j`` (HeadQ, SPEC 2.6); ``k_hat``, ``v_hat``
+    side_j))`` and ``side_j = sign * (U^T q_r) . z_j`` (HeadQ, docs/kernels.md section 7); ``k_hat``, ``v_hat``
     the decodes of docs/kernels.md sections 5, 6 and 9 (the QJL residual enters the logits
     through its inner-product estimator, Zandieh et al. 2024, Lemma 3.2). The rows of one
     leading index (e.g. the query heads of a GQA group times the query tokens) share one pass

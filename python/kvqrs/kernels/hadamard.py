@@ -1,14 +1,15 @@
 """Randomized Walsh-Hadamard rotation ``R = H_{d'} diag(s) / sqrt(d')`` with zero padding
-(SPEC 2.2; docs/kernels.md section 3)."""
+(docs/kernels.md section 3)."""
 
 from __future__ import annotations
 
-from typing import Any
-
-import numpy as np
+from typing import TYPE_CHECKING
 
 from .. import _native
-from .._arrays import KvqrsError, as_float_rows, check_positive_int, check_seed, restore
+from .._arrays import KvqrsError, as_float_rows, check_positive_int, check_seed, restore, tensors_in_out
+
+if TYPE_CHECKING:
+    from .._arrays import Array
 
 
 def padded_dim(head_dim: int) -> int:
@@ -17,7 +18,8 @@ def padded_dim(head_dim: int) -> int:
     return 1 << (d - 1).bit_length()
 
 
-def hadamard(x: Any, seed: int | None = None) -> np.ndarray:
+@tensors_in_out()
+def hadamard(x: Array, seed: int | None = None) -> Array:
     """Rotate rows with the randomized Walsh-Hadamard transform.
 
     Equivalent to ``(H_{d'} @ (s * pad(x))) / sqrt(d')`` with ``H`` the Sylvester Hadamard
@@ -41,7 +43,8 @@ def hadamard(x: Any, seed: int | None = None) -> np.ndarray:
     return restore(out, leading, padded_dim(d), dtype, finite=True)
 
 
-def inverse_hadamard(y: Any, seed: int | None = None, head_dim: int | None = None) -> np.ndarray:
+@tensors_in_out()
+def inverse_hadamard(y: Array, seed: int | None = None, head_dim: int | None = None) -> Array:
     """Inverse of :func:`hadamard`: ``(diag(s) H_{d'} y / sqrt(d'))[..., :head_dim]``.
 
     Args:

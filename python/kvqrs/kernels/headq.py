@@ -1,9 +1,9 @@
 """HeadQ side code: a low-rank code of the key residual in a PCA basis of calibration queries,
-added back in score space with the live query (SPEC 2.6; docs/kernels.md section 7)."""
+added back in score space with the live query (docs/kernels.md section 7)."""
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
@@ -18,10 +18,14 @@ from .._arrays import (
     check_out_dtype,
     check_positive_int,
     restore,
+    tensors_in_out,
 )
 
 MAX_BASIS_DIM = 4096
 """Largest head_dim :func:`headq_basis` accepts (it eigendecomposes a dense d x d matrix)."""
+
+if TYPE_CHECKING:
+    from .._arrays import Array, DTypeLike
 
 
 class HeadQCode(NamedTuple):
@@ -47,7 +51,8 @@ def _basis(basis: Any) -> tuple[np.ndarray, int, int]:
     return flat, arr.shape[0], rank
 
 
-def headq_encode(residual: Any, basis: Any, bits: int) -> HeadQCode:
+@tensors_in_out()
+def headq_encode(residual: Array, basis: Array, bits: int) -> HeadQCode:
     """Encode ``z = Q_side(U^T e)`` per row.
 
     ``scale = max|U^T e| / h`` with ``h = (2^q - 1) / 2``, stored, then
@@ -84,7 +89,8 @@ def _code_parts(code: HeadQCode, rank: int) -> tuple[np.ndarray, np.ndarray, tup
     return flat, as_scalars(code.scales, "code.scales", leading), leading
 
 
-def headq_decode(code: HeadQCode, basis: Any, dtype: Any = np.float32) -> np.ndarray:
+@tensors_in_out()
+def headq_decode(code: HeadQCode, basis: Array, dtype: DTypeLike = np.float32) -> Array:
     """Reconstruct the side estimate ``U z`` of the residual.
 
     Returns:
@@ -97,7 +103,8 @@ def headq_decode(code: HeadQCode, basis: Any, dtype: Any = np.float32) -> np.nda
     return restore(out, leading, d, check_out_dtype(dtype))
 
 
-def headq_score_correction(q: Any, code: HeadQCode, basis: Any) -> np.ndarray:
+@tensors_in_out()
+def headq_score_correction(q: Array, code: HeadQCode, basis: Array) -> Array:
     """Score-space correction ``(U^T q_i) . z_j`` for every query row i and coded key j.
 
     The corrected attention logit is ``(q . k_base + correction) / sqrt(head_dim)``
@@ -120,7 +127,8 @@ def headq_score_correction(q: Any, code: HeadQCode, basis: Any) -> np.ndarray:
     return check_finite_output(out.reshape((*lq, *lk)))
 
 
-def headq_basis(queries: Any, rank: int) -> np.ndarray:
+@tensors_in_out()
+def headq_basis(queries: Array, rank: int) -> Array:
     """Calibration basis: top-``rank`` eigenvectors of the uncentred second moment ``Q^T Q / n``.
 
     Each column's sign is fixed so that its largest-magnitude entry is positive.

@@ -1,15 +1,17 @@
-"""Lloyd-Max codebooks for one coordinate of a random unit vector (SPEC 2.3;
-docs/kernels.md section 4)."""
+"""Lloyd-Max codebooks for one coordinate of a random unit vector (docs/kernels.md section 4)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .. import _native
-from .._arrays import KvqrsError, as_code_rows, as_float_rows, check_bits, check_positive_int, restore
+from .._arrays import KvqrsError, as_code_rows, as_float_rows, check_bits, check_positive_int, restore, tensors_in_out
+
+if TYPE_CHECKING:
+    from .._arrays import Array
 
 
 @dataclass(frozen=True)
@@ -36,11 +38,11 @@ class Codebook:
         """Expected ``||u - u_hat||^2`` for a random unit vector: ``head_dim * distortion``."""
         return self.head_dim * self.distortion
 
-    def encode(self, x: Any) -> np.ndarray:
+    def encode(self, x: Array) -> Array:
         """Codes of unit-vector coordinates; see :func:`lloyd_max_encode`."""
         return lloyd_max_encode(x, self)
 
-    def decode(self, codes: Any) -> np.ndarray:
+    def decode(self, codes: Array) -> Array:
         """Centroids of codes; see :func:`lloyd_max_decode`."""
         return lloyd_max_decode(codes, self)
 
@@ -77,7 +79,8 @@ def _check_codebook(codebook: Any) -> None:
     check_bits(codebook.bits, "codebook.bits")
 
 
-def lloyd_max_encode(x: Any, codebook: Codebook) -> np.ndarray:
+@tensors_in_out()
+def lloyd_max_encode(x: Array, codebook: Codebook) -> Array:
     """``bucketize(x, boundaries)``: the number of float32 boundaries <= each float32 value.
 
     Args:
@@ -98,7 +101,8 @@ def lloyd_max_encode(x: Any, codebook: Codebook) -> np.ndarray:
     return restore(out, leading, n)
 
 
-def lloyd_max_decode(codes: Any, codebook: Codebook) -> np.ndarray:
+@tensors_in_out()
+def lloyd_max_decode(codes: Array, codebook: Codebook) -> Array:
     """``centroids[codes]`` as float32 (the centroids rounded once to float32).
 
     Raises:

@@ -1,8 +1,8 @@
-"""Norm-and-direction quantization, the MSE stage (SPEC 2.4; docs/kernels.md section 5)."""
+"""Norm-and-direction quantization, the MSE stage (docs/kernels.md section 5)."""
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
@@ -17,9 +17,13 @@ from .._arrays import (
     check_positive_int,
     check_seed,
     restore,
+    tensors_in_out,
 )
 from .hadamard import padded_dim
 from .pack import packed_rows, packed_size
+
+if TYPE_CHECKING:
+    from .._arrays import Array, DTypeLike
 
 
 class MSECode(NamedTuple):
@@ -36,7 +40,8 @@ class MSECode(NamedTuple):
     norms: np.ndarray
 
 
-def mse_encode(x: Any, bits: int, seed: int | None = None) -> MSECode:
+@tensors_in_out()
+def mse_encode(x: Array, bits: int, seed: int | None = None) -> MSECode:
     """Quantize rows as ``(||x||, codes of R x / ||x||)``.
 
     Equivalent to ``oracle.mse_encode``: rotate (``seed`` given) or not (``seed=None``, the
@@ -63,14 +68,15 @@ def mse_encode(x: Any, bits: int, seed: int | None = None) -> MSECode:
     return MSECode(codes.reshape(*leading, code_dim), norms.reshape(leading))
 
 
+@tensors_in_out()
 def mse_decode(
-    codes: Any,
-    norms: Any,
+    codes: Array,
+    norms: Array,
     bits: int,
     head_dim: int,
     seed: int | None = None,
-    dtype: Any = np.float32,
-) -> np.ndarray:
+    dtype: DTypeLike = np.float32,
+) -> Array:
     """Reconstruct ``norm * R^T centroids[codes]`` (first ``head_dim`` coordinates).
 
     Args:
@@ -91,7 +97,8 @@ def mse_decode(
     return restore(out, leading, d, check_out_dtype(dtype), finite=True)
 
 
-def mse_encode_packed(x: Any, bits: int, seed: int | None = None) -> MSECode:
+@tensors_in_out()
+def mse_encode_packed(x: Array, bits: int, seed: int | None = None) -> MSECode:
     """:func:`mse_encode` followed by :func:`~kvqrs.pack_bits`, fused row by row in Rust: the
     same bytes without the unpacked ``(..., code_dim)`` intermediate (what the schemes store).
 
@@ -102,7 +109,7 @@ def mse_encode_packed(x: Any, bits: int, seed: int | None = None) -> MSECode:
 
     Returns:
         :class:`MSECode` whose ``codes`` are packed: uint8 ``(..., ceil(code_dim * bits / 8))``
-        (SPEC 2.1 bit order).
+        (docs/kernels.md section 2 bit order).
 
     Raises:
         KvqrsError: as :func:`mse_encode`.
@@ -115,14 +122,15 @@ def mse_encode_packed(x: Any, bits: int, seed: int | None = None) -> MSECode:
     return MSECode(packed.reshape(*leading, packed_size(code_dim, b)), norms.reshape(leading))
 
 
+@tensors_in_out()
 def mse_decode_packed(
-    packed: Any,
-    norms: Any,
+    packed: Array,
+    norms: Array,
     bits: int,
     head_dim: int,
     seed: int | None = None,
-    dtype: Any = np.float32,
-) -> np.ndarray:
+    dtype: DTypeLike = np.float32,
+) -> Array:
     """:func:`~kvqrs.unpack_bits` followed by :func:`mse_decode`, fused row by row in Rust.
 
     Args:

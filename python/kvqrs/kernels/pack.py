@@ -1,13 +1,16 @@
-"""Bit packing of b-bit codes (SPEC 2.1; docs/kernels.md section 2)."""
+"""Bit packing of b-bit codes (docs/kernels.md section 2)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .. import _native
-from .._arrays import KvqrsError, as_code_rows, check_bits, check_positive_int
+from .._arrays import KvqrsError, as_code_rows, check_bits, check_positive_int, tensors_in_out
+
+if TYPE_CHECKING:
+    from .._arrays import Array
 
 
 def packed_size(count: int, bits: int) -> int:
@@ -16,7 +19,8 @@ def packed_size(count: int, bits: int) -> int:
     return (n * check_bits(bits) + 7) // 8
 
 
-def pack_bits(codes: Any, bits: int) -> np.ndarray:
+@tensors_in_out()
+def pack_bits(codes: Array, bits: int) -> Array:
     """Pack b-bit codes, little-endian within each row.
 
     Args:
@@ -37,7 +41,8 @@ def pack_bits(codes: Any, bits: int) -> np.ndarray:
     return out.reshape(*leading, packed_size(m, b))
 
 
-def unpack_bits(packed: Any, bits: int, count: int) -> np.ndarray:
+@tensors_in_out()
+def unpack_bits(packed: Array, bits: int, count: int) -> Array:
     """Exact inverse of :func:`pack_bits`.
 
     Args:

@@ -1,16 +1,29 @@
 """QJL: the 1-bit Johnson-Lindenstrauss sign sketch of a residual and its unbiased estimators
-(SPEC 2.5; docs/kernels.md section 6). ``S`` is the seeded dense Gaussian matrix (m x dim)."""
+(docs/kernels.md section 6). ``S`` is the seeded dense Gaussian matrix (m x dim)."""
 
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
 from .. import _native
-from .._arrays import KvqrsError, as_float_rows, as_scalars, check_finite_output, check_out_dtype, check_positive_int, check_seed, restore
+from .._arrays import (
+    KvqrsError,
+    as_float_rows,
+    as_scalars,
+    check_finite_output,
+    check_out_dtype,
+    check_positive_int,
+    check_seed,
+    restore,
+    tensors_in_out,
+)
 from .pack import packed_size
+
+if TYPE_CHECKING:
+    from .._arrays import Array, DTypeLike
 
 
 class QJLSketch(NamedTuple):
@@ -30,7 +43,8 @@ class QJLSketch(NamedTuple):
     dim: int
 
 
-def qjl_sketch(r: Any, seed: int, m: int | None = None) -> QJLSketch:
+@tensors_in_out()
+def qjl_sketch(r: Array, seed: int, m: int | None = None) -> QJLSketch:
     """Sketch residual rows: ``sign(S r)`` packed, plus ``||r||``.
 
     Args:
@@ -68,7 +82,8 @@ def _sketch_parts(sketch: QJLSketch) -> tuple[np.ndarray, np.ndarray, tuple[int,
     return np.ascontiguousarray(signs).reshape(-1), norms, leading
 
 
-def qjl_inner_product(y: Any, sketch: QJLSketch, seed: int) -> np.ndarray:
+@tensors_in_out()
+def qjl_inner_product(y: Array, sketch: QJLSketch, seed: int) -> Array:
     """Unbiased estimates of ``<y_i, r_j>`` for every query row i and sketched row j.
 
     ``sqrt(pi/2) / m * ||r_j|| * <S y_i, sign(S r_j)>`` (QJL, Zandieh et al. 2024, Lemma 3.2);
@@ -93,7 +108,8 @@ def qjl_inner_product(y: Any, sketch: QJLSketch, seed: int) -> np.ndarray:
     return check_finite_output(out.reshape((*ly, *lr)))
 
 
-def qjl_vector_estimate(sketch: QJLSketch, seed: int, dtype: Any = np.float32) -> np.ndarray:
+@tensors_in_out()
+def qjl_vector_estimate(sketch: QJLSketch, seed: int, dtype: DTypeLike = np.float32) -> Array:
     """Unbiased vector estimate ``r_hat = sqrt(pi/2) / m * ||r|| * S^T sign(S r)``.
 
     Returns:

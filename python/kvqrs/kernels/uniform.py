@@ -1,14 +1,27 @@
 """Asymmetric min-max uniform quantization of consecutive groups: the KIVI quantizer
-(SPEC 3; docs/kernels.md section 9)."""
+(docs/schemes.md; docs/kernels.md section 9)."""
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
 from .. import _native
-from .._arrays import KvqrsError, as_code_rows, as_float_rows, as_scalars, check_bits, check_out_dtype, check_positive_int, restore
+from .._arrays import (
+    KvqrsError,
+    as_code_rows,
+    as_float_rows,
+    as_scalars,
+    check_bits,
+    check_out_dtype,
+    check_positive_int,
+    restore,
+    tensors_in_out,
+)
+
+if TYPE_CHECKING:
+    from .._arrays import Array, DTypeLike
 
 
 class UniformCode(NamedTuple):
@@ -29,7 +42,8 @@ class UniformCode(NamedTuple):
     bits: int
 
 
-def uniform_encode(x: Any, bits: int, group: int) -> UniformCode:
+@tensors_in_out()
+def uniform_encode(x: Array, bits: int, group: int) -> UniformCode:
     """Quantize consecutive groups of ``group`` values along the last axis.
 
     ``code = clamp(floor((x - zero) / scale + 0.5), 0, 2^bits - 1)`` with the stored (float16,
@@ -54,7 +68,8 @@ def uniform_encode(x: Any, bits: int, group: int) -> UniformCode:
     return UniformCode(codes.reshape(*leading, n), scales.reshape(*leading, groups), zeros.reshape(*leading, groups), g, b)
 
 
-def uniform_decode(code: UniformCode, dtype: Any = np.float32) -> np.ndarray:
+@tensors_in_out()
+def uniform_decode(code: UniformCode, dtype: DTypeLike = np.float32) -> Array:
     """Reconstruct ``zero + scale * code`` per group.
 
     Returns:

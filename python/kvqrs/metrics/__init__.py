@@ -1,4 +1,4 @@
-"""Metrics of SPEC section 4: the 6D error point, attention KL, routing recall, Fisher score
+"""Metrics of docs/evaluation.md: the 6D error point, attention KL, routing recall, Fisher score
 error, raw key MSE, A^2 value distortion, and the statistical comparisons between schemes."""
 
 from .attention import (

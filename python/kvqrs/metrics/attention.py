@@ -1,4 +1,4 @@
-"""Attention-level metrics (SPEC 4): softmax probabilities, KL divergence with its mean /
+"""Attention-level metrics (docs/evaluation.md): softmax probabilities, KL divergence with its mean /
 99th percentile / max over queries, top-k routing recall, the Fisher score error and the A^2
 value distortion."""
 

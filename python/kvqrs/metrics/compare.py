@@ -1,4 +1,4 @@
-"""Comparisons between schemes on per-sample metrics (SPEC 4): Mann-Whitney U with the
+"""Comparisons between schemes on per-sample metrics (docs/evaluation.md): Mann-Whitney U with the
 rank-biserial correlation, two-sample Kolmogorov-Smirnov, multivariate energy distance on the
 6D clouds with a permutation p-value, Spearman rho, and confidence intervals of means.
 scipy.stats does the statistics wherever it has them."""

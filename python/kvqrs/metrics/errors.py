@@ -1,5 +1,5 @@
 """Scale and direction errors: the 6D error point (SNR and angle of K, V and the attention
-output T; SPEC 4), raw key MSE.
+output T; docs/evaluation.md), raw key MSE.
 
 Degenerate inputs have defined values: an exact reconstruction has SNR ``+inf`` (reported as
 :data:`SNR_CEILING_DB` so means stay finite), an all-zero reference with a non-zero error has
@@ -20,7 +20,7 @@ SIX_D_NAMES = ("snr_k", "phi_k", "snr_v", "phi_v", "snr_t", "phi_t")
 
 
 def snr_db(x: np.ndarray, x_hat: np.ndarray) -> float:
-    """``10 log10(sum ||x||^2 / sum ||x - x_hat||^2)`` over all rows, in dB (SPEC 4).
+    """``10 log10(sum ||x||^2 / sum ||x - x_hat||^2)`` over all rows, in dB (docs/evaluation.md).
 
     Args:
         x, x_hat: float arrays of the same shape ``(..., d)``.
@@ -43,7 +43,7 @@ def snr_db(x: np.ndarray, x_hat: np.ndarray) -> float:
 
 
 def direction_angles(x: np.ndarray, x_hat: np.ndarray) -> np.ndarray:
-    """Per-row angle ``arccos(cos(x, x_hat))`` in radians, ``(...)`` (SPEC 4)."""
+    """Per-row angle ``arccos(cos(x, x_hat))`` in radians, ``(...)`` (docs/evaluation.md)."""
     x = np.array(x, dtype=np.float64)  # copies: rows are rescaled in place below
     y = np.array(x_hat, dtype=np.float64)
     # Scale each row by its largest magnitude first so norms of huge rows cannot overflow.
@@ -74,7 +74,7 @@ def key_mse(k: np.ndarray, k_hat: np.ndarray) -> float:
 
 
 def six_d_point(k, k_hat, v, v_hat, t, t_hat) -> dict[str, float]:
-    """The six numbers ``(SNR_K, phi_K, SNR_V, phi_V, SNR_T, phi_T)`` (SPEC 4).
+    """The six numbers ``(SNR_K, phi_K, SNR_V, phi_V, SNR_T, phi_T)`` (docs/evaluation.md).
 
     ``t`` and ``t_hat`` are the attention outputs ``p^T V`` and ``p_hat^T V_hat`` per query.
     """

@@ -1,4 +1,4 @@
-"""Schemes of SPEC section 3, composed from the kernels: ``kv``, ``kqv``, ``qkqv``, ``kivi``,
+"""Schemes of docs/schemes.md, composed from the kernels: ``kv``, ``kqv``, ``qkqv``, ``kivi``,
 ``headq`` (keys on any base) and the ``a2`` value allocation, behind :class:`KVCodec`."""
 
 from .a2 import A2ValueCoder, allocate_bits

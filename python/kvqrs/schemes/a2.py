@@ -1,5 +1,5 @@
 """A^2 value allocation (HeadQ): per-token bit widths that minimise the attention-squared
-weighted distortion ``sum_j p_j^2 ||v_j - v_hat_j||^2`` at the same average budget (SPEC 3).
+weighted distortion ``sum_j p_j^2 ||v_j - v_hat_j||^2`` at the same average budget (docs/schemes.md).
 
 Each token is coded by the rotated MSE stage at its own width; widths are stored (3 bits per
 token, packed) and counted in the bits per element.

@@ -1,6 +1,6 @@
 """Compute backends of the schemes: which implementation of the kernels a coder composes.
 
-A :class:`Backend` exposes the kernel functions of SPEC section 2 under their
+A :class:`Backend` exposes the kernel functions of docs/kernels.md under their
 :mod:`kvqrs.kernels` names. ``"cpu"`` is the Rust path (the default); ``"wgpu"`` is the WGSL path
 of :mod:`kvqrs.gpu` on its default device; a ``kvqrs.gpu.Device`` or ``wgpu.GPUAdapter`` selects
 a device explicitly. Both paths produce the same codes and formats, so a tensor encoded on one
@@ -10,6 +10,7 @@ decodes on the other.
 from __future__ import annotations
 
 import functools
+import inspect
 import weakref
 from typing import Any, Callable
 
@@ -108,8 +109,9 @@ class Backend:
         return f"Backend({self.name!r})"
 
 
-CPU = Backend("cpu", {k: getattr(kernels, k) for k in KERNEL_FUNCTIONS + FUSED_FUNCTIONS})
-"""The Rust path (:mod:`kvqrs.kernels`)."""
+CPU = Backend("cpu", {k: inspect.unwrap(getattr(kernels, k)) for k in KERNEL_FUNCTIONS + FUSED_FUNCTIONS})
+"""The Rust path (:mod:`kvqrs.kernels`), without the torch adapter: the coders hand the kernels
+NumPy arrays, and a one-token append pays no argument scan."""
 
 _gpu_backends: weakref.WeakKeyDictionary[Any, Backend] = weakref.WeakKeyDictionary()
 

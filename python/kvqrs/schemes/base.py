@@ -30,6 +30,13 @@ class Encoded:
         parts: name -> stored array (packed codes, norms, scales, sketches, side codes, ...).
         params: scheme parameters needed to decode (bits, seeds, group sizes); not counted as
             storage, since they are per-codec constants, not per-token data.
+        device: the torch device (``"cpu"``, ``"cuda:0"``, ...) of the tensor it was encoded
+            from, None for a NumPy array: :class:`~kvqrs.schemes.KVCodec` decodes a tensor's
+            codes back to a tensor of its dtype on that device. The parts themselves are NumPy
+            arrays in host memory either way; not stored by :mod:`kvqrs.format`.
+        seed: the seed of the :class:`~kvqrs.schemes.KVCodec` that encoded it (its rotation
+            and sketch seeds in ``params`` derive from it), None when unknown: errors about
+            decoding under another seed name this one. Stored by :mod:`kvqrs.format`.
     """
 
     scheme: str
@@ -38,6 +45,8 @@ class Encoded:
     dtype: np.dtype
     parts: Mapping[str, np.ndarray]
     params: Mapping[str, Any] = field(default_factory=dict)
+    device: str | None = None
+    seed: int | None = None
 
     @property
     def numel(self) -> int:
@@ -83,11 +92,13 @@ def concat_tokens(encs: list[Encoded], layout: Callable[[tuple[int, ...]], lay.L
     return Encoded(first.scheme, first.kind, shape, first.dtype, parts, first.params)
 
 
-def slice_rows(enc: Encoded, layout: Callable[[tuple[int, ...]], lay.Layout], n: int) -> Encoded:
-    """The first ``n`` tokens of ``enc``, each part cut along its token axis in the coder's
-    ``layout(shape)`` (codes untouched); raises where a part cannot be cut there."""
-    shape = (*enc.shape[:-2], n, enc.shape[-1])
-    return Encoded(enc.scheme, enc.kind, shape, enc.dtype, lay.take(enc.parts, n, layout(shape)), enc.params)
+def slice_rows(enc: Encoded, layout: Callable[[tuple[int, ...]], lay.Layout], n: int, start: int = 0) -> Encoded:
+    """Tokens ``start .. n - 1`` of ``enc``, each part cut along its token axis in the coder's
+    ``layout(shape)`` (codes untouched); raises where a part cannot be cut there (``n`` may
+    always be the last token held)."""
+    lead, d = enc.shape[:-2], enc.shape[-1]
+    parts = lay.take(enc.parts, (layout((*lead, start, d)), layout((*lead, n, d))), (start, n), n == enc.shape[-2])
+    return Encoded(enc.scheme, enc.kind, (*lead, n - start, d), enc.dtype, parts, enc.params)
 
 
 def split_shape(shape: tuple[int, ...]) -> tuple[tuple[int, ...], int, int]:

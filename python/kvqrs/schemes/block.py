@@ -1,6 +1,6 @@
 """The everyday baseline: a llama.cpp-style blockwise quantizer (Q4_1 / Q8_1-like: asymmetric,
 blocks of 32 channels, a 16-bit scale and minimum per block) applied after the randomized
-Walsh-Hadamard rotation (SPEC 3 rows of the model evaluation)."""
+Walsh-Hadamard rotation (docs/schemes.md rows of the model evaluation)."""
 
 from __future__ import annotations
 

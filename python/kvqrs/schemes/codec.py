@@ -1,13 +1,24 @@
-"""``KVCodec``: one object that encodes keys and values with a named scheme (SPEC 3) and
+"""``KVCodec``: one object that encodes keys and values with a named scheme (docs/schemes.md) and
 computes attention logits and outputs from the encoded cache."""
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .._arrays import KvqrsError, as_float_rows, check_bits, check_finite_output, check_positive_int, check_seed, first_nonfinite
+from .._arrays import (
+    KvqrsError,
+    as_float_rows,
+    check_bits,
+    check_finite_output,
+    check_positive_int,
+    check_seed,
+    first_nonfinite,
+    is_tensor,
+    numpy_to_torch,
+)
 from ..kernels.attention import AttentionResult, DenseRows, decode_attention
 from ..kernels.headq import headq_basis
 from ..kernels.rng import philox4x32_10, random_orthonormal_basis
@@ -17,10 +28,11 @@ from .base import Encoded, as_float_array, concat_tokens, name_nonfinite, slice_
 from .block import BlockCoder
 from .headq import HeadQCoder
 from .kivi import KIVICoder
+from .matched import MatchedCalibration, MatchedCoder, MatchedValueCoder
 from .mse import MSECoder, MSEQJLCoder
 
-KEY_SCHEMES = ("kv", "kqv", "qkqv", "kivi", "block", "headq")
-VALUE_SCHEMES = ("kv", "kqv", "qkqv", "kivi", "block", "a2", "none")
+KEY_SCHEMES = ("kv", "kqv", "qkqv", "kivi", "block", "headq", "matched")
+VALUE_SCHEMES = ("kv", "kqv", "qkqv", "kivi", "block", "a2", "matched", "none")
 SCHEMES = KEY_SCHEMES
 HEADQ_BASES = ("kivi", "kqv", "kv", "block")
 
@@ -35,7 +47,18 @@ def derive_seed(seed: int, tag: int) -> int:
     return int(w[0]) | (int(w[1]) << 32)
 
 
-def _key_coder(scheme: str, bits: int, head_dim: int, seed: int, group: int, backend: Backend):
+def _matched_calibration(calibration: Any, side: str) -> MatchedCalibration:
+    if not isinstance(calibration, MatchedCalibration):
+        raise KvqrsError(
+            f"calibration: the matched {side} need a MatchedCalibration (kvqrs.hf.calibrate_matched or "
+            f"kvqrs.schemes.matched.fit_basis), got {type(calibration).__name__}"
+        )
+    return calibration
+
+
+def _key_coder(scheme: str, bits: int, head_dim: int, seed: int, group: int, backend: Backend, calibration: Any = None):
+    if scheme == "matched":
+        return MatchedCoder(head_dim, _matched_calibration(calibration, "keys").keys, group, scheme, "keys", backend)
     rot, qjl = derive_seed(seed, _KEY_ROTATION), derive_seed(seed, _KEY_QJL)
     if scheme == "kv":
         return MSECoder(head_dim, bits, None, scheme, "keys", backend)
@@ -50,8 +73,11 @@ def _key_coder(scheme: str, bits: int, head_dim: int, seed: int, group: int, bac
     raise KvqrsError(f"scheme: expected one of {KEY_SCHEMES} for keys, got {scheme!r}")
 
 
-def _value_coder(scheme: str, bits: int, head_dim: int, seed: int, group: int, backend: Backend):
+def _value_coder(scheme: str, bits: int, head_dim: int, seed: int, group: int, backend: Backend, calibration: Any = None):
     rot, qjl = derive_seed(seed, _VALUE_ROTATION), derive_seed(seed, _VALUE_QJL)
+    if scheme == "matched":
+        mean = _matched_calibration(calibration, "values").value_mean
+        return MatchedValueCoder(head_dim, bits, rot, mean, scheme, "values", backend)
     if scheme == "kv":
         return MSECoder(head_dim, bits, None, scheme, "values", backend)
     if scheme in ("kqv", "qkqv"):
@@ -65,6 +91,37 @@ def _value_coder(scheme: str, bits: int, head_dim: int, seed: int, group: int, b
     if scheme == "none":
         return None
     raise KvqrsError(f"value_scheme: expected one of {VALUE_SCHEMES}, got {scheme!r}")
+
+
+if TYPE_CHECKING:
+    from .._arrays import Array
+
+
+def _with_source(enc: Encoded, x: Any, seed: int) -> Encoded:
+    """``enc`` marked with the codec's seed and, when ``x`` is a tensor, its torch device
+    (decodes return a tensor there)."""
+    return dataclasses.replace(enc, device=str(x.device) if is_tensor(x) else None, seed=seed)
+
+
+def _like_source(out: np.ndarray, enc: Encoded) -> Any:
+    """A decoded array as the caller gave the source: a tensor on ``enc.device`` (in the
+    encoded dtype) when it was a tensor, else the array itself."""
+    if enc.device is None:
+        return out
+    import torch
+
+    return numpy_to_torch(out, torch.empty(0, device=enc.device))
+
+
+def _like_query(out: Any, q: Any) -> Any:
+    """Results of a query-driven method as tensors on ``q``'s device when ``q`` is a tensor
+    (in the dtypes the NumPy path returns), else unchanged."""
+    if not is_tensor(q) or out is None:
+        return out
+    if isinstance(out, np.ndarray):
+        return numpy_to_torch(out, q)
+    items = [_like_query(o, q) for o in out]
+    return type(out)(*items) if hasattr(out, "_fields") else tuple(items)
 
 
 def _as_dtype(x: np.ndarray, dtype: np.dtype, what: str) -> np.ndarray:
@@ -84,7 +141,7 @@ def _as_dtype(x: np.ndarray, dtype: np.dtype, what: str) -> np.ndarray:
 
 
 class KVCodec:
-    """Encode keys and values of one attention layer with a scheme of SPEC section 3.
+    """Encode keys and values of one attention layer with a scheme of docs/schemes.md.
 
     Args:
         scheme: ``kv``, ``kqv``, ``qkqv``, ``kivi``, ``block`` (rotation + llama.cpp-style
@@ -103,6 +160,10 @@ class KVCodec:
         basis: HeadQ basis ``(d, r)`` or ``(kv_heads, d, r)``; ``"random"`` for the seeded
             random-basis control; None until :meth:`calibrate` is called.
         sign: +1, or -1 for HeadQ's wrong-sign control.
+        calibration: for ``matched`` keys or values, the layer's
+            :class:`~kvqrs.schemes.matched.MatchedCalibration` (key transform and widths, value
+            mean); ``bits`` is then the value budget's width and the key widths come from the
+            calibration.
         backend: where the kernels run: ``"cpu"`` (the Rust path, default), ``"wgpu"`` (the WGSL
             shaders of :mod:`kvqrs.gpu` on the default adapter), a ``kvqrs.gpu.Device`` or a
             ``wgpu.GPUAdapter``, or a :class:`~kvqrs.schemes.backend.Backend`. The encoded
@@ -136,6 +197,7 @@ class KVCodec:
         basis: Any = None,
         sign: int = 1,
         backend: Any = "cpu",
+        calibration: MatchedCalibration | None = None,
     ):
         self.backend = get_backend(backend)
         self.scheme = scheme
@@ -147,7 +209,8 @@ class KVCodec:
         if scheme not in KEY_SCHEMES:
             raise KvqrsError(f"scheme: expected one of {KEY_SCHEMES}, got {scheme!r}")
         self.value_scheme = value_scheme or ("kivi" if scheme == "headq" else scheme)
-        self.values = _value_coder(self.value_scheme, self.value_bits, self.head_dim, self.seed, self.group, self.backend)
+        self.calibration = calibration
+        self.values = _value_coder(self.value_scheme, self.value_bits, self.head_dim, self.seed, self.group, self.backend, calibration)
         self.rank, self.side_bits, self.sign, self.headq_base = rank, side_bits, sign, headq_base
         if scheme == "headq":
             if headq_base not in HEADQ_BASES:
@@ -163,15 +226,15 @@ class KVCodec:
             if basis is not None:
                 self.set_basis(basis)
         else:
-            self.keys = _key_coder(scheme, self.bits, self.head_dim, self.seed, self.group, self.backend)
+            self.keys = _key_coder(scheme, self.bits, self.head_dim, self.seed, self.group, self.backend, calibration)
 
     # -- HeadQ calibration ------------------------------------------------------------------
-    def set_basis(self, basis: Any) -> None:
+    def set_basis(self, basis: Array) -> None:
         """Use ``basis`` (``(d, r)`` or ``(kv_heads, d, r)``) for the HeadQ side code."""
         self.keys = HeadQCoder(self._base, as_float_array(basis, "basis"), self.side_bits, self.sign, "headq")
         self.rank = self.keys.rank
 
-    def calibrate(self, queries: Any) -> np.ndarray:
+    def calibrate(self, queries: Array) -> Array:
         """Fit HeadQ's basis: top-``rank`` PCA directions of post-RoPE calibration queries.
 
         Args:
@@ -189,7 +252,26 @@ class KVCodec:
             raise KvqrsError(f"queries: expected (n, d) or (kv_heads, n, d) with n >= rank = {self.rank}, got shape {q.shape}")
         basis = headq_basis(q, self.rank) if q.ndim == 2 else np.stack([headq_basis(h, self.rank) for h in q])
         self.set_basis(basis)
-        return basis
+        return _like_query(basis, queries)
+
+    def check_seed_of(self, enc: Encoded) -> None:
+        """Raise :class:`KvqrsError` naming both codec seeds when ``enc`` was encoded under a
+        seed other than this codec's and its rotation or sketch seeds therefore differ (the
+        coders' own check can only name the derived seeds)."""
+        if not isinstance(enc, Encoded):
+            return
+        coder = self.keys if enc.kind == "keys" else self.values
+        params = getattr(coder, "params", None)
+        if params is None or enc.scheme != coder.scheme:
+            return
+        diff = [k for k in set(params) | set(enc.params) if params.get(k) != enc.params.get(k)]
+        if not diff or not all("seed" in k for k in diff):
+            return
+        given = "another seed" if enc.seed is None else f"seed={enc.seed}"
+        raise KvqrsError(
+            f"encoded: these {enc.kind} were encoded by a KVCodec with {given}, this codec has seed={self.seed} "
+            f"(the rotation and sketch seeds derive from it); decode them with the codec of the seed they were encoded with"
+        )
 
     def _key_coder(self):
         if self.keys is None:
@@ -197,7 +279,7 @@ class KVCodec:
         return self.keys
 
     # -- keys ----------------------------------------------------------------------------------
-    def encode_keys(self, k: Any) -> Encoded:
+    def encode_keys(self, k: Array) -> Encoded:
         """Encode keys ``(..., tokens, head_dim)`` (float16 / bfloat16 / float32 / float64
         NumPy array or torch tensor, any strides; empty axes allowed); returns an
         :class:`Encoded` that records the dtype.
@@ -206,18 +288,21 @@ class KVCodec:
             KvqrsError: a NaN or infinity (named by its index in ``k``), a wrong head_dim, a
                 row whose norm or range overflows float32.
         """
-        return name_nonfinite(self._key_coder().encode, k, "keys")
+        return _with_source(name_nonfinite(self._key_coder().encode, k, "keys"), k, self.seed)
 
-    def decode_keys(self, ck: Encoded, base_only: bool = False) -> np.ndarray:
-        """Reconstruct keys ``(..., tokens, head_dim)`` in the dtype they were encoded from.
+    def decode_keys(self, ck: Encoded, base_only: bool = False) -> Array:
+        """Reconstruct keys ``(..., tokens, head_dim)`` in the dtype they were encoded from: a
+        NumPy array, or a torch tensor on the source's device when a tensor was encoded
+        (:attr:`Encoded.device`).
 
         ``base_only=True`` returns HeadQ's base keys without the side code (what the score
         path multiplies the query with before adding :meth:`score_correction`)."""
         coder = self._key_coder()
+        self.check_seed_of(ck)
         out = coder.decode_base(ck) if base_only and self.scheme == "headq" else coder.decode(ck)
-        return _as_dtype(out, ck.dtype, "keys")
+        return _like_source(_as_dtype(out, ck.dtype, "keys"), ck)
 
-    def scores(self, q: Any, ck: Encoded) -> np.ndarray:
+    def scores(self, q: Array, ck: Encoded) -> Array:
         """Attention logits ``q . k_hat / sqrt(d)``, float32 ``(..., q_heads, nq, tokens)``.
 
         Uses the scheme's score path: the QJL inner-product estimator for ``qkqv`` keys, the
@@ -229,18 +314,19 @@ class KVCodec:
             KvqrsError: a NaN or infinity in ``q`` (named by its index), leading dims that do not
                 match, or a logit beyond float32 (keys near the bfloat16/float32 limit).
         """
-        return self._grouped(q, ck, self._key_coder().scores)
+        return _like_query(self._grouped(q, ck, self._key_coder().scores), q)
 
-    def score_correction(self, q: Any, ck: Encoded) -> np.ndarray | None:
+    def score_correction(self, q: Array, ck: Encoded) -> Array | None:
         """HeadQ's score-space correction ``sign * (U^T q) . z / sqrt(d)`` alone, shaped like
         :meth:`scores` (None for schemes without a side code). Added to
         ``q . decode_keys(ck, base_only=True) / sqrt(d)`` it gives :meth:`scores`."""
         if self.scheme != "headq":
             return None
-        return self._grouped(q, ck, self._key_coder().correction)
+        return _like_query(self._grouped(q, ck, self._key_coder().correction), q)
 
     def _grouped(self, q: Any, ck: Encoded, fn) -> np.ndarray:
         """Apply a per-KV-head score function with GQA grouping of query heads."""
+        self.check_seed_of(ck)
         grouped, q_lead, nq = self._group_queries(q, ck)
         s = fn(grouped, ck)
         # Keys near the float32 limit can push a logit beyond it: an error, not inf or NaN later.
@@ -264,15 +350,23 @@ class KVCodec:
             return qa.reshape(*kv_lead, g * qa.shape[-2], self.head_dim), q_lead, qa.shape[-2]
         raise KvqrsError(f"q: leading dims {q_lead} do not match the keys' {kv_lead} (or a GQA multiple of their heads)")
 
-    def slice_tokens(self, enc: Encoded, n: int) -> Encoded:
-        """The first ``n`` tokens of an encoded tensor, codes untouched (cache crop)."""
+    def slice_tokens(self, enc: Encoded, n: int, start: int = 0) -> Encoded:
+        """Tokens ``start .. n - 1`` of an encoded tensor, codes untouched (a cache crop keeps
+        a prefix; a sliding-window layer drops its oldest tokens)."""
         if not 0 <= int(n) <= enc.shape[-2]:
             raise KvqrsError(f"n: expected 0 <= n <= {enc.shape[-2]} tokens, got {n}")
-        return slice_rows(enc, self._layout_of(enc.kind), int(n))
+        if not 0 <= int(start) <= int(n):
+            raise KvqrsError(f"start: expected 0 <= start <= n = {n}, got {start}")
+        self.check_seed_of(enc)
+        kept = slice_rows(enc, self._layout_of(enc.kind), int(n), int(start))
+        return dataclasses.replace(kept, device=enc.device, seed=enc.seed)
 
     def concat(self, encs: list[Encoded]) -> Encoded:
         """Join chunks of consecutive tokens encoded by this codec (keys or values)."""
-        return concat_tokens(encs, self._layout_of(encs[0].kind if encs else "keys"))
+        for e in encs:
+            self.check_seed_of(e)
+        joined = concat_tokens(encs, self._layout_of(encs[0].kind if encs else "keys"))
+        return dataclasses.replace(joined, device=encs[0].device, seed=encs[0].seed)
 
     def _layout_of(self, kind: str):
         """The ``layout(shape)`` of this codec's keys or values (:mod:`kvqrs.layout`)."""
@@ -285,23 +379,25 @@ class KVCodec:
         return layout
 
     # -- values --------------------------------------------------------------------------------
-    def encode_values(self, v: Any, weights: Any = None) -> Encoded:
+    def encode_values(self, v: Array, weights: Array | None = None) -> Encoded:
         """Encode values ``(..., tokens, head_dim)`` (inputs and errors as in
         :meth:`encode_keys`). ``weights`` (``(..., tokens)``, the A^2 importances
         ``sum_q p_qj^2``) is used by the ``a2`` value scheme only."""
         if self.values is None:
             raise KvqrsError("value_scheme: this codec keeps values in full precision ('none'); nothing to encode")
         if self.value_scheme == "a2":
-            return name_nonfinite(self.values.encode, v, "values", weights)
+            return _with_source(name_nonfinite(self.values.encode, v, "values", weights), v, self.seed)
         if weights is not None:
             raise KvqrsError(f"weights: only the a2 value scheme uses attention weights, this codec's values are {self.value_scheme!r}")
-        return name_nonfinite(self.values.encode, v, "values")
+        return _with_source(name_nonfinite(self.values.encode, v, "values"), v, self.seed)
 
-    def decode_values(self, cv: Encoded) -> np.ndarray:
-        """Reconstruct values ``(..., tokens, head_dim)`` in the dtype they were encoded from."""
+    def decode_values(self, cv: Encoded) -> Array:
+        """Reconstruct values ``(..., tokens, head_dim)`` in the dtype they were encoded from
+        (a torch tensor on the source's device when a tensor was encoded, as :meth:`decode_keys`)."""
         if self.values is None:
             raise KvqrsError("value_scheme: this codec keeps values in full precision ('none'); nothing to decode")
-        return _as_dtype(self.values.decode(cv), cv.dtype, "values")
+        self.check_seed_of(cv)
+        return _like_source(_as_dtype(self.values.decode(cv), cv.dtype, "values"), cv)
 
     def _check_keys(self, ck: Encoded) -> None:
         if not isinstance(ck, Encoded) or ck.kind != "keys":
@@ -341,7 +437,7 @@ class KVCodec:
             return None if k is None else (k, None)
         return k
 
-    def fused_rows(self, ck: Encoded, cv: Any) -> tuple[Any, Any, Any] | None:
+    def fused_rows(self, ck: Encoded, cv: Encoded | DenseRows) -> tuple[Any, Any, Any] | None:
         """``(key rows, value rows, HeadQ side rows or None)`` for
         :func:`kvqrs.kernels.decode_attention`, or None when this codec has no fused read path:
         a backend other than ``"cpu"``, or ``a2`` values (per-token widths). ``cv`` may also be
@@ -356,7 +452,9 @@ class KVCodec:
             return None
         return keys[0], vrows(cv), keys[1]
 
-    def fused_attention(self, q: Any, ck: Encoded, cv: Encoded, probs: bool = False, scale: float | None = None) -> AttentionResult:
+    def fused_attention(
+        self, q: Array, ck: Encoded, cv: Encoded | DenseRows, probs: bool = False, scale: float | None = None
+    ) -> AttentionResult:
         """Decode attention straight from the codes (:func:`kvqrs.kernels.decode_attention`):
         no key or value is reconstructed; the query heads of a GQA group share one pass over
         their KV head's codes.
@@ -384,6 +482,8 @@ class KVCodec:
                 raise KvqrsError(f"cv: expected values with the keys' heads and tokens {ck.shape[:-1]}, got {np.shape(cv.values)[:-1]}")
         else:
             self._check_attention(ck, cv)
+            self.check_seed_of(cv)
+        self.check_seed_of(ck)
         rows = self.fused_rows(ck, cv)
         if rows is None:
             raise KvqrsError(
@@ -393,13 +493,14 @@ class KVCodec:
         grouped, q_lead, nq = self._group_queries(q, ck)
         res = decode_attention(grouped, rows[0], rows[1], side=rows[2], scale=scale, probs=probs)
         t = ck.shape[-2]
-        return AttentionResult(
+        out = AttentionResult(
             res.out.reshape(*q_lead, nq, self.head_dim),
             res.lse.reshape(*q_lead, nq),
             None if res.probs is None else res.probs.reshape(*q_lead, nq, t),
         )
+        return _like_query(out, q)
 
-    def attention(self, q: Any, ck: Encoded, cv: Encoded, fused: bool | None = None) -> tuple[np.ndarray, np.ndarray]:
+    def attention(self, q: Array, ck: Encoded, cv: Encoded, fused: bool | None = None) -> tuple[Array, Array]:
         """Attention over the encoded cache: ``(softmax(scores) @ v_hat, probabilities)``.
 
         Args:
@@ -414,6 +515,10 @@ class KVCodec:
             ``(..., q_heads, nq, T)`` (computed in float32 on the fused path).
         """
         self._check_attention(ck, cv)
+        self.check_seed_of(ck)
+        self.check_seed_of(cv)
+        if is_tensor(q):
+            return _like_query(self.attention(as_float_array(q, "q"), ck, cv, fused), q)
         if fused is None:
             fused = self.fused_rows(ck, cv) is not None
         if fused:

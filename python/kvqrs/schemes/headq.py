@@ -1,5 +1,5 @@
 """HeadQ keys: any base key coder plus a rank-r side code of the key residual in a PCA basis of
-calibration queries, applied as a score-space correction with the live query (SPEC 2.6, 3).
+calibration queries, applied as a score-space correction with the live query (docs/kernels.md section 7, docs/schemes.md).
 
 Controls: ``sign=-1`` subtracts the correction (wrong-sign); a seeded random orthonormal basis
 of the same rank replaces the calibrated one (random-basis).

@@ -1,5 +1,5 @@
 """KIVI (Liu et al. 2024): asymmetric uniform quantization, keys per channel over groups of
-``group`` tokens, values per token over groups of ``group`` channels (SPEC 3). Each group stores
+``group`` tokens, values per token over groups of ``group`` channels (docs/schemes.md). Each group stores
 a 16-bit scale and a 16-bit zero point (32-bit each outside float16's range)."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Coders built on the norm-and-direction (MSE) stage, optionally followed by a 1-bit QJL sketch
-of the rotated residual (SPEC 3: the ``kv``, ``kqv`` and ``qkqv`` rows).
+of the rotated residual (docs/schemes.md: the ``kv``, ``kqv`` and ``qkqv`` rows).
 
 - :class:`MSECoder`: ``||x||`` + b-bit Lloyd-Max codes of ``R x / ||x||`` (no rotation for ``kv``).
 - :class:`MSEQJLCoder`: (n-1)-bit MSE stage with rotation + QJL of ``r = R x - ||x|| c``; its

@@ -1,4 +1,4 @@
-//! The compressed-cache container of SPEC section 6: a versioned, self-describing byte format.
+//! The compressed-cache container of docs/format.md: a versioned, self-describing byte format.
 //!
 //! ```text
 //! file    = magic "KVQRSCC\0" | version u16 | section count u32 | section*     (little endian)

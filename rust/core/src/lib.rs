@@ -1,6 +1,6 @@
 //! kvqrs-core: the numerical kernels of kvqrs, with no Python dependency.
 //!
-//! Every kernel follows `docs/kernels.md` (exact conventions) and `SPEC.md` section 2. Inputs are
+//! Every kernel follows `docs/kernels.md` (definitions and exact conventions). Inputs are
 //! row-major `rows x dim` float32 slices; every function validates its sizes and returns
 //! [`KvqError`] instead of panicking.
 

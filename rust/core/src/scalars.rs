@@ -1,5 +1,5 @@
 //! Storage of per-vector scalars (norms, scales): float16 where every value fits, float32
-//! otherwise (SPEC section 2.4; docs/kernels.md section 5). The plane's width is chosen per call
+//! otherwise (docs/kernels.md section 5). The plane's width is chosen per call
 //! and carried by the variant, so the memory accounting can count 16 or 32 bits; the rounding
 //! is chosen per value (a value that fits float16 is rounded to it even in a float32 plane), so
 //! a stored value never depends on its neighbours: encoding tokens in chunks and joining the

@@ -1,5 +1,5 @@
 //! Randomized Walsh-Hadamard rotation `R = H diag(s) / sqrt(d')` with zero padding to the next
-//! power of two (SPEC 2.2; docs/kernels.md section 3).
+//! power of two (docs/kernels.md section 3).
 
 use super::{check_finite, check_head_dim, check_len, rows_of};
 use crate::alloc::output_vec;

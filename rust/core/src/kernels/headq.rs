@@ -1,5 +1,5 @@
 //! HeadQ side code: a low-rank code of the key residual in a query basis U (d x r), added back
-//! as a score-space correction with the live query (SPEC 2.6; docs/kernels.md section 7).
+//! as a score-space correction with the live query (docs/kernels.md section 7).
 
 use super::{check_bits, check_finite, rows_of};
 use crate::alloc::output_vec;

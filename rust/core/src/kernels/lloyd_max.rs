@@ -1,6 +1,5 @@
 //! Lloyd-Max scalar codebooks for one coordinate of a uniformly random unit vector in R^D,
-//! whose density is `(1 - x^2)^((D-3)/2) / B(1/2, (D-1)/2)` on [-1, 1] (SPEC 2.3;
-//! docs/kernels.md section 4). Computed once per (D, bits) and cached.
+//! whose density is `(1 - x^2)^((D-3)/2) / B(1/2, (D-1)/2)` on [-1, 1] (docs/kernels.md section 4). Computed once per (D, bits) and cached.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
@@ -374,7 +373,7 @@ mod tests {
 
     #[test]
     fn matches_gaussian_lloyd_max_sanity_values() {
-        // SPEC 2.3: D * MSE about 0.36, 0.117, 0.034, 0.0093 for b = 1..4 (large D).
+        // docs/kernels.md section 4: D * MSE about 0.36, 0.117, 0.034, 0.0093 for b = 1..4 (large D).
         let want = [0.3634, 0.1175, 0.03454, 0.009497];
         for (b, w) in (1..=4).zip(want) {
             let cb = codebook(1024, b).unwrap();

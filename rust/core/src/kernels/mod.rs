@@ -1,4 +1,4 @@
-//! The kernels of SPEC section 2, one file each, plus the argument checks they share.
+//! The kernels of docs/kernels.md, one file each, plus the argument checks they share.
 
 pub mod attention;
 pub mod hadamard;

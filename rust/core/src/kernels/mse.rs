@@ -1,4 +1,4 @@
-//! Norm-and-direction quantization, the MSE stage (SPEC 2.4; docs/kernels.md section 5):
+//! Norm-and-direction quantization, the MSE stage (docs/kernels.md section 5):
 //! store `||x||`, quantize the rotated unit vector coordinate-wise with the Lloyd-Max codebook.
 //! Composes the hadamard and lloyd_max kernels.
 
@@ -165,7 +165,7 @@ impl MseQuantizer {
         packed_len(self.code_dim(), self.codebook.bits)
     }
 
-    /// Encodes rows straight to packed codes, `packed_row_len()` bytes per row (SPEC 2.1 bit
+    /// Encodes rows straight to packed codes, `packed_row_len()` bytes per row (docs/kernels.md section 2 bit
     /// order): the bytes of [`MseQuantizer::encode`] followed by [`super::pack::pack`], without
     /// the rows x code_dim buffer of unpacked codes (each row is packed from per-task scratch,
     /// so the output is written once). Errors as [`MseQuantizer::encode`].

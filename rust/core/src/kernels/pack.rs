@@ -1,5 +1,5 @@
 //! Bit packing of b-bit codes, 1 <= b <= 8, little-endian bit order within each row
-//! (SPEC 2.1; docs/kernels.md section 2).
+//! (docs/kernels.md section 2).
 
 use super::check_bits;
 use crate::error::{KvqError, Result};

@@ -1,5 +1,5 @@
 //! QJL: a 1-bit Johnson-Lindenstrauss sign sketch of a residual, with its unbiased inner-product
-//! and vector estimators (SPEC 2.5; docs/kernels.md section 6). The reference sketch is the
+//! and vector estimators (docs/kernels.md section 6). The reference sketch is the
 //! dense Gaussian matrix S (m x d') of the seeded generator.
 
 use std::collections::HashMap;

@@ -1,4 +1,4 @@
-//! Asymmetric min-max uniform quantization of contiguous groups (the KIVI quantizer; SPEC 3,
+//! Asymmetric min-max uniform quantization of contiguous groups (the KIVI quantizer; docs/schemes.md,
 //! docs/kernels.md section 9). Each group of `group` consecutive values of a row gets a scale
 //! and a zero point; KIVI's per-channel keys are handled by the caller laying channels out as
 //! rows (groups of tokens), its per-token values by groups of channels within a row.

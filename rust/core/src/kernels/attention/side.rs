@@ -1,4 +1,4 @@
-//! HeadQ's side code of the keys (docs/kernels.md section 7; SPEC 2.6), added in score space:
+//! HeadQ's side code of the keys (docs/kernels.md section 7), added in score space:
 //! `sign * s_j * sum_i (U^T q)_i (code_i - h)`.
 
 use std::ops::Range;
@@ -54,7 +54,7 @@ impl<'a> SidePlan<'a> {
             .chunks_exact(per.max(1))
             .map(|u| HeadqCoder::new(u, layout.head_dim, s.rank, s.bits)?.with_isa(isa))
             .collect::<Result<Vec<_>>>()?;
-        // Side code c stands for c - h (SPEC 2.6).
+        // Side code c stands for c - h (docs/kernels.md section 7).
         let half = coders[0].half();
         let levels: Vec<f32> = (0..1u32 << s.bits).map(|v| v as f32 - half).collect();
         let reader = RowReader::new(s.rank, s.bits, &levels);

@@ -1,0 +1,170 @@
+"""What a new user meets first: the ``kvqrs eval`` options (rows checked before the model loads,
+defaults in ``--help``, a quick run that keeps a full run's report), ``load``'s dtype names,
+the GGUF progress bar, the torch thread helpers, and seed-mismatch errors that name the seeds
+the user gave. None of these tests loads the real model."""
+
+from __future__ import annotations
+
+import kvqrs
+import numpy as np
+import pytest
+from kvqrs import KvqrsError
+from kvqrs import format as fmt
+from kvqrs.cli import main
+from kvqrs.schemes import KVCodec
+
+# -- seed mismatches ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("scheme", ["kqv", "qkqv", "block"])
+def test_seed_mismatch_names_the_codec_seeds(scheme):
+    x = np.random.default_rng(0).standard_normal((2, 8, 64)).astype(np.float32)
+    a, b = KVCodec(scheme, 4, 64, seed=11), KVCodec(scheme, 4, 64, seed=12)
+    ck, cv = a.encode_keys(x), a.encode_values(x)
+    calls = {
+        "decode_keys": lambda: b.decode_keys(ck),
+        "decode_values": lambda: b.decode_values(cv),
+        "scores": lambda: b.scores(x[:, :1], ck),
+        "attention": lambda: b.attention(x[:, :1], ck, cv),
+        "format.loads": lambda: fmt.loads(fmt.dumps(ck), b),
+    }
+    for name, call in calls.items():
+        with pytest.raises(KvqrsError) as e:
+            call()
+        msg = str(e.value)
+        assert "seed=11" in msg and "seed=12" in msg, (name, msg)
+        derived = [v for k, v in ck.params.items() if "seed" in k]
+        assert derived and not any(str(v) in msg for v in derived), (name, msg)  # no internal derived seeds
+    assert fmt.loads(fmt.dumps(ck)).seed == 11  # the container keeps the codec seed
+
+
+def test_seed_free_schemes_still_decode_under_another_seed():
+    x = np.random.default_rng(1).standard_normal((1, 32, 64)).astype(np.float32)
+    ck = KVCodec("kivi", 4, 64, seed=1).encode_keys(x)
+    np.testing.assert_array_equal(KVCodec("kivi", 4, 64, seed=2).decode_keys(ck), KVCodec("kivi", 4, 64, seed=1).decode_keys(ck))
+
+
+# -- kvqrs eval options -------------------------------------------------------------------------
+
+
+@pytest.fixture
+def text_file(tmp_path):
+    f = tmp_path / "text.txt"
+    f.write_text("The quick brown fox jumps over the lazy dog. " * 200)
+    return str(f)
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    """Fail the test if anything tries to load the model."""
+    pytest.importorskip("torch")
+    from kvqrs.evaluation import model as model_mod
+
+    def refuse(*a, **k):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(model_mod, "load", refuse)
+
+
+def test_eval_refuses_unknown_rows_before_loading_the_model(text_file, no_model, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["eval", "--data", text_file, "--rows", "kqvv", "--threads", "1"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "'kqvv'" in err and "'kqv k4 v4'" in err and "'kivi k2'" in err and "'dense'" in err
+
+
+def test_eval_help_shows_defaults(capsys):
+    with pytest.raises(SystemExit):
+        main(["eval", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "(default: 2)" in out  # --calibration-windows
+    assert "(default: 0)" in out  # --residual-length
+    assert "reports/eval; with --quick: reports/eval-quick" in out  # --out
+
+
+@pytest.mark.parametrize(("argv", "folder"), [(["--quick"], "reports/eval-quick"), ([], "reports/eval"), (["--out", "x"], "x")])
+def test_eval_quick_writes_its_own_report_folder(argv, folder, text_file, monkeypatch):
+    torch = pytest.importorskip("torch")
+    from kvqrs.evaluation import model as model_mod
+    from kvqrs.evaluation import model_eval, model_report
+
+    written = []
+    monkeypatch.setattr(model_mod, "load", lambda *a, **k: (object(), object()))
+    monkeypatch.setattr(model_eval, "run_eval", lambda *a, **k: {})
+    monkeypatch.setattr(model_report, "write", lambda result, out, seconds: written.append(str(out)) or out)
+    monkeypatch.setattr(model_report, "summary", lambda result, seconds: "")
+    threads = torch.get_num_threads()
+    try:
+        assert main(["eval", "--data", text_file, "--threads", "1", *argv]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    assert written == [folder]
+
+
+# -- the model loader ---------------------------------------------------------------------------
+
+
+def test_load_accepts_torch_dtypes_and_short_names():
+    torch = pytest.importorskip("torch")
+    from kvqrs.evaluation.model import load, model_dtype
+
+    assert model_dtype(torch.bfloat16) is torch.bfloat16
+    assert model_dtype("bf16") is torch.bfloat16 and model_dtype("fp16") is torch.float16
+    assert model_dtype("float32") is torch.float32 and model_dtype("BFloat16") is torch.bfloat16
+    for bad in ("int8", torch.int8, 3, None):
+        with pytest.raises(KvqrsError, match="bf16") as e:
+            load(bad)
+        assert repr(bad) in str(e.value)
+
+
+def test_no_progress_hides_the_gguf_conversion_bar(monkeypatch, capsys):
+    pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from kvqrs.evaluation import model as model_mod
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    class Fake:
+        def eval(self):
+            return self
+
+    def fake_from_pretrained(*a, **k):
+        for _ in gguf_utils.tqdm(range(50), desc="Converting and de-quantizing GGUF tensors...", mininterval=0):
+            pass
+        return Fake()
+
+    bar = gguf_utils.tqdm
+    monkeypatch.setattr(model_mod, "model_dir", lambda: "folder")
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", fake_from_pretrained)
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", fake_from_pretrained)
+    model_mod.load(progress=True)
+    assert "Converting and de-quantizing" in capsys.readouterr().err
+    model_mod.load(progress=False)
+    assert "Converting and de-quantizing" not in capsys.readouterr().err
+    assert gguf_utils.tqdm is bar  # restored after the load
+
+
+# -- torch threads ------------------------------------------------------------------------------
+
+
+def test_fastest_threads_times_and_sets_the_thread_count():
+    torch = pytest.importorskip("torch")
+    from kvqrs.hf import fastest_threads, set_num_threads
+
+    model = torch.nn.Sequential(torch.nn.Embedding(100, 32), torch.nn.Linear(32, 100))
+    before = torch.get_num_threads()
+    try:
+        n, timings = fastest_threads(model, torch.randint(0, 100, (1, 64)))
+        assert n in timings and 1 in timings and all(t > 0 for t in timings.values())
+        assert torch.get_num_threads() == n and timings[n] == min(timings.values())
+        assert set_num_threads(1) == n and torch.get_num_threads() == 1
+        with pytest.raises(KvqrsError, match="n: expected an integer >= 1"):
+            set_num_threads(0)
+        with pytest.raises(KvqrsError, match="input_ids"):
+            fastest_threads(model, torch.zeros((1, 0), dtype=torch.long))
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_version_is_the_release():
+    assert kvqrs.__version__ == "0.2.0"
