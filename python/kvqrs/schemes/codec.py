@@ -24,7 +24,7 @@ from ..kernels.headq import headq_basis
 from ..kernels.rng import philox4x32_10, random_orthonormal_basis
 from .a2 import A2ValueCoder
 from .backend import Backend, get_backend
-from .base import Encoded, as_float_array, concat_tokens, name_nonfinite
+from .base import Encoded, as_float_array, concat_tokens, name_nonfinite, slice_rows
 from .block import BlockCoder
 from .headq import HeadQCoder
 from .kivi import KIVICoder
@@ -357,19 +357,26 @@ class KVCodec:
             raise KvqrsError(f"n: expected 0 <= n <= {enc.shape[-2]} tokens, got {n}")
         if not 0 <= int(start) <= int(n):
             raise KvqrsError(f"start: expected 0 <= start <= n = {n}, got {start}")
-        coder = self._key_coder() if enc.kind == "keys" else self.values
         self.check_seed_of(enc)
-        return dataclasses.replace(coder.slice_tokens(enc, int(n), int(start)), device=enc.device, seed=enc.seed)
+        kept = slice_rows(enc, self._layout_of(enc.kind), int(n), int(start))
+        return dataclasses.replace(kept, device=enc.device, seed=enc.seed)
 
     def concat(self, encs: list[Encoded]) -> Encoded:
         """Join chunks of consecutive tokens encoded by this codec (keys or values)."""
-        coder = self._key_coder() if encs and encs[0].kind == "keys" else self.values
-        base = getattr(coder, "base", coder)
-        if hasattr(base, "check_concat"):
-            base.check_concat(encs)
         for e in encs:
             self.check_seed_of(e)
-        return dataclasses.replace(concat_tokens(encs, coder.token_axes()), device=encs[0].device, seed=encs[0].seed)
+        joined = concat_tokens(encs, self._layout_of(encs[0].kind if encs else "keys"))
+        return dataclasses.replace(joined, device=encs[0].device, seed=encs[0].seed)
+
+    def _layout_of(self, kind: str):
+        """The ``layout(shape)`` of this codec's keys or values (:mod:`kvqrs.layout`)."""
+        coder = self._key_coder() if kind == "keys" else self.values
+        layout = getattr(coder, "layout", None)
+        if layout is None:
+            raise KvqrsError(
+                f"encoded: {self.value_scheme if kind == 'values' else self.scheme} {kind} have no per-token layout to join or cut"
+            )
+        return layout
 
     # -- values --------------------------------------------------------------------------------
     def encode_values(self, v: Array, weights: Array | None = None) -> Encoded:

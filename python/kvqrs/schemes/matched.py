@@ -30,10 +30,11 @@ from typing import Any
 
 import numpy as np
 
+from .. import layout as lay
 from .._arrays import KvqrsError
 from ..kernels.uniform import UniformCode
 from .backend import CPU, Backend
-from .base import Encoded, as_float_array, check_encoded, check_head_dim
+from .base import Encoded, as_float_array, check_encoded, check_head_dim, split_shape
 from .mse import decoded_scores
 
 MAX_WIDTH = 8
@@ -239,31 +240,17 @@ class MatchedCoder:
         }
 
     # -- layout --------------------------------------------------------------------------
-    def part_names(self) -> list[str]:
-        return [f"{p}{b}" for b, _, _ in self.runs for p in ("codes", "scales", "zeros")]
-
-    def token_axes(self) -> dict[str, int]:
-        """Every part stores one row per coordinate, tokens along the last axis."""
-        return dict.fromkeys(self.part_names(), -1)
-
-    def check_concat(self, encs: list[Encoded]) -> None:
-        """Chunks join only if every chunk but the last holds whole groups ending on a byte."""
-        bad = [e.shape[-2] for e in encs[:-1] if e.shape[-2] % self.group or any((e.shape[-2] * b) % 8 for b, _, _ in self.runs)]
-        if bad:
-            raise KvqrsError(f"encoded: matched chunks must hold whole groups of {self.group} tokens, got {[e.shape[-2] for e in encs]}")
-
-    def slice_tokens(self, enc: Encoded, n: int, start: int = 0) -> Encoded:
-        """Tokens ``start .. n - 1``: whole groups only (``start`` a multiple of ``group``, and
-        ``n`` too unless it is the last token held)."""
-        for m, name in ((start, "start"), (n, "n")):
-            if m % self.group and not (name == "n" and m == enc.shape[-2]):
-                raise KvqrsError(f"{name}: matched codes can only keep whole groups of {self.group} tokens, got {m}")
-        parts = {}
-        for b, _, _ in self.runs:
-            parts[f"codes{b}"] = np.asarray(enc.parts[f"codes{b}"])[..., start * b // 8 : -(-n * b // 8)]
-            for p in ("scales", "zeros"):
-                parts[f"{p}{b}"] = np.asarray(enc.parts[f"{p}{b}"])[..., start // self.group : -(-n // self.group)]
-        return Encoded(enc.scheme, enc.kind, (*enc.shape[:-2], n - start, enc.shape[-1]), enc.dtype, parts, enc.params)
+    def layout(self, shape: tuple[int, ...]) -> lay.Layout:
+        """For each run of coordinates ``lo .. hi - 1`` of width ``b > 0``: ``codes<b>``
+        ``(..., hi - lo, packed(T, b))`` and ``scales<b>``, ``zeros<b>`` ``(..., hi - lo,
+        ceil(T / group))``, tokens along the last axis (chunks join and are cut at whole groups
+        and bytes)."""
+        lead, t, _ = split_shape(shape)
+        out: lay.Layout = {}
+        for b, lo, hi in self.runs:
+            rows = lay.uniform_channels(lead, t, hi - lo, b, self.group)
+            out.update({f"{name}{b}": part for name, part in rows.items()})
+        return out
 
     # -- transform -------------------------------------------------------------------------
     def _heads(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -394,11 +381,9 @@ class MatchedValueCoder:
         enc = self.mse.encode(x.astype(np.float32) - self._mean(x))
         return Encoded(self.scheme, self.kind, x.shape, x.dtype, enc.parts, self.params)
 
-    def token_axes(self) -> dict[str, int]:
-        return self.mse.token_axes()
-
-    def slice_tokens(self, enc: Encoded, n: int, start: int = 0) -> Encoded:
-        return self.mse.slice_tokens(enc, n, start)
+    def layout(self, shape: tuple[int, ...]) -> lay.Layout:
+        """The MSE stage's parts (``codes``, ``norms``)."""
+        return self.mse.layout(shape)
 
     def decode(self, enc: Encoded) -> np.ndarray:
         check_encoded(enc, self.scheme, self.kind, self.params)
