@@ -78,7 +78,7 @@ def test_eval_help_shows_defaults(capsys):
     with pytest.raises(SystemExit):
         main(["eval", "--help"])
     out = " ".join(capsys.readouterr().out.split())
-    assert "(default: 2)" in out  # --calibration-windows
+    assert "(default: 2;" in out  # --calibration-windows
     assert "(default: 0)" in out  # --residual-length
     assert "reports/eval; with --quick: reports/eval-quick" in out  # --out
 

@@ -411,7 +411,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--calibration-windows",
         type=int,
         default=None,
-        help="windows of calibration text: HeadQ bases (default 2), matched rows of the llama protocol (default 8)",
+        help="windows of calibration text (default: 2; for the matched rows of --protocol llama: 8)",
     )
     ev.add_argument("--residual-length", type=int, default=0, help="newest tokens kept in full precision (default: %(default)s)")
     ev.add_argument(

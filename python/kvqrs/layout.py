@@ -22,7 +22,7 @@ from .kernels.pack import packed_size
 
 DTYPES = ("uint8", "scalar", "float32")
 """``uint8`` packed codes; ``scalar`` stored norms, scales or zero points (float16, or float32
-when some value leaves float16's range: SPEC 2.4); ``float32`` full-precision values."""
+when some value leaves float16's range: docs/kernels.md, stored scalars); ``float32`` full-precision values."""
 
 
 class Part(NamedTuple):

@@ -79,7 +79,7 @@ pub(crate) fn fwht(x: &mut [f32]) {
     }
 }
 
-/// Packs one row of `bits`-bit codes, little-endian within each byte (SPEC 2.1).
+/// Packs one row of `bits`-bit codes, little-endian within each byte (docs/kernels.md, bit packing).
 pub(crate) fn pack_row(codes: &[u8], bits: u32, out: &mut [u8]) {
     let mut acc: u32 = 0;
     let mut filled: u32 = 0;
