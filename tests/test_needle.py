@@ -272,3 +272,19 @@ def test_cli_needle_quick(tmp_path, smollm2_installed):
         assert t["correct"] == (t["digits"] == t["key"])
     assert f"report: {out / 'needle.md'}" in proc.stdout
     assert "| kqv k4 v4 | 512 |" in (out / "needle.md").read_text()
+
+
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        (["--rows", "nosuch"], "--rows: no row label starts with 'nosuch'; the labels are 'dense', 'kqv k4 v4'"),
+        (["--protocol", "llama"], "--protocol: the needle task has no protocol 'llama'"),
+        (["--contexts", "9000"], "--contexts"),
+        (["--trials", "0"], "--trials"),
+    ],
+)
+def test_cli_needle_bad_options_fail_before_the_model_loads(tmp_path, args, match):
+    cmd = [sys.executable, "-m", "kvqrs", "eval", "--task", "needle", *args, "--out", str(tmp_path / "o")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, HF_HUB_OFFLINE="1"), timeout=120, cwd=tmp_path)
+    assert proc.returncode == 2 and match in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert not (tmp_path / "o").exists()

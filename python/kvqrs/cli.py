@@ -285,9 +285,9 @@ def _needle(args: argparse.Namespace) -> int:
     depths = args.depths or (needle.QUICK_DEPTHS if args.quick else needle.DEPTHS)
     trials = args.trials if args.trials is not None else (needle.QUICK_TRIALS if args.quick else needle.TRIALS)
     needle.check_grid(contexts, depths, trials)
-    rows = needle.needle_rows(residual_length=args.residual_length, quick=args.quick)
-    if args.rows:
-        rows = [r for r in rows if r.name == "dense" or any(r.name.startswith(p) for p in args.rows)]
+    if args.protocol != "windows":
+        raise KvqrsError(f"--protocol: the needle task has no protocol {args.protocol!r} (it always generates through the real cache)")
+    rows = select_rows(needle.needle_rows(residual_length=args.residual_length, quick=args.quick), args.rows)  # before the model loads
     texts = _texts(args)
     torch_threads(1 if args.threads is None else args.threads)
     start = time.perf_counter()
@@ -446,7 +446,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("perplexity", "needle"),
         default="perplexity",
         help="perplexity (fast path, the default) or needle: pass key retrieval at several depths and contexts through the real "
-        "cache in generate (writes needle.md / .csv / .json / needle_accuracy.png into --out)",
+        "cache in generate (needle.md / .csv / .json / needle_accuracy.png; default --out reports/needle, with --quick reports/needle-quick)",
     )
     ev.add_argument("--contexts", type=int, nargs="+", help="needle: prompt lengths in tokens (default 1000 2000 4000 8000, quick 1000)")
     ev.add_argument(
@@ -454,7 +454,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ev.add_argument("--trials", type=int, help="needle: prompts per (context, depth), each with its own key and filler (default 2)")
     ev.add_argument("--seed", type=int, default=0, help="needle: seed of the keys and filler offsets")
-    ev.set_defaults(func=lambda a: _eval_llama(a) if a.protocol == "llama" else _eval(a))
+    ev.set_defaults(func=lambda a: _eval_llama(a) if a.protocol == "llama" and a.task != "needle" else _eval(a))
     ca = sub.add_parser("calibrate", help="fit the matched scheme (key transform, widths, value mean) on a calibration text and save it")
     _text_options(ca)
     ca.add_argument("--bits", type=float, default=4.0, help="average key code bits per coordinate (default: %(default)s)")
