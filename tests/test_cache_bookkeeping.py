@@ -44,6 +44,7 @@ EVERY_SCHEME = [
     pytest.param(QuantConfig("headq", 2, "kivi", 2, residual_length=2, headq_base="kqv", bases="random"), id="headq-kqv"),
     pytest.param(QuantConfig("headq", 2, residual_length=0, group=8, bases="random"), id="headq-kivi"),
     pytest.param(QuantConfig("headq", 3, "block", 3, residual_length=3, headq_base="block", bases="random"), id="headq-block"),
+    pytest.param(QuantConfig("matched", 3, "matched", 3, residual_length=3, group=8, calibration="random"), id="matched"),
 ]
 
 
@@ -85,7 +86,7 @@ def _one_shot(codec, k, v, n):
 
 def _check_holds_one_shot(layer, cfg, k, v, n=None):
     """``layer`` holds encode(first n tokens) bit for bit and the newest tokens untouched; ``n``
-    is ``quantized_count(seen)`` unless given (after a crop, kept codes stay quantized)."""
+    is ``quantized_count(seen)`` unless given."""
     n = cfg.quantized_count(k.shape[-2]) if n is None else n
     assert layer.quantized == n
     assert torch.equal(layer.keys, k[..., n:, :]) and torch.equal(layer.values, v[..., n:, :])
@@ -206,43 +207,50 @@ def test_window_at_every_prefill_and_decode_step(model64, cfg):
 
 
 class _ConstantSchedule(FakeQuant):
-    """The fast path with every query seeing keys ``j < held`` quantized: what the documented
-    prefill semantics say the prompt's queries read."""
+    """The fast path with every query seeing keys ``j < held`` quantized: a prompt that read
+    the cache in its final state (quantized at once)."""
 
     def __init__(self, config, held):
         super().__init__(config)
         self.held = held
 
     def _schedule(self, length):
-        return torch.arange(1, length + 1), torch.full((length,), self.held)
+        j = torch.arange(length)
+        return (j[None, :] < self.held).expand(length, length), False
 
 
 @pytest.mark.filterwarnings("ignore::FutureWarning")
-def test_prefill_quantizes_at_once_and_the_prompt_reads_it_so(model64):
-    """A P-token prefill leaves the oldest ``n = quantized_count(P)`` tokens quantized and the
-    newest ``P - n`` in the window, and every prompt query reads the cache in that final state:
-    query t sees key j <= t quantized iff j < n (in every layer). The fast path instead quantizes
-    key j for query t only once j has left t's own window (``j < quantized_count(t + 1)``), so a
-    multi-token prefill is not the fast path (nor a token-by-token feed)."""
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        pytest.param(QuantConfig("kqv", 3, "kqv", 3, residual_length=4), id="kqv-r4"),
+        pytest.param(QuantConfig("kivi", 2, "kivi", 2, residual_length=3, group=8, sink_tokens=2), id="kivi-g8-r3-s2"),
+        pytest.param(QuantConfig("headq", 2, residual_length=2, headq_base="kqv", bases="random", sink_tokens=1), id="headq-s1"),
+    ],
+)
+def test_prefill_reads_the_schedule_of_one_token_at_a_time(model64, cfg):
+    """A P-token prefill leaves the oldest tokens quantized (``quantized_span(P)``) and the
+    newest in the window, but each prompt query t reads key j quantized only once the cache
+    fed one token at a time would hold it so (``j`` in ``quantized_span(t + 1)``): the fast
+    path's schedule. So one prefill, the fast path and a token-by-token feed agree, and a
+    forward over drafted tokens reads what single decode steps would (assisted generation)."""
     model, tok = model64
-    cfg = QuantConfig("kqv", 3, "kqv", 3, residual_length=4)
     ids = tok(TEXT, return_tensors="pt").input_ids[:, :24]
     cache = QuantizedKVCache(cfg, model.config.num_hidden_layers)
     prefill = _forward(model, ids, cache)
     dc = DynamicCache()
     _forward(model, ids, dc)
-    n = cfg.quantized_count(ids.shape[1])
-    assert n == 20
-    _check_holds_one_shot(cache.layers[0], cfg, dc.layers[0].keys, dc.layers[0].values)
+    lo, hi = cfg.quantized_span(ids.shape[1])
+    assert hi - lo >= 16 and cache.layers[0].quantized == hi - lo
     _STATE.set(None)
-    with torch.no_grad(), active(_ConstantSchedule(cfg, n)):
+    with torch.no_grad(), active(_ConstantSchedule(cfg, hi)):
         constant = model(ids).logits
     with torch.no_grad(), fake_quant(cfg):
         fast = model(ids).logits
-    # float64 model: equal to rounding (measured ~1e-13 on logits of ~10); the per-query schedule
-    # of the fast path reads other keys and moves every position's logits by far more.
-    assert (prefill - constant).abs().max() < 1e-8
-    assert (prefill - fast)[0].abs().amax(dim=-1).min() > 1e-4
+    # float64 model: equal to rounding (measured ~1e-13 on logits of ~10); reading the final
+    # state at once moves the logits of the prompt's queries by far more.
+    assert (prefill - fast).abs().max() < 1e-8
+    assert (prefill - constant)[0].abs().amax(dim=-1).max() > 1e-4
 
 
 # --- beam search, crop, finished rows: against DynamicCache --------------------------------------
@@ -340,31 +348,35 @@ def test_beam_search_reorders_quantized_rows(model64, monkeypatch):
     ],
 )
 def test_crop_then_continue(model64, cfg):
-    """Crop back by 5 (a rejected draft) and by 12 (into the quantized part), then decode other
-    tokens. Unquantized: DynamicCache's logits exactly. Quantized: layer 0 holds the one-shot
-    encoding of the kept tokens; tokens quantized before the crop stay quantized."""
+    """Crop back by 12 (into the quantized part) and by 5 (a rejected draft: no deeper than the
+    tokens fed since the previous crop), then decode other tokens. Unquantized: DynamicCache's logits exactly. Quantized (past recording on, as
+    assisted generation sets it): the kept tokens are held as a fresh cache fed only them
+    would hold them (the newest back in full precision), and decoding continues by the schedule."""
     model, tok = model64
     ids = tok(TEXT, return_tensors="pt").input_ids[:, :40]
     qc, dc = QuantizedKVCache(cfg, model.config.num_hidden_layers), DynamicCache()
+    qc.activate_past_recording()
     for cache in (qc, dc):
         _forward(model, ids[:, :24], cache)
         for t in range(24, 28):
             _forward(model, ids[:, t : t + 1], cache)
     seen = 28
-    for remove, feed in ((5, ids[:, 30:33]), (12, ids[:, 33:40])):
-        held = qc.layers[0].quantized
+    for remove, feed in ((12, ids[:, 33:40]), (5, ids[:, 30:33])):
         qc.crop(-remove)
         dc.crop(-remove)
         seen -= remove
         assert qc.get_seq_length() == dc.get_seq_length() == seen
-        assert qc.layers[0].quantized == min(held, seen)
+        assert qc.layers[0].quantized == cfg.quantized_count(seen)
+        _check_holds_one_shot(qc.layers[0], cfg, dc.layers[0].keys, dc.layers[0].values)
         for t in range(feed.shape[1]):
             a, b = _forward(model, feed[:, t : t + 1], qc), _forward(model, feed[:, t : t + 1], dc)
             seen += 1
             if cfg is UNQUANTIZED:
                 assert torch.equal(a, b)
-        n = max(min(held, seen - feed.shape[1]), cfg.quantized_count(seen))
-        _check_holds_one_shot(qc.layers[0], cfg, dc.layers[0].keys, dc.layers[0].values, n)
+        _check_holds_one_shot(qc.layers[0], cfg, dc.layers[0].keys, dc.layers[0].values)
+    qc.crop(0)
+    assert qc.layers[0].pending_k is None
+    _check_holds_one_shot(qc.layers[0], cfg, dc.layers[0].keys, dc.layers[0].values)
 
 
 def _left_padded(tok, texts, pad_id=0):

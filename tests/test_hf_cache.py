@@ -131,6 +131,12 @@ FAST_VS_CACHE = [
     # No window, per-token keys: every visible key is quantized (the fast path's shortcut).
     pytest.param(QuantConfig("kqv", 3, "kqv", 3, residual_length=0), id="kqv-k3v3-r0"),
     pytest.param(QuantConfig("headq", 2, residual_length=0, headq_base="kivi", bases="random"), id="headq-kivi-random"),
+    # Attention sinks: the first tokens stay in full precision, KIVI groups count from after them.
+    pytest.param(QuantConfig("kqv", 3, "kqv", 3, residual_length=4, sink_tokens=4), id="kqv-k3v3-r4-s4"),
+    pytest.param(QuantConfig("kivi", 2, "kivi", 2, residual_length=3, group=8, sink_tokens=3), id="kivi-k2v2-g8-r3-s3"),
+    pytest.param(
+        QuantConfig("matched", 2, "matched", 2, residual_length=3, group=8, sink_tokens=1, calibration="random"), id="matched-k2v2-g8-r3-s1"
+    ),
 ]
 
 
@@ -146,6 +152,7 @@ def test_fast_path_matches_token_by_token_cache(model64, ids, dense_logits, cfg)
     # both paths quantize), then decode one token at a time: from there on each query sees
     # exactly the keys the cache holds quantized at its step.
     prefill = max((p for p in range(1, T_EVAL + 1) if cfg.quantized_count(p) == 0), default=1)
+    assert prefill >= cfg.sink_tokens
     steps = []
     with torch.no_grad():
         steps.append(model(ids[:, :prefill], past_key_values=cache, use_cache=True).logits)
@@ -256,6 +263,7 @@ PER_TOKEN = [
 GROUPED = [
     pytest.param(QuantConfig("kivi", 2, "kivi", 2, residual_length=5), id="kivi"),
     pytest.param(QuantConfig("headq", 2, residual_length=0, bases="random"), id="headq-kivi"),
+    pytest.param(QuantConfig("matched", 3, "matched", 3, residual_length=2, group=8, calibration="random"), id="matched"),
 ]
 
 
@@ -367,6 +375,7 @@ CROP_SCHEMES = [
     pytest.param(QuantConfig("kivi", 2, "kivi", 2, residual_length=6, group=8), id="kivi"),
     pytest.param(QuantConfig("kqv", 4, residual_length=6), id="kqv-keyonly"),
     pytest.param(QuantConfig("headq", 2, residual_length=6, headq_base="kqv", bases="random"), id="headq-kqv"),
+    pytest.param(QuantConfig("matched", 3, "matched", 3, residual_length=6, group=8, calibration="random"), id="matched"),
 ]
 
 
@@ -403,67 +412,89 @@ def _check_against_dynamic(qc, dc, cfg):
                 np.testing.assert_array_equal(layer.correction(q).numpy(), expected)
 
 
-@pytest.mark.parametrize("cfg", CROP_SCHEMES)
-@pytest.mark.parametrize("remove", [1, 6])
-def test_crop_inside_window(cfg, remove):
+def _fed(cfg, k, v, layers=2, record=False):
+    """A cache fed ``k, v`` in one update per layer (after ``activate_past_recording`` if ``record``)."""
+    qc = QuantizedKVCache(cfg, layers)
+    if record:
+        qc.activate_past_recording()
+    for i in range(layers):
+        qc.update(k, v, i)
+    _STATE.set(None)
+    return qc
+
+
+def _same_state(a, b):
+    """Two caches hold the same tokens the same way: positions, codes (every part), full-precision
+    tensors, bytes."""
+    for la, lb in zip(a.layers, b.layers):
+        assert (la.seen, la.start, la.q_start, la.quantized) == (lb.seen, lb.start, lb.q_start, lb.quantized)
+        assert la.nbytes() == lb.nbytes()
+        ta, tb = la._tensors(), lb._tensors()
+        assert ta.keys() == tb.keys() and all(torch.equal(ta[n], tb[n]) for n in ta)
+        for ca, cb in zip(la.chunks_k + la.chunks_v, lb.chunks_k + lb.chunks_v):
+            assert (ca is None) == (cb is None)
+            if ca is not None:
+                assert ca.parts.keys() == cb.parts.keys() and ca.shape == cb.shape
+                assert all(np.array_equal(ca.parts[n], cb.parts[n]) for n in ca.parts)
+        assert len(la.chunks_k) == len(lb.chunks_k) and len(la.chunks_v) == len(lb.chunks_v)
+
+
+CROP_WITH_SINKS = CROP_SCHEMES + [
+    pytest.param(QuantConfig("kqv", 3, "kqv", 3, residual_length=4, sink_tokens=3), id="kqv-sinks"),
+    pytest.param(QuantConfig("kivi", 2, "kivi", 2, residual_length=3, group=8, sink_tokens=2), id="kivi-sinks"),
+]
+
+
+@pytest.mark.parametrize("cfg", CROP_WITH_SINKS)
+@pytest.mark.parametrize("remove", [1, 6, 9, 17, 28, 30])
+def test_crop_returns_to_the_state_of_a_fresh_cache(cfg, remove):
+    """With past recording (as transformers' assisted generation sets it) a crop of any depth,
+    inside the window or across it and the KIVI groups, leaves exactly the state of a cache
+    fed only the kept tokens: the tokens it holds in full precision are full precision again."""
     k, v = _kv(batch=3, tokens=30)
-    qc, dc = _pair(cfg, k, v)
-    quantized = qc.layers[0].quantized
+    qc = _fed(cfg, k, v, record=True)
+    assert qc.layers[0].pending_k is not None  # the originals of the quantized tokens, kept for a rollback
     qc.crop(-remove)
-    dc.crop(-remove)
-    assert qc.layers[0].quantized == quantized  # nothing re-encoded
-    _check_against_dynamic(qc, dc, cfg)
-    # decoding continues from the cropped state like DynamicCache does
-    k2, v2 = _kv(batch=3, tokens=3, seed=5)
+    keep = 30 - remove
+    if keep >= cfg.sink_tokens:
+        _same_state(qc, _fed(cfg, k[..., :keep, :], v[..., :keep, :]))
+    assert qc.get_seq_length() == keep and qc.layers[0].pending_k is None
+    # and decoding continues from there like a fresh cache (fed the same tokens one update apart)
+    k2, v2 = _kv(batch=3, tokens=35, seed=5)
+    k_all, v_all = torch.cat([k[..., :keep, :], k2], -2), torch.cat([v[..., :keep, :], v2], -2)
     for i in range(2):
         qc.update(k2, v2, i)
-        dc.update(k2, v2, i)
-    # tokens already quantized stay quantized (their originals are gone); new ones follow the schedule
-    assert qc.layers[0].quantized == max(quantized, cfg.quantized_count(30 - remove + 3))
-    _check_against_dynamic(qc, dc, cfg)
+    qc.crop(0)
+    _same_state(qc, _fed(cfg, k_all, v_all))
 
 
-@pytest.mark.parametrize(
-    "cfg",
-    [
-        pytest.param(QuantConfig("kqv", 3, "kqv", 3, residual_length=4), id="kqv"),
-        pytest.param(QuantConfig("kv", 4, "kv", 4, residual_length=4), id="kv"),
-        pytest.param(QuantConfig("qkqv", 3, "qkqv", 3, residual_length=4), id="qkqv"),
-        pytest.param(QuantConfig("headq", 2, residual_length=4, headq_base="kqv", bases="random"), id="headq-kqv"),
-        pytest.param(QuantConfig("block", 4, "block", 4, residual_length=4), id="block"),
-        pytest.param(QuantConfig("kivi", 2, "kivi", 2, residual_length=4, group=8), id="kivi"),
-    ],
-)
-def test_crop_into_quantized_part_keeps_kept_tokens(cfg):
-    k, v = _kv(batch=3, tokens=40)
-    qc, dc = _pair(cfg, k, v)
-    before = [layer.materialize() for layer in qc.layers]
-    held_before = [layer.quantized for layer in qc.layers]
-    qc.crop(-15)
-    dc.crop(-15)
-    keep = 25
-    assert qc.get_seq_length() == dc.get_seq_length() == keep
-    for layer, (k0, v0), held in zip(qc.layers, before, held_before):
-        # Kept tokens keep their codes (they cannot be un-quantized); only a KIVI group cut in
-        # two returns to full precision.
-        assert layer.quantized == min(held, keep // cfg.chunk * cfg.chunk)
-        k1, v1 = layer.materialize()
-        assert k1.shape[-2] == v1.shape[-2] == keep
-        # crop removes the newest tokens; the kept ones stay what the model already saw
-        assert torch.equal(k1, k0[..., :keep, :])
-        assert torch.equal(v1, v0[..., :keep, :])
+@pytest.mark.parametrize("cfg", CROP_SCHEMES)
+def test_crop_without_past_recording_refuses_what_it_cannot_restore(cfg):
+    k, v = _kv(batch=2, tokens=30)
+    qc = _fed(cfg, k, v)
+    assert qc.layers[0].pending_k is None  # nothing kept beyond the codes
+    with pytest.raises(KvqrsError, match="activate_past_recording"):
+        qc.crop(-9)
+    # a crop inside the window that keeps every code (a KIVI group not yet due) needs no original
+    grouped = QuantConfig("kivi", 2, "kivi", 2, residual_length=4, group=8)
+    qc = _fed(grouped, k, v)
+    assert qc.layers[0].quantized == 24 == grouped.quantized_count(29)
+    qc.crop(-1)
+    _same_state(qc, _fed(grouped, k[..., :29, :], v[..., :29, :]))
 
 
-def test_crop_into_quantized_part_keeps_headq_correction():
+def test_crop_keeps_the_headq_correction_of_kept_groups():
     cfg = QuantConfig("headq", 2, residual_length=0, headq_base="kivi", group=8, bases="random")
     k, v = _kv(batch=1, tokens=32)
     layer = QuantizedLayer(cfg, 0)
+    layer.activate_past_recording()
     layer.update(k, v)
     q = torch.randn(1, 9, 2, HEAD_DIM, generator=torch.Generator().manual_seed(4))
     before = layer.correction(q)
     assert before.abs().max() > 0.05  # a real correction to lose
-    layer.crop(-4)  # keep 28 -> re-encodes 24 tokens (3 groups of 8)
+    layer.crop(-4)  # keep 28 -> 24 coded tokens (3 groups of 8), 4 back in full precision
     after = layer.correction(q)
+    assert layer.quantized == 24 and layer.keys.shape[-2] == 4
     np.testing.assert_allclose(after.numpy(), before[..., : after.shape[-1]].numpy(), rtol=0, atol=1e-6)
 
 
@@ -471,8 +502,10 @@ def test_crop_into_quantized_part_keeps_headq_correction():
 def test_crop_everything_and_restart(cfg):
     k, v = _kv(batch=3, tokens=20)
     qc, dc = _pair(cfg, k, v)
-    qc.crop(-25)  # more than it holds
-    dc.crop(-25)
+    with pytest.raises(KvqrsError, match="cannot remove 25 tokens"):
+        qc.crop(-25)  # more than it holds
+    qc.crop(-20)
+    dc.crop(-20)
     assert qc.get_seq_length() == dc.get_seq_length() == 0
     assert qc.layers[0].quantized == 0 and qc.nbytes() == 0
     for i in range(2):
@@ -799,9 +832,13 @@ def test_fused_decode_step_matches_decoded_layer(cfg, nq):
         assert rk.shape[-2] == 45
         layer.attend(module, q[..., :1, :], rk, rv, None, scaling)
         rk, rv = layer.update(k2, v2, fused=fused)
-        assert layer._fused == fused
+        # fused only when every new query reads every new code quantized (a per-token scheme
+        # flushing 3 tokens in one step is read in full precision by its earlier queries)
+        # (and only for codecs with a fused read path: the matched scheme decodes)
+        has_path = cfg.codec(0, HEAD_DIM).has_fused_path()
+        assert layer._fused == (fused and has_path and cfg.quantized_span(46)[1] >= cfg.quantized_span(45 + nq)[1])
         # a fused step hands back the window alone: nothing is decoded
-        assert rk.shape[-2] == (layer.keys.shape[-2] if fused else 45 + nq)
+        assert rk.shape[-2] == (layer.keys.shape[-2] if layer._fused else 45 + nq)
         mask = _causal_mask(2, nq, 45 + nq)
         outs.append(layer.attend(module, q, rk, rv, mask, scaling)[0])
     fused_out, decoded = outs
@@ -839,9 +876,9 @@ def test_generation_with_fused_steps_matches_the_decoded_cache(model32, cfg, mon
         calls["fused"] += 1
         return fused_fn(self, *a, **kw)
 
-    def spy_materialize(self):
+    def spy_materialize(self, *a):
         calls["materialize"] += 1
-        return materialize_fn(self)
+        return materialize_fn(self, *a)
 
     monkeypatch.setattr(QuantizedLayer, "_attend_fused", spy_fused)
     monkeypatch.setattr(QuantizedLayer, "materialize", spy_materialize)
@@ -956,7 +993,7 @@ def test_cache_bytes_altered_or_truncated_raise():
     for n in rng.integers(0, len(data), 100):
         with pytest.raises(KvqrsError):
             QuantizedKVCache.from_bytes(data[:n])
-    with pytest.raises(KvqrsError, match="not a kvqrs-cache-v1"):
+    with pytest.raises(KvqrsError, match="not a kvqrs-cache-v2"):
         QuantizedKVCache.from_bytes(fmt.dumps(KVCodec("kqv", 3, 8).encode_keys(np.ones((2, 8), np.float32))))
 
 

@@ -94,9 +94,9 @@ def container_write(sections: list[tuple[str, int, list[int], bytes]]) -> bytes:
 def container_read(data: bytes) -> list[tuple[str, int, list[int], bytes]]: ...
 def decode_attention(
     q: _F32,
-    keys: dict[str, Any],
-    values: dict[str, Any],
-    side: dict[str, Any] | None,
+    keys: Any,  # MSERows | UniformRows | DenseRows, arrays flat and checked (kvqrs.kernels.attention)
+    values: Any,
+    side: Any | None,  # the flattened SideRows: codes, scales, basis, bits, sign, rank, basis_heads
     heads: int,
     rows: int,
     tokens: int,

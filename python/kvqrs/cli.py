@@ -185,8 +185,10 @@ def _eval(args: argparse.Namespace) -> int:
     from .evaluation import model_report
     from .evaluation.model_eval import default_rows, run_eval
 
+    if args.task == "needle":
+        return _needle(args)
     texts = _texts(args)
-    for name, value in (("--window", args.window), ("--windows", args.windows), ("--calibration-windows", args.calibration_windows)):
+    for name, value in (("--window", args.window), ("--windows", args.windows), ("--calibration-windows", args.calibration_windows or 1)):
         if value is not None and value < 1:
             raise KvqrsError(f"{name}: expected a positive integer, got {value}")
     if args.window is not None and args.window < 2:
@@ -217,7 +219,7 @@ def _eval(args: argparse.Namespace) -> int:
         rows,
         window,
         windows,
-        calib_windows=args.calibration_windows,
+        calib_windows=args.calibration_windows or 2,
         progress=not args.no_progress,
         ray=ray,
         threads=threads,
@@ -226,6 +228,105 @@ def _eval(args: argparse.Namespace) -> int:
     md = model_report.write(result, out, seconds)
     print(model_report.summary(result, seconds))
     print(f"report: {md}")
+    return 0
+
+
+def _eval_llama(args: argparse.Namespace) -> int:
+    """``kvqrs eval --protocol llama``: llama.cpp's perplexity protocol (chunks of ``--ctx``
+    tokens, the second half scored) for the baselines and the calibrated ``matched`` rows."""
+    import pathlib
+    import time
+
+    from .evaluation import llama_protocol as lp
+    from .evaluation import model as model_mod
+    from .hf import fit_matched, load_matched, record_matched
+
+    texts = _texts(args)
+    out = pathlib.Path(args.out if args.out is not None else ("reports/llama-quick" if args.quick else "reports/llama"))
+    chunks = args.chunks if args.chunks is not None else (2 if args.quick else 40)
+    torch_threads(1 if args.threads is None else args.threads)
+    start = time.perf_counter()
+    model, tok = model_mod.load(progress=not args.no_progress)
+    if args.calibration:
+        cal = {"file": load_matched(args.calibration)}
+        bits = {"file": cal["file"]}
+        rows = [r for r in lp.llama_rows() if r.config is None] + lp.matched_rows({(4.0, 128): cal["file"]})
+    else:
+        windows = lp.llama_chunks(tok, texts.calibration, args.ctx, args.calibration_windows or 8)
+        stats = record_matched(model, windows, skip=1)
+        bits = {}
+        for spec in args.matched_bits:
+            b, _, g = spec.partition("@")
+            try:
+                key = (float(b), int(g or 128))
+            except ValueError:
+                raise KvqrsError(f"--matched-bits: expected BITS or BITS@GROUP (e.g. 4 or 4@256), got {spec!r}") from None
+            bits[key] = fit_matched(stats, *key)
+        rows = lp.llama_rows(bits)
+    rows = select_rows(rows, args.rows)
+    print(f"kvqrs eval --protocol llama: {len(rows)} rows x {chunks} chunks of {args.ctx} tokens, text: {texts.source}")
+    result = lp.run_llama(model, tok, texts, rows, ctx=args.ctx, chunks=chunks, progress=not args.no_progress)
+    seconds = time.perf_counter() - start
+    md = lp.write(result, out, seconds)
+    print(lp.markdown(result))
+    print(f"report: {md}")
+    return 0
+
+
+def _needle(args: argparse.Namespace) -> int:
+    """``kvqrs eval --task needle``: pass key retrieval through the real cache (evaluation/needle.py)."""
+    import pathlib
+    import time
+
+    from .evaluation import model as model_mod
+    from .evaluation import needle, needle_report
+
+    contexts = args.contexts or (needle.QUICK_CONTEXTS if args.quick else needle.CONTEXTS)
+    depths = args.depths or (needle.QUICK_DEPTHS if args.quick else needle.DEPTHS)
+    trials = args.trials if args.trials is not None else (needle.QUICK_TRIALS if args.quick else needle.TRIALS)
+    needle.check_grid(contexts, depths, trials)
+    rows = needle.needle_rows(residual_length=args.residual_length, quick=args.quick)
+    if args.rows:
+        rows = [r for r in rows if r.name == "dense" or any(r.name.startswith(p) for p in args.rows)]
+    texts = _texts(args)
+    torch_threads(1 if args.threads is None else args.threads)
+    start = time.perf_counter()
+    model, tok = model_mod.load(progress=not args.no_progress)
+    if args.threads is None:
+        n, probe = model_mod.fastest_threads(model, tok(texts.evaluation[:20000], return_tensors="pt").input_ids[:, :512])
+        print(f"torch threads: {n} (one forward of 512 tokens: " + ", ".join(f"{k} thread(s) {t:.2f} s" for k, t in probe.items()) + ")")
+    print(
+        f"kvqrs eval --task needle: {len(rows)} rows x {len(contexts)} contexts x {len(depths)} depths x {trials} trials, filler: {texts.source}"
+    )
+    result = needle.run_needle(model, tok, texts, rows, contexts, depths, trials, seed=args.seed, progress=not args.no_progress)
+    seconds = time.perf_counter() - start
+    machine = needle.machine_line()
+    md = needle_report.write(
+        result,
+        pathlib.Path(args.out if args.out is not None else ("reports/needle-quick" if args.quick else "reports/needle")),
+        seconds,
+        machine,
+    )
+    print(needle_report.summary(result, seconds, machine))
+    print(f"report: {md}")
+    return 0
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    """``kvqrs calibrate``: fit the ``matched`` scheme on the calibration text and save it."""
+    from .evaluation import llama_protocol as lp
+    from .evaluation import model as model_mod
+    from .hf import calibrate_matched, save_matched
+
+    texts = _texts(args)
+    torch_threads(1 if args.threads is None else args.threads)
+    model, tok = model_mod.load(progress=not args.no_progress)
+    windows = lp.llama_chunks(tok, texts.calibration, args.ctx, args.windows)
+    cal = calibrate_matched(model, windows, args.bits, args.group, skip=args.sink_tokens)
+    path = save_matched(args.out, cal, {"bits": args.bits, "group": args.group, "sink_tokens": args.sink_tokens, "source": texts.source})
+    print(
+        f"kvqrs calibrate: {len(cal)} layers, key code bits {args.bits}, group {args.group}, {len(windows)} windows of {args.ctx} tokens; wrote {path}"
+    )
     return 0
 
 
@@ -307,7 +408,10 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--window", type=int, help="tokens per window (default 512, quick 256)")
     ev.add_argument("--windows", type=int, help="evaluation windows (default 3, quick 1)")
     ev.add_argument(
-        "--calibration-windows", type=int, default=2, help="windows of calibration text for the HeadQ bases (default: %(default)s)"
+        "--calibration-windows",
+        type=int,
+        default=None,
+        help="windows of calibration text: HeadQ bases (default 2), matched rows of the llama protocol (default 8)",
     )
     ev.add_argument("--residual-length", type=int, default=0, help="newest tokens kept in full precision (default: %(default)s)")
     ev.add_argument(
@@ -318,7 +422,54 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ev.add_argument("--out", default=None, help="report folder (default: reports/eval; with --quick: reports/eval-quick)")
     ev.add_argument("--no-progress", action="store_true", help="no progress bars (also none while the model loads)")
-    ev.set_defaults(func=_eval)
+    ev.add_argument(
+        "--protocol",
+        choices=("windows", "llama"),
+        default="windows",
+        help="windows: the fast-path study rows; llama: llama.cpp's perplexity protocol beside its quantized-cache numbers (default: %(default)s)",
+    )
+    ev.add_argument("--ctx", type=int, default=512, help="llama protocol: tokens per chunk (default: %(default)s)")
+    ev.add_argument("--chunks", type=int, default=None, help="llama protocol: chunks evaluated (default 40, quick 2)")
+    ev.add_argument(
+        "--calibration",
+        default=None,
+        help="llama protocol: a `kvqrs calibrate` file for the matched rows (default: fit on the calibration text)",
+    )
+    ev.add_argument(
+        "--matched-bits",
+        nargs="+",
+        default=["4", "3", "2"],
+        help="llama protocol: key code budgets of the matched rows, BITS or BITS@GROUP (default: 4 3 2)",
+    )
+    ev.add_argument(
+        "--task",
+        choices=("perplexity", "needle"),
+        default="perplexity",
+        help="perplexity (fast path, the default) or needle: pass key retrieval at several depths and contexts through the real "
+        "cache in generate (writes needle.md / .csv / .json / needle_accuracy.png into --out)",
+    )
+    ev.add_argument("--contexts", type=int, nargs="+", help="needle: prompt lengths in tokens (default 1000 2000 4000 8000, quick 1000)")
+    ev.add_argument(
+        "--depths", type=float, nargs="+", help="needle: needle depths, fractions of the filler (default 0 .5 1, quick .25 .75)"
+    )
+    ev.add_argument("--trials", type=int, help="needle: prompts per (context, depth), each with its own key and filler (default 2)")
+    ev.add_argument("--seed", type=int, default=0, help="needle: seed of the keys and filler offsets")
+    ev.set_defaults(func=lambda a: _eval_llama(a) if a.protocol == "llama" else _eval(a))
+    ca = sub.add_parser("calibrate", help="fit the matched scheme (key transform, widths, value mean) on a calibration text and save it")
+    _text_options(ca)
+    ca.add_argument("--bits", type=float, default=4.0, help="average key code bits per coordinate (default: %(default)s)")
+    ca.add_argument("--group", type=int, default=128, help="tokens per key scale group (default: %(default)s)")
+    ca.add_argument(
+        "--sink-tokens",
+        type=int,
+        default=1,
+        help="leading tokens kept in full precision, left out of the statistics (default: %(default)s)",
+    )
+    ca.add_argument("--ctx", type=int, default=512, help="tokens per calibration window (default: %(default)s)")
+    ca.add_argument("--windows", type=int, default=8, help="calibration windows (default: %(default)s)")
+    ca.add_argument("--out", default="matched-calibration.npz", help="output file (default: %(default)s)")
+    ca.add_argument("--no-progress", action="store_true", help="no progress bars")
+    ca.set_defaults(func=_calibrate)
     return parser
 
 

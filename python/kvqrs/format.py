@@ -24,6 +24,7 @@ import numpy as np
 
 from . import _native
 from ._arrays import KvqrsError
+from .layout import check_parts
 from .schemes.base import Encoded
 
 if TYPE_CHECKING:
@@ -129,8 +130,8 @@ def loads(data: bytes, codec: KVCodec | None = None) -> Encoded:
 
 def check_belongs(enc: Encoded, codec: KVCodec) -> None:
     """Raise :class:`KvqrsError` unless ``enc`` is a tensor ``codec`` could have stored:
-    same scheme, side and parameters (seeds, bits, basis hash), and every part with the name,
-    shape and kind of dtype the codec stores for that shape."""
+    same scheme, side and parameters (seeds, bits, basis hash), and exactly the parts of the
+    coder's declared layout for that shape (:mod:`kvqrs.layout`), each of its shape and dtype."""
     from .schemes.base import check_encoded
 
     coder = codec._key_coder() if enc.kind == "keys" else codec.values
@@ -140,16 +141,10 @@ def check_belongs(enc: Encoded, codec: KVCodec) -> None:
     check_encoded(enc, coder.scheme, enc.kind, coder.params)
     if len(enc.shape) < 2 or enc.shape[-1] != codec.head_dim:
         raise KvqrsError(f"compressed cache: shape {enc.shape}, the codec expects (..., tokens, {codec.head_dim})")
-    if enc.scheme == "a2":
-        return  # its layout follows the per-token widths it stored; decode checks them
-    reference = coder.encode(np.zeros(enc.shape, np.float32))
-    for name, ref in reference.parts.items():
-        got = enc.parts.get(name)
-        if got is None or got.shape != ref.shape or got.dtype.kind != ref.dtype.kind:
-            found = None if got is None else (got.shape, str(got.dtype))
-            raise KvqrsError(f"compressed cache: part {name!r} should be {ref.shape} of kind {ref.dtype.kind!r}, got {found}")
-    if set(enc.parts) != set(reference.parts):
-        raise KvqrsError(f"compressed cache: parts {sorted(enc.parts)}, the codec stores {sorted(reference.parts)}")
+    layout = getattr(coder, "layout", None)
+    if layout is None:
+        return  # a2: its parts follow the per-token widths it stored; decode checks them
+    check_parts(enc.parts, layout(enc.shape), "compressed cache")
 
 
 def save(path: str | os.PathLike, enc: Encoded) -> None:

@@ -4,7 +4,7 @@ path, :class:`QuantizedKVCache`, HeadQ calibration and the torch thread count
 
 from .attention import active, fake_quant, kvqrs_attention, register
 from .cache import QuantizedKVCache, QuantizedLayer
-from .calibration import calibrate, load_bases, save_bases
+from .calibration import calibrate, calibrate_matched, fit_matched, load_bases, load_matched, record_matched, save_bases, save_matched
 from .config import QuantConfig
 from .threads import fastest_threads, set_num_threads
 
@@ -14,6 +14,11 @@ __all__ = [
     "QuantizedLayer",
     "active",
     "calibrate",
+    "calibrate_matched",
+    "fit_matched",
+    "record_matched",
+    "load_matched",
+    "save_matched",
     "load_bases",
     "save_bases",
     "fake_quant",

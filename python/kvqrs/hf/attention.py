@@ -47,8 +47,19 @@ def _softmax_out(module, query, logits, attention_mask, value_parts):
     return out.to(query.dtype).transpose(1, 2).contiguous(), p.to(query.dtype)
 
 
+def _check_supported(module, kwargs) -> None:
+    """Refuse attention variants this function does not compute (it would silently return
+    plain softmax attention): logit soft-capping (Gemma-2) and learned sink logits (gpt-oss)."""
+    if kwargs.get("softcap") is not None:
+        raise KvqrsError(f"attention: logit soft-capping (softcap={kwargs['softcap']}, Gemma-2) is not supported by the kvqrs attention")
+    if kwargs.get("s_aux") is not None or getattr(module, "sinks", None) is not None:
+        raise KvqrsError("attention: learned sink logits (gpt-oss s_aux) are not supported by the kvqrs attention")
+
+
 def kvqrs_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
-    """Attention interface function (registered as ``"kvqrs"``)."""
+    """Attention interface function (registered as ``"kvqrs"``). Raises :class:`KvqrsError`
+    for logit soft-capping or learned sink logits, which it does not compute."""
+    _check_supported(module, kwargs)
     state = _STATE.get()
     if state is not None:
         handled = state.attend(module, query, key, value, attention_mask, scaling)
@@ -79,19 +90,29 @@ def active(state: Any) -> Iterator[Any]:
 
 class FakeQuant:
     """The fast path: quantize-dequantize inside one forward pass over a window that starts at
-    position 0, with the cache's schedule (``QuantConfig.quantized_count``) applied per query."""
+    position 0, with the cache's schedule (``QuantConfig.quantized_span``) applied per query."""
 
-    def __init__(self, config: QuantConfig):
+    def __init__(self, config: QuantConfig, one_shot: bool = False):
         self.config = config
+        self.one_shot = one_shot
         self.calls = 0
-        self._schedules: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._schedules: dict[int, tuple[torch.Tensor, bool]] = {}
 
-    def _schedule(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(seen, held)`` for a window: tokens seen at each query and tokens held quantized
-        then; the same for every layer, so built once per window length."""
+    def _schedule(self, length: int) -> tuple[torch.Tensor, bool]:
+        """``(m, all_held)`` for a window: ``m[t, j]`` is True when key ``j`` is held quantized
+        after the cache has seen ``t + 1`` tokens; ``all_held`` when every key a query may see
+        (``j <= t``) is. The same for every layer, so built once per window length."""
+        if length < self.config.sink_tokens:
+            raise KvqrsError(f"sink_tokens: {self.config.sink_tokens} sink tokens, but the window holds only {length} tokens")
         if length not in self._schedules:
-            seen = torch.arange(1, length + 1)
-            self._schedules[length] = (seen, torch.tensor([self.config.quantized_count(int(s)) for s in seen]))
+            if self.one_shot:  # the prefill of a cache that holds the whole window: every token after the sinks coded
+                spans = torch.tensor([[self.config.sink_tokens, length]] * length)
+            else:
+                spans = torch.tensor([self.config.quantized_span(t) for t in range(1, length + 1)])
+            j = torch.arange(length)[None, :]
+            m = (j >= spans[:, :1]) & (j < spans[:, 1:])
+            tril = torch.ones(length, length, dtype=torch.bool).tril()
+            self._schedules[length] = (m, bool(torch.equal(m & tril, tril)))
         return self._schedules[length]
 
     def attend(self, module, query, key, value, attention_mask, scaling):
@@ -101,34 +122,37 @@ class FakeQuant:
         length = key.shape[-2]
         if query.shape[-2] != length:
             raise ValueError("kvqrs fake-quant path: expects a full window starting at position 0 (no cache)")
-        # m[t, j]: key j is held quantized when the cache has seen t + 1 tokens.
-        seen, held = self._schedule(length)
-        # With no full-precision window every key a query may see (j <= t) is quantized: the
-        # causal mask hides the rest, so the mixing below reduces to the quantized parts alone.
-        all_held = attention_mask is not None and bool(torch.equal(held, seen))
+        held, all_held = self._schedule(length)
+        # With no full-precision token (no window, no sinks) every key a query may see (j <= t)
+        # is quantized: the causal mask hides the rest, so the mixing below reduces to the
+        # quantized parts alone.
+        all_held = attention_mask is not None and all_held
         g = module.num_key_value_groups
         s_fp = None
         if not (all_held and cfg.quantizes_keys) or (cfg.value_scheme == "a2" and not cfg.a2_uniform):
             s_fp = (query @ repeat_kv(key, g).transpose(2, 3)) * scaling
         logits = s_fp
+        # The sinks are never quantized: codes (and KIVI key groups) start after them, as in the cache.
+        sink = cfg.sink_tokens
         if cfg.quantizes_keys:
-            ck = codec.encode_keys(to_numpy(key, "keys"))
-            k_hat = from_numpy(codec.decode_keys(ck, base_only=True), key)
+            ck = codec.encode_keys(to_numpy(key[..., sink:, :], "keys"))
+            k_hat = torch.cat([key[..., :sink, :], from_numpy(codec.decode_keys(ck, base_only=True), key)], dim=-2)
             s_q = (query @ repeat_kv(k_hat, g).transpose(2, 3)) * scaling
             corr = codec.score_correction(to_numpy(query, "query"), ck)
             if corr is not None:
-                s_q = s_q + torch.from_numpy(corr).to(s_q.dtype)
-            m = (torch.arange(length)[None, :] < held[:, None]).to(s_q.dtype)
+                s_q[..., sink:] += torch.from_numpy(corr).to(s_q.dtype)
+            m = held.to(s_q.dtype)
             logits = s_q if all_held else m * s_q + (1 - m) * s_fp
         if codec.values is None:
             return _softmax_out(module, query, logits, attention_mask, [(None, value)])
         weights = None
         if cfg.value_scheme == "a2" and not cfg.a2_uniform:
-            weights = _a2_importance(module, s_fp, attention_mask, cfg.a2_lookahead)
-        v_hat = from_numpy(codec.decode_values(codec.encode_values(to_numpy(value, "values"), weights)), value)
+            weights = _a2_importance(module, s_fp, attention_mask, cfg.a2_lookahead)[..., sink:]
+        v_hat = from_numpy(codec.decode_values(codec.encode_values(to_numpy(value[..., sink:, :], "values"), weights)), value)
+        v_hat = torch.cat([value[..., :sink, :], v_hat], dim=-2)
         if all_held:
             return _softmax_out(module, query, logits, attention_mask, [(None, v_hat)])
-        m = (torch.arange(length)[None, :] < held[:, None]).to(logits.dtype)
+        m = held.to(logits.dtype)
         return _softmax_out(module, query, logits, attention_mask, [(m, v_hat), (1 - m, value)])
 
 
@@ -146,11 +170,15 @@ def _a2_importance(module, s_fp, attention_mask, lookahead):
 
 
 @contextlib.contextmanager
-def fake_quant(config: QuantConfig) -> Iterator[FakeQuant]:
+def fake_quant(config: QuantConfig, one_shot: bool = False) -> Iterator[FakeQuant]:
     """``with fake_quant(cfg): model(ids)`` runs the fast evaluation path (the model must use
-    ``attn_implementation="kvqrs"``)."""
+    ``attn_implementation="kvqrs"``).
+
+    ``one_shot=True``: every token after the sinks is read quantized, whatever the window and
+    chunk settings (a cache prefilled with the whole window in one pass: llama.cpp's perplexity
+    protocol, in which KIVI-style groups are coded with the tokens of the whole window)."""
     register()
-    with active(FakeQuant(config)) as state:
+    with active(FakeQuant(config, one_shot)) as state:
         yield state
     if state.calls == 0:
         # A model with another attention implementation (sdpa, eager) never consults the plan:

@@ -1,23 +1,34 @@
-"""``QuantizedKVCache``: a transformers ``Cache`` whose layers store keys and values compressed
-with any kvqrs scheme, keep the newest ``residual_length`` tokens in full precision (during
-prefill too), and report their real memory in bytes.
+"""``QuantizedKVCache``: a transformers cache whose layers store keys and values compressed
+with any kvqrs scheme, keep the first ``sink_tokens`` and the newest ``residual_length`` tokens
+in full precision (during prefill too), and report their real memory in bytes.
 
-Each layer holds a list of encoded chunks (``Encoded``, batch on axis 0) plus a full-precision
-window. At each update the window grows; whole chunks beyond ``residual_length`` are encoded
-(chunks of one token, or of ``group`` tokens when KIVI keys need whole groups).
+Each layer holds full-precision sinks, encoded chunks (``Encoded``, batch on axis 0) and a
+full-precision window. At each update the window grows; whole chunks beyond ``residual_length``
+are encoded (chunks of one token, or of ``group`` tokens when KIVI keys need whole groups).
+Built with ``model_config=``, the cache follows the model's layer types as
+``DynamicCache(config=...)`` does: sliding-window layers hold only their window.
+
+A forward over several new tokens (prefill, drafted tokens) reads, for each query, the keys as
+one token at a time would: a code flushed by this forward is read in full precision by the
+queries that precede its step (:func:`kvqrs.hf.fake_quant` applies the same schedule).
+``crop`` returns exactly to the state of a cache fed only the kept tokens; past recording
+(``activate_past_recording``, set by transformers' assisted generation) keeps the originals that
+a rollback needs until the next ``crop``.
 
 Prefill (and any step with more than :data:`FUSED_MAX_QUERY` new tokens) attends over the
 decoded (base) keys and values; HeadQ's side code enters the logits through the ``kvqrs``
 attention function, with the live query. Decode steps attend straight from the codes
-(``KVCodec.fused_attention``: no key or value is decoded) and merge the full-precision window's
+(``KVCodec.fused_attention``: no key or value is decoded) and merge the full-precision tokens'
 softmax part by log-sum-exp, exactly; see ``QuantConfig.fused`` for when. Use the model with
 ``attn_implementation="kvqrs"``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import weakref
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -42,52 +53,151 @@ def _select(enc: Encoded, index: torch.Tensor) -> Encoded:
     return Encoded(enc.scheme, enc.kind, (len(idx), *enc.shape[1:]), enc.dtype, parts, enc.params)
 
 
-class QuantizedLayer(CacheLayerMixin):
-    """One layer of :class:`QuantizedKVCache`."""
+def _tokens(t: torch.Tensor, lo: int, hi: int | None = None) -> torch.Tensor:
+    """Tokens ``lo .. hi - 1`` of a ``(batch, heads, tokens, d)`` tensor."""
+    return t[..., lo:hi, :]
 
-    is_sliding = False
+
+def _join(head: torch.Tensor, tail: torch.Tensor) -> torch.Tensor:
+    """``head`` then ``tail`` along the tokens (no copy when ``head`` is empty)."""
+    return tail if not head.shape[-2] else torch.cat([head, tail], dim=-2)
+
+
+@dataclass(frozen=True)
+class _View:
+    """What one forward reads: positions ``start .. start + columns - 1``, oldest first, as
+    full-precision sinks, codes, full-precision window. The codes hold positions ``q_start ..``
+    and may begin before ``start`` (a sliding layer drops whole KIVI groups only, and keeps
+    every token while recording the past): the view then skips their first tokens."""
+
+    start: int
+    sink_k: torch.Tensor
+    sink_v: torch.Tensor
+    codes_k: Encoded | None
+    codes_v: Encoded | torch.Tensor | None  # full-precision values of a key-only config
+    q_start: int
+    window_k: torch.Tensor
+    window_v: torch.Tensor
+    # The forward's first query position, and the full-precision originals of the codes it
+    # flushed (the newest code tokens): query t reads them quantized only from the step that
+    # quantizes them (QuantConfig.quantized_span(t + 1)), as one token at a time would.
+    first_query: int = 0
+    fresh_k: torch.Tensor | None = None
+    fresh_v: torch.Tensor | None = None
+
+    @property
+    def skip(self) -> int:
+        """Leading code tokens outside the view."""
+        return max(0, self.start - self.q_start)
+
+    @property
+    def coded(self) -> int:
+        """Code tokens inside the view."""
+        return 0 if self.codes_k is None else self.codes_k.shape[-2] - self.skip
+
+    def fp_columns(self) -> torch.Tensor:
+        """Mask columns of the full-precision tokens (sinks, then window)."""
+        ns = self.sink_k.shape[-2]
+        lead = torch.arange(ns)
+        return torch.cat([lead, torch.arange(ns + self.coded, ns + self.coded + self.window_k.shape[-2])])
+
+
+class QuantizedLayer(CacheLayerMixin):
+    """One layer of :class:`QuantizedKVCache`: a full-attention layer, or, with
+    ``sliding_window`` W, a sliding-window layer holding the newest W - 1 tokens as
+    transformers' ``DynamicSlidingWindowLayer`` does.
+
+    It holds absolute token positions ``start .. seen - 1``, oldest first:
+
+    - ``sink_k`` / ``sink_v``: the attention sinks still held (positions below
+      ``QuantConfig.sink_tokens``), full precision;
+    - ``chunks_k`` / ``chunks_v``: the codes of positions ``q_start .. q_start + quantized - 1``
+      (a key-only config keeps those values in full precision, ``_fp_values_quantized``);
+    - ``keys`` / ``values``: the full-precision window, the rest.
+
+    A sliding layer drops its oldest tokens after each update, KIVI key groups only whole (a
+    group partly inside the window is kept until its last token leaves, masked out), so it
+    may hold up to ``QuantConfig.chunk - 1`` tokens more than W - 1.
+
+    Rolling back (``crop``) must leave the layer exactly as a fresh layer fed only the kept
+    tokens, whose newest tokens are in full precision. After ``activate_past_recording`` (which
+    transformers' assisted decoding and deferred stop checks call) the layer keeps the
+    full-precision originals of the tokens it quantizes (``pending_k`` / ``pending_v``), and a
+    sliding layer every token, until the next ``crop``, which restores what it needs, then
+    drops them. A crop that would need originals the layer no longer holds raises.
+    """
+
     is_croppable = True
 
-    def __init__(self, config: QuantConfig, layer_idx: int):
+    def __init__(self, config: QuantConfig, layer_idx: int, sliding_window: int | None = None):
         super().__init__()
-        self.config, self.layer_idx = config, layer_idx
+        if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1):
+            raise KvqrsError(f"sliding_window: expected a positive integer or None, got {sliding_window!r}")
+        self.config, self.layer_idx, self.sliding_window = config, layer_idx, sliding_window
+        self.record_past = False
+        self._clear()
+
+    def _clear(self) -> None:
         self.chunks_k: list[Encoded] = []
         self.chunks_v: list[Encoded | None] = []
         self.quantized = 0
+        self.seen = self.start = self.q_start = 0
+        self.sink_k = self.sink_v = self.pending_k = self.pending_v = None
+        self.__dict__.pop("_fp_values_quantized", None)
+        self._view: _View | None = None
         # A weak reference: recognising this layer's forward must not keep the decoded keys alive.
         self._returned: weakref.ref | None = None
         # Set once the kvqrs attention function has served this layer: only then may update()
-        # hand back the window alone (another attention function would miss the codes).
+        # hand back the full-precision tokens alone (another attention function would miss the codes).
         self._attended = False
         self._fused = False
+
+    @property
+    def is_sliding(self) -> bool:
+        return self.sliding_window is not None
 
     # -- transformers' layer protocol -------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device, self.dtype = key_states.device, key_states.dtype
         self.head_dim = key_states.shape[-1]
-        self.keys = key_states[..., :0, :]
-        self.values = value_states[..., :0, :]
+        self.keys, self.values = key_states[..., :0, :], value_states[..., :0, :]
+        self.sink_k, self.sink_v = key_states[..., :0, :], value_states[..., :0, :]
         self.is_initialized = True
+
+    def activate_past_recording(self) -> None:
+        """Keep what a rollback needs until the next :meth:`crop` (see the class docstring)."""
+        self.record_past = True
 
     def codec(self):
         return self.config.codec(self.layer_idx, self.head_dim)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, fused: bool = False, **kwargs: Any):
         """Append the new tokens, flush whole chunks out of the window, and return the keys and
-        values attention reads: decoded codes then the window, or, on a fused decode step
+        values attention reads (a sliding layer: the previous W - 1 tokens and the new ones):
+        decoded codes between the full-precision tokens, or, on a fused decode step
         (``fused=True``, passed by :class:`QuantizedKVCache` when ``QuantConfig.fused``), the
-        window alone, the codes being read by :meth:`attend`."""
+        full-precision tokens alone (sinks, then window), the codes being read by :meth:`attend`."""
         self._check_states(key_states, value_states)
+        if self.seen == 0 and key_states.shape[-2] < self.config.sink_tokens:
+            raise KvqrsError(
+                f"sink_tokens: {self.config.sink_tokens} sink tokens, but the prompt of layer {self.layer_idx} has {key_states.shape[-2]} tokens"
+            )
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        view_start = self._view_start(self.seen)
         self.keys = torch.cat([self.keys, key_states], dim=-2)
         self.values = torch.cat([self.values, value_states], dim=-2)
-        self._flush()
+        self.seen += key_states.shape[-2]
+        self._absorb_sinks()
+        fresh = self._flush()
+        self._view = dataclasses.replace(self.view(view_start), first_query=self.seen - key_states.shape[-2], **fresh)
+        if not self.record_past:
+            self._evict()
         self._fused = fused and self._can_fuse(key_states.shape[-2])
         if self._fused:
-            self._returned = weakref.ref(self.keys)
-            return self.keys, self.values
-        k, v = self.materialize()
+            k, v = _join(self._view.sink_k, self._view.window_k), _join(self._view.sink_v, self._view.window_v)
+        else:
+            k, v = self.materialize(self._view)
         self._returned = weakref.ref(k)
         return k, v
 
@@ -109,100 +219,214 @@ class QuantizedLayer(CacheLayerMixin):
                 )
 
     def _can_fuse(self, new_tokens: int) -> bool:
-        if not (self._attended and self.quantized and new_tokens <= FUSED_MAX_QUERY and self.dtype != torch.float64):
+        view = self._view
+        if not (self._attended and view.coded and not view.skip and new_tokens <= FUSED_MAX_QUERY and self.dtype != torch.float64):
             return False
+        if view.fresh_k is not None and self.config.quantized_span(view.first_query + 1)[1] < self.window_start:
+            return False  # an early query still reads some new codes in full precision
         return self.codec().has_fused_path()
 
-    def _flush(self) -> None:
-        """Encode whole chunks that have left the full-precision window."""
-        target = self.config.quantized_count(self.get_seq_length())
-        n = target - self.quantized
+    # -- positions --------------------------------------------------------------------------------
+    @property
+    def window_start(self) -> int:
+        """Position of the first full-precision window token (the codes end there)."""
+        return self.q_start + self.quantized
+
+    def _view_start(self, seen: int) -> int:
+        """The oldest position a forward after ``seen`` tokens reads (DynamicSlidingWindowLayer's)."""
+        return 0 if self.sliding_window is None else max(0, seen - self.sliding_window + 1)
+
+    def _keep_from(self, seen: int) -> int:
+        """The oldest position a layer that has seen ``seen`` tokens holds: the view of the
+        next forward, moved back to the start of its chunk past the sinks (a KIVI key group
+        is encoded from all of its tokens and kept whole)."""
+        lo, sink = self._view_start(seen), self.config.sink_tokens
+        if lo <= sink:
+            return lo
+        return sink + (lo - sink) // self.config.chunk * self.config.chunk
+
+    # -- state changes ----------------------------------------------------------------------------
+    def _absorb_sinks(self) -> None:
+        """Move window tokens at sink positions into the sinks (they never get quantized)."""
+        n = min(self.config.sink_tokens, self.seen) - self.window_start
         if n <= 0:
             return
+        self.sink_k = torch.cat([self.sink_k, _tokens(self.keys, 0, n)], dim=-2)
+        self.sink_v = torch.cat([self.sink_v, _tokens(self.values, 0, n)], dim=-2)
+        self.keys, self.values = _tokens(self.keys, n), _tokens(self.values, n)
+        self.q_start += n
+
+    def _flush(self) -> dict:
+        """Encode whole chunks that have left the full-precision window; returns their
+        originals (``fresh_k``, ``fresh_v``; empty when none)."""
+        n = self.config.quantized_span(self.seen)[1] - self.window_start
+        if n <= 0:
+            return {}
         codec = self.codec()
+        k, v = _tokens(self.keys, 0, n), _tokens(self.values, 0, n)
         # One Encoded per side: new chunks are appended along the token axis of every part.
-        new_k = codec.encode_keys(to_numpy(self.keys[..., :n, :], "keys"))
-        self.chunks_k = [codec.concat([*self.chunks_k, new_k])]
+        self.chunks_k = [codec.concat([*self.chunks_k, codec.encode_keys(to_numpy(k, "keys"))])]
         if codec.values is not None:
-            new_v = codec.encode_values(to_numpy(self.values[..., :n, :], "values"))
-            self.chunks_v = [codec.concat([*self.chunks_v, new_v])]
+            self.chunks_v = [codec.concat([*self.chunks_v, codec.encode_values(to_numpy(v, "values"))])]
         else:
             held = getattr(self, "_fp_values_quantized", self.values[..., :0, :])
-            self._fp_values_quantized = torch.cat([held, self.values[..., :n, :]], dim=-2)
-        self.keys, self.values = self.keys[..., n:, :], self.values[..., n:, :]
-        self.quantized = target
+            self._fp_values_quantized = torch.cat([held, v], dim=-2)
+        if self.record_past:
+            self.pending_k = k if self.pending_k is None else torch.cat([self.pending_k, k], dim=-2)
+            self.pending_v = v if self.pending_v is None else torch.cat([self.pending_v, v], dim=-2)
+        self.keys, self.values = _tokens(self.keys, n), _tokens(self.values, n)
+        self.quantized += n
+        return {"fresh_k": k, "fresh_v": v}
 
-    def materialize(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Decoded (base) keys and values of every chunk, then the window."""
+    def _slice_codes(self, lo: int, hi: int) -> None:
+        """Keep code tokens ``lo .. hi - 1`` (offsets into the codes, chunk-aligned)."""
+        if (lo, hi) == (0, self.quantized):
+            return
         codec = self.codec()
-        ks = [from_numpy(codec.decode_keys(c, base_only=True), self.keys) for c in self.chunks_k]
-        if codec.values is None:
-            vs = [getattr(self, "_fp_values_quantized", self.values[..., :0, :])]
+        if hi > lo:
+            self.chunks_k = [codec.slice_tokens(self.chunks_k[0], hi, lo)]
+            self.chunks_v = [c if c is None else codec.slice_tokens(c, hi, lo) for c in self.chunks_v]
         else:
-            vs = [from_numpy(codec.decode_values(c), self.values) for c in self.chunks_v]
-        return torch.cat([*ks, self.keys], dim=-2), torch.cat([*vs, self.values], dim=-2)
+            self.chunks_k, self.chunks_v = [], []
+        if hi <= lo:
+            self.__dict__.pop("_fp_values_quantized", None)
+        elif hasattr(self, "_fp_values_quantized"):
+            self._fp_values_quantized = _tokens(self._fp_values_quantized, lo, hi)
+        self.q_start += lo
+        self.quantized = max(0, hi - lo)
 
-    def correction(self, query: torch.Tensor) -> torch.Tensor | None:
-        """HeadQ logit correction for the quantized positions, ``(b, q_heads, q_len, quantized)``."""
-        codec = self.codec()
-        if codec.scheme != "headq" or not self.chunks_k:
-            return None
-        q = to_numpy(query, "query")
-        return torch.cat([torch.from_numpy(codec.score_correction(q, c)) for c in self.chunks_k], dim=-1)
+    def _evict(self) -> None:
+        """Drop what a sliding layer no longer needs (see :meth:`_keep_from`)."""
+        if self.sliding_window is None:
+            return
+        keep = self._keep_from(self.seen)
+        if keep <= self.start:
+            return
+        ns = self.sink_k.shape[-2]
+        drop = min(keep - self.start, ns)
+        self.sink_k, self.sink_v = _tokens(self.sink_k, drop), _tokens(self.sink_v, drop)
+        if keep > self.q_start:
+            # Codes end where the window starts: drop codes first, then window tokens.
+            q_drop = min(keep, self.window_start) - self.q_start
+            w_drop = max(0, keep - self.window_start)
+            self._slice_codes(q_drop, self.quantized)
+            self.keys, self.values = _tokens(self.keys, w_drop), _tokens(self.values, w_drop)
+            self.q_start += w_drop
+        self.start = keep
 
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.get_seq_length() + query_length, 0
+    def _commit(self) -> None:
+        """Forget the originals kept for a rollback, and let a sliding layer shrink back."""
+        self.pending_k = self.pending_v = None
+        self._evict()
 
-    def get_seq_length(self) -> int:
-        if not self.is_initialized:
-            return 0
-        return self.quantized + self.keys.shape[-2]
-
-    def get_max_length(self) -> int:
-        return -1
-
-    def reset(self) -> None:
-        self.chunks_k, self.chunks_v, self.quantized = [], [], 0
-        self._fused = self._attended = False
-        self.keys = self.values = None
-        self.is_initialized = False
-        self.__dict__.pop("_fp_values_quantized", None)
+    def _rollback(self, keep: int) -> None:
+        """Return to the state of a layer fed only tokens ``0 .. keep - 1``."""
+        need_from, hi = self._keep_from(keep), self.config.quantized_span(keep)[1]
+        n_codes = min(self.quantized, max(0, hi - self.q_start))  # codes a fresh layer holds too
+        restore_lo, restore_hi = self.q_start + n_codes, min(keep, self.window_start)
+        pending = 0 if self.pending_k is None else self.pending_k.shape[-2]
+        missing = need_from < self.start or (restore_hi > restore_lo and restore_lo < self.window_start - pending)
+        if missing:
+            raise KvqrsError(
+                f"crop: keeping {keep} of {self.seen} tokens needs full-precision originals that layer {self.layer_idx} no longer "
+                "holds; call cache.activate_past_recording() before the forward you may roll back (transformers' assisted "
+                "generation does)"
+            )
+        restored = []
+        if restore_hi > restore_lo:
+            off = restore_lo - (self.window_start - pending)
+            restored = [
+                (_tokens(self.pending_k, off, off + restore_hi - restore_lo), _tokens(self.pending_v, off, off + restore_hi - restore_lo))
+            ]
+        w_keep = max(0, keep - self.window_start)
+        self.keys = torch.cat([*(k for k, _ in restored), _tokens(self.keys, 0, w_keep)], dim=-2)
+        self.values = torch.cat([*(v for _, v in restored), _tokens(self.values, 0, w_keep)], dim=-2)
+        self._slice_codes(0, n_codes)
+        ns = max(0, min(self.sink_k.shape[-2], keep - self.start))
+        self.sink_k, self.sink_v = _tokens(self.sink_k, 0, ns), _tokens(self.sink_v, 0, ns)
+        if not self.quantized and not self.keys.shape[-2]:
+            self.q_start = self.start + ns  # nothing after the sinks: the window starts there
+        self.seen = keep
 
     def crop(self, tokens_to_remove: int) -> None:
         """Drop the newest ``-tokens_to_remove`` tokens (transformers' convention: a negative
-        count). Kept quantized tokens keep their codes; only the tokens of a KIVI key group cut
-        in two return to the full-precision window (decoded), since a group's scale and zero
-        point cover all of its tokens."""
+        count), leaving the layer exactly as a fresh one fed only the kept tokens; then forget
+        the originals kept for a rollback (``crop(0)`` does only that). Raises
+        :class:`KvqrsError` when asked to drop more tokens than the layer has seen, or when the
+        kept state needs originals it no longer holds (see the class docstring: with past
+        recording, a crop may reach back to the previous crop, as in assisted generation)."""
         if tokens_to_remove > 0:
             raise ValueError(f"crop: expected a negative number of tokens to remove, got {tokens_to_remove}")
-        if tokens_to_remove == 0 or not self.is_initialized:
+        if not self.is_initialized:
             return
-        keep = max(0, self.get_seq_length() + tokens_to_remove)
-        if keep >= self.quantized:
-            self.keys = self.keys[..., : keep - self.quantized, :]
-            self.values = self.values[..., : keep - self.quantized, :]
-            return
-        codec = self.codec()
-        kept_q = keep // self.config.chunk * self.config.chunk
-        # Tokens kept_q .. keep-1 sit in a cut group: decoded in full (side code included).
-        tail_k = from_numpy(codec.decode_keys(self.chunks_k[0]), self.keys)[..., kept_q:keep, :]
-        if codec.values is None:
-            held = self._fp_values_quantized
-            tail_v = held[..., kept_q:keep, :]
-            self._fp_values_quantized = held[..., :kept_q, :]
-        else:
-            tail_v = from_numpy(codec.decode_values(self.chunks_v[0]), self.values)[..., kept_q:keep, :]
-        if kept_q:
-            self.chunks_k = [codec.slice_tokens(self.chunks_k[0], kept_q)]
-            self.chunks_v = [codec.slice_tokens(c, kept_q) for c in self.chunks_v]
-        else:
-            self.chunks_k, self.chunks_v = [], []
-        self.quantized = kept_q
-        self.keys, self.values = tail_k, tail_v
+        if -tokens_to_remove > self.seen:
+            raise KvqrsError(f"crop: cannot remove {-tokens_to_remove} tokens, layer {self.layer_idx} has seen {self.seen}")
+        if tokens_to_remove:
+            self._rollback(self.seen + tokens_to_remove)
+        self._commit()
+        self._view = None
 
-    def _batch(self, fn) -> None:
-        self.chunks_k = [fn(c) for c in self.chunks_k]
-        self.chunks_v = [None if c is None else fn(c) for c in self.chunks_v]
+    # -- reading --------------------------------------------------------------------------------
+    def view(self, start: int | None = None) -> _View:
+        """The held tokens from position ``start`` on (default: all of them)."""
+        start = self.start if start is None else start
+        ns = self.sink_k.shape[-2]
+        s_off = min(ns, max(0, start - self.start))
+        w_off = max(0, start - self.window_start)
+        coded = bool(self.chunks_k) and start < self.window_start
+        codes_v = self.chunks_v[0] if self.chunks_v and self.chunks_v[0] is not None else getattr(self, "_fp_values_quantized", None)
+        return _View(
+            start,
+            _tokens(self.sink_k, s_off),
+            _tokens(self.sink_v, s_off),
+            self.chunks_k[0] if coded else None,
+            codes_v if coded else None,
+            self.q_start,
+            _tokens(self.keys, w_off),
+            _tokens(self.values, w_off),
+        )
+
+    def materialize(self, view: _View | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decoded (base) keys and values of a view (default: everything held), oldest first."""
+        view = self.view() if view is None else view
+        ks, vs = [view.sink_k], [view.sink_v]
+        if view.codes_k is not None:
+            codec = self.codec()
+            ks.append(_tokens(from_numpy(codec.decode_keys(view.codes_k, base_only=True), self.keys), view.skip))
+            cv = view.codes_v
+            vs.append(_tokens(cv if isinstance(cv, torch.Tensor) else from_numpy(codec.decode_values(cv), self.values), view.skip))
+        return torch.cat([*ks, view.window_k], dim=-2), torch.cat([*vs, view.window_v], dim=-2)
+
+    def correction(self, query: torch.Tensor, view: _View | None = None) -> torch.Tensor | None:
+        """HeadQ logit correction for the coded positions of a view (default: everything
+        held), ``(b, q_heads, q_len, coded)``."""
+        view = self.view() if view is None else view
+        codec = self.codec()
+        if codec.scheme != "headq" or view.codes_k is None:
+            return None
+        corr = torch.from_numpy(codec.score_correction(to_numpy(query, "query"), view.codes_k))
+        return corr[..., view.skip :]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        """``(kv_length, kv_offset)`` of the next forward's keys, as transformers' layers give them."""
+        start = self._view_start(self.seen)
+        return self.seen - start + query_length, start
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_max_length(self) -> int:
+        return -1 if self.sliding_window is None else self.sliding_window
+
+    def reset(self) -> None:
+        self._clear()
+        self.keys = self.values = None
+        self.is_initialized = False
+
+    def _tensors(self) -> dict[str, torch.Tensor]:
+        """Every full-precision tensor held, by attribute name."""
+        names = ("keys", "values", "sink_k", "sink_v", "pending_k", "pending_v", "_fp_values_quantized")
+        return {n: getattr(self, n) for n in names if getattr(self, n, None) is not None}
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self.batch_select_indices(beam_idx)
@@ -224,10 +448,11 @@ class QuantizedLayer(CacheLayerMixin):
                 f"indices: expected a 1-d integer tensor of batch rows in -{batch}..{batch - 1} or a boolean mask of {batch} rows, got {indices!r}"
             )
         idx = idx.remainder(batch)  # negative rows count from the end, as in Python indexing
-        self._batch(lambda c: _select(c, idx))
-        self.keys, self.values = self.keys.index_select(0, idx), self.values.index_select(0, idx)
-        if hasattr(self, "_fp_values_quantized"):
-            self._fp_values_quantized = self._fp_values_quantized.index_select(0, idx)
+        self.chunks_k = [_select(c, idx) for c in self.chunks_k]
+        self.chunks_v = [None if c is None else _select(c, idx) for c in self.chunks_v]
+        for name, t in self._tensors().items():
+            setattr(self, name, t.index_select(0, idx))
+        self._view = None
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if not self.is_initialized:
@@ -237,93 +462,154 @@ class QuantizedLayer(CacheLayerMixin):
 
     # -- accounting -----------------------------------------------------------------------------
     def nbytes(self) -> int:
-        """Bytes held: every encoded part plus the full-precision tensors."""
+        """Bytes held: every encoded part plus the full-precision tensors (sinks, window,
+        key-only values, originals kept for a rollback)."""
         if not self.is_initialized:
             return 0
         total = sum(c.nbytes for c in self.chunks_k) + sum(c.nbytes for c in self.chunks_v if c is not None)
-        fp = [self.keys, self.values, getattr(self, "_fp_values_quantized", None)]
-        return int(total + sum(t.numel() * t.element_size() for t in fp if t is not None))
+        return int(total + sum(t.numel() * t.element_size() for t in self._tensors().values()))
 
-    def _codes_visible(self, attention_mask, nq: int) -> bool:
-        """Every query sees every quantized position (true for causal decoding unless a new
-        token was itself quantized at once, or a padding mask hides old positions)."""
+    # -- attention ------------------------------------------------------------------------------
+    def _codes_visible(self, view: _View, attention_mask, nq: int) -> bool:
+        """Every query sees every coded position (true for causal decoding unless a new token
+        was itself quantized at once, or a mask hides old positions: padding, a sliding window)."""
+        ns = view.sink_k.shape[-2]
         if attention_mask is None:
-            return self.quantized <= self.get_seq_length() - nq
-        m = attention_mask[..., : self.quantized]
+            return view.q_start + view.coded <= self.seen - nq
+        m = attention_mask[..., ns : ns + view.coded]
         return bool(m.all()) if m.dtype == torch.bool else bool((m == 0).all())
 
-    def _attend_fused(self, module, query, attention_mask, scaling):
-        """Softmax over the codes (fused kernel) and over the window, merged by log-sum-exp:
-        ``out = e^(lse_q - lse) out_q + e^(lse_w - lse) out_w``, ``lse = logaddexp(lse_q, lse_w)``."""
+    def _attend_fused(self, view: _View, module, query, attention_mask, scaling):
+        """Softmax over the codes (fused kernel) and over the full-precision tokens, merged by
+        log-sum-exp: ``out = e^(lse_q - lse) out_q + e^(lse_w - lse) out_w``,
+        ``lse = logaddexp(lse_q, lse_w)``."""
         codec = self.codec()
         q = to_numpy(query, "query")
-        if codec.values is None:
-            cv = DenseRows(to_numpy(self._fp_values_quantized, "values"))
-            res = codec.fused_attention(q, self.chunks_k[0], cv, scale=float(scaling))
-        else:
-            res = codec.fused_attention(q, self.chunks_k[0], self.chunks_v[0], scale=float(scaling))
+        cv = view.codes_v
+        cv = DenseRows(to_numpy(cv, "values")) if isinstance(cv, torch.Tensor) else cv
+        res = codec.fused_attention(q, view.codes_k, cv, scale=float(scaling))
         out = torch.from_numpy(res.out)
-        if self.keys.shape[-2]:
+        fp_k = _join(view.sink_k, view.window_k)
+        if fp_k.shape[-2]:
+            fp_v = _join(view.sink_v, view.window_v)
+            mask = None if attention_mask is None else attention_mask.index_select(-1, view.fp_columns().to(attention_mask.device))
             lse_q = torch.from_numpy(res.lse)[..., None]
-            out_w, lse_w = self._window_part(query, module.num_key_value_groups, attention_mask, scaling)
+            out_w, lse_w = _fp_part(query, fp_k, fp_v, module.num_key_value_groups, mask, scaling)
             lse = torch.logaddexp(lse_q, lse_w)
             w_w = (lse_w - lse).exp_()
-            # A fully masked window has lse_w = -inf and NaN probabilities: its weight is 0.
+            # A fully masked full-precision part has lse_w = -inf and NaN probabilities: its weight is 0.
             out = out.mul_((lse_q - lse).exp_()).add_(torch.where(w_w > 0, out_w.mul_(w_w), 0.0))
         return out.to(query.dtype).transpose(1, 2).contiguous(), None
 
-    def _window_part(self, query, groups: int, attention_mask, scaling) -> tuple[torch.Tensor, torch.Tensor]:
-        """Softmax attention over the full-precision window in float32: ``(out_w, lse_w)``,
-        ``(b, q_heads, nq, d)`` and ``(b, q_heads, nq, 1)``. The query heads of a GQA group are
-        stacked against their KV head (no key repeated), and the few tensor operations run in
-        place: a decode step pays this once per layer."""
-        b, heads, nq, d = query.shape
-        kv_heads = heads // groups
-        qg = query.float().reshape(b, kv_heads, groups * nq, d)
-        logits = torch.matmul(qg, self.keys.float().transpose(2, 3)).mul_(scaling)
-        if attention_mask is not None:
-            mask = attention_mask[..., self.quantized : self.quantized + logits.shape[-1]].unsqueeze(2)  # (b, 1, 1, nq, w)
-            logits = logits.view(b, kv_heads, groups, nq, -1)
-            logits = logits.masked_fill_(~mask, float("-inf")) if mask.dtype == torch.bool else logits.add_(mask.float())
-            logits = logits.view(b, kv_heads, groups * nq, -1)
-        lse_w = torch.logsumexp(logits, dim=-1, keepdim=True)
-        out_w = torch.matmul(logits.sub_(lse_w).exp_(), self.values.float())
-        return out_w.view(b, heads, nq, d), lse_w.view(b, heads, nq, 1)
-
     def attend(self, module, query, key, value, attention_mask, scaling):
-        if self._returned is None or key is not self._returned():
+        if self._returned is None or key is not self._returned() or self._view is None:
             return None
         check_finite(query, "query")  # the fused and decoded paths alike: an error, not NaN rows
         self._attended = True
         from transformers.integrations.sdpa_attention import repeat_kv
 
+        view, self._view = self._view, None  # read once: the view may hold tokens the layer has since dropped
         if self._fused:
-            if self._codes_visible(attention_mask, query.shape[-2]):
-                return self._attend_fused(module, query, attention_mask, scaling)
-            key, value = self.materialize()  # a mask hides some codes: the decoded path
-        logits = (query @ repeat_kv(key, module.num_key_value_groups).transpose(2, 3)) * scaling
-        corr = self.correction(query)
+            if self._codes_visible(view, attention_mask, query.shape[-2]):
+                return self._attend_fused(view, module, query, attention_mask, scaling)
+            key, value = self.materialize(view)  # a mask hides some codes: the decoded path
+        g = module.num_key_value_groups
+        logits = (query @ repeat_kv(key, g).transpose(2, 3)) * scaling
+        corr = self.correction(query, view)
         if corr is not None:
-            logits[..., : corr.shape[-1]] += corr.to(logits.dtype)
-        return _softmax_out(module, query, logits, attention_mask, [(None, value)])
+            ns = view.sink_k.shape[-2]
+            logits[..., ns : ns + corr.shape[-1]] += corr.to(logits.dtype)
+        held = self._fresh_held(view, query.shape[-2], key.shape[-2])
+        if held is None:
+            return _softmax_out(module, query, logits, attention_mask, [(None, value)])
+        # Queries that precede a new code's step read its original: the fast path's mixing.
+        cols, m = held
+        key_fp, value_fp = key.clone(), value.clone()
+        key_fp[..., cols, :], value_fp[..., cols, :] = view.fresh_k[..., -len(cols) :, :], view.fresh_v[..., -len(cols) :, :]
+        s_fp = (query @ repeat_kv(key_fp, g).transpose(2, 3)) * scaling
+        mf = m.to(logits.dtype)
+        logits = mf * logits + (1 - mf) * s_fp
+        return _softmax_out(module, query, logits, attention_mask, [(mf, value), (1 - mf, value_fp)])
+
+    def _fresh_held(self, view: _View, nq: int, columns: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """For the codes this forward flushed: their columns in the view, and ``m``
+        ``(nq, columns)``, True where query ``i`` reads column ``c`` quantized (its position
+        lies in ``quantized_span`` of query ``i``'s step) or the column is not new. None when
+        every query reads every new code quantized."""
+        if view.fresh_k is None:
+            return None
+        q_end = view.q_start + view.coded + view.skip
+        lo = max(view.start, q_end - view.fresh_k.shape[-2])
+        his = torch.tensor([self.config.quantized_span(view.first_query + i + 1)[1] for i in range(nq)])
+        if lo >= q_end or not bool((his < q_end).any()):
+            return None
+        pos = torch.arange(view.start, view.start + columns)
+        m = (pos[None, :] < his[:, None]) | (pos[None, :] < lo) | (pos[None, :] >= q_end)
+        return torch.arange(lo - view.start, q_end - view.start), m
+
+
+def _fp_part(query, keys, values, groups: int, mask, scaling) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention over full-precision tokens in float32: ``(out, lse)``,
+    ``(b, q_heads, nq, d)`` and ``(b, q_heads, nq, 1)``; ``mask`` holds those tokens' columns.
+    The query heads of a GQA group are stacked against their KV head (no key repeated), and the
+    few tensor operations run in place: a decode step pays this once per layer."""
+    b, heads, nq, d = query.shape
+    kv_heads = heads // groups
+    qg = query.float().reshape(b, kv_heads, groups * nq, d)
+    logits = torch.matmul(qg, keys.float().transpose(2, 3)).mul_(scaling)
+    if mask is not None:
+        mask = mask.unsqueeze(2)  # (b, 1, 1, nq, w)
+        logits = logits.view(b, kv_heads, groups, nq, -1)
+        logits = logits.masked_fill_(~mask, float("-inf")) if mask.dtype == torch.bool else logits.add_(mask.float())
+        logits = logits.view(b, kv_heads, groups * nq, -1)
+    lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+    out = torch.matmul(logits.sub_(lse).exp_(), values.float())
+    return out.view(b, heads, nq, d), lse.view(b, heads, nq, 1)
+
+
+SLIDING_LAYER_TYPES = ("sliding_attention", "chunked_attention")
+"""Layer types held with a window: transformers' caches treat chunked attention as a sliding
+window too (only the mask differs)."""
+
+
+def layer_windows(model_config) -> list[int | None]:
+    """Per decoder layer, the sliding window (None: full attention) of a transformers model
+    config, read as ``DynamicCache(config=...)`` reads it (``layer_types``, or
+    ``sliding_window`` / ``attention_chunk_size`` per layer). Raises :class:`KvqrsError`
+    naming any other layer type (linear attention, convolution, indexed attention, shared
+    or attention-free layers): their state is not a key/value cache kvqrs can quantize."""
+    from transformers.cache_utils import get_layer_types_and_kwargs
+
+    types, kwargs = get_layer_types_and_kwargs(model_config.get_text_config(decoder=True))
+    other = sorted({t for t in types if t != "full_attention" and t not in SLIDING_LAYER_TYPES})
+    if other:
+        raise KvqrsError(
+            f"model_config: layer types {other} are not supported by QuantizedKVCache (it holds full_attention, "
+            f"{' and '.join(SLIDING_LAYER_TYPES)} layers)"
+        )
+    return [kw["sliding_window"] if t in SLIDING_LAYER_TYPES else None for t, kw in zip(types, kwargs)]
 
 
 class QuantizedKVCache(Cache):
     """A transformers cache holding keys and values compressed by kvqrs.
 
     Args:
-        config: :class:`QuantConfig` (schemes, bits, ``residual_length``, HeadQ bases, seed).
-        num_layers: number of decoder layers (``model.config.num_hidden_layers``).
+        config: :class:`QuantConfig` (schemes, bits, ``residual_length``, ``sink_tokens``,
+            HeadQ bases, seed).
+        num_layers: number of decoder layers, all full attention; or
+        model_config: the model's config (``model.config``): one layer per decoder layer,
+            sliding-window layers where the model has them (see :func:`layer_windows`).
+            Give exactly one of the two.
 
     Example::
 
         model = AutoModelForCausalLM.from_pretrained(..., attn_implementation="kvqrs")
-        cache = QuantizedKVCache(QuantConfig("kqv", 4, "kqv", 4, residual_length=32), model.config.num_hidden_layers)
-        model.generate(ids, past_key_values=cache, max_new_tokens=20)
+        cache = QuantizedKVCache(QuantConfig("kqv", 4, "kqv", 4, residual_length=32), model_config=model.config)
+        model.generate(ids, cache=cache, max_new_tokens=20)
         cache.nbytes()
     """
 
-    def __init__(self, config: QuantConfig, num_layers: int):
+    def __init__(self, config: QuantConfig, num_layers: int | None = None, *, model_config=None):
         register()
         if config.key_scheme is None:
             raise KvqrsError("key_scheme: the cache quantizes keys; value-only rows run in the fast evaluation path only")
@@ -331,10 +617,13 @@ class QuantizedKVCache(Cache):
             raise KvqrsError(
                 "value_scheme: the a2 allocation needs each token's future attention; it runs in the fast evaluation path only"
             )
-        if num_layers < 1:
-            raise KvqrsError(f"num_layers: expected >= 1, got {num_layers}")
+        if (num_layers is None) == (model_config is None):
+            raise KvqrsError("num_layers, model_config: give exactly one (model_config to follow the model's sliding-window layers)")
+        windows = [None] * max(num_layers, 0) if model_config is None else layer_windows(model_config)
+        if len(windows) < 1:
+            raise KvqrsError(f"num_layers: expected >= 1, got {num_layers if model_config is None else 0}")
         self.config = config
-        super().__init__(layers=[QuantizedLayer(config, i) for i in range(num_layers)])
+        super().__init__(layers=[QuantizedLayer(config, i, w) for i, w in enumerate(windows)])
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         if not 0 <= layer_idx < len(self.layers):

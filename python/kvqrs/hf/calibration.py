@@ -67,3 +67,110 @@ def load_bases(path: str | pathlib.Path) -> dict[int, np.ndarray]:
             return {int(k[6:]): z[k] for k in z.files if k.startswith("layer_")}
     except (OSError, ValueError) as e:
         raise KvqrsError(f"bases: cannot read {str(path)!r}: {e}") from None
+
+
+class _KVQRecorder:
+    """Attention state that records per layer the queries grouped per KV head, the keys and the
+    values of every window (positions ``skip..``), and lets attention run unchanged."""
+
+    def __init__(self, skip: int) -> None:
+        self.skip = skip
+        self.q: dict[int, list[np.ndarray]] = {}
+        self.k: dict[int, list[np.ndarray]] = {}
+        self.v: dict[int, list[np.ndarray]] = {}
+
+    def attend(self, module, query, key, value, attention_mask, scaling):
+        s = self.skip
+        kv_heads, d = key.shape[1], key.shape[3]
+        q = to_numpy(query, "query")[0, :, s:]  # (q_heads, len, d)
+        g = q.shape[0] // kv_heads
+        self.q.setdefault(module.layer_idx, []).append(q.reshape(kv_heads, g * q.shape[1], d).copy())
+        self.k.setdefault(module.layer_idx, []).append(to_numpy(key, "keys")[0, :, s:].copy())
+        self.v.setdefault(module.layer_idx, []).append(to_numpy(value, "values")[0, :, s:].copy())
+        return None
+
+
+def record_matched(model, windows: Iterable[torch.Tensor], skip: int = 0) -> dict:
+    """Run ``model`` over calibration windows and collect what the ``matched`` calibration
+    needs, per layer: ``(query second moment (kv_heads, d, d), keys (kv_heads, n, d), values
+    (kv_heads, n, d))``, positions ``skip..`` of each window (the sink tokens a cache keeps in
+    full precision are never coded, so they are left out of the statistics)."""
+    register()
+    rec = _KVQRecorder(int(skip))
+    with torch.no_grad(), active(rec):
+        for ids in windows:
+            if ids.shape[-1] < skip + 2:
+                raise KvqrsError(f"windows: expected windows of at least skip + 2 = {skip + 2} tokens, got {ids.shape[-1]}")
+            model(ids)
+    if not rec.k:
+        raise KvqrsError("calibration: no attention call was recorded (is the model using attn_implementation='kvqrs'?)")
+    out = {}
+    for layer in sorted(rec.k):
+        q = np.concatenate(rec.q[layer], axis=1).astype(np.float64)
+        out[layer] = (
+            np.einsum("hnd,hne->hde", q, q) / q.shape[1],
+            np.concatenate(rec.k[layer], axis=1),
+            np.concatenate(rec.v[layer], axis=1),
+        )
+    return out
+
+
+def fit_matched(stats: dict, key_bits: float, group: int) -> dict:
+    """``{layer: MatchedCalibration}`` from :func:`record_matched`'s statistics: keys by
+    :func:`kvqrs.schemes.matched.fit_basis` weighted by the queries' second moment (the
+    score-space error weight) at ``key_bits`` average code bits and scale groups of ``group``
+    tokens; values by their mean per KV head."""
+    from ..schemes.matched import MatchedCalibration, fit_basis
+
+    return {layer: MatchedCalibration(fit_basis(k, key_bits, group, w), v.mean(axis=1)) for layer, (w, k, v) in stats.items()}
+
+
+def calibrate_matched(model, windows: Iterable[torch.Tensor], key_bits: float, group: int = 128, skip: int = 0) -> dict:
+    """Fit the ``matched`` scheme's per-layer calibration on calibration token windows
+    (:func:`record_matched` then :func:`fit_matched`).
+
+    Args:
+        model: a transformers model loaded with ``attn_implementation="kvqrs"``.
+        windows: ``(1, len)`` token tensors from a calibration text (never the evaluation text).
+        key_bits: average key code bits per coordinate (0 < key_bits <= 8).
+        group: tokens per key scale group.
+        skip: leading positions of each window left out (the attention sinks).
+
+    Returns:
+        ``{layer: MatchedCalibration}``.
+
+    Raises:
+        KvqrsError: no attention call was recorded, or a window shorter than ``skip + 2``.
+    """
+    return fit_matched(record_matched(model, windows, skip), key_bits, group)
+
+
+MATCHED_FORMAT = "kvqrs-matched-calibration-v1"
+
+
+def save_matched(path: str | pathlib.Path, calibration: dict, meta: dict | None = None) -> pathlib.Path:
+    """Write a ``matched`` calibration (``{layer: MatchedCalibration}``) to ``path`` (.npz)."""
+    p = pathlib.Path(path)
+    arrays = {}
+    for layer, c in calibration.items():
+        arrays.update(
+            {f"mean_{layer}": c.keys.mean, f"basis_{layer}": c.keys.basis, f"widths_{layer}": c.keys.widths, f"vmean_{layer}": c.value_mean}
+        )
+    extra = {f"meta_{k}": np.array(str(v)) for k, v in (meta or {}).items()}
+    np.savez(p, format=np.array(MATCHED_FORMAT), **arrays, **extra)
+    return p if p.suffix == ".npz" else p.with_name(p.name + ".npz")
+
+
+def load_matched(path: str | pathlib.Path) -> dict:
+    """Read a calibration written by :func:`save_matched`; raises :class:`KvqrsError` on another
+    or a damaged file."""
+    from ..schemes.matched import MatchedBasis, MatchedCalibration
+
+    try:
+        with np.load(pathlib.Path(path), allow_pickle=False) as z:
+            if "format" not in z or str(z["format"]) != MATCHED_FORMAT:
+                raise KvqrsError(f"calibration: {str(path)!r} is not a kvqrs matched calibration file ({MATCHED_FORMAT})")
+            layers = sorted(int(k[6:]) for k in z.files if k.startswith("basis_"))
+            return {i: MatchedCalibration(MatchedBasis(z[f"mean_{i}"], z[f"basis_{i}"], z[f"widths_{i}"]), z[f"vmean_{i}"]) for i in layers}
+    except (OSError, ValueError, KeyError) as e:
+        raise KvqrsError(f"calibration: cannot read {str(path)!r}: {e}") from None

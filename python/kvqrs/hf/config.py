@@ -23,9 +23,16 @@ class QuantConfig:
         value_scheme: value scheme, or None to keep values in full precision (key-only).
         value_bits: value budget (default ``key_bits``).
         residual_length: newest tokens kept in full precision (during prefill too).
+        sink_tokens: the first tokens of the sequence kept in full precision for good (attention
+            sinks, Xiao et al. 2023, "Efficient Streaming Language Models with Attention
+            Sinks"); quantized tokens start after them. The first forward (the prompt) must hold
+            at least this many tokens.
         seed: seed of every rotation and sketch.
         group: KIVI / block group size (KIVI keys flush in chunks of ``group`` tokens).
         headq_base, rank, side_bits, sign: HeadQ settings (see :class:`KVCodec`).
+        calibration: for the ``matched`` scheme, ``{layer: MatchedCalibration}``
+            (:func:`kvqrs.hf.calibrate_matched`, saved by ``kvqrs calibrate``); ``group`` is then
+            its key scale group in tokens; ``"random"`` for the random-basis control.
         bases: HeadQ bases per layer, ``{layer: (kv_heads, d, r)}``, or ``"random"`` for the
             random-basis control.
         a2_uniform: with ``value_scheme="a2"``, give every token the same width (the uniform
@@ -47,6 +54,7 @@ class QuantConfig:
     value_scheme: str | None = None
     value_bits: int | None = None
     residual_length: int = 0
+    sink_tokens: int = 0
     seed: int = 0
     group: int = 32
     headq_base: str = "kivi"
@@ -57,6 +65,7 @@ class QuantConfig:
     a2_uniform: bool = False
     a2_lookahead: int | None = None
     fused: bool = True
+    calibration: Any = None
     _codecs: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -70,12 +79,13 @@ class QuantConfig:
         check_bits(self.key_bits, "key_bits")
         if self.value_bits is not None:
             check_bits(self.value_bits, "value_bits")
-        for name in ("residual_length", "seed", "group", "rank", "side_bits"):
+        for name in ("residual_length", "sink_tokens", "seed", "group", "rank", "side_bits"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
                 raise KvqrsError(f"{name}: expected an integer, got {value!r}")
-        if self.residual_length < 0:
-            raise KvqrsError(f"residual_length: expected >= 0, got {self.residual_length}")
+        for name in ("residual_length", "sink_tokens"):
+            if getattr(self, name) < 0:
+                raise KvqrsError(f"{name}: expected >= 0, got {getattr(self, name)}")
         if self.a2_lookahead is not None and not 1 <= self.a2_lookahead <= self.residual_length:
             raise KvqrsError(
                 f"a2_lookahead: expected 1 .. residual_length ({self.residual_length}) so that only queries that "
@@ -86,11 +96,18 @@ class QuantConfig:
     def chunk(self) -> int:
         """Tokens per flush: KIVI keys are quantized per channel over whole groups of tokens."""
         kivi_keys = self.key_scheme == "kivi" or (self.key_scheme == "headq" and self.headq_base == "kivi")
-        return self.group if kivi_keys else 1
+        return self.group if kivi_keys or self.key_scheme == "matched" else 1
 
     def quantized_count(self, seen: int) -> int:
-        """Tokens held quantized after ``seen`` tokens: whole chunks beyond the window."""
-        return max(0, (seen - self.residual_length) // self.chunk * self.chunk)
+        """Tokens quantized after ``seen`` tokens: whole chunks between the sinks and the
+        full-precision window (positions ``quantized_span(seen)``)."""
+        return max(0, (seen - self.sink_tokens - self.residual_length) // self.chunk * self.chunk)
+
+    def quantized_span(self, seen: int) -> tuple[int, int]:
+        """Positions ``[start, stop)`` held quantized after ``seen`` tokens: the sinks
+        (``0 .. sink_tokens - 1``) and the newest ``residual_length`` tokens stay in full
+        precision; chunks count from the first token after the sinks."""
+        return self.sink_tokens, self.sink_tokens + self.quantized_count(seen)
 
     def codec(self, layer: int, head_dim: int) -> KVCodec:
         """The (cached) codec of one layer."""
@@ -106,6 +123,7 @@ class QuantConfig:
                     )
                 else:
                     basis = np.asarray(self.bases[layer])
+            calibration = self._matched_calibration(layer, head_dim) if "matched" in (self.key_scheme, self.value_scheme) else None
             self._codecs[key] = KVCodec(
                 self.key_scheme or "kv",
                 self.key_bits,
@@ -119,8 +137,56 @@ class QuantConfig:
                 side_bits=self.side_bits,
                 basis=basis,
                 sign=self.sign,
+                calibration=calibration,
             )
         return self._codecs[key]
+
+    @classmethod
+    def preset(cls, name: str, calibration: Any, **overrides: Any) -> QuantConfig:
+        """A recommended configuration per budget (see :data:`PRESETS` and docs/schemes.md for
+        the measurements they were chosen from).
+
+        Args:
+            name: ``"4bit"``, ``"3bit"`` or ``"2bit"``: the average stored bits per element of
+                keys and values, every byte counted (codes, scales, norms, sinks).
+            calibration: ``{layer: MatchedCalibration}`` fitted at the preset's key budget
+                (:func:`kvqrs.hf.calibrate_matched` with ``PRESETS[name]["key_code_bits"]``), or
+                the path of a ``kvqrs calibrate`` file.
+            overrides: other :class:`QuantConfig` fields (``residual_length``, ``seed``, ...).
+
+        Raises:
+            KvqrsError: an unknown name (the message lists them) or no calibration.
+        """
+        if name not in PRESETS:
+            raise KvqrsError(f"preset: expected one of {sorted(PRESETS)}, got {name!r}")
+        if calibration is None:
+            raise KvqrsError(
+                f"preset: {name!r} uses the matched scheme and needs a calibration (`kvqrs calibrate --bits {PRESETS[name]['key_code_bits']:g}`)"
+            )
+        if not isinstance(calibration, dict):
+            from .calibration import load_matched
+
+            calibration = load_matched(calibration)
+        p = PRESETS[name]
+        kw = {"group": p["group"], "sink_tokens": p["sink_tokens"], "calibration": calibration, **overrides}
+        return cls("matched", p["value_bits"], "matched", p["value_bits"], **kw)
+
+    def _matched_calibration(self, layer: int, head_dim: int):
+        """The ``matched`` calibration of ``layer``: fitted (``calibration[layer]``) or the
+        seeded random-basis control (``calibration="random"``)."""
+        if isinstance(self.calibration, str):
+            if self.calibration != "random":
+                raise KvqrsError(f"calibration: expected {{layer: MatchedCalibration}} or 'random', got {self.calibration!r}")
+            from ..schemes.codec import derive_seed
+            from ..schemes.matched import random_calibration
+
+            return random_calibration(head_dim, self.key_bits, derive_seed(self.seed, 1000 + layer))
+        if not isinstance(self.calibration, dict) or layer not in self.calibration:
+            raise KvqrsError(
+                f"calibration: the matched scheme needs a calibration for layer {layer} "
+                "(kvqrs.hf.calibrate_matched, or `kvqrs calibrate` and kvqrs.hf.load_matched), or calibration='random'"
+            )
+        return self.calibration[layer]
 
     @property
     def quantizes_keys(self) -> bool:
@@ -134,4 +200,15 @@ class QuantConfig:
         if self.key_scheme == "headq" and isinstance(self.bases, str):
             k += "[random-basis]"
         v = "" if self.value_scheme is None else f" v:{self.value_scheme}{self.value_bits or self.key_bits}"
-        return f"{k} k{self.key_bits}{v}"
+        sinks = f" sinks:{self.sink_tokens}" if self.sink_tokens else ""
+        return f"{k} k{self.key_bits}{v}{sinks}"
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # Measured on llama.cpp's perplexity protocol (docs/evaluation.md), every byte counted:
+    # 4bit 4.246 bits/element (the lowest KL within 4.25), 3bit 3.303, 2bit 2.270.
+    "4bit": {"key_code_bits": 4.0, "group": 256, "value_bits": 4, "sink_tokens": 1},
+    "3bit": {"key_code_bits": 3.0, "group": 128, "value_bits": 3, "sink_tokens": 1},
+    "2bit": {"key_code_bits": 2.0, "group": 128, "value_bits": 2, "sink_tokens": 1},
+}
+"""The recommended presets of :meth:`QuantConfig.preset`."""

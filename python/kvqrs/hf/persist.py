@@ -1,10 +1,12 @@
 """A whole :class:`~kvqrs.hf.QuantizedKVCache` as bytes (docs/format.md), and back.
 
 One container (``kvqrs_core::format``): a ``meta`` section (format tag, the
-:class:`~kvqrs.hf.QuantConfig` fields, per layer the quantized token count, dtype and which
-parts exist), each layer's encoded keys and values as nested :mod:`kvqrs.format` containers
-(each with its own parameters and checksums), its full-precision window (and, for key-only
-configs, the full-precision values of quantized tokens) as raw tensors, and the HeadQ bases.
+:class:`~kvqrs.hf.QuantConfig` fields, per layer its sliding window, the positions it holds
+(tokens seen, first held, first coded), the quantized token count, dtype and which parts
+exist), each layer's encoded keys and values as nested :mod:`kvqrs.format` containers (each
+with its own parameters and checksums), its full-precision tensors (window, sinks, for
+key-only configs the values of quantized tokens, and originals kept for a rollback) as raw
+tensors, and the HeadQ bases.
 Loading rebuilds the config, or checks it equals the one given, and loads every encoded part
 against the layer's codec, so other settings or altered bytes raise instead of decoding garbage.
 """
@@ -23,7 +25,7 @@ from .. import format as fmt
 from .._arrays import KvqrsError
 from .config import QuantConfig
 
-FORMAT = "kvqrs-cache-v1"
+FORMAT = "kvqrs-cache-v2"
 _U8, _UTF8 = 0, 5
 _FLOAT = {torch.float32: 2, torch.float16: 1, torch.float64: 3, torch.bfloat16: 6}  # container dtype codes
 
@@ -38,11 +40,18 @@ def _tensor_section(name: str, t: torch.Tensor) -> tuple:
     return (name, _FLOAT[t.dtype], list(t.shape), t.view(torch.uint8).numpy().tobytes())
 
 
+# Full-precision tensors of a layer: section suffix -> attribute (the optional ones may be absent).
+_FP_SECTIONS = {"window_keys": "keys", "window_values": "values", "sink_keys": "sink_k", "sink_values": "sink_v"}
+_FP_OPTIONAL = {"fp_values": "_fp_values_quantized", "pending_keys": "pending_k", "pending_values": "pending_v"}
+_POSITIONS = ("seen", "start", "q_start")
+
+
 def dumps(cache) -> bytes:
     """The cache as bytes. Raises :class:`KvqrsError` for a cache on a non-CPU device."""
     layers, sections = [], []
     for i, layer in enumerate(cache.layers):
-        info = {"initialized": bool(layer.is_initialized), "quantized": int(layer.quantized)}
+        info = {"initialized": bool(layer.is_initialized), "quantized": int(layer.quantized), "sliding_window": layer.sliding_window}
+        info["record_past"] = bool(layer.record_past)
         if layer.is_initialized:
             if layer.keys.device.type != "cpu":
                 raise KvqrsError(f"cache: layer {i} lives on {layer.keys.device}; move it to the CPU to save it")
@@ -51,17 +60,19 @@ def dumps(cache) -> bytes:
                 head_dim=int(layer.head_dim),
                 keys=bool(layer.chunks_k),
                 values=bool(layer.chunks_v and layer.chunks_v[0] is not None),
-                fp_values=getattr(layer, "_fp_values_quantized", None) is not None,
+                **{name: int(getattr(layer, name)) for name in _POSITIONS},
             )
-            sections += [_tensor_section(f"L{i}.window_keys", layer.keys), _tensor_section(f"L{i}.window_values", layer.values)]
+            for name, attr in {**_FP_SECTIONS, **_FP_OPTIONAL}.items():
+                t = getattr(layer, attr, None)
+                info[name] = t is not None
+                if t is not None:
+                    sections.append(_tensor_section(f"L{i}.{name}", t))
             if info["keys"]:
                 blob = fmt.dumps(layer.chunks_k[0])
                 sections.append((f"L{i}.keys", _U8, [len(blob)], blob))
             if info["values"]:
                 blob = fmt.dumps(layer.chunks_v[0])
                 sections.append((f"L{i}.values", _U8, [len(blob)], blob))
-            if info["fp_values"]:
-                sections.append(_tensor_section(f"L{i}.fp_values", layer._fp_values_quantized))
         layers.append(info)
     bases = cache.config.bases
     if isinstance(bases, dict):
@@ -118,6 +129,10 @@ def loads(data: bytes, config: QuantConfig | None = None):
         _check_same(config, saved)
     cache = QuantizedKVCache(config or saved, len(meta["layers"]))
     for i, (layer, info) in enumerate(zip(cache.layers, meta["layers"])):
+        window = info.get("sliding_window")
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+            raise KvqrsError(f"compressed cache: layer {i} has sliding window {window!r}")
+        layer.sliding_window, layer.record_past = window, bool(info.get("record_past"))
         if info.get("initialized"):
             _load_layer(layer, i, info, sections)
     return cache
@@ -139,7 +154,9 @@ def _load_layer(layer, i: int, info: dict, sections: dict) -> None:
     dtype, d = info["dtype"], int(info["head_dim"])
     keys = _tensor(sections, f"L{i}.window_keys", dtype, d)
     layer.lazy_initialization(keys, keys)
-    layer.keys, layer.values = keys, _tensor(sections, f"L{i}.window_values", dtype, d)
+    for name, attr in {**_FP_SECTIONS, **_FP_OPTIONAL}.items():
+        if name in _FP_SECTIONS or info.get(name):
+            setattr(layer, attr, _tensor(sections, f"L{i}.{name}", dtype, d))
     codec = layer.codec()
     for side, target in (("keys", layer.chunks_k), ("values", layer.chunks_v)):
         if info.get(side):
@@ -147,11 +164,26 @@ def _load_layer(layer, i: int, info: dict, sections: dict) -> None:
             if code != _U8:
                 raise KvqrsError(f"compressed cache: section 'L{i}.{side}' is missing")
             target.append(fmt.loads(payload, codec))
-    if info.get("fp_values"):
-        layer._fp_values_quantized = _tensor(sections, f"L{i}.fp_values", dtype, d)
     layer.quantized = int(info["quantized"])
     held = layer.chunks_k[0].shape[-2] if layer.chunks_k else 0
     if held != layer.quantized or layer.keys.shape != layer.values.shape:
         raise KvqrsError(f"compressed cache: layer {i} holds {held} quantized tokens, its meta says {layer.quantized}")
     if not info.get("values") and not info.get("fp_values") and held:
         raise KvqrsError(f"compressed cache: layer {i} has quantized keys but no values for them")
+    _load_positions(layer, i, info)
+
+
+def _load_positions(layer, i: int, info: dict) -> None:
+    """Positions held, checked against the tensors: sinks, codes and window are contiguous."""
+    try:
+        seen, start, q_start = (int(info[name]) for name in _POSITIONS)
+    except (KeyError, TypeError, ValueError):
+        raise KvqrsError(f"compressed cache: layer {i} lacks the positions it holds") from None
+    ns, nw = layer.sink_k.shape[-2], layer.keys.shape[-2]
+    pending = 0 if layer.pending_k is None else layer.pending_k.shape[-2]
+    if not (0 <= start and start + ns == q_start and q_start + layer.quantized + nw == seen and pending <= layer.quantized):
+        raise KvqrsError(
+            f"compressed cache: layer {i} positions (seen {seen}, start {start}, first coded {q_start}) do not match its "
+            f"{ns} sink, {layer.quantized} coded and {nw} window tokens"
+        )
+    layer.seen, layer.start, layer.q_start = seen, start, q_start

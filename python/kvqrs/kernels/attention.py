@@ -10,8 +10,10 @@ codes in the code domain and un-rotated once. Keys and values are never reconstr
 
 Describe each side of the cache with :class:`MSERows`, :class:`UniformRows` or
 :class:`DenseRows` (the scheme coders of :mod:`kvqrs.schemes` build them from an ``Encoded``),
-and HeadQ's side code with :class:`SideRows`. The float64 reference is
-:func:`kvqrs.oracle.decode_attention`, which takes the same ``spec()`` dicts.
+and HeadQ's side code with :class:`SideRows`; each declares its stored layout
+(``layout(lead, T, head_dim)``, the row formats of :mod:`kvqrs.layout` that the scheme coders
+compose), against which the arrays are checked before the native kernel borrows them. The
+float64 reference is :func:`kvqrs.oracle.decode_attention`, which takes the ``spec()`` dicts.
 """
 
 from __future__ import annotations
@@ -22,9 +24,9 @@ from typing import Any, NamedTuple, Union
 import numpy as np
 
 from .. import _native
+from .. import layout as lay
 from .._arrays import KvqrsError, as_array, as_float_rows, check_bits, check_positive_int, check_seed
 from .hadamard import padded_dim
-from .pack import packed_size
 
 
 class QJLRows(NamedTuple):
@@ -59,6 +61,19 @@ class MSERows(NamedTuple):
     seed: int | None
     qjl: QJLRows | None = None
 
+    def layout(self, lead: tuple[int, ...], t: int, d: int) -> lay.Layout:
+        """Stored parts for ``T`` tokens of ``head_dim`` d (after checking bits and seeds)."""
+        b = check_bits(self.bits, "bits")
+        seed = check_seed(self.seed, "seed")
+        cd = d if seed is None else padded_dim(d)
+        parts = lay.mse(lead, t, cd, b)
+        if self.qjl is not None:
+            if seed is None:
+                raise KvqrsError("qjl: a QJL residual follows a rotated MSE stage; seed is None")
+            check_seed(self.qjl.seed, "qjl.seed", optional=False)
+            parts.update(lay.prefixed("qjl.", lay.qjl(lead, t, cd)))
+        return parts
+
     def spec(self) -> dict[str, Any]:
         d: dict[str, Any] = {"kind": "mse", "codes": self.codes, "norms": self.norms, "bits": self.bits, "seed": self.seed}
         if self.qjl is not None:
@@ -88,6 +103,17 @@ class UniformRows(NamedTuple):
     per_channel: bool = False
     seed: int | None = None
 
+    def layout(self, lead: tuple[int, ...], t: int, d: int) -> lay.Layout:
+        """Stored parts for ``T`` tokens of ``head_dim`` d (after checking bits, group, seed)."""
+        b = check_bits(self.bits, "bits")
+        g = check_positive_int(self.group, "group")
+        seed = check_seed(self.seed, "seed")
+        if self.per_channel:
+            if seed is not None:
+                raise KvqrsError("seed: per-channel uniform rows (KIVI keys) have no rotation")
+            return lay.uniform_channels(lead, t, d, b, g)
+        return lay.uniform_tokens(lead, t, d if seed is None else padded_dim(d), b, g)
+
     def spec(self) -> dict[str, Any]:
         return {
             "kind": "uniform_channels" if self.per_channel else "uniform_tokens",
@@ -104,6 +130,10 @@ class DenseRows(NamedTuple):
     """Full-precision rows ``(..., T, head_dim)`` (e.g. values kept unquantized)."""
 
     values: np.ndarray
+
+    def layout(self, lead: tuple[int, ...], t: int, d: int) -> lay.Layout:
+        """``values``: float32 ``(..., T, d)``."""
+        return lay.dense(lead, t, d)
 
     def spec(self) -> dict[str, Any]:
         return {"kind": "dense", "values": self.values}
@@ -158,20 +188,6 @@ class AttentionResult(NamedTuple):
 Rows = Union[MSERows, UniformRows, DenseRows]
 
 
-def _array(x: Any, arg: str, shape: tuple[int, ...], kind: str) -> np.ndarray:
-    """Check dtype and exact shape; return a flat C-contiguous array."""
-    a = as_array(x, arg)
-    if kind == "u8" and a.dtype != np.uint8:
-        raise KvqrsError(f"{arg}: expected uint8 packed codes, got dtype {a.dtype}")
-    if kind == "scalars" and a.dtype not in (np.float16, np.float32):
-        raise KvqrsError(f"{arg}: expected float16 or float32 stored scalars, got dtype {a.dtype}")
-    if kind == "f32":
-        a = as_float_rows(a, arg)[0].reshape(a.shape) if a.ndim else a
-    if a.shape != shape:
-        raise KvqrsError(f"{arg}: expected shape {shape}, got {a.shape}")
-    return np.ascontiguousarray(a).reshape(-1)
-
-
 def _tokens(rows: Rows, arg: str, lead: tuple[int, ...]) -> int:
     """Number of cached tokens of per-token ``rows`` (after a leading-shape check)."""
     if isinstance(rows, MSERows):
@@ -189,38 +205,33 @@ def _tokens(rows: Rows, arg: str, lead: tuple[int, ...]) -> int:
     return a.shape[-1]
 
 
-def _flat_spec(rows: Rows, arg: str, lead: tuple[int, ...], t: int, d: int) -> dict[str, Any]:
-    """The spec dict with every array checked against the layout and flattened."""
-    spec = rows.spec()
-    if isinstance(rows, MSERows):
-        b = check_bits(rows.bits, f"{arg}.bits")
-        seed = check_seed(rows.seed, f"{arg}.seed")
-        cd = d if seed is None else padded_dim(d)
-        spec["codes"] = _array(rows.codes, f"{arg}.codes", (*lead, t, packed_size(cd, b)), "u8")
-        spec["norms"] = _array(rows.norms, f"{arg}.norms", (*lead, t), "scalars")
-        if rows.qjl is not None:
-            if seed is None:
-                raise KvqrsError(f"{arg}.qjl: a QJL residual follows a rotated MSE stage; seed is None")
-            spec["qjl_signs"] = _array(rows.qjl.signs, f"{arg}.qjl.signs", (*lead, t, packed_size(cd, 1)), "u8")
-            spec["qjl_norms"] = _array(rows.qjl.norms, f"{arg}.qjl.norms", (*lead, t), "scalars")
-            spec["qjl_seed"] = check_seed(rows.qjl.seed, f"{arg}.qjl.seed", optional=False)
-    elif isinstance(rows, UniformRows):
-        b = check_bits(rows.bits, f"{arg}.bits")
-        g = check_positive_int(rows.group, f"{arg}.group")
-        seed = check_seed(rows.seed, f"{arg}.seed")
-        if rows.per_channel:
-            if seed is not None:
-                raise KvqrsError(f"{arg}.seed: per-channel uniform rows (KIVI keys) have no rotation")
-            shape, groups = (*lead, d, packed_size(t, b)), (*lead, d, -(-t // g))
-        else:
-            n = d if seed is None else padded_dim(d)
-            shape, groups = (*lead, t, packed_size(n, b)), (*lead, t, -(-n // g))
-        spec["codes"] = _array(rows.codes, f"{arg}.codes", shape, "u8")
-        spec["scales"] = _array(rows.scales, f"{arg}.scales", groups, "scalars")
-        spec["zeros"] = _array(rows.zeros, f"{arg}.zeros", groups, "scalars")
-    else:
-        spec["values"] = _array(rows.values, f"{arg}.values", (*lead, t, d), "f32")
-    return spec
+def _flat_rows(rows: Rows, arg: str, lead: tuple[int, ...], t: int, d: int) -> Rows:
+    """``rows`` with every array checked against its declared layout and flattened (what the
+    native kernel borrows; it reads the fields by name)."""
+    try:
+        parts = rows.layout(lead, t, d)
+    except KvqrsError as e:
+        raise KvqrsError(f"{arg}.{e}") from None
+    flat = {
+        name: lay.flat(getattr(rows, name) if "." not in name else getattr(rows.qjl, name[4:]), f"{arg}.{name}", part)
+        for name, part in parts.items()
+    }
+    if isinstance(rows, MSERows) and rows.qjl is not None:
+        qjl = rows.qjl._replace(signs=flat.pop("qjl.signs"), norms=flat.pop("qjl.norms"))
+        return rows._replace(qjl=qjl, **flat)
+    return rows._replace(**flat)
+
+
+class _FlatSide(NamedTuple):
+    """:class:`SideRows` checked and flattened, with the basis count and rank."""
+
+    codes: np.ndarray
+    scales: np.ndarray
+    basis: np.ndarray
+    bits: int
+    sign: float
+    rank: int
+    basis_heads: int
 
 
 def decode_attention(
@@ -271,13 +282,12 @@ def decode_attention(
         tk = _tokens(keys, "keys", lead)
         if tk != t:
             raise KvqrsError(f"keys: expected the values' {t} tokens, got {tk}")
-    kspec = _flat_spec(keys, "keys", lead, t, d)
-    vspec = _flat_spec(values, "values", lead, t, d)
-    sspec = None
+    krows = _flat_rows(keys, "keys", lead, t, d)
+    vrows = _flat_rows(values, "values", lead, t, d)
+    srows = None
     if side is not None:
         if not isinstance(side, SideRows):
             raise KvqrsError(f"side: expected SideRows, got {type(side).__name__}")
-        sspec = side.spec()
         basis = np.asarray(side.basis, dtype=np.float32)
         if basis.ndim not in (2, 3) or basis.shape[-2] != d or (basis.ndim == 3 and (not lead or lead[-1] != basis.shape[0])):
             raise KvqrsError(
@@ -285,18 +295,22 @@ def decode_attention(
             )
         qb = check_bits(side.bits, "side.bits")
         r = basis.shape[-1]
-        sspec.update(
-            codes=_array(side.codes, "side.codes", (*lead, t, packed_size(r, qb)), "u8"),
-            scales=_array(side.scales, "side.scales", (*lead, t), "scalars"),
-            basis=np.ascontiguousarray(basis).reshape(-1),
-            sign=float(side.sign),
+        parts = lay.side(lead, t, r, qb)
+        srows = _FlatSide(
+            lay.flat(side.codes, "side.codes", parts["codes"]),
+            lay.flat(side.scales, "side.scales", parts["scales"]),
+            np.ascontiguousarray(basis).reshape(-1),
+            qb,
+            float(side.sign),
+            r,
+            1 if basis.ndim == 2 else basis.shape[0],
         )
     sc = 1.0 / math.sqrt(d) if scale is None else _scale(scale)
     heads = int(np.prod(lead)) if lead else 1
     if rows == 0 or heads == 0:  # no query rows (or heads): nothing to attend, nothing to call
         out, lse, p = np.zeros(0, np.float32), np.zeros(0, np.float32), np.zeros(0, np.float32)
     else:
-        out, lse, p = _native.decode_attention(flat, kspec, vspec, sspec, heads, rows, t, d, sc, bool(probs))
+        out, lse, p = _native.decode_attention(flat, krows, vrows, srows, heads, rows, t, d, sc, bool(probs))
     return AttentionResult(
         out.reshape(*lead, rows, d),
         lse.reshape(*lead, rows),

@@ -8,12 +8,13 @@ elements.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from .. import layout as lay
 from .._arrays import KvqrsError, as_array, first_nonfinite
 
 
@@ -69,10 +70,10 @@ class Encoded:
         return {k: 8.0 * np.asarray(v).nbytes / n for k, v in self.parts.items()}
 
 
-def concat_tokens(encs: list[Encoded], axes: Mapping[str, int]) -> Encoded:
+def concat_tokens(encs: list[Encoded], layout: Callable[[tuple[int, ...]], lay.Layout]) -> Encoded:
     """Join encoded chunks of consecutive tokens into one ``Encoded`` (what a growing cache
-    does). ``axes`` gives each part's token axis; every chunk must hold whole bytes per row
-    along a packed token axis (KIVI key chunks of 32 tokens do)."""
+    does), each part along its token axis in the coder's ``layout(shape)``; every chunk but the
+    last must end where each part can be cut (KIVI key chunks of whole groups do)."""
     if not encs:
         raise KvqrsError("encoded: expected at least one chunk to concatenate")
     first = encs[0]
@@ -85,16 +86,24 @@ def concat_tokens(encs: list[Encoded], axes: Mapping[str, int]) -> Encoded:
             first.shape[-1],
         ):
             raise KvqrsError("encoded: chunks to concatenate must share scheme, parameters and shape except tokens")
-    parts = {k: np.concatenate([np.asarray(e.parts[k]) for e in encs], axis=axes[k]) for k in first.parts}
-    tokens = sum(e.shape[-2] for e in encs)
-    return Encoded(first.scheme, first.kind, (*first.shape[:-2], tokens, first.shape[-1]), first.dtype, parts, first.params)
+    tokens = [e.shape[-2] for e in encs]
+    shape = (*first.shape[:-2], sum(tokens), first.shape[-1])
+    parts = lay.concat([e.parts for e in encs], tokens, layout(shape))
+    return Encoded(first.scheme, first.kind, shape, first.dtype, parts, first.params)
 
 
-def slice_rows(enc: Encoded, axes: Mapping[str, int], n: int) -> Encoded:
-    """The first ``n`` tokens of ``enc`` when every part stores one entry per token along its
-    axis in ``axes`` (per-token codes, norms, scales, sketches, side codes)."""
-    parts = {k: np.take(np.asarray(v), np.arange(n), axis=axes[k]) for k, v in enc.parts.items()}
-    return Encoded(enc.scheme, enc.kind, (*enc.shape[:-2], n, enc.shape[-1]), enc.dtype, parts, enc.params)
+def slice_rows(enc: Encoded, layout: Callable[[tuple[int, ...]], lay.Layout], n: int, start: int = 0) -> Encoded:
+    """Tokens ``start .. n - 1`` of ``enc``, each part cut along its token axis in the coder's
+    ``layout(shape)`` (codes untouched); raises where a part cannot be cut there (``n`` may
+    always be the last token held)."""
+    lead, d = enc.shape[:-2], enc.shape[-1]
+    parts = lay.take(enc.parts, (layout((*lead, start, d)), layout((*lead, n, d))), (start, n), n == enc.shape[-2])
+    return Encoded(enc.scheme, enc.kind, (*lead, n - start, d), enc.dtype, parts, enc.params)
+
+
+def split_shape(shape: tuple[int, ...]) -> tuple[tuple[int, ...], int, int]:
+    """``(leading shape, tokens, head_dim)`` of a ``(..., tokens, head_dim)`` shape."""
+    return tuple(shape[:-2]), shape[-2], shape[-1]
 
 
 def flat_rows(a: np.ndarray, tail: int) -> np.ndarray:

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from .. import layout as lay
 from ..kernels import padded_dim
 from ..kernels.attention import UniformRows
 from ..kernels.uniform import UniformCode
 from .backend import CPU, Backend
-from .base import Encoded, as_float_array, check_encoded, check_head_dim, slice_rows
+from .base import Encoded, as_float_array, check_encoded, check_head_dim, split_shape
 from .mse import decoded_scores
 
 
@@ -24,11 +25,11 @@ class BlockCoder:
         self.code_dim = padded_dim(head_dim)
         self.params = {"bits": bits, "seed": seed, "group": group}
 
-    def token_axes(self) -> dict[str, int]:
-        return {"codes": -2, "scales": -2, "zeros": -2}
-
-    def slice_tokens(self, enc: Encoded, n: int) -> Encoded:
-        return slice_rows(enc, self.token_axes(), n)
+    def layout(self, shape: tuple[int, ...]) -> lay.Layout:
+        """Groups of ``group`` rotated coordinates per token: codes ``(..., T, packed(d',
+        bits))``, scales and zero points ``(..., T, ceil(d' / group))``."""
+        lead, t, _ = split_shape(shape)
+        return lay.uniform_tokens(lead, t, self.code_dim, self.bits, self.group)
 
     def encode(self, x) -> Encoded:
         x = as_float_array(x, self.kind)

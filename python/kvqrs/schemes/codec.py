@@ -24,14 +24,15 @@ from ..kernels.headq import headq_basis
 from ..kernels.rng import philox4x32_10, random_orthonormal_basis
 from .a2 import A2ValueCoder
 from .backend import Backend, get_backend
-from .base import Encoded, as_float_array, concat_tokens, name_nonfinite
+from .base import Encoded, as_float_array, concat_tokens, name_nonfinite, slice_rows
 from .block import BlockCoder
 from .headq import HeadQCoder
 from .kivi import KIVICoder
+from .matched import MatchedCalibration, MatchedCoder, MatchedValueCoder
 from .mse import MSECoder, MSEQJLCoder
 
-KEY_SCHEMES = ("kv", "kqv", "qkqv", "kivi", "block", "headq")
-VALUE_SCHEMES = ("kv", "kqv", "qkqv", "kivi", "block", "a2", "none")
+KEY_SCHEMES = ("kv", "kqv", "qkqv", "kivi", "block", "headq", "matched")
+VALUE_SCHEMES = ("kv", "kqv", "qkqv", "kivi", "block", "a2", "matched", "none")
 SCHEMES = KEY_SCHEMES
 HEADQ_BASES = ("kivi", "kqv", "kv", "block")
 
@@ -46,7 +47,18 @@ def derive_seed(seed: int, tag: int) -> int:
     return int(w[0]) | (int(w[1]) << 32)
 
 
-def _key_coder(scheme: str, bits: int, head_dim: int, seed: int, group: int, backend: Backend):
+def _matched_calibration(calibration: Any, side: str) -> MatchedCalibration:
+    if not isinstance(calibration, MatchedCalibration):
+        raise KvqrsError(
+            f"calibration: the matched {side} need a MatchedCalibration (kvqrs.hf.calibrate_matched or "
+            f"kvqrs.schemes.matched.fit_basis), got {type(calibration).__name__}"
+        )
+    return calibration
+
+
+def _key_coder(scheme: str, bits: int, head_dim: int, seed: int, group: int, backend: Backend, calibration: Any = None):
+    if scheme == "matched":
+        return MatchedCoder(head_dim, _matched_calibration(calibration, "keys").keys, group, scheme, "keys", backend)
     rot, qjl = derive_seed(seed, _KEY_ROTATION), derive_seed(seed, _KEY_QJL)
     if scheme == "kv":
         return MSECoder(head_dim, bits, None, scheme, "keys", backend)
@@ -61,8 +73,11 @@ def _key_coder(scheme: str, bits: int, head_dim: int, seed: int, group: int, bac
     raise KvqrsError(f"scheme: expected one of {KEY_SCHEMES} for keys, got {scheme!r}")
 
 
-def _value_coder(scheme: str, bits: int, head_dim: int, seed: int, group: int, backend: Backend):
+def _value_coder(scheme: str, bits: int, head_dim: int, seed: int, group: int, backend: Backend, calibration: Any = None):
     rot, qjl = derive_seed(seed, _VALUE_ROTATION), derive_seed(seed, _VALUE_QJL)
+    if scheme == "matched":
+        mean = _matched_calibration(calibration, "values").value_mean
+        return MatchedValueCoder(head_dim, bits, rot, mean, scheme, "values", backend)
     if scheme == "kv":
         return MSECoder(head_dim, bits, None, scheme, "values", backend)
     if scheme in ("kqv", "qkqv"):
@@ -145,6 +160,10 @@ class KVCodec:
         basis: HeadQ basis ``(d, r)`` or ``(kv_heads, d, r)``; ``"random"`` for the seeded
             random-basis control; None until :meth:`calibrate` is called.
         sign: +1, or -1 for HeadQ's wrong-sign control.
+        calibration: for ``matched`` keys or values, the layer's
+            :class:`~kvqrs.schemes.matched.MatchedCalibration` (key transform and widths, value
+            mean); ``bits`` is then the value budget's width and the key widths come from the
+            calibration.
         backend: where the kernels run: ``"cpu"`` (the Rust path, default), ``"wgpu"`` (the WGSL
             shaders of :mod:`kvqrs.gpu` on the default adapter), a ``kvqrs.gpu.Device`` or a
             ``wgpu.GPUAdapter``, or a :class:`~kvqrs.schemes.backend.Backend`. The encoded
@@ -178,6 +197,7 @@ class KVCodec:
         basis: Any = None,
         sign: int = 1,
         backend: Any = "cpu",
+        calibration: MatchedCalibration | None = None,
     ):
         self.backend = get_backend(backend)
         self.scheme = scheme
@@ -189,7 +209,8 @@ class KVCodec:
         if scheme not in KEY_SCHEMES:
             raise KvqrsError(f"scheme: expected one of {KEY_SCHEMES}, got {scheme!r}")
         self.value_scheme = value_scheme or ("kivi" if scheme == "headq" else scheme)
-        self.values = _value_coder(self.value_scheme, self.value_bits, self.head_dim, self.seed, self.group, self.backend)
+        self.calibration = calibration
+        self.values = _value_coder(self.value_scheme, self.value_bits, self.head_dim, self.seed, self.group, self.backend, calibration)
         self.rank, self.side_bits, self.sign, self.headq_base = rank, side_bits, sign, headq_base
         if scheme == "headq":
             if headq_base not in HEADQ_BASES:
@@ -205,7 +226,7 @@ class KVCodec:
             if basis is not None:
                 self.set_basis(basis)
         else:
-            self.keys = _key_coder(scheme, self.bits, self.head_dim, self.seed, self.group, self.backend)
+            self.keys = _key_coder(scheme, self.bits, self.head_dim, self.seed, self.group, self.backend, calibration)
 
     # -- HeadQ calibration ------------------------------------------------------------------
     def set_basis(self, basis: Array) -> None:
@@ -329,23 +350,33 @@ class KVCodec:
             return qa.reshape(*kv_lead, g * qa.shape[-2], self.head_dim), q_lead, qa.shape[-2]
         raise KvqrsError(f"q: leading dims {q_lead} do not match the keys' {kv_lead} (or a GQA multiple of their heads)")
 
-    def slice_tokens(self, enc: Encoded, n: int) -> Encoded:
-        """The first ``n`` tokens of an encoded tensor, codes untouched (cache crop)."""
+    def slice_tokens(self, enc: Encoded, n: int, start: int = 0) -> Encoded:
+        """Tokens ``start .. n - 1`` of an encoded tensor, codes untouched (a cache crop keeps
+        a prefix; a sliding-window layer drops its oldest tokens)."""
         if not 0 <= int(n) <= enc.shape[-2]:
             raise KvqrsError(f"n: expected 0 <= n <= {enc.shape[-2]} tokens, got {n}")
-        coder = self._key_coder() if enc.kind == "keys" else self.values
+        if not 0 <= int(start) <= int(n):
+            raise KvqrsError(f"start: expected 0 <= start <= n = {n}, got {start}")
         self.check_seed_of(enc)
-        return dataclasses.replace(coder.slice_tokens(enc, n), device=enc.device, seed=enc.seed)
+        kept = slice_rows(enc, self._layout_of(enc.kind), int(n), int(start))
+        return dataclasses.replace(kept, device=enc.device, seed=enc.seed)
 
     def concat(self, encs: list[Encoded]) -> Encoded:
         """Join chunks of consecutive tokens encoded by this codec (keys or values)."""
-        coder = self._key_coder() if encs and encs[0].kind == "keys" else self.values
-        base = getattr(coder, "base", coder)
-        if hasattr(base, "check_concat"):
-            base.check_concat(encs)
         for e in encs:
             self.check_seed_of(e)
-        return dataclasses.replace(concat_tokens(encs, coder.token_axes()), device=encs[0].device, seed=encs[0].seed)
+        joined = concat_tokens(encs, self._layout_of(encs[0].kind if encs else "keys"))
+        return dataclasses.replace(joined, device=encs[0].device, seed=encs[0].seed)
+
+    def _layout_of(self, kind: str):
+        """The ``layout(shape)`` of this codec's keys or values (:mod:`kvqrs.layout`)."""
+        coder = self._key_coder() if kind == "keys" else self.values
+        layout = getattr(coder, "layout", None)
+        if layout is None:
+            raise KvqrsError(
+                f"encoded: {self.value_scheme if kind == 'values' else self.scheme} {kind} have no per-token layout to join or cut"
+            )
+        return layout
 
     # -- values --------------------------------------------------------------------------------
     def encode_values(self, v: Array, weights: Array | None = None) -> Encoded:

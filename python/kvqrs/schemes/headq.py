@@ -13,10 +13,11 @@ from typing import Any
 
 import numpy as np
 
+from .. import layout as lay
 from .._arrays import KvqrsError, first_nonfinite
 from ..kernels.attention import SideRows
 from ..kernels.headq import HeadQCode
-from .base import Encoded, as_float_array, check_encoded, flat_rows, slice_rows
+from .base import Encoded, as_float_array, check_encoded, flat_rows, split_shape
 from .mse import blockwise
 
 
@@ -53,20 +54,11 @@ class HeadQCoder:
             "basis_sha256": hashlib.sha256(np.ascontiguousarray(b).tobytes()).hexdigest()[:16],
         }
 
-    def token_axes(self) -> dict[str, int]:
-        return {**{f"base_{k}": v for k, v in self.base.token_axes().items()}, "side_codes": -2, "side_scales": -1}
-
-    def slice_tokens(self, enc: Encoded, n: int) -> Encoded:
-        """The first ``n`` tokens of base codes and side codes (codes untouched)."""
-        base, _ = self._split(enc)
-        kept = self.base.slice_tokens(base, n)
-        side = slice_rows(
-            Encoded(enc.scheme, "keys", enc.shape, enc.dtype, {k: v for k, v in enc.parts.items() if k.startswith("side_")}, enc.params),
-            {"side_codes": -2, "side_scales": -1},
-            n,
-        )
-        parts = {**{f"base_{k}": v for k, v in kept.parts.items()}, **side.parts}
-        return Encoded(enc.scheme, "keys", side.shape, enc.dtype, parts, enc.params)
+    def layout(self, shape: tuple[int, ...]) -> lay.Layout:
+        """The base coder's parts prefixed ``base_``, then the side code: ``side_codes``
+        ``(..., T, packed(rank, side_bits))`` and ``side_scales`` ``(..., T)``."""
+        lead, t, _ = split_shape(shape)
+        return {**lay.prefixed("base_", self.base.layout(shape)), **lay.prefixed("side_", lay.side(lead, t, self.rank, self.side_bits))}
 
     def _bases(self, lead: tuple[int, ...]) -> list[np.ndarray]:
         """One basis per flattened leading index (heads are the last leading axis)."""

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from .._arrays import KvqrsError
+from .. import layout as lay
 from ..kernels.attention import UniformRows
 from ..kernels.uniform import UniformCode
 from .backend import CPU, Backend
-from .base import Encoded, as_float_array, check_encoded, check_head_dim, slice_rows
+from .base import Encoded, as_float_array, check_encoded, check_head_dim, split_shape
 from .mse import decoded_scores
 
 
@@ -31,31 +31,15 @@ class KIVICoder:
         self.scheme, self.kind = scheme, kind
         self.params = {"bits": bits, "group": group, "per_channel": per_channel}
 
-    def token_axes(self) -> dict[str, int]:
-        """Per-channel keys pack tokens along the last axis; per-token values along -2."""
-        axis = -1 if self.per_channel else -2
-        return {"codes": axis, "scales": axis, "zeros": axis}
-
-    def check_concat(self, encs: list[Encoded]) -> None:
-        """Per-channel key chunks join only if every chunk but the last holds whole groups."""
-        if self.per_channel and any(e.shape[-2] % self.group or (e.shape[-2] * self.bits) % 8 for e in encs[:-1]):
-            raise KvqrsError(
-                f"encoded: per-channel KIVI key chunks must hold whole groups of {self.group} tokens, got {[e.shape[-2] for e in encs]}"
-            )
-
-    def slice_tokens(self, enc: Encoded, n: int) -> Encoded:
-        """The first ``n`` tokens. Per-channel keys keep whole groups only: ``n`` must be a
-        multiple of ``group`` whose codes end on a byte (``n * bits % 8 == 0``)."""
-        if not self.per_channel:
-            return slice_rows(enc, self.token_axes(), n)
-        if n % self.group or (n * self.bits) % 8:
-            raise KvqrsError(f"n: per-channel KIVI keys can only keep whole groups of {self.group} tokens, got {n}")
-        parts = {
-            "codes": np.asarray(enc.parts["codes"])[..., : n * self.bits // 8],
-            "scales": np.asarray(enc.parts["scales"])[..., : n // self.group],
-            "zeros": np.asarray(enc.parts["zeros"])[..., : n // self.group],
-        }
-        return Encoded(enc.scheme, enc.kind, (*enc.shape[:-2], n, enc.shape[-1]), enc.dtype, parts, enc.params)
+    def layout(self, shape: tuple[int, ...]) -> lay.Layout:
+        """Per-channel keys: each channel's tokens packed along the last axis, one scale and
+        zero point per group of ``group`` tokens (``(..., d, packed(T, bits))``, ``(..., d,
+        ceil(T / group))``; chunks join and are cut at whole groups and bytes). Per-token values:
+        ``(..., T, packed(d, bits))`` and ``(..., T, ceil(d / group))``."""
+        lead, t, d = split_shape(shape)
+        if self.per_channel:
+            return lay.uniform_channels(lead, t, d, self.bits, self.group)
+        return lay.uniform_tokens(lead, t, d, self.bits, self.group)
 
     def _layout(self, x: np.ndarray) -> np.ndarray:
         # Per-channel groups run along tokens: lay each channel's tokens out as a row.

@@ -13,12 +13,13 @@ import math
 import numpy as np
 
 from .. import _native
+from .. import layout as lay
 from .._arrays import KvqrsError, as_float_rows
 from ..kernels import lloyd_max_codebook, packed_size, padded_dim
 from ..kernels.attention import MSERows, QJLRows
 from ..kernels.qjl import QJLSketch
 from .backend import CPU, Backend
-from .base import Encoded, as_float_array, check_encoded, check_head_dim, flat_rows, slice_rows
+from .base import Encoded, as_float_array, check_encoded, check_head_dim, flat_rows, split_shape
 
 
 def decoded_scores(q: np.ndarray, k_hat: np.ndarray) -> np.ndarray:
@@ -77,13 +78,11 @@ class MSECoder:
         parts = {"codes": packed.reshape(*lead, self.row_bytes), "norms": norms.reshape(lead)}
         return Encoded(self.scheme, self.kind, x.shape, x.dtype, parts, self.params)
 
-    def token_axes(self) -> dict[str, int]:
-        """Token axis of each stored part (for concatenating chunks)."""
-        return {"codes": -2, "norms": -1}
-
-    def slice_tokens(self, enc: Encoded, n: int) -> Encoded:
-        """The first ``n`` tokens, codes untouched."""
-        return slice_rows(enc, self.token_axes(), n)
+    def layout(self, shape: tuple[int, ...]) -> lay.Layout:
+        """Stored parts of a ``(..., T, d)`` tensor: packed codes ``(..., T, packed(code_dim,
+        bits))`` and norms ``(..., T)``."""
+        lead, t, _ = split_shape(shape)
+        return lay.mse(lead, t, self.code_dim, self.bits)
 
     def codes(self, enc: Encoded) -> np.ndarray:
         """Unpacked codes ``(..., tokens, code_dim)``."""
@@ -139,11 +138,11 @@ class MSEQJLCoder:
         parts = dict(base.parts, qjl_signs=sketch.signs, qjl_norms=sketch.norms)
         return Encoded(self.scheme, self.kind, x.shape, x.dtype, parts, self.params)
 
-    def token_axes(self) -> dict[str, int]:
-        return {"codes": -2, "norms": -1, "qjl_signs": -2, "qjl_norms": -1}
-
-    def slice_tokens(self, enc: Encoded, n: int) -> Encoded:
-        return slice_rows(enc, self.token_axes(), n)
+    def layout(self, shape: tuple[int, ...]) -> lay.Layout:
+        """The MSE stage's parts, then the sketch: ``qjl_signs`` ``(..., T, ceil(d'/8))`` and
+        ``qjl_norms`` ``(..., T)``."""
+        lead, t, _ = split_shape(shape)
+        return {**self.mse.layout(shape), **lay.prefixed("qjl_", lay.qjl(lead, t, self.code_dim))}
 
     def _sketch(self, enc: Encoded) -> QJLSketch:
         return QJLSketch(enc.parts["qjl_signs"], enc.parts["qjl_norms"], self.code_dim, self.code_dim)

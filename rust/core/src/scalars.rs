@@ -8,6 +8,7 @@
 use half::f16;
 
 use crate::error::{KvqError, Result};
+use crate::simd::{ops, Isa};
 
 /// Smallest positive normal float16 (2^-14): below it float16 loses relative precision.
 pub const F16_MIN_NORMAL: f32 = 6.103_515_6e-5;
@@ -137,6 +138,17 @@ impl ScalarView<'_> {
         match self {
             ScalarView::F16(v) => f16::from_bits(v[i]).to_f32(),
             ScalarView::F32(v) => v[i],
+        }
+    }
+
+    /// Stored values `start .. start + out.len()` as float32, a block at a time (the SIMD
+    /// float16 conversion of `isa`; exact, so every path agrees with [`ScalarView::get`]).
+    #[inline]
+    pub fn read(&self, isa: Isa, start: usize, out: &mut [f32]) {
+        let end = start + out.len();
+        match self {
+            ScalarView::F16(v) => ops::f16_to_f32(isa, &v[start..end], out),
+            ScalarView::F32(v) => out.copy_from_slice(&v[start..end]),
         }
     }
 

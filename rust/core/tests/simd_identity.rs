@@ -381,7 +381,8 @@ fn attention_bits(a: &Attention) -> (Vec<u32>, Vec<u32>, Vec<u32>) {
 
 #[test]
 fn fused_attention_is_bit_identical_on_every_isa_and_thread_count() {
-    // Token counts below, at and across the float32 accumulation block (32); head_dims with
+    // Token counts below, at and across the float32 accumulation block (32) and the chunk of
+    // tokens per task (256); head_dims with
     // vector tails and rotation padding; GQA groups of 1, 3 and 5 query rows.
     for (d, t, rows, bits, group) in [
         (64, 37, 3, 4, 32),
@@ -390,6 +391,9 @@ fn fused_attention_is_bit_identical_on_every_isa_and_thread_count() {
         (17, 31, 2, 1, 3),
         (96, 70, 3, 8, 32),
         (8, 9, 4, 5, 7),
+        // Several chunks of tokens merged by log-sum-exp, KIVI groups that do not divide it.
+        (16, 600, 3, 4, 32),
+        (12, 530, 2, 3, 7),
     ] {
         let heads = 2;
         let (ks, vs) = (

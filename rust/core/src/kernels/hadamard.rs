@@ -16,20 +16,7 @@ pub fn padded_dim(head_dim: usize) -> usize {
 /// In-place unnormalised Sylvester fast Walsh-Hadamard transform; `x.len()` must be a power of
 /// two. Butterflies `(a, b) -> (a + b, a - b)` over strides 1, 2, 4, ...
 pub fn fwht_inplace(x: &mut [f32]) {
-    debug_assert!(x.len().is_power_of_two());
-    let n = x.len();
-    let mut h = 1;
-    while h < n {
-        for block in x.chunks_exact_mut(2 * h) {
-            let (lo, hi) = block.split_at_mut(h);
-            for (a, b) in lo.iter_mut().zip(hi.iter_mut()) {
-                let (u, v) = (*a, *b);
-                *a = u + v;
-                *b = u - v;
-            }
-        }
-        h *= 2;
-    }
+    crate::simd::scalar::fwht(x);
 }
 
 /// A rotation for one head_dim and seed (`seed = None`: the plain orthonormal transform).

@@ -134,48 +134,11 @@ fn rows_or_empty(arg: &'static str, len: usize, width: usize) -> Result<usize> {
 }
 
 /// Packs one row through a 16-bit window: code i lands at bit offset i*bits.
-pub(crate) fn pack_row(codes: &[u8], bits: u32, out: &mut [u8]) {
-    let mut acc: u32 = 0;
-    let mut filled: u32 = 0;
-    let mut pos = 0;
-    for &c in codes {
-        acc |= u32::from(c) << filled;
-        filled += bits;
-        while filled >= 8 {
-            out[pos] = acc as u8;
-            pos += 1;
-            acc >>= 8;
-            filled -= 8;
-        }
-    }
-    if filled > 0 {
-        out[pos] = acc as u8;
-    }
-}
-
-pub(crate) fn unpack_row(packed: &[u8], bits: u32, out: &mut [u8]) {
-    unpack_range(packed, bits, 0, out);
-}
-
 /// Unpacks `out.len()` codes of one packed row starting at code `start` (bit offset
 /// `start * bits`): the read paths take a slice of tokens or channels without unpacking the
 /// whole row. The caller guarantees that the row holds codes `start .. start + out.len()`.
 pub fn unpack_range(packed: &[u8], bits: u32, start: usize, out: &mut [u8]) {
-    let mask = (1u32 << bits) - 1;
-    let offset = start * bits as usize;
-    let mut src = packed[offset / 8..].iter();
-    let skip = (offset % 8) as u32;
-    let mut acc: u32 = src.next().map_or(0, |&b| u32::from(b) >> skip);
-    let mut filled: u32 = 8 - skip;
-    for o in out.iter_mut() {
-        while filled < bits {
-            acc |= u32::from(*src.next().unwrap_or(&0)) << filled;
-            filled += 8;
-        }
-        *o = (acc & mask) as u8;
-        acc >>= bits;
-        filled -= bits;
-    }
+    crate::simd::scalar::unpack_range(packed, bits, start, out);
 }
 
 #[cfg(test)]

@@ -1,7 +1,7 @@
 //! Run-time selection of the instruction set used by the hot kernels (docs/kernels.md
 //! section 10).
 //!
-//! The scalar code in `kernels/` and `reduce.rs` is the reference; every other path reproduces
+//! The scalar code in `scalar.rs` and `reduce.rs` is the reference; every other path reproduces
 //! its bits exactly (same operations, same rounding, same reduction order), so the choice of
 //! path never changes a code, a byte or a float. The best path is detected once; the
 //! environment variable `KVQRS_FORCE_SCALAR=1` (read once, at first use) makes the scalar path
@@ -10,6 +10,7 @@
 #[cfg(target_arch = "aarch64")]
 mod neon;
 pub(crate) mod ops;
+pub(crate) mod scalar;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 
@@ -23,7 +24,7 @@ use crate::error::{KvqError, Result};
 pub enum Isa {
     /// Portable Rust, the reference every other path must match bit for bit.
     Scalar,
-    /// x86_64 AVX2 (with BMI2 for the bit packing).
+    /// x86_64 AVX2 (with BMI2 for the bit packing and F16C for stored float16 scalars).
     Avx2,
     /// x86_64 AVX-512 F/BW/VL (plus the AVX2 requirements).
     Avx512,
@@ -98,7 +99,9 @@ fn detect() -> [bool; 4] {
     let mut s = [true, false, false, false];
     #[cfg(target_arch = "x86_64")]
     {
-        let avx2 = std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("bmi2");
+        let avx2 = std::is_x86_feature_detected!("avx2")
+            && std::is_x86_feature_detected!("bmi2")
+            && std::is_x86_feature_detected!("f16c");
         s[1] = avx2;
         s[2] = avx2
             && std::is_x86_feature_detected!("avx512f")

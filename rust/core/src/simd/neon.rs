@@ -139,7 +139,7 @@ pub(crate) fn fwht(x: &mut [f32], mult: Option<&[f32]>) {
 pub(crate) fn encode(x: &[f32], div: Option<f32>, table: &[f32], bits: u32, codes: &mut [u8]) {
     let n = x.len().min(codes.len());
     if bits > 4 {
-        return super::ops::scalar::encode(&x[..n], div, table, bits, &mut codes[..n]);
+        return super::scalar::encode(&x[..n], div, table, bits, &mut codes[..n]);
     }
     let n4 = n / 4 * 4;
     let dv = vdupq_n_f32(div.unwrap_or(1.0));
@@ -163,7 +163,7 @@ pub(crate) fn encode(x: &[f32], div: Option<f32>, table: &[f32], bits: u32, code
         }
         i += 4;
     }
-    super::ops::scalar::encode(&x[n4..n], div, table, bits, &mut codes[n4..n]);
+    super::scalar::encode(&x[n4..n], div, table, bits, &mut codes[n4..n]);
 }
 
 /// `out[i] = (y[i] * mul) ^ sign_bit[i]` for `i < out.len()`.
@@ -205,5 +205,65 @@ pub(crate) fn axpy_f64(acc: &mut [f64], w: f64, x: &[f32]) {
         }
         i += 4;
     }
-    super::ops::scalar::axpy_f64(&mut acc[n4..n], w, &x[n4..n]);
+    super::scalar::axpy_f64(&mut acc[n4..n], w, &x[n4..n]);
+}
+
+/// Four lanes of [`scalar::exp`](super::scalar::exp): the same multiplies and adds in the same
+/// order (`vmulq` then `vaddq`, never `vfmaq`), `n` rounded to nearest even, 0 below `EXP_LO`.
+#[inline]
+#[target_feature(enable = "neon")]
+fn exp4(x: float32x4_t) -> float32x4_t {
+    use super::scalar::{EXP_C1, EXP_C2, EXP_HI, EXP_LO, EXP_P, LOG2E};
+    let low = vcltq_f32(x, vdupq_n_f32(EXP_LO));
+    let x = vminnmq_f32(x, vdupq_n_f32(EXP_HI));
+    let n = vrndnq_f32(vmulq_f32(x, vdupq_n_f32(LOG2E)));
+    let r = vsubq_f32(
+        vsubq_f32(x, vmulq_f32(n, vdupq_n_f32(EXP_C1))),
+        vmulq_f32(n, vdupq_n_f32(EXP_C2)),
+    );
+    let z = vmulq_f32(r, r);
+    let mut p = vdupq_n_f32(EXP_P[0]);
+    for &c in &EXP_P[1..] {
+        p = vaddq_f32(vmulq_f32(p, r), vdupq_n_f32(c));
+    }
+    let y = vaddq_f32(vaddq_f32(vmulq_f32(p, z), r), vdupq_n_f32(1.0));
+    let e = vshlq_n_s32::<23>(vaddq_s32(vcvtq_s32_f32(n), vdupq_n_s32(127)));
+    let v = vmulq_f32(y, vreinterpretq_f32_s32(e));
+    vreinterpretq_f32_u32(vbicq_u32(vreinterpretq_u32_f32(v), low))
+}
+
+/// `x[i] = exp(x[i] - m)`, returning their float64 sum over the fixed 8 lanes.
+#[target_feature(enable = "neon")]
+pub(crate) fn exp_sum(x: &mut [f32], m: f32) -> f64 {
+    let n8 = x.len() / 8 * 8;
+    let mv = vdupq_n_f32(m);
+    let mut acc = [vdupq_n_f64(0.0); 4];
+    let mut i = 0;
+    while i < n8 {
+        // SAFETY: i + 8 <= x.len().
+        unsafe {
+            let p = x.as_mut_ptr().add(i);
+            let a = exp4(vsubq_f32(vld1q_f32(p), mv));
+            let b = exp4(vsubq_f32(vld1q_f32(p.add(4)), mv));
+            vst1q_f32(p, a);
+            vst1q_f32(p.add(4), b);
+            let parts = [
+                vcvt_f64_f32(vget_low_f32(a)),
+                vcvt_high_f64_f32(a),
+                vcvt_f64_f32(vget_low_f32(b)),
+                vcvt_high_f64_f32(b),
+            ];
+            for (s, q) in acc.iter_mut().zip(parts) {
+                *s = vaddq_f64(*s, q);
+            }
+        }
+        i += 8;
+    }
+    let mut lanes = [0.0f64; LANES];
+    for (k, s) in acc.iter().enumerate() {
+        // SAFETY: lanes[2k..2k+2] is in bounds.
+        unsafe { vst1q_f64(lanes.as_mut_ptr().add(2 * k), *s) };
+    }
+    super::scalar::exp_sum_tail(&mut x[n8..], m, &mut lanes);
+    combine_f64(&lanes)
 }

@@ -1,6 +1,5 @@
-//! Row primitives of the hot kernels, dispatched on an [`Isa`]. The `scalar` versions are the
-//! reference (transcriptions of the kernel code in `kernels/` and `reduce.rs`); the others
-//! must return the same bits.
+//! Row primitives of the hot kernels, dispatched on an [`Isa`]. The `scalar` module (and
+//! `reduce.rs`) holds the reference of each; the other paths must return the same bits.
 //!
 //! Every function assumes `isa.is_supported()`: the kernels only pass [`super::active`] or an
 //! `Isa` that went through [`Isa::checked`].
@@ -9,75 +8,7 @@
 use super::neon;
 #[cfg(target_arch = "x86_64")]
 use super::x86::{avx2, avx512};
-use super::Isa;
-
-/// Scalar references for the primitives that have no direct counterpart in `kernels/`.
-pub(crate) mod scalar {
-    /// `codes[i] = #{j : table[j] <= x[i] / div}` over the `2^bits - 1` boundaries.
-    pub(crate) fn encode(x: &[f32], div: Option<f32>, table: &[f32], bits: u32, codes: &mut [u8]) {
-        let b = &table[..(1usize << bits) - 1];
-        for (c, &v) in codes.iter_mut().zip(x) {
-            let v = match div {
-                Some(d) => v / d,
-                None => v,
-            };
-            *c = b.partition_point(|&t| t <= v) as u8;
-        }
-    }
-
-    /// Packed bits `t[i] < 0` for values starting at index `first` (a multiple of 8) of a row.
-    pub(crate) fn sign_bits_from(t: &[f32], first: usize, out: &mut [u8]) {
-        debug_assert_eq!(first % 8, 0);
-        for (k, chunk) in t.chunks(8).enumerate() {
-            out[first / 8 + k] = chunk
-                .iter()
-                .enumerate()
-                .fold(0u8, |b, (l, &v)| b | (u8::from(v < 0.0) << l));
-        }
-    }
-
-    /// [`super::decode_packed`] through the row primitives, 64 codes (a whole number of
-    /// bytes) at a time.
-    pub(crate) fn decode_packed(
-        isa: super::Isa,
-        packed: &[u8],
-        bits: u32,
-        table: &[f32],
-        out: &mut [f32],
-    ) {
-        let mut codes = [0u8; 64];
-        for (k, o) in out.chunks_mut(64).enumerate() {
-            let c = &mut codes[..o.len()];
-            super::unpack_row(isa, &packed[8 * k * bits as usize..], bits, c);
-            super::decode(isa, c, table, bits, 1.0, o);
-        }
-    }
-
-    pub(crate) fn axpy_f64(acc: &mut [f64], w: f64, x: &[f32]) {
-        acc.iter_mut()
-            .zip(x)
-            .for_each(|(a, &v)| *a += w * f64::from(v));
-    }
-
-    pub(crate) fn axpy_rows_f32(o: &mut [f32], w: &[f32], mat: &[f32], stride: usize) {
-        let n = o.len();
-        for (c, &wc) in w.iter().enumerate() {
-            axpy_f32(o, wc, &mat[c * stride..c * stride + n]);
-        }
-    }
-
-    pub(crate) fn axpy_f32(o: &mut [f32], w: f32, x: &[f32]) {
-        o.iter_mut().zip(x).for_each(|(a, &v)| *a += w * v);
-    }
-
-    pub(crate) fn add_signed(o: &mut [f32], s: &[f32], negative: bool) {
-        if negative {
-            o.iter_mut().zip(s).for_each(|(o, v)| *o -= v);
-        } else {
-            o.iter_mut().zip(s).for_each(|(o, v)| *o += v);
-        }
-    }
-}
+use super::{scalar, Isa};
 
 /// Euclidean norm accumulated in float64 (`reduce::norm_f64`).
 #[inline]
@@ -139,7 +70,7 @@ pub(crate) fn fwht(isa: Isa, x: &mut [f32], mult: Option<&[f32]>) {
             if let Some(m) = mult {
                 x.iter_mut().zip(m).for_each(|(v, m)| *v *= m);
             }
-            crate::kernels::hadamard::fwht_inplace(x);
+            scalar::fwht(x);
         }
     }
 }
@@ -176,10 +107,7 @@ pub(crate) fn decode(isa: Isa, codes: &[u8], table: &[f32], bits: u32, mul: f32,
         Isa::Avx512 => unsafe { avx512::decode(codes, table, bits, mul, out) },
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => unsafe { avx2::decode(codes, table, bits, mul, out) },
-        _ => out
-            .iter_mut()
-            .zip(codes)
-            .for_each(|(o, &c)| *o = table[usize::from(c)] * mul),
+        _ => scalar::decode(codes, table, mul, out),
     }
 }
 
@@ -210,10 +138,7 @@ pub(crate) fn finish(isa: Isa, y: &[f32], sign_bits: &[u32], mul: f32, out: &mut
         Isa::Avx2 => unsafe { avx2::finish(y, sign_bits, mul, out) },
         #[cfg(target_arch = "aarch64")]
         Isa::Neon => unsafe { neon::finish(y, sign_bits, mul, out) },
-        _ => out
-            .iter_mut()
-            .zip(y.iter().zip(sign_bits))
-            .for_each(|(o, (&v, &s))| *o = f32::from_bits((v * mul).to_bits() ^ s)),
+        _ => scalar::finish(y, sign_bits, mul, out),
     }
 }
 
@@ -280,7 +205,7 @@ pub(crate) fn pack_row(isa: Isa, codes: &[u8], bits: u32, out: &mut [u8]) {
         // SAFETY (all arms): `isa` is supported (BMI2 is part of the AVX2 path).
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 | Isa::Avx512 => unsafe { avx2::pack_row(codes, bits, out) },
-        _ => crate::kernels::pack::pack_row(codes, bits, out),
+        _ => scalar::pack_row(codes, bits, out),
     }
 }
 
@@ -290,7 +215,7 @@ pub(crate) fn unpack_row(isa: Isa, packed: &[u8], bits: u32, out: &mut [u8]) {
         // SAFETY (all arms): `isa` is supported.
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 | Isa::Avx512 => unsafe { avx2::unpack_row(packed, bits, out) },
-        _ => crate::kernels::pack::unpack_row(packed, bits, out),
+        _ => scalar::unpack_row(packed, bits, out),
     }
 }
 
@@ -310,14 +235,7 @@ pub(crate) fn dot_signs(isa: Isa, y: &[f32], packed: &[u8]) -> f32 {
         // SAFETY (all arms): `isa` is supported.
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 | Isa::Avx512 => unsafe { avx2::dot_signs(y, packed) },
-        _ => {
-            let mut acc = [0.0f32; crate::reduce::LANES];
-            for (i, &v) in y.iter().enumerate() {
-                let sigma = 1.0 - 2.0 * f32::from((packed[i / 8] >> (i % 8)) & 1);
-                acc[i % crate::reduce::LANES] += v * sigma;
-            }
-            crate::reduce::combine_f32(&acc)
-        }
+        _ => scalar::dot_signs(y, packed),
     }
 }
 
@@ -339,7 +257,7 @@ pub(crate) fn scale(isa: Isa, o: &mut [f32], k: f32) {
         // SAFETY (all arms): `isa` is supported.
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 | Isa::Avx512 => unsafe { avx2::scale(o, k) },
-        _ => o.iter_mut().for_each(|v| *v *= k),
+        _ => scalar::scale(o, k),
     }
 }
 
@@ -379,13 +297,7 @@ pub(crate) fn dot_side(isa: Isa, qu: &[f32], codes: &[u8], s: f32, h: f32) -> f3
         // SAFETY (all arms): `isa` is supported.
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 | Isa::Avx512 => unsafe { avx2::dot_side(qu, codes, s, h) },
-        _ => {
-            let mut acc = [0.0f32; crate::reduce::LANES];
-            for (i, (&q, &c)) in qu.iter().zip(codes).enumerate() {
-                acc[i % crate::reduce::LANES] += q * (s * (f32::from(c) - h));
-            }
-            crate::reduce::combine_f32(&acc)
-        }
+        _ => scalar::dot_side(qu, codes, s, h),
     }
 }
 
@@ -397,7 +309,36 @@ pub(crate) fn all_finite(isa: Isa, x: &[f32]) -> bool {
         Isa::Avx512 => unsafe { avx512::all_finite(x) },
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => unsafe { avx2::all_finite(x) },
-        _ => x.iter().all(|v| v.is_finite()),
+        _ => scalar::all_finite(x),
+    }
+}
+
+/// `x[i] = exp(x[i] - m)` ([`scalar::exp`], a fixed polynomial, so every path agrees); returns
+/// the float64 sum of the results in the fixed 8-lane order of `reduce.rs`.
+pub(crate) fn exp_sum(isa: Isa, x: &mut [f32], m: f32) -> f64 {
+    match isa {
+        // SAFETY (all arms): `isa` is supported.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => unsafe { avx512::exp_sum(x, m) },
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe { avx2::exp_sum(x, m) },
+        #[cfg(target_arch = "aarch64")]
+        Isa::Neon => unsafe { neon::exp_sum(x, m) },
+        _ => scalar::exp_sum(x, m),
+    }
+}
+
+/// Float16 bit patterns to float32, `out.len()` of them (exact on every path: F16C on x86;
+/// aarch64 runs the scalar conversion).
+pub(crate) fn f16_to_f32(isa: Isa, src: &[u16], out: &mut [f32]) {
+    debug_assert!(src.len() >= out.len());
+    match isa {
+        // SAFETY (all arms): `isa` is supported (F16C is part of the AVX2 path).
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => unsafe { avx512::f16_to_f32(src, out) },
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe { avx2::f16_to_f32(src, out) },
+        _ => scalar::f16_to_f32(src, out),
     }
 }
 
@@ -570,12 +511,50 @@ mod tests {
     }
 
     #[test]
+    fn exp_sums_and_float16_blocks_match_to_the_last_bit() {
+        for isa in simd_isas() {
+            for n in 0..=70 {
+                // Logits below a maximum, down past the underflow bound, and exact ties.
+                let x: Vec<f32> = values(n as u64, n)
+                    .iter()
+                    .enumerate()
+                    .map(|(i, v)| if i % 5 == 0 { 0.0 } else { -(v.abs() % 120.0) })
+                    .collect();
+                for m in [0.0f32, 0.37, 30.0] {
+                    let (mut a, mut b) = (x.clone(), x.clone());
+                    let (sa, sb) = (exp_sum(isa, &mut a, m), exp_sum(Isa::Scalar, &mut b, m));
+                    assert_eq!(bits(&a), bits(&b), "{isa:?} n={n} m={m}");
+                    assert_eq!(sa.to_bits(), sb.to_bits(), "{isa:?} n={n} m={m}");
+                }
+                // Every class of float16: zero, subnormal, normal, the largest, infinities.
+                let h: Vec<u16> = (0..n as u32)
+                    .map(|i| {
+                        (i.wrapping_mul(40_503) >> 3) as u16
+                            ^ [0, 0x7c00, 0x0001, 0x7bff][i as usize % 4]
+                    })
+                    .collect();
+                let (mut a, mut b) = (vec![0.0f32; n], vec![0.0f32; n]);
+                f16_to_f32(isa, &h, &mut a);
+                f16_to_f32(Isa::Scalar, &h, &mut b);
+                assert_eq!(bits(&a), bits(&b), "{isa:?} n={n}");
+            }
+        }
+    }
+
+    #[test]
     fn search_and_lookup_match_for_every_width() {
         for bits_ in 1..=8u32 {
-            let cb = crate::kernels::lloyd_max::codebook(64, bits_).unwrap();
-            let (table, lookup) = (cb.search_table(), cb.lookup_table());
+            // Increasing boundaries padded with +inf to 16 entries, a 256-entry lookup.
+            let levels = 1usize << bits_;
+            let bounds: Vec<f32> = (1..levels)
+                .map(|i| (i as f32 - levels as f32 / 2.0) / 7.0)
+                .collect();
+            let mut table = bounds.clone();
+            table.resize(table.len().max(16).max(levels), f32::INFINITY);
+            let lookup: Vec<f32> = (0..256).map(|i| (i as f32 - 3.5) * 0.37).collect();
+            let (table, lookup) = (&table[..], &lookup[..]);
             let mut x = values(u64::from(bits_), 67);
-            for &b in &cb.boundaries_f32 {
+            for &b in &bounds {
                 x.extend([b, -b, f32::from_bits(b.to_bits() + 1)]);
             }
             let codes: Vec<u8> = (0..x.len()).map(|i| (i % (1 << bits_)) as u8).collect();
@@ -594,7 +573,7 @@ mod tests {
                 }
                 for count in 0..=40 {
                     let c = &codes[..count];
-                    let len = crate::kernels::pack::packed_len(count, bits_);
+                    let len = (count * bits_ as usize).div_ceil(8);
                     let (mut p1, mut p2) = (vec![0u8; len], vec![0u8; len]);
                     pack_row(isa, c, bits_, &mut p1);
                     pack_row(Isa::Scalar, c, bits_, &mut p2);

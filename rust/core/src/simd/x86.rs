@@ -237,7 +237,7 @@ pub(super) mod avx2 {
             }
             i += 8;
         }
-        super::super::ops::scalar::encode(&x[n8..n], div, table, bits, &mut codes[n8..n]);
+        super::super::scalar::encode(&x[n8..n], div, table, bits, &mut codes[n8..n]);
     }
 
     /// `out[i] = table[codes[i]] * mul`; `table` has 256 entries.
@@ -321,7 +321,7 @@ pub(super) mod avx2 {
                 out[at..at + b].copy_from_slice(&p[..b]);
             }
         }
-        crate::kernels::pack::pack_row(&codes[full * 8..], bits, &mut out[full * b..]);
+        super::super::scalar::pack_row(&codes[full * 8..], bits, &mut out[full * b..]);
     }
 
     /// Unpacks with BMI2 `pdep`, the inverse of [`pack_row`].
@@ -341,7 +341,7 @@ pub(super) mod avx2 {
             let codes = _pdep_u64(u64::from_le_bytes(w), mask).to_le_bytes();
             out[8 * k..8 * k + 8].copy_from_slice(&codes);
         }
-        crate::kernels::pack::unpack_row(&packed[full * b..], bits, &mut out[full * 8..]);
+        super::super::scalar::unpack_row(&packed[full * b..], bits, &mut out[full * 8..]);
     }
 
     /// Packed sign bits `t[i] < 0` (one byte per 8 values, little-endian bit order).
@@ -356,7 +356,7 @@ pub(super) mod avx2 {
             out[i / 8] = m as u8;
             i += 8;
         }
-        super::super::ops::scalar::sign_bits_from(&t[n8..], n8, out);
+        super::super::scalar::sign_bits_from(&t[n8..], n8, out);
     }
 
     /// Bit `l` of a byte as an all-ones / zero 32-bit lane `l`, shifted into the sign bit.
@@ -411,7 +411,7 @@ pub(super) mod avx2 {
             }
             i += 8;
         }
-        super::super::ops::scalar::add_signed(&mut o[n8..n], &s[n8..n], negative);
+        super::super::scalar::add_signed(&mut o[n8..n], &s[n8..n], negative);
     }
 
     /// `out[i] = table[code_i]` for a packed row of codes of at most 4 bits: eight codes span
@@ -460,7 +460,7 @@ pub(super) mod avx2 {
         }
         let mut codes = [0u8; 8];
         let rest = &mut codes[..out.len() - n8];
-        crate::kernels::pack::unpack_row(&packed[n8 / 8 * b..], bits, rest);
+        super::super::scalar::unpack_row(&packed[n8 / 8 * b..], bits, rest);
         for (o, &c) in out[n8..].iter_mut().zip(rest.iter()) {
             *o = table[usize::from(c)];
         }
@@ -487,7 +487,7 @@ pub(super) mod avx2 {
             }
             i += 8;
         }
-        super::super::ops::scalar::axpy_f64(&mut acc[n8..n], w, &x[n8..n]);
+        super::super::scalar::axpy_f64(&mut acc[n8..n], w, &x[n8..n]);
     }
 
     /// `o[i] += sum_c w[c] * mat[c * stride + i]` in increasing `c`, eight lanes of `o` held
@@ -573,6 +573,79 @@ pub(super) mod avx2 {
             i += 8;
         }
         _mm256_testz_si256(bad, bad) == 1 && x[n8..].iter().all(|v| v.is_finite())
+    }
+
+    /// Eight lanes of [`scalar::exp`](super::super::scalar::exp): the same multiplies and adds in
+    /// the same order, round-to-nearest-even for `n`, 0 below `EXP_LO`.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn exp8(x: __m256) -> __m256 {
+        use super::super::scalar::{EXP_C1, EXP_C2, EXP_HI, EXP_LO, EXP_P, LOG2E};
+        let low = _mm256_cmp_ps::<_CMP_LT_OQ>(x, _mm256_set1_ps(EXP_LO));
+        let x = _mm256_min_ps(x, _mm256_set1_ps(EXP_HI));
+        let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+            _mm256_mul_ps(x, _mm256_set1_ps(LOG2E)),
+        );
+        let r = _mm256_sub_ps(
+            _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(EXP_C1))),
+            _mm256_mul_ps(n, _mm256_set1_ps(EXP_C2)),
+        );
+        let z = _mm256_mul_ps(r, r);
+        let mut p = _mm256_set1_ps(EXP_P[0]);
+        for &c in &EXP_P[1..] {
+            p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(c));
+        }
+        let y = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(p, z), r), _mm256_set1_ps(1.0));
+        let e = _mm256_slli_epi32::<23>(_mm256_add_epi32(
+            _mm256_cvtps_epi32(n),
+            _mm256_set1_epi32(127),
+        ));
+        _mm256_andnot_ps(low, _mm256_mul_ps(y, _mm256_castsi256_ps(e)))
+    }
+
+    /// `x[i] = exp(x[i] - m)`, returning their float64 sum over the fixed 8 lanes.
+    #[target_feature(enable = "avx2,bmi2")]
+    pub(crate) fn exp_sum(x: &mut [f32], m: f32) -> f64 {
+        let n8 = x.len() / 8 * 8;
+        let mv = _mm256_set1_ps(m);
+        let (mut lo, mut hi) = (_mm256_setzero_pd(), _mm256_setzero_pd());
+        let mut i = 0;
+        while i < n8 {
+            // SAFETY: i + 8 <= x.len().
+            unsafe {
+                let p = x.as_mut_ptr().add(i);
+                let e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p), mv));
+                _mm256_storeu_ps(p, e);
+                lo = _mm256_add_pd(lo, _mm256_cvtps_pd(_mm256_castps256_ps128(e)));
+                hi = _mm256_add_pd(hi, _mm256_cvtps_pd(_mm256_extractf128_ps::<1>(e)));
+            }
+            i += 8;
+        }
+        let mut acc = [0.0f64; LANES];
+        // SAFETY: acc holds 8 doubles.
+        unsafe {
+            _mm256_storeu_pd(acc.as_mut_ptr(), lo);
+            _mm256_storeu_pd(acc.as_mut_ptr().add(4), hi);
+        }
+        super::super::scalar::exp_sum_tail(&mut x[n8..], m, &mut acc);
+        combine_f64(&acc)
+    }
+
+    /// Float16 bit patterns to float32 (F16C), eight at a time.
+    #[target_feature(enable = "avx2,bmi2,f16c")]
+    pub(crate) fn f16_to_f32(src: &[u16], out: &mut [f32]) {
+        let n = out.len().min(src.len());
+        let n8 = n / 8 * 8;
+        let mut i = 0;
+        while i < n8 {
+            // SAFETY: i + 8 <= n for src and out.
+            unsafe {
+                let h = _mm_loadu_si128(src.as_ptr().add(i).cast());
+                _mm256_storeu_ps(out.as_mut_ptr().add(i), _mm256_cvtph_ps(h));
+            }
+            i += 8;
+        }
+        super::super::scalar::f16_to_f32(&src[n8..n], &mut out[n8..n]);
     }
 }
 
@@ -1043,5 +1116,77 @@ pub(super) mod avx512 {
             i += 16;
         }
         bad == 0
+    }
+
+    /// Sixteen lanes of [`scalar::exp`](super::super::scalar::exp) (see `avx2::exp8`).
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,bmi2")]
+    fn exp16(x: __m512) -> __m512 {
+        use super::super::scalar::{EXP_C1, EXP_C2, EXP_HI, EXP_LO, EXP_P, LOG2E};
+        let keep = _mm512_cmp_ps_mask::<_CMP_NLT_UQ>(x, _mm512_set1_ps(EXP_LO));
+        let x = _mm512_min_ps(x, _mm512_set1_ps(EXP_HI));
+        let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+            _mm512_mul_ps(x, _mm512_set1_ps(LOG2E)),
+        );
+        let r = _mm512_sub_ps(
+            _mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(EXP_C1))),
+            _mm512_mul_ps(n, _mm512_set1_ps(EXP_C2)),
+        );
+        let z = _mm512_mul_ps(r, r);
+        let mut p = _mm512_set1_ps(EXP_P[0]);
+        for &c in &EXP_P[1..] {
+            p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(c));
+        }
+        let y = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(p, z), r), _mm512_set1_ps(1.0));
+        let e = _mm512_slli_epi32::<23>(_mm512_add_epi32(
+            _mm512_cvtps_epi32(n),
+            _mm512_set1_epi32(127),
+        ));
+        _mm512_maskz_mul_ps(keep, y, _mm512_castsi512_ps(e))
+    }
+
+    /// `x[i] = exp(x[i] - m)`, returning their float64 sum over the fixed 8 lanes (the two
+    /// halves of each 16 added in token order).
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,bmi2")]
+    pub(crate) fn exp_sum(x: &mut [f32], m: f32) -> f64 {
+        let n16 = x.len() / 16 * 16;
+        let mv = _mm512_set1_ps(m);
+        let mut acc8 = _mm512_setzero_pd();
+        let mut i = 0;
+        while i < n16 {
+            // SAFETY: i + 16 <= x.len().
+            unsafe {
+                let p = x.as_mut_ptr().add(i);
+                let e = exp16(_mm512_sub_ps(_mm512_loadu_ps(p), mv));
+                _mm512_storeu_ps(p, e);
+                let lo = _mm512_cvtps_pd(_mm512_castps512_ps256(e));
+                let hi = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(
+                    _mm512_castps_pd(e),
+                )));
+                acc8 = _mm512_add_pd(_mm512_add_pd(acc8, lo), hi);
+            }
+            i += 16;
+        }
+        let mut acc = [0.0f64; LANES];
+        // SAFETY: acc holds 8 doubles.
+        unsafe { _mm512_storeu_pd(acc.as_mut_ptr(), acc8) };
+        super::super::scalar::exp_sum_tail(&mut x[n16..], m, &mut acc);
+        combine_f64(&acc)
+    }
+
+    /// Float16 bit patterns to float32, sixteen at a time, masked tail.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,bmi2")]
+    pub(crate) fn f16_to_f32(src: &[u16], out: &mut [f32]) {
+        let n = out.len().min(src.len());
+        let mut i = 0;
+        while i < n {
+            let k = mask16((n - i).min(16));
+            // SAFETY: the masked lanes stay below n for src and out.
+            unsafe {
+                let h = _mm256_maskz_loadu_epi16(k, src.as_ptr().add(i).cast());
+                _mm512_mask_storeu_ps(out.as_mut_ptr().add(i), k, _mm512_cvtph_ps(h));
+            }
+            i += 16;
+        }
     }
 }

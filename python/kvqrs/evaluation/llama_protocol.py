@@ -1,0 +1,208 @@
+"""``kvqrs eval --protocol llama``: llama.cpp's perplexity protocol, so that every kvqrs row sits
+beside llama.cpp's quantized-cache numbers on the same model, text and scored tokens.
+
+The text is tokenized once and cut into consecutive chunks of ``ctx`` tokens; each chunk is
+evaluated from an empty cache in one pass in which every key and value is read quantized (the
+prefill of a cache that holds the whole chunk: no full-precision window; sinks only where the
+row says so, and counted); the predictions of positions ``ctx/2 .. ctx-2`` are scored (llama.cpp
+``tools/perplexity/perplexity.cpp``: the last ``ctx/2 - 1`` of each chunk). Per row: perplexity,
+KL of the next-token distribution against the unquantized model per scored token (mean, 99th
+percentile, max), the rate at which the argmax agrees, and bits per element with every stored
+byte counted (codes, norms, scales, zero points, and the sink tokens in full precision).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import pathlib
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .._arrays import KvqrsError
+from ..hf import QuantConfig, fake_quant
+from ..hf.attention import active
+from .capture import Recorder
+
+LLAMA_CPP = [
+    # llama.cpp's own numbers on this protocol (SmolLM2-135M-Instruct Q4_1 GGUF, wiki.test.raw,
+    # ctx 512, 40 chunks), measured with its perplexity tool: label, bits/element, ppl, excess, KL, same top.
+    ("llama.cpp f16 / f16 (its reference)", 16.0, 23.568, None, None, None),
+    ("llama.cpp q8_0 / q8_0", 8.5, 23.601, 0.0014, 0.0040, 0.959),
+    ("llama.cpp q8_0 / q4_0, rotation", 6.5, 23.630, 0.0026, 0.0106, 0.940),
+    ("llama.cpp q4_1 / q4_1, rotation", 5.0, 24.438, 0.0369, 0.0401, 0.880),
+    ("llama.cpp iq4_nl / iq4_nl, rotation", 4.5, 24.474, 0.0384, 0.0409, 0.882),
+    ("llama.cpp q4_0 / q4_0, rotation", 4.5, 24.782, 0.0515, 0.0482, 0.872),
+    ("llama.cpp q4_0 / q4_0, no rotation", 4.5, 27.790, 0.179, 0.1438, 0.789),
+]
+"""llama.cpp's rows, measured with its own tool (the commands are in docs/evaluation.md); they
+are quoted beside the kvqrs rows, never recomputed here."""
+
+
+@dataclass(frozen=True)
+class LlamaRow:
+    """One row: a label and its config (None = dense). ``calibrated``: the config takes the
+    ``matched`` calibration fitted on the calibration text."""
+
+    name: str
+    config: QuantConfig | None
+
+
+def llama_rows(calibration: dict | None = None) -> list[LlamaRow]:
+    """The rows compared with llama.cpp: the baselines of every scheme at 4, 3 and 2 bits, and
+    the ``matched`` presets with each of their techniques alone."""
+    rows = [
+        LlamaRow("dense", None),
+        LlamaRow("kivi k4 v4", QuantConfig("kivi", 4, "kivi", 4)),
+        LlamaRow("block k4 v4", QuantConfig("block", 4, "block", 4)),
+        LlamaRow("kqv k4", QuantConfig("kqv", 4)),
+        LlamaRow("kqv k4 v4", QuantConfig("kqv", 4, "kqv", 4)),
+        LlamaRow("kv k4 v4 (rotation-free MSE)", QuantConfig("kv", 4, "kv", 4)),
+        LlamaRow("kivi k2 v2", QuantConfig("kivi", 2, "kivi", 2)),
+        LlamaRow("kqv k3 v3", QuantConfig("kqv", 3, "kqv", 3)),
+    ]
+    if calibration is not None:
+        rows += matched_rows(calibration)
+    return rows
+
+
+def matched_rows(calibration: dict) -> list[LlamaRow]:
+    """The ``matched`` rows: ``calibration`` maps ``(key code bits, key scale group)`` to
+    ``{layer: MatchedCalibration}`` fitted at that budget. Values take the Lloyd-Max width
+    ``ceil(bits)``; each budget also gets its keys-only and its sink-free row (each technique's
+    effect alone)."""
+    out = []
+    for bits, group in sorted(calibration, reverse=True):
+        cal = calibration[bits, group]
+        vb = max(1, math.ceil(bits))
+        g = "" if group == 128 else f" g{group}"
+        kw = {"group": group, "calibration": cal}
+        out.append(LlamaRow(f"matched k{bits:g}{g} v{vb} sinks:1", QuantConfig("matched", vb, "matched", vb, sink_tokens=1, **kw)))
+        out.append(LlamaRow(f"matched k{bits:g}{g} sinks:1 (keys only)", QuantConfig("matched", vb, None, sink_tokens=1, **kw)))
+        out.append(LlamaRow(f"matched k{bits:g}{g} v{vb} (no sinks)", QuantConfig("matched", vb, "matched", vb, **kw)))
+    return out
+
+
+def llama_chunks(tokenizer, text: str, ctx: int, count: int) -> list[torch.Tensor]:
+    """The text tokenized once (no BOS added by SmolLM2's tokenizer), cut into ``count``
+    consecutive chunks of ``ctx`` tokens ``(1, ctx)``."""
+    if ctx < 4:
+        raise KvqrsError(f"--ctx: expected at least 4 tokens, got {ctx}")
+    ids = tokenizer(text, return_tensors="pt").input_ids[0]
+    n = min(count, len(ids) // ctx)
+    if n == 0:
+        raise KvqrsError(f"text: {len(ids)} tokens, fewer than one chunk of {ctx}")
+    return [ids[i * ctx : (i + 1) * ctx][None] for i in range(n)]
+
+
+def _scored_log_probs(model, ids: torch.Tensor) -> torch.Tensor:
+    """Log-probabilities of the scored predictions: positions ``ctx/2 .. ctx-2``, float64."""
+    ctx = ids.shape[-1]
+    with torch.no_grad():
+        return torch.log_softmax(model(ids).logits[0, ctx // 2 : ctx - 1].double(), dim=-1)
+
+
+def chunk_bits(cfg: QuantConfig, kv: dict[int, tuple[np.ndarray, np.ndarray]], dtype_bits: int = 32) -> tuple[float, float]:
+    """Bits per element of keys and of values of one chunk of every layer, every stored byte
+    counted: the codes of the tokens after the sinks, plus the sinks at ``dtype_bits``."""
+    sink = cfg.sink_tokens
+    bits = {"k": 0.0, "v": 0.0}
+    numel = 0
+    for layer, (k, v) in sorted(kv.items()):
+        codec = cfg.codec(layer, k.shape[-1])
+        numel += k.size
+        n_sink = k[..., :sink, :].size
+        bits["k"] += n_sink * dtype_bits + (
+            8 * codec.encode_keys(k[..., sink:, :]).nbytes if cfg.quantizes_keys else k[..., sink:, :].size * dtype_bits
+        )
+        bits["v"] += n_sink * dtype_bits + (
+            8 * codec.encode_values(v[..., sink:, :]).nbytes if codec.values is not None else v[..., sink:, :].size * dtype_bits
+        )
+    return bits["k"] / numel, bits["v"] / numel
+
+
+def run_llama(model, tokenizer, texts, rows: list[LlamaRow], ctx: int = 512, chunks: int = 40, progress: bool = True) -> dict:
+    """Evaluate every row on llama.cpp's perplexity protocol; returns ``{"rows": [...], ...}``."""
+    from tqdm import tqdm
+
+    ev = llama_chunks(tokenizer, texts.evaluation, ctx, chunks)
+    rec = Recorder()
+    dense = []
+    for ids in tqdm(ev, desc="dense", unit="chunk", disable=not progress):
+        with active(rec):
+            dense.append(_scored_log_probs(model, ids))
+    kv = {layer: (t[1][None], t[2][None]) for layer, t in rec.tensors.items()}  # the last chunk, every layer
+    results = []
+    for row in tqdm(rows, desc="llama protocol", unit="row", disable=not progress):
+        nll, kls, agree, n = 0.0, [], 0, 0
+        for ids, lpd in zip(ev, dense):
+            if row.config is None:
+                lp = lpd
+            else:
+                with fake_quant(row.config, one_shot=True):
+                    lp = _scored_log_probs(model, ids)
+            target = ids[0, ctx // 2 + 1 :]
+            nll -= lp.gather(1, target[:, None]).sum().item()
+            kls.append((lpd.exp() * (lpd - lp)).sum(-1).clamp_min(0))
+            agree += int((lp.argmax(-1) == lpd.argmax(-1)).sum())
+            n += len(target)
+        kl = torch.cat(kls).numpy()
+        bk, bv = (32.0, 32.0) if row.config is None else chunk_bits(row.config, kv)
+        results.append(
+            {
+                "row": row.name,
+                "ppl": math.exp(nll / n),
+                "kl_mean": float(kl.mean()),
+                "kl_p99": float(np.quantile(kl, 0.99)),
+                "kl_max": float(kl.max()),
+                "same_top": agree / n,
+                "bpe_k": bk,
+                "bpe_v": bv,
+                "bpe": (bk + bv) / 2,
+                "tokens": n,
+            }
+        )
+    dense_ppl = results[0]["ppl"] if results and results[0]["row"] == "dense" else float("nan")
+    for r in results:
+        r["excess"] = r["ppl"] / dense_ppl - 1
+    return {"rows": results, "ctx": ctx, "chunks": len(ev), "scored_tokens": results[0]["tokens"] if results else 0, "source": texts.source}
+
+
+def markdown(result: dict) -> str:
+    """The kvqrs rows beside llama.cpp's own rows."""
+    lines = [
+        f"llama.cpp perplexity protocol: {result['chunks']} chunks of {result['ctx']} tokens, "
+        f"{result['scored_tokens']} scored tokens, text: {result['source']}",
+        "",
+        "| row | bits/element K / V (avg) | perplexity | excess | mean KL | KL p99 | KL max | same top |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in result["rows"]:
+        lines.append(
+            f"| {r['row']} | {r['bpe_k']:.3f} / {r['bpe_v']:.3f} ({r['bpe']:.3f}) | {r['ppl']:.3f} | {100 * r['excess']:+.2f}% | "
+            f"{r['kl_mean']:.4f} | {r['kl_p99']:.3f} | {r['kl_max']:.2f} | {100 * r['same_top']:.1f}% |"
+        )
+    lines += ["", "llama.cpp's own rows (its tool, same model, text and protocol; f16 reference):", ""]
+    lines += ["| llama.cpp cache | bits/element | perplexity | excess | mean KL | same top |", "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    for name, bpe, ppl, ex, kl, top in LLAMA_CPP:
+        lines.append(
+            f"| {name} | {bpe} | {ppl:.3f} | {'-' if ex is None else f'{100 * ex:+.2f}%'} | {'-' if kl is None else f'{kl:.4f}'} | "
+            f"{'-' if top is None else f'{100 * top:.1f}%'} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def write(result: dict, out: pathlib.Path, seconds: float) -> pathlib.Path:
+    """``llama.md``, ``llama.csv`` and ``llama.json`` in ``out``; returns the Markdown path."""
+    out.mkdir(parents=True, exist_ok=True)
+    md = out / "llama.md"
+    md.write_text(markdown(result) + f"\nwall time: {seconds:.0f} s\n", encoding="utf-8")
+    (out / "llama.json").write_text(json.dumps({**result, "seconds": seconds}, indent=2), encoding="utf-8")
+    with open(out / "llama.csv", "w", newline="", encoding="utf-8") as f:
+        w = csv.DictWriter(f, fieldnames=list(result["rows"][0]))
+        w.writeheader()
+        w.writerows(result["rows"])
+    return md

@@ -1,0 +1,164 @@
+"""Stored layouts: the parts a compressed tensor of ``(..., T, head_dim)`` holds, each with its
+shape, dtype and token axis, declared once per row format.
+
+Every coder of :mod:`kvqrs.schemes` declares ``layout(shape) -> {part: Part}`` by composing the
+row formats below (and the fused attention rows of :mod:`kvqrs.kernels.attention` declare theirs
+with the same functions), and everything that depends on a layout is derived from it:
+joining chunks of tokens (:func:`concat`), keeping the first tokens (:func:`take`), the
+format's checks of a loaded tensor (:func:`check_parts`) and the attention kernel's checks of
+its rows (:func:`flat`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from math import gcd
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from ._arrays import KvqrsError, as_array, as_float_rows
+from .kernels.pack import packed_size
+
+DTYPES = ("uint8", "scalar", "float32")
+"""``uint8`` packed codes; ``scalar`` stored norms, scales or zero points (float16, or float32
+when some value leaves float16's range: SPEC 2.4); ``float32`` full-precision values."""
+
+
+class Part(NamedTuple):
+    """One stored array.
+
+    Attributes:
+        shape: its shape for the tensor's shape.
+        dtype: one of :data:`DTYPES`.
+        token_axis: the (negative) axis along which tokens are stored.
+        align: chunks of tokens join, and a prefix is kept, only at multiples of this many
+            tokens (``1`` for one entry per token; a packed token axis needs whole bytes, and
+            per-channel groups whole groups).
+    """
+
+    shape: tuple[int, ...]
+    dtype: str
+    token_axis: int
+    align: int = 1
+
+
+Layout = dict[str, Part]
+
+
+def mse(lead: tuple[int, ...], t: int, code_dim: int, bits: int) -> Layout:
+    """Norm-and-direction rows: packed codes ``(..., T, packed(d', b))`` and norms ``(..., T)``."""
+    return {
+        "codes": Part((*lead, t, packed_size(code_dim, bits)), "uint8", -2),
+        "norms": Part((*lead, t), "scalar", -1),
+    }
+
+
+def qjl(lead: tuple[int, ...], t: int, code_dim: int) -> Layout:
+    """The QJL sketch of a rotated residual (m = d'): sign bits and ``||r||`` per token."""
+    return {"signs": Part((*lead, t, packed_size(code_dim, 1)), "uint8", -2), "norms": Part((*lead, t), "scalar", -1)}
+
+
+def uniform_tokens(lead: tuple[int, ...], t: int, n: int, bits: int, group: int) -> Layout:
+    """Uniform groups of ``group`` of a token's ``n`` coordinates: codes, scales, zero points."""
+    groups = -(-n // group)
+    return {
+        "codes": Part((*lead, t, packed_size(n, bits)), "uint8", -2),
+        "scales": Part((*lead, t, groups), "scalar", -2),
+        "zeros": Part((*lead, t, groups), "scalar", -2),
+    }
+
+
+def uniform_channels(lead: tuple[int, ...], t: int, d: int, bits: int, group: int) -> Layout:
+    """Uniform groups of ``group`` tokens per channel (KIVI keys): each channel's tokens packed
+    along the last axis (whole bytes at multiples of ``8 / gcd(8, bits)`` tokens), one scale and
+    zero point per group."""
+    groups = -(-t // group)
+    return {
+        "codes": Part((*lead, d, packed_size(t, bits)), "uint8", -1, 8 // gcd(8, bits)),
+        "scales": Part((*lead, d, groups), "scalar", -1, group),
+        "zeros": Part((*lead, d, groups), "scalar", -1, group),
+    }
+
+
+def dense(lead: tuple[int, ...], t: int, d: int) -> Layout:
+    """Full-precision rows ``(..., T, d)``."""
+    return {"values": Part((*lead, t, d), "float32", -2)}
+
+
+def side(lead: tuple[int, ...], t: int, rank: int, bits: int) -> Layout:
+    """HeadQ's side code: packed ``rank``-dimensional codes and a scale per token."""
+    return {"codes": Part((*lead, t, packed_size(rank, bits)), "uint8", -2), "scales": Part((*lead, t), "scalar", -1)}
+
+
+def prefixed(prefix: str, layout: Layout) -> Layout:
+    """``layout`` with every part name prefixed (composite coders: ``base_``, ``side_``, ``qjl_``)."""
+    return {prefix + k: v for k, v in layout.items()}
+
+
+def _dtype_ok(a: np.ndarray, dtype: str) -> bool:
+    if dtype == "uint8":
+        return a.dtype == np.uint8
+    if dtype == "scalar":
+        return a.dtype in (np.float16, np.float32)
+    return a.dtype.kind == "f"
+
+
+def check_parts(parts: Mapping[str, Any], layout: Layout, what: str) -> None:
+    """Raise :class:`KvqrsError` unless ``parts`` holds exactly the parts of ``layout``, each of
+    its shape and dtype (``what`` names the tensor in the message)."""
+    if set(parts) != set(layout):
+        raise KvqrsError(f"{what}: parts {sorted(parts)}, the layout has {sorted(layout)}")
+    for name, part in layout.items():
+        a = np.asarray(parts[name])
+        if a.shape != part.shape or not _dtype_ok(a, part.dtype):
+            raise KvqrsError(f"{what}: part {name!r} should be {part.shape} of dtype {part.dtype}, got {a.shape} {a.dtype}")
+
+
+def flat(x: Any, arg: str, part: Part) -> np.ndarray:
+    """``x`` checked against ``part`` (dtype and exact shape), as a flat C-contiguous array (what
+    the native kernels borrow)."""
+    a = as_array(x, arg)
+    if part.dtype == "uint8" and a.dtype != np.uint8:
+        raise KvqrsError(f"{arg}: expected uint8 packed codes, got dtype {a.dtype}")
+    if part.dtype == "scalar" and a.dtype not in (np.float16, np.float32):
+        raise KvqrsError(f"{arg}: expected float16 or float32 stored scalars, got dtype {a.dtype}")
+    if part.dtype == "float32":
+        a = as_float_rows(a, arg)[0].reshape(a.shape) if a.ndim else a
+    if a.shape != part.shape:
+        raise KvqrsError(f"{arg}: expected shape {part.shape}, got {a.shape}")
+    return np.ascontiguousarray(a).reshape(-1)
+
+
+def _aligned(layout: Layout, tokens: int) -> list[str]:
+    """Parts that cannot be cut after ``tokens`` tokens."""
+    return [f"{k} whole groups of {p.align} tokens" for k, p in layout.items() if tokens % p.align]
+
+
+def concat(chunks: list[Mapping[str, Any]], tokens: list[int], layout: Layout) -> dict[str, np.ndarray]:
+    """The parts of consecutive chunks of tokens joined along each part's token axis;
+    ``layout`` is the joined tensor's. Every chunk but the last must end where each part can be
+    cut (:attr:`Part.align`)."""
+    for n in tokens[:-1]:
+        bad = _aligned(layout, n)
+        if bad:
+            raise KvqrsError(f"encoded: chunks of {tokens} tokens cannot be joined: every chunk but the last must hold {', '.join(bad)}")
+    out = {k: np.concatenate([np.asarray(c[k]) for c in chunks], axis=p.token_axis) for k, p in layout.items()}
+    check_parts(out, layout, "encoded")
+    return out
+
+
+def take(parts: Mapping[str, Any], layouts: tuple[Layout, Layout], span: tuple[int, int], to_end: bool = False) -> dict[str, np.ndarray]:
+    """The parts of tokens ``start .. n - 1`` (``span``), given the layouts of ``start`` and of
+    ``n`` tokens. Raises unless every part can be cut after ``start`` tokens, and after ``n``
+    unless ``to_end`` (``n`` is the last token held)."""
+    (at_start, at_n), (start, n) = layouts, span
+    for m, name, layout in ((start, "start", at_start), (n, "n", at_n)):
+        bad = [] if name == "n" and to_end else _aligned(layout, m)
+        if bad:
+            raise KvqrsError(f"{name}: cannot cut after {m} tokens: a prefix must hold {', '.join(bad)}")
+    out = {}
+    for k, p in at_n.items():
+        a = np.asarray(parts[k])
+        out[k] = np.take(a, np.arange(at_start[k].shape[p.token_axis], p.shape[p.token_axis]), axis=p.token_axis)
+    return out

@@ -1,0 +1,412 @@
+"""The operator-matched codec (``matched``): transform coding of keys in score space and of
+values in read-out space, with bit widths from reverse water-filling.
+
+Keys are score objects: a key error ``e`` changes the logit of query ``q`` by ``q . e``, so its
+expected cost is ``e^T E[q q^T] e``. Values are read-out objects: an error ``e`` reaches the
+model as ``W_o e`` (the output projection of the heads of the group), cost ``e^T W_o^T W_o e``.
+Both are weighted MSEs ``e^T W e``. In the eigenbasis ``U`` of the weight ``W`` (eigenvalues
+``lambda_i``), coordinate ``i`` of the centred vector has variance ``sigma_i^2`` and costs
+``lambda_i * sigma_i^2`` per unit of relative error, so the widths come from reverse
+water-filling on those products (Cover and Thomas, Elements of Information Theory, 2nd ed.,
+theorem 10.3.3): a coordinate no query reads gets 0 bits.
+
+Write path, per (layer, KV head): ``y = (x - mu) U`` (``mu`` the calibrated mean), then every
+coordinate is quantized along tokens with the KIVI kernel (asymmetric min-max uniform over
+groups of ``group`` tokens, Liu et al. 2024 eq. 1-2) at its own width; coordinates of equal
+width are packed together. Read path: ``x_hat = y_hat U^T + mu``. The key mean is
+softmax-null (every logit of a query shifts by ``q . mu``), the value mean is added once to the
+output (the probabilities sum to one); both cost no storage.
+
+Calibration (:class:`MatchedBasis`, one per layer and side) comes from a calibration text
+(:func:`fit_basis`); nothing in it is a constant fitted to one model: the widths follow from the
+measured statistics and the bit budget.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .. import layout as lay
+from .._arrays import KvqrsError
+from ..kernels.uniform import UniformCode
+from .backend import CPU, Backend
+from .base import Encoded, as_float_array, check_encoded, check_head_dim, split_shape
+from .mse import decoded_scores
+
+MAX_WIDTH = 8
+
+
+@dataclass(frozen=True)
+class MatchedBasis:
+    """Calibrated transform of one layer and side (keys or values).
+
+    Attributes:
+        mean: float32 ``(kv_heads, d)``, the mean subtracted before coding.
+        basis: float32 ``(kv_heads, d, d)``, orthonormal columns ordered by importance (column
+            ``i`` of every head gets width ``widths[i]``).
+        widths: uint8 ``(d,)``, non-increasing code widths in bits (0..8), shared by the heads of
+            the layer so that every head stores the same layout.
+    """
+
+    mean: np.ndarray
+    basis: np.ndarray
+    widths: np.ndarray
+
+    def __post_init__(self) -> None:
+        m, b, w = np.asarray(self.mean), np.asarray(self.basis), np.asarray(self.widths)
+        if b.ndim != 3 or b.shape[1] != b.shape[2]:
+            raise KvqrsError(f"basis: expected (kv_heads, d, d), got shape {b.shape}")
+        h, d = b.shape[0], b.shape[1]
+        if m.shape != (h, d):
+            raise KvqrsError(f"mean: expected shape {(h, d)}, got {m.shape}")
+        if w.shape != (d,) or w.dtype.kind not in "ui" or (w < 0).any() or (w > MAX_WIDTH).any():
+            raise KvqrsError(f"widths: expected ({d},) integers in 0..{MAX_WIDTH}, got shape {w.shape} dtype {w.dtype}")
+        if (np.diff(w.astype(int)) > 0).any():
+            raise KvqrsError("widths: expected non-increasing widths (columns ordered by importance)")
+        if not (np.isfinite(m).all() and np.isfinite(b).all()):
+            raise KvqrsError("basis: mean and basis must be finite")
+        gram = np.einsum("hdi,hdj->hij", b.astype(np.float64), b.astype(np.float64))
+        err = float(np.abs(gram - np.eye(d)).max()) if d else 0.0
+        if err > 1e-3:
+            raise KvqrsError(f"basis: columns must be orthonormal, |U^T U - I| = {err:.3g}")
+        object.__setattr__(self, "mean", m.astype(np.float32))
+        object.__setattr__(self, "basis", b.astype(np.float32))
+        object.__setattr__(self, "widths", w.astype(np.uint8))
+
+    @property
+    def kv_heads(self) -> int:
+        return self.basis.shape[0]
+
+    @property
+    def head_dim(self) -> int:
+        return self.basis.shape[1]
+
+    def width_runs(self) -> list[tuple[int, int, int]]:
+        """``(width, start, stop)`` of each run of equal nonzero widths (columns ``start:stop``)."""
+        runs, w = [], self.widths
+        i = 0
+        while i < len(w):
+            j = i
+            while j < len(w) and w[j] == w[i]:
+                j += 1
+            if w[i] > 0:
+                runs.append((int(w[i]), i, j))
+            i = j
+        return runs
+
+    def code_bits(self) -> float:
+        """Average code bits per coordinate (the water-filling budget, before scales)."""
+        return float(self.widths.astype(int).sum()) / max(self.head_dim, 1)
+
+
+def uniform_distortion(y: np.ndarray, group: int, backend: Backend = CPU) -> np.ndarray:
+    """Measured MSE of the KIVI quantizer on calibration coordinates.
+
+    Args:
+        y: float32 ``(rows, n)``: each row one coordinate's values along tokens.
+        group: tokens per group.
+
+    Returns:
+        float64 ``(rows, MAX_WIDTH + 1)``: entry ``[i, b]`` is the mean squared error of row ``i``
+        coded at ``b`` bits (``b = 0``: the coordinate reconstructs as 0, the centred mean).
+    """
+    out = np.empty((y.shape[0], MAX_WIDTH + 1))
+    out[:, 0] = np.mean(y.astype(np.float64) ** 2, axis=1)
+    for b in range(1, MAX_WIDTH + 1):
+        code = backend.uniform_encode(y, b, group)
+        y_hat = backend.uniform_decode(code)
+        out[:, b] = np.mean((y.astype(np.float64) - y_hat) ** 2, axis=1)
+    return out
+
+
+def water_fill(cost: np.ndarray, total_bits: int) -> np.ndarray:
+    """Integer reverse water-filling: widths ``(n,)`` with ``sum == total_bits`` (or as near as
+    ``n * MAX_WIDTH`` allows) that greedily minimise ``sum_i cost[i, width_i]``.
+
+    ``cost`` ``(n, MAX_WIDTH + 1)`` is each coordinate's weighted distortion at every width. A
+    step spends one or two bits on the coordinate with the largest distortion drop per bit, so a
+    width whose single step does not pay (1-bit min-max codes can be worse than none) is
+    skipped over. The result is sorted non-increasing when ``cost`` rows are in importance order.
+    """
+    n = cost.shape[0]
+    w = np.zeros(n, dtype=int)
+    left = int(min(total_bits, n * MAX_WIDTH))
+    while left > 0:
+        best, pick, step = -np.inf, -1, 1
+        for s in (1, 2):
+            if s > left:
+                continue
+            ok = w + s <= MAX_WIDTH
+            gain = np.where(ok, (cost[np.arange(n), w] - cost[np.arange(n), np.minimum(w + s, MAX_WIDTH)]) / s, -np.inf)
+            i = int(np.argmax(gain))
+            if gain[i] > best:
+                best, pick, step = gain[i], i, s
+        if pick < 0 or not np.isfinite(best):
+            break
+        w[pick] += step
+        left -= step
+    return w
+
+
+def fit_basis(samples: Any, bits: float, group: int, weight: Any = None, backend: Backend = CPU) -> MatchedBasis:
+    """Fit the transform and the widths of one layer and side from calibration vectors.
+
+    Args:
+        samples: ``(kv_heads, n, d)`` calibration keys or values (post-RoPE keys, as cached).
+        bits: average code bits per coordinate (``0 < bits <= 8``; the scales add
+            ``32 / group`` bits per coded coordinate on top).
+        group: tokens per scale group of the KIVI kernel.
+        weight: ``(kv_heads, d, d)`` symmetric positive semi-definite error weight: the second
+            moment ``E[q q^T]`` of the calibration queries of each GQA group for keys, the
+            output projection's ``W_o^T W_o`` for values; None: plain MSE (the KLT of the
+            centred vectors).
+
+    Returns:
+        :class:`MatchedBasis`: columns ordered by ``lambda_i * sigma_i^2`` (weight eigenvalue
+        times the centred variance along that eigenvector), widths from :func:`water_fill` on the
+        weighted distortions the KIVI kernel measures on ``samples`` (the same widths for every
+        head: the distortions of the columns of equal rank are summed over heads).
+
+    Raises:
+        KvqrsError: bad shapes, too few samples (``n < 2``), NaN/Inf, or ``bits`` out of range.
+    """
+    x = np.asarray(as_float_array(samples, "samples"), dtype=np.float64)
+    if x.ndim != 3 or x.shape[1] < 2:
+        raise KvqrsError(f"samples: expected (kv_heads, n >= 2, d), got shape {x.shape}")
+    if not np.isfinite(x).all():
+        raise KvqrsError("samples: calibration vectors must be finite")
+    if not 0 < float(bits) <= MAX_WIDTH:
+        raise KvqrsError(f"bits: expected 0 < bits <= {MAX_WIDTH} average code bits, got {bits}")
+    h, n, d = x.shape
+    mean = x.mean(axis=1)
+    xc = x - mean[:, None]
+    cov = np.einsum("hnd,hne->hde", xc, xc) / n
+    bases, cost = [], np.zeros((d, MAX_WIDTH + 1))
+    for i in range(h):
+        if weight is None:
+            lam_c, u = np.linalg.eigh(cov[i])
+            lam = np.ones(d)
+        else:
+            wi = np.asarray(weight[i], dtype=np.float64)
+            if wi.shape != (d, d) or not np.isfinite(wi).all():
+                raise KvqrsError(f"weight: expected finite (kv_heads, {d}, {d}), got head {i} of shape {wi.shape}")
+            lam, u = np.linalg.eigh((wi + wi.T) / 2)
+            lam = np.clip(lam, 0.0, None)
+        var = np.einsum("di,de,ei->i", u, cov[i], u)
+        order = np.argsort(-(lam * var), kind="stable")
+        u, lam = u[:, order], lam[order]
+        bases.append(u)
+        y = (xc[i] @ u).T.astype(np.float32)  # (d, n): each coordinate along tokens
+        cost += lam[:, None] * uniform_distortion(y, group, backend)
+    widths = water_fill(cost, int(round(float(bits) * d)))
+    # Ties in importance across heads can leave the pooled widths out of order: sort them with
+    # their columns (every head's column i keeps width i's rank).
+    perm = np.argsort(-widths, kind="stable")
+    basis = np.stack(bases)[:, :, perm]
+    return MatchedBasis(mean.astype(np.float32), basis.astype(np.float32), widths[perm].astype(np.uint8))
+
+
+class MatchedCoder:
+    """Transform coder of one layer and side (see the module docstring).
+
+    Args:
+        head_dim: d.
+        calibration: the layer's :class:`MatchedBasis` for this side.
+        group: tokens per scale group (KIVI kernel); chunks joined into a growing cache must hold
+            whole groups.
+        scheme, kind: labels recorded in the encoded tensors.
+        backend: the kernels' compute path.
+
+    Stored per coded coordinate (width ``b > 0``) and ``T`` tokens: ``ceil(T * b / 8)`` code
+    bytes and a 16-bit scale and zero point per group; coordinates of width 0 store nothing.
+    """
+
+    def __init__(self, head_dim: int, calibration: MatchedBasis, group: int, scheme: str, kind: str, backend: Backend = CPU):
+        if not isinstance(calibration, MatchedBasis):
+            raise KvqrsError(f"calibration: expected a MatchedBasis for the {kind}, got {type(calibration).__name__}")
+        if calibration.head_dim != head_dim:
+            raise KvqrsError(f"calibration: fitted for head_dim {calibration.head_dim}, codec head_dim is {head_dim}")
+        self.head_dim, self.cal, self.group, self.scheme, self.kind = head_dim, calibration, group, scheme, kind
+        self.k = backend
+        self.runs = calibration.width_runs()
+        self.params = {
+            "group": group,
+            "widths": ",".join(str(int(w)) for w in calibration.widths),
+            "fingerprint": _fingerprint(calibration),
+        }
+
+    # -- layout --------------------------------------------------------------------------
+    def layout(self, shape: tuple[int, ...]) -> lay.Layout:
+        """For each run of coordinates ``lo .. hi - 1`` of width ``b > 0``: ``codes<b>``
+        ``(..., hi - lo, packed(T, b))`` and ``scales<b>``, ``zeros<b>`` ``(..., hi - lo,
+        ceil(T / group))``, tokens along the last axis (chunks join and are cut at whole groups
+        and bytes)."""
+        lead, t, _ = split_shape(shape)
+        out: lay.Layout = {}
+        for b, lo, hi in self.runs:
+            rows = lay.uniform_channels(lead, t, hi - lo, b, self.group)
+            out.update({f"{name}{b}": part for name, part in rows.items()})
+        return out
+
+    # -- transform -------------------------------------------------------------------------
+    def _heads(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Mean ``(..., H or 1, 1, d)`` and basis ``(..., H, d, d)`` broadcast against ``x``
+        ``(..., H, T, d)``; a single calibrated head also serves inputs without a head axis."""
+        h = self.cal.kv_heads
+        if x.ndim >= 3 and x.shape[-3] == h:
+            return self.cal.mean[:, None, :], self.cal.basis
+        if h == 1:
+            return self.cal.mean[0][None, :], self.cal.basis[0]
+        raise KvqrsError(f"{self.kind}: expected shape (..., {h} kv_heads, tokens, {self.head_dim}) for this calibration, got {x.shape}")
+
+    def encode(self, x: Any) -> Encoded:
+        x = as_float_array(x, self.kind)
+        check_head_dim(x, self.head_dim, self.kind)
+        mean, basis = self._heads(x)
+        y = np.swapaxes((x.astype(np.float32) - mean) @ basis, -1, -2)  # (..., d, T): coordinates along tokens
+        y = np.ascontiguousarray(y)
+        parts = {}
+        t = x.shape[-2]
+        for b, lo, hi in self.runs:
+            rows = y[..., lo:hi, :]
+            if t == 0:
+                empty = (*rows.shape[:-1], 0)
+                parts.update(
+                    {
+                        f"codes{b}": np.zeros(empty, np.uint8),
+                        f"scales{b}": np.zeros(empty, np.float16),
+                        f"zeros{b}": np.zeros(empty, np.float16),
+                    }
+                )
+                continue
+            code = self.k.uniform_encode(rows, b, self.group)
+            parts.update({f"codes{b}": self.k.pack_bits(code.codes, b), f"scales{b}": code.scales, f"zeros{b}": code.zeros})
+        return Encoded(self.scheme, self.kind, x.shape, x.dtype, parts, self.params)
+
+    def coordinates(self, enc: Encoded) -> np.ndarray:
+        """The decoded transform coordinates ``y_hat`` float32 ``(..., T, d)`` (0 where the width is 0)."""
+        check_encoded(enc, self.scheme, self.kind, self.params)
+        t, d = enc.shape[-2], self.head_dim
+        y = np.zeros((*enc.shape[:-2], d, t), np.float32)
+        if t:
+            for b, lo, hi in self.runs:
+                codes = self.k.unpack_bits(enc.parts[f"codes{b}"], b, t)
+                y[..., lo:hi, :] = self.k.uniform_decode(UniformCode(codes, enc.parts[f"scales{b}"], enc.parts[f"zeros{b}"], self.group, b))
+        return np.swapaxes(y, -1, -2)
+
+    def decode(self, enc: Encoded) -> np.ndarray:
+        """``x_hat = y_hat U^T + mu``, float32 ``(..., T, d)``."""
+        y = self.coordinates(enc)
+        mean, basis = self._heads(y)
+        return y @ np.swapaxes(basis, -1, -2) + mean
+
+    def scores(self, q: np.ndarray, enc: Encoded) -> np.ndarray:
+        return decoded_scores(q, self.decode(enc))
+
+
+def _fingerprint(cal: MatchedBasis) -> str:
+    """A short digest of the calibration, recorded with the codes so that codes are never
+    decoded under another calibration."""
+    import hashlib
+
+    h = hashlib.blake2b(digest_size=8)
+    for a in (cal.mean, cal.basis, cal.widths):
+        h.update(np.ascontiguousarray(a).tobytes())
+    return h.hexdigest()
+
+
+def bits_per_element(cal: MatchedBasis, group: int, tokens: int) -> float:
+    """Stored bits per element of ``tokens`` tokens coded with ``cal`` (codes, scales and zero
+    points; the mean and basis are per-layer constants, not per-token storage)."""
+    if tokens <= 0:
+        return 0.0
+    bits = 0
+    for b, lo, hi in cal.width_runs():
+        bits += (hi - lo) * (8 * math.ceil(tokens * b / 8) + 32 * math.ceil(tokens / group))
+    return bits / (tokens * cal.head_dim)
+
+
+@dataclass(frozen=True)
+class MatchedCalibration:
+    """What the ``matched`` scheme calibrates per layer.
+
+    Attributes:
+        keys: the key transform and widths (:func:`fit_basis` with the queries' second moment).
+        value_mean: float32 ``(kv_heads, d)``: subtracted before the value code, added back once
+            to the attention output.
+    """
+
+    keys: MatchedBasis
+    value_mean: np.ndarray
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.keys, MatchedBasis):
+            raise KvqrsError(f"keys: expected a MatchedBasis, got {type(self.keys).__name__}")
+        vm = np.asarray(self.value_mean, dtype=np.float32)
+        if vm.shape != self.keys.mean.shape or not np.isfinite(vm).all():
+            raise KvqrsError(f"value_mean: expected finite shape {self.keys.mean.shape}, got {vm.shape}")
+        object.__setattr__(self, "value_mean", vm)
+
+
+class MatchedValueCoder:
+    """Values of the ``matched`` scheme: the calibrated value mean removed (it is added back once
+    to the output, since the probabilities sum to one), then the rotated Lloyd-Max MSE stage
+    (``||x - mu||`` + b-bit codes per token): per-token codes, since the read-out weights
+    tokens, and a shared mean is the one structure every token repeats."""
+
+    def __init__(self, head_dim: int, bits: int, seed: int, mean: np.ndarray, scheme: str, kind: str, backend: Backend = CPU):
+        from .mse import MSECoder
+
+        self.head_dim, self.bits, self.scheme, self.kind = head_dim, bits, scheme, kind
+        self.mean = np.asarray(mean, dtype=np.float32)
+        self.mse = MSECoder(head_dim, bits, seed, scheme, kind, backend)
+        digest = __import__("hashlib").blake2b(self.mean.tobytes(), digest_size=8).hexdigest()
+        self.params = {**self.mse.params, "mean": digest}
+
+    def _mean(self, x: np.ndarray) -> np.ndarray:
+        h = self.mean.shape[0]
+        if x.ndim >= 3 and x.shape[-3] == h:
+            return self.mean[:, None, :]
+        if h == 1:
+            return self.mean[0]
+        raise KvqrsError(f"{self.kind}: expected shape (..., {h} kv_heads, tokens, {self.head_dim}) for this calibration, got {x.shape}")
+
+    def encode(self, x: Any) -> Encoded:
+        x = as_float_array(x, self.kind)
+        check_head_dim(x, self.head_dim, self.kind)
+        enc = self.mse.encode(x.astype(np.float32) - self._mean(x))
+        return Encoded(self.scheme, self.kind, x.shape, x.dtype, enc.parts, self.params)
+
+    def layout(self, shape: tuple[int, ...]) -> lay.Layout:
+        """The MSE stage's parts (``codes``, ``norms``)."""
+        return self.mse.layout(shape)
+
+    def decode(self, enc: Encoded) -> np.ndarray:
+        check_encoded(enc, self.scheme, self.kind, self.params)
+        y = self.mse.decode_unchecked(enc)
+        return y + self._mean(y)
+
+
+def random_calibration(head_dim: int, bits: int, seed: int) -> MatchedCalibration:
+    """The random-basis control of the ``matched`` scheme: one seeded random orthonormal basis
+    (:func:`kvqrs.kernels.rng.random_orthonormal_basis`) shared by every KV head, zero means,
+    and widths ``bits + 1`` on the first quarter of the columns, ``bits - 1`` on the last
+    quarter and ``bits`` between (the same average; several width runs, as a fitted layout has).
+    Nothing is learned from data: it measures what calibration adds, and lets tests run the
+    scheme without a model."""
+    from ..kernels.rng import random_orthonormal_basis
+
+    if not 1 <= int(bits) <= MAX_WIDTH - 1:
+        raise KvqrsError(f"bits: the random matched control takes 1..{MAX_WIDTH - 1} bits, got {bits}")
+    q = head_dim // 4
+    widths = np.full(head_dim, int(bits))
+    if q:
+        widths[:q] += 1
+        widths[head_dim - q :] -= 1
+    basis = random_orthonormal_basis(seed, head_dim, head_dim)[None]
+    zeros = np.zeros((1, head_dim), np.float32)
+    return MatchedCalibration(MatchedBasis(zeros, basis, widths), zeros)

@@ -1,0 +1,758 @@
+//! Fused decode attention straight from a compressed KV cache, for one or a few query rows per
+//! KV head (docs/kernels.md section 11). No key or value is reconstructed in the head domain:
+//! each stored row is decoded, in registers of the active SIMD path, to its values in the code
+//! domain (the rotated domain for rotation schemes) and used there at once.
+//!
+//! The kernel is split along the row layouts, as faiss's distance computers compose a decoder
+//! and a similarity: each layout (one file: [`mse`], [`uniform`], [`dense`], HeadQ's [`side`]
+//! code) implements [`KeyRows`] (prepare the query rows once per head, then add their scores
+//! against a span of tokens) and, for per-token layouts, [`ValueRows`] (add the weighted sum
+//! of a span of value rows to a float64 accumulator, then map it back once). This file holds
+//! the driver that is the same for every layout:
+//!
+//! - each head's tokens are split into fixed chunks of [`CHUNK`] tokens (whole KIVI key groups),
+//!   and every (head, chunk) pair is one rayon task: scores, the chunk's maximum, `exp` (the
+//!   SIMD polynomial of `simd::scalar::exp`) and its float64 sum, and the value sums;
+//! - the chunks of a head are merged by log-sum-exp in chunk order, `sum = sum_c e^(m_c - m)
+//!   sum_c`, the accumulators alike, and the log-sum-exp is returned so that callers can merge
+//!   another softmax part exactly.
+//!
+//! The chunks depend on the token count only, and every floating-point step is elementwise or
+//! a fixed-order reduction, so the scalar reference, every SIMD path and every thread count
+//! give the same bits.
+
+mod dense;
+mod mse;
+mod reader;
+mod side;
+mod uniform;
+
+use std::ops::Range;
+
+use rayon::prelude::*;
+
+use self::dense::DensePlan;
+use self::mse::MsePlan;
+use self::side::SidePlan;
+use self::uniform::{ChannelsPlan, TokensPlan};
+use super::{check_finite, check_head_dim, check_len, check_row_len};
+use crate::error::{KvqError, Result};
+use crate::scalars::ScalarView;
+use crate::simd::{self, ops, Isa};
+
+/// The QJL sketch of the rotated residual that follows an MSE stage (`kqv` values, `qkqv`).
+#[derive(Debug, Clone, Copy)]
+pub struct QjlRows<'a> {
+    /// heads x tokens x ceil(d'/8) packed sign bits (m = d').
+    pub signs: &'a [u8],
+    /// heads x tokens stored `||r||`.
+    pub norms: ScalarView<'a>,
+    /// Seed of the sketch matrix S.
+    pub seed: u64,
+}
+
+/// Stored rows of one side of the cache (keys or values), `heads x tokens` vectors of head_dim.
+#[derive(Debug, Clone, Copy)]
+pub enum CodedRows<'a> {
+    /// Norm-and-direction codes (docs/kernels.md section 5): `kv` (no rotation) and the MSE
+    /// stage of `kqv` / `qkqv`, optionally followed by a QJL sketch of the rotated residual.
+    Mse {
+        /// heads x tokens x packed_len(code_dim, bits) bytes.
+        codes: &'a [u8],
+        /// heads x tokens stored norms.
+        norms: ScalarView<'a>,
+        /// Bits of the MSE stage.
+        bits: u32,
+        /// Rotation seed; None for no rotation (code_dim = head_dim).
+        seed: Option<u64>,
+        /// QJL residual sketch.
+        qjl: Option<QjlRows<'a>>,
+    },
+    /// Asymmetric uniform groups along each token's coordinates (docs/kernels.md section 9):
+    /// KIVI values (no rotation) and `block` (rotation, groups of rotated coordinates).
+    UniformTokens {
+        /// heads x tokens x packed_len(n, bits) bytes, n = code_dim.
+        codes: &'a [u8],
+        /// heads x tokens x ceil(n / group) scales.
+        scales: ScalarView<'a>,
+        /// heads x tokens x ceil(n / group) zero points.
+        zeros: ScalarView<'a>,
+        /// Bits per code.
+        bits: u32,
+        /// Coordinates per group.
+        group: usize,
+        /// Rotation seed, or None.
+        seed: Option<u64>,
+    },
+    /// KIVI keys: per-channel groups of tokens; row `c` of head `h` holds channel `c` of every
+    /// token.
+    UniformChannels {
+        /// heads x head_dim x packed_len(tokens, bits) bytes.
+        codes: &'a [u8],
+        /// heads x head_dim x ceil(tokens / group) scales.
+        scales: ScalarView<'a>,
+        /// heads x head_dim x ceil(tokens / group) zero points.
+        zeros: ScalarView<'a>,
+        /// Bits per code.
+        bits: u32,
+        /// Tokens per group.
+        group: usize,
+    },
+    /// Full-precision rows, heads x tokens x head_dim.
+    Dense(&'a [f32]),
+}
+
+/// HeadQ side code of the keys (docs/kernels.md section 7), added in score space.
+#[derive(Debug, Clone, Copy)]
+pub struct SideRows<'a> {
+    /// heads x tokens x packed_len(rank, bits) bytes.
+    pub codes: &'a [u8],
+    /// heads x tokens stored scales.
+    pub scales: ScalarView<'a>,
+    /// basis_heads x head_dim x rank, row-major; head h uses basis `h % basis_heads`.
+    pub basis: &'a [f32],
+    /// Number of bases (1, or the KV heads of the leading shape's last axis).
+    pub basis_heads: usize,
+    /// Rank r.
+    pub rank: usize,
+    /// Side bits q.
+    pub bits: u32,
+    /// +1, or -1 for the wrong-sign control.
+    pub sign: f32,
+}
+
+/// Sizes of one call.
+#[derive(Debug, Clone, Copy)]
+pub struct Layout {
+    /// KV heads (every leading index flattened).
+    pub heads: usize,
+    /// Query rows per KV head (GQA group size x query tokens).
+    pub rows: usize,
+    /// Cached tokens per head.
+    pub tokens: usize,
+    /// head_dim d.
+    pub head_dim: usize,
+    /// Logit scale (1/sqrt(d) for plain attention).
+    pub scale: f32,
+}
+
+/// Output of [`decode_attention`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct Attention {
+    /// heads x rows x head_dim outputs `sum_j p_j v_hat_j`.
+    pub out: Vec<f32>,
+    /// heads x rows `log sum_j exp(scale * s_j)` (for merging with another softmax part).
+    pub lse: Vec<f32>,
+    /// heads x rows x tokens probabilities when asked for, else empty.
+    pub probs: Vec<f32>,
+}
+
+/// Argument names per side, so that errors name `keys.codes` or `values.codes`.
+struct Names {
+    codes: &'static str,
+    norms: &'static str,
+    scales: &'static str,
+    zeros: &'static str,
+    bits: &'static str,
+    group: &'static str,
+    qjl_signs: &'static str,
+    qjl_norms: &'static str,
+    dense: &'static str,
+}
+
+const KEY_NAMES: Names = Names {
+    codes: "keys.codes",
+    norms: "keys.norms",
+    scales: "keys.scales",
+    zeros: "keys.zeros",
+    bits: "keys.bits",
+    group: "keys.group",
+    qjl_signs: "keys.qjl_signs",
+    qjl_norms: "keys.qjl_norms",
+    dense: "keys.values",
+};
+
+const VALUE_NAMES: Names = Names {
+    codes: "values.codes",
+    norms: "values.norms",
+    scales: "values.scales",
+    zeros: "values.zeros",
+    bits: "values.bits",
+    group: "values.group",
+    qjl_signs: "values.qjl_signs",
+    qjl_norms: "values.qjl_norms",
+    dense: "values.values",
+};
+
+/// Tokens per task: small enough to balance a few KV heads over the cores, large enough that
+/// the per-chunk merge (rows x head_dim float64 values) costs nothing.
+pub const CHUNK: usize = 256;
+
+/// The scores of one key row layout.
+trait KeyRows: Sync {
+    /// The query rows of head `h` (rows x head_dim) prepared for this layout (rotated into the
+    /// code domain, projected on a basis, ...), once per call.
+    fn queries(&self, isa: Isa, q: &[f32], h: usize, lay: &Layout) -> Vec<f32>;
+    /// Adds the raw scores `q . k_hat_j` of the prepared rows `qp` for the tokens `span` of
+    /// head `h` to `s` (rows x span.len()).
+    fn add_scores(&self, isa: Isa, qp: &[f32], h: usize, span: Range<usize>, s: &mut [f32]);
+    /// Chunks of tokens start at multiples of this (the tokens of a KIVI key group).
+    fn token_step(&self) -> usize {
+        1
+    }
+}
+
+/// The weighted sums of one value row layout.
+trait ValueRows: Sync {
+    /// Width of the float64 accumulator per query row.
+    fn acc_dim(&self) -> usize;
+    /// Adds `sum_j p[r, j] v_j` for the tokens `span` of head `h` (in the layout's own domain)
+    /// to `acc` (rows x acc_dim); `p` is rows x span.len().
+    fn accumulate(&self, isa: Isa, p: &[f32], h: usize, span: Range<usize>, acc: &mut [f64]);
+    /// `out` (rows x head_dim) = the accumulator divided by `sums`, mapped back to the head
+    /// domain (`acc` is scratch).
+    fn finish(&self, isa: Isa, acc: &mut [f64], sums: &[f64], out: &mut [f32]);
+}
+
+/// One validated side of the cache.
+enum Plan<'a> {
+    Mse(MsePlan<'a>),
+    Tokens(TokensPlan<'a>),
+    Channels(ChannelsPlan<'a>),
+    Dense(DensePlan<'a>),
+}
+
+impl<'a> Plan<'a> {
+    fn new(rows: &CodedRows<'a>, names: &Names, lay: &Layout) -> Result<Self> {
+        Ok(match *rows {
+            CodedRows::Mse {
+                codes,
+                norms,
+                bits,
+                seed,
+                qjl,
+            } => Plan::Mse(MsePlan::new((codes, norms, bits, seed), qjl, names, lay)?),
+            CodedRows::UniformTokens {
+                codes,
+                scales,
+                zeros,
+                bits,
+                group,
+                seed,
+            } => Plan::Tokens(TokensPlan::new(
+                (codes, scales, zeros),
+                (bits, group, seed),
+                names,
+                lay,
+            )?),
+            CodedRows::UniformChannels {
+                codes,
+                scales,
+                zeros,
+                bits,
+                group,
+            } => Plan::Channels(ChannelsPlan::new(
+                (codes, scales, zeros),
+                (bits, group),
+                names,
+                lay,
+            )?),
+            CodedRows::Dense(x) => Plan::Dense(DensePlan::new(x, names, lay)?),
+        })
+    }
+
+    fn keys(&self) -> &dyn KeyRows {
+        match self {
+            Plan::Mse(p) => p,
+            Plan::Tokens(p) => p,
+            Plan::Channels(p) => p,
+            Plan::Dense(p) => p,
+        }
+    }
+
+    /// None for per-channel groups (a key layout, rejected as values before planning).
+    fn values(&self) -> Option<&dyn ValueRows> {
+        match self {
+            Plan::Mse(p) => Some(p),
+            Plan::Tokens(p) => Some(p),
+            Plan::Channels(_) => None,
+            Plan::Dense(p) => Some(p),
+        }
+    }
+}
+
+/// A non-finite logit: (query row of the head, token, value).
+type Bad = (usize, usize, f32);
+
+/// One chunk's softmax part: per query row the maximum logit, `sum_j e^(l_j - max)` and the
+/// value accumulator; the weights `e^(l_j - max)` when probabilities are wanted.
+struct Part {
+    max: Vec<f32>,
+    sums: Vec<f64>,
+    acc: Vec<f64>,
+    weights: Vec<f32>,
+}
+
+/// The scores, softmax part and value sums of tokens `span` of head `h`.
+#[allow(clippy::too_many_arguments)]
+fn chunk(
+    isa: Isa,
+    keys: &[&dyn KeyRows],
+    qp: &[Vec<f32>],
+    values: &dyn ValueRows,
+    h: usize,
+    span: Range<usize>,
+    lay: &Layout,
+    want_probs: bool,
+) -> std::result::Result<Part, Bad> {
+    let (rows, n) = (lay.rows, span.len());
+    let mut s = vec![0.0f32; rows * n];
+    for (k, q) in keys.iter().zip(qp) {
+        k.add_scores(isa, q, h, span.clone(), &mut s);
+    }
+    let mut max = vec![0.0f32; rows];
+    let mut sums = vec![0.0f64; rows];
+    for (r, sr) in s.chunks_exact_mut(n).enumerate() {
+        ops::scale(isa, sr, lay.scale);
+        if let Some(j) = sr.iter().position(|v| !v.is_finite()) {
+            return Err((r, span.start + j, sr[j]));
+        }
+        max[r] = sr.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        sums[r] = ops::exp_sum(isa, sr, max[r]);
+    }
+    let mut acc = vec![0.0f64; rows * values.acc_dim()];
+    values.accumulate(isa, &s, h, span, &mut acc);
+    Ok(Part {
+        max,
+        sums,
+        acc,
+        weights: if want_probs { s } else { Vec::new() },
+    })
+}
+
+/// One head's (out, lse, probs) from its chunks in token order, merged by log-sum-exp.
+fn merge(
+    isa: Isa,
+    values: &dyn ValueRows,
+    parts: &[&Part],
+    lay: &Layout,
+    want_probs: bool,
+) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let (rows, t, w) = (lay.rows, lay.tokens, values.acc_dim());
+    let mut sums = vec![0.0f64; rows];
+    let mut acc = vec![0.0f64; rows * w];
+    let mut lse = vec![0.0f32; rows];
+    // factors[c * rows + r] = e^(m_(c,r) - m_r): 1 exactly for the chunk holding the maximum.
+    let mut factors = vec![0.0f64; parts.len() * rows];
+    for r in 0..rows {
+        let m = parts
+            .iter()
+            .map(|p| p.max[r])
+            .fold(f32::NEG_INFINITY, f32::max);
+        for (c, p) in parts.iter().enumerate() {
+            let f = (f64::from(p.max[r]) - f64::from(m)).exp();
+            factors[c * rows + r] = f;
+            sums[r] += f * p.sums[r];
+            let (dst, src) = (&mut acc[r * w..(r + 1) * w], &p.acc[r * w..(r + 1) * w]);
+            dst.iter_mut().zip(src).for_each(|(a, &v)| *a += f * v);
+        }
+        lse[r] = (f64::from(m) + sums[r].ln()) as f32;
+    }
+    let mut out = vec![0.0f32; rows * lay.head_dim];
+    values.finish(isa, &mut acc, &sums, &mut out);
+    let mut probs = Vec::new();
+    if want_probs {
+        probs.resize(rows * t, 0.0);
+        let mut j0 = 0;
+        for (c, p) in parts.iter().enumerate() {
+            let n = p.weights.len() / rows;
+            for r in 0..rows {
+                let f = factors[c * rows + r];
+                let dst = &mut probs[r * t + j0..r * t + j0 + n];
+                for (o, &v) in dst.iter_mut().zip(&p.weights[r * n..(r + 1) * n]) {
+                    *o = (f64::from(v) * f / sums[r]) as f32;
+                }
+            }
+            j0 += n;
+        }
+    }
+    (out, lse, probs)
+}
+
+/// The error for per-channel value rows.
+fn channel_values() -> KvqError {
+    KvqError::InvalidDimension {
+        arg: "values",
+        expected: "per-token values (per-channel uniform groups are a key layout)".into(),
+        actual: 0,
+    }
+}
+
+/// Decode attention for `layout.rows` query rows per KV head over `layout.tokens` coded keys and
+/// values: `out = softmax(scale * (q . k_hat_j + side_j)) @ v_hat`, computed from the codes.
+///
+/// `q` is heads x rows x head_dim float32 (the query rows of a GQA group of one KV head stacked:
+/// no key is copied per query head). Keys may be any [`CodedRows`] (with an optional HeadQ
+/// side code); values any but [`CodedRows::UniformChannels`].
+///
+/// Errors: head_dim < 2, no tokens, rows == 0, a non-finite or non-positive scale, a buffer
+/// whose length does not match the layout (naming it, e.g. `keys.codes`), invalid stored
+/// scalars, bad bits or group, a bad HeadQ basis, non-finite queries or logits.
+///
+/// Runs on the active instruction-set path ([`simd::active`]); every path returns the same
+/// bits.
+pub fn decode_attention(
+    q: &[f32],
+    layout: &Layout,
+    keys: &CodedRows,
+    side: Option<&SideRows>,
+    values: &CodedRows,
+    want_probs: bool,
+) -> Result<Attention> {
+    decode_attention_with(simd::active(), q, layout, keys, side, values, want_probs)
+}
+
+/// [`decode_attention`] on the path `isa` (tests, benches). Errors as [`decode_attention`],
+/// and if this CPU lacks `isa`.
+pub fn decode_attention_with(
+    isa: Isa,
+    q: &[f32],
+    layout: &Layout,
+    keys: &CodedRows,
+    side: Option<&SideRows>,
+    values: &CodedRows,
+    want_probs: bool,
+) -> Result<Attention> {
+    let isa = isa.checked()?;
+    let lay = *layout;
+    check_head_dim("head_dim", lay.head_dim)?;
+    check_row_len("tokens", lay.tokens)?;
+    check_row_len("rows", lay.rows)?;
+    if !(lay.scale.is_finite() && lay.scale > 0.0) {
+        return Err(KvqError::InvalidValue {
+            arg: "scale",
+            expected: "a finite positive logit scale",
+            value: f64::from(lay.scale),
+        });
+    }
+    let qlen = reader::mul("q", reader::mul("q", lay.heads, lay.rows)?, lay.head_dim)?;
+    check_len("q", q.len(), qlen, "heads x rows x head_dim")?;
+    check_finite("q", q, lay.head_dim)?;
+    if matches!(values, CodedRows::UniformChannels { .. }) {
+        return Err(channel_values());
+    }
+    let kplan = Plan::new(keys, &KEY_NAMES, &lay)?;
+    let vplan = Plan::new(values, &VALUE_NAMES, &lay)?;
+    let splan = side.map(|s| SidePlan::new(s, &lay, isa)).transpose()?;
+    let mut terms: Vec<&dyn KeyRows> = vec![kplan.keys()];
+    if let Some(sp) = &splan {
+        terms.push(sp);
+    }
+    let vrows = vplan.values().ok_or_else(channel_values)?;
+    let (rows, d, t) = (lay.rows, lay.head_dim, lay.tokens);
+    let qp: Vec<Vec<Vec<f32>>> = (0..lay.heads)
+        .into_par_iter()
+        .map(|h| {
+            let qh = &q[h * rows * d..(h + 1) * rows * d];
+            terms.iter().map(|k| k.queries(isa, qh, h, &lay)).collect()
+        })
+        .collect();
+    let step = terms.iter().map(|k| k.token_step()).max().unwrap_or(1);
+    let len = CHUNK.div_ceil(step) * step;
+    let chunks = t.div_ceil(len);
+    let parts: Vec<std::result::Result<Part, Bad>> = (0..lay.heads * chunks)
+        .into_par_iter()
+        .map(|i| {
+            let (h, c) = (i / chunks, i % chunks);
+            let span = c * len..((c + 1) * len).min(t);
+            chunk(isa, &terms, &qp[h], vrows, h, span, &lay, want_probs)
+        })
+        .collect();
+    let mut heads = Vec::with_capacity(lay.heads);
+    for (h, ps) in parts.chunks(chunks).enumerate() {
+        // The first non-finite logit of the head, by query row then token (as one pass would).
+        if let Some((r, j, value)) = ps
+            .iter()
+            .filter_map(|p| p.as_ref().err())
+            .min_by_key(|b| (b.0, b.1))
+        {
+            return Err(KvqError::NonFinite {
+                arg: "logits",
+                row: h * rows + r,
+                col: *j,
+                value: *value,
+            });
+        }
+        heads.push(
+            ps.iter()
+                .filter_map(|p| p.as_ref().ok())
+                .collect::<Vec<_>>(),
+        );
+    }
+    let merged: Vec<(Vec<f32>, Vec<f32>, Vec<f32>)> = heads
+        .into_par_iter()
+        .map(|ps| merge(isa, vrows, &ps, &lay, want_probs))
+        .collect();
+    let mut res = Attention {
+        out: Vec::with_capacity(qlen),
+        lse: Vec::with_capacity(lay.heads * rows),
+        probs: Vec::new(),
+    };
+    for (o, l, p) in merged {
+        res.out.extend_from_slice(&o);
+        res.lse.extend_from_slice(&l);
+        res.probs.extend_from_slice(&p);
+    }
+    Ok(res)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernels::mse::MseQuantizer;
+    use crate::kernels::pack::pack;
+    use crate::kernels::uniform::UniformQuantizer;
+    use crate::rng::gaussians;
+
+    fn softmax_ref(s: &[f64]) -> Vec<f64> {
+        let m = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+        let e: Vec<f64> = s.iter().map(|v| (v - m).exp()).collect();
+        let z: f64 = e.iter().sum();
+        e.iter().map(|v| v / z).collect()
+    }
+
+    /// Decode-based reference for one head from decoded keys and values.
+    fn reference(q: &[f32], k: &[f32], v: &[f32], rows: usize, t: usize, d: usize) -> Vec<f64> {
+        let mut out = vec![0.0f64; rows * d];
+        for r in 0..rows {
+            let s: Vec<f64> = (0..t)
+                .map(|j| {
+                    (0..d)
+                        .map(|c| f64::from(q[r * d + c]) * f64::from(k[j * d + c]))
+                        .sum::<f64>()
+                        / (d as f64).sqrt()
+                })
+                .collect();
+            let p = softmax_ref(&s);
+            for j in 0..t {
+                for c in 0..d {
+                    out[r * d + c] += p[j] * f64::from(v[j * d + c]);
+                }
+            }
+        }
+        out
+    }
+
+    fn close(got: &[f32], want: &[f64], tol: f64) {
+        for (g, w) in got.iter().zip(want) {
+            assert!(
+                (f64::from(*g) - w).abs() <= tol * (1.0 + w.abs()),
+                "{g} vs {w}"
+            );
+        }
+    }
+
+    #[test]
+    fn mse_keys_and_values_match_the_decoded_reference_at_every_width() {
+        let (d, t, rows) = (40, 37, 3);
+        let x = gaussians(3, 9, 2 * t * d);
+        let q = gaussians(4, 9, rows * d);
+        for bits in 1..=8 {
+            let quant = MseQuantizer::new(d, bits, Some(11)).unwrap();
+            let (kc, vc) = (
+                quant.encode(&x[..t * d]).unwrap(),
+                quant.encode(&x[t * d..]).unwrap(),
+            );
+            let cd = quant.code_dim();
+            let (kp, vp) = (
+                pack(&kc.codes, cd, bits).unwrap(),
+                pack(&vc.codes, cd, bits).unwrap(),
+            );
+            let keys = CodedRows::Mse {
+                codes: &kp,
+                norms: kc.norms.view(),
+                bits,
+                seed: Some(11),
+                qjl: None,
+            };
+            let values = CodedRows::Mse {
+                codes: &vp,
+                norms: vc.norms.view(),
+                bits,
+                seed: Some(11),
+                qjl: None,
+            };
+            let lay = Layout {
+                heads: 1,
+                rows,
+                tokens: t,
+                head_dim: d,
+                scale: 1.0 / (d as f32).sqrt(),
+            };
+            let got = decode_attention(&q, &lay, &keys, None, &values, true).unwrap();
+            let want = reference(
+                &q,
+                &quant.decode(&kc).unwrap(),
+                &quant.decode(&vc).unwrap(),
+                rows,
+                t,
+                d,
+            );
+            close(&got.out, &want, 1e-5);
+            for r in 0..rows {
+                let total: f64 = got.probs[r * t..(r + 1) * t]
+                    .iter()
+                    .map(|&v| f64::from(v))
+                    .sum();
+                assert!((total - 1.0).abs() < 1e-5);
+            }
+        }
+    }
+
+    #[test]
+    fn uniform_values_and_channel_keys_match_the_decoded_reference() {
+        let (d, t, rows) = (64, 45, 2);
+        let x = gaussians(5, 9, 2 * t * d);
+        let q = gaussians(6, 9, rows * d);
+        for bits in [2, 3, 4, 8] {
+            // Keys per channel: lay channels out as rows of tokens.
+            let mut kt = vec![0.0f32; t * d];
+            for j in 0..t {
+                for c in 0..d {
+                    kt[c * t + j] = x[j * d + c];
+                }
+            }
+            let kq = UniformQuantizer::new(t, 32, bits).unwrap();
+            let kc = kq.encode(&kt).unwrap();
+            let kdec_t = kq.decode(&kc).unwrap();
+            let mut kdec = vec![0.0f32; t * d];
+            for j in 0..t {
+                for c in 0..d {
+                    kdec[j * d + c] = kdec_t[c * t + j];
+                }
+            }
+            let vq = UniformQuantizer::new(d, 32, bits).unwrap();
+            let vc = vq.encode(&x[t * d..]).unwrap();
+            let kp = pack(&kc.codes, t, bits).unwrap();
+            let vp = pack(&vc.codes, d, bits).unwrap();
+            let keys = CodedRows::UniformChannels {
+                codes: &kp,
+                scales: kc.scales.view(),
+                zeros: kc.zeros.view(),
+                bits,
+                group: 32,
+            };
+            let values = CodedRows::UniformTokens {
+                codes: &vp,
+                scales: vc.scales.view(),
+                zeros: vc.zeros.view(),
+                bits,
+                group: 32,
+                seed: None,
+            };
+            let lay = Layout {
+                heads: 1,
+                rows,
+                tokens: t,
+                head_dim: d,
+                scale: 1.0 / (d as f32).sqrt(),
+            };
+            let got = decode_attention(&q, &lay, &keys, None, &values, false).unwrap();
+            let want = reference(&q, &kdec, &vq.decode(&vc).unwrap(), rows, t, d);
+            close(&got.out, &want, 1e-5);
+        }
+    }
+
+    #[test]
+    fn chunks_merged_by_log_sum_exp_match_the_decoded_reference() {
+        // Tokens spanning several chunks (the last one ragged), KIVI groups that do not divide
+        // a chunk, one scale large enough that the chunk maxima differ a lot.
+        let (d, t, rows) = (16, 3 * CHUNK + 45, 2);
+        let x = gaussians(8, 9, 2 * t * d);
+        let q: Vec<f32> = gaussians(9, 9, rows * d).iter().map(|v| v * 3.0).collect();
+        let quant = MseQuantizer::new(d, 4, Some(5)).unwrap();
+        let cd = quant.code_dim();
+        let vc = quant.encode(&x[t * d..]).unwrap();
+        let vp = pack(&vc.codes, cd, 4).unwrap();
+        let mut kt = vec![0.0f32; t * d];
+        for j in 0..t {
+            for c in 0..d {
+                kt[c * t + j] = x[j * d + c];
+            }
+        }
+        let kq = UniformQuantizer::new(t, 7, 4).unwrap();
+        let kc = kq.encode(&kt).unwrap();
+        let kdec_t = kq.decode(&kc).unwrap();
+        let mut kdec = vec![0.0f32; t * d];
+        for j in 0..t {
+            for c in 0..d {
+                kdec[j * d + c] = kdec_t[c * t + j];
+            }
+        }
+        let kp = pack(&kc.codes, t, 4).unwrap();
+        let keys = CodedRows::UniformChannels {
+            codes: &kp,
+            scales: kc.scales.view(),
+            zeros: kc.zeros.view(),
+            bits: 4,
+            group: 7,
+        };
+        let values = CodedRows::Mse {
+            codes: &vp,
+            norms: vc.norms.view(),
+            bits: 4,
+            seed: Some(5),
+            qjl: None,
+        };
+        let lay = Layout {
+            heads: 1,
+            rows,
+            tokens: t,
+            head_dim: d,
+            scale: 1.0 / (d as f32).sqrt(),
+        };
+        let got = decode_attention(&q, &lay, &keys, None, &values, true).unwrap();
+        let want = reference(&q, &kdec, &quant.decode(&vc).unwrap(), rows, t, d);
+        close(&got.out, &want, 1e-5);
+        for r in 0..rows {
+            let p = &got.probs[r * t..(r + 1) * t];
+            let total: f64 = p.iter().map(|&v| f64::from(v)).sum();
+            assert!((total - 1.0).abs() < 1e-5, "{total}");
+            // lse = log sum_j exp(logit_j): p_j = exp(logit_j - lse).
+            let s: f64 = (0..d)
+                .map(|c| f64::from(q[r * d + c]) * f64::from(kdec[c]))
+                .sum::<f64>()
+                / (d as f64).sqrt();
+            let want_p0 = (s - f64::from(got.lse[r])).exp();
+            assert!((f64::from(p[0]) - want_p0).abs() < 1e-5 * (1.0 + want_p0));
+        }
+    }
+
+    #[test]
+    fn bad_sizes_name_the_argument() {
+        let lay = Layout {
+            heads: 1,
+            rows: 1,
+            tokens: 2,
+            head_dim: 4,
+            scale: 0.5,
+        };
+        let q = [0.0f32; 4];
+        let n = [0u16; 2];
+        let keys = CodedRows::Mse {
+            codes: &[0u8; 3],
+            norms: ScalarView::F16(&n),
+            bits: 4,
+            seed: None,
+            qjl: None,
+        };
+        let values = CodedRows::Dense(&[0.0; 8]);
+        let err = decode_attention(&q, &lay, &keys, None, &values, false).unwrap_err();
+        assert!(err.to_string().starts_with("keys.codes"), "{err}");
+        let lay0 = Layout { tokens: 0, ..lay };
+        assert!(decode_attention(&q, &lay0, &keys, None, &values, false)
+            .unwrap_err()
+            .to_string()
+            .starts_with("tokens"));
+    }
+}

@@ -1,0 +1,192 @@
+//! Norm-and-direction rows (docs/kernels.md section 5), optionally with the QJL sketch of the
+//! rotated residual: `kv`, the MSE stage of `kqv` / `qkqv`, and their QJL residual.
+//!
+//! Keys: `||k|| * (R q) . c` from the centroids `c` of the packed codes; the residual adds
+//! `sqrt(pi/2)/m * ||r|| * (S R q) . sigma` straight from the packed sign bits (the estimator
+//! of Zandieh et al. 2024). Values: `sum_j p_j ||v_j|| c_j` in the code domain; the residual is
+//! summed in sketch space, `u = sum_j p_j ||r_j|| sigma_j`, and mapped back once with `S^T`.
+
+use std::f64::consts::PI;
+use std::ops::Range;
+use std::sync::Arc;
+
+use super::super::hadamard::Rotation;
+use super::super::lloyd_max::codebook;
+use super::super::qjl::QjlSketcher;
+use super::super::{check_bits, check_len};
+use super::reader::{code_domain, code_queries, mul, unrotate, Lanes, RowReader, BLOCK};
+use super::{KeyRows, Layout, Names, QjlRows, ValueRows};
+use crate::error::{KvqError, Result};
+use crate::scalars::ScalarView;
+use crate::simd::{ops, Isa};
+
+/// The QJL residual of an MSE plan.
+struct Qjl<'a> {
+    signs: &'a [u8],
+    norms: ScalarView<'a>,
+    sketcher: Arc<QjlSketcher>,
+    reader: RowReader,
+    k: f32,
+}
+
+/// Validated MSE rows with their codebook, rotation and sketch.
+pub(super) struct MsePlan<'a> {
+    codes: &'a [u8],
+    norms: ScalarView<'a>,
+    rot: Option<Rotation>,
+    reader: RowReader,
+    qjl: Option<Qjl<'a>>,
+    tokens: usize,
+}
+
+impl<'a> MsePlan<'a> {
+    /// Checks the buffers of `codes` (heads x tokens rows) against the layout.
+    pub(super) fn new(
+        (codes, norms, bits, seed): (&'a [u8], ScalarView<'a>, u32, Option<u64>),
+        qjl: Option<QjlRows<'a>>,
+        names: &Names,
+        lay: &Layout,
+    ) -> Result<Self> {
+        let d = lay.head_dim;
+        let vectors = mul(names.codes, lay.heads, lay.tokens)?;
+        check_bits(names.bits, bits)?;
+        let (rot, cd) = code_domain(seed, d)?;
+        let reader = RowReader::new(cd, bits, &codebook(cd, bits)?.centroids_f32);
+        check_len(
+            names.codes,
+            codes.len(),
+            mul(names.codes, vectors, reader.row_bytes)?,
+            "heads x tokens x packed codes",
+        )?;
+        norms.validate(names.norms, vectors)?;
+        let qjl = match qjl {
+            None => None,
+            Some(q) => {
+                if rot.is_none() {
+                    return Err(KvqError::InvalidDimension {
+                        arg: names.qjl_signs,
+                        expected: "a QJL residual only after a rotated MSE stage (a seed)".into(),
+                        actual: 0,
+                    });
+                }
+                let qreader = RowReader::new(cd, 1, &[1.0, -1.0]);
+                check_len(
+                    names.qjl_signs,
+                    q.signs.len(),
+                    mul(names.qjl_signs, vectors, qreader.row_bytes)?,
+                    "heads x tokens x ceil(d'/8) sign bytes",
+                )?;
+                q.norms.validate(names.qjl_norms, vectors)?;
+                Some(Qjl {
+                    signs: q.signs,
+                    norms: q.norms,
+                    sketcher: QjlSketcher::cached(cd, cd, q.seed)?,
+                    reader: qreader,
+                    k: ((PI / 2.0).sqrt() / cd as f64) as f32,
+                })
+            }
+        };
+        Ok(Self {
+            codes,
+            norms,
+            rot,
+            reader,
+            qjl,
+            tokens: lay.tokens,
+        })
+    }
+
+    fn cd(&self) -> usize {
+        self.reader.n
+    }
+}
+
+impl KeyRows for MsePlan<'_> {
+    /// `R q` (rows x d'), then `S R q` (rows x d') with a QJL residual.
+    fn queries(&self, isa: Isa, q: &[f32], _h: usize, lay: &Layout) -> Vec<f32> {
+        let cd = self.cd();
+        let mut qr = code_queries(isa, &self.rot, q, lay.head_dim, cd);
+        if let Some(p) = &self.qjl {
+            let rows = qr.len() / cd;
+            let mut sq = vec![0.0f32; rows * cd];
+            for (o, row) in sq.chunks_exact_mut(cd).zip(qr.chunks_exact(cd)) {
+                ops::dots(isa, p.sketcher.matrix(), row, o);
+            }
+            qr.extend_from_slice(&sq);
+        }
+        qr
+    }
+
+    fn add_scores(&self, isa: Isa, qp: &[f32], h: usize, span: Range<usize>, s: &mut [f32]) {
+        let (cd, t, c0, n) = (self.cd(), self.tokens, span.start, span.len());
+        let rows = s.len() / n;
+        let (qr, sq) = qp.split_at(rows * cd);
+        let mut dots = vec![0.0f32; rows];
+        let mut nb = vec![0.0f32; n];
+        self.norms.read(isa, h * t + c0, &mut nb);
+        self.reader
+            .each_row(isa, self.codes, (h, t), span.clone(), |j, k| {
+                ops::dots(isa, qr, k, &mut dots);
+                let nj = nb[j - c0];
+                for (r, &v) in dots.iter().enumerate() {
+                    s[r * n + j - c0] += nj * v;
+                }
+            });
+        if let Some(p) = &self.qjl {
+            // sigma_j decoded to +-1 (products with +-1 are exact sign flips).
+            p.norms.read(isa, h * t + c0, &mut nb);
+            p.reader.each_row(isa, p.signs, (h, t), span, |j, sigma| {
+                ops::dots(isa, sq, sigma, &mut dots);
+                let kr = p.k * nb[j - c0];
+                for (r, &v) in dots.iter().enumerate() {
+                    s[r * n + j - c0] += kr * v;
+                }
+            });
+        }
+    }
+}
+
+impl ValueRows for MsePlan<'_> {
+    /// The code-domain sums, then (with a QJL residual) the sketch-space sums.
+    fn acc_dim(&self) -> usize {
+        self.cd() * if self.qjl.is_some() { 2 } else { 1 }
+    }
+
+    fn accumulate(&self, isa: Isa, p: &[f32], h: usize, span: Range<usize>, acc: &mut [f64]) {
+        let (cd, t, c0, n) = (self.cd(), self.tokens, span.start, span.len());
+        let (rows, stride) = (p.len() / n, self.acc_dim());
+        let mut lanes = Lanes::new(rows, cd);
+        let mut nb = [0.0f32; BLOCK];
+        self.reader
+            .each_block(isa, self.codes, (h, t), span.clone(), |j0, block| {
+                let count = block.len() / cd;
+                self.norms.read(isa, h * t + j0, &mut nb[..count]);
+                let w = |r: usize, k: usize| p[r * n + j0 - c0 + k] * nb[k];
+                lanes.add_block(isa, block, w, acc, (stride, 0));
+            });
+        if let Some(q) = &self.qjl {
+            q.reader
+                .each_block(isa, q.signs, (h, t), span, |j0, block| {
+                    let count = block.len() / cd;
+                    q.norms.read(isa, h * t + j0, &mut nb[..count]);
+                    let w = |r: usize, k: usize| p[r * n + j0 - c0 + k] * nb[k];
+                    lanes.add_block(isa, block, w, acc, (stride, cd));
+                });
+        }
+    }
+
+    /// `acc += sqrt(pi/2)/m * S^T u` (rows of S in increasing order), then un-rotated.
+    fn finish(&self, isa: Isa, acc: &mut [f64], sums: &[f64], out: &mut [f32]) {
+        let (cd, stride) = (self.cd(), self.acc_dim());
+        if let Some(q) = &self.qjl {
+            let k = f64::from(q.k);
+            for row in acc.chunks_exact_mut(stride) {
+                let (ar, ur) = row.split_at_mut(cd);
+                for (srow, &ui) in q.sketcher.matrix().chunks_exact(cd).zip(ur.iter()) {
+                    ops::axpy_f64(isa, ar, k * ui, srow);
+                }
+            }
+        }
+        unrotate(isa, &self.rot, (acc, stride, cd), sums, out);
+    }
+}

@@ -1,0 +1,224 @@
+//! What every row layout of the fused attention shares: reading packed rows as float32 values
+//! a block of tokens at a time, the float32-lane value sums carried into float64, and the
+//! query rotation and its inverse.
+
+use std::ops::Range;
+
+use super::super::hadamard::Rotation;
+use super::super::pack::{packed_len, unpack_range};
+use crate::error::{KvqError, Result};
+use crate::simd::{ops, Isa};
+
+/// Tokens summed in float32 lanes before their sum is carried into float64. A float32 sum of
+/// `BLOCK` terms `w_j x_j` errs by at most about `BLOCK * 2^-24` of `sum_j |w_j x_j|`, and the
+/// weights of a softmax sum to one, so the value error stays below `2e-6 max |v_hat|`.
+pub(super) const BLOCK: usize = 32;
+
+/// Reads packed rows of `bits`-bit codes as float32 values through a 256-entry table
+/// (centroids, integer levels or `+-1` signs): the SIMD unpack, then the table decode of the
+/// path (a register permute up to 4 bits).
+#[derive(Debug, Clone)]
+pub(super) struct RowReader {
+    pub(super) n: usize,
+    pub(super) bits: u32,
+    pub(super) row_bytes: usize,
+    table: Vec<f32>,
+}
+
+impl RowReader {
+    /// Rows of `n` codes whose code `c` stands for `values[c]`.
+    pub(super) fn new(n: usize, bits: u32, values: &[f32]) -> Self {
+        let mut table = values.to_vec();
+        table.resize(256, 0.0);
+        Self {
+            n,
+            bits,
+            row_bytes: packed_len(n, bits),
+            table,
+        }
+    }
+
+    /// `out[i] = values[code(start + i)]` for the codes of a packed row from code `start`
+    /// (`scratch` holds at least `out.len()` bytes).
+    #[inline]
+    pub(super) fn decode(
+        &self,
+        isa: Isa,
+        row: &[u8],
+        start: usize,
+        scratch: &mut [u8],
+        out: &mut [f32],
+    ) {
+        let bit = start * self.bits as usize;
+        if bit.is_multiple_of(8) {
+            ops::decode_packed(isa, &row[bit / 8..], self.bits, &self.table, out);
+        } else {
+            let codes = &mut scratch[..out.len()];
+            unpack_range(row, self.bits, start, codes);
+            ops::decode(isa, codes, &self.table, self.bits, 1.0, out);
+        }
+    }
+
+    /// Calls `f(j0, values of rows j0 .. j0 + count)` (count x n) for the tokens `span` of head
+    /// `h` (of `t` tokens) in `codes`, in blocks of [`BLOCK`] tokens from `span.start`. When
+    /// rows hold no padding bits (`n * bits % 8 == 0`) a block is one bit stream, decoded in
+    /// one call.
+    pub(super) fn each_block(
+        &self,
+        isa: Isa,
+        codes: &[u8],
+        (h, t): (usize, usize),
+        span: Range<usize>,
+        mut f: impl FnMut(usize, &[f32]),
+    ) {
+        let (rb, n) = (self.row_bytes, self.n);
+        let stream = (n * self.bits as usize).is_multiple_of(8);
+        let mut scratch = vec![0u8; n];
+        let mut dec = vec![0.0f32; BLOCK * n];
+        let rows = &codes[(h * t + span.start) * rb..(h * t + span.end) * rb];
+        for (b, block) in rows.chunks(BLOCK * rb).enumerate() {
+            let out = &mut dec[..block.len() / rb * n];
+            if stream {
+                ops::decode_packed(isa, block, self.bits, &self.table, out);
+            } else {
+                for (row, o) in block.chunks_exact(rb).zip(out.chunks_exact_mut(n)) {
+                    self.decode(isa, row, 0, &mut scratch, o);
+                }
+            }
+            f(span.start + b * BLOCK, out);
+        }
+    }
+
+    /// Calls `f(j, values of row j)` for the tokens `span` of head `h`, in token order.
+    pub(super) fn each_row(
+        &self,
+        isa: Isa,
+        codes: &[u8],
+        ht: (usize, usize),
+        span: Range<usize>,
+        mut f: impl FnMut(usize, &[f32]),
+    ) {
+        let n = self.n;
+        self.each_block(isa, codes, ht, span, |j0, block| {
+            for (k, row) in block.chunks_exact(n).enumerate() {
+                f(j0 + k, row);
+            }
+        });
+    }
+}
+
+/// Per-query-row sums `sum_j w_(r,j) x_j` of one block of [`BLOCK`] rows `x_j` (n values each)
+/// in SIMD float32 lanes held in registers (`ops::axpy_rows_f32`, tokens in increasing order),
+/// then carried into a float64 accumulator. Every step is elementwise and the blocks are fixed
+/// by the token index, so every path and thread count agrees.
+pub(super) struct Lanes {
+    pub(super) part: Vec<f32>,
+    pub(super) w: Vec<f32>,
+    pub(super) n: usize,
+}
+
+impl Lanes {
+    /// Sums for `rows` query rows of `n` values each.
+    pub(super) fn new(rows: usize, n: usize) -> Self {
+        Self {
+            part: vec![0.0; rows * n],
+            w: Vec::with_capacity(BLOCK),
+            n,
+        }
+    }
+
+    /// Adds one block of rows (count x n) with weight `weight(r, k)` for query row `r` and the
+    /// block's row `k`, then carries the sums into `acc` (row `r` at `r * stride + offset`).
+    pub(super) fn add_block(
+        &mut self,
+        isa: Isa,
+        block: &[f32],
+        weight: impl Fn(usize, usize) -> f32,
+        acc: &mut [f64],
+        (stride, offset): (usize, usize),
+    ) {
+        let count = block.len() / self.n;
+        for (r, pr) in self.part.chunks_exact_mut(self.n).enumerate() {
+            self.w.clear();
+            self.w.extend((0..count).map(|k| weight(r, k)));
+            ops::axpy_rows_f32(isa, pr, &self.w, block, self.n);
+        }
+        self.carry(acc, (stride, offset));
+    }
+
+    /// `acc[r * stride + offset + i] += part[r][i]`, then clears the lanes.
+    pub(super) fn carry(&mut self, acc: &mut [f64], (stride, offset): (usize, usize)) {
+        for (r, pr) in self.part.chunks_exact_mut(self.n).enumerate() {
+            let ar = &mut acc[r * stride + offset..r * stride + offset + self.n];
+            for (t, p) in ar.iter_mut().zip(pr.iter_mut()) {
+                *t += f64::from(*p);
+                *p = 0.0;
+            }
+        }
+    }
+}
+
+/// The rotation of `seed` (None: none) and the code-domain dimension (d', or d).
+pub(super) fn code_domain(seed: Option<u64>, d: usize) -> Result<(Option<Rotation>, usize)> {
+    let rot = seed.map(|s| Rotation::new(d, Some(s))).transpose()?;
+    let cd = rot.as_ref().map_or(d, Rotation::padded_dim);
+    Ok((rot, cd))
+}
+
+/// The query rows (rows x d) in the code domain (rotated, or copied): rows x `cd`.
+pub(super) fn code_queries(
+    isa: Isa,
+    rot: &Option<Rotation>,
+    q: &[f32],
+    d: usize,
+    cd: usize,
+) -> Vec<f32> {
+    let mut qr = vec![0.0f32; q.len() / d * cd];
+    for (o, row) in qr.chunks_exact_mut(cd).zip(q.chunks_exact(d)) {
+        match rot {
+            Some(r) => r.forward_row_isa(isa, row, o),
+            None => o.copy_from_slice(row),
+        }
+    }
+    qr
+}
+
+/// Un-rotates (or copies) the first `cd` values of each row of a float64 code-domain
+/// accumulator (rows x `stride`), divided by its softmax normaliser, into `out` (rows x d).
+pub(super) fn unrotate(
+    isa: Isa,
+    rot: &Option<Rotation>,
+    (acc, stride, cd): (&[f64], usize, usize),
+    sums: &[f64],
+    out: &mut [f32],
+) {
+    let d = out.len() / sums.len();
+    let mut buf = vec![0.0f32; cd];
+    for ((ar, &sum), o) in acc
+        .chunks_exact(stride)
+        .zip(sums)
+        .zip(out.chunks_exact_mut(d))
+    {
+        for (b, &a) in buf.iter_mut().zip(&ar[..cd]) {
+            *b = (a / sum) as f32;
+        }
+        match rot {
+            Some(r) => r.inverse_row_isa(isa, &mut buf, o),
+            None => o.copy_from_slice(&buf[..d]),
+        }
+    }
+}
+
+/// `[0, 1, ..., 2^bits - 1]`: the integer levels of a uniform code.
+pub(super) fn levels(bits: u32) -> Vec<f32> {
+    (0..1u32 << bits).map(|v| v as f32).collect()
+}
+
+/// `a * b`, or an error naming `arg` when it overflows.
+pub(super) fn mul(arg: &'static str, a: usize, b: usize) -> Result<usize> {
+    a.checked_mul(b).ok_or(KvqError::InvalidDimension {
+        arg,
+        expected: "sizes whose product fits in memory".into(),
+        actual: i64::MAX,
+    })
+}

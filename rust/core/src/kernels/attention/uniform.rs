@@ -1,0 +1,248 @@
+//! Asymmetric uniform groups (docs/kernels.md section 9).
+//!
+//! Along each token's coordinates (KIVI values; `block` keys and values, rotated): a key scores
+//! `sum_g z_g sum_(i in g) w_i + s_g (w_g . code_g)` against the code-domain query `w`; values
+//! are summed as `s_g * code_g` per group with the zero points' share `sum_j p_j z_(j,g)` added
+//! once per group. Along tokens per channel (KIVI keys): `sum_c q_c z_(c,g) + sum_c (q_c
+//! s_(c,g)) code_(c,j)`, SIMD over the tokens of a group.
+
+use std::ops::Range;
+
+use super::super::hadamard::Rotation;
+use super::super::{check_bits, check_len, check_row_len};
+use super::reader::{code_domain, code_queries, levels, mul, unrotate, RowReader};
+use super::{KeyRows, Layout, Names, ValueRows};
+use crate::error::Result;
+use crate::scalars::ScalarView;
+use crate::simd::{ops, Isa};
+
+/// The stored arrays of a uniform side: packed codes, scales, zero points.
+pub(super) type Groups<'a> = (&'a [u8], ScalarView<'a>, ScalarView<'a>);
+
+/// Validated groups along each token's (rotated) coordinates.
+pub(super) struct TokensPlan<'a> {
+    codes: &'a [u8],
+    scales: ScalarView<'a>,
+    zeros: ScalarView<'a>,
+    rot: Option<Rotation>,
+    reader: RowReader,
+    group: usize,
+    groups: usize,
+    tokens: usize,
+}
+
+impl<'a> TokensPlan<'a> {
+    pub(super) fn new(
+        (codes, scales, zeros): Groups<'a>,
+        (bits, group, seed): (u32, usize, Option<u64>),
+        names: &Names,
+        lay: &Layout,
+    ) -> Result<Self> {
+        let d = lay.head_dim;
+        let vectors = mul(names.codes, lay.heads, lay.tokens)?;
+        check_bits(names.bits, bits)?;
+        check_row_len(names.group, group)?;
+        let (rot, cd) = code_domain(seed, d)?;
+        let reader = RowReader::new(cd, bits, &levels(bits));
+        let groups = cd.div_ceil(group);
+        check_len(
+            names.codes,
+            codes.len(),
+            mul(names.codes, vectors, reader.row_bytes)?,
+            "heads x tokens x packed codes",
+        )?;
+        scales.validate(names.scales, mul(names.scales, vectors, groups)?)?;
+        zeros.validate_signed(names.zeros, vectors * groups)?;
+        Ok(Self {
+            codes,
+            scales,
+            zeros,
+            rot,
+            reader,
+            group,
+            groups,
+            tokens: lay.tokens,
+        })
+    }
+
+    /// The scales and zero points of tokens `span` of head `h` (span x groups each).
+    fn planes(&self, isa: Isa, h: usize, span: Range<usize>) -> (Vec<f32>, Vec<f32>) {
+        let start = (h * self.tokens + span.start) * self.groups;
+        let mut sc = vec![0.0f32; span.len() * self.groups];
+        let mut ze = vec![0.0f32; sc.len()];
+        self.scales.read(isa, start, &mut sc);
+        self.zeros.read(isa, start, &mut ze);
+        (sc, ze)
+    }
+}
+
+impl KeyRows for TokensPlan<'_> {
+    /// `w = R q` (rows x d'), then `sum_(i in g) w_i` (rows x groups): the zero point's share.
+    fn queries(&self, isa: Isa, q: &[f32], _h: usize, lay: &Layout) -> Vec<f32> {
+        let cd = self.reader.n;
+        let mut qr = code_queries(isa, &self.rot, q, lay.head_dim, cd);
+        let sums: Vec<f32> = qr
+            .chunks_exact(cd)
+            .flat_map(|row| row.chunks(self.group).map(|c| c.iter().sum::<f32>()))
+            .collect();
+        qr.extend_from_slice(&sums);
+        qr
+    }
+
+    fn add_scores(&self, isa: Isa, qp: &[f32], h: usize, span: Range<usize>, s: &mut [f32]) {
+        let (cd, groups, group) = (self.reader.n, self.groups, self.group);
+        let (c0, n) = (span.start, span.len());
+        let rows = s.len() / n;
+        let (qr, sums) = qp.split_at(rows * cd);
+        let (sc, ze) = self.planes(isa, h, span.clone());
+        self.reader
+            .each_row(isa, self.codes, (h, self.tokens), span, |j, k| {
+                let base = (j - c0) * groups;
+                for (r, row) in qr.chunks_exact(cd).enumerate() {
+                    let mut acc = 0.0f32;
+                    for (g, (qg, kg)) in row.chunks(group).zip(k.chunks(group)).enumerate() {
+                        acc += ze[base + g] * sums[r * groups + g]
+                            + sc[base + g] * ops::dot(isa, qg, kg);
+                    }
+                    s[r * n + j - c0] += acc;
+                }
+            });
+    }
+}
+
+impl ValueRows for TokensPlan<'_> {
+    /// The code-domain sums of `s_g * code_g`, then the zero points' sums per group.
+    fn acc_dim(&self) -> usize {
+        self.reader.n + self.groups
+    }
+
+    fn accumulate(&self, isa: Isa, p: &[f32], h: usize, span: Range<usize>, acc: &mut [f64]) {
+        let (cd, groups, group) = (self.reader.n, self.groups, self.group);
+        let (c0, n, stride) = (span.start, span.len(), self.acc_dim());
+        let rows = p.len() / n;
+        let (sc, ze) = self.planes(isa, h, span.clone());
+        let mut lanes = super::reader::Lanes::new(rows, cd);
+        self.reader
+            .each_block(isa, self.codes, (h, self.tokens), span, |j0, block| {
+                let count = block.len() / cd;
+                for (r, ar) in lanes.part.chunks_exact_mut(cd).enumerate() {
+                    let zacc = &mut acc[r * stride + cd..(r + 1) * stride];
+                    for (g, ag) in ar.chunks_mut(group).enumerate() {
+                        let w = &mut lanes.w;
+                        w.clear();
+                        w.extend((0..count).map(|k| {
+                            let (pj, at) = (p[r * n + j0 - c0 + k], (j0 - c0 + k) * groups + g);
+                            zacc[g] += f64::from(pj) * f64::from(ze[at]);
+                            pj * sc[at]
+                        }));
+                        ops::axpy_rows_f32(isa, ag, w, &block[g * group..], cd);
+                    }
+                }
+                lanes.carry(acc, (stride, 0));
+            });
+    }
+
+    /// Adds each group's zero-point sum to its coordinates, then un-rotates.
+    fn finish(&self, isa: Isa, acc: &mut [f64], sums: &[f64], out: &mut [f32]) {
+        let (cd, stride) = (self.reader.n, self.acc_dim());
+        for row in acc.chunks_exact_mut(stride) {
+            let (ar, zr) = row.split_at_mut(cd);
+            for (i, a) in ar.iter_mut().enumerate() {
+                *a += zr[i / self.group];
+            }
+        }
+        unrotate(isa, &self.rot, (acc, stride, cd), sums, out);
+    }
+}
+
+/// Validated KIVI keys: per-channel groups of tokens; row `c` of head `h` holds channel `c` of
+/// every token.
+pub(super) struct ChannelsPlan<'a> {
+    codes: &'a [u8],
+    scales: ScalarView<'a>,
+    zeros: ScalarView<'a>,
+    reader: RowReader,
+    group: usize,
+    groups: usize,
+    head_dim: usize,
+}
+
+impl<'a> ChannelsPlan<'a> {
+    pub(super) fn new(
+        (codes, scales, zeros): Groups<'a>,
+        (bits, group): (u32, usize),
+        names: &Names,
+        lay: &Layout,
+    ) -> Result<Self> {
+        let (h, t, d) = (lay.heads, lay.tokens, lay.head_dim);
+        check_bits(names.bits, bits)?;
+        check_row_len(names.group, group)?;
+        let reader = RowReader::new(t, bits, &levels(bits));
+        let groups = t.div_ceil(group);
+        let channels = mul(names.codes, h, d)?;
+        check_len(
+            names.codes,
+            codes.len(),
+            mul(names.codes, channels, reader.row_bytes)?,
+            "heads x head_dim x packed tokens",
+        )?;
+        scales.validate(names.scales, mul(names.scales, channels, groups)?)?;
+        zeros.validate_signed(names.zeros, channels * groups)?;
+        Ok(Self {
+            codes,
+            scales,
+            zeros,
+            reader,
+            group,
+            groups,
+            head_dim: d,
+        })
+    }
+}
+
+impl KeyRows for ChannelsPlan<'_> {
+    fn queries(&self, _isa: Isa, q: &[f32], _h: usize, _lay: &Layout) -> Vec<f32> {
+        q.to_vec()
+    }
+
+    fn add_scores(&self, isa: Isa, q: &[f32], h: usize, span: Range<usize>, s: &mut [f32]) {
+        let (d, group, rb) = (self.head_dim, self.group, self.reader.row_bytes);
+        let (c0, n) = (span.start, span.len());
+        let mut scratch = vec![0u8; group];
+        // One group of tokens: the codes of every channel as levels (d x len), and per query
+        // row the channel weights q_c s_(c,g) and the zero-point sum sum_c q_c z_(c,g).
+        let mut block = vec![0.0f32; d * group];
+        let mut w = vec![0.0f32; d];
+        let mut part = vec![0.0f32; group];
+        for g in c0 / group..span.end.div_ceil(group) {
+            let (t0, t1) = (g * group, ((g + 1) * group).min(span.end));
+            let len = t1 - t0;
+            for (c, lev) in block.chunks_exact_mut(len).take(d).enumerate() {
+                let ch = h * d + c;
+                let row = &self.codes[ch * rb..(ch + 1) * rb];
+                self.reader.decode(isa, row, t0, &mut scratch, lev);
+            }
+            for (r, qr) in q.chunks_exact(d).enumerate() {
+                let mut zs = 0.0f32;
+                for (c, (wc, &qc)) in w.iter_mut().zip(qr).enumerate() {
+                    let at = (h * d + c) * self.groups + g;
+                    zs += qc * self.zeros.get(at);
+                    *wc = qc * self.scales.get(at);
+                }
+                let o = &mut part[..len];
+                o.fill(0.0);
+                // SIMD over the tokens of the group; channels summed in order.
+                ops::axpy_rows_f32(isa, o, &w, &block[..d * len], len);
+                let dst = &mut s[r * n + t0 - c0..r * n + t1 - c0];
+                dst.iter_mut()
+                    .zip(o.iter())
+                    .for_each(|(s, &v)| *s += v + zs);
+            }
+        }
+    }
+
+    /// A chunk of tokens holds whole groups.
+    fn token_step(&self) -> usize {
+        self.group
+    }
+}

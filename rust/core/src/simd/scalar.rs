@@ -1,0 +1,263 @@
+//! The scalar reference of every row primitive in [`super::ops`], in one place: the bits every
+//! SIMD path must reproduce. The kernels in `kernels/` call these (through `ops`, or directly
+//! where they define a reference), never the other way round.
+
+use half::f16;
+
+use crate::reduce::{combine_f32, combine_f64, LANES};
+
+/// `codes[i] = #{j : table[j] <= x[i] / div}` over the `2^bits - 1` boundaries.
+pub(crate) fn encode(x: &[f32], div: Option<f32>, table: &[f32], bits: u32, codes: &mut [u8]) {
+    let b = &table[..(1usize << bits) - 1];
+    for (c, &v) in codes.iter_mut().zip(x) {
+        let v = match div {
+            Some(d) => v / d,
+            None => v,
+        };
+        *c = b.partition_point(|&t| t <= v) as u8;
+    }
+}
+
+/// `out[i] = table[codes[i]] * mul`.
+pub(crate) fn decode(codes: &[u8], table: &[f32], mul: f32, out: &mut [f32]) {
+    out.iter_mut()
+        .zip(codes)
+        .for_each(|(o, &c)| *o = table[usize::from(c)] * mul);
+}
+
+/// Packed bits `t[i] < 0` for values starting at index `first` (a multiple of 8) of a row.
+pub(crate) fn sign_bits_from(t: &[f32], first: usize, out: &mut [u8]) {
+    debug_assert_eq!(first % 8, 0);
+    for (k, chunk) in t.chunks(8).enumerate() {
+        out[first / 8 + k] = chunk
+            .iter()
+            .enumerate()
+            .fold(0u8, |b, (l, &v)| b | (u8::from(v < 0.0) << l));
+    }
+}
+
+/// [`super::ops::decode_packed`] through the row primitives of `isa`, 64 codes (a whole
+/// number of bytes) at a time.
+pub(crate) fn decode_packed(
+    isa: super::Isa,
+    packed: &[u8],
+    bits: u32,
+    table: &[f32],
+    out: &mut [f32],
+) {
+    let mut codes = [0u8; 64];
+    for (k, o) in out.chunks_mut(64).enumerate() {
+        let c = &mut codes[..o.len()];
+        super::ops::unpack_row(isa, &packed[8 * k * bits as usize..], bits, c);
+        super::ops::decode(isa, c, table, bits, 1.0, o);
+    }
+}
+
+/// `out[i] = (y[i] * mul) ^ sign_bits[i]` (the inverse rotation's sign flip and norm).
+pub(crate) fn finish(y: &[f32], sign_bits: &[u32], mul: f32, out: &mut [f32]) {
+    out.iter_mut()
+        .zip(y.iter().zip(sign_bits))
+        .for_each(|(o, (&v, &s))| *o = f32::from_bits((v * mul).to_bits() ^ s));
+}
+
+/// The unnormalised fast Walsh-Hadamard transform in place (`x.len()` a power of two):
+/// stages `h = 1, 2, 4, ...`, pairs `(a, b) -> (a + b, a - b)` (docs/kernels.md section 3).
+pub(crate) fn fwht(x: &mut [f32]) {
+    debug_assert!(x.len().is_power_of_two());
+    let n = x.len();
+    let mut h = 1;
+    while h < n {
+        for block in x.chunks_exact_mut(2 * h) {
+            let (lo, hi) = block.split_at_mut(h);
+            for (a, b) in lo.iter_mut().zip(hi.iter_mut()) {
+                let (u, v) = (*a, *b);
+                *a = u + v;
+                *b = u - v;
+            }
+        }
+        h *= 2;
+    }
+}
+
+/// Packs one row of `bits`-bit codes, little-endian within each byte (SPEC 2.1).
+pub(crate) fn pack_row(codes: &[u8], bits: u32, out: &mut [u8]) {
+    let mut acc: u32 = 0;
+    let mut filled: u32 = 0;
+    let mut pos = 0;
+    for &c in codes {
+        acc |= u32::from(c) << filled;
+        filled += bits;
+        while filled >= 8 {
+            out[pos] = acc as u8;
+            pos += 1;
+            acc >>= 8;
+            filled -= 8;
+        }
+    }
+    if filled > 0 {
+        out[pos] = acc as u8;
+    }
+}
+
+/// Unpacks the first `out.len()` codes of a packed row.
+pub(crate) fn unpack_row(packed: &[u8], bits: u32, out: &mut [u8]) {
+    unpack_range(packed, bits, 0, out);
+}
+
+/// Unpacks `out.len()` codes of one packed row starting at code `start` (bit offset
+/// `start * bits`); the row must hold codes `start .. start + out.len()`.
+pub(crate) fn unpack_range(packed: &[u8], bits: u32, start: usize, out: &mut [u8]) {
+    let mask = (1u32 << bits) - 1;
+    let offset = start * bits as usize;
+    let mut src = packed[offset / 8..].iter();
+    let skip = (offset % 8) as u32;
+    let mut acc: u32 = src.next().map_or(0, |&b| u32::from(b) >> skip);
+    let mut filled: u32 = 8 - skip;
+    for o in out.iter_mut() {
+        while filled < bits {
+            acc |= u32::from(*src.next().unwrap_or(&0)) << filled;
+            filled += 8;
+        }
+        *o = (acc & mask) as u8;
+        acc >>= bits;
+        filled -= bits;
+    }
+}
+
+/// `sum y[i] * sigma_i` (sigma = +-1 from packed sign bits) in the fixed 8-lane order.
+pub(crate) fn dot_signs(y: &[f32], packed: &[u8]) -> f32 {
+    let mut acc = [0.0f32; LANES];
+    for (i, &v) in y.iter().enumerate() {
+        let sigma = 1.0 - 2.0 * f32::from((packed[i / 8] >> (i % 8)) & 1);
+        acc[i % LANES] += v * sigma;
+    }
+    combine_f32(&acc)
+}
+
+/// HeadQ correction `sum qu[i] * (s * (codes[i] - h))` in the fixed 8-lane order.
+pub(crate) fn dot_side(qu: &[f32], codes: &[u8], s: f32, h: f32) -> f32 {
+    let mut acc = [0.0f32; LANES];
+    for (i, (&q, &c)) in qu.iter().zip(codes).enumerate() {
+        acc[i % LANES] += q * (s * (f32::from(c) - h));
+    }
+    combine_f32(&acc)
+}
+
+pub(crate) fn axpy_f64(acc: &mut [f64], w: f64, x: &[f32]) {
+    acc.iter_mut()
+        .zip(x)
+        .for_each(|(a, &v)| *a += w * f64::from(v));
+}
+
+pub(crate) fn axpy_rows_f32(o: &mut [f32], w: &[f32], mat: &[f32], stride: usize) {
+    let n = o.len();
+    for (c, &wc) in w.iter().enumerate() {
+        axpy_f32(o, wc, &mat[c * stride..c * stride + n]);
+    }
+}
+
+pub(crate) fn axpy_f32(o: &mut [f32], w: f32, x: &[f32]) {
+    o.iter_mut().zip(x).for_each(|(a, &v)| *a += w * v);
+}
+
+pub(crate) fn add_signed(o: &mut [f32], s: &[f32], negative: bool) {
+    if negative {
+        o.iter_mut().zip(s).for_each(|(o, v)| *o -= v);
+    } else {
+        o.iter_mut().zip(s).for_each(|(o, v)| *o += v);
+    }
+}
+
+pub(crate) fn scale(o: &mut [f32], k: f32) {
+    o.iter_mut().for_each(|v| *v *= k);
+}
+
+pub(crate) fn all_finite(x: &[f32]) -> bool {
+    x.iter().all(|v| v.is_finite())
+}
+
+/// `out[i] = f32(f16 bits src[i])` (exact: every float16 is a float32).
+pub(crate) fn f16_to_f32(src: &[u16], out: &mut [f32]) {
+    out.iter_mut()
+        .zip(src)
+        .for_each(|(o, &b)| *o = f16::from_bits(b).to_f32());
+}
+
+/// Below this, [`exp`] returns 0: `e^x < 2^-126`, a softmax weight no sum can see next to the
+/// maximum's `e^0 = 1`.
+pub(crate) const EXP_LO: f32 = -87.336_55;
+/// Inputs are clamped here (`e^x` just below `2^127.5`).
+pub(crate) const EXP_HI: f32 = 88.376_26;
+pub(crate) const LOG2E: f32 = std::f32::consts::LOG2_E;
+/// `ln 2 = C1 + C2`, C1 with few mantissa bits so that `n * C1` is exact (Cody and Waite).
+pub(crate) const EXP_C1: f32 = 0.693_359_4;
+pub(crate) const EXP_C2: f32 = -2.121_944_4e-4;
+/// Minimax coefficients of `(e^r - 1 - r) / r^2` on `|r| <= ln(2)/2` (Cephes `expf`), highest
+/// first.
+pub(crate) const EXP_P: [f32; 6] = [
+    1.987_569_1e-4,
+    1.398_199_9e-3,
+    8.333_452e-3,
+    4.166_579_6e-2,
+    0.166_666_65,
+    0.5,
+];
+
+/// `e^x` for finite `x` to about 1 ulp (Cephes `expf`): `x = n ln 2 + r`, a degree-7
+/// polynomial in `r`, times `2^n` built in the exponent bits. Every operation is a plain
+/// float32 multiply or add in a fixed order (no fused multiply-add), so the SIMD twins return
+/// the same bits; 0 below [`EXP_LO`].
+#[inline]
+pub(crate) fn exp(x: f32) -> f32 {
+    if x < EXP_LO {
+        return 0.0;
+    }
+    let x = x.min(EXP_HI);
+    let n = (x * LOG2E).round_ties_even();
+    let r = (x - n * EXP_C1) - n * EXP_C2;
+    let z = r * r;
+    let mut p = EXP_P[0];
+    for &c in &EXP_P[1..] {
+        p = p * r + c;
+    }
+    let y = (p * z + r) + 1.0;
+    y * f32::from_bits(((n as i32 + 127) as u32) << 23)
+}
+
+/// `x[i] = exp(x[i] - m)`; returns `sum_i x[i]` in float64 over the fixed 8 lanes of
+/// `reduce.rs` (lane `i % 8`, then the fixed combining tree).
+pub(crate) fn exp_sum(x: &mut [f32], m: f32) -> f64 {
+    let mut acc = [0.0f64; LANES];
+    exp_sum_tail(x, m, &mut acc);
+    combine_f64(&acc)
+}
+
+/// [`exp_sum`] onto the lanes `acc`, for values starting at an index that is a multiple of 8
+/// (the SIMD paths' tails).
+pub(crate) fn exp_sum_tail(x: &mut [f32], m: f32, acc: &mut [f64; LANES]) {
+    for (i, v) in x.iter_mut().enumerate() {
+        *v = exp(*v - m);
+        acc[i % LANES] += f64::from(*v);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exp_is_within_two_ulp_of_the_float64_exponential() {
+        let mut x = EXP_LO;
+        while x <= 0.0 {
+            let want = f64::from(x).exp();
+            let got = f64::from(exp(x));
+            // Relative error of the normal results; tiny ones are subnormal (absolute error).
+            let tol = 2.5 * f64::from(f32::EPSILON) * want + 1e-44;
+            assert!((got - want).abs() <= tol, "exp({x}) = {got}, want {want}");
+            x += 0.001_37;
+        }
+        assert_eq!(exp(0.0), 1.0);
+        assert_eq!(exp(-100.0), 0.0);
+        assert!((f64::from(exp(10.0)) / 10f64.exp() - 1.0).abs() < 3e-7);
+    }
+}

@@ -1,0 +1,331 @@
+"""QuantizedKVCache on the architectures users bring, as tiny random models built from
+transformers configs (float64, so that paths compare without float32 noise): Gemma-3 with
+alternating sliding-window and full layers, a Mistral-style sliding window, Qwen3 with QK-norm,
+a Llama with head_dim 128 and GQA 4. Against DynamicCache(config=...) and the fast path;
+attention sinks; assisted (speculative) generation against plain greedy generation for every
+scheme; the ``cache=`` and ``past_key_values=`` argument names."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from kvqrs import KvqrsError  # noqa: E402
+from kvqrs.hf import QuantConfig, QuantizedKVCache, fake_quant, register  # noqa: E402
+from kvqrs.hf.attention import _STATE  # noqa: E402
+from transformers.cache_utils import DynamicCache  # noqa: E402
+
+WINDOW = 16
+VOCAB = 96
+# float64 model, the two paths quantize the same float32 copies of the same keys: per-position
+# log-probabilities agree to ~1e-13; a schedule one token off moves them by >1e-3.
+LOGPROB_ATOL = 1e-8
+
+
+def _build(kind: str, **over):
+    """A tiny random model (float64, kvqrs attention, fixed seed)."""
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=4, max_position_embeddings=256)
+    common.update(over)
+    if kind == "gemma3":
+        cfg = transformers.Gemma3TextConfig(
+            **common,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=32,
+            sliding_window=WINDOW,
+            layer_types=["sliding_attention", "full_attention"] * (common["num_hidden_layers"] // 2),
+        )
+        cls = transformers.Gemma3ForCausalLM
+    elif kind == "mistral":
+        cfg = transformers.MistralConfig(**common, num_attention_heads=2, num_key_value_heads=1, head_dim=32, sliding_window=WINDOW)
+        cls = transformers.MistralForCausalLM
+    elif kind == "qwen3":
+        cfg = transformers.Qwen3Config(**common, num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+        cls = transformers.Qwen3ForCausalLM
+    elif kind == "llama128":
+        cfg = transformers.LlamaConfig(**{**common, "num_hidden_layers": 2}, num_attention_heads=4, num_key_value_heads=1, head_dim=128)
+        cls = transformers.LlamaForCausalLM
+    else:
+        raise ValueError(kind)
+    register()
+    torch.manual_seed(0)
+    model = cls(cfg).to(torch.float64).eval()
+    model.set_attn_implementation("kvqrs")
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+MODELS = ["gemma3", "mistral", "qwen3", "llama128"]
+
+
+@pytest.fixture(scope="module")
+def models():
+    return {}
+
+
+def _model(models, kind):
+    if kind not in models:
+        models[kind] = _build(kind)
+    return models[kind]
+
+
+@pytest.fixture(autouse=True)
+def _isolate_attention_state():
+    _STATE.set(None)
+    yield
+    _STATE.set(None)
+
+
+def _ids(n, seed=1):
+    return torch.randint(1, VOCAB, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def _run(model, ids, cache, splits):
+    """Logits of feeding ``ids`` in forwards ending at ``splits`` (the last is the length)."""
+    out, lo = [], 0
+    with torch.no_grad():
+        for hi in splits:
+            out.append(model(ids[:, lo:hi], cache=cache, use_cache=True).logits)
+            lo = hi
+    return torch.cat(out, dim=1)
+
+
+def _qcache(cfg, model):
+    return QuantizedKVCache(cfg, model_config=model.config)
+
+
+# --- layer types ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", MODELS)
+def test_layers_follow_the_model_config_as_dynamic_cache_does(models, kind):
+    model = _model(models, kind)
+    qc, dc = _qcache(QuantConfig("kqv", 3, residual_length=4), model), DynamicCache(config=model.config)
+    assert qc.is_sliding == dc.is_sliding
+    assert [layer.get_max_length() for layer in qc.layers] == [layer.get_max_length() for layer in dc.layers]
+    if kind == "gemma3":
+        assert qc.is_sliding == [True, False, True, False]
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+@pytest.mark.parametrize("kind", MODELS)
+def test_unquantized_cache_equals_dynamic_cache(models, kind):
+    """Nothing quantized: identical logits to DynamicCache(config=...) at every prefill and
+    decode step, past the sliding window, and the same held tokens."""
+    model = _model(models, kind)
+    ids = _ids(40)
+    splits = [20, *range(21, 41)]
+    qc = _qcache(QuantConfig("kqv", 3, "kqv", 3, residual_length=64), model)
+    dc = DynamicCache(config=model.config)
+    assert torch.equal(_run(model, ids, qc, splits), _run(model, ids, dc, splits))
+    for layer, ref in zip(qc.layers, dc.layers):
+        k, v = layer.materialize()
+        assert torch.equal(k, ref.keys) and torch.equal(v, ref.values)
+        assert layer.get_mask_sizes(1) == ref.get_mask_sizes(1)
+
+
+CONFIGS = [
+    pytest.param(QuantConfig("kqv", 3, "kqv", 3, residual_length=4), id="kqv-r4"),
+    pytest.param(QuantConfig("kivi", 2, "kivi", 2, residual_length=3, group=8, sink_tokens=2), id="kivi-g8-r3-s2"),
+    pytest.param(QuantConfig("qkqv", 3, "block", 4, residual_length=2, sink_tokens=4), id="qkqv-block-s4"),
+]
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+@pytest.mark.parametrize("cfg", CONFIGS)
+@pytest.mark.parametrize("kind", MODELS)
+def test_cache_agrees_with_the_fast_path(models, kind, cfg):
+    """Prefill then single steps and a multi-token forward, on sliding and full layers, with
+    sinks: the cache's log-probabilities equal the fast path's over the same tokens."""
+    model = _model(models, kind)
+    ids = _ids(56, seed=2)
+    with torch.no_grad(), fake_quant(cfg):
+        fast = model(ids).logits
+    with torch.no_grad():
+        dense = model(ids).logits
+    cache = _qcache(cfg, model)
+    slow = _run(model, ids, cache, [24, *range(25, 41), 47, *range(48, 57)])
+    assert (fast - dense).abs().max() > 1e-3, "configuration does not quantize anything visible"
+    lp = lambda x: torch.log_softmax(x, dim=-1)  # noqa: E731
+    assert (lp(fast) - lp(slow)).abs().max() < LOGPROB_ATOL
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        pytest.param(QuantConfig("kqv", 4, "kqv", 4, residual_length=4), id="kqv-k4v4-r4"),
+        pytest.param(QuantConfig("kqv", 4, "kqv", 4, residual_length=4, sink_tokens=4), id="kqv-k4v4-r4-s4"),
+        pytest.param(QuantConfig("kivi", 4, "kivi", 4, residual_length=4, group=8), id="kivi-k4v4-g8-r4"),
+    ],
+)
+def test_sliding_layers_hold_at_most_their_window(models, cfg):
+    """Gemma-3 after 72 tokens, 16-token window: each sliding layer holds the newest W - 1
+    tokens (KIVI: plus the rest of the oldest group), fewer bytes than DynamicCache's layer;
+    full layers hold all 72."""
+    model = _model(models, "gemma3")
+    ids = _ids(72, seed=3)
+    qc, dc = _qcache(cfg, model), DynamicCache(config=model.config)
+    _run(model, ids, qc, [40, *range(41, 73)])
+    _run(model, ids, dc, [40, *range(41, 73)])
+    for layer, ref in zip(qc.layers, dc.layers):
+        held = layer.seen - layer.start
+        dense = sum(t.numel() * t.element_size() for t in (ref.keys, ref.values))
+        if layer.is_sliding:
+            assert ref.keys.shape[-2] == WINDOW - 1 <= held <= WINDOW - 1 + cfg.chunk - 1
+            assert layer.nbytes() < dense
+        else:
+            assert held == 72
+        assert layer.get_mask_sizes(1) == ref.get_mask_sizes(1)
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_sliding_cache_save_load_continues_identically(models, tmp_path):
+    model = _model(models, "gemma3")
+    cfg = QuantConfig("kivi", 2, "kivi", 2, residual_length=3, group=8, sink_tokens=2)
+    ids = _ids(60, seed=4)
+    cache = _qcache(cfg, model)
+    _run(model, ids, cache, [30, *range(31, 49)])
+    cache.save(tmp_path / "c.kvqc")
+    back = QuantizedKVCache.load(tmp_path / "c.kvqc", cfg)
+    assert back.is_sliding == cache.is_sliding and back.nbytes() == cache.nbytes()
+    a = _run(model, ids[:, 48:], cache, [1, 2, 3, 12])
+    b = _run(model, ids[:, 48:], back, [1, 2, 3, 12])
+    assert torch.equal(a, b)
+
+
+# --- assisted (speculative) generation --------------------------------------------------------
+
+SCHEMES = [
+    pytest.param(QuantConfig("kv", 3, "kv", 3, residual_length=4), id="kv"),
+    pytest.param(QuantConfig("kqv", 3, "kqv", 3, residual_length=4), id="kqv"),
+    pytest.param(QuantConfig("qkqv", 3, "qkqv", 3, residual_length=4), id="qkqv"),
+    pytest.param(QuantConfig("kivi", 2, "kivi", 2, residual_length=4, group=8), id="kivi"),
+    pytest.param(QuantConfig("block", 3, "block", 3, residual_length=4), id="block"),
+    pytest.param(QuantConfig("headq", 2, "kqv", 3, residual_length=4, headq_base="kqv", bases="random"), id="headq-random"),
+    pytest.param(QuantConfig("kqv", 3, "kqv", 3, residual_length=4, sink_tokens=4), id="kqv-sinks"),
+]
+NEW_TOKENS = 24
+ASSISTED = [pytest.param("llama128", c.values[0], id=f"llama128-{c.id}") for c in SCHEMES] + [
+    pytest.param("gemma3", c.values[0], id=f"gemma3-{c.id}") for c in SCHEMES if c.id in ("kqv", "kivi", "kqv-sinks")
+]
+
+
+def _greedy(model, prompt, cfg, assistant=None):
+    cache = _qcache(cfg, model)
+    with torch.no_grad():
+        out = model.generate(prompt, cache=cache, assistant_model=assistant, max_new_tokens=NEW_TOKENS, do_sample=False)
+    return out[0, prompt.shape[1] :]
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+@pytest.mark.parametrize("kind, cfg", ASSISTED)
+def test_assisted_generation_equals_greedy_generation(models, kind, cfg):
+    """Drafts of up to 20 tokens (transformers' default schedule) cross the residual window and
+    KIVI groups; every rejection crops the cache, which must return to the state of a cache fed
+    only the accepted tokens, so the assisted tokens equal plain greedy ones exactly. Drafts:
+    the target itself with a dense cache (long accepted runs, rejected where quantization
+    changes the greedy token) and an unrelated model with another head_dim (mostly rejected)."""
+    model = _model(models, kind)
+    prompt = _ids(12, seed=5)
+    plain = _greedy(model, prompt, cfg)
+    other = _model(models, "qwen3" if kind == "llama128" else "llama128")
+    assert other.config.head_dim != model.config.head_dim or kind == "gemma3"
+    for assistant in (model, other):
+        assisted = _greedy(model, prompt, cfg, assistant=assistant)
+        assert torch.equal(assisted, plain), f"{int((assisted == plain).sum())} of {NEW_TOKENS} tokens equal"
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_assisted_generation_crops_into_quantized_tokens(models, monkeypatch):
+    """The drafts above are rolled back across quantized tokens: without the originals that past
+    recording keeps, the first such crop is refused (instead of silently diverging)."""
+    from kvqrs.hf import QuantizedLayer
+
+    model = _model(models, "llama128")
+    monkeypatch.setattr(QuantizedLayer, "activate_past_recording", lambda self: None)
+    with pytest.raises(KvqrsError, match="activate_past_recording"):
+        _greedy(model, _ids(12, seed=5), QuantConfig("kqv", 3, "kqv", 3, residual_length=4), assistant=_model(models, "qwen3"))
+
+
+# --- argument names -----------------------------------------------------------------------------
+
+
+def test_cache_and_past_key_values_both_reach_the_cache(models):
+    """transformers 5.24 takes ``cache=`` and still accepts ``past_key_values=`` (deprecated,
+    FutureWarning) in forward and generate: both fill the QuantizedKVCache the same way."""
+    model = _model(models, "qwen3")
+    cfg = QuantConfig("kqv", 3, "kqv", 3, residual_length=4)
+    ids = _ids(20, seed=6)
+    new, old = _qcache(cfg, model), _qcache(cfg, model)
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        a = model(ids, cache=new, use_cache=True).logits
+        assert not [w for w in caught if "past_key_values" in str(w.message)]
+        b = model(ids, past_key_values=old, use_cache=True).logits
+    assert torch.equal(a, b) and new.get_seq_length() == old.get_seq_length() == 20
+    assert new.layers[0].quantized == old.layers[0].quantized > 0
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        ga = model.generate(ids, cache=_qcache(cfg, model), max_new_tokens=6, do_sample=False)
+        gb = model.generate(ids, past_key_values=_qcache(cfg, model), max_new_tokens=6, do_sample=False)
+    assert torch.equal(ga, gb)
+
+
+# --- bad input ----------------------------------------------------------------------------------
+
+
+def test_unsupported_layer_types_are_named():
+    cfg = transformers.Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2)
+    cfg.layer_types = ["full_attention", "linear_attention"]
+    with pytest.raises(KvqrsError, match="linear_attention"):
+        QuantizedKVCache(QuantConfig("kqv", 3), model_config=cfg)
+    with pytest.raises(KvqrsError, match="exactly one"):
+        QuantizedKVCache(QuantConfig("kqv", 3), 2, model_config=cfg)
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_sinks_beyond_the_prompt_raise(models):
+    model = _model(models, "qwen3")
+    cfg = QuantConfig("kqv", 3, residual_length=2, sink_tokens=8)
+    with pytest.raises(KvqrsError, match="sink_tokens"), torch.no_grad():
+        model(_ids(5), cache=_qcache(cfg, model), use_cache=True)
+    with pytest.raises(KvqrsError, match="sink_tokens"), torch.no_grad(), fake_quant(cfg):
+        model(_ids(5))
+    with pytest.raises(KvqrsError, match="sink_tokens"):
+        QuantConfig("kqv", 3, sink_tokens=-1)
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_crop_beyond_the_cache_raises(models):
+    model = _model(models, "gemma3")
+    cache = _qcache(QuantConfig("kqv", 3, residual_length=4), model)
+    _run(model, _ids(30), cache, [30])
+    with pytest.raises(KvqrsError, match="cannot remove 31 tokens"):
+        cache.crop(-31)
+    # a sliding layer that dropped its oldest tokens cannot roll back past them without recording
+    with pytest.raises(KvqrsError, match="activate_past_recording"):
+        cache.crop(-5)
+
+
+def test_attention_variants_it_does_not_compute_raise():
+    """Gemma-2's logit soft-capping would be silently dropped by plain softmax attention."""
+    cfg = transformers.Gemma2Config(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+    )
+    register()
+    model = transformers.Gemma2ForCausalLM(cfg).eval()
+    model.set_attn_implementation("kvqrs")
+    with pytest.raises(KvqrsError, match="soft-capping"), torch.no_grad():
+        model(_ids(8))
+    assert QuantConfig("kqv", 3, sink_tokens=4).label() == "kqv k3 sinks:4"

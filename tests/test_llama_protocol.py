@@ -1,0 +1,75 @@
+"""llama.cpp's perplexity protocol (``kvqrs eval --protocol llama``): chunking, the scored
+positions, the dense reference, bits per element with every byte counted, and the reports."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from kvqrs import KvqrsError
+from kvqrs.evaluation import llama_protocol as lp
+from kvqrs.hf import QuantConfig
+
+CTX, CHUNKS = 64, 2
+
+
+@pytest.fixture(scope="module")
+def texts():
+    from kvqrs.evaluation import text
+
+    return text.default()
+
+
+def test_chunks_are_consecutive_and_refuse_short_text(model32, texts):
+    _, tok = model32
+    ids = tok(texts.evaluation, return_tensors="pt").input_ids[0]
+    ch = lp.llama_chunks(tok, texts.evaluation, CTX, 3)
+    assert [c.shape for c in ch] == [(1, CTX)] * 3
+    assert torch.equal(torch.cat([c[0] for c in ch]), ids[: 3 * CTX])
+    with pytest.raises(KvqrsError, match="fewer than one chunk"):
+        lp.llama_chunks(tok, "too short", CTX, 1)
+
+
+def test_rows_beside_llama_cpp(model32, texts, tmp_path):
+    model, tok = model32
+    rows = [
+        lp.LlamaRow("dense", None),
+        lp.LlamaRow("kqv k4 v4", QuantConfig("kqv", 4, "kqv", 4)),
+        lp.LlamaRow("matched random", QuantConfig("matched", 3, "matched", 3, group=16, sink_tokens=1, calibration="random")),
+    ]
+    res = lp.run_llama(model, tok, texts, rows, ctx=CTX, chunks=CHUNKS, progress=False)
+    dense, kqv, matched = res["rows"]
+    assert res["scored_tokens"] == CHUNKS * (CTX // 2 - 1) == dense["tokens"]
+    # the dense row is the model's own loss on the scored positions
+    nll = []
+    with torch.no_grad():
+        for c in lp.llama_chunks(tok, texts.evaluation, CTX, CHUNKS):
+            logp = torch.log_softmax(model(c).logits[0].double(), -1)
+            nll += [-logp[t, c[0, t + 1]].item() for t in range(CTX // 2, CTX - 1)]
+    assert dense["ppl"] == pytest.approx(math.exp(sum(nll) / len(nll)), rel=1e-9)
+    assert dense["kl_mean"] == 0 and dense["excess"] == 0 and dense["same_top"] == 1
+    # kqv at d = 64: 4 + 16/64 key bits, values 3 + 1 QJL + two 16-bit norms
+    assert (kqv["bpe_k"], kqv["bpe_v"]) == (4.25, 4.5)
+    assert kqv["kl_mean"] > 0 and kqv["excess"] != 0
+    # one sink token of 64 in float32 on top of the codes
+    assert matched["bpe_k"] > 3.0 + 28 / 64 and matched["kl_p99"] >= matched["kl_mean"] > 0
+    md = lp.write(res, tmp_path, 1.0)
+    text = md.read_text()
+    assert "llama.cpp q4_0 / q4_0, rotation" in text and "| kqv k4 v4 | 4.250 / 4.500" in text
+    assert json.loads((tmp_path / "llama.json").read_text())["rows"][2]["row"] == "matched random"
+    assert (tmp_path / "llama.csv").read_text().splitlines()[0].startswith("row,ppl")
+
+
+def test_matched_rows_cover_each_technique():
+    cal = {(4.0, 128): {}, (3.0, 256): {}}
+    names = [r.name for r in lp.matched_rows(cal)]
+    assert names == [
+        "matched k4 v4 sinks:1",
+        "matched k4 sinks:1 (keys only)",
+        "matched k4 v4 (no sinks)",
+        "matched k3 g256 v3 sinks:1",
+        "matched k3 g256 sinks:1 (keys only)",
+        "matched k3 g256 v3 (no sinks)",
+    ]
