@@ -168,6 +168,49 @@ def test_fast_path_matches_token_by_token_cache(model64, ids, dense_logits, cfg)
     assert diff < FAST_VS_CACHE_LOGPROB_ATOL
 
 
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+@pytest.mark.parametrize("value_transform", [False, True])
+def test_prefill_calibration_cache_equals_fast_path(model64, ids, dense_logits, value_transform, tmp_path):
+    """calibration="prefill": a cache prefilled with the window fits each layer on that forward
+    exactly as the fast path does on the same window, then codes later tokens with it."""
+    model, _ = model64
+    cfg = QuantConfig("matched", 2, "matched", 2, group=8, sink_tokens=1, calibration="prefill", value_transform=value_transform)
+    with torch.no_grad(), fake_quant(cfg):
+        fast = model(ids).logits
+    cache = QuantizedKVCache(cfg, _layers(model))
+    with torch.no_grad():
+        slow = model(ids, past_key_values=cache, use_cache=True).logits
+    ppl_fast, ppl_dense = _ppl(fast, ids), _ppl(dense_logits, ids)
+    assert abs(ppl_fast - ppl_dense) / ppl_dense > MIN_QUANT_EFFECT
+    assert (_target_logprobs(fast, ids) - _target_logprobs(slow, ids)).abs().max().item() < FAST_VS_CACHE_LOGPROB_ATOL
+    layer = cache.layers[0]
+    assert layer.fitted_tokens == T_EVAL and layer.quantized == cfg.quantized_count(T_EVAL) > 0
+    assert (layer.fitted.values is not None) == value_transform
+    fitted = [c.fitted for c in cache.layers]
+    with torch.no_grad():  # later tokens: coded with the prompt's calibration, not refitted
+        model(ids[:, :9], past_key_values=cache, use_cache=True)
+    assert all(c.fitted is f for c, f in zip(cache.layers, fitted)) and layer.quantized == cfg.quantized_count(T_EVAL + 9)
+    assert cache.nbytes() > sum(f.nbytes for f in fitted)  # the side information is counted
+    cache.save(tmp_path / "p.kvqc")
+    back = QuantizedKVCache.load(tmp_path / "p.kvqc", cfg)
+    for a, b in zip(cache.layers, back.layers):
+        assert b.fitted_tokens == a.fitted_tokens
+        for x, y in zip(a.materialize(), b.materialize()):
+            assert torch.equal(x, y)
+    with pytest.raises(KvqrsError, match="fitted its calibration on its first 48 tokens"):
+        cache.crop(-(T_EVAL + 9 - 10))
+    cache.crop(-(T_EVAL + 9))  # back to nothing: the next prompt fits anew
+    assert all(c.fitted is None for c in cache.layers)
+
+
+def test_prefill_calibration_needs_the_kvqrs_attention():
+    cache = QuantizedKVCache(QuantConfig("matched", 2, "matched", 2, group=8, calibration="prefill"), 1)
+    with active(None):
+        cache.update(torch.randn(1, 3, 20, 16), torch.randn(1, 3, 20, 16), 0)
+        with pytest.raises(KvqrsError, match="did not serve"):
+            cache.update(torch.randn(1, 3, 1, 16), torch.randn(1, 3, 1, 16), 0)
+
+
 # --- (b) nothing quantized: identical to DynamicCache --------------------------------------------
 
 

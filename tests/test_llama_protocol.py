@@ -73,3 +73,50 @@ def test_matched_rows_cover_each_technique():
         "matched k3 g256 sinks:1 (keys only)",
         "matched k3 g256 v3 (no sinks)",
     ]
+
+
+def test_self_calibrated_row_counts_its_calibration(model32, texts):
+    from kvqrs.evaluation.capture import record
+    from kvqrs.hf.calibration import prefill_calibration
+
+    model, tok = model32
+    ids = lp.llama_chunks(tok, texts.evaluation, CTX, 1)[0]
+    qkv = {layer: tuple(x[None] for x in t) for layer, t in record(model, ids).items()}
+    cfg = QuantConfig("matched", 3, "matched", 3, group=16, sink_tokens=1, calibration="prefill")
+    fitted = {
+        layer: prefill_calibration(cfg, *(torch.from_numpy(x) for x in (q, k[..., 1:, :], v[..., 1:, :])))
+        for layer, (q, k, v) in qkv.items()
+    }
+    fixed = QuantConfig("matched", 3, "matched", 3, group=16, sink_tokens=1, calibration=fitted)
+    bk, bv = lp.chunk_bits(cfg, qkv)
+    fk, fv = lp.chunk_bits(fixed, qkv)
+    numel = sum(k.size for _, k, _ in qkv.values())
+    side_k = sum(c.keys.nbytes for c in fitted.values()) * 8 / numel
+    side_v = sum(c.value_mean.nbytes for c in fitted.values()) * 8 / numel
+    assert bk == pytest.approx(fk + side_k) and bv == pytest.approx(fv + side_v)
+    assert all(c.keys.permutation is not None for c in fitted.values())  # the cheap channel transform
+
+
+def test_calibration_file_row_reads_its_settings(tmp_path):
+    import dataclasses
+
+    from kvqrs.hf import save_matched
+    from kvqrs.schemes.matched import random_calibration
+
+    cal = {i: dataclasses.replace(random_calibration(64, 3, i), value_bits=2 + i) for i in range(2)}
+    p = save_matched(tmp_path / "a.npz", cal, {"group": 256, "sink_tokens": 2, "budget": 3.25})
+    row = lp.file_row(p)
+    assert row.name == "matched budget 3.25, per-layer widths g256 sinks:2 (a.npz)"
+    assert (row.config.group, row.config.sink_tokens) == (256, 2)
+    assert [row.config.codec(i, 64).values.bits for i in range(2)] == [2, 3]
+
+
+def test_allocation_spends_the_budget_on_sensitive_layers(model32, texts):
+    from kvqrs.hf.calibration import allocate_matched
+
+    model, tok = model32
+    ch = lp.llama_chunks(tok, texts.calibration, CTX, 3)
+    cal = allocate_matched(model, ch[:2], ch[2:], budget=3.0, widths=(2, 4), group=16, sink_tokens=1)
+    widths = [c.value_bits for _, c in sorted(cal.items())]
+    assert set(widths) == {2, 4}  # a budget between the two: some layers each
+    assert all(c.keys.code_bits() == c.value_bits for c in cal.values())  # keys fitted at the layer's width

@@ -211,19 +211,157 @@ def test_random_control_keeps_the_average_width():
     assert cal.keys.code_bits() == 3.0 and len(cal.keys.width_runs()) == 3
 
 
-def test_cache_save_load_round_trip(tmp_path):
+def _filled_cache(cfg):
+    """A two-layer cache fed 30 random tokens per layer."""
     import torch
     from kvqrs.hf import QuantizedKVCache
     from kvqrs.hf.attention import active
 
-    cfg = QuantConfig("matched", 3, "matched", 3, residual_length=2, group=8, calibration="random", sink_tokens=1)
     cache = QuantizedKVCache(cfg, 2)
     g = torch.Generator().manual_seed(0)
     with active(None):
         for layer in range(2):
             cache.update(torch.randn(1, 3, 30, 16, generator=g), torch.randn(1, 3, 30, 16, generator=g), layer)
+    return cache
+
+
+def test_cache_save_load_round_trip(tmp_path):
+    import torch
+    from kvqrs.hf import QuantizedKVCache
+
+    cfg = QuantConfig("matched", 3, "matched", 3, residual_length=2, group=8, calibration="random", sink_tokens=1)
+    cache = _filled_cache(cfg)
     cache.save(tmp_path / "m.kvqc")
     back = QuantizedKVCache.load(tmp_path / "m.kvqc", cfg)
     assert back.nbytes() == cache.nbytes()
     for a, b in zip(cache.layers, back.layers):
         torch.testing.assert_close(a.keys, b.keys)
+
+
+def _fitted(layers=2, h=3, d=16, value_bits=None, seed=0):
+    from kvqrs.schemes.matched import fit_layer
+
+    out = {}
+    for layer in range(layers):
+        x, w = _data(h=h, d=d, seed=seed + layer)
+        v, _ = _data(h=h, d=d, seed=seed + 10 + layer)
+        out[layer] = fit_layer(w, x, v, 3.0, 8, value_bits)
+    return out
+
+
+def test_query_moment_groups_query_heads_per_kv_head():
+    from kvqrs.schemes.matched import query_moment
+
+    rng = np.random.default_rng(3)
+    q = rng.standard_normal((2, 6, 5, 4))  # batch 2, 6 query heads over 3 KV heads (g = 2)
+    m = query_moment(q, 3)
+    for h in range(3):
+        rows = q[:, 2 * h : 2 * h + 2].reshape(-1, 4)
+        np.testing.assert_allclose(m[h], rows.T @ rows / len(rows), rtol=1e-12)
+    with pytest.raises(KvqrsError, match="multiple of 4 kv_heads"):
+        query_moment(q, 4)
+
+
+def test_channel_transform_is_a_permutation_weighted_by_the_diagonal():
+    x, w = _data()
+    cal = fit_basis(x, 3.0, 8, w, transform="channels")
+    for b in cal.basis:
+        assert set(np.abs(b).sum(axis=0)) == {1.0} and set(b.ravel()) <= {0.0, 1.0}  # permutation
+    # channel 0 has the largest variance and the largest query weight: the widest code
+    assert all(int(np.argmax(b[:, 0])) == 0 for b in cal.basis)
+    assert cal.code_bits() == 3.0
+    with pytest.raises(KvqrsError, match="transform"):
+        fit_basis(x, 3.0, 8, w, transform="pca")
+
+
+def test_transform_coded_values_use_the_value_basis():
+    cal = _fitted(layers=1, value_bits=3.0)[0]
+    assert cal.values is not None and np.array_equal(cal.values.mean, cal.value_mean)
+    codec = KVCodec("matched", 3, 16, value_scheme="matched", group=8, calibration=cal)
+    v = _data(h=3, d=16, seed=10)[0][:, :64]  # the fitted distribution (its mean included)
+    enc = codec.encode_values(v)
+    assert any(name.startswith("codes") for name in enc.parts) and "norms" not in enc.parts
+    err = np.mean((codec.decode_values(enc) - v) ** 2) / np.mean((v - v.mean(axis=1, keepdims=True)) ** 2)
+    assert err < 0.1  # 3-bit transform codes keep >90% of the centred energy
+    with pytest.raises(KvqrsError, match="mean must equal value_mean"):
+        MatchedCalibration(cal.keys, cal.value_mean + 1, cal.values)
+
+
+def test_calibration_file_keeps_value_bases(tmp_path):
+    cal = _fitted(value_bits=2.0)
+    back = load_matched(save_matched(tmp_path / "c.npz", cal))
+    from kvqrs.schemes.matched import calibration_fingerprint
+
+    assert [calibration_fingerprint(c) for c in back.values()] == [calibration_fingerprint(c) for c in cal.values()]
+
+
+@pytest.mark.parametrize("value_bits", [None, 3.0])
+def test_cache_saves_its_fitted_calibration(tmp_path, value_bits):
+    import torch
+    from kvqrs.hf import QuantizedKVCache
+
+    cal = _fitted(value_bits=value_bits)
+    cfg = QuantConfig("matched", 3, "matched", 3, residual_length=2, group=8, calibration=cal, sink_tokens=1)
+    cache = _filled_cache(cfg)
+    cache.save(tmp_path / "m.kvqc")
+    back = QuantizedKVCache.load(tmp_path / "m.kvqc")  # the calibration travels with the cache
+    for a, b in zip(cache.layers, back.layers):
+        for x, y in zip(a.materialize(), b.materialize()):
+            torch.testing.assert_close(x, y, rtol=0, atol=0)
+    other = QuantConfig(
+        "matched", 3, "matched", 3, residual_length=2, group=8, calibration=_fitted(value_bits=value_bits, seed=5), sink_tokens=1
+    )
+    with pytest.raises(KvqrsError, match="calibration"):
+        QuantizedKVCache.load(tmp_path / "m.kvqc", other)
+
+
+def test_prefill_calibration_is_refused_outside_matched():
+    with pytest.raises(KvqrsError, match="matched scheme only"):
+        QuantConfig("kqv", 4, "kqv", 4, calibration="prefill")
+    with pytest.raises(KvqrsError, match="'prefill' or 'random'"):
+        QuantConfig("matched", 4, "matched", 4, calibration="self")
+
+
+def test_allocate_layers_matches_exhaustive_search_on_convex_costs():
+    from kvqrs.schemes.matched import allocate_layers
+
+    rng = np.random.default_rng(4)
+    bits = np.array([2.3, 3.3, 4.3, 5.3])
+    for _ in range(20):
+        sens = rng.uniform(0.1, 10, 4)
+        cost = sens[:, None] * 4.0 ** -np.arange(4)[None, :]  # convex in the bits, as measured distortions are
+        b = np.tile(bits, (4, 1))
+        budget = float(rng.uniform(2.3, 5.3))
+        pick = allocate_layers(cost, b, budget)
+        assert b[np.arange(4), pick].mean() <= budget + 1e-9
+        feasible = [c for c in itertools.product(range(4), repeat=4) if b[np.arange(4), list(c)].mean() <= budget + 1e-9]
+        best = min(cost[np.arange(4), list(c)].sum() for c in feasible)
+        # the greedy on convex costs lands within one step of the optimum: at most the cost of one layer's next step
+        assert cost[np.arange(4), pick].sum() <= best + sens.max() * 0.75 + 1e-12
+    # the most sensitive layer gets the widest code
+    pick = allocate_layers(np.array([[1.0, 0.1], [10.0, 1.0]]), np.array([[2.0, 3.0], [2.0, 3.0]]), 2.5)
+    assert pick.tolist() == [0, 1]
+    with pytest.raises(KvqrsError, match="cheapest"):
+        allocate_layers(np.ones((2, 2)), np.array([[3.0, 4.0], [3.0, 4.0]]), 2.5)
+
+
+def test_per_layer_value_width_overrides_the_config():
+    cal = MatchedCalibration(*(_fitted(layers=1)[0].keys, _fitted(layers=1)[0].value_mean), value_bits=5)
+    codec = KVCodec("matched", 3, 16, value_scheme="matched", group=8, calibration=cal)
+    v = np.random.default_rng(0).standard_normal((3, 20, 16)).astype(np.float32)
+    assert codec.encode_values(v).parts["codes"].shape[-1] == 10  # 16 coordinates x 5 bits = 10 bytes
+    with pytest.raises(KvqrsError, match="value_bits"):
+        MatchedCalibration(cal.keys, cal.value_mean, value_bits=9)
+
+
+def test_channel_calibration_is_stored_as_a_permutation(tmp_path):
+    x, w = _data()
+    keys = fit_basis(x, 3.0, 8, w, transform="channels")
+    perm = keys.permutation
+    assert perm is not None and keys.nbytes == keys.mean.nbytes + keys.widths.nbytes + perm.size
+    assert fit_basis(x, 3.0, 8, w).permutation is None  # an eigenbasis is not a permutation
+    cal = {0: MatchedCalibration(keys, x.mean(axis=1))}
+    p = save_matched(tmp_path / "c.npz", cal)
+    with np.load(p) as z:
+        assert "perm_0" in z.files and "basis_0" not in z.files
+    np.testing.assert_array_equal(load_matched(p)[0].keys.basis, keys.basis)

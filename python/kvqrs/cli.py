@@ -239,7 +239,7 @@ def _eval_llama(args: argparse.Namespace) -> int:
 
     from .evaluation import llama_protocol as lp
     from .evaluation import model as model_mod
-    from .hf import fit_matched, load_matched, record_matched
+    from .hf import fit_matched, record_matched
 
     texts = _texts(args)
     out = pathlib.Path(args.out if args.out is not None else ("reports/llama-quick" if args.quick else "reports/llama"))
@@ -248,9 +248,7 @@ def _eval_llama(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     model, tok = model_mod.load(progress=not args.no_progress)
     if args.calibration:
-        cal = {"file": load_matched(args.calibration)}
-        bits = {"file": cal["file"]}
-        rows = [r for r in lp.llama_rows() if r.config is None] + lp.matched_rows({(4.0, 128): cal["file"]})
+        rows = [r for r in lp.llama_rows() if r.config is None] + [lp.file_row(p) for p in args.calibration]
     else:
         windows = lp.llama_chunks(tok, texts.calibration, args.ctx, args.calibration_windows or 8)
         stats = record_matched(model, windows, skip=1)
@@ -317,16 +315,31 @@ def _calibrate(args: argparse.Namespace) -> int:
     from .evaluation import llama_protocol as lp
     from .evaluation import model as model_mod
     from .hf import calibrate_matched, save_matched
+    from .hf.calibration import allocate_matched
 
     texts = _texts(args)
     torch_threads(1 if args.threads is None else args.threads)
     model, tok = model_mod.load(progress=not args.no_progress)
-    windows = lp.llama_chunks(tok, texts.calibration, args.ctx, args.windows)
-    cal = calibrate_matched(model, windows, args.bits, args.group, skip=args.sink_tokens)
-    path = save_matched(args.out, cal, {"bits": args.bits, "group": args.group, "sink_tokens": args.sink_tokens, "source": texts.source})
-    print(
-        f"kvqrs calibrate: {len(cal)} layers, key code bits {args.bits}, group {args.group}, {len(windows)} windows of {args.ctx} tokens; wrote {path}"
-    )
+    meta = {"group": args.group, "sink_tokens": args.sink_tokens, "source": texts.source}
+    if args.budget is None:
+        windows = lp.llama_chunks(tok, texts.calibration, args.ctx, args.windows)
+        cal = calibrate_matched(model, windows, args.bits, args.group, skip=args.sink_tokens)
+        path = save_matched(args.out, cal, {**meta, "bits": args.bits})
+        what = f"key code bits {args.bits}"
+    else:
+        windows = lp.llama_chunks(tok, texts.calibration, args.ctx, args.windows + args.probe_windows)
+        if len(windows) < args.windows + args.probe_windows:
+            raise KvqrsError(
+                f"--budget: the calibration text holds {len(windows)} windows of {args.ctx} tokens, fewer than --windows + --probe-windows"
+            )
+        fit, probe = windows[: args.windows], windows[args.windows :]
+        cal = allocate_matched(model, fit, probe, args.budget, tuple(args.widths), args.group, args.sink_tokens)
+        path = save_matched(args.out, cal, {**meta, "budget": args.budget})
+        chosen = [c.value_bits for _, c in sorted(cal.items())]
+        what = (
+            f"budget {args.budget} bits/element, per-layer widths {' '.join(map(str, chosen))} (sensitivity on {len(probe)} more windows)"
+        )
+    print(f"kvqrs calibrate: {len(cal)} layers, {what}, group {args.group}, {args.windows} windows of {args.ctx} tokens; wrote {path}")
     return 0
 
 
@@ -432,8 +445,9 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--chunks", type=int, default=None, help="llama protocol: chunks evaluated (default 40, quick 2)")
     ev.add_argument(
         "--calibration",
+        nargs="+",
         default=None,
-        help="llama protocol: a `kvqrs calibrate` file for the matched rows (default: fit on the calibration text)",
+        help="llama protocol: `kvqrs calibrate` files, one matched row each beside dense (default: fit on the calibration text)",
     )
     ev.add_argument(
         "--matched-bits",
@@ -464,6 +478,21 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=1,
         help="leading tokens kept in full precision, left out of the statistics (default: %(default)s)",
+    )
+    ca.add_argument(
+        "--budget",
+        type=float,
+        help="per-layer widths from measured sensitivity at this average of stored bits per element of keys and values, "
+        "every byte counted (instead of --bits; default: none)",
+    )
+    ca.add_argument(
+        "--widths", type=int, nargs="+", default=[2, 3, 4, 5], help="with --budget: the candidate widths per layer (default: 2 3 4 5)"
+    )
+    ca.add_argument(
+        "--probe-windows",
+        type=int,
+        default=2,
+        help="with --budget: further calibration windows the sensitivities are measured on (default: %(default)s)",
     )
     ca.add_argument("--ctx", type=int, default=512, help="tokens per calibration window (default: %(default)s)")
     ca.add_argument("--windows", type=int, default=8, help="calibration windows (default: %(default)s)")

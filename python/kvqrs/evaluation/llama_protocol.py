@@ -63,6 +63,12 @@ def llama_rows(calibration: dict | None = None) -> list[LlamaRow]:
         LlamaRow("kv k4 v4 (rotation-free MSE)", QuantConfig("kv", 4, "kv", 4)),
         LlamaRow("kivi k2 v2", QuantConfig("kivi", 2, "kivi", 2)),
         LlamaRow("kqv k3 v3", QuantConfig("kqv", 3, "kqv", 3)),
+        # No calibration file: each chunk's prefill calibrates the layers (channel transform),
+        # the calibration counted in the bits as side information of the chunk.
+        LlamaRow(
+            "matched k4 g256 v4 sinks:1 self-calibrated",
+            QuantConfig("matched", 4, "matched", 4, group=256, sink_tokens=1, calibration="prefill"),
+        ),
     ]
     if calibration is not None:
         rows += matched_rows(calibration)
@@ -86,6 +92,24 @@ def matched_rows(calibration: dict) -> list[LlamaRow]:
     return out
 
 
+def file_row(path) -> LlamaRow:
+    """The row of a ``kvqrs calibrate`` file: its group and sinks from the file's metadata,
+    values at its per-layer widths (``--budget``) or at ``ceil(bits)``."""
+    from ..hf import load_matched
+    from ..hf.calibration import calibration_meta
+
+    cal, meta = load_matched(path), calibration_meta(path)
+    try:
+        group, sinks = int(meta.get("group", 128)), int(meta.get("sink_tokens", 1))
+        bits = float(meta.get("bits", meta.get("budget", 4)))
+    except ValueError:
+        raise KvqrsError(f"calibration: {str(path)!r} has unreadable metadata {meta}") from None
+    vb = max(1, math.ceil(bits))
+    what = f"budget {meta['budget']}, per-layer widths" if "budget" in meta else f"k{bits:g} v{vb}"
+    label = f"matched {what} g{group} sinks:{sinks} ({pathlib.Path(path).name})"
+    return LlamaRow(label, QuantConfig("matched", vb, "matched", vb, group=group, sink_tokens=sinks, calibration=cal))
+
+
 def llama_chunks(tokenizer, text: str, ctx: int, count: int) -> list[torch.Tensor]:
     """The text tokenized once (no BOS added by SmolLM2's tokenizer), cut into ``count``
     consecutive chunks of ``ctx`` tokens ``(1, ctx)``."""
@@ -105,14 +129,28 @@ def _scored_log_probs(model, ids: torch.Tensor) -> torch.Tensor:
         return torch.log_softmax(model(ids).logits[0, ctx // 2 : ctx - 1].double(), dim=-1)
 
 
-def chunk_bits(cfg: QuantConfig, kv: dict[int, tuple[np.ndarray, np.ndarray]], dtype_bits: int = 32) -> tuple[float, float]:
+def chunk_bits(cfg: QuantConfig, qkv: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]], dtype_bits: int = 32) -> tuple[float, float]:
     """Bits per element of keys and of values of one chunk of every layer, every stored byte
-    counted: the codes of the tokens after the sinks, plus the sinks at ``dtype_bits``."""
+    counted: the codes of the tokens after the sinks, plus the sinks at ``dtype_bits``, plus,
+    for a self-calibrated config (``calibration="prefill"``), the calibration each layer fits
+    on the chunk (its key side to the keys, its value side to the values).
+
+    ``qkv``: per layer the chunk's queries ``(1, q_heads, n, d)``, keys and values ``(1,
+    kv_heads, n, d)``."""
+    from ..hf.calibration import prefill_calibration
+
     sink = cfg.sink_tokens
     bits = {"k": 0.0, "v": 0.0}
     numel = 0
-    for layer, (k, v) in sorted(kv.items()):
-        codec = cfg.codec(layer, k.shape[-1])
+    for layer, (q, k, v) in sorted(qkv.items()):
+        fitted = None
+        if cfg.calibration == "prefill":
+            t = [torch.from_numpy(x) for x in (q, k[..., sink:, :], v[..., sink:, :])]
+            fitted = prefill_calibration(cfg, *t)
+            side_v = fitted.value_mean.nbytes if fitted.values is None else fitted.values.nbytes
+            bits["k"] += 8 * (fitted.nbytes - side_v)
+            bits["v"] += 8 * side_v
+        codec = cfg.codec(layer, k.shape[-1], fitted)
         numel += k.size
         n_sink = k[..., :sink, :].size
         bits["k"] += n_sink * dtype_bits + (
@@ -134,7 +172,7 @@ def run_llama(model, tokenizer, texts, rows: list[LlamaRow], ctx: int = 512, chu
     for ids in tqdm(ev, desc="dense", unit="chunk", disable=not progress):
         with active(rec):
             dense.append(_scored_log_probs(model, ids))
-    kv = {layer: (t[1][None], t[2][None]) for layer, t in rec.tensors.items()}  # the last chunk, every layer
+    qkv = {layer: tuple(x[None] for x in t) for layer, t in rec.tensors.items()}  # the last chunk, every layer
     results = []
     for row in tqdm(rows, desc="llama protocol", unit="row", disable=not progress):
         nll, kls, agree, n = 0.0, [], 0, 0
@@ -150,7 +188,7 @@ def run_llama(model, tokenizer, texts, rows: list[LlamaRow], ctx: int = 512, chu
             agree += int((lp.argmax(-1) == lpd.argmax(-1)).sum())
             n += len(target)
         kl = torch.cat(kls).numpy()
-        bk, bv = (32.0, 32.0) if row.config is None else chunk_bits(row.config, kv)
+        bk, bv = (32.0, 32.0) if row.config is None else chunk_bits(row.config, qkv)
         results.append(
             {
                 "row": row.name,

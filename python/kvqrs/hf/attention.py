@@ -118,7 +118,12 @@ class FakeQuant:
     def attend(self, module, query, key, value, attention_mask, scaling):
         self.calls += 1
         cfg = self.config
-        codec = cfg.codec(module.layer_idx, query.shape[-1])
+        fitted = None
+        if cfg.calibration == "prefill":  # self-calibration: this window is the prefill
+            from .calibration import prefill_calibration
+
+            fitted = prefill_calibration(cfg, query, key[..., cfg.sink_tokens :, :], value[..., cfg.sink_tokens :, :])
+        codec = cfg.codec(module.layer_idx, query.shape[-1], fitted)
         length = key.shape[-2]
         if query.shape[-2] != length:
             raise ValueError("kvqrs fake-quant path: expects a full window starting at position 0 (no cache)")

@@ -151,6 +151,11 @@ class QuantizedLayer(CacheLayerMixin):
         # hand back the full-precision tokens alone (another attention function would miss the codes).
         self._attended = False
         self._fused = False
+        # calibration="prefill": the layer's own matched calibration, fitted on the first
+        # forward the kvqrs attention serves (its codec kept here), and how many tokens it saw.
+        self.fitted = None
+        self.fitted_tokens = 0
+        self._fitted_codec = None
 
     @property
     def is_sliding(self) -> bool:
@@ -169,7 +174,28 @@ class QuantizedLayer(CacheLayerMixin):
         self.record_past = True
 
     def codec(self):
+        if self.fitted is not None:
+            if self._fitted_codec is None:
+                self._fitted_codec = self.config.codec(self.layer_idx, self.head_dim, self.fitted)
+            return self._fitted_codec
         return self.config.codec(self.layer_idx, self.head_dim)
+
+    @property
+    def awaits_calibration(self) -> bool:
+        """``calibration="prefill"`` and not fitted yet: tokens wait in full precision."""
+        return self.config.calibration == "prefill" and self.fitted is None
+
+    def set_calibration(self, calibration, tokens: int) -> None:
+        """Use ``calibration`` (a fitted :class:`~kvqrs.schemes.matched.MatchedCalibration`,
+        or None) for this layer's codes; ``tokens``: how many tokens it was fitted on."""
+        self.fitted, self.fitted_tokens, self._fitted_codec = calibration, int(tokens), None
+
+    def _fit_on_prefill(self, query: torch.Tensor) -> None:
+        """Fit the layer's calibration on the forward being served: its queries, and the tokens
+        held after the sinks (the whole prompt)."""
+        from .calibration import prefill_calibration
+
+        self.set_calibration(prefill_calibration(self.config, query, self.keys, self.values), self.seen)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, fused: bool = False, **kwargs: Any):
         """Append the new tokens, flush whole chunks out of the window, and return the keys and
@@ -178,6 +204,11 @@ class QuantizedLayer(CacheLayerMixin):
         (``fused=True``, passed by :class:`QuantizedKVCache` when ``QuantConfig.fused``), the
         full-precision tokens alone (sinks, then window), the codes being read by :meth:`attend`."""
         self._check_states(key_states, value_states)
+        if self.awaits_calibration and self.seen:
+            raise KvqrsError(
+                f"calibration='prefill': layer {self.layer_idx} saw a forward that the kvqrs attention did not serve, so it could "
+                "not fit its calibration; load the model with attn_implementation='kvqrs' (after kvqrs.hf.register())"
+            )
         if self.seen == 0 and key_states.shape[-2] < self.config.sink_tokens:
             raise KvqrsError(
                 f"sink_tokens: {self.config.sink_tokens} sink tokens, but the prompt of layer {self.layer_idx} has {key_states.shape[-2]} tokens"
@@ -260,7 +291,7 @@ class QuantizedLayer(CacheLayerMixin):
         """Encode whole chunks that have left the full-precision window; returns their
         originals (``fresh_k``, ``fresh_v``; empty when none)."""
         n = self.config.quantized_span(self.seen)[1] - self.window_start
-        if n <= 0:
+        if n <= 0 or self.awaits_calibration:
             return {}
         codec = self.codec()
         k, v = _tokens(self.keys, 0, n), _tokens(self.values, 0, n)
@@ -361,8 +392,16 @@ class QuantizedLayer(CacheLayerMixin):
             return
         if -tokens_to_remove > self.seen:
             raise KvqrsError(f"crop: cannot remove {-tokens_to_remove} tokens, layer {self.layer_idx} has seen {self.seen}")
+        keep = self.seen + tokens_to_remove
+        if 0 < keep < self.fitted_tokens:
+            raise KvqrsError(
+                f"crop: layer {self.layer_idx} fitted its calibration on its first {self.fitted_tokens} tokens (calibration='prefill'); "
+                f"it cannot go back to {keep} of them (crop to 0 and start again)"
+            )
         if tokens_to_remove:
             self._rollback(self.seen + tokens_to_remove)
+        if self.seen == 0:
+            self.set_calibration(None, 0)
         self._commit()
         self._view = None
 
@@ -463,10 +502,11 @@ class QuantizedLayer(CacheLayerMixin):
     # -- accounting -----------------------------------------------------------------------------
     def nbytes(self) -> int:
         """Bytes held: every encoded part plus the full-precision tensors (sinks, window,
-        key-only values, originals kept for a rollback)."""
+        key-only values, originals kept for a rollback) and a self-calibrated layer's calibration."""
         if not self.is_initialized:
             return 0
         total = sum(c.nbytes for c in self.chunks_k) + sum(c.nbytes for c in self.chunks_v if c is not None)
+        total += 0 if self.fitted is None else self.fitted.nbytes  # a self-calibrated layer's own side information
         return int(total + sum(t.numel() * t.element_size() for t in self._tensors().values()))
 
     # -- attention ------------------------------------------------------------------------------
@@ -509,6 +549,11 @@ class QuantizedLayer(CacheLayerMixin):
         from transformers.integrations.sdpa_attention import repeat_kv
 
         view, self._view = self._view, None  # read once: the view may hold tokens the layer has since dropped
+        if self.awaits_calibration:  # the prefill: fit on its queries, then code what the schedule codes
+            self._fit_on_prefill(query)
+            fresh = self._flush()
+            view = dataclasses.replace(self.view(view.start), first_query=view.first_query, **fresh)
+            key, value = self.materialize(view)
         if self._fused:
             if self._codes_visible(view, attention_mask, query.shape[-2]):
                 return self._attend_fused(view, module, query, attention_mask, scaling)

@@ -4,6 +4,7 @@ calibration text disjoint from the evaluation text (docs/kernels.md section 7). 
 
 from __future__ import annotations
 
+import io
 import pathlib
 from collections.abc import Iterable
 
@@ -145,32 +146,204 @@ def calibrate_matched(model, windows: Iterable[torch.Tensor], key_bits: float, g
     return fit_matched(record_matched(model, windows, skip), key_bits, group)
 
 
+class _OnlyLayer:
+    """Attention state that lets one fake-quant plan serve a single layer (the others dense)."""
+
+    def __init__(self, plan, layer: int) -> None:
+        self.plan, self.layer = plan, layer
+
+    def attend(self, module, *args):
+        return self.plan.attend(module, *args) if module.layer_idx == self.layer else None
+
+
+def layer_sensitivity(model, windows: list[torch.Tensor], configs: list) -> np.ndarray:
+    """KL of the next-token distribution (mean over the second half of each window, as the
+    llama.cpp protocol scores) when one layer alone is coded, for every layer and config.
+
+    Args:
+        model: a transformers model loaded with ``attn_implementation="kvqrs"``.
+        windows: ``(1, len)`` token tensors from the calibration text.
+        configs: :class:`~kvqrs.hf.QuantConfig` options (every key and value read quantized
+            after the sinks, as in a prefilled cache).
+
+    Returns:
+        float64 ``(layers, len(configs))``.
+    """
+    from .attention import FakeQuant
+
+    def log_probs(state) -> torch.Tensor:
+        out = []
+        for ids in windows:
+            n = ids.shape[-1]
+            with torch.no_grad(), active(state):
+                out.append(torch.log_softmax(model(ids).logits[0, n // 2 : n - 1].double(), dim=-1))
+        return torch.cat(out)
+
+    register()
+    dense = log_probs(None)
+    layers = model.config.num_hidden_layers
+    kl = np.zeros((layers, len(configs)))
+    for j, cfg in enumerate(configs):
+        for layer in range(layers):
+            lp = log_probs(_OnlyLayer(FakeQuant(cfg, one_shot=True), layer))
+            kl[layer, j] = float((dense.exp() * (dense - lp)).sum(-1).clamp_min(0).mean())
+    return kl
+
+
+def allocate_matched(
+    model,
+    windows: list[torch.Tensor],
+    probe: list[torch.Tensor],
+    budget: float,
+    widths: tuple[int, ...] = (2, 3, 4, 5),
+    group: int = 128,
+    sink_tokens: int = 1,
+) -> dict:
+    """A ``matched`` calibration whose per-layer widths come from measured sensitivity.
+
+    For every width ``b`` of ``widths`` the layers are fitted at ``b`` average key code bits
+    (key scale groups of ``group`` tokens) with ``b``-bit values; the KL of
+    coding each layer alone at each width is measured on the ``probe`` windows
+    (:func:`layer_sensitivity`), the bits per element of each choice counted on the
+    calibration keys and values of one window (codes, scales, norms, and the sinks in the
+    model's dtype), and :func:`~kvqrs.schemes.matched.allocate_layers` picks one width per layer within
+    ``budget``.
+
+    Args:
+        model: a transformers model loaded with ``attn_implementation="kvqrs"``.
+        windows: calibration windows the statistics are fitted on; probe: other windows of the
+            calibration text the sensitivities are measured on (never the evaluation text).
+        budget: average stored bits per element of keys and values.
+        widths: the candidate widths; group: tokens per key scale group (the config's
+            ``group``); sink_tokens: the full-precision leading tokens.
+
+    Returns:
+        ``{layer: MatchedCalibration}`` with ``value_bits`` set per layer.
+
+    Raises:
+        KvqrsError: the budget is below the narrowest widths, or no attention call was recorded.
+    """
+    import dataclasses
+
+    from ..schemes.matched import allocate_layers
+    from .config import QuantConfig
+
+    stats = record_matched(model, windows, sink_tokens)
+    fits = {b: fit_matched(stats, float(b), group) for b in widths}
+    configs = [QuantConfig("matched", b, "matched", b, group=group, sink_tokens=sink_tokens, calibration=fits[b]) for b in widths]
+    kl = layer_sensitivity(model, probe, configs)
+    n = windows[0].shape[-1]
+    bits = np.zeros_like(kl)
+    for layer, (_, k, v) in stats.items():
+        k, v = k[None, :, : n - sink_tokens], v[None, :, : n - sink_tokens]
+        for j, cfg in enumerate(configs):
+            codec = cfg.codec(layer, k.shape[-1])
+            coded = 8 * (codec.encode_keys(k).nbytes + codec.encode_values(v).nbytes)
+            bits[layer, j] = (coded + 2 * torch.finfo(model.dtype).bits * sink_tokens * k.shape[1] * k.shape[-1]) / (
+                2 * k.shape[1] * n * k.shape[-1]
+            )
+    pick = allocate_layers(kl, bits, budget)
+    return {layer: dataclasses.replace(fits[widths[j]][layer], value_bits=int(widths[j])) for layer, j in zip(sorted(stats), pick.tolist())}
+
+
+def prefill_calibration(config, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor):
+    """The ``matched`` calibration a layer fits on its prefill (``calibration="prefill"``).
+
+    Args:
+        config: the :class:`~kvqrs.hf.QuantConfig` (its ``key_bits`` average key code bits,
+            ``group``, ``sink_tokens``; values transform-coded at ``value_bits`` when
+            ``value_transform``).
+        query: ``(batch, q_heads, len, d)`` the prefill's post-RoPE queries.
+        keys, values: ``(batch, kv_heads, tokens, d)`` the prefill's tokens after the sinks
+            (the sinks are never coded).
+
+    Returns:
+        :class:`~kvqrs.schemes.matched.MatchedCalibration` fitted by
+        :func:`~kvqrs.schemes.matched.fit_layer` in the channel transform (statistics pooled
+        over the batch).
+
+    Raises:
+        KvqrsError: fewer than two tokens after the sinks.
+    """
+    from ..schemes.matched import fit_layer, query_moment
+
+    k, v = to_numpy(keys, "keys"), to_numpy(values, "values")
+    b, h, n, d = k.shape
+    if n < 2:
+        raise KvqrsError(
+            f"calibration='prefill': the prompt must hold at least 2 tokens after the {config.sink_tokens} sink tokens to fit on, got {n}"
+        )
+    pool = lambda x: x.transpose(1, 0, 2, 3).reshape(h, b * n, x.shape[-1])  # noqa: E731
+    value_bits = (config.value_bits or config.key_bits) if config.value_transform else None
+    # The channel transform: a sequence pays its calibration as side information, and a
+    # channel permutation, a mean and widths cost a byte or so per channel where an eigenbasis
+    # costs d float32 per channel (as much as the codes of a few hundred tokens).
+    moment = query_moment(to_numpy(query, "query"), h)
+    return fit_layer(moment, pool(k), pool(v), config.key_bits, config.group, value_bits, transform="channels")
+
+
 MATCHED_FORMAT = "kvqrs-matched-calibration-v1"
 
 
-def save_matched(path: str | pathlib.Path, calibration: dict, meta: dict | None = None) -> pathlib.Path:
-    """Write a ``matched`` calibration (``{layer: MatchedCalibration}``) to ``path`` (.npz)."""
-    p = pathlib.Path(path)
+def save_matched(path: str | pathlib.Path | io.BytesIO, calibration: dict, meta: dict | None = None) -> pathlib.Path | io.BytesIO:
+    """Write a ``matched`` calibration (``{layer: MatchedCalibration}``) to ``path`` (.npz), or
+    into a binary file object (a compressed cache embeds it that way)."""
     arrays = {}
     for layer, c in calibration.items():
-        arrays.update(
-            {f"mean_{layer}": c.keys.mean, f"basis_{layer}": c.keys.basis, f"widths_{layer}": c.keys.widths, f"vmean_{layer}": c.value_mean}
-        )
+        arrays.update({f"mean_{layer}": c.keys.mean, f"widths_{layer}": c.keys.widths, f"vmean_{layer}": c.value_mean})
+        perm = c.keys.permutation  # a channel permutation is stored as its indices
+        arrays.update({f"basis_{layer}": c.keys.basis} if perm is None else {f"perm_{layer}": perm.astype(np.uint16)})
+        if c.values is not None:
+            arrays.update({f"vbasis_{layer}": c.values.basis, f"vwidths_{layer}": c.values.widths})
+        if c.value_bits is not None:
+            arrays[f"vbits_{layer}"] = np.array(c.value_bits, dtype=np.uint8)
     extra = {f"meta_{k}": np.array(str(v)) for k, v in (meta or {}).items()}
+    if isinstance(path, io.BytesIO):
+        np.savez(path, format=np.array(MATCHED_FORMAT), **arrays, **extra)
+        return path
+    p = pathlib.Path(path)
     np.savez(p, format=np.array(MATCHED_FORMAT), **arrays, **extra)
     return p if p.suffix == ".npz" else p.with_name(p.name + ".npz")
 
 
-def load_matched(path: str | pathlib.Path) -> dict:
-    """Read a calibration written by :func:`save_matched`; raises :class:`KvqrsError` on another
-    or a damaged file."""
-    from ..schemes.matched import MatchedBasis, MatchedCalibration
-
+def calibration_meta(path: str | pathlib.Path) -> dict[str, str]:
+    """The metadata strings :func:`save_matched` wrote with a calibration (``kvqrs calibrate``
+    records ``group``, ``sink_tokens``, and ``bits`` or ``budget``)."""
     try:
         with np.load(pathlib.Path(path), allow_pickle=False) as z:
-            if "format" not in z or str(z["format"]) != MATCHED_FORMAT:
-                raise KvqrsError(f"calibration: {str(path)!r} is not a kvqrs matched calibration file ({MATCHED_FORMAT})")
-            layers = sorted(int(k[6:]) for k in z.files if k.startswith("basis_"))
-            return {i: MatchedCalibration(MatchedBasis(z[f"mean_{i}"], z[f"basis_{i}"], z[f"widths_{i}"]), z[f"vmean_{i}"]) for i in layers}
-    except (OSError, ValueError, KeyError) as e:
+            return {k[5:]: str(z[k]) for k in z.files if k.startswith("meta_")}
+    except (OSError, ValueError) as e:
         raise KvqrsError(f"calibration: cannot read {str(path)!r}: {e}") from None
+
+
+def _permutation_basis(perm: np.ndarray) -> np.ndarray:
+    """float32 ``(kv_heads, d, d)`` with column ``i`` of head ``h`` the unit vector of channel ``perm[h, i]``."""
+    perm = np.asarray(perm, dtype=np.int64)
+    if perm.ndim != 2 or any(sorted(p) != list(range(perm.shape[1])) for p in perm.tolist()):
+        raise ValueError(f"a channel permutation must be (kv_heads, d) rows of 0..d-1, got shape {perm.shape}")
+    h, d = perm.shape
+    basis = np.zeros((h, d, d), np.float32)
+    basis[np.arange(h)[:, None], perm, np.arange(d)[None, :]] = 1.0
+    return basis
+
+
+def load_matched(path: str | pathlib.Path | io.BytesIO) -> dict:
+    """Read a calibration written by :func:`save_matched` (a path or a binary file object);
+    raises :class:`KvqrsError` on another or a damaged file."""
+    from ..schemes.matched import MatchedBasis, MatchedCalibration
+
+    name = "<bytes>" if isinstance(path, io.BytesIO) else str(path)
+    try:
+        with np.load(path if isinstance(path, io.BytesIO) else pathlib.Path(path), allow_pickle=False) as z:
+            if "format" not in z or str(z["format"]) != MATCHED_FORMAT:
+                raise KvqrsError(f"calibration: {name!r} is not a kvqrs matched calibration file ({MATCHED_FORMAT})")
+            layers = sorted(int(k[7:]) for k in z.files if k.startswith("widths_"))
+            out = {}
+            for i in layers:
+                basis = z[f"basis_{i}"] if f"basis_{i}" in z.files else _permutation_basis(z[f"perm_{i}"])
+                values = MatchedBasis(z[f"vmean_{i}"], z[f"vbasis_{i}"], z[f"vwidths_{i}"]) if f"vbasis_{i}" in z.files else None
+                vbits = int(z[f"vbits_{i}"]) if f"vbits_{i}" in z.files else None
+                out[i] = MatchedCalibration(MatchedBasis(z[f"mean_{i}"], basis, z[f"widths_{i}"]), z[f"vmean_{i}"], values, vbits)
+            return out
+    except (OSError, ValueError, KeyError, EOFError) as e:
+        raise KvqrsError(f"calibration: cannot read {name!r}: {e}") from None

@@ -32,7 +32,14 @@ class QuantConfig:
         headq_base, rank, side_bits, sign: HeadQ settings (see :class:`KVCodec`).
         calibration: for the ``matched`` scheme, ``{layer: MatchedCalibration}``
             (:func:`kvqrs.hf.calibrate_matched`, saved by ``kvqrs calibrate``); ``group`` is then
-            its key scale group in tokens; ``"random"`` for the random-basis control.
+            its key scale group in tokens; ``"prefill"`` to self-calibrate: each layer fits its
+            calibration on the first forward (the prompt: its queries' second moment, its keys
+            and values after the sinks, ``key_bits`` average key code bits) and codes every
+            later token with it (:func:`kvqrs.schemes.matched.fit_layer`); ``"random"`` for
+            the random-basis control.
+        value_transform: with ``calibration="prefill"``, transform-code the values too (the
+            KLT of the prompt's values, water-filled widths at ``value_bits``); else values get
+            the per-token rotated Lloyd-Max stage around the prompt's value mean.
         bases: HeadQ bases per layer, ``{layer: (kv_heads, d, r)}``, or ``"random"`` for the
             random-basis control.
         a2_uniform: with ``value_scheme="a2"``, give every token the same width (the uniform
@@ -66,6 +73,7 @@ class QuantConfig:
     a2_lookahead: int | None = None
     fused: bool = True
     calibration: Any = None
+    value_transform: bool = False
     _codecs: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -86,6 +94,13 @@ class QuantConfig:
         for name in ("residual_length", "sink_tokens"):
             if getattr(self, name) < 0:
                 raise KvqrsError(f"{name}: expected >= 0, got {getattr(self, name)}")
+        if isinstance(self.calibration, str):
+            if self.calibration not in ("random", "prefill"):
+                raise KvqrsError(f"calibration: expected {{layer: MatchedCalibration}}, 'prefill' or 'random', got {self.calibration!r}")
+            if "matched" not in (self.key_scheme, self.value_scheme):
+                raise KvqrsError(
+                    f"calibration: {self.calibration!r} applies to the matched scheme only, not {self.key_scheme!r}/{self.value_scheme!r}"
+                )
         if self.a2_lookahead is not None and not 1 <= self.a2_lookahead <= self.residual_length:
             raise KvqrsError(
                 f"a2_lookahead: expected 1 .. residual_length ({self.residual_length}) so that only queries that "
@@ -109,37 +124,44 @@ class QuantConfig:
         precision; chunks count from the first token after the sinks."""
         return self.sink_tokens, self.sink_tokens + self.quantized_count(seen)
 
-    def codec(self, layer: int, head_dim: int) -> KVCodec:
-        """The (cached) codec of one layer."""
+    def codec(self, layer: int, head_dim: int, fitted: Any = None) -> KVCodec:
+        """The (cached) codec of one layer; ``fitted``: the layer's ``matched`` calibration
+        fitted on a prefill (``calibration="prefill"``), used instead of the config's (that
+        codec is built anew, not cached: the layer that fitted it keeps it)."""
         key = (layer, head_dim)
+        if fitted is not None:
+            return self._build_codec(layer, head_dim, fitted)
         if key not in self._codecs:
-            basis = None
-            if self.key_scheme == "headq":
-                if isinstance(self.bases, str):
-                    basis = self.bases
-                elif self.bases is None or layer not in self.bases:
-                    raise KvqrsError(
-                        f"bases: the headq scheme needs a calibrated basis for layer {layer} (see kvqrs.hf.calibrate) or bases='random'"
-                    )
-                else:
-                    basis = np.asarray(self.bases[layer])
             calibration = self._matched_calibration(layer, head_dim) if "matched" in (self.key_scheme, self.value_scheme) else None
-            self._codecs[key] = KVCodec(
-                self.key_scheme or "kv",
-                self.key_bits,
-                head_dim,
-                seed=self.seed,
-                value_bits=self.value_bits,
-                value_scheme=self.value_scheme or "none",
-                group=self.group,
-                headq_base=self.headq_base,
-                rank=self.rank,
-                side_bits=self.side_bits,
-                basis=basis,
-                sign=self.sign,
-                calibration=calibration,
-            )
+            self._codecs[key] = self._build_codec(layer, head_dim, calibration)
         return self._codecs[key]
+
+    def _build_codec(self, layer: int, head_dim: int, calibration: Any) -> KVCodec:
+        basis = None
+        if self.key_scheme == "headq":
+            if isinstance(self.bases, str):
+                basis = self.bases
+            elif self.bases is None or layer not in self.bases:
+                raise KvqrsError(
+                    f"bases: the headq scheme needs a calibrated basis for layer {layer} (see kvqrs.hf.calibrate) or bases='random'"
+                )
+            else:
+                basis = np.asarray(self.bases[layer])
+        return KVCodec(
+            self.key_scheme or "kv",
+            self.key_bits,
+            head_dim,
+            seed=self.seed,
+            value_bits=self.value_bits,
+            value_scheme=self.value_scheme or "none",
+            group=self.group,
+            headq_base=self.headq_base,
+            rank=self.rank,
+            side_bits=self.side_bits,
+            basis=basis,
+            sign=self.sign,
+            calibration=calibration,
+        )
 
     @classmethod
     def preset(cls, name: str, calibration: Any, **overrides: Any) -> QuantConfig:
@@ -174,9 +196,14 @@ class QuantConfig:
     def _matched_calibration(self, layer: int, head_dim: int):
         """The ``matched`` calibration of ``layer``: fitted (``calibration[layer]``) or the
         seeded random-basis control (``calibration="random"``)."""
+        if self.calibration == "prefill":
+            raise KvqrsError(
+                f"calibration: layer {layer} has not fitted its matched calibration yet (calibration='prefill' fits it on the "
+                "first forward through the kvqrs attention, from that forward's queries, keys and values)"
+            )
         if isinstance(self.calibration, str):
             if self.calibration != "random":
-                raise KvqrsError(f"calibration: expected {{layer: MatchedCalibration}} or 'random', got {self.calibration!r}")
+                raise KvqrsError(f"calibration: expected {{layer: MatchedCalibration}}, 'prefill' or 'random', got {self.calibration!r}")
             from ..schemes.codec import derive_seed
             from ..schemes.matched import random_calibration
 

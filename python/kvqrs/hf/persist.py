@@ -14,6 +14,7 @@ against the layer's codec, so other settings or altered bytes raise instead of d
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 from typing import Any
 
@@ -31,7 +32,42 @@ _FLOAT = {torch.float32: 2, torch.float16: 1, torch.float64: 3, torch.bfloat16: 
 
 
 def _config_fields(config: QuantConfig) -> dict:
-    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name not in ("bases", "_codecs")}
+    """The config's JSON fields; the arrays (HeadQ bases, a fitted ``matched`` calibration)
+    travel in sections of their own, and a ``calibration`` string (``"random"``) stays here."""
+    out = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name not in ("bases", "_codecs")}
+    if not (out["calibration"] is None or isinstance(out["calibration"], str)):
+        out.pop("calibration")
+    return out
+
+
+def _calibration_section(config: QuantConfig) -> list[tuple]:
+    """A fitted ``matched`` calibration as one section (the ``kvqrs calibrate`` .npz bytes)."""
+    if not isinstance(config.calibration, dict):
+        return []
+    blob = _calibration_bytes(config.calibration)
+    return [("matched_calibration", _U8, [len(blob)], blob)]
+
+
+def _calibration_bytes(calibration: dict) -> bytes:
+    from .calibration import save_matched
+
+    return save_matched(io.BytesIO(), calibration).getvalue()
+
+
+def _read_calibration(sections: dict, name: str) -> dict:
+    from .calibration import load_matched
+
+    code, _, payload = sections[name]
+    if code != _U8:
+        raise KvqrsError(f"compressed cache: section {name!r} is not a byte section")
+    return load_matched(io.BytesIO(payload))
+
+
+def _calibration(meta: dict, sections: dict) -> Any:
+    """The saved ``matched`` calibration: its section, else the config's string (or None)."""
+    if "matched_calibration" not in sections:
+        return meta["config"].get("calibration")
+    return _read_calibration(sections, "matched_calibration")
 
 
 def _tensor_section(name: str, t: torch.Tensor) -> tuple:
@@ -67,6 +103,10 @@ def dumps(cache) -> bytes:
                 info[name] = t is not None
                 if t is not None:
                     sections.append(_tensor_section(f"L{i}.{name}", t))
+            if layer.fitted is not None:  # calibration="prefill": the layer's own calibration
+                blob = _calibration_bytes({0: layer.fitted})
+                sections.append((f"L{i}.calibration", _U8, [len(blob)], blob))
+                info["fitted_tokens"] = int(layer.fitted_tokens)
             if info["keys"]:
                 blob = fmt.dumps(layer.chunks_k[0])
                 sections.append((f"L{i}.keys", _U8, [len(blob)], blob))
@@ -81,7 +121,7 @@ def dumps(cache) -> bytes:
             sections.append((f"bases.{int(layer_idx)}", 2, list(a.shape), a.tobytes()))
     meta = {"format": FORMAT, "config": _config_fields(cache.config), "bases": bases if isinstance(bases, str) else None, "layers": layers}
     text = json.dumps(meta).encode()
-    return _native.container_write([("meta", _UTF8, [len(text)], text), *sections])
+    return _native.container_write([("meta", _UTF8, [len(text)], text), *_calibration_section(cache.config), *sections])
 
 
 def _tensor(sections: dict, name: str, dtype: str, head_dim: int) -> torch.Tensor:
@@ -120,7 +160,7 @@ def loads(data: bytes, config: QuantConfig | None = None):
         }
         bases = found or None
     try:
-        saved = QuantConfig(**meta["config"], bases=bases)
+        saved = QuantConfig(**{**meta["config"], "calibration": _calibration(meta, sections)}, bases=bases)
     except (TypeError, KvqrsError) as e:
         raise KvqrsError(f"compressed cache: its config cannot be rebuilt ({e})") from None
     if config is not None and not isinstance(config, QuantConfig):
@@ -146,14 +186,31 @@ def _check_same(config: QuantConfig, saved: QuantConfig) -> None:
         same_bases = config.bases.keys() == saved.bases.keys() and all(
             np.array_equal(np.asarray(config.bases[k], np.float32), saved.bases[k]) for k in config.bases
         )
+    if not _same_calibration(config.calibration, saved.calibration):
+        diff.append("calibration")
     if diff or not same_bases:
         raise KvqrsError(f"compressed cache: saved with other settings (differs in {', '.join(diff + ([] if same_bases else ['bases']))})")
+
+
+def _same_calibration(a: Any, b: Any) -> bool:
+    """Equal ``matched`` calibrations: the same string (or None), or the same layers with equal
+    arrays (compared through the digest recorded with the codes)."""
+    if not (isinstance(a, dict) and isinstance(b, dict)):
+        return a == b if not (isinstance(a, dict) or isinstance(b, dict)) else False
+    from ..schemes.matched import calibration_fingerprint
+
+    return a.keys() == b.keys() and all(calibration_fingerprint(a[k]) == calibration_fingerprint(b[k]) for k in a)
 
 
 def _load_layer(layer, i: int, info: dict, sections: dict) -> None:
     dtype, d = info["dtype"], int(info["head_dim"])
     keys = _tensor(sections, f"L{i}.window_keys", dtype, d)
     layer.lazy_initialization(keys, keys)
+    if f"L{i}.calibration" in sections:
+        fitted = _read_calibration(sections, f"L{i}.calibration")
+        if list(fitted) != [0] or layer.config.calibration != "prefill":
+            raise KvqrsError(f"compressed cache: layer {i} carries its own calibration, but the config's calibration is not 'prefill'")
+        layer.set_calibration(fitted[0], int(info.get("fitted_tokens", 0)))
     for name, attr in {**_FP_SECTIONS, **_FP_OPTIONAL}.items():
         if name in _FP_SECTIONS or info.get(name):
             setattr(layer, attr, _tensor(sections, f"L{i}.{name}", dtype, d))

@@ -76,8 +76,11 @@ def _key_coder(scheme: str, bits: int, head_dim: int, seed: int, group: int, bac
 def _value_coder(scheme: str, bits: int, head_dim: int, seed: int, group: int, backend: Backend, calibration: Any = None):
     rot, qjl = derive_seed(seed, _VALUE_ROTATION), derive_seed(seed, _VALUE_QJL)
     if scheme == "matched":
-        mean = _matched_calibration(calibration, "values").value_mean
-        return MatchedValueCoder(head_dim, bits, rot, mean, scheme, "values", backend)
+        cal = _matched_calibration(calibration, "values")
+        if cal.values is not None:  # transform-coded values: the calibrated widths, not ``bits``
+            return MatchedCoder(head_dim, cal.values, group, scheme, "values", backend)
+        width = bits if cal.value_bits is None else cal.value_bits  # a per-layer allocation overrides the config
+        return MatchedValueCoder(head_dim, width, rot, cal.value_mean, scheme, "values", backend)
     if scheme == "kv":
         return MSECoder(head_dim, bits, None, scheme, "values", backend)
     if scheme in ("kqv", "qkqv"):

@@ -102,6 +102,22 @@ class MatchedBasis:
         """Average code bits per coordinate (the water-filling budget, before scales)."""
         return float(self.widths.astype(int).sum()) / max(self.head_dim, 1)
 
+    @property
+    def permutation(self) -> np.ndarray | None:
+        """int ``(kv_heads, d)`` channel order when every head's basis is a permutation of the
+        channels (``transform="channels"``), so that ``basis[h][:, i] = e_{perm[h, i]}``; else None."""
+        b = self.basis
+        if not (np.isin(b, (0.0, 1.0)).all() and (b.sum(axis=1) == 1).all() and (b.sum(axis=2) == 1).all()):
+            return None
+        return np.argmax(b, axis=1)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this side information takes stored: the mean, the widths, and the basis (a
+        channel permutation as one byte per channel when it is one, else float32)."""
+        perm = self.permutation
+        return int(self.mean.nbytes + self.widths.nbytes + (self.basis.nbytes if perm is None else perm.size))
+
 
 def uniform_distortion(y: np.ndarray, group: int, backend: Backend = CPU) -> np.ndarray:
     """Measured MSE of the KIVI quantizer on calibration coordinates.
@@ -152,7 +168,51 @@ def water_fill(cost: np.ndarray, total_bits: int) -> np.ndarray:
     return w
 
 
-def fit_basis(samples: Any, bits: float, group: int, weight: Any = None, backend: Backend = CPU) -> MatchedBasis:
+def allocate_layers(cost: Any, bits: Any, budget: float) -> np.ndarray:
+    """Per-layer choice among coding options at an average bit budget (a multiple-choice
+    knapsack solved greedily on the measured trade-off, as :func:`water_fill` does within a
+    layer): start every layer at its cheapest option, then repeatedly move the layer whose
+    next dearer option buys the largest drop in cost per extra bit, while the average stays
+    within ``budget``.
+
+    Args:
+        cost: ``(layers, options)`` measured model distortion of coding layer ``l`` alone with
+            option ``o`` (for instance the KL of the next-token distribution on calibration
+            text; sensitivities add up for small distortions).
+        bits: ``(layers, options)`` stored bits per element of that option, every byte counted.
+        budget: the average bits per element over the layers (every layer holds as many
+            elements).
+
+    Returns:
+        int ``(layers,)`` the chosen option of each layer.
+
+    Raises:
+        KvqrsError: shapes differ, NaN, or even the cheapest options exceed the budget.
+    """
+    c, b = np.asarray(cost, dtype=np.float64), np.asarray(bits, dtype=np.float64)
+    if c.ndim != 2 or c.shape != b.shape or c.shape[1] == 0:
+        raise KvqrsError(f"cost, bits: expected two (layers, options) arrays of one shape, got {c.shape} and {b.shape}")
+    if not (np.isfinite(c).all() and np.isfinite(b).all()):
+        raise KvqrsError("cost, bits: expected finite values")
+    layers = np.arange(c.shape[0])
+    pick = np.argmin(b, axis=1)
+    total, limit = b[layers, pick].sum(), float(budget) * c.shape[0]
+    if total > limit + 1e-9:
+        raise KvqrsError(f"budget: {budget} bits per element is below the cheapest options' average {total / c.shape[0]:.4f}")
+    while True:
+        extra = b - b[layers, pick][:, None]
+        gain = np.where(
+            (extra > 0) & (total + extra <= limit + 1e-9), (c[layers, pick][:, None] - c) / np.where(extra > 0, extra, 1), -np.inf
+        )
+        flat = int(np.argmax(gain))
+        layer, option = divmod(flat, c.shape[1])
+        if not np.isfinite(gain[layer, option]) or gain[layer, option] <= 0:
+            return pick
+        total += extra[layer, option]
+        pick[layer] = option
+
+
+def fit_basis(samples: Any, bits: float, group: int, weight: Any = None, backend: Backend = CPU, transform: str = "eigen") -> MatchedBasis:
     """Fit the transform and the widths of one layer and side from calibration vectors.
 
     Args:
@@ -164,6 +224,10 @@ def fit_basis(samples: Any, bits: float, group: int, weight: Any = None, backend
             moment ``E[q q^T]`` of the calibration queries of each GQA group for keys, the
             output projection's ``W_o^T W_o`` for values; None: plain MSE (the KLT of the
             centred vectors).
+        transform: ``"eigen"``: the eigenbasis of ``weight`` (of the centred covariance when
+            ``weight`` is None); ``"channels"``: the identity (the cached channels themselves,
+            ``lambda_i`` the weight's diagonal): nothing per layer to store but the mean and
+            the widths, which a self-calibrating cache pays per sequence.
 
     Returns:
         :class:`MatchedBasis`: columns ordered by ``lambda_i * sigma_i^2`` (weight eigenvalue
@@ -186,14 +250,20 @@ def fit_basis(samples: Any, bits: float, group: int, weight: Any = None, backend
     xc = x - mean[:, None]
     cov = np.einsum("hnd,hne->hde", xc, xc) / n
     bases, cost = [], np.zeros((d, MAX_WIDTH + 1))
+    if transform not in ("eigen", "channels"):
+        raise KvqrsError(f"transform: expected 'eigen' or 'channels', got {transform!r}")
     for i in range(h):
-        if weight is None:
-            lam_c, u = np.linalg.eigh(cov[i])
-            lam = np.ones(d)
-        else:
+        wi = None
+        if weight is not None:
             wi = np.asarray(weight[i], dtype=np.float64)
             if wi.shape != (d, d) or not np.isfinite(wi).all():
                 raise KvqrsError(f"weight: expected finite (kv_heads, {d}, {d}), got head {i} of shape {wi.shape}")
+        if transform == "channels":
+            u, lam = np.eye(d), np.ones(d) if wi is None else np.clip(np.diag(wi), 0.0, None)
+        elif wi is None:
+            lam_c, u = np.linalg.eigh(cov[i])
+            lam = np.ones(d)
+        else:
             lam, u = np.linalg.eigh((wi + wi.T) / 2)
             lam = np.clip(lam, 0.0, None)
         var = np.einsum("di,de,ei->i", u, cov[i], u)
@@ -208,6 +278,61 @@ def fit_basis(samples: Any, bits: float, group: int, weight: Any = None, backend
     perm = np.argsort(-widths, kind="stable")
     basis = np.stack(bases)[:, :, perm]
     return MatchedBasis(mean.astype(np.float32), basis.astype(np.float32), widths[perm].astype(np.uint8))
+
+
+def query_moment(query: Any, kv_heads: int) -> np.ndarray:
+    """Second moment ``E[q q^T]`` of the queries of each GQA group, float64 ``(kv_heads, d, d)``.
+
+    Args:
+        query: ``(q_heads, n, d)`` or ``(batch, q_heads, n, d)`` post-RoPE queries; query heads
+            ``h * g .. h * g + g - 1`` read KV head ``h`` (``g = q_heads / kv_heads``).
+        kv_heads: KV heads of the layer.
+
+    Raises:
+        KvqrsError: ``q_heads`` not a multiple of ``kv_heads``, or a wrong rank.
+    """
+    q = np.asarray(as_float_array(query, "query"), dtype=np.float64)
+    if q.ndim == 3:
+        q = q[None]
+    if q.ndim != 4 or kv_heads < 1 or q.shape[1] % kv_heads:
+        raise KvqrsError(f"query: expected (batch, q_heads, n, d) with q_heads a multiple of {kv_heads} kv_heads, got shape {q.shape}")
+    b, qh, n, d = q.shape
+    g = q.reshape(b, kv_heads, qh // kv_heads, n, d).transpose(1, 0, 2, 3, 4).reshape(kv_heads, -1, d)
+    return np.einsum("hnd,hne->hde", g, g) / max(g.shape[1], 1)
+
+
+def fit_layer(
+    moment: Any,
+    keys: Any,
+    values: Any,
+    key_bits: float,
+    group: int,
+    value_bits: float | None = None,
+    transform: str = "eigen",
+    backend: Backend = CPU,
+) -> MatchedCalibration:
+    """One layer's ``matched`` calibration from its statistics.
+
+    Args:
+        moment: ``(kv_heads, d, d)`` second moment of the queries of each GQA group
+            (:func:`query_moment`): the score-space error weight of the keys.
+        keys, values: ``(kv_heads, n, d)`` calibration keys and values (post-RoPE, as cached).
+        key_bits: average key code bits per coordinate.
+        group: tokens per scale group.
+        value_bits: None: values keep the per-token rotated Lloyd-Max stage (only their mean is
+            fitted); a budget: values are transform-coded in the KLT of their centred covariance
+            (:func:`fit_basis` unweighted) at that average code width.
+        transform: the key transform (:func:`fit_basis`): ``"eigen"`` or ``"channels"``.
+
+    Raises:
+        KvqrsError: as :func:`fit_basis`.
+    """
+    v = np.asarray(as_float_array(values, "values"), dtype=np.float64)
+    if v.ndim != 3:
+        raise KvqrsError(f"values: expected (kv_heads, n, d), got shape {v.shape}")
+    vbasis = None if value_bits is None else fit_basis(v, value_bits, group, None, backend)
+    vmean = v.mean(axis=1) if vbasis is None else vbasis.mean
+    return MatchedCalibration(fit_basis(keys, key_bits, group, moment, backend, transform), vmean, vbasis)
 
 
 class MatchedCoder:
@@ -319,6 +444,14 @@ def _fingerprint(cal: MatchedBasis) -> str:
     return h.hexdigest()
 
 
+def calibration_fingerprint(cal: MatchedCalibration) -> str:
+    """Digest of a whole layer calibration (key transform, value mean, value transform)."""
+    parts = [_fingerprint(cal.keys), _fingerprint(cal.values) if cal.values is not None else "-"]
+    parts.append(__import__("hashlib").blake2b(cal.value_mean.tobytes(), digest_size=8).hexdigest())
+    parts.append(str(cal.value_bits))
+    return ":".join(parts)
+
+
 def bits_per_element(cal: MatchedBasis, group: int, tokens: int) -> float:
     """Stored bits per element of ``tokens`` tokens coded with ``cal`` (codes, scales and zero
     points; the mean and basis are per-layer constants, not per-token storage)."""
@@ -338,10 +471,18 @@ class MatchedCalibration:
         keys: the key transform and widths (:func:`fit_basis` with the queries' second moment).
         value_mean: float32 ``(kv_heads, d)``: subtracted before the value code, added back once
             to the attention output.
+        values: None: values take the rotated Lloyd-Max stage per token at the config's value
+            width (:class:`MatchedValueCoder`). A :class:`MatchedBasis` (its mean equal to
+            ``value_mean``): values are transform-coded like keys (:class:`MatchedCoder`), in
+            the eigenbasis of their read-out weight with water-filled widths.
+        value_bits: this layer's Lloyd-Max value width (1..8), overriding the config's (a
+            per-layer allocation, :func:`allocate_layers`); None: the config's.
     """
 
     keys: MatchedBasis
     value_mean: np.ndarray
+    values: MatchedBasis | None = None
+    value_bits: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.keys, MatchedBasis):
@@ -349,7 +490,27 @@ class MatchedCalibration:
         vm = np.asarray(self.value_mean, dtype=np.float32)
         if vm.shape != self.keys.mean.shape or not np.isfinite(vm).all():
             raise KvqrsError(f"value_mean: expected finite shape {self.keys.mean.shape}, got {vm.shape}")
+        if self.values is not None:
+            if not isinstance(self.values, MatchedBasis):
+                raise KvqrsError(f"values: expected a MatchedBasis or None, got {type(self.values).__name__}")
+            if self.values.mean.shape != vm.shape or not np.array_equal(self.values.mean, vm):
+                raise KvqrsError("values: the value basis's mean must equal value_mean")
         object.__setattr__(self, "value_mean", vm)
+        if self.value_bits is not None:
+            if (
+                isinstance(self.value_bits, bool)
+                or not isinstance(self.value_bits, (int, np.integer))
+                or not 1 <= self.value_bits <= MAX_WIDTH
+            ):
+                raise KvqrsError(f"value_bits: expected None or an integer width 1..{MAX_WIDTH}, got {self.value_bits!r}")
+            object.__setattr__(self, "value_bits", int(self.value_bits))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of this calibration stored (means, bases, widths: :attr:`MatchedBasis.nbytes`):
+        side information a self-calibrated cache holds per sequence."""
+        vbytes = self.value_mean.nbytes if self.values is None else self.values.nbytes
+        return int(self.keys.nbytes + vbytes)
 
 
 class MatchedValueCoder:
