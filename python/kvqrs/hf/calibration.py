@@ -232,18 +232,27 @@ def allocate_matched(
     fits = {b: fit_matched(stats, float(b), group) for b in widths}
     configs = [QuantConfig("matched", b, "matched", b, group=group, sink_tokens=sink_tokens, calibration=fits[b]) for b in widths]
     kl = layer_sensitivity(model, probe, configs)
-    n = windows[0].shape[-1]
-    bits = np.zeros_like(kl)
-    for layer, (_, k, v) in stats.items():
-        k, v = k[None, :, : n - sink_tokens], v[None, :, : n - sink_tokens]
-        for j, cfg in enumerate(configs):
-            codec = cfg.codec(layer, k.shape[-1])
-            coded = 8 * (codec.encode_keys(k).nbytes + codec.encode_values(v).nbytes)
-            bits[layer, j] = (coded + 2 * torch.finfo(model.dtype).bits * sink_tokens * k.shape[1] * k.shape[-1]) / (
-                2 * k.shape[1] * n * k.shape[-1]
-            )
+    bits = option_bits(stats, configs, windows[0].shape[-1], torch.finfo(model.dtype).bits)
     pick = allocate_layers(kl, bits, budget)
-    return {layer: dataclasses.replace(fits[widths[j]][layer], value_bits=int(widths[j])) for layer, j in zip(sorted(stats), pick.tolist())}
+    return {
+        layer: dataclasses.replace(fits[widths[j]][layer], value_bits=int(widths[j])) for layer, j in zip(sorted(stats), pick.tolist())
+    }
+
+
+def option_bits(stats: dict, configs: list, tokens: int, dtype_bits: int) -> np.ndarray:
+    """Stored bits per element of keys and values (averaged) of each layer under each config,
+    counted on ``tokens`` tokens of the recorded calibration keys and values (:func:`record_matched`
+    statistics, the sinks left out of them) plus the configs' sink tokens at ``dtype_bits``:
+    float64 ``(layers, len(configs))``."""
+    out = np.zeros((len(stats), len(configs)))
+    for i, (layer, (_, k, v)) in enumerate(sorted(stats.items())):
+        for j, cfg in enumerate(configs):
+            n = tokens - cfg.sink_tokens
+            kk, vv = k[None, :, :n], v[None, :, :n]
+            codec = cfg.codec(layer, k.shape[-1])
+            coded = 8 * (codec.encode_keys(kk).nbytes + codec.encode_values(vv).nbytes)
+            out[i, j] = (coded + 2 * dtype_bits * cfg.sink_tokens * k.shape[0] * k.shape[-1]) / (2 * k.shape[0] * tokens * k.shape[-1])
+    return out
 
 
 def prefill_calibration(config, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor):
