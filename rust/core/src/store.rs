@@ -823,7 +823,7 @@ mod tests {
                         let n = 2 * a + (op as usize & usize::from(b == 0));
                         let chunk: Vec<Dense> = sp.iter().map(|s| dense(s, n, k as u8)).collect();
                         let r = append(&mut store, &chunk, n);
-                        if tokens % 2 == 0 || n == 0 {
+                        if tokens.is_multiple_of(2) || n == 0 {
                             r.unwrap();
                             want = want.iter().zip(&chunk).map(|(w, c)| w.concat(c)).collect();
                             tokens += n;
