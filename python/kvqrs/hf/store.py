@@ -94,6 +94,8 @@ class CodeStore:
         self.key_only = codec.values is None
         self._native = native if native is not None else _native.LayerStore(self.specs(codec, batch, kv_heads, head_dim, fp_dtype))
         self._templates: dict[str, Encoded] = {}
+        self._names: list[str] = self._native.names()
+        self._order = {n: i for i, n in enumerate(self._names)}
 
     @staticmethod
     def specs(codec, batch: int, kv_heads: int, head_dim: int, fp_dtype: torch.dtype) -> list[tuple]:
@@ -139,11 +141,12 @@ class CodeStore:
         else:
             chunk += [_as_part(a) for a in cv.parts.values()]
             names += [f"values.{n}" for n in cv.parts]
-        order = {n: i for i, n in enumerate(names)}
-        want = self._native.names()
-        if sorted(names) != sorted(want):
-            raise KvqrsError(f"chunk: parts {names}, the store holds {want}")
-        self._native.append([chunk[order[n]] for n in want], int(ck.shape[-2]))
+        if len(names) != len(self._names) or any(n not in self._order for n in names):
+            raise KvqrsError(f"chunk: parts {names}, the store holds {self._names}")
+        ordered: list[Any] = [None] * len(names)
+        for n, c in zip(names, chunk):
+            ordered[self._order[n]] = c
+        self._native.append(ordered, int(ck.shape[-2]))
 
     def keep(self, lo: int, hi: int) -> None:
         """Keep tokens ``lo .. hi - 1`` (raises unless every part can be cut there)."""
@@ -167,7 +170,7 @@ class CodeStore:
 
     def _parts(self, kind: str) -> dict[str, np.ndarray]:
         prefix = kind + "."
-        return {n[len(prefix) :]: _from_part(*self._native.part(n)) for n in self._native.names() if n.startswith(prefix)}
+        return {n[len(prefix) :]: _from_part(*self._native.part(n)) for n in self._names if n.startswith(prefix)}
 
     def keys(self) -> Encoded:
         """The keys held as one :class:`~kvqrs.schemes.Encoded` ``(batch, kv_heads, tokens, head_dim)`` (a copy)."""

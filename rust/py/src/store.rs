@@ -19,6 +19,7 @@ type PySpec = (String, u8, bool, Vec<usize>, Vec<usize>, usize, usize);
 /// `(dtype code, shape, flat uint8 bytes)`: one part of a chunk, or of the store.
 type PyPart<'py> = (u8, Vec<usize>, PyReadonlyArray1<'py, u8>);
 type PySection<'py> = (String, u8, Vec<u64>, Bound<'py, PyBytes>);
+type F32Out<'py> = Bound<'py, PyArray1<f32>>;
 
 fn dtype(code: u8, what: &str) -> PyResult<Dtype> {
     Dtype::from_code(code).ok_or_else(|| arg_error(format!("{what}: unknown dtype code {code}")))
@@ -308,7 +309,7 @@ impl PyLayerStore {
         window: usize,
         mask: Option<PyReadonlyArray1<'py, f32>>,
         batch: usize,
-    ) -> PyResult<(Bound<'py, PyArray1<f32>>, Bound<'py, PyArray1<f32>>)> {
+    ) -> PyResult<(F32Out<'py>, F32Out<'py>)> {
         let spec = self
             .rows
             .as_ref()
