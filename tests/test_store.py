@@ -234,3 +234,20 @@ def test_files_of_the_previous_format_still_load(cfg):
         for x, y in ((a.materialize(), b.materialize()), (a.materialize(), c.materialize())):
             assert torch.equal(x[0], y[0]) and torch.equal(x[1], y[1])
     assert b"kvqrs-cache-v3" in cache.to_bytes()
+
+
+def test_a_row_kind_the_native_step_does_not_know_keeps_the_other_path(monkeypatch):
+    codec = CONFIGS["kqv"].codec(0, D)
+    store = CodeStore(codec, 1, 2, D, torch.float32)
+    store.append(*_encode(codec, _x(1, 2, 4, 0), _x(1, 2, 4, 1)))
+
+    class Composite:
+        def spec(self):
+            return {"kind": "composite", "codes": store.keys().parts["codes"]}
+
+    monkeypatch.setattr(codec, "fused_rows", lambda ck, cv: (Composite(), Composite(), None))
+    assert not store.can_attend()
+    monkeypatch.undo()
+    fresh = CodeStore(codec, 1, 2, D, torch.float32)
+    fresh.append(*_encode(codec, _x(1, 2, 4, 0), _x(1, 2, 4, 1)))
+    assert fresh.can_attend()

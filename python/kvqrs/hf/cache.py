@@ -49,8 +49,8 @@ FUSED_MAX_QUERY = 4
 
 
 def _tokens(t: torch.Tensor, lo: int, hi: int | None = None) -> torch.Tensor:
-    """Tokens ``lo .. hi - 1`` of a ``(batch, heads, tokens, d)`` tensor."""
-    return t[..., lo:hi, :]
+    """Tokens ``lo .. hi - 1`` of a ``(batch, heads, tokens, d)`` tensor (``t`` itself for all of them)."""
+    return t if lo == 0 and hi is None else t[..., lo:hi, :]
 
 
 def _join(head: torch.Tensor, tail: torch.Tensor) -> torch.Tensor:
@@ -552,7 +552,7 @@ class QuantizedLayer(CacheLayerMixin):
         fp_k = _join(view.sink_k, view.window_k)
         fp_v = _join(view.sink_v, view.window_v)
         mask = None if attention_mask is None else attention_mask.index_select(-1, view.fp_columns().to(attention_mask.device))
-        if view.live and (mask is None or mask.shape[1] == 1):
+        if view.live and (mask is None or mask.shape[1] == 1) and view.store.can_attend():
             # One native call: the fused kernel over the store's buffers and the softmax over
             # the full-precision tokens, merged by log-sum-exp (GIL released).
             out = view.store.attend(query, fp_k, fp_v, mask, float(scaling))

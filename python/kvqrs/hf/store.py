@@ -95,6 +95,7 @@ class CodeStore:
         self._native = native if native is not None else _native.LayerStore(self.specs(codec, batch, kv_heads, head_dim, fp_dtype))
         self._templates: dict[str, Encoded] = {}
         self._names: list[str] = self._native.names()
+        self._attends: bool | None = None
         self._order = {n: i for i, n in enumerate(self._names)}
 
     @staticmethod
@@ -200,6 +201,18 @@ class CodeStore:
         return cls(codec, b, h, d, fp_dtype, native=native)
 
     # -- the decode step ------------------------------------------------------------------------
+    def can_attend(self) -> bool:
+        """Whether :meth:`attend` can read this codec's rows from the store (every row kind of
+        the native decode step; a row kind it does not know keeps the caller's other path).
+        Decided once, on a store that holds tokens."""
+        if self._attends is None:
+            try:
+                self._declare_rows()
+                self._attends = True
+            except KvqrsError:
+                self._attends = False
+        return self._attends
+
     def _declare_rows(self) -> None:
         """Tell the native store which parts the fused kernel reads as which rows: the
         codec's row objects for the parts held, each array replaced by its part's name."""
