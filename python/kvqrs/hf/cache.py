@@ -2,9 +2,10 @@
 with any kvqrs scheme, keep the first ``sink_tokens`` and the newest ``residual_length`` tokens
 in full precision (during prefill too), and report their real memory in bytes.
 
-Each layer holds full-precision sinks, encoded chunks (``Encoded``, batch on axis 0) and a
-full-precision window. At each update the window grows; whole chunks beyond ``residual_length``
-are encoded (chunks of one token, or of ``group`` tokens when KIVI keys need whole groups).
+Each layer holds full-precision sinks, the codes in a layer store (:class:`~kvqrs.hf.store.CodeStore`:
+one growable native buffer per stored part, appended in place) and a full-precision window. At
+each update the window grows; whole chunks beyond ``residual_length`` are encoded (chunks of
+one token, or of ``group`` tokens when KIVI keys need whole groups) and appended to the store.
 Built with ``model_config=``, the cache follows the model's layer types as
 ``DynamicCache(config=...)`` does: sliding-window layers hold only their window.
 
@@ -17,9 +18,11 @@ a rollback needs until the next ``crop``.
 
 Prefill (and any step with more than :data:`FUSED_MAX_QUERY` new tokens) attends over the
 decoded (base) keys and values; HeadQ's side code enters the logits through the ``kvqrs``
-attention function, with the live query. Decode steps attend straight from the codes
-(``KVCodec.fused_attention``: no key or value is decoded) and merge the full-precision tokens'
-softmax part by log-sum-exp, exactly; see ``QuantConfig.fused`` for when. Use the model with
+attention function, with the live query. Decode steps attend straight from the codes (the
+fused kernel of ``KVCodec.fused_attention``: no key or value is decoded) and merge the
+full-precision tokens' softmax part by log-sum-exp, exactly, in one native call per layer over
+the store's buffers (:meth:`~kvqrs.hf.store.CodeStore.attend`, the GIL released); see
+``QuantConfig.fused`` for when. Use the model with
 ``attn_implementation="kvqrs"``.
 """
 
@@ -66,9 +69,9 @@ class _View:
     every token while recording the past): the view then skips their first tokens.
 
     The codes are the layer's store as it held ``held`` tokens: read (copied) only when a
-    path needs them as arrays (:attr:`codes_k`, :attr:`codes_v`), so a decode step that
-    attends from the store itself copies nothing. :meth:`QuantizedLayer.update` reads them
-    before a sliding layer drops any."""
+    path needs them as arrays (:attr:`codes_k`, :attr:`codes_v`); a decode step that attends
+    from the store reads its buffers in the native call instead. :meth:`QuantizedLayer.update`
+    reads them before a sliding layer drops any."""
 
     start: int
     sink_k: torch.Tensor
