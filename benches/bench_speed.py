@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> None:
         from speed_append import append_table
 
         print("\n### Appending one token (kqv, head_dim 128; cache rows: SmolLM2-135M's layer shape)\n")
-        print(append_table(256 if args.quick else 4096, args.quick), flush=True)
+        print(append_table([256] if args.quick else [1024, 4096], args.quick), flush=True)
     if "generate" in args.sections:
         from speed_generate import generation_table
 

@@ -96,7 +96,7 @@ def _check_holds_one_shot(layer, cfg, k, v, n=None):
     ck, cv = _one_shot(layer.codec(), k, v, n)
     _parts_equal(layer.chunks_k[0], ck, "keys")
     if cv is None:
-        assert torch.equal(layer._fp_values_quantized, v[..., :n, :])
+        assert torch.equal(layer.fp_values_quantized, v[..., :n, :])
     else:
         _parts_equal(layer.chunks_v[0], cv, "values")
 

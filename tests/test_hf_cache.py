@@ -986,7 +986,7 @@ def test_cache_save_load_round_trip(cfg, tmp_path):
 def test_cache_save_load_keeps_the_model_dtype(dtype):
     cache = _filled_cache(QuantConfig("kqv", 3, residual_length=4), dtype=dtype)
     back = QuantizedKVCache.from_bytes(cache.to_bytes())
-    assert back.layers[0].keys.dtype == dtype and back.layers[0]._fp_values_quantized.dtype == dtype
+    assert back.layers[0].keys.dtype == dtype and back.layers[0].fp_values_quantized.dtype == dtype
     _layers_equal(cache, back)
 
 
@@ -1036,7 +1036,7 @@ def test_cache_bytes_altered_or_truncated_raise():
     for n in rng.integers(0, len(data), 100):
         with pytest.raises(KvqrsError):
             QuantizedKVCache.from_bytes(data[:n])
-    with pytest.raises(KvqrsError, match="not a kvqrs-cache-v2"):
+    with pytest.raises(KvqrsError, match="not a kvqrs-cache-v3"):
         QuantizedKVCache.from_bytes(fmt.dumps(KVCodec("kqv", 3, 8).encode_keys(np.ones((2, 8), np.float32))))
 
 

@@ -2,7 +2,7 @@
 out; the public wrappers in ``kvqrs.kernels`` restore shapes and dtypes)."""
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, final
 
 import numpy as np
 import numpy.typing as npt
@@ -29,6 +29,7 @@ __all__ = [
     "mse_encode_packed",
     "pack_bits",
     "paged_decode_attention",
+    "LayerStore",
     "philox4x32_10",
     "qjl_inner_product",
     "qjl_matrix",
@@ -123,3 +124,46 @@ def paged_decode_attention(
     block_table: _I32,
     table_width: int,
 ) -> _F32: ...
+
+_PartSpec = tuple[str, int, bool, Sequence[int], Sequence[int], int, int]
+_Part = tuple[int, Sequence[int], _U8]
+
+@final
+class LayerStore:
+    """Growable per-part buffers of one cache layer (kvqrs.hf.store.CodeStore)."""
+
+    def __new__(cls, parts: Sequence[_PartSpec]) -> LayerStore: ...
+    @property
+    def tokens(self) -> int: ...
+    @property
+    def batch(self) -> int: ...
+    @property
+    def has_rows(self) -> bool: ...
+    def names(self) -> list[str]: ...
+    def nbytes(self) -> int: ...
+    def capacity_nbytes(self) -> int: ...
+    def append(self, chunk: Sequence[_Part], tokens: int) -> None: ...
+    def keep(self, lo: int, hi: int) -> None: ...
+    def clear(self) -> None: ...
+    def select(self, index: Sequence[int]) -> None: ...
+    def part(self, name: str) -> tuple[int, list[int], _U8]: ...
+    def sections(self, prefix: str) -> list[tuple[str, int, list[int], bytes]]: ...
+    @staticmethod
+    def from_sections(
+        parts: Sequence[_PartSpec], sections: Sequence[tuple[str, int, Sequence[int], bytes]], prefix: str, tokens: int
+    ) -> LayerStore: ...
+    def set_rows(self, keys: dict[str, Any], values: dict[str, Any], side: dict[str, Any] | None = None) -> None: ...
+    def attend(
+        self,
+        q: _F32,
+        heads: int,
+        rows: int,
+        head_dim: int,
+        scale: float,
+        tokens: int,
+        fp_keys: _F32,
+        fp_values: _F32,
+        window: int,
+        mask: _F32 | None,
+        batch: int,
+    ) -> tuple[_F32, _F32]: ...

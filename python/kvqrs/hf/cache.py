@@ -2,9 +2,10 @@
 with any kvqrs scheme, keep the first ``sink_tokens`` and the newest ``residual_length`` tokens
 in full precision (during prefill too), and report their real memory in bytes.
 
-Each layer holds full-precision sinks, encoded chunks (``Encoded``, batch on axis 0) and a
-full-precision window. At each update the window grows; whole chunks beyond ``residual_length``
-are encoded (chunks of one token, or of ``group`` tokens when KIVI keys need whole groups).
+Each layer holds full-precision sinks, the codes in a layer store (:class:`~kvqrs.hf.store.CodeStore`:
+one growable native buffer per stored part, appended in place) and a full-precision window. At
+each update the window grows; whole chunks beyond ``residual_length`` are encoded (chunks of
+one token, or of ``group`` tokens when KIVI keys need whole groups) and appended to the store.
 Built with ``model_config=``, the cache follows the model's layer types as
 ``DynamicCache(config=...)`` does: sliding-window layers hold only their window.
 
@@ -17,21 +18,23 @@ a rollback needs until the next ``crop``.
 
 Prefill (and any step with more than :data:`FUSED_MAX_QUERY` new tokens) attends over the
 decoded (base) keys and values; HeadQ's side code enters the logits through the ``kvqrs``
-attention function, with the live query. Decode steps attend straight from the codes
-(``KVCodec.fused_attention``: no key or value is decoded) and merge the full-precision tokens'
-softmax part by log-sum-exp, exactly; see ``QuantConfig.fused`` for when. Use the model with
+attention function, with the live query. Decode steps attend straight from the codes (the
+fused kernel of ``KVCodec.fused_attention``: no key or value is decoded) and merge the
+full-precision tokens' softmax part by log-sum-exp, exactly, in one native call per layer over
+the store's buffers (:meth:`~kvqrs.hf.store.CodeStore.attend`, the GIL released); see
+``QuantConfig.fused`` for when. Use the model with
 ``attn_implementation="kvqrs"``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import weakref
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
@@ -39,23 +42,18 @@ from .._arrays import KvqrsError
 from ..kernels.attention import DenseRows
 from ..schemes import Encoded
 from ..torch import check_finite, from_numpy, to_numpy
+from . import persist
 from .attention import _STATE, _softmax_out, register
 from .config import QuantConfig
+from .store import CodeStore
 
 FUSED_MAX_QUERY = 4
 """Decode steps with at most this many new query tokens attend from the codes."""
 
 
-def _select(enc: Encoded, index: torch.Tensor) -> Encoded:
-    """The encoded chunk restricted to batch rows ``index`` (every part has batch on axis 0)."""
-    idx = index.detach().cpu().numpy()
-    parts = {k: np.ascontiguousarray(np.asarray(v)[idx]) for k, v in enc.parts.items()}
-    return Encoded(enc.scheme, enc.kind, (len(idx), *enc.shape[1:]), enc.dtype, parts, enc.params)
-
-
 def _tokens(t: torch.Tensor, lo: int, hi: int | None = None) -> torch.Tensor:
-    """Tokens ``lo .. hi - 1`` of a ``(batch, heads, tokens, d)`` tensor."""
-    return t[..., lo:hi, :]
+    """Tokens ``lo .. hi - 1`` of a ``(batch, heads, tokens, d)`` tensor (``t`` itself for all of them)."""
+    return t if lo == 0 and hi is None else t[..., lo:hi, :]
 
 
 def _join(head: torch.Tensor, tail: torch.Tensor) -> torch.Tensor:
@@ -68,13 +66,18 @@ class _View:
     """What one forward reads: positions ``start .. start + columns - 1``, oldest first, as
     full-precision sinks, codes, full-precision window. The codes hold positions ``q_start ..``
     and may begin before ``start`` (a sliding layer drops whole KIVI groups only, and keeps
-    every token while recording the past): the view then skips their first tokens."""
+    every token while recording the past): the view then skips their first tokens.
+
+    The codes are the layer's store as it held ``held`` tokens: read (copied) only when a
+    path needs them as arrays (:attr:`codes_k`, :attr:`codes_v`); a decode step that attends
+    from the store reads its buffers in the native call instead. :meth:`QuantizedLayer.update`
+    reads them before a sliding layer drops any."""
 
     start: int
     sink_k: torch.Tensor
     sink_v: torch.Tensor
-    codes_k: Encoded | None
-    codes_v: Encoded | torch.Tensor | None  # full-precision values of a key-only config
+    store: CodeStore | None
+    held: int
     q_start: int
     window_k: torch.Tensor
     window_v: torch.Tensor
@@ -85,6 +88,25 @@ class _View:
     fresh_k: torch.Tensor | None = None
     fresh_v: torch.Tensor | None = None
 
+    @functools.cached_property
+    def codes_k(self) -> Encoded | None:
+        """The keys' codes (a copy of the store's parts), None when the view reads none."""
+        return None if self.store is None else self.store.keys()
+
+    @functools.cached_property
+    def codes_v(self) -> Encoded | torch.Tensor | None:
+        """The values' codes, or the full-precision values of a key-only config."""
+        return None if self.store is None else self.store.values()
+
+    def snapshot(self) -> None:
+        """Read the codes now (before the layer drops or changes any)."""
+        _ = self.codes_k, self.codes_v
+
+    @property
+    def live(self) -> bool:
+        """Whether the store still holds exactly the codes of this view."""
+        return self.store is not None and self.store.tokens == self.held
+
     @property
     def skip(self) -> int:
         """Leading code tokens outside the view."""
@@ -93,7 +115,7 @@ class _View:
     @property
     def coded(self) -> int:
         """Code tokens inside the view."""
-        return 0 if self.codes_k is None else self.codes_k.shape[-2] - self.skip
+        return 0 if self.store is None else self.held - self.skip
 
     def fp_columns(self) -> torch.Tensor:
         """Mask columns of the full-precision tokens (sinks, then window)."""
@@ -111,8 +133,9 @@ class QuantizedLayer(CacheLayerMixin):
 
     - ``sink_k`` / ``sink_v``: the attention sinks still held (positions below
       ``QuantConfig.sink_tokens``), full precision;
-    - ``chunks_k`` / ``chunks_v``: the codes of positions ``q_start .. q_start + quantized - 1``
-      (a key-only config keeps those values in full precision, ``_fp_values_quantized``);
+    - ``store``: the codes of positions ``q_start .. q_start + quantized - 1``, a
+      :class:`~kvqrs.hf.store.CodeStore` (a key-only config keeps those values there in full
+      precision); ``chunks_k`` / ``chunks_v`` give them as :class:`~kvqrs.schemes.Encoded`;
     - ``keys`` / ``values``: the full-precision window, the rest.
 
     A sliding layer drops its oldest tokens after each update, KIVI key groups only whole (a
@@ -138,12 +161,10 @@ class QuantizedLayer(CacheLayerMixin):
         self._clear()
 
     def _clear(self) -> None:
-        self.chunks_k: list[Encoded] = []
-        self.chunks_v: list[Encoded | None] = []
+        self.store: CodeStore | None = None
         self.quantized = 0
         self.seen = self.start = self.q_start = 0
         self.sink_k = self.sink_v = self.pending_k = self.pending_v = None
-        self.__dict__.pop("_fp_values_quantized", None)
         self._view: _View | None = None
         # A weak reference: recognising this layer's forward must not keep the decoded keys alive.
         self._returned: weakref.ref | None = None
@@ -160,6 +181,22 @@ class QuantizedLayer(CacheLayerMixin):
     @property
     def is_sliding(self) -> bool:
         return self.sliding_window is not None
+
+    @property
+    def chunks_k(self) -> list[Encoded]:
+        """The keys' codes as one :class:`~kvqrs.schemes.Encoded` (a copy), or ``[]`` when none."""
+        return [self.store.keys()] if self.quantized else []
+
+    @property
+    def chunks_v(self) -> list[Encoded]:
+        """The values' codes as one :class:`~kvqrs.schemes.Encoded` (a copy); ``[]`` when none
+        or when values are kept in full precision (``fp_values_quantized``)."""
+        return [self.store.values()] if self.quantized and not self.store.key_only else []
+
+    @property
+    def fp_values_quantized(self) -> torch.Tensor | None:
+        """A key-only config's full-precision values of the quantized tokens (a copy), else None."""
+        return self.store.values() if self.quantized and self.store.key_only else None
 
     # -- transformers' layer protocol -------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -222,7 +259,8 @@ class QuantizedLayer(CacheLayerMixin):
         self._absorb_sinks()
         fresh = self._flush()
         self._view = dataclasses.replace(self.view(view_start), first_query=self.seen - key_states.shape[-2], **fresh)
-        if not self.record_past:
+        if not self.record_past and self.is_sliding:
+            self._view.snapshot()  # the codes this forward reads, before the oldest are dropped
             self._evict()
         self._fused = fused and self._can_fuse(key_states.shape[-2])
         if self._fused:
@@ -295,13 +333,12 @@ class QuantizedLayer(CacheLayerMixin):
             return {}
         codec = self.codec()
         k, v = _tokens(self.keys, 0, n), _tokens(self.values, 0, n)
-        # One Encoded per side: new chunks are appended along the token axis of every part.
-        self.chunks_k = [codec.concat([*self.chunks_k, codec.encode_keys(to_numpy(k, "keys"))])]
-        if codec.values is not None:
-            self.chunks_v = [codec.concat([*self.chunks_v, codec.encode_values(to_numpy(v, "values"))])]
-        else:
-            held = getattr(self, "_fp_values_quantized", self.values[..., :0, :])
-            self._fp_values_quantized = torch.cat([held, v], dim=-2)
+        # Appended along the token axis of every part of the store (amortised O(1) per token).
+        ck = codec.encode_keys(to_numpy(k, "keys"))
+        cv = v if codec.values is None else codec.encode_values(to_numpy(v, "values"))
+        if self.store is None:
+            self.store = CodeStore(codec, k.shape[0], k.shape[1], self.head_dim, self.dtype)
+        self.store.append(ck, cv)
         if self.record_past:
             self.pending_k = k if self.pending_k is None else torch.cat([self.pending_k, k], dim=-2)
             self.pending_v = v if self.pending_v is None else torch.cat([self.pending_v, v], dim=-2)
@@ -313,16 +350,10 @@ class QuantizedLayer(CacheLayerMixin):
         """Keep code tokens ``lo .. hi - 1`` (offsets into the codes, chunk-aligned)."""
         if (lo, hi) == (0, self.quantized):
             return
-        codec = self.codec()
         if hi > lo:
-            self.chunks_k = [codec.slice_tokens(self.chunks_k[0], hi, lo)]
-            self.chunks_v = [c if c is None else codec.slice_tokens(c, hi, lo) for c in self.chunks_v]
-        else:
-            self.chunks_k, self.chunks_v = [], []
-        if hi <= lo:
-            self.__dict__.pop("_fp_values_quantized", None)
-        elif hasattr(self, "_fp_values_quantized"):
-            self._fp_values_quantized = _tokens(self._fp_values_quantized, lo, hi)
+            self.store.keep(lo, hi)
+        elif self.store is not None:
+            self.store.clear()
         self.q_start += lo
         self.quantized = max(0, hi - lo)
 
@@ -412,14 +443,13 @@ class QuantizedLayer(CacheLayerMixin):
         ns = self.sink_k.shape[-2]
         s_off = min(ns, max(0, start - self.start))
         w_off = max(0, start - self.window_start)
-        coded = bool(self.chunks_k) and start < self.window_start
-        codes_v = self.chunks_v[0] if self.chunks_v and self.chunks_v[0] is not None else getattr(self, "_fp_values_quantized", None)
+        coded = self.quantized > 0 and start < self.window_start
         return _View(
             start,
             _tokens(self.sink_k, s_off),
             _tokens(self.sink_v, s_off),
-            self.chunks_k[0] if coded else None,
-            codes_v if coded else None,
+            self.store if coded else None,
+            self.quantized if coded else 0,
             self.q_start,
             _tokens(self.keys, w_off),
             _tokens(self.values, w_off),
@@ -462,9 +492,48 @@ class QuantizedLayer(CacheLayerMixin):
         self.keys = self.values = None
         self.is_initialized = False
 
+    # -- state, for the saved format (kvqrs.hf.persist) ------------------------------------------
+    def positions(self) -> dict[str, int]:
+        """Positions held: ``seen`` (tokens fed), ``start`` (first held), ``q_start`` (first
+        coded) and ``quantized`` (coded tokens)."""
+        return {"seen": self.seen, "start": self.start, "q_start": self.q_start, "quantized": self.quantized}
+
+    def fp_tensors(self) -> dict[str, torch.Tensor]:
+        """The full-precision tensors held, ``(batch, kv_heads, tokens, head_dim)`` in the
+        layer's dtype: ``window_keys``, ``window_values``, ``sink_keys``, ``sink_values``, and
+        ``pending_keys``, ``pending_values`` (originals kept for a rollback) while recording."""
+        out = {"window_keys": self.keys, "window_values": self.values, "sink_keys": self.sink_k, "sink_values": self.sink_v}
+        if self.pending_k is not None:
+            out.update(pending_keys=self.pending_k, pending_values=self.pending_v)
+        return out
+
+    def restore(self, fp: dict[str, torch.Tensor], store: CodeStore | None, positions: dict[str, int]) -> None:
+        """Set the state of an initialized layer (a loaded cache): ``fp`` as :meth:`fp_tensors`
+        gives it, ``store`` the codes (None: none), ``positions`` as :meth:`positions` gives
+        them. Raises :class:`KvqrsError` (the layer unchanged) unless the store holds
+        ``quantized`` tokens and sinks, codes and window are consecutive positions."""
+        seen, start, q_start, quantized = (int(positions[k]) for k in ("seen", "start", "q_start", "quantized"))
+        held = 0 if store is None else store.tokens
+        keys, values = fp["window_keys"], fp["window_values"]
+        if held != quantized or keys.shape != values.shape:
+            raise KvqrsError(f"compressed cache: layer {self.layer_idx} holds {held} quantized tokens, its meta says {quantized}")
+        ns, nw = fp["sink_keys"].shape[-2], keys.shape[-2]
+        pending = fp.get("pending_keys")
+        n_pending = 0 if pending is None else pending.shape[-2]
+        if not (0 <= start and start + ns == q_start and q_start + quantized + nw == seen and n_pending <= quantized):
+            raise KvqrsError(
+                f"compressed cache: layer {self.layer_idx} positions (seen {seen}, start {start}, first coded {q_start}) do not match its "
+                f"{ns} sink, {quantized} coded and {nw} window tokens"
+            )
+        self.keys, self.values, self.sink_k, self.sink_v = keys, values, fp["sink_keys"], fp["sink_values"]
+        self.pending_k, self.pending_v = pending, fp.get("pending_values")
+        self.store = store
+        self.seen, self.start, self.q_start, self.quantized = seen, start, q_start, quantized
+        self._view = None
+
     def _tensors(self) -> dict[str, torch.Tensor]:
         """Every full-precision tensor held, by attribute name."""
-        names = ("keys", "values", "sink_k", "sink_v", "pending_k", "pending_v", "_fp_values_quantized")
+        names = ("keys", "values", "sink_k", "sink_v", "pending_k", "pending_v")
         return {n: getattr(self, n) for n in names if getattr(self, n, None) is not None}
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -487,8 +556,8 @@ class QuantizedLayer(CacheLayerMixin):
                 f"indices: expected a 1-d integer tensor of batch rows in -{batch}..{batch - 1} or a boolean mask of {batch} rows, got {indices!r}"
             )
         idx = idx.remainder(batch)  # negative rows count from the end, as in Python indexing
-        self.chunks_k = [_select(c, idx) for c in self.chunks_k]
-        self.chunks_v = [None if c is None else _select(c, idx) for c in self.chunks_v]
+        if self.store is not None:
+            self.store.select(idx.tolist())
         for name, t in self._tensors().items():
             setattr(self, name, t.index_select(0, idx))
         self._view = None
@@ -505,7 +574,7 @@ class QuantizedLayer(CacheLayerMixin):
         key-only values, originals kept for a rollback) and a self-calibrated layer's calibration."""
         if not self.is_initialized:
             return 0
-        total = sum(c.nbytes for c in self.chunks_k) + sum(c.nbytes for c in self.chunks_v if c is not None)
+        total = 0 if self.store is None else self.store.nbytes()
         total += 0 if self.fitted is None else self.fitted.nbytes  # a self-calibrated layer's own side information
         return int(total + sum(t.numel() * t.element_size() for t in self._tensors().values()))
 
@@ -523,16 +592,21 @@ class QuantizedLayer(CacheLayerMixin):
         """Softmax over the codes (fused kernel) and over the full-precision tokens, merged by
         log-sum-exp: ``out = e^(lse_q - lse) out_q + e^(lse_w - lse) out_w``,
         ``lse = logaddexp(lse_q, lse_w)``."""
+        fp_k = _join(view.sink_k, view.window_k)
+        fp_v = _join(view.sink_v, view.window_v)
+        mask = None if attention_mask is None else attention_mask.index_select(-1, view.fp_columns().to(attention_mask.device))
+        if view.live and (mask is None or mask.shape[1] == 1) and view.store.can_attend():
+            # One native call: the fused kernel over the store's buffers and the softmax over
+            # the full-precision tokens, merged by log-sum-exp (GIL released).
+            out = view.store.attend(query, fp_k, fp_v, mask, float(scaling))
+            return out.to(query.dtype).transpose(1, 2).contiguous(), None
         codec = self.codec()
         q = to_numpy(query, "query")
         cv = view.codes_v
         cv = DenseRows(to_numpy(cv, "values")) if isinstance(cv, torch.Tensor) else cv
         res = codec.fused_attention(q, view.codes_k, cv, scale=float(scaling))
         out = torch.from_numpy(res.out)
-        fp_k = _join(view.sink_k, view.window_k)
         if fp_k.shape[-2]:
-            fp_v = _join(view.sink_v, view.window_v)
-            mask = None if attention_mask is None else attention_mask.index_select(-1, view.fp_columns().to(attention_mask.device))
             lse_q = torch.from_numpy(res.lse)[..., None]
             out_w, lse_w = _fp_part(query, fp_k, fp_v, module.num_key_value_groups, mask, scaling)
             lse = torch.logaddexp(lse_q, lse_w)
@@ -693,17 +767,13 @@ class QuantizedKVCache(Cache):
     # -- the compressed-cache format (docs/format.md; kvqrs.hf.persist) ---------------------------------
     def to_bytes(self) -> bytes:
         """The whole cache (config, codes, full-precision window, HeadQ bases) as checksummed bytes."""
-        from .persist import dumps
-
-        return dumps(self)
+        return persist.dumps(self)
 
     @classmethod
     def from_bytes(cls, data: bytes, config: QuantConfig | None = None) -> QuantizedKVCache:
         """A cache from :meth:`to_bytes`; with ``config``, its settings must equal the saved
         ones. Raises :class:`KvqrsError` on altered, truncated or foreign bytes."""
-        from .persist import loads
-
-        return loads(data, config)
+        return persist.loads(data, config, lambda cfg, n: cls(cfg, n))
 
     def save(self, path: str | os.PathLike) -> None:
         """Write :meth:`to_bytes` to ``path``."""

@@ -234,9 +234,7 @@ def allocate_matched(
     kl = layer_sensitivity(model, probe, configs)
     bits = option_bits(stats, configs, windows[0].shape[-1], torch.finfo(model.dtype).bits)
     pick = allocate_layers(kl, bits, budget)
-    return {
-        layer: dataclasses.replace(fits[widths[j]][layer], value_bits=int(widths[j])) for layer, j in zip(sorted(stats), pick.tolist())
-    }
+    return {layer: dataclasses.replace(fits[widths[j]][layer], value_bits=int(widths[j])) for layer, j in zip(sorted(stats), pick.tolist())}
 
 
 def option_bits(stats: dict, configs: list, tokens: int, dtype_bits: int) -> np.ndarray:

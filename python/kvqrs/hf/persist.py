@@ -2,13 +2,15 @@
 
 One container (``kvqrs_core::format``): a ``meta`` section (format tag, the
 :class:`~kvqrs.hf.QuantConfig` fields, per layer its sliding window, the positions it holds
-(tokens seen, first held, first coded), the quantized token count, dtype and which parts
-exist), each layer's encoded keys and values as nested :mod:`kvqrs.format` containers (each
-with its own parameters and checksums), its full-precision tensors (window, sinks, for
-key-only configs the values of quantized tokens, and originals kept for a rollback) as raw
-tensors, and the HeadQ bases.
-Loading rebuilds the config, or checks it equals the one given, and loads every encoded part
-against the layer's codec, so other settings or altered bytes raise instead of decoding garbage.
+(tokens seen, first held, first coded), the quantized token count, dtype, batch, KV heads and
+which tensors exist), each layer's code store as its sections (``L<i>.store.keys.<part>``,
+``L<i>.store.values.<part>``: one per part of the codec's declared layouts, written by
+:meth:`~kvqrs.hf.store.CodeStore.sections`), its full-precision tensors (window, sinks,
+originals kept for a rollback) as raw tensors, and the HeadQ bases.
+Loading rebuilds the config, or checks it equals the one given, and reads every store part
+against the shape and dtype the layer's codec declares for its tokens, so other settings or
+altered bytes raise instead of decoding garbage. Files of the previous version
+(``kvqrs-cache-v2``: nested :mod:`kvqrs.format` containers per side) still load.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -25,10 +28,13 @@ from .. import _native
 from .. import format as fmt
 from .._arrays import KvqrsError
 from .config import QuantConfig
+from .store import TORCH_CODES, CodeStore
 
-FORMAT = "kvqrs-cache-v2"
+FORMAT = "kvqrs-cache-v3"
+"""The format tag written; :data:`READABLE` are the tags read."""
+READABLE = (FORMAT, "kvqrs-cache-v2")
 _U8, _UTF8 = 0, 5
-_FLOAT = {torch.float32: 2, torch.float16: 1, torch.float64: 3, torch.bfloat16: 6}  # container dtype codes
+_FLOAT = TORCH_CODES  # container dtype codes of full-precision tensors
 
 
 def _config_fields(config: QuantConfig) -> dict:
@@ -76,9 +82,9 @@ def _tensor_section(name: str, t: torch.Tensor) -> tuple:
     return (name, _FLOAT[t.dtype], list(t.shape), t.view(torch.uint8).numpy().tobytes())
 
 
-# Full-precision tensors of a layer: section suffix -> attribute (the optional ones may be absent).
-_FP_SECTIONS = {"window_keys": "keys", "window_values": "values", "sink_keys": "sink_k", "sink_values": "sink_v"}
-_FP_OPTIONAL = {"fp_values": "_fp_values_quantized", "pending_keys": "pending_k", "pending_values": "pending_v"}
+# Full-precision tensors of a layer (QuantizedLayer.fp_tensors): always present, optional.
+_FP_ALWAYS = ("window_keys", "window_values", "sink_keys", "sink_values")
+_FP_OPTIONAL = ("pending_keys", "pending_values")
 _POSITIONS = ("seen", "start", "q_start")
 
 
@@ -89,30 +95,27 @@ def dumps(cache) -> bytes:
         info = {"initialized": bool(layer.is_initialized), "quantized": int(layer.quantized), "sliding_window": layer.sliding_window}
         info["record_past"] = bool(layer.record_past)
         if layer.is_initialized:
-            if layer.keys.device.type != "cpu":
-                raise KvqrsError(f"cache: layer {i} lives on {layer.keys.device}; move it to the CPU to save it")
+            fp = layer.fp_tensors()
+            if fp["window_keys"].device.type != "cpu":
+                raise KvqrsError(f"cache: layer {i} lives on {fp['window_keys'].device}; move it to the CPU to save it")
             info.update(
                 dtype=str(layer.dtype).removeprefix("torch."),
                 head_dim=int(layer.head_dim),
-                keys=bool(layer.chunks_k),
-                values=bool(layer.chunks_v and layer.chunks_v[0] is not None),
-                **{name: int(getattr(layer, name)) for name in _POSITIONS},
+                batch=int(fp["window_keys"].shape[0]),
+                kv_heads=int(fp["window_keys"].shape[1]),
+                store=bool(layer.quantized),
+                **{name: int(v) for name, v in layer.positions().items() if name in _POSITIONS},
             )
-            for name, attr in {**_FP_SECTIONS, **_FP_OPTIONAL}.items():
-                t = getattr(layer, attr, None)
-                info[name] = t is not None
-                if t is not None:
-                    sections.append(_tensor_section(f"L{i}.{name}", t))
+            for name in (*_FP_ALWAYS, *_FP_OPTIONAL):
+                info[name] = name in fp
+                if name in fp:
+                    sections.append(_tensor_section(f"L{i}.{name}", fp[name]))
             if layer.fitted is not None:  # calibration="prefill": the layer's own calibration
                 blob = _calibration_bytes({0: layer.fitted})
                 sections.append((f"L{i}.calibration", _U8, [len(blob)], blob))
                 info["fitted_tokens"] = int(layer.fitted_tokens)
-            if info["keys"]:
-                blob = fmt.dumps(layer.chunks_k[0])
-                sections.append((f"L{i}.keys", _U8, [len(blob)], blob))
-            if info["values"]:
-                blob = fmt.dumps(layer.chunks_v[0])
-                sections.append((f"L{i}.values", _U8, [len(blob)], blob))
+            if info["store"]:
+                sections += layer.store.sections(f"L{i}.store.")
         layers.append(info)
     bases = cache.config.bases
     if isinstance(bases, dict):
@@ -134,12 +137,11 @@ def _tensor(sections: dict, name: str, dtype: str, head_dim: int) -> torch.Tenso
     return torch.frombuffer(bytearray(payload), dtype=want).reshape(shape) if payload else torch.zeros(shape, dtype=want)
 
 
-def loads(data: bytes, config: QuantConfig | None = None):
-    """A cache from :func:`dumps` bytes. With ``config``, its settings must equal the saved
+def loads(data: bytes, config: QuantConfig | None, make_cache: Callable[[QuantConfig, int], Any]):
+    """A cache from :func:`dumps` bytes (this version or ``kvqrs-cache-v2``), built by
+    ``make_cache(config, num_layers)``. With ``config``, its settings must equal the saved
     ones (HeadQ bases included). Raises :class:`KvqrsError` on altered, truncated or foreign
     bytes or other settings."""
-    from .cache import QuantizedKVCache
-
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise KvqrsError(f"data: expected bytes, got {type(data).__name__}")
     raw = _native.container_read(bytes(data))
@@ -147,9 +149,9 @@ def loads(data: bytes, config: QuantConfig | None = None):
         raise KvqrsError("compressed cache: the first section must be the UTF-8 'meta' section")
     try:
         meta = json.loads(raw[0][3].decode("utf-8"))
-        assert meta["format"] == FORMAT and isinstance(meta["layers"], list) and isinstance(meta["config"], dict)
+        assert meta["format"] in READABLE and isinstance(meta["layers"], list) and isinstance(meta["config"], dict)
     except (UnicodeDecodeError, ValueError, KeyError, TypeError, AssertionError):
-        raise KvqrsError(f"compressed cache: not a {FORMAT} file") from None
+        raise KvqrsError(f"compressed cache: not a {FORMAT} file (nor one of the earlier {', '.join(READABLE[1:])})") from None
     sections = {name: (code, shape, payload) for name, code, shape, payload in raw[1:]}
     bases: Any = meta["bases"]
     if bases is None:
@@ -167,14 +169,14 @@ def loads(data: bytes, config: QuantConfig | None = None):
         raise KvqrsError(f"config: expected a QuantConfig or None, got {type(config).__name__}")
     if config is not None:
         _check_same(config, saved)
-    cache = QuantizedKVCache(config or saved, len(meta["layers"]))
+    cache = make_cache(config or saved, len(meta["layers"]))
     for i, (layer, info) in enumerate(zip(cache.layers, meta["layers"])):
         window = info.get("sliding_window")
         if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
             raise KvqrsError(f"compressed cache: layer {i} has sliding window {window!r}")
         layer.sliding_window, layer.record_past = window, bool(info.get("record_past"))
         if info.get("initialized"):
-            _load_layer(layer, i, info, sections)
+            _load_layer(layer, i, info, sections, raw, meta["format"])
     return cache
 
 
@@ -202,45 +204,53 @@ def _same_calibration(a: Any, b: Any) -> bool:
     return a.keys() == b.keys() and all(calibration_fingerprint(a[k]) == calibration_fingerprint(b[k]) for k in a)
 
 
-def _load_layer(layer, i: int, info: dict, sections: dict) -> None:
-    dtype, d = info["dtype"], int(info["head_dim"])
-    keys = _tensor(sections, f"L{i}.window_keys", dtype, d)
-    layer.lazy_initialization(keys, keys)
-    if f"L{i}.calibration" in sections:
-        fitted = _read_calibration(sections, f"L{i}.calibration")
-        if list(fitted) != [0] or layer.config.calibration != "prefill":
-            raise KvqrsError(f"compressed cache: layer {i} carries its own calibration, but the config's calibration is not 'prefill'")
-        layer.set_calibration(fitted[0], int(info.get("fitted_tokens", 0)))
-    for name, attr in {**_FP_SECTIONS, **_FP_OPTIONAL}.items():
-        if name in _FP_SECTIONS or info.get(name):
-            setattr(layer, attr, _tensor(sections, f"L{i}.{name}", dtype, d))
-    codec = layer.codec()
-    for side, target in (("keys", layer.chunks_k), ("values", layer.chunks_v)):
-        if info.get(side):
-            code, shape, payload = sections.get(f"L{i}.{side}", (None, None, None))
-            if code != _U8:
-                raise KvqrsError(f"compressed cache: section 'L{i}.{side}' is missing")
-            target.append(fmt.loads(payload, codec))
-    layer.quantized = int(info["quantized"])
-    held = layer.chunks_k[0].shape[-2] if layer.chunks_k else 0
-    if held != layer.quantized or layer.keys.shape != layer.values.shape:
-        raise KvqrsError(f"compressed cache: layer {i} holds {held} quantized tokens, its meta says {layer.quantized}")
-    if not info.get("values") and not info.get("fp_values") and held:
-        raise KvqrsError(f"compressed cache: layer {i} has quantized keys but no values for them")
-    _load_positions(layer, i, info)
+def _load_calibration(layer, i: int, info: dict, sections: dict) -> None:
+    """A self-calibrated layer's own calibration, set before its codec reads the codes."""
+    if f"L{i}.calibration" not in sections:
+        return
+    fitted = _read_calibration(sections, f"L{i}.calibration")
+    if list(fitted) != [0] or layer.config.calibration != "prefill":
+        raise KvqrsError(f"compressed cache: layer {i} carries its own calibration, but the config's calibration is not 'prefill'")
+    layer.set_calibration(fitted[0], int(info.get("fitted_tokens", 0)))
 
 
-def _load_positions(layer, i: int, info: dict) -> None:
-    """Positions held, checked against the tensors: sinks, codes and window are contiguous."""
+def _load_layer(layer, i: int, info: dict, sections: dict, raw: list, version: str) -> None:
     try:
+        dtype, d, quantized = info["dtype"], int(info["head_dim"]), int(info["quantized"])
         seen, start, q_start = (int(info[name]) for name in _POSITIONS)
     except (KeyError, TypeError, ValueError):
-        raise KvqrsError(f"compressed cache: layer {i} lacks the positions it holds") from None
-    ns, nw = layer.sink_k.shape[-2], layer.keys.shape[-2]
-    pending = 0 if layer.pending_k is None else layer.pending_k.shape[-2]
-    if not (0 <= start and start + ns == q_start and q_start + layer.quantized + nw == seen and pending <= layer.quantized):
-        raise KvqrsError(
-            f"compressed cache: layer {i} positions (seen {seen}, start {start}, first coded {q_start}) do not match its "
-            f"{ns} sink, {layer.quantized} coded and {nw} window tokens"
-        )
-    layer.seen, layer.start, layer.q_start = seen, start, q_start
+        raise KvqrsError(f"compressed cache: layer {i} lacks its dtype, head_dim, quantized count or the positions it holds") from None
+    fp = {
+        name: _tensor(sections, f"L{i}.{name}", dtype, d) for name in (*_FP_ALWAYS, *_FP_OPTIONAL) if name in _FP_ALWAYS or info.get(name)
+    }
+    keys = fp["window_keys"]
+    layer.lazy_initialization(keys, fp["window_values"])
+    _load_calibration(layer, i, info, sections)
+    codec = layer.codec()
+    b, h = keys.shape[0], keys.shape[1]
+    store = None
+    if version == FORMAT:
+        if info.get("store"):
+            prefix = f"L{i}.store."
+            mine = [s for s in raw[1:] if s[0].startswith(prefix)]
+            store = CodeStore.from_sections(codec, (b, h, quantized, d), layer.dtype, mine, prefix)
+    elif info.get("keys"):  # kvqrs-cache-v2: one nested kvqrs.format container per side
+        ck = _nested(sections, f"L{i}.keys", codec)
+        if info.get("values"):
+            cv = _nested(sections, f"L{i}.values", codec)
+        elif info.get("fp_values"):
+            cv = _tensor(sections, f"L{i}.fp_values", dtype, d)
+        else:
+            raise KvqrsError(f"compressed cache: layer {i} has quantized keys but no values for them")
+        if ck.shape[-2] != quantized:
+            raise KvqrsError(f"compressed cache: layer {i} holds {ck.shape[-2]} quantized tokens, its meta says {quantized}")
+        store = CodeStore(codec, b, h, d, layer.dtype)
+        store.append(ck, cv)
+    layer.restore(fp, store, {"seen": seen, "start": start, "q_start": q_start, "quantized": quantized})
+
+
+def _nested(sections: dict, name: str, codec):
+    code, _, payload = sections.get(name, (None, None, None))
+    if code != _U8:
+        raise KvqrsError(f"compressed cache: section {name!r} is missing")
+    return fmt.loads(payload, codec)

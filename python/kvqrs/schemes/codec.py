@@ -371,6 +371,17 @@ class KVCodec:
         joined = concat_tokens(encs, self._layout_of(encs[0].kind if encs else "keys"))
         return dataclasses.replace(joined, device=encs[0].device, seed=encs[0].seed)
 
+    def layout(self, kind: str, shape: tuple[int, ...]):
+        """The stored parts of this codec's ``kind`` (``"keys"`` or ``"values"``) for a tensor
+        of ``shape`` ``(..., tokens, head_dim)``: ``{part: kvqrs.layout.Part}``
+        (docs/layouts.md). Raises :class:`KvqrsError` for a side with no per-token layout
+        (``a2`` values, full-precision values)."""
+        if kind not in ("keys", "values"):
+            raise KvqrsError(f"kind: expected 'keys' or 'values', got {kind!r}")
+        if kind == "values" and self.values is None:
+            raise KvqrsError("kind: this codec keeps values in full precision ('none'); they have no stored layout")
+        return self._layout_of(kind)(tuple(int(n) for n in shape))
+
     def _layout_of(self, kind: str):
         """The ``layout(shape)`` of this codec's keys or values (:mod:`kvqrs.layout`)."""
         coder = self._key_coder() if kind == "keys" else self.values

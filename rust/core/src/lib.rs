@@ -5,6 +5,7 @@
 //! [`KvqError`] instead of panicking.
 
 pub mod alloc;
+pub mod decode_step;
 pub mod error;
 pub mod format;
 pub mod kernels;
@@ -13,6 +14,7 @@ pub mod reduce;
 pub mod rng;
 pub mod scalars;
 pub mod simd;
+pub mod store;
 
 pub use error::{KvqError, Result};
 pub use simd::Isa;

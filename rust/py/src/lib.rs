@@ -7,6 +7,7 @@ mod errors;
 mod format;
 mod kernels;
 mod paged;
+mod store;
 
 use pyo3::prelude::*;
 
@@ -49,5 +50,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(format::container_read, m)?)?;
     m.add_function(wrap_pyfunction!(attention::decode_attention, m)?)?;
     m.add_function(wrap_pyfunction!(paged::paged_decode_attention, m)?)?;
+    m.add_class::<store::PyLayerStore>()?;
     Ok(())
 }

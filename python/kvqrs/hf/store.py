@@ -1,0 +1,263 @@
+"""The codes of one :class:`~kvqrs.hf.QuantizedKVCache` layer in a native layer store.
+
+:class:`CodeStore` holds a layer's quantized tokens in ``kvqrs._native.LayerStore``: one
+growable buffer per part of the codec's declared layouts (docs/layouts.md; key parts named
+``keys.<part>``, value parts ``values.<part>``, or ``values.fp`` for the full-precision values
+of a key-only config), tokens along each part's token axis. Appending a chunk copies only its
+bytes (the buffers double when full: amortised O(1) per token); keeping a span of tokens,
+selecting batch rows and the saved sections are native too. On a decode step the store
+attends straight from its buffers (:meth:`CodeStore.attend`: one native call, the GIL
+released).
+
+Each part's token rate (entries along its token axis per token) is read off the layout: one
+per token, packed bits of a channel's tokens, one per group of tokens. A layout whose parts
+do not follow ``ceil(T * num / den)`` entries cannot be stored and raises.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from fractions import Fraction
+from math import lcm
+from typing import Any
+
+import numpy as np
+import torch
+
+from .. import _native
+from .._arrays import KvqrsError
+from ..kernels.attention import DenseRows
+from ..schemes import Encoded
+
+_NP_CODES = {np.dtype(np.uint8): 0, np.dtype(np.float16): 1, np.dtype(np.float32): 2, np.dtype(np.float64): 3}
+_NP_DTYPES = {v: k for k, v in _NP_CODES.items()}
+TORCH_CODES = {torch.float32: 2, torch.float16: 1, torch.float64: 3, torch.bfloat16: 6}
+"""Container dtype codes of full-precision tensors (docs/format.md)."""
+_TORCH_DTYPES = {v: k for k, v in TORCH_CODES.items()}
+_LAYOUT_CODES = {"uint8": (0, False), "scalar": (1, True), "float32": (2, False)}
+
+
+def _part_specs(codec, kind: str, lead: tuple[int, ...], d: int) -> list[tuple]:
+    """``(name, dtype code, widen, outer, inner, num, den)`` of each part of ``kind``."""
+    at = {t: codec.layout(kind, (*lead, t, d)) for t in (0, 1)}
+    align = lcm(*(p.align for p in at[0].values()))
+    big = 8 * align
+    at[big] = codec.layout(kind, (*lead, big, d))
+    specs = []
+    for name, part in at[big].items():
+        ax = len(part.shape) + part.token_axis
+        rate = Fraction(part.shape[ax], big)
+        for t in (0, 1, align, big - 1, big + 1, 2 * big + 3):
+            p = at[t][name] if t in at else codec.layout(kind, (*lead, t, d))[name]
+            want = -(-t * rate.numerator // rate.denominator)
+            if p.shape[:ax] != part.shape[:ax] or p.shape[ax + 1 :] != part.shape[ax + 1 :] or p.shape[ax] != want:
+                raise KvqrsError(
+                    f"{kind}: part {name!r} does not hold ceil(tokens * {rate}) entries along its token axis; the cache cannot store it"
+                )
+        code, widen = _LAYOUT_CODES[part.dtype]
+        specs.append((f"{kind}.{name}", code, widen, list(part.shape[:ax]), list(part.shape[ax + 1 :]), rate.numerator, rate.denominator))
+    return specs
+
+
+def _as_part(a: Any) -> tuple[int, list[int], np.ndarray]:
+    """An array (NumPy, or a torch tensor of any float dtype) as ``(dtype code, shape, flat uint8 bytes)``."""
+    if isinstance(a, torch.Tensor):
+        t = a.detach().contiguous()
+        return TORCH_CODES[t.dtype], list(t.shape), t.reshape(-1).view(torch.uint8).numpy()
+    arr = np.ascontiguousarray(a)
+    if arr.dtype not in _NP_CODES:
+        raise KvqrsError(f"chunk: parts of dtype uint8, float16, float32 or float64, got {arr.dtype}")
+    return _NP_CODES[arr.dtype], list(arr.shape), arr.reshape(-1).view(np.uint8)
+
+
+def _from_part(code: int, shape: list[int], raw: np.ndarray, torch_out: bool = False):
+    if torch_out:
+        return torch.from_numpy(raw).view(_TORCH_DTYPES[code]).reshape(shape)
+    return raw.view(_NP_DTYPES[code]).reshape(shape)
+
+
+class CodeStore:
+    """The quantized tokens of one cache layer (see the module docstring).
+
+    Args:
+        codec: the layer's :class:`~kvqrs.schemes.KVCodec` (keys and values with a declared
+            layout, or values ``none``).
+        batch, kv_heads, head_dim: the layer's ``(batch, kv_heads, ..., head_dim)``.
+        fp_dtype: torch dtype of the full-precision values of a key-only codec.
+
+    Raises:
+        KvqrsError: a codec side without a layout the store can hold (``a2`` values).
+    """
+
+    def __init__(self, codec, batch: int, kv_heads: int, head_dim: int, fp_dtype: torch.dtype, native=None):
+        self.codec, self.head_dim, self.kv_heads, self.fp_dtype = codec, head_dim, kv_heads, fp_dtype
+        self.key_only = codec.values is None
+        self._native = native if native is not None else _native.LayerStore(self.specs(codec, batch, kv_heads, head_dim, fp_dtype))
+        self._templates: dict[str, Encoded] = {}
+        self._names: list[str] = self._native.names()
+        self._attends: bool | None = None
+        self._order = {n: i for i, n in enumerate(self._names)}
+
+    @staticmethod
+    def specs(codec, batch: int, kv_heads: int, head_dim: int, fp_dtype: torch.dtype) -> list[tuple]:
+        """The declared parts of a store for this codec and shape (see :class:`CodeStore`)."""
+        lead = (batch, kv_heads)
+        specs = _part_specs(codec, "keys", lead, head_dim)
+        if codec.values is None:
+            specs.append(("values.fp", TORCH_CODES[fp_dtype], False, [batch, kv_heads], [head_dim], 1, 1))
+        else:
+            specs += _part_specs(codec, "values", lead, head_dim)
+        return specs
+
+    @property
+    def tokens(self) -> int:
+        """Tokens held."""
+        return self._native.tokens
+
+    @property
+    def batch(self) -> int:
+        return self._native.batch
+
+    def nbytes(self) -> int:
+        """Bytes of the tokens held (every part; not the room reserved for appends)."""
+        return int(self._native.nbytes())
+
+    def capacity_nbytes(self) -> int:
+        """Bytes reserved: held plus room for appends."""
+        return int(self._native.capacity_nbytes())
+
+    # -- changes --------------------------------------------------------------------------------
+    def append(self, ck: Encoded, cv: Encoded | torch.Tensor) -> None:
+        """Append a chunk: keys ``ck`` and values ``cv`` (encoded, or a full-precision tensor
+        for a key-only codec) of the same ``(batch, kv_heads, tokens, head_dim)``. Raises
+        :class:`KvqrsError` (nothing stored) for parts of another shape or dtype, or a join
+        where a part cannot be joined (a chunk of a partial KIVI group before it)."""
+        if self.key_only != isinstance(cv, torch.Tensor):
+            raise KvqrsError("values: expected full-precision values for a key-only codec, encoded values otherwise")
+        chunk = [_as_part(a) for a in ck.parts.values()]
+        names = [f"keys.{n}" for n in ck.parts]
+        if self.key_only:
+            chunk.append(_as_part(cv))
+            names.append("values.fp")
+        else:
+            chunk += [_as_part(a) for a in cv.parts.values()]
+            names += [f"values.{n}" for n in cv.parts]
+        if len(names) != len(self._names) or any(n not in self._order for n in names):
+            raise KvqrsError(f"chunk: parts {names}, the store holds {self._names}")
+        ordered: list[Any] = [None] * len(names)
+        for n, c in zip(names, chunk):
+            ordered[self._order[n]] = c
+        self._native.append(ordered, int(ck.shape[-2]))
+
+    def keep(self, lo: int, hi: int) -> None:
+        """Keep tokens ``lo .. hi - 1`` (raises unless every part can be cut there)."""
+        self._native.keep(int(lo), int(hi))
+
+    def clear(self) -> None:
+        self._native.clear()
+
+    def select(self, index) -> None:
+        """Keep batch rows ``index`` (0 <= i < batch; rows may repeat), in that order."""
+        self._native.select([int(i) for i in index])
+
+    # -- reading --------------------------------------------------------------------------------
+    def _template(self, kind: str) -> Encoded:
+        """An encoded tensor of no tokens: the metadata (scheme, params, seed) of ``kind``."""
+        if kind not in self._templates:
+            empty = np.zeros((1, self.kv_heads, 0, self.head_dim), np.float32)
+            enc = self.codec.encode_keys(empty) if kind == "keys" else self.codec.encode_values(empty)
+            self._templates[kind] = enc
+        return self._templates[kind]
+
+    def _parts(self, kind: str) -> dict[str, np.ndarray]:
+        prefix = kind + "."
+        return {n[len(prefix) :]: _from_part(*self._native.part(n)) for n in self._names if n.startswith(prefix)}
+
+    def keys(self) -> Encoded:
+        """The keys held as one :class:`~kvqrs.schemes.Encoded` ``(batch, kv_heads, tokens, head_dim)`` (a copy)."""
+        return dataclasses.replace(self._template("keys"), shape=self._shape(), parts=self._parts("keys"))
+
+    def values(self) -> Encoded | torch.Tensor:
+        """The values held: encoded, or the full-precision tensor of a key-only codec (copies)."""
+        if self.key_only:
+            return _from_part(*self._native.part("values.fp"), torch_out=True)
+        return dataclasses.replace(self._template("values"), shape=self._shape(), parts=self._parts("values"))
+
+    def _shape(self) -> tuple[int, int, int, int]:
+        return (self.batch, self.kv_heads, self.tokens, self.head_dim)
+
+    # -- the saved format -----------------------------------------------------------------------
+    def sections(self, prefix: str) -> list[tuple]:
+        """Every part as a container section ``(prefix + name, dtype code, shape, bytes)``."""
+        return self._native.sections(prefix)
+
+    @classmethod
+    def from_sections(cls, codec, shape: tuple[int, int, int, int], fp_dtype: torch.dtype, sections: list[tuple], prefix: str) -> CodeStore:
+        """A store of ``shape`` ``(batch, kv_heads, tokens, head_dim)`` read from the sections
+        ``prefix + name`` (as :meth:`sections` wrote them). Raises :class:`KvqrsError` for a
+        missing section or one of another shape or dtype than the codec stores."""
+        b, h, t, d = shape
+        native = _native.LayerStore.from_sections(cls.specs(codec, b, h, d, fp_dtype), sections, prefix, t)
+        return cls(codec, b, h, d, fp_dtype, native=native)
+
+    # -- the decode step ------------------------------------------------------------------------
+    def can_attend(self) -> bool:
+        """Whether :meth:`attend` can read this codec's rows from the store (every row kind of
+        the native decode step; a row kind it does not know keeps the caller's other path).
+        Decided once, on a store that holds tokens."""
+        if self._attends is None:
+            try:
+                self._declare_rows()
+                self._attends = True
+            except KvqrsError:
+                self._attends = False
+        return self._attends
+
+    def _declare_rows(self) -> None:
+        """Tell the native store which parts the fused kernel reads as which rows: the
+        codec's row objects for the parts held, each array replaced by its part's name."""
+        ck = self.keys()
+        cv = DenseRows(np.zeros((self.batch, self.kv_heads, self.tokens, self.head_dim), np.float32)) if self.key_only else self.values()
+        rows = self.codec.fused_rows(ck, cv)
+        if rows is None:
+            raise KvqrsError(f"fused: no fused attention for {self.codec.scheme} keys with {self.codec.value_scheme} values")
+        names = {id(a): f"keys.{n}" for n, a in ck.parts.items()}
+        if not self.key_only:
+            names.update({id(a): f"values.{n}" for n, a in cv.parts.items()})
+        else:
+            names[id(cv.values)] = "values.fp"
+
+        def spec(row) -> dict[str, Any]:
+            out = {}
+            for k, v in row.spec().items():
+                if isinstance(v, np.ndarray) and id(v) in names:
+                    out[k] = names[id(v)]
+                elif k == "basis":
+                    out[k] = np.ascontiguousarray(v, np.float32).reshape(-1)
+                else:
+                    out[k] = v
+            return out
+
+        self._native.set_rows(spec(rows[0]), spec(rows[1]), None if rows[2] is None else spec(rows[2]))
+
+    def attend(self, query: torch.Tensor, fp_k: torch.Tensor, fp_v: torch.Tensor, mask: torch.Tensor | None, scale: float):
+        """Attention of ``query`` ``(batch, q_heads, nq, d)`` over the coded tokens and the
+        full-precision ones ``fp_k``, ``fp_v`` ``(batch, kv_heads, w, d)`` (sinks, then
+        window), merged by log-sum-exp in one native call. ``mask``: None, or a boolean or
+        additive ``(batch, 1, nq, w)`` mask of the full-precision columns. Returns float32
+        ``(batch, q_heads, nq, d)``. Raises :class:`KvqrsError` on non-finite logits or
+        shapes that do not fit."""
+        if not self._native.has_rows:
+            self._declare_rows()
+        b, hq, nq, d = query.shape
+        g = hq // self.kv_heads
+        q = query.detach().to(torch.float32).contiguous().reshape(-1).numpy()
+        w = fp_k.shape[-2]
+        fk = fp_k.detach().to(torch.float32).contiguous().reshape(-1).numpy()
+        fv = fp_v.detach().to(torch.float32).contiguous().reshape(-1).numpy()
+        m = None
+        if mask is not None and w:
+            mm = mask if mask.dtype != torch.bool else torch.zeros(mask.shape).masked_fill_(~mask, float("-inf"))
+            m = mm.to(torch.float32).expand(b, 1, nq, w).contiguous().reshape(-1).numpy()
+        out, _ = self._native.attend(q, b * self.kv_heads, g * nq, d, float(scale), nq, fk, fv, w, m, b)
+        return torch.from_numpy(out).view(b, hq, nq, d)

@@ -1,0 +1,253 @@
+"""The layer store (``kvqrs.hf.store.CodeStore`` over ``kvqrs._native.LayerStore``): appends,
+cuts and batch selections equal the joined, sliced and indexed ``Encoded`` parts of every
+scheme the cache holds (``KVCodec.concat`` / ``slice_tokens`` as the reference), bit for bit;
+its one-call decode step equals the fused kernel over the joined codes merged with a float64
+softmax over the full-precision tokens; the saved format of the previous version still loads;
+bad input raises ``KvqrsError`` naming the problem."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+from kvqrs import KvqrsError, _native  # noqa: E402
+from kvqrs import format as fmt  # noqa: E402
+from kvqrs.hf import QuantConfig, QuantizedKVCache  # noqa: E402
+from kvqrs.hf.attention import _STATE  # noqa: E402
+from kvqrs.hf.store import CodeStore  # noqa: E402
+
+D = 32
+CONFIGS = {
+    "kv": QuantConfig("kv", 2, "kv", 3),
+    "kqv": QuantConfig("kqv", 4, "kqv", 4),
+    "qkqv": QuantConfig("qkqv", 3, "qkqv", 2),
+    "block": QuantConfig("block", 4, "block", 4, group=16),
+    "kivi": QuantConfig("kivi", 2, "kivi", 3, group=8),
+    "kqv-keyonly": QuantConfig("kqv", 4),
+    "headq-kqv": QuantConfig("headq", 2, "kivi", 2, headq_base="kqv", bases="random"),
+    "headq-kivi": QuantConfig("headq", 3, group=8, bases="random"),
+    "matched": QuantConfig("matched", 3, "matched", 3, group=8, calibration="random"),
+}
+
+
+def _x(batch, heads, tokens, seed, scale=1.0):
+    return (np.random.default_rng(seed).standard_normal((batch, heads, tokens, D)) * scale).astype(np.float32)
+
+
+def _encode(codec, k, v):
+    return codec.encode_keys(k), (torch.from_numpy(v) if codec.values is None else codec.encode_values(v))
+
+
+def _same(a, b):
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and torch.equal(a, b)
+        return
+    assert a.shape == b.shape and a.parts.keys() == b.parts.keys() and a.params == b.params and a.seed == b.seed
+    for name in a.parts:
+        pa, pb = np.asarray(a.parts[name]), np.asarray(b.parts[name])
+        assert pa.dtype == pb.dtype and pa.shape == pb.shape and pa.tobytes() == pb.tobytes(), name
+
+
+def _join(codec, a, b):
+    if isinstance(a, torch.Tensor):
+        return torch.cat([a, b], dim=-2)
+    return codec.concat([a, b])
+
+
+def _cut(codec, a, lo, hi):
+    return a[..., lo:hi, :] if isinstance(a, torch.Tensor) else codec.slice_tokens(a, hi, lo)
+
+
+def _rows(a, idx):
+    if isinstance(a, torch.Tensor):
+        return a[idx]
+    parts = {n: np.ascontiguousarray(np.asarray(p)[idx]) for n, p in a.parts.items()}
+    return type(a)(a.scheme, a.kind, (len(idx), *a.shape[1:]), a.dtype, parts, a.params, a.device, a.seed)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@settings(max_examples=6, deadline=None)
+@given(data=st.data())
+def test_store_operations_equal_joined_and_cut_codes(name, data):
+    cfg = CONFIGS[name]
+    codec = cfg.codec(0, D)
+    step = cfg.chunk
+    store = CodeStore(codec, 2, 3, D, torch.float32)
+    ref_k = ref_v = None
+    for i in range(data.draw(st.integers(1, 4), "chunks")):
+        n = step * data.draw(st.integers(1, 3), f"groups {i}")
+        # Some chunks hold values beyond float16's range: stored scalars widen to float32.
+        scale = data.draw(st.sampled_from([1.0, 1e6]), f"scale {i}")
+        ck, cv = _encode(codec, _x(2, 3, n, 2 * i, scale), _x(2, 3, n, 2 * i + 1, scale))
+        store.append(ck, cv)
+        ref_k = ck if ref_k is None else codec.concat([ref_k, ck])
+        ref_v = cv if ref_v is None else _join(codec, ref_v, cv)
+    _same(store.keys(), ref_k)
+    _same(store.values(), ref_v)
+    t = store.tokens
+    lo = step * data.draw(st.integers(0, t // step), "lo")
+    hi = data.draw(st.sampled_from(sorted({t, lo + (t - lo) // step * step})), "hi")
+    store.keep(lo, hi)
+    ref_k, ref_v = _cut(codec, ref_k, lo, hi), _cut(codec, ref_v, lo, hi)
+    if hi > lo:
+        _same(store.keys(), ref_k)
+        _same(store.values(), ref_v)
+    idx = data.draw(st.lists(st.integers(0, 1), min_size=1, max_size=4), "rows")
+    store.select(idx)
+    if hi > lo:
+        _same(store.keys(), _rows(ref_k, idx))
+        _same(store.values(), _rows(ref_v, idx))
+    assert store.batch == len(idx) and store.nbytes() <= store.capacity_nbytes()
+
+
+def test_appends_grow_by_doubling_not_per_token():
+    codec = CONFIGS["kqv"].codec(0, D)
+    store = CodeStore(codec, 1, 2, D, torch.float32)
+    caps = []
+    for i in range(300):
+        store.append(*_encode(codec, _x(1, 2, 1, i), _x(1, 2, 1, i + 1000)))
+        caps.append(store.capacity_nbytes())
+    assert len(set(caps)) <= 8  # 8, 16, ..., 512 tokens of room: a handful of growths
+    assert store.nbytes() == sum(np.asarray(p).nbytes for p in store.keys().parts.values()) + sum(
+        np.asarray(p).nbytes for p in store.values().parts.values()
+    )
+
+
+def test_bad_input_raises_kvqrs_error_naming_the_problem():
+    cfg = CONFIGS["kivi"]
+    codec = cfg.codec(0, D)
+    store = CodeStore(codec, 1, 2, D, torch.float32)
+    store.append(*_encode(codec, _x(1, 2, 3, 0), _x(1, 2, 3, 1)))  # a partial KIVI group
+    with pytest.raises(KvqrsError, match="keys.codes|keys.scales"):
+        store.append(*_encode(codec, _x(1, 2, 8, 0), _x(1, 2, 8, 1)))
+    assert store.tokens == 3
+    with pytest.raises(KvqrsError, match="span"):
+        store.keep(0, 9)
+    with pytest.raises(KvqrsError, match="multiple of"):
+        store.keep(1, 3)
+    with pytest.raises(KvqrsError, match="batch rows in 0..1"):
+        store.select([1])
+    fresh = CodeStore(codec, 1, 2, D, torch.float32)
+    with pytest.raises(KvqrsError, match=r"keys.codes: shape \[1, 2, 32, 2\] for 8 tokens"):
+        fresh.append(*_encode(codec, _x(2, 2, 8, 0), _x(2, 2, 8, 1)))
+    assert fresh.tokens == 0
+    with pytest.raises(KvqrsError, match="no part"):
+        store._native.part("nope")
+    with pytest.raises(KvqrsError, match="unique part names"):
+        _native.LayerStore([("a", 0, False, [1], [], 1, 1), ("a", 0, False, [1], [], 1, 1)])
+    with pytest.raises(KvqrsError, match="token rate"):
+        _native.LayerStore([("a", 0, False, [1], [], 0, 1)])
+    with pytest.raises(KvqrsError, match="call set_rows"):
+        store._native.attend(np.zeros(D, np.float32), 1, 1, D, 1.0, 1, np.zeros(0, np.float32), np.zeros(0, np.float32), 0, None, 1)
+
+
+@pytest.mark.parametrize("name", ["kqv", "kivi", "qkqv", "block", "kqv-keyonly", "headq-kqv", "headq-kivi"])
+@pytest.mark.parametrize("masked", [False, True])
+def test_decode_step_equals_the_kernel_merged_with_the_window(name, masked):
+    cfg = CONFIGS[name]
+    codec = cfg.codec(0, D)
+    b, h, g, nq, w = 2, 2, 3, 2, 5
+    store = CodeStore(codec, b, h, D, torch.float32)
+    chunks = [_encode(codec, _x(b, h, cfg.chunk * 2, 10 + i), _x(b, h, cfg.chunk * 2, 20 + i)) for i in range(3)]
+    for ck, cv in chunks:
+        store.append(ck, cv)
+    ref_k, ref_v = store.keys(), store.values()
+    q = torch.from_numpy(_x(b, h * g, nq, 30))
+    fk, fv = torch.from_numpy(_x(b, h, w, 31)), torch.from_numpy(_x(b, h, w, 32))
+    mask = None
+    if masked:  # causal over the window: query 0 does not see the newest window token
+        mask = torch.ones(b, 1, nq, w, dtype=torch.bool)
+        mask[:, :, 0, -1] = False
+    got = store.attend(q, fk, fv, mask, 0.2).numpy()
+    from kvqrs.kernels.attention import DenseRows
+
+    cv = DenseRows(ref_v.numpy()) if isinstance(ref_v, torch.Tensor) else ref_v
+    res = codec.fused_attention(q.numpy(), ref_k, cv, scale=0.2)
+    qg = q.double().reshape(b, h, g * nq, D)
+    s = (qg @ fk.double().transpose(2, 3)) * 0.2
+    if mask is not None:
+        m = mask.expand(b, 1, nq, w).repeat(1, 1, g, 1)
+        s = s.masked_fill(~m, float("-inf"))
+    lse_w = torch.logsumexp(s, dim=-1).reshape(b, h * g, nq)
+    out_w = (torch.softmax(s, dim=-1) @ fv.double()).reshape(b, h * g, nq, D)
+    lse_c = torch.from_numpy(res.lse).double()
+    lse = torch.logaddexp(lse_c, lse_w)
+    want = (lse_c - lse).exp()[..., None] * torch.from_numpy(res.out).double() + (lse_w - lse).exp()[..., None] * out_w
+    np.testing.assert_allclose(got, want.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def _v2_bytes(cache) -> bytes:
+    """The cache in the previous format (kvqrs-cache-v2): one nested kvqrs.format container
+    per side, the full-precision values of a key-only config as ``fp_values``."""
+    layers, sections = [], []
+    codes = {torch.float32: 2, torch.float16: 1, torch.bfloat16: 6, torch.float64: 3}
+
+    def tensor(name, t):
+        t = t.contiguous()
+        sections.append((name, codes[t.dtype], list(t.shape), t.view(torch.uint8).numpy().tobytes()))
+
+    for i, layer in enumerate(cache.layers):
+        pos = layer.positions()
+        fp = layer.fp_tensors()
+        keys = layer.chunks_k
+        info = {"initialized": True, "quantized": pos["quantized"], "sliding_window": None, "record_past": False}
+        info.update(dtype="float32", head_dim=int(layer.head_dim), keys=bool(keys), values=bool(layer.chunks_v))
+        info.update(seen=pos["seen"], start=pos["start"], q_start=pos["q_start"], fp_values=layer.fp_values_quantized is not None)
+        for name in ("window_keys", "window_values", "sink_keys", "sink_values"):
+            info[name] = True
+            tensor(f"L{i}.{name}", fp[name])
+        info["pending_keys"] = info["pending_values"] = False
+        if info["fp_values"]:
+            tensor(f"L{i}.fp_values", layer.fp_values_quantized)
+        if keys:
+            blob = fmt.dumps(keys[0])
+            sections.append((f"L{i}.keys", 0, [len(blob)], blob))
+        if info["values"]:
+            blob = fmt.dumps(layer.chunks_v[0])
+            sections.append((f"L{i}.values", 0, [len(blob)], blob))
+        layers.append(info)
+    config = {k: v for k, v in vars(cache.config).items() if k not in ("bases", "_codecs")}
+    meta = json.dumps({"format": "kvqrs-cache-v2", "config": config, "bases": None, "layers": layers}).encode()
+    return _native.container_write([("meta", 5, [len(meta)], meta), *sections])
+
+
+@pytest.mark.parametrize(
+    "cfg", [QuantConfig("kqv", 3, "kqv", 3, residual_length=4), QuantConfig("kqv", 4, residual_length=2)], ids=["kqv", "keyonly"]
+)
+def test_files_of_the_previous_format_still_load(cfg):
+    _STATE.set(None)
+    cache = QuantizedKVCache(cfg, 2)
+    for i in range(2):
+        cache.update(torch.from_numpy(_x(1, 2, 40, i)), torch.from_numpy(_x(1, 2, 40, i + 7)), i)
+    _STATE.set(None)
+    old = QuantizedKVCache.from_bytes(_v2_bytes(cache), cfg)
+    new = QuantizedKVCache.from_bytes(cache.to_bytes(), cfg)
+    for a, b, c in zip(cache.layers, old.layers, new.layers):
+        assert a.positions() == b.positions() == c.positions()
+        for x, y in ((a.materialize(), b.materialize()), (a.materialize(), c.materialize())):
+            assert torch.equal(x[0], y[0]) and torch.equal(x[1], y[1])
+    assert b"kvqrs-cache-v3" in cache.to_bytes()
+
+
+def test_a_row_kind_the_native_step_does_not_know_keeps_the_other_path(monkeypatch):
+    codec = CONFIGS["kqv"].codec(0, D)
+    store = CodeStore(codec, 1, 2, D, torch.float32)
+    store.append(*_encode(codec, _x(1, 2, 4, 0), _x(1, 2, 4, 1)))
+
+    class Composite:
+        def spec(self):
+            return {"kind": "composite", "codes": store.keys().parts["codes"]}
+
+    monkeypatch.setattr(codec, "fused_rows", lambda ck, cv: (Composite(), Composite(), None))
+    assert not store.can_attend()
+    monkeypatch.undo()
+    fresh = CodeStore(codec, 1, 2, D, torch.float32)
+    fresh.append(*_encode(codec, _x(1, 2, 4, 0), _x(1, 2, 4, 1)))
+    assert fresh.can_attend()
