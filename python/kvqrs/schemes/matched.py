@@ -32,6 +32,7 @@ import numpy as np
 
 from .. import layout as lay
 from .._arrays import KvqrsError
+from ..kernels.attention import CentredRows, ChannelRun, ChannelRunRows, MSERows
 from ..kernels.uniform import UniformCode
 from .backend import CPU, Backend
 from .base import Encoded, as_float_array, check_encoded, check_head_dim, split_shape
@@ -307,6 +308,37 @@ class MatchedCoder:
     def scores(self, q: np.ndarray, enc: Encoded) -> np.ndarray:
         return decoded_scores(q, self.decode(enc))
 
+    def attention_rows(self, enc: Encoded) -> CentredRows:
+        """The stored runs as the fused attention kernel reads them, keys or values alike
+        (codes stay packed): :class:`~kvqrs.kernels.attention.ChannelRunRows` (one
+        :class:`~kvqrs.kernels.attention.ChannelRun` per run of equal width, the basis
+        ``(kv_heads, d, d)`` or ``(d, d)``) in :class:`~kvqrs.kernels.attention.CentredRows` with
+        the mean ``(kv_heads, d)`` or ``(d,)``. As keys the kernel scores ``(q U) . y_hat`` (the
+        mean's ``q . mu`` is left out of the logits, where the softmax ignores it, and enters
+        only the log-sum-exp); as values it sums ``p_j y_hat_j`` and rotates the sum once.
+
+        Raises:
+            KvqrsError: ``enc`` not encoded by this coder (scheme, side, group, widths or
+                calibration), or a head axis that does not match the calibration's heads.
+        """
+        check_encoded(enc, self.scheme, self.kind, self.params)
+        runs = tuple(ChannelRun(enc.parts[f"codes{b}"], enc.parts[f"scales{b}"], enc.parts[f"zeros{b}"], b, lo, hi) for b, lo, hi in self.runs)
+        basis = _head_table(self.cal.basis, enc.shape, self.kind)
+        mean = _head_table(self.cal.mean, enc.shape, self.kind)
+        return CentredRows(ChannelRunRows(runs, self.group, basis, enc.shape[-2]), mean)
+
+
+def _head_table(table: np.ndarray, shape: tuple[int, ...], kind: str) -> np.ndarray:
+    """A calibrated per-head table (``(kv_heads, ...)``) for a tensor of ``shape``
+    ``(..., H, T, d)``: all of it when ``H`` is the calibration's heads, head 0's table when the
+    calibration has one head (it serves every head, as in encoding)."""
+    h = table.shape[0]
+    if len(shape) >= 3 and shape[-3] == h:
+        return table
+    if h == 1:
+        return table[0]
+    raise KvqrsError(f"{kind}: expected shape (..., {h} kv_heads, tokens, {shape[-1]}) for this calibration, got {shape}")
+
 
 def _fingerprint(cal: MatchedBasis) -> str:
     """A short digest of the calibration, recorded with the codes so that codes are never
@@ -389,6 +421,19 @@ class MatchedValueCoder:
         check_encoded(enc, self.scheme, self.kind, self.params)
         y = self.mse.decode_unchecked(enc)
         return y + self._mean(y)
+
+    def attention_rows(self, enc: Encoded) -> CentredRows:
+        """The MSE stage's rows (:class:`~kvqrs.kernels.attention.MSERows`, codes packed) in
+        :class:`~kvqrs.kernels.attention.CentredRows` with the value mean ``(kv_heads, d)`` or
+        ``(d,)``: the kernel adds the mean once to the output (the probabilities sum to one).
+
+        Raises:
+            KvqrsError: ``enc`` not encoded by this coder, or a head axis that does not match
+                the calibration's heads.
+        """
+        check_encoded(enc, self.scheme, self.kind, self.params)
+        rows: MSERows = self.mse.rows_unchecked(enc)
+        return CentredRows(rows, _head_table(self.mean, enc.shape, self.kind))
 
 
 def random_calibration(head_dim: int, bits: int, seed: int) -> MatchedCalibration:
