@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kvqrs import KvqrsError, oracle, random_orthonormal_basis
-from kvqrs.kernels import CentredRows, ChannelRun, ChannelRunRows, DenseRows, MSERows, SideRows, UniformRows, decode_attention
+from kvqrs.kernels import CentredRows, ChannelRunRows, DenseRows, MSERows, SideRows, UniformRows, decode_attention
 from kvqrs.schemes import KVCodec
 from kvqrs.schemes.matched import MatchedBasis, MatchedCalibration, MatchedCoder
 
@@ -228,7 +228,9 @@ def matched_problems(draw):
     mu_scale = draw(st.sampled_from([0.0, 1.0, 10.0]))
     keys = matched_basis(draw, rng, cal_heads, d, mu_scale)
     cal = MatchedCalibration(keys, (rng.standard_normal((cal_heads, d)) * mu_scale).astype(np.float32))
-    codec = KVCodec("matched", draw(st.integers(1, 8)), d, seed=draw(st.integers(0, 2**64 - 1)), value_scheme="matched", group=group, calibration=cal)
+    codec = KVCodec(
+        "matched", draw(st.integers(1, 8)), d, seed=draw(st.integers(0, 2**64 - 1)), value_scheme="matched", group=group, calibration=cal
+    )
     if draw(st.booleans()):  # values coded like the keys, in their own basis
         codec.values = MatchedCoder(d, matched_basis(draw, rng, cal_heads, d, mu_scale), group, "matched", "values")
     k = (rng.standard_normal((*batch, kv_heads, tokens, d)) * draw(st.sampled_from([0.05, 1.0, 8.0]))).astype(np.float32)
@@ -283,7 +285,9 @@ def test_fused_matched_log_sum_exp_holds_the_key_mean():
 def test_matched_rows_bad_input_names_the_argument():
     rng = np.random.default_rng(4)
     d, t = 8, 10
-    cal = MatchedCalibration(MatchedBasis(np.zeros((1, d)), random_orthonormal_basis(1, d, d)[None], np.array([3] * 4 + [0] * 4, np.uint8)), np.zeros((1, d)))
+    cal = MatchedCalibration(
+        MatchedBasis(np.zeros((1, d)), random_orthonormal_basis(1, d, d)[None], np.array([3] * 4 + [0] * 4, np.uint8)), np.zeros((1, d))
+    )
     codec = KVCodec("matched", 3, d, value_scheme="matched", group=4, calibration=cal)
     ck = codec.encode_keys(rng.standard_normal((2, t, d)).astype(np.float32))
     cv = codec.encode_values(rng.standard_normal((2, t, d)).astype(np.float32))

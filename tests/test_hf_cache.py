@@ -796,6 +796,7 @@ FUSED_LAYER_RTOL = 1e-4
 # changes logits by whole units and the generated tokens.
 FUSED_GEN_RTOL = 2e-4
 
+
 def _centred_calibration(layers: int, head_dim: int, bits: int) -> dict:
     """Seeded random-basis ``matched`` calibrations with nonzero key and value means, so that a
     fused step reads the key mean through the log-sum-exp (merged with the window) and adds the
@@ -812,8 +813,13 @@ def _centred_calibration(layers: int, head_dim: int, bits: int) -> dict:
 
 
 MATCHED_FUSED = [
-    pytest.param(QuantConfig("matched", 4, "matched", 4, residual_length=8, group=8, calibration=_centred_calibration(30, HEAD_DIM, 4)), id="matched-means"),
-    pytest.param(QuantConfig("matched", 3, "matched", 3, residual_length=8, group=8, sink_tokens=1, calibration="random"), id="matched-sink"),
+    pytest.param(
+        QuantConfig("matched", 4, "matched", 4, residual_length=8, group=8, calibration=_centred_calibration(30, HEAD_DIM, 4)),
+        id="matched-means",
+    ),
+    pytest.param(
+        QuantConfig("matched", 3, "matched", 3, residual_length=8, group=8, sink_tokens=1, calibration="random"), id="matched-sink"
+    ),
 ]
 
 FUSED_CONFIGS = MATCHED_FUSED + [
@@ -879,7 +885,14 @@ def test_fused_matched_step_streaming_equals_one_shot(cfg):
         layer = QuantizedLayer(cfg, 0)
         for i in range(0, 45, step):
             rk, rv = layer.update(k[..., i : i + step, :], v[..., i : i + step, :], fused=True)
-            layer.attend(module, q if step == 1 else q.expand(2, 9, step, HEAD_DIM), rk, rv, None if step == 1 else _causal_mask(2, step, i + step), scaling)
+            layer.attend(
+                module,
+                q if step == 1 else q.expand(2, 9, step, HEAD_DIM),
+                rk,
+                rv,
+                None if step == 1 else _causal_mask(2, step, i + step),
+                scaling,
+            )
         rk, rv = layer.update(k2, v2, fused=True)
         assert layer._fused and rk.shape[-2] < 46
         outs.append(layer.attend(module, q, rk, rv, None, scaling)[0])

@@ -189,7 +189,9 @@ class ChannelRunRows(NamedTuple):
                 raise KvqrsError(f"runs[{i}]: expected a ChannelRun, got {type(run).__name__}")
             lo, hi = check_positive_int(run.start, f"runs[{i}].start", minimum=0), check_positive_int(run.stop, f"runs[{i}].stop")
             if lo < nxt or hi <= lo or hi > d:
-                raise KvqrsError(f"runs[{i}]: expected columns {nxt} <= start < stop <= {d} (runs in increasing order, disjoint), got {lo}..{hi}")
+                raise KvqrsError(
+                    f"runs[{i}]: expected columns {nxt} <= start < stop <= {d} (runs in increasing order, disjoint), got {lo}..{hi}"
+                )
             nxt = hi
             b = check_bits(run.bits, f"runs[{i}].bits")
             parts.update(lay.prefixed(f"runs[{i}].", lay.uniform_channels(lead, t, hi - lo, b, g)))
@@ -343,7 +345,9 @@ def _flat_rows(rows: Rows, arg: str, lead: tuple[int, ...], t: int, d: int) -> A
     if isinstance(rows, ChannelRunRows):
         basis, count = _per_head(rows.basis, f"{arg}.basis", lead, (d, d))
         runs = [
-            run._replace(**{k: lay.flat(getattr(run, k), f"{arg}.runs[{i}].{k}", parts[f"runs[{i}].{k}"]) for k in ("codes", "scales", "zeros")})
+            run._replace(
+                **{k: lay.flat(getattr(run, k), f"{arg}.runs[{i}].{k}", parts[f"runs[{i}].{k}"]) for k in ("codes", "scales", "zeros")}
+            )
             for i, run in enumerate(rows.runs)
         ]
         return _FlatRuns(runs, int(rows.group), basis, count)

@@ -322,7 +322,9 @@ class MatchedCoder:
                 calibration), or a head axis that does not match the calibration's heads.
         """
         check_encoded(enc, self.scheme, self.kind, self.params)
-        runs = tuple(ChannelRun(enc.parts[f"codes{b}"], enc.parts[f"scales{b}"], enc.parts[f"zeros{b}"], b, lo, hi) for b, lo, hi in self.runs)
+        runs = tuple(
+            ChannelRun(enc.parts[f"codes{b}"], enc.parts[f"scales{b}"], enc.parts[f"zeros{b}"], b, lo, hi) for b, lo, hi in self.runs
+        )
         basis = _head_table(self.cal.basis, enc.shape, self.kind)
         mean = _head_table(self.cal.mean, enc.shape, self.kind)
         return CentredRows(ChannelRunRows(runs, self.group, basis, enc.shape[-2]), mean)
