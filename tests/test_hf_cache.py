@@ -875,7 +875,9 @@ def test_fused_decode_step_matches_decoded_layer(cfg, nq):
 @pytest.mark.parametrize("cfg", MATCHED_FUSED)
 def test_fused_matched_step_streaming_equals_one_shot(cfg):
     """A layer fed one token per step (fused steps along the way) and one fed the prompt at once
-    hold the same codes, so their fused decode step gives the same bits."""
+    hold the same codes, so their fused decode step agrees (to 1e-6 of the largest |v|: the
+    NumPy basis product of the matched encoder can round a stored scalar one ulp apart between
+    a 1-token and a 45-token call; a wrong code, mean or merge moves outputs by 1e-3 or more)."""
     k, v = _kv(tokens=45, seed=4)
     k2, v2 = _kv(tokens=1, seed=5)
     q = torch.randn(2, 9, 1, HEAD_DIM, generator=torch.Generator().manual_seed(6))
@@ -896,7 +898,7 @@ def test_fused_matched_step_streaming_equals_one_shot(cfg):
         rk, rv = layer.update(k2, v2, fused=True)
         assert layer._fused and rk.shape[-2] < 46
         outs.append(layer.attend(module, q, rk, rv, None, scaling)[0])
-    assert torch.equal(outs[0], outs[1])
+    assert torch.allclose(outs[0], outs[1], rtol=0, atol=1e-6 * v.abs().max().item())
 
 
 def test_fused_step_falls_back_where_a_mask_hides_codes():

@@ -386,9 +386,12 @@ def decode_attention(
     ``out[..., r, :] = sum_j p_rj v_hat_j`` with ``p_r = softmax_j(scale * (q_r . k_hat_j +
     side_j))`` and ``side_j = sign * (U^T q_r) . z_j`` (HeadQ, docs/kernels.md section 7); ``k_hat``, ``v_hat``
     the decodes of docs/kernels.md sections 5, 6 and 9 (the QJL residual enters the logits
-    through its inner-product estimator, Zandieh et al. 2024, Lemma 3.2). The rows of one
-    leading index (e.g. the query heads of a GQA group times the query tokens) share one pass
-    over that index's codes.
+    through its inner-product estimator, Zandieh et al. 2024, Lemma 3.2). :class:`ChannelRunRows`
+    keys are scored as ``(q U) . y_hat`` (the query projected once per row); the key mean of
+    :class:`CentredRows` enters ``lse`` only (``scale * q . mean``: the same for every token, so
+    ``probs`` and ``out`` do not depend on it); a value mean is added once to ``out``. The rows
+    of one leading index (e.g. the query heads of a GQA group times the query tokens) share one
+    pass over that index's codes.
 
     Args:
         q: float ``(..., rows, head_dim)``; the leading shape is the keys' (one KV head each).
@@ -405,9 +408,11 @@ def decode_attention(
         scores in float32); empty arrays for no query rows or heads.
 
     Raises:
-        KvqrsError: shapes that do not match (naming e.g. ``keys.codes``), no tokens, bad bits,
-            seeds, groups, a per-channel value layout, invalid stored scalars, a bad basis,
-            non-finite queries, values or logits (named by row and position).
+        KvqrsError: shapes that do not match (naming e.g. ``keys.codes`` or
+            ``keys.runs[1].scales``), no tokens, bad bits, seeds, groups, a per-channel value
+            layout, invalid stored scalars, a bad HeadQ basis, runs out of order or beyond
+            ``head_dim``, a basis or mean of the wrong shape or not finite, non-finite queries,
+            values or logits (named by row and position; ``scale * q . mean`` too).
     """
     flat, lead, d, _ = as_float_rows(q, "q", min_dim=2)
     if len(lead) < 1:

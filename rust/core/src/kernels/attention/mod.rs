@@ -541,7 +541,9 @@ fn channel_values() -> KvqError {
 ///
 /// Errors: head_dim < 2, no tokens, rows == 0, a non-finite or non-positive scale, a buffer
 /// whose length does not match the layout (naming it, e.g. `keys.codes`), invalid stored
-/// scalars, bad bits or group, a bad HeadQ basis, non-finite queries or logits.
+/// scalars, bad bits or group, a bad HeadQ basis, runs out of order or beyond head_dim, a
+/// basis or mean of the wrong size or not finite, non-finite queries or logits (a key mean's
+/// `scale * q . mu` included).
 ///
 /// Runs on the active instruction-set path ([`simd::active`]); every path returns the same
 /// bits.
