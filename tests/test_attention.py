@@ -16,8 +16,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kvqrs import KvqrsError, oracle, random_orthonormal_basis
-from kvqrs.kernels import DenseRows, MSERows, SideRows, UniformRows, decode_attention
+from kvqrs.kernels import CentredRows, ChannelRunRows, DenseRows, MSERows, SideRows, UniformRows, decode_attention
 from kvqrs.schemes import KVCodec
+from kvqrs.schemes.matched import MatchedBasis, MatchedCalibration, MatchedCoder
 
 # --------------------------------------------------------------------------------------------
 # Tolerances
@@ -194,6 +195,151 @@ def test_lse_merges_two_parts_exactly():
     np.testing.assert_allclose(out, whole.out, rtol=0, atol=TOL * np.abs(v).max())
 
 
+# --------------------------------------------------------------------------------------------
+# The matched scheme: per-channel runs in a calibrated basis, around a mean
+# --------------------------------------------------------------------------------------------
+
+
+def matched_basis(draw, rng, heads: int, d: int, scale: float) -> MatchedBasis:
+    """A drawn calibration of one side: per-head random orthonormal bases and means of size
+    ``scale``, non-increasing widths in 0..8 with several runs and at least one 0 column."""
+    widths = sorted(draw(st.lists(st.integers(0, 8), min_size=d, max_size=d)), reverse=True)
+    widths[0] = max(widths[0], 1)
+    widths[-1] = 0
+    basis = np.stack([random_orthonormal_basis(int(rng.integers(2**63)), d, d) for _ in range(heads)])
+    mean = (rng.standard_normal((heads, d)) * scale).astype(np.float32)
+    return MatchedBasis(mean, basis, np.array(widths, np.uint8))
+
+
+@st.composite
+def matched_problems(draw):
+    """A matched codec (keys; values by the Lloyd-Max stage around a mean, or by per-channel
+    runs in their own basis), one calibration per KV head or one shared, token counts not a
+    multiple of the group, GQA groups, one to four query tokens."""
+    d = draw(st.sampled_from([12, 40, 64, 96]))
+    g = draw(st.sampled_from(GQA_RATIOS))
+    kv_heads = draw(st.integers(1, 2))
+    cal_heads = draw(st.sampled_from([1, kv_heads]))
+    batch = draw(st.sampled_from([(), (2,)]))
+    nq = draw(st.integers(1, 4))
+    group = draw(st.sampled_from([3, 8, 32, 128]))
+    tokens = draw(st.integers(1, 300).filter(lambda t: t % group or t == 0))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    mu_scale = draw(st.sampled_from([0.0, 1.0, 10.0]))
+    keys = matched_basis(draw, rng, cal_heads, d, mu_scale)
+    cal = MatchedCalibration(keys, (rng.standard_normal((cal_heads, d)) * mu_scale).astype(np.float32))
+    codec = KVCodec(
+        "matched", draw(st.integers(1, 8)), d, seed=draw(st.integers(0, 2**64 - 1)), value_scheme="matched", group=group, calibration=cal
+    )
+    if draw(st.booleans()):  # values coded like the keys, in their own basis
+        codec.values = MatchedCoder(d, matched_basis(draw, rng, cal_heads, d, mu_scale), group, "matched", "values")
+    k = (rng.standard_normal((*batch, kv_heads, tokens, d)) * draw(st.sampled_from([0.05, 1.0, 8.0]))).astype(np.float32)
+    v = (rng.standard_normal((*batch, kv_heads, tokens, d)) * draw(st.sampled_from([1e-3, 1.0, 100.0]))).astype(np.float32)
+    q = (rng.standard_normal((*batch, kv_heads * g, nq, d)) * draw(st.sampled_from([0.1, 1.0, 3.0]))).astype(np.float32)
+    return codec, q, codec.encode_keys(k + keys.mean[0]), codec.encode_values(v)
+
+
+@settings(max_examples=60)
+@given(problem=matched_problems())
+def test_fused_matched_matches_oracle_and_reference(problem):
+    """Fused matched attention (keys from the runs in the query's basis, the key mean only in
+    the log-sum-exp; either value coding) against the float64 oracle and the decode-based
+    reference, within the tolerances above."""
+    codec, q, ck, cv = problem
+    assert codec.has_fused_path()
+    krows, vrows, _ = codec.fused_rows(ck, cv)
+    assert isinstance(krows, CentredRows) and isinstance(krows.rows, ChannelRunRows)
+    assert isinstance(vrows, CentredRows) and isinstance(vrows.rows, (ChannelRunRows, MSERows))
+    check(codec, q, ck, cv)
+
+
+def test_fused_matched_log_sum_exp_holds_the_key_mean():
+    """The key mean is left out of the kernel's logits but not out of its log-sum-exp: the
+    lse equals that of the decoded logits (which include q . mu), so a merge with the
+    full-precision window is exact; without the mean the probabilities are the same bits and
+    the lse moves by exactly scale * q . mu."""
+    rng = np.random.default_rng(3)
+    d, heads, t = 16, 2, 50
+    widths = np.array([4] * 5 + [3] * 6 + [0] * 5, np.uint8)
+    basis = np.stack([random_orthonormal_basis(i, d, d) for i in range(heads)])
+    mean = (rng.standard_normal((heads, d)) * 5).astype(np.float32)
+    cal = MatchedCalibration(MatchedBasis(mean, basis, widths), np.zeros((heads, d), np.float32))
+    codec = KVCodec("matched", 4, d, value_scheme="matched", group=8, calibration=cal)
+    k = rng.standard_normal((heads, t, d)).astype(np.float32) + mean[:, None]
+    q = rng.standard_normal((heads * 3, 1, d)).astype(np.float32)
+    ck, cv = codec.encode_keys(k), codec.encode_values(k)
+    got = codec.fused_attention(q, ck, cv, probs=True)
+    s = codec.scores(q, ck).astype(np.float64)
+    lse = s.max(-1) + np.log(np.exp(s - s.max(-1, keepdims=True)).sum(-1))
+    np.testing.assert_allclose(got.lse, lse, rtol=0, atol=1e-5 * (1 + np.abs(lse).max()))
+    krows, vrows, _ = codec.fused_rows(ck, cv)
+    qg = q.reshape(heads, 3, d)
+    bare = decode_attention(qg, krows.rows, vrows, probs=True)
+    centred = decode_attention(qg, krows, vrows, probs=True)
+    assert np.array_equal(bare.probs, centred.probs) and np.array_equal(bare.out, centred.out)
+    shift = np.einsum("hrd,hd->hr", qg.astype(np.float64), mean.astype(np.float64)) / math.sqrt(d)
+    np.testing.assert_allclose(centred.lse - bare.lse, shift, rtol=0, atol=1e-4)
+    assert np.abs(shift).max() > 1.0  # the test would see a dropped term
+
+
+def test_matched_rows_bad_input_names_the_argument():
+    rng = np.random.default_rng(4)
+    d, t = 8, 10
+    cal = MatchedCalibration(
+        MatchedBasis(np.zeros((1, d)), random_orthonormal_basis(1, d, d)[None], np.array([3] * 4 + [0] * 4, np.uint8)), np.zeros((1, d))
+    )
+    codec = KVCodec("matched", 3, d, value_scheme="matched", group=4, calibration=cal)
+    ck = codec.encode_keys(rng.standard_normal((2, t, d)).astype(np.float32))
+    cv = codec.encode_values(rng.standard_normal((2, t, d)).astype(np.float32))
+    krows, vrows, _ = codec.fused_rows(ck, cv)
+    q = rng.standard_normal((2, 1, d)).astype(np.float32)
+    runs = krows.rows.runs
+    with pytest.raises(KvqrsError, match=r"keys.basis: expected shape \(8, 8\)"):
+        decode_attention(q, krows._replace(rows=krows.rows._replace(basis=np.eye(4))), vrows)
+    with pytest.raises(KvqrsError, match=r"keys.mean: expected shape"):
+        decode_attention(q, krows._replace(mean=np.zeros(3)), vrows)
+    with pytest.raises(KvqrsError, match=r"keys.mean: expected finite values, got NaN"):
+        decode_attention(q, krows._replace(mean=np.full(d, np.nan)), vrows)
+    with pytest.raises(KvqrsError, match=r"keys.runs\[0\].codes: expected shape"):
+        decode_attention(q, krows._replace(rows=krows.rows._replace(runs=(runs[0]._replace(codes=runs[0].codes[..., 1:]),))), vrows)
+    with pytest.raises(KvqrsError, match=r"keys.runs\[0\]: expected columns"):
+        decode_attention(q, krows._replace(rows=krows.rows._replace(runs=(runs[0]._replace(stop=d + 1),))), vrows)
+    with pytest.raises(KvqrsError, match=r"keys.runs\[0\].bits"):
+        decode_attention(q, krows._replace(rows=krows.rows._replace(runs=(runs[0]._replace(bits=0),))), vrows)
+    with pytest.raises(KvqrsError, match=r"keys: expected the values' 10 tokens, got 9"):
+        decode_attention(q, krows._replace(rows=krows.rows._replace(tokens=9)), vrows)
+    with pytest.raises(KvqrsError, match=r"keys.rows: expected rows around one mean"):
+        decode_attention(q, CentredRows(krows, np.zeros(d)), vrows)
+    with pytest.raises(KvqrsError, match=r"keys.runs\[0\]: expected a ChannelRun"):
+        decode_attention(q, krows._replace(rows=krows.rows._replace(runs=(tuple(runs[0]),))), vrows)
+    other = KVCodec("matched", 3, d, value_scheme="matched", group=8, calibration=cal)
+    with pytest.raises(KvqrsError, match="group"):
+        other.fused_rows(ck, cv)
+
+
+def test_fused_matched_does_not_depend_on_the_thread_count():
+    """Matched keys and values from their runs: one rayon thread gives the bytes of four."""
+    script = (
+        "import numpy as np, sys\n"
+        "from kvqrs.schemes import KVCodec\n"
+        "from kvqrs.schemes.matched import MatchedCoder, random_calibration\n"
+        "rng = np.random.default_rng(5)\n"
+        "cal = random_calibration(64, 4, 1)\n"
+        "c = KVCodec('matched', 4, 64, value_scheme='matched', group=32, calibration=cal)\n"
+        "k, v = (rng.standard_normal((1, 3, 1000, 64)).astype(np.float32) for _ in range(2))\n"
+        "q = rng.standard_normal((1, 9, 2, 64)).astype(np.float32)\n"
+        "r = c.fused_attention(q, c.encode_keys(k), c.encode_values(v), probs=True)\n"
+        "c.values = MatchedCoder(64, random_calibration(64, 3, 2).keys, 32, 'matched', 'values')\n"
+        "s = c.fused_attention(q, c.encode_keys(k), c.encode_values(v), probs=True)\n"
+        "sys.stdout.buffer.write(b''.join(a.tobytes() for a in (*r, *s)))\n"
+    )
+    outs = []
+    for threads in ("1", "4"):
+        env = dict(os.environ, RAYON_NUM_THREADS=threads)
+        outs.append(subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, check=True).stdout)
+    assert outs[0] == outs[1] and len(outs[0]) > 0
+
+
 def test_results_do_not_depend_on_the_thread_count():
     """Heads run in parallel but each head's arithmetic is sequential: one thread gives the
     same bytes as the default pool."""
@@ -267,7 +413,7 @@ def test_bad_inputs_raise_kvqrs_errors_naming_the_argument():
         decode_attention(q, keys, UniformRows(keys.codes, keys.norms, keys.norms, 4, 32, per_channel=True))
     with pytest.raises(KvqrsError, match="scale"):
         decode_attention(q, keys, values, scale=-1.0)
-    with pytest.raises(KvqrsError, match="keys: expected MSERows, UniformRows or DenseRows"):
+    with pytest.raises(KvqrsError, match="keys: expected MSERows, UniformRows, DenseRows, ChannelRunRows or CentredRows"):
         decode_attention(q, {"codes": keys.codes}, values)
     side = SideRows(np.zeros((2, 10, 2), np.uint8), np.ones((2, 10), np.float16), np.ones((3, 64, 4), np.float32), 4)
     with pytest.raises(KvqrsError, match="side.basis"):

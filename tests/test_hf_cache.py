@@ -839,7 +839,33 @@ FUSED_LAYER_RTOL = 1e-4
 # changes logits by whole units and the generated tokens.
 FUSED_GEN_RTOL = 2e-4
 
-FUSED_CONFIGS = [
+
+def _centred_calibration(layers: int, head_dim: int, bits: int) -> dict:
+    """Seeded random-basis ``matched`` calibrations with nonzero key and value means, so that a
+    fused step reads the key mean through the log-sum-exp (merged with the window) and adds the
+    value mean."""
+    from kvqrs.schemes.matched import MatchedBasis, MatchedCalibration, random_calibration
+
+    out = {}
+    for i in range(layers):
+        c = random_calibration(head_dim, bits, 100 + i)
+        g = torch.Generator().manual_seed(i)
+        key_mean = (torch.randn(1, head_dim, generator=g) * 2).numpy()
+        out[i] = MatchedCalibration(MatchedBasis(key_mean, c.keys.basis, c.keys.widths), torch.randn(1, head_dim, generator=g).numpy())
+    return out
+
+
+MATCHED_FUSED = [
+    pytest.param(
+        QuantConfig("matched", 4, "matched", 4, residual_length=8, group=8, calibration=_centred_calibration(30, HEAD_DIM, 4)),
+        id="matched-means",
+    ),
+    pytest.param(
+        QuantConfig("matched", 3, "matched", 3, residual_length=8, group=8, sink_tokens=1, calibration="random"), id="matched-sink"
+    ),
+]
+
+FUSED_CONFIGS = MATCHED_FUSED + [
     pytest.param(QuantConfig("kqv", 4, "kqv", 4, residual_length=8), id="kqv-k4v4-r8"),
     pytest.param(QuantConfig("kivi", 2, "kivi", 2, residual_length=8, group=8), id="kivi-k2v2-g8"),
     pytest.param(QuantConfig("qkqv", 3, "kv", 4, residual_length=0), id="qkqv-k3-kv4-r0"),
@@ -877,16 +903,45 @@ def test_fused_decode_step_matches_decoded_layer(cfg, nq):
         rk, rv = layer.update(k2, v2, fused=fused)
         # fused only when every new query reads every new code quantized (a per-token scheme
         # flushing 3 tokens in one step is read in full precision by its earlier queries)
-        # (and only for codecs with a fused read path: the matched scheme decodes)
+        # (and only for codecs with a fused read path)
         has_path = cfg.codec(0, HEAD_DIM).has_fused_path()
         assert layer._fused == (fused and has_path and cfg.quantized_span(46)[1] >= cfg.quantized_span(45 + nq)[1])
-        # a fused step hands back the window alone: nothing is decoded
-        assert rk.shape[-2] == (layer.keys.shape[-2] if layer._fused else 45 + nq)
+        # a fused step hands back the sinks and the window alone: nothing is decoded
+        assert rk.shape[-2] == (layer.sink_k.shape[-2] + layer.keys.shape[-2] if layer._fused else 45 + nq)
         mask = _causal_mask(2, nq, 45 + nq)
         outs.append(layer.attend(module, q, rk, rv, mask, scaling)[0])
     fused_out, decoded = outs
     assert fused_out.shape == decoded.shape == (2, nq, 9, HEAD_DIM)
     assert torch.allclose(fused_out, decoded, rtol=0, atol=FUSED_LAYER_RTOL * v.abs().max().item())
+
+
+@pytest.mark.parametrize("cfg", MATCHED_FUSED)
+def test_fused_matched_step_streaming_equals_one_shot(cfg):
+    """A layer fed one token per step (fused steps along the way) and one fed the prompt at once
+    hold the same codes, so their fused decode step agrees (to 1e-6 of the largest |v|: the
+    NumPy basis product of the matched encoder can round a stored scalar one ulp apart between
+    a 1-token and a 45-token call; a wrong code, mean or merge moves outputs by 1e-3 or more)."""
+    k, v = _kv(tokens=45, seed=4)
+    k2, v2 = _kv(tokens=1, seed=5)
+    q = torch.randn(2, 9, 1, HEAD_DIM, generator=torch.Generator().manual_seed(6))
+    module, scaling = _Module(3), HEAD_DIM**-0.5
+    outs = []
+    for step in (45, 1):
+        layer = QuantizedLayer(cfg, 0)
+        for i in range(0, 45, step):
+            rk, rv = layer.update(k[..., i : i + step, :], v[..., i : i + step, :], fused=True)
+            layer.attend(
+                module,
+                q if step == 1 else q.expand(2, 9, step, HEAD_DIM),
+                rk,
+                rv,
+                None if step == 1 else _causal_mask(2, step, i + step),
+                scaling,
+            )
+        rk, rv = layer.update(k2, v2, fused=True)
+        assert layer._fused and rk.shape[-2] < 46
+        outs.append(layer.attend(module, q, rk, rv, None, scaling)[0])
+    assert torch.allclose(outs[0], outs[1], rtol=0, atol=1e-6 * v.abs().max().item())
 
 
 def test_fused_step_falls_back_where_a_mask_hides_codes():

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from kvqrs import _native
 
 from .strategies import HEAD_DIMS, bits, float_rows, head_dims, seeds
-from .test_attention import problems
+from .test_attention import matched_problems, problems
 
 SIMD = [i for i in _native.simd_available() if i != "scalar"]
 
@@ -127,6 +127,13 @@ def test_fused_attention_is_identical_on_every_path(data):
     # Every key and value layout of the fused kernel (tests/test_attention.py draws them):
     # outputs, log-sum-exp and probabilities bit for bit.
     codec, q, ck, cv = data.draw(problems())
+    assert_identical(lambda: tuple(codec.fused_attention(q, ck, cv, probs=True)))
+
+
+@given(data=st.data())
+def test_fused_matched_attention_is_identical_on_every_path(data):
+    # Per-channel runs in a basis around a mean, as keys and (either coding) as values.
+    codec, q, ck, cv = data.draw(matched_problems())
     assert_identical(lambda: tuple(codec.fused_attention(q, ck, cv, probs=True)))
 
 

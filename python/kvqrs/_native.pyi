@@ -95,7 +95,10 @@ def container_write(sections: list[tuple[str, int, list[int], bytes]]) -> bytes:
 def container_read(data: bytes) -> list[tuple[str, int, list[int], bytes]]: ...
 def decode_attention(
     q: _F32,
-    keys: Any,  # MSERows | UniformRows | DenseRows, arrays flat and checked (kvqrs.kernels.attention)
+    # MSERows | UniformRows | DenseRows | the flattened ChannelRunRows (runs, group, basis,
+    # basis_heads), each optionally in the flattened CentredRows (rows, mean, mean_heads);
+    # arrays flat and checked (kvqrs.kernels.attention)
+    keys: Any,
     values: Any,
     side: Any | None,  # the flattened SideRows: codes, scales, basis, bits, sign, rank, basis_heads
     heads: int,

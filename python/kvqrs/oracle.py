@@ -840,12 +840,35 @@ def decode_rows(spec, head_dim) -> np.ndarray:
     rotation); ``"uniform_tokens"`` (``codes`` ``(..., T, bytes)``, ``scales``, ``zeros``
     ``(..., T, groups)``, ``bits``, ``group``, ``seed`` or None: rotated coordinates);
     ``"uniform_channels"`` (KIVI keys: ``codes`` ``(..., head_dim, bytes)``, ``scales``,
-    ``zeros`` ``(..., head_dim, groups)``; T from ``tokens``); ``"dense"`` (``values``).
+    ``zeros`` ``(..., head_dim, groups)``; T from ``tokens``); ``"dense"`` (``values``);
+    ``"channel_runs"`` (the ``matched`` scheme: ``runs``, a list of dicts with ``codes``
+    ``(..., stop - start, bytes)``, ``scales``, ``zeros`` ``(..., stop - start, groups)``,
+    ``bits``, ``start``, ``stop``; ``group``, ``tokens``, ``basis`` ``(d, d)`` or ``(B, d, d)``
+    where flattened head i uses basis ``i % B``: ``y_hat U^T`` with ``y_hat`` 0 in the columns
+    of no run); ``"centred"`` (``rows``, another spec, plus ``mean`` ``(d,)`` or ``(B, d)``).
     """
     kind = spec["kind"]
     d = _check_dim(head_dim)
     if kind == "dense":
         return np.asarray(spec["values"], dtype=np.float64)
+    if kind == "centred":
+        x = decode_rows(spec["rows"], d)
+        return x + _per_head(np.asarray(spec["mean"], dtype=np.float32).astype(np.float64), x.shape[:-2], 1)[..., None, :]
+    if kind == "channel_runs":
+        t = operator.index(spec["tokens"])
+        lead = None
+        y = None
+        for run in spec["runs"]:
+            codes = unpack_bits(run["codes"], run["bits"], t)
+            part = np.swapaxes(uniform_decode(codes, run["scales"], run["zeros"], run["bits"], spec["group"]), -1, -2)
+            if y is None:
+                lead = part.shape[:-2]
+                y = np.zeros((*lead, t, d))
+            y[..., run["start"] : run["stop"]] = part
+        if y is None:
+            raise ValueError("channel_runs: the oracle needs at least one run to know the leading shape")
+        u = _per_head(np.asarray(spec["basis"], dtype=np.float32).astype(np.float64), lead, 2)
+        return y @ np.swapaxes(u, -1, -2)
     bits = _check_bits(spec["bits"])
     seed = spec.get("seed")
     cd = d if seed is None else padded_dim(d)
@@ -865,6 +888,16 @@ def decode_rows(spec, head_dim) -> np.ndarray:
         codes = unpack_bits(spec["codes"], bits, operator.index(spec["tokens"]))
         return np.swapaxes(uniform_decode(codes, spec["scales"], spec["zeros"], bits, spec["group"]), -1, -2)
     raise ValueError(f"unknown rows kind {kind!r}")
+
+
+def _per_head(table: np.ndarray, lead: tuple[int, ...], ndim: int) -> np.ndarray:
+    """A per-head table (``ndim`` axes, or a leading axis of ``B`` tables for the last axis of
+    ``lead``, flattened head i using table ``i % B``) broadcast to ``(*lead, *table axes)``."""
+    if table.ndim == ndim:
+        return np.broadcast_to(table, (*lead, *table.shape))
+    heads = int(np.prod(lead)) if lead else 1
+    picked = np.stack([table[i % table.shape[0]] for i in range(heads)]) if heads else np.zeros((0, *table.shape[1:]))
+    return picked.reshape(*lead, *table.shape[1:])
 
 
 def decode_attention(q, keys, values, side=None, scale=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -1,6 +1,17 @@
 """The kernels of docs/kernels.md, one module each, over the native Rust implementation."""
 
-from .attention import AttentionResult, DenseRows, MSERows, QJLRows, SideRows, UniformRows, decode_attention
+from .attention import (
+    AttentionResult,
+    CentredRows,
+    ChannelRun,
+    ChannelRunRows,
+    DenseRows,
+    MSERows,
+    QJLRows,
+    SideRows,
+    UniformRows,
+    decode_attention,
+)
 from .hadamard import hadamard, inverse_hadamard, padded_dim
 from .headq import HeadQCode, headq_basis, headq_decode, headq_encode, headq_score_correction
 from .lloyd_max import Codebook, lloyd_max_codebook, lloyd_max_decode, lloyd_max_encode
@@ -12,6 +23,9 @@ from .uniform import UniformCode, uniform_decode, uniform_encode
 
 __all__ = [
     "AttentionResult",
+    "CentredRows",
+    "ChannelRun",
+    "ChannelRunRows",
     "DenseRows",
     "MSERows",
     "QJLRows",

@@ -8,9 +8,11 @@ et al. 2024; KIVI keys: per-channel scales and zero points times the query; Head
 times ``U^T q``), the softmax is taken in a stable way, and the values are accumulated from their
 codes in the code domain and un-rotated once. Keys and values are never reconstructed.
 
-Describe each side of the cache with :class:`MSERows`, :class:`UniformRows` or
-:class:`DenseRows` (the scheme coders of :mod:`kvqrs.schemes` build them from an ``Encoded``),
-and HeadQ's side code with :class:`SideRows`; each declares its stored layout
+Describe each side of the cache with :class:`MSERows`, :class:`UniformRows`,
+:class:`DenseRows` or :class:`ChannelRunRows` (per-channel runs in a calibrated basis, the
+``matched`` scheme), optionally around a per-head mean (:class:`CentredRows`; the scheme coders
+of :mod:`kvqrs.schemes` build them from an ``Encoded``), and HeadQ's side code with
+:class:`SideRows`; each declares its stored layout
 (``layout(lead, T, head_dim)``, the row formats of :mod:`kvqrs.layout` that the scheme coders
 compose), against which the arrays are checked before the native kernel borrows them. The
 float64 reference is :func:`kvqrs.oracle.decode_attention`, which takes the ``spec()`` dicts.
@@ -139,6 +141,94 @@ class DenseRows(NamedTuple):
         return {"kind": "dense", "values": self.values}
 
 
+class ChannelRun(NamedTuple):
+    """One run of basis columns ``start .. stop - 1`` coded at ``bits`` bits per channel along
+    tokens (the per-channel KIVI layout, ``stop - start`` channels).
+
+    Attributes:
+        codes: uint8 ``(..., stop - start, packed_size(T, bits))``.
+        scales, zeros: float16/float32 ``(..., stop - start, ceil(T / group))``.
+        bits: 1..8.
+        start, stop: the run's columns of the basis.
+    """
+
+    codes: np.ndarray
+    scales: np.ndarray
+    zeros: np.ndarray
+    bits: int
+    start: int
+    stop: int
+
+
+class ChannelRunRows(NamedTuple):
+    """Coordinates ``y = x U`` in an orthonormal basis, coded per channel along tokens in runs of
+    columns of equal width (the ``matched`` scheme); columns in no run store nothing and decode
+    to 0. Decodes to ``x_hat = y_hat U^T``.
+
+    Attributes:
+        runs: the :class:`ChannelRun` s, columns in increasing order, disjoint.
+        group: tokens per scale group (every run).
+        basis: float32 ``(d, d)``, or ``(B, d, d)`` with ``B`` the last leading axis (flattened
+            head i uses basis ``i % B``); ``basis[..., i, c]`` is input coordinate i of column c.
+        tokens: ``T`` (per-channel codes do not show it).
+    """
+
+    runs: tuple[ChannelRun, ...]
+    group: int
+    basis: np.ndarray
+    tokens: int
+
+    def layout(self, lead: tuple[int, ...], t: int, d: int) -> lay.Layout:
+        """Parts ``runs[i].codes`` / ``.scales`` / ``.zeros`` of each run (after checking the
+        runs, bits and group)."""
+        g = check_positive_int(self.group, "group")
+        parts: lay.Layout = {}
+        nxt = 0
+        for i, run in enumerate(self.runs):
+            if not isinstance(run, ChannelRun):
+                raise KvqrsError(f"runs[{i}]: expected a ChannelRun, got {type(run).__name__}")
+            lo, hi = check_positive_int(run.start, f"runs[{i}].start", minimum=0), check_positive_int(run.stop, f"runs[{i}].stop")
+            if lo < nxt or hi <= lo or hi > d:
+                raise KvqrsError(
+                    f"runs[{i}]: expected columns {nxt} <= start < stop <= {d} (runs in increasing order, disjoint), got {lo}..{hi}"
+                )
+            nxt = hi
+            b = check_bits(run.bits, f"runs[{i}].bits")
+            parts.update(lay.prefixed(f"runs[{i}].", lay.uniform_channels(lead, t, hi - lo, b, g)))
+        return parts
+
+    def spec(self) -> dict[str, Any]:
+        return {
+            "kind": "channel_runs",
+            "runs": [dict(r._asdict()) for r in self.runs],
+            "group": self.group,
+            "basis": np.asarray(self.basis),
+            "tokens": self.tokens,
+        }
+
+
+class CentredRows(NamedTuple):
+    """Rows around a per-head mean: ``x_hat = rows_hat + mean``.
+
+    As values the mean is added once to the output (the probabilities sum to one). As keys
+    ``q . mean`` is the same for every token of a query row, so the kernel leaves it out of the
+    logits (the softmax does not see it) and adds it to the log-sum-exp only, which keeps
+    ``lse`` the log-sum-exp of the true logits for merging with another softmax part.
+
+    Attributes:
+        rows: :class:`MSERows`, :class:`UniformRows`, :class:`DenseRows` or
+            :class:`ChannelRunRows`.
+        mean: float32 ``(d,)``, or ``(B, d)`` with ``B`` the last leading axis (flattened head
+            i uses mean ``i % B``).
+    """
+
+    rows: Any
+    mean: np.ndarray
+
+    def spec(self) -> dict[str, Any]:
+        return {"kind": "centred", "rows": self.rows.spec(), "mean": np.asarray(self.mean)}
+
+
 class SideRows(NamedTuple):
     """HeadQ side code of the keys (docs/kernels.md section 7).
 
@@ -185,11 +275,15 @@ class AttentionResult(NamedTuple):
     probs: np.ndarray | None
 
 
-Rows = Union[MSERows, UniformRows, DenseRows]
+Rows = Union[MSERows, UniformRows, DenseRows, ChannelRunRows, CentredRows]
 
 
 def _tokens(rows: Rows, arg: str, lead: tuple[int, ...]) -> int:
     """Number of cached tokens of per-token ``rows`` (after a leading-shape check)."""
+    if isinstance(rows, CentredRows):
+        return _tokens(rows.rows, f"{arg}.rows", lead)
+    if isinstance(rows, ChannelRunRows):
+        return check_positive_int(rows.tokens, f"{arg}.tokens", minimum=0)
     if isinstance(rows, MSERows):
         a = as_array(rows.norms, f"{arg}.norms")
     elif isinstance(rows, UniformRows):
@@ -199,19 +293,64 @@ def _tokens(rows: Rows, arg: str, lead: tuple[int, ...]) -> int:
         a = as_array(rows.values, f"{arg}.values")
         a = a[..., 0] if a.ndim else a
     else:
-        raise KvqrsError(f"{arg}: expected MSERows, UniformRows or DenseRows, got {type(rows).__name__}")
+        raise KvqrsError(f"{arg}: expected MSERows, UniformRows, DenseRows, ChannelRunRows or CentredRows, got {type(rows).__name__}")
     if a.ndim != len(lead) + 1 or a.shape[:-1] != lead:
         raise KvqrsError(f"{arg}: expected leading shape {lead} (the queries') then tokens, got {a.shape}")
     return a.shape[-1]
 
 
-def _flat_rows(rows: Rows, arg: str, lead: tuple[int, ...], t: int, d: int) -> Rows:
+class _FlatRuns(NamedTuple):
+    """:class:`ChannelRunRows` checked and flattened, with the basis count."""
+
+    runs: list[ChannelRun]
+    group: int
+    basis: np.ndarray
+    basis_heads: int
+
+
+class _FlatCentred(NamedTuple):
+    """:class:`CentredRows` checked and flattened, with the mean count."""
+
+    rows: Any
+    mean: np.ndarray
+    mean_heads: int
+
+
+def _per_head(x: Any, arg: str, lead: tuple[int, ...], shape: tuple[int, ...]) -> tuple[np.ndarray, int]:
+    """A per-head table (``shape``, or ``(B, *shape)`` with ``B`` the last leading axis) as a
+    flat finite float32 array and ``B`` (1 for one table)."""
+    a = as_array(x, arg)
+    heads = lead[-1] if lead else 1
+    if a.shape == shape:
+        count = 1
+    elif a.shape == (heads, *shape):
+        count = heads
+    else:
+        raise KvqrsError(f"{arg}: expected shape {shape} or ({heads} kv_heads, {', '.join(map(str, shape))}), got {a.shape}")
+    return as_float_rows(a.reshape(-1, shape[-1]), arg)[0].reshape(-1), count
+
+
+def _flat_rows(rows: Rows, arg: str, lead: tuple[int, ...], t: int, d: int) -> Any:
     """``rows`` with every array checked against its declared layout and flattened (what the
     native kernel borrows; it reads the fields by name)."""
+    if isinstance(rows, CentredRows):
+        if isinstance(rows.rows, CentredRows):
+            raise KvqrsError(f"{arg}.rows: expected rows around one mean, got CentredRows in CentredRows")
+        mean, count = _per_head(rows.mean, f"{arg}.mean", lead, (d,))
+        return _FlatCentred(_flat_rows(rows.rows, arg, lead, t, d), mean, count)
     try:
         parts = rows.layout(lead, t, d)
     except KvqrsError as e:
         raise KvqrsError(f"{arg}.{e}") from None
+    if isinstance(rows, ChannelRunRows):
+        basis, count = _per_head(rows.basis, f"{arg}.basis", lead, (d, d))
+        runs = [
+            run._replace(
+                **{k: lay.flat(getattr(run, k), f"{arg}.runs[{i}].{k}", parts[f"runs[{i}].{k}"]) for k in ("codes", "scales", "zeros")}
+            )
+            for i, run in enumerate(rows.runs)
+        ]
+        return _FlatRuns(runs, int(rows.group), basis, count)
     flat = {
         name: lay.flat(getattr(rows, name) if "." not in name else getattr(rows.qjl, name[4:]), f"{arg}.{name}", part)
         for name, part in parts.items()
@@ -247,15 +386,19 @@ def decode_attention(
     ``out[..., r, :] = sum_j p_rj v_hat_j`` with ``p_r = softmax_j(scale * (q_r . k_hat_j +
     side_j))`` and ``side_j = sign * (U^T q_r) . z_j`` (HeadQ, docs/kernels.md section 7); ``k_hat``, ``v_hat``
     the decodes of docs/kernels.md sections 5, 6 and 9 (the QJL residual enters the logits
-    through its inner-product estimator, Zandieh et al. 2024, Lemma 3.2). The rows of one
-    leading index (e.g. the query heads of a GQA group times the query tokens) share one pass
-    over that index's codes.
+    through its inner-product estimator, Zandieh et al. 2024, Lemma 3.2). :class:`ChannelRunRows`
+    keys are scored as ``(q U) . y_hat`` (the query projected once per row); the key mean of
+    :class:`CentredRows` enters ``lse`` only (``scale * q . mean``: the same for every token, so
+    ``probs`` and ``out`` do not depend on it); a value mean is added once to ``out``. The rows
+    of one leading index (e.g. the query heads of a GQA group times the query tokens) share one
+    pass over that index's codes.
 
     Args:
         q: float ``(..., rows, head_dim)``; the leading shape is the keys' (one KV head each).
-        keys: :class:`MSERows`, :class:`UniformRows` (per token or per channel) or
-            :class:`DenseRows` with leading shape ``(...)`` and ``T`` tokens.
-        values: :class:`MSERows`, per-token :class:`UniformRows` or :class:`DenseRows`.
+        keys: :class:`MSERows`, :class:`UniformRows` (per token or per channel),
+            :class:`DenseRows` or :class:`ChannelRunRows`, each optionally in
+            :class:`CentredRows`, with leading shape ``(...)`` and ``T`` tokens.
+        values: the same but per-channel :class:`UniformRows`.
         side: optional :class:`SideRows` of the keys.
         scale: logit scale, default ``1 / sqrt(head_dim)``.
         probs: also return the probabilities.
@@ -265,20 +408,24 @@ def decode_attention(
         scores in float32); empty arrays for no query rows or heads.
 
     Raises:
-        KvqrsError: shapes that do not match (naming e.g. ``keys.codes``), no tokens, bad bits,
-            seeds, groups, a per-channel value layout, invalid stored scalars, a bad basis,
-            non-finite queries, values or logits (named by row and position).
+        KvqrsError: shapes that do not match (naming e.g. ``keys.codes`` or
+            ``keys.runs[1].scales``), no tokens, bad bits, seeds, groups, a per-channel value
+            layout, invalid stored scalars, a bad HeadQ basis, runs out of order or beyond
+            ``head_dim``, a basis or mean of the wrong shape or not finite, non-finite queries,
+            values or logits (named by row and position; ``scale * q . mean`` too).
     """
     flat, lead, d, _ = as_float_rows(q, "q", min_dim=2)
     if len(lead) < 1:
         raise KvqrsError(f"q: expected shape (..., rows, head_dim), got {np.shape(q)}")
     lead, rows = lead[:-1], lead[-1]
-    if isinstance(values, UniformRows) and values.per_channel:
+    vin = values.rows if isinstance(values, CentredRows) else values
+    if isinstance(vin, UniformRows) and vin.per_channel:
         raise KvqrsError("values: expected per-token values; per-channel uniform groups are a key layout (KIVI keys)")
     t = _tokens(values, "values", lead)
     if t == 0:
         raise KvqrsError("values: expected at least one token to attend to, got 0")
-    if not (isinstance(keys, UniformRows) and keys.per_channel):
+    inner = keys.rows if isinstance(keys, CentredRows) else keys
+    if not (isinstance(inner, UniformRows) and inner.per_channel):
         tk = _tokens(keys, "keys", lead)
         if tk != t:
             raise KvqrsError(f"keys: expected the values' {t} tokens, got {tk}")

@@ -32,6 +32,7 @@ import numpy as np
 
 from .. import layout as lay
 from .._arrays import KvqrsError
+from ..kernels.attention import CentredRows, ChannelRun, ChannelRunRows, MSERows
 from ..kernels.uniform import UniformCode
 from .backend import CPU, Backend
 from .base import Encoded, as_float_array, check_encoded, check_head_dim, split_shape
@@ -335,6 +336,14 @@ def fit_layer(
     return MatchedCalibration(fit_basis(keys, key_bits, group, moment, backend, transform), vmean, vbasis)
 
 
+def _rows_times(x: np.ndarray, m: np.ndarray) -> np.ndarray:
+    """``x @ m`` (rows ``(..., T, d)`` times ``(..., d, e)``) in float64, rounded once to
+    float32: every row's result is the same whatever the number of rows (a float32 BLAS
+    product rounds differently for 1 row and for many, so a streamed cache would store other
+    codes than a one-shot encode)."""
+    return np.matmul(x.astype(np.float64), m.astype(np.float64)).astype(np.float32)
+
+
 class MatchedCoder:
     """Transform coder of one layer and side (see the module docstring).
 
@@ -392,7 +401,7 @@ class MatchedCoder:
         x = as_float_array(x, self.kind)
         check_head_dim(x, self.head_dim, self.kind)
         mean, basis = self._heads(x)
-        y = np.swapaxes((x.astype(np.float32) - mean) @ basis, -1, -2)  # (..., d, T): coordinates along tokens
+        y = np.swapaxes(_rows_times(x.astype(np.float32) - mean, basis), -1, -2)  # (..., d, T): coordinates along tokens
         y = np.ascontiguousarray(y)
         parts = {}
         t = x.shape[-2]
@@ -427,10 +436,43 @@ class MatchedCoder:
         """``x_hat = y_hat U^T + mu``, float32 ``(..., T, d)``."""
         y = self.coordinates(enc)
         mean, basis = self._heads(y)
-        return y @ np.swapaxes(basis, -1, -2) + mean
+        return _rows_times(y, np.swapaxes(basis, -1, -2)) + mean
 
     def scores(self, q: np.ndarray, enc: Encoded) -> np.ndarray:
         return decoded_scores(q, self.decode(enc))
+
+    def attention_rows(self, enc: Encoded) -> CentredRows:
+        """The stored runs as the fused attention kernel reads them, keys or values alike
+        (codes stay packed): :class:`~kvqrs.kernels.attention.ChannelRunRows` (one
+        :class:`~kvqrs.kernels.attention.ChannelRun` per run of equal width, the basis
+        ``(kv_heads, d, d)`` or ``(d, d)``) in :class:`~kvqrs.kernels.attention.CentredRows` with
+        the mean ``(kv_heads, d)`` or ``(d,)``. As keys the kernel scores ``(q U) . y_hat`` (the
+        mean's ``q . mu`` is left out of the logits, where the softmax ignores it, and enters
+        only the log-sum-exp); as values it sums ``p_j y_hat_j`` and rotates the sum once.
+
+        Raises:
+            KvqrsError: ``enc`` not encoded by this coder (scheme, side, group, widths or
+                calibration), or a head axis that does not match the calibration's heads.
+        """
+        check_encoded(enc, self.scheme, self.kind, self.params)
+        runs = tuple(
+            ChannelRun(enc.parts[f"codes{b}"], enc.parts[f"scales{b}"], enc.parts[f"zeros{b}"], b, lo, hi) for b, lo, hi in self.runs
+        )
+        basis = _head_table(self.cal.basis, enc.shape, self.kind)
+        mean = _head_table(self.cal.mean, enc.shape, self.kind)
+        return CentredRows(ChannelRunRows(runs, self.group, basis, enc.shape[-2]), mean)
+
+
+def _head_table(table: np.ndarray, shape: tuple[int, ...], kind: str) -> np.ndarray:
+    """A calibrated per-head table (``(kv_heads, ...)``) for a tensor of ``shape``
+    ``(..., H, T, d)``: all of it when ``H`` is the calibration's heads, head 0's table when the
+    calibration has one head (it serves every head, as in encoding)."""
+    h = table.shape[0]
+    if len(shape) >= 3 and shape[-3] == h:
+        return table
+    if h == 1:
+        return table[0]
+    raise KvqrsError(f"{kind}: expected shape (..., {h} kv_heads, tokens, {shape[-1]}) for this calibration, got {shape}")
 
 
 def _fingerprint(cal: MatchedBasis) -> str:
@@ -550,6 +592,19 @@ class MatchedValueCoder:
         check_encoded(enc, self.scheme, self.kind, self.params)
         y = self.mse.decode_unchecked(enc)
         return y + self._mean(y)
+
+    def attention_rows(self, enc: Encoded) -> CentredRows:
+        """The MSE stage's rows (:class:`~kvqrs.kernels.attention.MSERows`, codes packed) in
+        :class:`~kvqrs.kernels.attention.CentredRows` with the value mean ``(kv_heads, d)`` or
+        ``(d,)``: the kernel adds the mean once to the output (the probabilities sum to one).
+
+        Raises:
+            KvqrsError: ``enc`` not encoded by this coder, or a head axis that does not match
+                the calibration's heads.
+        """
+        check_encoded(enc, self.scheme, self.kind, self.params)
+        rows: MSERows = self.mse.rows_unchecked(enc)
+        return CentredRows(rows, _head_table(self.mean, enc.shape, self.kind))
 
 
 def random_calibration(head_dim: int, bits: int, seed: int) -> MatchedCalibration:

@@ -3,7 +3,7 @@
 //! the same errors. Also: results do not depend on the rayon thread count.
 
 use kvqrs_core::kernels::attention::{
-    decode_attention_with, Attention, CodedRows, Layout, QjlRows, SideRows,
+    decode_attention_with, Attention, ChannelRun, CodedRows, Layout, QjlRows, SideRows,
 };
 use kvqrs_core::kernels::hadamard::{padded_dim, Rotation};
 use kvqrs_core::kernels::headq::HeadqCoder;
@@ -332,6 +332,22 @@ impl Stored {
         }
     }
 
+    /// Codes, scales and zero points of `ch` channels of `t` tokens in per-channel groups.
+    fn channels(
+        &self,
+        ch: usize,
+        t: usize,
+        bits: u32,
+        group: usize,
+    ) -> (&[u8], ScalarView<'_>, ScalarView<'_>) {
+        let groups = ch * t.div_ceil(group);
+        (
+            &self.codes[..ch * packed_len(t, bits)],
+            ScalarView::F16(&self.scalars[..groups]),
+            ScalarView::F16(&self.zeros[..groups]),
+        )
+    }
+
     /// The layouts of one side: MSE (no rotation; rotated; rotated with a QJL residual),
     /// uniform groups along tokens (plain, rotated), per-channel groups, dense rows.
     fn layouts(&self, h: usize, t: usize, d: usize, bits: u32, group: usize) -> Vec<CodedRows<'_>> {
@@ -356,7 +372,7 @@ impl Stored {
             seed,
         };
         let cd = padded_dim(d);
-        let ch = h * d;
+        let (codes, scales, zeros) = self.channels(h * d, t, bits, group);
         vec![
             mse(d, None, false),
             mse(cd, Some(3), false),
@@ -364,9 +380,9 @@ impl Stored {
             tokens(d, None),
             tokens(cd, Some(4)),
             CodedRows::UniformChannels {
-                codes: &self.codes[..ch * packed_len(t, bits)],
-                scales: ScalarView::F16(&self.scalars[..ch * t.div_ceil(group)]),
-                zeros: ScalarView::F16(&self.zeros[..ch * t.div_ceil(group)]),
+                codes,
+                scales,
+                zeros,
                 bits,
                 group,
             },
@@ -453,6 +469,95 @@ fn fused_attention_is_bit_identical_on_every_isa_and_thread_count() {
                         got == want,
                         "{threads} threads d={d} t={t} keys {ki} values {vi}"
                     );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn fused_matched_runs_are_bit_identical_on_every_isa_and_thread_count() {
+    // Per-channel runs in a basis (the matched scheme) around a mean, as keys and as values
+    // (and MSE values around a mean): runs of different widths with width-0 columns between and
+    // after them, tokens not a multiple of the group, over one and several chunks.
+    for (d, t, rows, group) in [(12, 37, 3, 5), (40, 530, 2, 32), (64, 300, 3, 128)] {
+        let heads = 2;
+        let bounds = [(5u32, 0, d / 4), (4, d / 4, d / 2), (2, d / 2 + 1, d - 2)];
+        let stored: Vec<Stored> = (0..bounds.len() as u64)
+            .map(|i| Stored::new(31 + i, heads, t, d))
+            .collect();
+        let runs: Vec<ChannelRun> = bounds
+            .iter()
+            .zip(&stored)
+            .map(|(&(bits, start, stop), st)| {
+                let (codes, scales, zeros) = st.channels(heads * (stop - start), t, bits, group);
+                ChannelRun {
+                    codes,
+                    scales,
+                    zeros,
+                    bits,
+                    start,
+                    stop,
+                }
+            })
+            .collect();
+        let basis: Vec<f32> = (0..heads as u64)
+            .flat_map(|h| random_orthonormal_basis(40 + h, d, d).unwrap())
+            .collect();
+        let mean = mixed_rows(41, heads, d);
+        let mean: Vec<f32> = mean.iter().map(|v| v.clamp(-1e3, 1e3)).collect();
+        let inner = CodedRows::ChannelRuns {
+            runs: &runs,
+            group,
+            basis: &basis,
+            basis_heads: heads,
+        };
+        let centred = CodedRows::Centred {
+            rows: &inner,
+            mean: &mean,
+            mean_heads: heads,
+        };
+        let vs = Stored::new(42, heads, t, d);
+        let mse = CodedRows::Mse {
+            codes: &vs.codes[..heads * t * packed_len(padded_dim(d), 4)],
+            norms: ScalarView::F16(&vs.scalars[..heads * t]),
+            bits: 4,
+            seed: Some(3),
+            qjl: None,
+        };
+        let mse_centred = CodedRows::Centred {
+            rows: &mse,
+            mean: &mean[..d],
+            mean_heads: 1,
+        };
+        let q: Vec<f32> = mixed_rows(43, heads * rows, d)
+            .iter()
+            .map(|v| (v * 0.1).clamp(-1e3, 1e3))
+            .collect();
+        let lay = Layout {
+            heads,
+            rows,
+            tokens: t,
+            head_dim: d,
+            scale: 1.0 / (d as f32).sqrt(),
+        };
+        for (vi, v) in [centred, inner, mse_centred].iter().enumerate() {
+            for k in [&centred, &inner] {
+                let run = |isa: Isa| {
+                    decode_attention_with(isa, &q, &lay, k, None, v, true)
+                        .map(|a| attention_bits(&a))
+                };
+                let want = run(Isa::Scalar).unwrap();
+                for isa in simd_isas() {
+                    assert!(run(isa).unwrap() == want, "{isa:?} d={d} t={t} values {vi}");
+                }
+                for threads in [1, 3] {
+                    let pool = rayon::ThreadPoolBuilder::new()
+                        .num_threads(threads)
+                        .build()
+                        .unwrap();
+                    let got = pool.install(|| run(Isa::best()).unwrap());
+                    assert!(got == want, "{threads} threads d={d} t={t} values {vi}");
                 }
             }
         }

@@ -1,11 +1,12 @@
 //! Binding of the fused decode attention kernel. Keys, values and the HeadQ side code arrive as
 //! the typed row objects of `kvqrs.kernels.attention` (`MSERows`, `UniformRows`, `DenseRows`,
-//! the flattened `SideRows`), read by attribute name; the Python wrapper has checked every
+//! `ChannelRunRows` and its `ChannelRun`s, `CentredRows` around any of them, the flattened
+//! `SideRows`), read by attribute name; the Python wrapper has checked every
 //! array against the row format's declared layout and flattened it. Everything is borrowed and
 //! the GIL is released for the kernel.
 
 use kvqrs_core::kernels::attention::{
-    decode_attention as core_attention, CodedRows, Layout, QjlRows, SideRows,
+    decode_attention as core_attention, ChannelRun, CodedRows, Layout, QjlRows, SideRows,
 };
 use numpy::{PyArray1, PyReadonlyArray1};
 use pyo3::prelude::*;
@@ -51,12 +52,90 @@ pub struct PyDense<'py> {
     values: PyReadonlyArray1<'py, f32>,
 }
 
-/// One side of the cache, recognised by its fields.
+/// `ChannelRun`: one run of basis columns coded per channel.
 #[derive(FromPyObject)]
-pub enum PyRows<'py> {
+pub struct PyRun<'py> {
+    codes: Bytes<'py>,
+    scales: Scalars<'py>,
+    zeros: Scalars<'py>,
+    bits: u32,
+    start: usize,
+    stop: usize,
+}
+
+/// `ChannelRunRows` (flattened basis, with its count).
+#[derive(FromPyObject)]
+pub struct PyRuns<'py> {
+    runs: Vec<PyRun<'py>>,
+    group: usize,
+    basis: PyReadonlyArray1<'py, f32>,
+    basis_heads: usize,
+}
+
+/// One side of the cache without a mean, recognised by its fields.
+#[derive(FromPyObject)]
+pub enum PyBase<'py> {
     Mse(PyMse<'py>),
     Uniform(PyUniform<'py>),
     Dense(PyDense<'py>),
+    Runs(PyRuns<'py>),
+}
+
+/// `CentredRows` (flattened mean, with its count) around other rows.
+#[derive(FromPyObject)]
+pub struct PyCentred<'py> {
+    rows: PyBase<'py>,
+    mean: PyReadonlyArray1<'py, f32>,
+    mean_heads: usize,
+}
+
+/// One side of the cache.
+#[derive(FromPyObject)]
+pub enum PyRows<'py> {
+    Centred(PyCentred<'py>),
+    Base(PyBase<'py>),
+}
+
+impl PyRows<'_> {
+    fn base(&self) -> &PyBase<'_> {
+        match self {
+            PyRows::Centred(c) => &c.rows,
+            PyRows::Base(b) => b,
+        }
+    }
+
+    /// The borrowed runs of `ChannelRunRows` (empty for other rows).
+    fn runs(&self, side: &str) -> PyResult<Vec<ChannelRun<'_>>> {
+        let PyBase::Runs(r) = self.base() else {
+            return Ok(Vec::new());
+        };
+        let name = |part: &str| format!("{side}.runs.{part}");
+        r.runs
+            .iter()
+            .map(|run| {
+                Ok(ChannelRun {
+                    codes: slice(&run.codes, &name("codes"))?,
+                    scales: run.scales.view(&name("scales"))?,
+                    zeros: run.zeros.view(&name("zeros"))?,
+                    bits: run.bits,
+                    start: run.start,
+                    stop: run.stop,
+                })
+            })
+            .collect()
+    }
+
+    /// `inner` around the mean of `CentredRows`, or `inner` itself.
+    fn wrap<'a>(&'a self, side: &str, inner: &'a CodedRows<'a>) -> PyResult<CodedRows<'a>> {
+        Ok(match self {
+            PyRows::Centred(c) => CodedRows::Centred {
+                rows: inner,
+                mean: slice(&c.mean, &format!("{side}.mean"))?,
+                mean_heads: c.mean_heads,
+            },
+            PyRows::Base(_) => *inner,
+        })
+    }
 }
 
 /// The flattened `SideRows` (HeadQ).
@@ -71,12 +150,13 @@ pub struct PySide<'py> {
     basis_heads: usize,
 }
 
-impl PyRows<'_> {
-    /// The borrowed core rows (`side` names the arguments in errors: `keys` or `values`).
-    fn rows(&self, side: &str) -> PyResult<CodedRows<'_>> {
+impl PyBase<'_> {
+    /// The borrowed core rows (`side` names the arguments in errors: `keys` or `values`;
+    /// `runs` are those of [`PyRows::runs`]).
+    fn rows<'a>(&'a self, side: &str, runs: &'a [ChannelRun<'a>]) -> PyResult<CodedRows<'a>> {
         let name = |part: &str| format!("{side}.{part}");
         Ok(match self {
-            PyRows::Mse(m) => CodedRows::Mse {
+            PyBase::Mse(m) => CodedRows::Mse {
                 codes: slice(&m.codes, &name("codes"))?,
                 norms: m.norms.view(&name("norms"))?,
                 bits: m.bits,
@@ -90,14 +170,14 @@ impl PyRows<'_> {
                     }),
                 },
             },
-            PyRows::Uniform(u) if u.per_channel => CodedRows::UniformChannels {
+            PyBase::Uniform(u) if u.per_channel => CodedRows::UniformChannels {
                 codes: slice(&u.codes, &name("codes"))?,
                 scales: u.scales.view(&name("scales"))?,
                 zeros: u.zeros.view(&name("zeros"))?,
                 bits: u.bits,
                 group: u.group,
             },
-            PyRows::Uniform(u) => CodedRows::UniformTokens {
+            PyBase::Uniform(u) => CodedRows::UniformTokens {
                 codes: slice(&u.codes, &name("codes"))?,
                 scales: u.scales.view(&name("scales"))?,
                 zeros: u.zeros.view(&name("zeros"))?,
@@ -105,7 +185,13 @@ impl PyRows<'_> {
                 group: u.group,
                 seed: u.seed,
             },
-            PyRows::Dense(x) => CodedRows::Dense(slice(&x.values, &name("values"))?),
+            PyBase::Dense(x) => CodedRows::Dense(slice(&x.values, &name("values"))?),
+            PyBase::Runs(r) => CodedRows::ChannelRuns {
+                runs,
+                group: r.group,
+                basis: slice(&r.basis, &name("basis"))?,
+                basis_heads: r.basis_heads,
+            },
         })
     }
 }
@@ -146,7 +232,10 @@ pub fn decode_attention<'py>(
     probs: bool,
 ) -> PyResult<AttentionOut<'py>> {
     let qs = slice(&q, "q")?;
-    let (kr, vr) = (keys.rows("keys")?, values.rows("values")?);
+    let (kruns, vruns) = (keys.runs("keys")?, values.runs("values")?);
+    let kin = keys.base().rows("keys", &kruns)?;
+    let vin = values.base().rows("values", &vruns)?;
+    let (kr, vr) = (keys.wrap("keys", &kin)?, values.wrap("values", &vin)?);
     let sr = side.as_ref().map(PySide::rows).transpose()?;
     let layout = Layout {
         heads,

@@ -72,7 +72,7 @@ impl ValueRows for DensePlan<'_> {
         }
     }
 
-    fn finish(&self, isa: Isa, acc: &mut [f64], sums: &[f64], out: &mut [f32]) {
+    fn finish(&self, isa: Isa, _h: usize, acc: &mut [f64], sums: &[f64], out: &mut [f32]) {
         unrotate(isa, &None, (acc, self.head_dim, self.head_dim), sums, out);
     }
 }

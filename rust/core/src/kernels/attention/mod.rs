@@ -5,10 +5,11 @@
 //!
 //! The kernel is split along the row layouts, as faiss's distance computers compose a decoder
 //! and a similarity: each layout (one file: [`mse`], [`uniform`], [`dense`], HeadQ's [`side`]
-//! code) implements [`KeyRows`] (prepare the query rows once per head, then add their scores
-//! against a span of tokens) and, for per-token layouts, [`ValueRows`] (add the weighted sum
-//! of a span of value rows to a float64 accumulator, then map it back once). This file holds
-//! the driver that is the same for every layout:
+//! code, the per-channel runs of a calibrated basis in [`runs`], and a [`CodedRows::Centred`]
+//! mean around any of them) implements [`KeyRows`] (prepare the query rows once per head, then
+//! add their scores against a span of tokens) and, for value layouts, [`ValueRows`] (add the
+//! weighted sum of a span of value rows to a float64 accumulator, then map it back once). This
+//! file holds the driver that is the same for every layout:
 //!
 //! - each head's tokens are split into fixed chunks of [`CHUNK`] tokens (whole KIVI key groups),
 //!   and every (head, chunk) pair is one rayon task: scores, the chunk's maximum, `exp` (the
@@ -24,6 +25,7 @@
 mod dense;
 mod mse;
 mod reader;
+mod runs;
 mod side;
 mod uniform;
 
@@ -33,6 +35,7 @@ use rayon::prelude::*;
 
 use self::dense::DensePlan;
 use self::mse::MsePlan;
+use self::runs::{CentredPlan, RunsPlan};
 use self::side::SidePlan;
 use self::uniform::{ChannelsPlan, TokensPlan};
 use super::{check_finite, check_head_dim, check_len, check_row_len};
@@ -100,6 +103,50 @@ pub enum CodedRows<'a> {
     },
     /// Full-precision rows, heads x tokens x head_dim.
     Dense(&'a [f32]),
+    /// Coordinates `y = x U` in an orthonormal basis `U` (the `matched` scheme), coded per
+    /// channel along tokens (KIVI groups) in runs of columns of equal width; columns in no run
+    /// store nothing and decode to 0. Decodes to `x_hat = y_hat U^T`.
+    ChannelRuns {
+        /// The coded runs, columns in increasing order, disjoint.
+        runs: &'a [ChannelRun<'a>],
+        /// Tokens per scale group (every run).
+        group: usize,
+        /// basis_heads x head_dim x head_dim, row-major (`U[i][c]`: input coordinate i, basis
+        /// column c); head h uses basis `h % basis_heads`.
+        basis: &'a [f32],
+        /// Number of bases (1, or a divisor of the flattened heads).
+        basis_heads: usize,
+    },
+    /// Other rows plus a per-head mean `mu`: `x_hat = inner_hat + mu`. As values the mean is
+    /// added once to the output (the probabilities sum to one); as keys `q . mu` is the same for
+    /// every token of a query, so it is left out of the logits (the softmax ignores it) and
+    /// added to the log-sum-exp only, which another softmax part is merged with.
+    Centred {
+        /// The rows around the mean (any layout).
+        rows: &'a CodedRows<'a>,
+        /// mean_heads x head_dim; head h uses mean `h % mean_heads`.
+        mean: &'a [f32],
+        /// Number of means (1, or a divisor of the flattened heads).
+        mean_heads: usize,
+    },
+}
+
+/// One run of basis columns `start .. stop` coded at `bits` bits per channel along tokens
+/// (the per-channel KIVI layout of [`CodedRows::UniformChannels`] with `stop - start` channels).
+#[derive(Debug, Clone, Copy)]
+pub struct ChannelRun<'a> {
+    /// heads x (stop - start) x packed_len(tokens, bits) bytes.
+    pub codes: &'a [u8],
+    /// heads x (stop - start) x ceil(tokens / group) scales.
+    pub scales: ScalarView<'a>,
+    /// heads x (stop - start) x ceil(tokens / group) zero points.
+    pub zeros: ScalarView<'a>,
+    /// Bits per code (1..8).
+    pub bits: u32,
+    /// First basis column of the run.
+    pub start: usize,
+    /// One past the last basis column.
+    pub stop: usize,
 }
 
 /// HeadQ side code of the keys (docs/kernels.md section 7), added in score space.
@@ -158,6 +205,8 @@ struct Names {
     qjl_signs: &'static str,
     qjl_norms: &'static str,
     dense: &'static str,
+    basis: &'static str,
+    mean: &'static str,
 }
 
 const KEY_NAMES: Names = Names {
@@ -170,6 +219,17 @@ const KEY_NAMES: Names = Names {
     qjl_signs: "keys.qjl_signs",
     qjl_norms: "keys.qjl_norms",
     dense: "keys.values",
+    basis: "keys.basis",
+    mean: "keys.mean",
+};
+
+const KEY_RUN_NAMES: Names = Names {
+    codes: "keys.runs.codes",
+    scales: "keys.runs.scales",
+    zeros: "keys.runs.zeros",
+    bits: "keys.runs.bits",
+    group: "keys.group",
+    ..KEY_NAMES
 };
 
 const VALUE_NAMES: Names = Names {
@@ -182,7 +242,29 @@ const VALUE_NAMES: Names = Names {
     qjl_signs: "values.qjl_signs",
     qjl_norms: "values.qjl_norms",
     dense: "values.values",
+    basis: "values.basis",
+    mean: "values.mean",
 };
+
+const VALUE_RUN_NAMES: Names = Names {
+    codes: "values.runs.codes",
+    scales: "values.runs.scales",
+    zeros: "values.runs.zeros",
+    bits: "values.runs.bits",
+    group: "values.group",
+    ..VALUE_NAMES
+};
+
+impl Names {
+    /// The names of the arrays of one run of [`CodedRows::ChannelRuns`] on this side.
+    fn runs(&self) -> &'static Names {
+        if self.codes == KEY_NAMES.codes {
+            &KEY_RUN_NAMES
+        } else {
+            &VALUE_RUN_NAMES
+        }
+    }
+}
 
 /// Tokens per task: small enough to balance a few KV heads over the cores, large enough that
 /// the per-chunk merge (rows x head_dim float64 values) costs nothing.
@@ -200,6 +282,12 @@ trait KeyRows: Sync {
     fn token_step(&self) -> usize {
         1
     }
+    /// A per-query-row term `c_r` of every token's logit that is left out of the scores (it
+    /// is the same for every token, so the softmax ignores it) but belongs to the log-sum-exp:
+    /// the driver adds `scale * c_r` to it. None when the layout has none.
+    fn lse_shift(&self, _isa: Isa, _q: &[f32], _h: usize, _lay: &Layout) -> Option<Vec<f32>> {
+        None
+    }
 }
 
 /// The weighted sums of one value row layout.
@@ -209,9 +297,9 @@ trait ValueRows: Sync {
     /// Adds `sum_j p[r, j] v_j` for the tokens `span` of head `h` (in the layout's own domain)
     /// to `acc` (rows x acc_dim); `p` is rows x span.len().
     fn accumulate(&self, isa: Isa, p: &[f32], h: usize, span: Range<usize>, acc: &mut [f64]);
-    /// `out` (rows x head_dim) = the accumulator divided by `sums`, mapped back to the head
-    /// domain (`acc` is scratch).
-    fn finish(&self, isa: Isa, acc: &mut [f64], sums: &[f64], out: &mut [f32]);
+    /// `out` (rows x head_dim) = head `h`'s accumulator divided by `sums`, mapped back to the
+    /// head domain (`acc` is scratch).
+    fn finish(&self, isa: Isa, h: usize, acc: &mut [f64], sums: &[f64], out: &mut [f32]);
 }
 
 /// One validated side of the cache.
@@ -220,6 +308,8 @@ enum Plan<'a> {
     Tokens(TokensPlan<'a>),
     Channels(ChannelsPlan<'a>),
     Dense(DensePlan<'a>),
+    Runs(RunsPlan<'a>),
+    Centred(CentredPlan<'a>),
 }
 
 impl<'a> Plan<'a> {
@@ -258,6 +348,27 @@ impl<'a> Plan<'a> {
                 lay,
             )?),
             CodedRows::Dense(x) => Plan::Dense(DensePlan::new(x, names, lay)?),
+            CodedRows::ChannelRuns {
+                runs,
+                group,
+                basis,
+                basis_heads,
+            } => Plan::Runs(RunsPlan::new(
+                runs,
+                (group, basis, basis_heads),
+                (names, names.runs()),
+                lay,
+            )?),
+            CodedRows::Centred {
+                rows,
+                mean,
+                mean_heads,
+            } => Plan::Centred(CentredPlan::new(
+                Box::new(Plan::new(rows, names, lay)?),
+                (mean, mean_heads),
+                names,
+                lay,
+            )?),
         })
     }
 
@@ -267,6 +378,8 @@ impl<'a> Plan<'a> {
             Plan::Tokens(p) => p,
             Plan::Channels(p) => p,
             Plan::Dense(p) => p,
+            Plan::Runs(p) => p,
+            Plan::Centred(p) => p,
         }
     }
 
@@ -277,6 +390,8 @@ impl<'a> Plan<'a> {
             Plan::Tokens(p) => Some(p),
             Plan::Channels(_) => None,
             Plan::Dense(p) => Some(p),
+            Plan::Runs(p) => Some(p),
+            Plan::Centred(p) => p.inner().values().map(|_| p as &dyn ValueRows),
         }
     }
 }
@@ -330,11 +445,13 @@ fn chunk(
     })
 }
 
-/// One head's (out, lse, probs) from its chunks in token order, merged by log-sum-exp.
+/// Head `h`'s (out, lse, probs) from its chunks in token order, merged by log-sum-exp;
+/// `shift` (rows) is the logit term the scores left out (`KeyRows::lse_shift`), added to the
+/// log-sum-exp as `scale * shift`.
 fn merge(
     isa: Isa,
     values: &dyn ValueRows,
-    parts: &[&Part],
+    (h, parts, shift): (usize, &[&Part], &[f64]),
     lay: &Layout,
     want_probs: bool,
 ) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
@@ -356,10 +473,10 @@ fn merge(
             let (dst, src) = (&mut acc[r * w..(r + 1) * w], &p.acc[r * w..(r + 1) * w]);
             dst.iter_mut().zip(src).for_each(|(a, &v)| *a += f * v);
         }
-        lse[r] = (f64::from(m) + sums[r].ln()) as f32;
+        lse[r] = (f64::from(m) + sums[r].ln() + f64::from(lay.scale) * shift[r]) as f32;
     }
     let mut out = vec![0.0f32; rows * lay.head_dim];
-    values.finish(isa, &mut acc, &sums, &mut out);
+    values.finish(isa, h, &mut acc, &sums, &mut out);
     let mut probs = Vec::new();
     if want_probs {
         probs.resize(rows * t, 0.0);
@@ -377,6 +494,33 @@ fn merge(
         }
     }
     (out, lse, probs)
+}
+
+/// heads x rows: the logit terms the key layouts left out of the scores (`KeyRows::lse_shift`),
+/// summed in term order in float64; an error naming the first query row whose term (or its
+/// scaled value) is not finite.
+fn lse_shifts(isa: Isa, terms: &[&dyn KeyRows], q: &[f32], lay: &Layout) -> Result<Vec<f64>> {
+    let (rows, d) = (lay.rows, lay.head_dim);
+    let mut shifts = vec![0.0f64; lay.heads * rows];
+    for (h, sh) in shifts.chunks_exact_mut(rows).enumerate() {
+        let qh = &q[h * rows * d..(h + 1) * rows * d];
+        for k in terms {
+            if let Some(c) = k.lse_shift(isa, qh, h, lay) {
+                sh.iter_mut().zip(&c).for_each(|(s, &v)| *s += f64::from(v));
+            }
+        }
+        for (r, &v) in sh.iter().enumerate() {
+            if !(v * f64::from(lay.scale)).is_finite() || (v as f32).is_infinite() {
+                return Err(KvqError::NonFinite {
+                    arg: "logits",
+                    row: h * rows + r,
+                    col: 0,
+                    value: v as f32,
+                });
+            }
+        }
+    }
+    Ok(shifts)
 }
 
 /// The error for per-channel value rows.
@@ -397,7 +541,9 @@ fn channel_values() -> KvqError {
 ///
 /// Errors: head_dim < 2, no tokens, rows == 0, a non-finite or non-positive scale, a buffer
 /// whose length does not match the layout (naming it, e.g. `keys.codes`), invalid stored
-/// scalars, bad bits or group, a bad HeadQ basis, non-finite queries or logits.
+/// scalars, bad bits or group, a bad HeadQ basis, runs out of order or beyond head_dim, a
+/// basis or mean of the wrong size or not finite, non-finite queries or logits (a key mean's
+/// `scale * q . mu` included).
 ///
 /// Runs on the active instruction-set path ([`simd::active`]); every path returns the same
 /// bits.
@@ -457,6 +603,7 @@ pub fn decode_attention_with(
             terms.iter().map(|k| k.queries(isa, qh, h, &lay)).collect()
         })
         .collect();
+    let shifts = lse_shifts(isa, &terms, q, &lay)?;
     let step = terms.iter().map(|k| k.token_step()).max().unwrap_or(1);
     let len = CHUNK.div_ceil(step) * step;
     let chunks = t.div_ceil(len);
@@ -491,7 +638,11 @@ pub fn decode_attention_with(
     }
     let merged: Vec<(Vec<f32>, Vec<f32>, Vec<f32>)> = heads
         .into_par_iter()
-        .map(|ps| merge(isa, vrows, &ps, &lay, want_probs))
+        .enumerate()
+        .map(|(h, ps)| {
+            let shift = &shifts[h * rows..(h + 1) * rows];
+            merge(isa, vrows, (h, &ps, shift), &lay, want_probs)
+        })
         .collect();
     let mut res = Attention {
         out: Vec::with_capacity(qlen),

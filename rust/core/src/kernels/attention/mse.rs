@@ -176,7 +176,7 @@ impl ValueRows for MsePlan<'_> {
     }
 
     /// `acc += sqrt(pi/2)/m * S^T u` (rows of S in increasing order), then un-rotated.
-    fn finish(&self, isa: Isa, acc: &mut [f64], sums: &[f64], out: &mut [f32]) {
+    fn finish(&self, isa: Isa, _h: usize, acc: &mut [f64], sums: &[f64], out: &mut [f32]) {
         let (cd, stride) = (self.cd(), self.acc_dim());
         if let Some(q) = &self.qjl {
             let k = f64::from(q.k);

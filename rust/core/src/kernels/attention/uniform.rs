@@ -143,7 +143,7 @@ impl ValueRows for TokensPlan<'_> {
     }
 
     /// Adds each group's zero-point sum to its coordinates, then un-rotates.
-    fn finish(&self, isa: Isa, acc: &mut [f64], sums: &[f64], out: &mut [f32]) {
+    fn finish(&self, isa: Isa, _h: usize, acc: &mut [f64], sums: &[f64], out: &mut [f32]) {
         let (cd, stride) = (self.reader.n, self.acc_dim());
         for row in acc.chunks_exact_mut(stride) {
             let (ar, zr) = row.split_at_mut(cd);
@@ -197,6 +197,53 @@ impl<'a> ChannelsPlan<'a> {
             groups,
             head_dim: d,
         })
+    }
+}
+
+impl ChannelsPlan<'_> {
+    /// Adds `sum_j p[r, j] y_hat_(c, j)` for the tokens `span` of head `h` to
+    /// `acc[r * stride + offset + c]` for every channel `c`, `p` rows x span.len(): per group
+    /// of tokens (cut by the span), `s_(c,g) * dot(p_g, code_(c,g)) + z_(c,g) * sum_g p` with
+    /// the dot in the order of section 8 over the group's tokens and the rest in float64.
+    pub(super) fn add_values(
+        &self,
+        isa: Isa,
+        p: &[f32],
+        h: usize,
+        span: Range<usize>,
+        acc: &mut [f64],
+        (stride, offset): (usize, usize),
+    ) {
+        let (d, group, rb) = (self.head_dim, self.group, self.reader.row_bytes);
+        let (c0, n) = (span.start, span.len());
+        let rows = p.len() / n;
+        let mut scratch = vec![0u8; group];
+        let mut lev = vec![0.0f32; group];
+        let mut psum = vec![0.0f64; rows];
+        for g in c0 / group..span.end.div_ceil(group) {
+            let (t0, t1) = ((g * group).max(c0), ((g + 1) * group).min(span.end));
+            let len = t1 - t0;
+            for (r, ps) in psum.iter_mut().enumerate() {
+                let pr = &p[r * n + t0 - c0..r * n + t1 - c0];
+                *ps = pr.iter().map(|&v| f64::from(v)).sum();
+            }
+            for c in 0..d {
+                let ch = h * d + c;
+                let row = &self.codes[ch * rb..(ch + 1) * rb];
+                self.reader
+                    .decode(isa, row, t0, &mut scratch, &mut lev[..len]);
+                let at = ch * self.groups + g;
+                let (sc, ze) = (
+                    f64::from(self.scales.get(at)),
+                    f64::from(self.zeros.get(at)),
+                );
+                for (r, &ps) in psum.iter().enumerate() {
+                    let pr = &p[r * n + t0 - c0..r * n + t1 - c0];
+                    let dot = f64::from(ops::dot(isa, pr, &lev[..len]));
+                    acc[r * stride + offset + c] += sc * dot + ze * ps;
+                }
+            }
+        }
     }
 }
 
