@@ -51,4 +51,5 @@ echo "setup-vllm: installing vLLM's requirements (torch==$TORCH_VERSION for vllm
 # The model folder vLLM serves, converted now so that the tests neither download nor convert.
 folder="$(HF_HUB_OFFLINE=1 "$VENV/bin/python" -c 'from kvqrs.vllm.model import hf_folder; print(hf_folder())')"
 "$VENV/bin/python" -c 'import vllm, kvqrs.vllm' # the environment imports, or setup fails here
+rm -f .venv/kvqrs-skip-vllm # an earlier KVQRS_SKIP_VLLM=1 setup's record: the vLLM tests run again
 echo "setup-vllm: vllm $("$VENV/bin/python" -c 'import vllm; print(vllm.__version__)') and kvqrs in $VENV, model folder $folder ($((SECONDS - start)) s)"

@@ -21,6 +21,15 @@ step() {
     echo "== $name: ok ($((SECONDS - start)) s)"
 }
 
+# Whether the last step, the vLLM tests, is skipped: decided (and a bad value refused) up front.
+case "${KVQRS_SKIP_VLLM:-}" in
+    1) skip_vllm="KVQRS_SKIP_VLLM=1" ;;
+    0) skip_vllm="" ;;
+    "") if [ -e .venv/kvqrs-skip-vllm ]; then skip_vllm="scripts/setup.sh ran with KVQRS_SKIP_VLLM=1"; else skip_vllm=""; fi ;;
+    *) echo "test: KVQRS_SKIP_VLLM must be 0 or 1, not '$KVQRS_SKIP_VLLM'" >&2; exit 1 ;;
+esac
+[ -z "$skip_vllm" ] || echo "test: the vLLM tests will be skipped ($skip_vllm)"
+
 PY_SOURCES=(python tests benches)
 step "cargo fmt --check" cargo fmt --all --check
 step "cargo clippy (kvqrs-core, kvqrs-py)" cargo clippy --workspace --all-targets -- -D warnings
@@ -31,13 +40,6 @@ step "cargo test (dispatched SIMD)" cargo test -p kvqrs-core
 step "cargo test (KVQRS_FORCE_SCALAR=1)" env KVQRS_FORCE_SCALAR=1 cargo test -p kvqrs-core
 # tests/test_vllm.py needs vLLM, which .venv does not have: it runs in the last step.
 step "pytest" .venv/bin/python -m pytest -q --ignore=tests/test_vllm.py
-
-case "${KVQRS_SKIP_VLLM:-}" in
-    1) skip_vllm="KVQRS_SKIP_VLLM=1" ;;
-    0) skip_vllm="" ;;
-    "") if [ -e .venv/kvqrs-skip-vllm ]; then skip_vllm="scripts/setup.sh ran with KVQRS_SKIP_VLLM=1"; else skip_vllm=""; fi ;;
-    *) echo "test: KVQRS_SKIP_VLLM must be 0 or 1, not '$KVQRS_SKIP_VLLM'" >&2; exit 1 ;;
-esac
 if [ -n "$skip_vllm" ]; then
     echo "== vLLM tests: SKIPPED ($skip_vllm); bash scripts/setup.sh without it installs .venv-vllm"
 else
