@@ -2,7 +2,7 @@
 # Set up kvqrs from a fresh clone: a virtual environment in .venv with the package built
 # (Rust, by maturin, release profile) and installed editable with its test extras (wgpu among
 # them), plus Mesa's Vulkan driver for the WGSL shader tests where apt can install it, then the
-# vLLM environment .venv-vllm (scripts/setup-vllm.sh: about 3.4 GB downloaded, 6.3 GB on disk).
+# vLLM environment .venv-vllm (scripts/setup-vllm.sh: about 3.4 GB downloaded, 7 GB on disk).
 # KVQRS_SKIP_VLLM=1 leaves .venv-vllm out; scripts/test.sh then skips the vLLM tests, saying so.
 set -euo pipefail
 cd "$(dirname "$0")/.."
