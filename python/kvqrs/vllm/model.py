@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import shutil
 
 from ..evaluation.model import GGUF_FILE, model_dir
 
@@ -37,7 +38,9 @@ def hf_folder(dest: str | os.PathLike | None = None) -> pathlib.Path:
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)  # left by an interrupted conversion
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
-    tmp.replace(out) if not out.exists() else None
+    shutil.rmtree(out, ignore_errors=True)  # an incomplete folder (no config or weights)
+    tmp.replace(out)
     return out
