@@ -585,7 +585,7 @@ class QuantizedLayer(CacheLayerMixin):
         if lo >= q_end:
             return None
         first = view.first_query
-        his = np.array([self.config.quantized_span(first + i + 1)[1] for i in range(nq)], dtype=np.int64)
+        his = self.config.quantized_ends(first + np.arange(1, nq + 1))
         visible_end = np.minimum(q_end, first + np.arange(nq) + 1)  # a causal query sees positions <= its own
         reads_fp = visible_end > np.maximum(lo, his)
         if not reads_fp.any():
