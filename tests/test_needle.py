@@ -415,6 +415,9 @@ def test_cli_needle_quick(tmp_path, smollm2_installed):
         (["--protocol", "llama"], "--protocol: the needle task has no protocol 'llama'"),
         (["--contexts", "9000"], "--contexts"),
         (["--trials", "0"], "--trials"),
+        (["--calibration", "missing.npz"], "calibration: cannot read 'missing.npz'"),
+        (["--resume", "missing.jsonl"], "--resume: cannot read 'missing.jsonl'"),
+        (["--prefill", "flash"], "invalid choice: 'flash'"),
     ],
 )
 def test_cli_needle_bad_options_fail_before_the_model_loads(tmp_path, args, match):
