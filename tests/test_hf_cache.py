@@ -324,6 +324,20 @@ def test_quantized_count_by_hand():
         QuantConfig("kqv", 3, residual_length=-1)
 
 
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        QuantConfig("kqv", 3, residual_length=5),
+        QuantConfig("kivi", 2, residual_length=3, sink_tokens=2, group=8),
+        QuantConfig("kivi", 2),
+        QuantConfig("matched", 2, group=128, sink_tokens=1, calibration="random"),
+    ],
+)
+def test_quantized_ends_equal_quantized_span(cfg):
+    seen = np.arange(0, 400)
+    assert cfg.quantized_ends(seen).tolist() == [cfg.quantized_span(int(n))[1] for n in seen]
+
+
 @pytest.mark.parametrize("scheme", ["kqv", "kivi"])
 @pytest.mark.parametrize("residual", [0, 5, 40])
 @pytest.mark.parametrize("tokens", [1, 5, 31, 32, 33, 64, 70])

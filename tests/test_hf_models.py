@@ -16,8 +16,10 @@ transformers = pytest.importorskip("transformers")
 
 from kvqrs import KvqrsError  # noqa: E402
 from kvqrs.hf import QuantConfig, QuantizedKVCache, fake_quant, register  # noqa: E402
-from kvqrs.hf.attention import _STATE  # noqa: E402
+from kvqrs.hf.attention import _STATE, sdpa_prefill  # noqa: E402
 from transformers.cache_utils import DynamicCache  # noqa: E402
+
+from tests.cache_helpers import held_tensors  # noqa: E402
 
 WINDOW = 16
 VOCAB = 96
@@ -161,6 +163,7 @@ def test_cache_agrees_with_the_fast_path(models, kind, cfg):
         pytest.param(QuantConfig("kqv", 4, "kqv", 4, residual_length=4), id="kqv-k4v4-r4"),
         pytest.param(QuantConfig("kqv", 4, "kqv", 4, residual_length=4, sink_tokens=4), id="kqv-k4v4-r4-s4"),
         pytest.param(QuantConfig("kivi", 4, "kivi", 4, residual_length=4, group=8), id="kivi-k4v4-g8-r4"),
+        pytest.param(QuantConfig("matched", 4, "matched", 4, group=8, sink_tokens=1, calibration="random"), id="matched-k4v4-g8-s1"),
     ],
 )
 def test_sliding_layers_hold_at_most_their_window(models, cfg):
@@ -198,6 +201,55 @@ def test_sliding_cache_save_load_continues_identically(models, tmp_path):
     assert torch.equal(a, b)
 
 
+# --- the SDPA prefill ---------------------------------------------------------------------------
+
+SDPA_CONFIGS = [
+    # (config, whether a chunked prefill takes the SDPA path in the cache; None: DynamicCache)
+    pytest.param(None, True, id="dense"),
+    pytest.param(QuantConfig("kqv", 4, "kqv", 4), True, id="kqv-r0"),
+    pytest.param(QuantConfig("block", 2, "block", 2), True, id="block-r0"),
+    pytest.param(QuantConfig("kivi", 2, "kivi", 2, group=8), True, id="kivi-g8-r0"),
+    pytest.param(QuantConfig("kivi", 2, "kivi", 2, group=8, residual_length=5, sink_tokens=2), True, id="kivi-g8-r5-s2"),
+    pytest.param(QuantConfig("matched", 3, "matched", 3, group=16, sink_tokens=1, calibration="random"), True, id="matched-g16-s1"),
+    pytest.param(QuantConfig("kqv", 3, "kqv", 3, residual_length=4), False, id="kqv-r4"),  # a run per query: eager
+    pytest.param(QuantConfig("headq", 2, "kqv", 3, headq_base="kqv", bases="random"), False, id="headq"),  # a logit correction: eager
+]
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+@pytest.mark.parametrize("cfg, takes_sdpa", SDPA_CONFIGS)
+@pytest.mark.parametrize("kind", ["llama128", "gemma3", "qwen3"])
+def test_sdpa_prefill_equals_eager_prefill(models, kind, cfg, takes_sdpa, monkeypatch):
+    """``sdpa_prefill``: a chunked prefill (chunks of 24, so later chunks read earlier codes
+    and KIVI groups straddle chunks) and greedy decode give the same logits and the same cache
+    (every code, every full-precision token) as eager attention, on full and sliding layers
+    (float64: exactly equal). The SDPA path really ran where it applies (SDPA calls counted)."""
+    import torch.nn.functional as F
+
+    model = _model(models, kind)
+    ids = _ids(90, seed=6)
+    calls = []
+    sdpa = F.scaled_dot_product_attention
+    monkeypatch.setattr(F, "scaled_dot_product_attention", lambda *a, **k: calls.append(a[0].shape[-2]) or sdpa(*a, **k))
+    results = {}
+    for fast in (False, True):
+        calls.clear()
+        cache = DynamicCache(config=model.config) if cfg is None else _qcache(cfg, model)
+        with torch.no_grad(), sdpa_prefill(fast):
+            out = model.generate(
+                ids, cache=cache, max_new_tokens=8, do_sample=False, prefill_chunk_size=24, output_scores=True, return_dict_in_generate=True
+            )
+        results[fast] = (out.sequences, torch.stack(out.scores), held_tensors(cache), len(calls))
+    (seq0, scores0, state0, calls0), (seq1, scores1, state1, calls1) = results[False], results[True]
+    assert calls0 == 0
+    assert (calls1 > 0) == takes_sdpa
+    assert torch.equal(seq0, seq1)
+    assert torch.equal(scores0, scores1)
+    assert len(state0) == len(state1) and all(torch.equal(a, b) for a, b in zip(state0, state1))
+    if cfg is not None:
+        assert any(layer.quantized for layer in cache.layers)
+
+
 # --- assisted (speculative) generation --------------------------------------------------------
 
 SCHEMES = [
@@ -208,10 +260,13 @@ SCHEMES = [
     pytest.param(QuantConfig("block", 3, "block", 3, residual_length=4), id="block"),
     pytest.param(QuantConfig("headq", 2, "kqv", 3, residual_length=4, headq_base="kqv", bases="random"), id="headq-random"),
     pytest.param(QuantConfig("kqv", 3, "kqv", 3, residual_length=4, sink_tokens=4), id="kqv-sinks"),
+    pytest.param(
+        QuantConfig("matched", 3, "matched", 3, residual_length=4, group=8, sink_tokens=1, calibration="random"), id="matched-random"
+    ),
 ]
 NEW_TOKENS = 24
 ASSISTED = [pytest.param("llama128", c.values[0], id=f"llama128-{c.id}") for c in SCHEMES] + [
-    pytest.param("gemma3", c.values[0], id=f"gemma3-{c.id}") for c in SCHEMES if c.id in ("kqv", "kivi", "kqv-sinks")
+    pytest.param("gemma3", c.values[0], id=f"gemma3-{c.id}") for c in SCHEMES if c.id in ("kqv", "kivi", "kqv-sinks", "matched-random")
 ]
 
 

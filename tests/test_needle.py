@@ -22,6 +22,8 @@ from kvqrs.evaluation import needle, needle_report  # noqa: E402
 from kvqrs.evaluation.needle import Haystack, answer_digits, cell_seed, is_correct, needle_rows  # noqa: E402
 from kvqrs.hf import QuantConfig  # noqa: E402
 
+from tests.cache_helpers import held_tensors  # noqa: E402
+
 # The command line on 2 busy cores: model load (~25-45 s), the gensim text and its tokenization
 # (~10 s), 8 generations of 512 tokens (~5-10 s each when the other core is busy).
 CLI_TIMEOUT_S = 420
@@ -156,6 +158,108 @@ def test_answer_digits():
     assert answer_digits("none") is None
 
 
+def _tiny_model(tok, dtype):
+    """A tiny random Llama over SmolLM2's vocabulary (kvqrs attention, fixed seed)."""
+    import transformers
+    from kvqrs.hf import register
+
+    register()
+    cfg = transformers.LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=2048,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).to(dtype).eval()
+    model.set_attn_implementation("kvqrs")
+    return model
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+@pytest.mark.parametrize(
+    "config",
+    [
+        None,
+        QuantConfig("kqv", 4, "kqv", 4),
+        QuantConfig("kivi", 2, "kivi", 2),
+        QuantConfig("matched", 2, "matched", 2, group=128, sink_tokens=1, calibration="random"),
+    ],
+    ids=["dense", "kqv", "kivi", "matched"],
+)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
+def test_sdpa_prefill_gives_the_eager_answers_and_cache(tok, hay, monkeypatch, config, dtype):
+    """retrieve() with the SDPA prefill (the needle task's default) against the eager one on a
+    tiny random model and a real 2,500-token needle prompt (prefill chunks of 1,024, decode
+    through the fused path): the same answer tokens and the same cache. float64: every code and
+    full-precision token exactly equal. float32 (the task's dtype): keys differ by float
+    rounding (~1e-7), so a code whose input sits on a decision boundary may flip: at most 1 in
+    1,000 code bytes, every other part equal to float rounding."""
+    import torch.nn.functional as F
+
+    model = _tiny_model(tok, dtype)
+    prompt = hay.build(2500, 0.5, seed=5)
+    calls = []
+    sdpa = F.scaled_dot_product_attention
+    monkeypatch.setattr(F, "scaled_dot_product_attention", lambda *a, **k: calls.append(1) or sdpa(*a, **k))
+    runs, held = {}, {}
+    for prefill in ("eager", "sdpa"):
+        cache = needle.make_cache(model, config)
+        calls.clear()
+        runs[prefill] = needle.retrieve(model, tok, prompt, config, prefill, cache=cache)
+        held[prefill] = (held_tensors(cache), len(calls))
+    assert held["eager"][1] == 0 and held["sdpa"][1] >= 2 * 3  # 2 layers x 3 prefill chunks at least
+    assert runs["eager"]["answer"] == runs["sdpa"]["answer"]
+    assert runs["eager"]["cache_bytes_per_token"] == runs["sdpa"]["cache_bytes_per_token"]
+    a, b = held["eager"][0], held["sdpa"][0]
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert x.shape == y.shape and x.dtype == y.dtype
+        if dtype == torch.float64:
+            assert torch.equal(x, y)
+        elif x.is_floating_point():
+            torch.testing.assert_close(x, y, rtol=1e-3, atol=1e-4)
+        else:
+            assert (x != y).float().mean() <= 1e-3
+    with pytest.raises(KvqrsError, match="prefill"):
+        needle.retrieve(model, tok, prompt, config, "flash")
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_run_needle_logs_and_resumes(tok, tmp_path, monkeypatch):
+    """Each generation is appended to the log as it ends; a run given those generations
+    (``--resume``) generates nothing again and returns the same result; prompts or a prefill
+    not in the log are generated."""
+    from types import SimpleNamespace
+
+    model = _tiny_model(tok, torch.float32)
+    texts = SimpleNamespace(evaluation=_corpus(600), source="made-up sentences")
+    rows = needle_rows()[:2]
+    log = tmp_path / "t.jsonl"
+    first = needle.run_needle(model, tok, texts, rows, (200, 300), (0.0, 1.0), 1, progress=False, log=log)
+    logged = needle.read_trials([log])
+    assert len(logged) == len(first["trials"]) == 8
+    assert [t["context"] for t in first["trials"][:4]] == [200, 200, 300, 300]  # per row, shortest context first
+    generated = []
+    real = needle.retrieve
+    monkeypatch.setattr(needle, "retrieve", lambda *a, **k: generated.append(a[2].context) or real(*a, **k))
+    again = needle.run_needle(model, tok, texts, rows, (200, 300), (0.0, 1.0), 1, progress=False, reuse=logged)
+    assert generated == [] and again == first
+    more = needle.run_needle(model, tok, texts, rows, (200, 300, 400), (0.0, 1.0), 1, progress=False, reuse=logged)
+    assert generated == [400] * 4 and more["trials"][:4] == first["trials"][:4]
+    needle.run_needle(model, tok, texts, rows[:1], (200,), (0.0,), 1, progress=False, prefill="eager", reuse=logged)
+    assert generated == [400] * 4 + [200]
+    log.write_text(log.read_text() + "not json\n")
+    with pytest.raises(KvqrsError, match="line 9 is not a logged needle generation"):
+        needle.read_trials([log])
+    with pytest.raises(KvqrsError, match="cannot read"):
+        needle.read_trials([tmp_path / "missing.jsonl"])
+
+
 def test_needle_rows():
     rows = needle_rows(residual_length=16)
     assert [r.name for r in rows] == ["dense", "kqv k4 v4", "kqv k2 v2", "kivi k4 v4", "kivi k2 v2", "block k4 v4", "block k2 v2"]
@@ -164,6 +268,32 @@ def test_needle_rows():
         scheme, bits = r.name.split()[0], int(r.name.split()[1][1:])
         assert r.config == QuantConfig(scheme, bits, scheme, bits, residual_length=16)
     assert [r.name for r in needle_rows(quick=True)] == ["dense", "kqv k4 v4", "kivi k2 v2"]
+
+
+def test_needle_rows_with_preset_calibrations(tmp_path):
+    """--calibration files add the matched preset row each was fitted for (by the bits and
+    group `kvqrs calibrate` records); a file no preset uses, or two for one preset, is refused."""
+    from kvqrs.hf import save_matched
+    from kvqrs.schemes.matched import random_calibration
+
+    cal = {i: random_calibration(64, 4, i) for i in range(3)}
+    paths = {}
+    for name, (bits, group) in {"a": (4, 256), "b": (2, 128), "c": (3, 256), "d": (4, 256)}.items():
+        paths[name] = save_matched(tmp_path / f"{name}.npz", cal, {"bits": float(bits), "group": group, "sink_tokens": 1, "source": "t"})
+    cals = needle.preset_calibrations([paths["b"], paths["a"]])
+    assert sorted(cals) == ["2bit", "4bit"] and sorted(cals["4bit"]) == [0, 1, 2]
+    rows = needle_rows(residual_length=0, calibrations=cals)
+    assert [r.name for r in rows][-2:] == ["matched 4bit", "matched 2bit"]
+    assert rows[-2].config == QuantConfig.preset("4bit", cals["4bit"], residual_length=0)
+    assert rows[-1].config == QuantConfig.preset("2bit", cals["2bit"], residual_length=0)
+    assert (rows[-2].config.group, rows[-2].config.sink_tokens, rows[-1].config.key_bits) == (256, 1, 2)
+    with pytest.raises(KvqrsError, match="--bits 3 --group 256, which no preset uses"):
+        needle.preset_calibrations([paths["c"]])
+    with pytest.raises(KvqrsError, match="two files for the 4bit preset"):
+        needle.preset_calibrations([paths["a"], paths["d"]])
+    bare = save_matched(tmp_path / "bare.npz", cal)
+    with pytest.raises(KvqrsError, match="records no key bits"):
+        needle.preset_calibrations([bare])
 
 
 @pytest.mark.parametrize(
@@ -223,6 +353,7 @@ def _made_up_result():
         "answer_prefix": needle.ANSWER_PREFIX,
         "max_new_tokens": needle.MAX_NEW_TOKENS,
         "prefill_chunk": needle.PREFILL_CHUNK,
+        "prefill": "sdpa",
     }
 
 
@@ -254,7 +385,7 @@ def test_cli_needle_quick(tmp_path, smollm2_installed):
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=CLI_TIMEOUT_S, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert {p.name for p in out.iterdir()} == {"needle.md", "needle.csv", "needle.json", "needle_accuracy.png"}
+    assert {p.name for p in out.iterdir()} == {"needle.md", "needle.csv", "needle.json", "needle_accuracy.png", "needle.trials.jsonl"}
     res = json.loads((out / "needle.json").read_text())
     assert [r["row"] for r in res["rows"]] == ["dense", "kqv k4 v4"]
     assert (res["contexts"], res["depths"], res["trials_per_cell"]) == ([512], list(needle.QUICK_DEPTHS), needle.QUICK_TRIALS)
@@ -270,6 +401,9 @@ def test_cli_needle_quick(tmp_path, smollm2_installed):
     assert len({t["key"] for t in res["trials"]}) == n  # a fresh key per prompt, the same prompts for both rows
     for t in res["trials"]:
         assert t["correct"] == (t["digits"] == t["key"])
+    logged = [json.loads(line) for line in (out / "needle.trials.jsonl").read_text().splitlines()]
+    assert sorted(map(str, logged)) == sorted(map(str, res["trials"]))  # every generation logged as it ended
+    assert {t["prefill"] for t in logged} == {"sdpa"} and res["prefill"] == "sdpa"
     assert f"report: {out / 'needle.md'}" in proc.stdout
     assert "| kqv k4 v4 | 512 |" in (out / "needle.md").read_text()
 
@@ -281,6 +415,9 @@ def test_cli_needle_quick(tmp_path, smollm2_installed):
         (["--protocol", "llama"], "--protocol: the needle task has no protocol 'llama'"),
         (["--contexts", "9000"], "--contexts"),
         (["--trials", "0"], "--trials"),
+        (["--calibration", "missing.npz"], "calibration: cannot read 'missing.npz'"),
+        (["--resume", "missing.jsonl"], "--resume: cannot read 'missing.jsonl'"),
+        (["--prefill", "flash"], "invalid choice: 'flash'"),
     ],
 )
 def test_cli_needle_bad_options_fail_before_the_model_loads(tmp_path, args, match):

@@ -285,7 +285,10 @@ def _needle(args: argparse.Namespace) -> int:
     needle.check_grid(contexts, depths, trials)
     if args.protocol != "windows":
         raise KvqrsError(f"--protocol: the needle task has no protocol {args.protocol!r} (it always generates through the real cache)")
-    rows = select_rows(needle.needle_rows(residual_length=args.residual_length, quick=args.quick), args.rows)  # before the model loads
+    calibrations = needle.preset_calibrations(args.calibration or [])
+    reuse = needle.read_trials(args.resume or [])
+    # before the model loads
+    rows = select_rows(needle.needle_rows(residual_length=args.residual_length, quick=args.quick, calibrations=calibrations), args.rows)
     texts = _texts(args)
     torch_threads(1 if args.threads is None else args.threads)
     start = time.perf_counter()
@@ -296,15 +299,26 @@ def _needle(args: argparse.Namespace) -> int:
     print(
         f"kvqrs eval --task needle: {len(rows)} rows x {len(contexts)} contexts x {len(depths)} depths x {trials} trials, filler: {texts.source}"
     )
-    result = needle.run_needle(model, tok, texts, rows, contexts, depths, trials, seed=args.seed, progress=not args.no_progress)
+    out = pathlib.Path(args.out if args.out is not None else ("reports/needle-quick" if args.quick else "reports/needle"))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "needle.trials.jsonl").write_text("")  # read by --resume above before this truncates it
+    result = needle.run_needle(
+        model,
+        tok,
+        texts,
+        rows,
+        contexts,
+        depths,
+        trials,
+        seed=args.seed,
+        progress=not args.no_progress,
+        prefill=args.prefill,
+        log=out / "needle.trials.jsonl",
+        reuse=reuse,
+    )
     seconds = time.perf_counter() - start
     machine = needle.machine_line()
-    md = needle_report.write(
-        result,
-        pathlib.Path(args.out if args.out is not None else ("reports/needle-quick" if args.quick else "reports/needle")),
-        seconds,
-        machine,
-    )
+    md = needle_report.write(result, out, seconds, machine)
     print(needle_report.summary(result, seconds, machine))
     print(f"report: {md}")
     return 0
@@ -447,7 +461,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--calibration",
         nargs="+",
         default=None,
-        help="llama protocol: `kvqrs calibrate` files, one matched row each beside dense (default: fit on the calibration text)",
+        help="llama protocol: `kvqrs calibrate` files, one matched row each beside dense (default: fit on the calibration "
+        "text); needle: one or more such files, each adding the matched preset row it was fitted for "
+        "(`--bits 4 --group 256`: matched 4bit; `--bits 2 --group 128`: matched 2bit)",
     )
     ev.add_argument(
         "--matched-bits",
@@ -468,6 +484,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ev.add_argument("--trials", type=int, help="needle: prompts per (context, depth), each with its own key and filler (default 2)")
     ev.add_argument("--seed", type=int, default=0, help="needle: seed of the keys and filler offsets")
+    ev.add_argument(
+        "--resume",
+        nargs="+",
+        metavar="LOG",
+        help="needle: needle.trials.jsonl logs of earlier runs (each run writes one in --out); their generations "
+        "(same row label, prompt and prefill) are reused instead of generated again",
+    )
+    ev.add_argument(
+        "--prefill",
+        choices=("sdpa", "eager"),
+        default="sdpa",
+        help="needle: attention of the prompt's prefill, blocked SDPA or eager (the same softmax; default: %(default)s)",
+    )
     ev.set_defaults(func=lambda a: _eval_llama(a) if a.protocol == "llama" and a.task != "needle" else _eval(a))
     ca = sub.add_parser("calibrate", help="fit the matched scheme (key transform, widths, value mean) on a calibration text and save it")
     _text_options(ca)

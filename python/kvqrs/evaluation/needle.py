@@ -23,7 +23,8 @@ import torch
 
 from .._arrays import KvqrsError
 from ..hf import QuantConfig, QuantizedKVCache
-from ..hf.attention import active
+from ..hf.attention import active, sdpa_prefill
+from ..hf.config import PRESETS
 from .model_eval import Row
 
 INSTRUCTION = (
@@ -49,15 +50,21 @@ TRIALS = 2
 QUICK_CONTEXTS = (1000,)
 QUICK_DEPTHS = (0.25, 0.75)
 QUICK_TRIALS = 2
+PREFILLS = ("sdpa", "eager")
+"""How the prompt's attention is computed during prefill: ``sdpa`` (the default,
+:func:`kvqrs.hf.sdpa_prefill`: the same softmax over the same keys and values, by blocked SDPA)
+or ``eager`` (logits materialized, as the decode-time reference)."""
 
 _SENTENCE_END = re.compile(r"[.!?][\"')\]]*$")
 _SENTINEL = "\x00NEEDLE-CONTENT\x00"
 
 
-def needle_rows(residual_length: int = 0, quick: bool = False) -> list[Row]:
+def needle_rows(residual_length: int = 0, quick: bool = False, calibrations: dict | None = None) -> list[Row]:
     """Rows of the retrieval table: dense; kqv, kivi and block with keys and values at 4 and at
-    2 bits (quick: dense, kqv 4/4, kivi 2/2). A row is a label and a :class:`QuantConfig`; adding
-    a scheme is one more entry here."""
+    2 bits (quick: dense, kqv 4/4, kivi 2/2); then, per entry of ``calibrations`` (``{preset
+    name: {layer: MatchedCalibration}}``, see :func:`preset_calibrations`), the ``matched``
+    preset row ``matched 4bit`` etc. (:meth:`QuantConfig.preset`). A row is a label and a
+    :class:`QuantConfig`; adding a scheme is one more entry here."""
     r = residual_length
     rows = [Row("dense", None, "dense")]
     for scheme in ("kqv", "kivi", "block"):
@@ -65,7 +72,31 @@ def needle_rows(residual_length: int = 0, quick: bool = False) -> list[Row]:
             rows.append(Row(f"{scheme} k{n} v{n}", QuantConfig(scheme, n, scheme, n, residual_length=r), "full KV"))
     if quick:
         rows = [row for row in rows if row.name in ("dense", "kqv k4 v4", "kivi k2 v2")]
+    for name in sorted(calibrations or {}, key=lambda n: -PRESETS[n]["key_code_bits"]):
+        rows.append(Row(f"matched {name}", QuantConfig.preset(name, calibrations[name], residual_length=r), "preset"))
     return rows
+
+
+def preset_calibrations(paths) -> dict:
+    """``{preset name: calibration}`` from ``kvqrs calibrate`` files: each file's recorded key
+    code bits and group pick the preset it was fitted for (``4bit``: ``--bits 4 --group 256``,
+    ``2bit``: ``--bits 2 --group 128``, ...). Raises :class:`KvqrsError` for a file that
+    matches no preset, records no settings, or a preset given twice."""
+    from ..hf.calibration import load_matched, matched_settings
+
+    out: dict = {}
+    for path in paths:
+        bits, group = matched_settings(path)
+        names = [n for n, p in PRESETS.items() if p["key_code_bits"] == bits and p["group"] == group]
+        if not names:
+            wanted = ", ".join(f"{n}: --bits {p['key_code_bits']:g} --group {p['group']}" for n, p in PRESETS.items())
+            raise KvqrsError(
+                f"--calibration: {str(path)!r} was fitted with --bits {bits:g} --group {group}, which no preset uses ({wanted})"
+            )
+        if names[0] in out:
+            raise KvqrsError(f"--calibration: two files for the {names[0]} preset")
+        out[names[0]] = load_matched(path)
+    return out
 
 
 @dataclass(frozen=True)
@@ -217,12 +248,16 @@ def cache_nbytes(cache) -> int:
     return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values) if t is not None)
 
 
-def retrieve(model, tokenizer, prompt: NeedlePrompt, config: QuantConfig | None) -> dict:
-    """Greedy ``generate`` of the answer to one prompt through a fresh cache; returns the answer
-    text, whether it is right, the cache's bytes per token after generation, and seconds."""
-    cache = make_cache(model, config)
+def retrieve(model, tokenizer, prompt: NeedlePrompt, config: QuantConfig | None, prefill: str = "sdpa", cache=None) -> dict:
+    """Greedy ``generate`` of the answer to one prompt through a fresh cache (or ``cache``,
+    empty); returns the answer text, whether it is right, the cache's bytes per token after
+    generation, and seconds. ``prefill``: see :data:`PREFILLS`."""
+    if prefill not in PREFILLS:
+        raise KvqrsError(f"prefill: expected one of {PREFILLS}, got {prefill!r}")
+    cache = make_cache(model, config) if cache is None else cache
     start = time.perf_counter()
-    with torch.no_grad(), active(None):  # the cache installs itself as attention state; do not leave it there
+    # the cache installs itself as attention state; do not leave it there
+    with torch.no_grad(), active(None), sdpa_prefill(prefill == "sdpa"):
         out = model.generate(
             prompt.ids,
             attention_mask=torch.ones_like(prompt.ids),
@@ -241,6 +276,35 @@ def retrieve(model, tokenizer, prompt: NeedlePrompt, config: QuantConfig | None)
         "cache_bytes_per_token": cache_nbytes(cache) / cache.get_seq_length(),
         "seconds": seconds,
     }
+
+
+def trial_key(row: str, context: int, depth: float, seed: int, prefill: str) -> tuple:
+    """What identifies one logged generation: the row label and the prompt (context, depth,
+    seed) under one prefill."""
+    return (row, int(context), float(depth), int(seed), prefill)
+
+
+def read_trials(paths) -> dict:
+    """``{trial_key: generation}`` from the JSON-lines logs of :func:`run_needle` (``--resume``);
+    a later line wins. Raises :class:`KvqrsError` for a missing file or a line that is not a
+    logged generation."""
+    import json
+
+    out = {}
+    for path in paths:
+        try:
+            lines = open(path).read().splitlines()
+        except OSError as e:
+            raise KvqrsError(f"--resume: cannot read {str(path)!r}: {e}") from None
+        for n, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                t = json.loads(line)
+                out[trial_key(t["row"], t["context"], t["depth"], t["seed"], t["prefill"])] = t
+            except (ValueError, KeyError, TypeError) as e:
+                raise KvqrsError(f"--resume: {str(path)!r} line {n} is not a logged needle generation ({e})") from None
+    return out
 
 
 def check_grid(contexts, depths, trials: int) -> None:
@@ -275,26 +339,59 @@ def machine_line() -> str:
     )
 
 
-def run_needle(model, tokenizer, texts, rows: list[Row], contexts, depths, trials: int, seed: int = 0, progress: bool = True) -> dict:
+def run_needle(
+    model,
+    tokenizer,
+    texts,
+    rows: list[Row],
+    contexts,
+    depths,
+    trials: int,
+    seed: int = 0,
+    progress: bool = True,
+    prefill: str = "sdpa",
+    log=None,
+    reuse: dict | None = None,
+) -> dict:
     """Every row on every (context, depth, trial) prompt; returns ``{"rows": [...], "cells":
     [...], "trials": [...], ...}``: per row the overall accuracy, per (row, context, depth) the
-    accuracy over trials, and every generation."""
+    accuracy over trials, and every generation.
+
+    The prompts run shortest context first, every row at a context before the next context,
+    so that an interrupted run has whole contexts. ``log``: a path; each generation is appended
+    to it as a JSON line as soon as it ends. ``reuse``: generations from such logs
+    (:func:`read_trials`); a prompt whose (row, context, depth, seed, prefill) is among them is
+    not generated again, its logged generation counts."""
+    import json
+
     from tqdm import tqdm
 
     check_grid(contexts, depths, trials)
+    if prefill not in PREFILLS:
+        raise KvqrsError(f"prefill: expected one of {PREFILLS}, got {prefill!r}")
     hay = Haystack(tokenizer, texts.evaluation, texts.source)
     prompts = [hay.build(c, d, cell_seed(seed, c, i, t)) for c in contexts for i, d in enumerate(depths) for t in range(trials)]
+    reuse = reuse or {}
     runs, rows_out, cells = [], [], []
+    done: dict[str, list] = {row.name: [] for row in rows}
     bar = tqdm(total=len(rows) * len(prompts), desc="needle", unit="prompt", disable=not progress)
+    for c in contexts:
+        for row in rows:
+            mine = done[row.name]
+            for p in (p for p in prompts if p.context == c):
+                t = reuse.get(trial_key(row.name, p.context, p.depth, p.seed, prefill))
+                if t is None:
+                    r = retrieve(model, tokenizer, p, row.config, prefill)
+                    t = {"row": row.name, "context": p.context, "depth": p.depth, "actual_depth": p.actual_depth, "key": p.key}
+                    t.update(seed=p.seed, prefill=prefill, **r)
+                    if log is not None:
+                        with open(log, "a") as f:
+                            f.write(json.dumps(t) + "\n")
+                mine.append(t)
+                bar.update()
+                bar.set_postfix(row=row.name, context=c, acc=f"{np.mean([m['correct'] for m in mine]):.2f}")
     for row in rows:
-        mine = []
-        for p in prompts:
-            r = retrieve(model, tokenizer, p, row.config)
-            mine.append(
-                {"row": row.name, "context": p.context, "depth": p.depth, "actual_depth": p.actual_depth, "key": p.key, "seed": p.seed, **r}
-            )
-            bar.update()
-            bar.set_postfix(row=row.name, acc=f"{np.mean([m['correct'] for m in mine]):.2f}")
+        mine = done[row.name]
         runs += mine
         for c in contexts:
             for d in depths:
@@ -335,4 +432,5 @@ def run_needle(model, tokenizer, texts, rows: list[Row], contexts, depths, trial
         "answer_prefix": ANSWER_PREFIX,
         "max_new_tokens": MAX_NEW_TOKENS,
         "prefill_chunk": PREFILL_CHUNK,
+        "prefill": prefill,
     }

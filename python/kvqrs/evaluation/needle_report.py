@@ -48,7 +48,7 @@ def summary(result: dict, seconds: float, machine: str = "") -> str:
         f"({result['source']}) at each depth (fraction of the filler before it), asked for at the end in the chat template; "
         f"{result['trials_per_cell']} trial(s) per (context, depth), {n_prompts} prompts per row, the same prompts for every row "
         f"(seed {result['seed']}). Greedy `generate` of {result['max_new_tokens']} tokens through the real cache "
-        f"(prefill in chunks of {result['prefill_chunk']} tokens, then decode); correct = the answer's first digits are the key. "
+        f"(prefill in chunks of {result['prefill_chunk']} tokens, attention by {result.get('prefill', 'eager')}, then decode); correct = the answer's first digits are the key. "
         f"{seconds:.0f} s{' on ' + machine if machine else ''}.",
         "",
         f'Needle: "{result["needle"]}"; question: "{result["question"]}"; the answer starts "{result["answer_prefix"]}".',

@@ -30,6 +30,15 @@ from .config import QuantConfig
 
 NAME = "kvqrs"
 _STATE: contextvars.ContextVar[Any] = contextvars.ContextVar("kvqrs_attention_state", default=None)
+_SDPA_PREFILL: contextvars.ContextVar[bool] = contextvars.ContextVar("kvqrs_sdpa_prefill", default=False)
+
+SDPA_MIN_QUERY = 5
+"""Forwards with at least this many queries take the SDPA path inside :func:`sdpa_prefill`
+(decode steps keep theirs: the fused path, or eager attention over one query)."""
+SDPA_BLOCK = 256
+"""Queries per SDPA call of the blocked prefill: each block reads only the key columns its
+mask lets some query see (causal: up to its last query), so about half of the masked
+quadrant is never computed, and no ``heads x queries x keys`` logits tensor is built."""
 
 
 def _softmax_out(module, query, logits, attention_mask, value_parts):
@@ -45,6 +54,64 @@ def _softmax_out(module, query, logits, attention_mask, value_parts):
     p = torch.softmax(logits, dim=-1)
     out = sum((p * m.to(acc) if m is not None else p) @ repeat_kv(v, module.num_key_value_groups).to(acc) for m, v in value_parts)
     return out.to(query.dtype).transpose(1, 2).contiguous(), p.to(query.dtype)
+
+
+def sdpa_prefill_active() -> bool:
+    """Whether :func:`sdpa_prefill` is in effect."""
+    return _SDPA_PREFILL.get()
+
+
+@contextlib.contextmanager
+def sdpa_prefill(enabled: bool = True) -> Iterator[None]:
+    """Inside, forwards of at least :data:`SDPA_MIN_QUERY` queries (a prefill) compute their
+    attention with ``torch.nn.functional.scaled_dot_product_attention`` in query blocks
+    (:func:`blocked_sdpa`) instead of eager attention: the same softmax over the same keys,
+    values and mask (a dense cache's, or what :class:`kvqrs.hf.QuantizedKVCache` hands back,
+    with the same per-query schedule of quantized and full-precision tokens), without the
+    logits tensor and most of the masked work. Results differ from the eager path only by
+    float rounding (none in float64 on CPU). HeadQ side codes (a logit correction) keep the
+    eager path."""
+    token = _SDPA_PREFILL.set(bool(enabled))
+    try:
+        yield
+    finally:
+        _SDPA_PREFILL.reset(token)
+
+
+def _allowed(mask: torch.Tensor) -> torch.Tensor:
+    """Where a mask lets a query read a key (bool mask: True; additive: above its dtype's minimum)."""
+    return mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min
+
+
+def blocked_sdpa(query, key, value, attention_mask, scaling, rows: tuple[int, int] | None = None) -> torch.Tensor:
+    """Softmax attention of query rows ``rows`` (default: all) over ``key`` / ``value``
+    (``(b, kv_heads, columns, d)``, GQA groups read their KV head) under ``attention_mask``
+    (additive or boolean, ``(b, 1 or heads, q_len, >= columns)``, or None), by SDPA in blocks
+    of :data:`SDPA_BLOCK` queries; returns ``(b, heads, rows, d)`` in the query's dtype. A
+    block reads the key columns up to the last one its mask allows (the causal end when every
+    column after it is masked for the block, else all of them)."""
+    import torch.nn.functional as F
+
+    lo, hi = (0, query.shape[-2]) if rows is None else rows
+    columns = key.shape[-2]
+    mask = None if attention_mask is None else attention_mask[..., :columns]
+    outs = []
+    for a in range(lo, hi, SDPA_BLOCK):
+        b = min(hi, a + SDPA_BLOCK)
+        end = columns
+        if mask is not None:
+            # Causal layout: the block's last query is column columns - (q_len - b); use that
+            # end when the mask hides every later column from the whole block.
+            causal_end = columns - (query.shape[-2] - b)
+            if 0 < causal_end < columns and not bool(_allowed(mask[..., a:b, causal_end:]).any()):
+                end = causal_end
+        m = None if mask is None else mask[..., a:b, :end]
+        outs.append(
+            F.scaled_dot_product_attention(
+                query[..., a:b, :], key[..., :end, :], value[..., :end, :], attn_mask=m, scale=scaling, enable_gqa=True
+            )
+        )
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-2)
 
 
 def _check_supported(module, kwargs) -> None:
@@ -65,6 +132,9 @@ def kvqrs_attention(module, query, key, value, attention_mask, scaling, dropout=
         handled = state.attend(module, query, key, value, attention_mask, scaling)
         if handled is not None:
             return handled
+    if _SDPA_PREFILL.get() and query.shape[-2] >= SDPA_MIN_QUERY:
+        out = blocked_sdpa(query, key, value, attention_mask, scaling)
+        return out.transpose(1, 2).contiguous(), None
     k = repeat_kv(key, module.num_key_value_groups)
     logits = (query @ k.transpose(2, 3)) * scaling
     return _softmax_out(module, query, logits, attention_mask, [(None, value)])

@@ -43,7 +43,7 @@ from ..kernels.attention import DenseRows
 from ..schemes import Encoded
 from ..torch import check_finite, from_numpy, to_numpy
 from . import persist
-from .attention import _STATE, _softmax_out, register
+from .attention import _STATE, SDPA_MIN_QUERY, _softmax_out, blocked_sdpa, register, sdpa_prefill_active
 from .config import QuantConfig
 from .store import CodeStore
 
@@ -633,6 +633,10 @@ class QuantizedLayer(CacheLayerMixin):
                 return self._attend_fused(view, module, query, attention_mask, scaling)
             key, value = self.materialize(view)  # a mask hides some codes: the decoded path
         g = module.num_key_value_groups
+        if sdpa_prefill_active() and query.shape[-2] >= SDPA_MIN_QUERY and (view.codes_k is None or self.codec().scheme != "headq"):
+            out = self._attend_sdpa(view, query, key, value, attention_mask, scaling)
+            if out is not None:
+                return out.transpose(1, 2).contiguous(), None
         logits = (query @ repeat_kv(key, g).transpose(2, 3)) * scaling
         corr = self.correction(query, view)
         if corr is not None:
@@ -649,6 +653,63 @@ class QuantizedLayer(CacheLayerMixin):
         mf = m.to(logits.dtype)
         logits = mf * logits + (1 - mf) * s_fp
         return _softmax_out(module, query, logits, attention_mask, [(mf, value), (1 - mf, value_fp)])
+
+    def _attend_sdpa(self, view: _View, query, key, value, attention_mask, scaling) -> torch.Tensor | None:
+        """The prefill path of :func:`kvqrs.hf.sdpa_prefill`: the same reads as the eager path
+        below, by SDPA. Every query reads old codes decoded and the window in full precision;
+        a code this forward flushed is read decoded by the queries at or after its step and as
+        its original by earlier ones. Queries are taken in runs that read the new codes alike
+        (a run ends where the quantized end moves while some query of the run still reads a new
+        code in full precision: once per KIVI group, never when every new code a query can see
+        is already quantized at its step); each run attends over one key tensor in which new
+        codes below the run's quantized end are decoded and the others original. Returns
+        ``(b, heads, q_len, d)``, or None (the eager path) when runs average under 4 queries."""
+        nq = query.shape[-2]
+        fresh = self._fresh_reads(view, nq)
+        if fresh is None:
+            return blocked_sdpa(query, key, value, attention_mask, scaling)
+        lo, q_end, his, reads_fp = fresh
+        runs, start = [], 0
+        for i in range(1, nq):
+            if his[i] > his[i - 1] and reads_fp[start:i].any():
+                runs.append((start, i))
+                start = i
+        runs.append((start, nq))
+        if len(runs) > max(1, nq // 4):
+            return None
+        c_lo, c_end = lo - view.start, q_end - view.start
+        n = c_end - c_lo
+        key_run, value_run = key.clone(), value.clone()
+        key_run[..., c_lo:c_end, :], value_run[..., c_lo:c_end, :] = view.fresh_k[..., -n:, :], view.fresh_v[..., -n:, :]
+        decoded_to = lo
+        outs = []
+        for a, b in runs:
+            hi = min(int(his[a:b].max()), q_end)
+            if hi > decoded_to:
+                c0, c1 = decoded_to - view.start, hi - view.start
+                key_run[..., c0:c1, :], value_run[..., c0:c1, :] = key[..., c0:c1, :], value[..., c0:c1, :]
+                decoded_to = hi
+            outs.append(blocked_sdpa(query, key_run, value_run, attention_mask, scaling, rows=(a, b)))
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-2)
+
+    def _fresh_reads(self, view: _View, nq: int) -> tuple[int, int, np.ndarray, np.ndarray] | None:
+        """For the codes this forward flushed (positions ``lo .. q_end - 1``): ``(lo, q_end,
+        his, reads_fp)``, ``his[i]`` the quantized end at query ``i``'s step and ``reads_fp[i]``
+        whether query ``i`` reads some new code it can see (causally) in full precision. None
+        when no query does."""
+        if view.fresh_k is None:
+            return None
+        q_end = view.q_start + view.coded + view.skip
+        lo = max(view.start, q_end - view.fresh_k.shape[-2])
+        if lo >= q_end:
+            return None
+        first = view.first_query
+        his = self.config.quantized_ends(first + np.arange(1, nq + 1))
+        visible_end = np.minimum(q_end, first + np.arange(nq) + 1)  # a causal query sees positions <= its own
+        reads_fp = visible_end > np.maximum(lo, his)
+        if not reads_fp.any():
+            return None
+        return lo, q_end, his, reads_fp
 
     def _fresh_held(self, view: _View, nq: int, columns: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """For the codes this forward flushed: their columns in the view, and ``m``

@@ -124,6 +124,13 @@ class QuantConfig:
         precision; chunks count from the first token after the sinks."""
         return self.sink_tokens, self.sink_tokens + self.quantized_count(seen)
 
+    def quantized_ends(self, seen) -> np.ndarray:
+        """``quantized_span(n)[1]`` for every count ``n`` of the integer array ``seen`` (one
+        NumPy expression: a prefill asks it once per query)."""
+        seen = np.asarray(seen, dtype=np.int64)
+        s, r, c = self.sink_tokens, self.residual_length, self.chunk
+        return s + np.maximum(0, (seen - s - r) // c * c)
+
     def codec(self, layer: int, head_dim: int, fitted: Any = None) -> KVCodec:
         """The (cached) codec of one layer; ``fitted``: the layer's ``matched`` calibration
         fitted on a prefill (``calibration="prefill"``), used instead of the config's (that
