@@ -35,6 +35,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
