@@ -271,15 +271,16 @@ def test_needle_rows():
 
 
 def test_needle_rows_with_preset_calibrations(tmp_path):
-    """--calibration files add the matched preset row each was fitted for (by the bits and
-    group `kvqrs calibrate` records); a file no preset uses, or two for one preset, is refused."""
+    """--calibration files add the matched preset row each was fitted for (the preset `kvqrs
+    calibrate --preset` records); a file fitted for no preset, or two for one preset, is refused."""
     from kvqrs.hf import save_matched
     from kvqrs.schemes.matched import random_calibration
 
     cal = {i: random_calibration(64, 4, i) for i in range(3)}
     paths = {}
-    for name, (bits, group) in {"a": (4, 256), "b": (2, 128), "c": (3, 256), "d": (4, 256)}.items():
-        paths[name] = save_matched(tmp_path / f"{name}.npz", cal, {"bits": float(bits), "group": group, "sink_tokens": 1, "source": "t"})
+    for name, preset in {"a": "4bit", "b": "2bit", "c": None, "d": "4bit"}.items():
+        meta = {"group": 256, "sink_tokens": 1, "source": "t"} | ({"budget": 3.0} if preset is None else {"preset": preset})
+        paths[name] = save_matched(tmp_path / f"{name}.npz", cal, meta)
     cals = needle.preset_calibrations([paths["b"], paths["a"]])
     assert sorted(cals) == ["2bit", "4bit"] and sorted(cals["4bit"]) == [0, 1, 2]
     rows = needle_rows(residual_length=0, calibrations=cals)
@@ -287,12 +288,12 @@ def test_needle_rows_with_preset_calibrations(tmp_path):
     assert rows[-2].config == QuantConfig.preset("4bit", cals["4bit"], residual_length=0)
     assert rows[-1].config == QuantConfig.preset("2bit", cals["2bit"], residual_length=0)
     assert (rows[-2].config.group, rows[-2].config.sink_tokens, rows[-1].config.key_bits) == (256, 1, 2)
-    with pytest.raises(KvqrsError, match="--bits 3 --group 256, which no preset uses"):
+    with pytest.raises(KvqrsError, match="was not fitted for a preset"):
         needle.preset_calibrations([paths["c"]])
     with pytest.raises(KvqrsError, match="two files for the 4bit preset"):
         needle.preset_calibrations([paths["a"], paths["d"]])
     bare = save_matched(tmp_path / "bare.npz", cal)
-    with pytest.raises(KvqrsError, match="records no key bits"):
+    with pytest.raises(KvqrsError, match="was not fitted for a preset"):
         needle.preset_calibrations([bare])
 
 

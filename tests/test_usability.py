@@ -74,6 +74,20 @@ def test_eval_refuses_unknown_rows_before_loading_the_model(text_file, no_model,
     assert "'kqvv'" in err and "'kqv k4 v4'" in err and "'kivi k2'" in err and "'dense'" in err
 
 
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--budget", "1.5"], "more than the narrowest width 2"),
+        (["--budget", "3", "--widths", "3", "4"], "more than the narrowest width 3"),
+        (["--preset", "5bit"], "expected one of ['2bit', '3bit', '4bit']"),
+    ],
+)
+def test_calibrate_refuses_impossible_budgets_before_loading_the_model(text_file, no_model, capsys, args, message):
+    with pytest.raises(SystemExit) as e:
+        main(["calibrate", "--data", text_file, *args])
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
 def test_eval_help_shows_defaults(capsys):
     with pytest.raises(SystemExit):
         main(["eval", "--help"])

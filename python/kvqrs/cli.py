@@ -331,10 +331,24 @@ def _calibrate(args: argparse.Namespace) -> int:
     from .hf import calibrate_matched, save_matched
     from .hf.calibration import allocate_matched
 
+    if args.preset is not None:  # the recommended settings of QuantConfig.preset(NAME)
+        from .hf.config import PRESETS
+
+        if args.preset not in PRESETS:
+            raise KvqrsError(f"--preset: expected one of {sorted(PRESETS)}, got {args.preset!r}")
+        p = PRESETS[args.preset]
+        args.budget, args.widths, args.group, args.sink_tokens = p["budget"], list(p["widths"]), p["group"], p["sink_tokens"]
+    if args.budget is not None and not (min(args.widths) < args.budget <= 16):
+        # the narrowest width costs more than its bits (scales, norms, sinks): checked before the model loads
+        raise KvqrsError(
+            f"--budget: expected more than the narrowest width {min(args.widths)} bits per element (and at most 16), got {args.budget}"
+        )
     texts = _texts(args)
     torch_threads(1 if args.threads is None else args.threads)
     model, tok = model_mod.load(progress=not args.no_progress)
     meta = {"group": args.group, "sink_tokens": args.sink_tokens, "source": texts.source}
+    if args.preset is not None:
+        meta["preset"] = args.preset
     if args.budget is None:
         windows = lp.llama_chunks(tok, texts.calibration, args.ctx, args.windows)
         cal = calibrate_matched(model, windows, args.bits, args.group, skip=args.sink_tokens)
@@ -513,6 +527,11 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         help="per-layer widths from measured sensitivity at this average of stored bits per element of keys and values, "
         "every byte counted (instead of --bits; default: none)",
+    )
+    ca.add_argument(
+        "--preset",
+        help="the settings of QuantConfig.preset(NAME): 4bit, 3bit or 2bit (its --budget, --widths, --group and "
+        "--sink-tokens; default: none)",
     )
     ca.add_argument(
         "--widths", type=int, nargs="+", default=[2, 3, 4, 5], help="with --budget: the candidate widths per layer (default: 2 3 4 5)"

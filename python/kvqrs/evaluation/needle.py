@@ -72,30 +72,28 @@ def needle_rows(residual_length: int = 0, quick: bool = False, calibrations: dic
             rows.append(Row(f"{scheme} k{n} v{n}", QuantConfig(scheme, n, scheme, n, residual_length=r), "full KV"))
     if quick:
         rows = [row for row in rows if row.name in ("dense", "kqv k4 v4", "kivi k2 v2")]
-    for name in sorted(calibrations or {}, key=lambda n: -PRESETS[n]["key_code_bits"]):
+    for name in sorted(calibrations or {}, key=lambda n: -PRESETS[n]["budget"]):
         rows.append(Row(f"matched {name}", QuantConfig.preset(name, calibrations[name], residual_length=r), "preset"))
     return rows
 
 
 def preset_calibrations(paths) -> dict:
-    """``{preset name: calibration}`` from ``kvqrs calibrate`` files: each file's recorded key
-    code bits and group pick the preset it was fitted for (``4bit``: ``--bits 4 --group 256``,
-    ``2bit``: ``--bits 2 --group 128``, ...). Raises :class:`KvqrsError` for a file that
-    matches no preset, records no settings, or a preset given twice."""
-    from ..hf.calibration import load_matched, matched_settings
+    """``{preset name: calibration}`` from ``kvqrs calibrate --preset NAME`` files (the preset
+    each was fitted for is recorded in it). Raises :class:`KvqrsError` for a file fitted for no
+    preset, or a preset given twice."""
+    from ..hf.calibration import calibration_meta, load_matched
 
     out: dict = {}
     for path in paths:
-        bits, group = matched_settings(path)
-        names = [n for n, p in PRESETS.items() if p["key_code_bits"] == bits and p["group"] == group]
-        if not names:
-            wanted = ", ".join(f"{n}: --bits {p['key_code_bits']:g} --group {p['group']}" for n, p in PRESETS.items())
+        name = calibration_meta(path).get("preset")
+        if name not in PRESETS:
             raise KvqrsError(
-                f"--calibration: {str(path)!r} was fitted with --bits {bits:g} --group {group}, which no preset uses ({wanted})"
+                f"--calibration: {str(path)!r} was not fitted for a preset; write it with `kvqrs calibrate --preset NAME` "
+                f"(NAME one of {', '.join(sorted(PRESETS))})"
             )
-        if names[0] in out:
-            raise KvqrsError(f"--calibration: two files for the {names[0]} preset")
-        out[names[0]] = load_matched(path)
+        if name in out:
+            raise KvqrsError(f"--calibration: two files for the {name} preset")
+        out[name] = load_matched(path)
     return out
 
 

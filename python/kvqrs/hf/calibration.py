@@ -313,20 +313,6 @@ def save_matched(path: str | pathlib.Path | io.BytesIO, calibration: dict, meta:
     return p if p.suffix == ".npz" else p.with_name(p.name + ".npz")
 
 
-def matched_settings(path: str | pathlib.Path) -> tuple[float, int]:
-    """``(key code bits, group)`` that ``kvqrs calibrate`` recorded in a calibration file.
-    Raises :class:`KvqrsError` for a file without them (saved without that metadata)."""
-    try:
-        with np.load(pathlib.Path(path), allow_pickle=False) as z:
-            if "format" not in z or str(z["format"]) != MATCHED_FORMAT:
-                raise KvqrsError(f"calibration: {str(path)!r} is not a kvqrs matched calibration file ({MATCHED_FORMAT})")
-            if "meta_bits" not in z or "meta_group" not in z:
-                raise KvqrsError(f"calibration: {str(path)!r} records no key bits and group (write it with `kvqrs calibrate`)")
-            return float(str(z["meta_bits"])), int(str(z["meta_group"]))
-    except (OSError, ValueError, KeyError) as e:
-        raise KvqrsError(f"calibration: cannot read {str(path)!r}: {e}") from None
-
-
 def calibration_meta(path: str | pathlib.Path) -> dict[str, str]:
     """The metadata strings :func:`save_matched` wrote with a calibration (``kvqrs calibrate``
     records ``group``, ``sink_tokens``, and ``bits`` or ``budget``)."""

@@ -178,9 +178,10 @@ class QuantConfig:
         Args:
             name: ``"4bit"``, ``"3bit"`` or ``"2bit"``: the average stored bits per element of
                 keys and values, every byte counted (codes, scales, norms, sinks).
-            calibration: ``{layer: MatchedCalibration}`` fitted at the preset's key budget
-                (:func:`kvqrs.hf.calibrate_matched` with ``PRESETS[name]["key_code_bits"]``), or
-                the path of a ``kvqrs calibrate`` file.
+            calibration: ``{layer: MatchedCalibration}`` with the preset's per-layer widths
+                (``kvqrs calibrate --preset NAME``, or
+                :func:`kvqrs.hf.calibration.allocate_matched` with the preset's ``budget``,
+                ``widths``, ``group`` and ``sink_tokens``), or the path of that file.
             overrides: other :class:`QuantConfig` fields (``residual_length``, ``seed``, ...).
 
         Raises:
@@ -189,9 +190,7 @@ class QuantConfig:
         if name not in PRESETS:
             raise KvqrsError(f"preset: expected one of {sorted(PRESETS)}, got {name!r}")
         if calibration is None:
-            raise KvqrsError(
-                f"preset: {name!r} uses the matched scheme and needs a calibration (`kvqrs calibrate --bits {PRESETS[name]['key_code_bits']:g}`)"
-            )
+            raise KvqrsError(f"preset: {name!r} uses the matched scheme and needs a calibration (`kvqrs calibrate --preset {name}`)")
         if not isinstance(calibration, dict):
             from .calibration import load_matched
 
@@ -239,10 +238,11 @@ class QuantConfig:
 
 
 PRESETS: dict[str, dict[str, Any]] = {
-    # Measured on llama.cpp's perplexity protocol (docs/evaluation.md), every byte counted:
-    # 4bit 4.246 bits/element (the lowest KL within 4.25), 3bit 3.303, 2bit 2.270.
-    "4bit": {"key_code_bits": 4.0, "group": 256, "value_bits": 4, "sink_tokens": 1},
-    "3bit": {"key_code_bits": 3.0, "group": 128, "value_bits": 3, "sink_tokens": 1},
-    "2bit": {"key_code_bits": 2.0, "group": 128, "value_bits": 2, "sink_tokens": 1},
+    # Per-layer widths among ``widths`` from measured sensitivity within ``budget`` average
+    # stored bits per element (every byte counted), on llama.cpp's perplexity protocol
+    # (docs/evaluation.md); ``value_bits`` labels the config (each layer's width overrides it).
+    "4bit": {"budget": 4.25, "widths": (3, 4, 5), "group": 256, "value_bits": 4, "sink_tokens": 1},
+    "3bit": {"budget": 3.25, "widths": (3, 4), "group": 256, "value_bits": 3, "sink_tokens": 1},
+    "2bit": {"budget": 2.5, "widths": (2, 3), "group": 128, "value_bits": 2, "sink_tokens": 1},
 }
 """The recommended presets of :meth:`QuantConfig.preset`."""
