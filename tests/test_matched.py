@@ -343,6 +343,8 @@ def test_allocate_layers_matches_exhaustive_search_on_convex_costs():
     assert pick.tolist() == [0, 1]
     with pytest.raises(KvqrsError, match="cheapest"):
         allocate_layers(np.ones((2, 2)), np.array([[3.0, 4.0], [3.0, 4.0]]), 2.5)
+    with pytest.raises(KvqrsError, match="finite"):
+        allocate_layers(np.ones((2, 2)), np.array([[3.0, 4.0], [3.0, 4.0]]), float("nan"))
 
 
 def test_per_layer_value_width_overrides_the_config():

@@ -195,6 +195,8 @@ def allocate_layers(cost: Any, bits: Any, budget: float) -> np.ndarray:
         raise KvqrsError(f"cost, bits: expected two (layers, options) arrays of one shape, got {c.shape} and {b.shape}")
     if not (np.isfinite(c).all() and np.isfinite(b).all()):
         raise KvqrsError("cost, bits: expected finite values")
+    if not np.isfinite(budget):
+        raise KvqrsError(f"budget: expected a finite number of bits per element, got {budget}")
     layers = np.arange(c.shape[0])
     pick = np.argmin(b, axis=1)
     total, limit = b[layers, pick].sum(), float(budget) * c.shape[0]
