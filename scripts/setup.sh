@@ -48,6 +48,14 @@ else
     echo "setup: note: not a Debian/Ubuntu system; for the WGSL shader tests install a Vulkan driver (Mesa's lavapipe without a GPU), else they skip" >&2
 fi
 
+# The test extras pull torch (PyPI's CUDA build) and its libraries: .venv takes about 6.5 GB. pip's
+# cache would hold a second copy of every wheel while it installs, so it is off.
+export PIP_NO_CACHE_DIR=1
+free_kb=$(df -Pk . | awk 'NR == 2 {print $4}')
+if [ -n "$free_kb" ] && [ "$free_kb" -lt $((8 * 1024 * 1024)) ]; then
+    echo "setup: warning: $((free_kb / 1024)) MB free on this disk; .venv needs about 6.5 GB (KVQRS_VLLM=1: 7 GB more), so pip may fail with 'No space left on device'" >&2
+fi
+
 PYTHON="${PYTHON:-python3}"
 if [ ! -x .venv/bin/python ]; then
     "$PYTHON" -m venv .venv
