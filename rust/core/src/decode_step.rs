@@ -17,6 +17,7 @@ use crate::format::Dtype;
 use crate::kernels::attention::{
     decode_attention, Attention, CodedRows, Layout, QjlRows, SideRows,
 };
+use crate::par;
 use crate::scalars::ScalarView;
 use crate::store::{to_f32, LayerStore};
 
@@ -311,60 +312,67 @@ pub fn attend(
         return Ok(coded);
     }
     let per_batch = heads / step.batch;
-    let bad: Vec<Option<(usize, usize, f32)>> = coded
-        .out
-        .par_chunks_mut(rows * d)
-        .zip(coded.lse.par_chunks_mut(rows))
-        .enumerate()
-        .map(|(h, (out, lse))| {
-            let kh = &step.fp_keys[h * w * d..(h + 1) * w * d];
-            let vh = &step.fp_values[h * w * d..(h + 1) * w * d];
-            let mut s = vec![0.0f64; w];
-            let mut acc = vec![0.0f64; d];
-            for r in 0..rows {
-                let qr = &step.q[(h * rows + r) * d..(h * rows + r + 1) * d];
-                let i = r % step.tokens;
-                for (j, sj) in s.iter_mut().enumerate() {
-                    let dot: f64 = qr
-                        .iter()
-                        .zip(&kh[j * d..(j + 1) * d])
-                        .map(|(&a, &b)| f64::from(a) * f64::from(b))
-                        .sum();
-                    let mut v = dot * f64::from(lay.scale);
-                    if let Some(m) = step.mask {
-                        v += f64::from(m[((h / per_batch) * step.tokens + i) * w + j]);
-                    }
-                    if v.is_nan() || (v > 0.0 && (v as f32).is_infinite()) {
-                        return Some((r, j, v as f32));
-                    }
-                    *sj = v;
+    let window_head = |h: usize, out: &mut [f32], lse: &mut [f32]| -> Option<(usize, usize, f32)> {
+        let kh = &step.fp_keys[h * w * d..(h + 1) * w * d];
+        let vh = &step.fp_values[h * w * d..(h + 1) * w * d];
+        let mut s = vec![0.0f64; w];
+        let mut acc = vec![0.0f64; d];
+        for r in 0..rows {
+            let qr = &step.q[(h * rows + r) * d..(h * rows + r + 1) * d];
+            let i = r % step.tokens;
+            for (j, sj) in s.iter_mut().enumerate() {
+                let dot: f64 = qr
+                    .iter()
+                    .zip(&kh[j * d..(j + 1) * d])
+                    .map(|(&a, &b)| f64::from(a) * f64::from(b))
+                    .sum();
+                let mut v = dot * f64::from(lay.scale);
+                if let Some(m) = step.mask {
+                    v += f64::from(m[((h / per_batch) * step.tokens + i) * w + j]);
                 }
-                let m = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-                if m == f64::NEG_INFINITY {
-                    continue; // every full-precision token masked: the coded part alone
+                if v.is_nan() || (v > 0.0 && (v as f32).is_infinite()) {
+                    return Some((r, j, v as f32));
                 }
-                acc.iter_mut().for_each(|a| *a = 0.0);
-                let mut sum = 0.0f64;
-                for (j, &sj) in s.iter().enumerate() {
-                    let p = (sj - m).exp();
-                    sum += p;
-                    for (a, &v) in acc.iter_mut().zip(&vh[j * d..(j + 1) * d]) {
-                        *a += p * f64::from(v);
-                    }
-                }
-                let lse_w = m + sum.ln();
-                let lse_c = f64::from(lse[r]);
-                let top = lse_c.max(lse_w);
-                let total = top + ((lse_c - top).exp() + (lse_w - top).exp()).ln();
-                let (fc, fw) = ((lse_c - total).exp(), (lse_w - total).exp() / sum);
-                for (o, &a) in out[r * d..(r + 1) * d].iter_mut().zip(&acc) {
-                    *o = (f64::from(*o) * fc + a * fw) as f32;
-                }
-                lse[r] = total as f32;
+                *sj = v;
             }
-            None
-        })
-        .collect();
+            let m = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            if m == f64::NEG_INFINITY {
+                continue; // every full-precision token masked: the coded part alone
+            }
+            acc.iter_mut().for_each(|a| *a = 0.0);
+            let mut sum = 0.0f64;
+            for (j, &sj) in s.iter().enumerate() {
+                let p = (sj - m).exp();
+                sum += p;
+                for (a, &v) in acc.iter_mut().zip(&vh[j * d..(j + 1) * d]) {
+                    *a += p * f64::from(v);
+                }
+            }
+            let lse_w = m + sum.ln();
+            let lse_c = f64::from(lse[r]);
+            let top = lse_c.max(lse_w);
+            let total = top + ((lse_c - top).exp() + (lse_w - top).exp()).ln();
+            let (fc, fw) = ((lse_c - total).exp(), (lse_w - total).exp() / sum);
+            for (o, &a) in out[r * d..(r + 1) * d].iter_mut().zip(&acc) {
+                *o = (f64::from(*o) * fc + a * fw) as f32;
+            }
+            lse[r] = total as f32;
+        }
+        None
+    };
+    // Heads are independent; small windows stay on the calling thread (see par::PAR_MIN_ATTEND).
+    let (out, lse) = (&mut coded.out, &mut coded.lse);
+    let bad: Vec<Option<(usize, usize, f32)>> = if heads * rows * w * 2 * d < par::PAR_MIN_ATTEND {
+        (out.chunks_mut(rows * d).zip(lse.chunks_mut(rows)))
+            .enumerate()
+            .map(|(h, (o, l))| window_head(h, o, l))
+            .collect()
+    } else {
+        (out.par_chunks_mut(rows * d).zip(lse.par_chunks_mut(rows)))
+            .enumerate()
+            .map(|(h, (o, l))| window_head(h, o, l))
+            .collect()
+    };
     if let Some((h, (r, j, value))) = bad.iter().enumerate().find_map(|(h, b)| b.map(|b| (h, b))) {
         return Err(KvqError::NonFinite {
             arg: "logits",

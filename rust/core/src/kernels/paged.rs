@@ -17,11 +17,11 @@
 //! order, so results do not depend on the thread count.
 
 use half::f16;
-use rayon::prelude::*;
 
 use super::attention::{decode_attention_with, CodedRows, Layout, QjlRows};
 use super::{check_head_dim, check_len};
 use crate::error::{KvqError, Result};
+use crate::par;
 use crate::scalars::ScalarView;
 use crate::simd::{self, Isa};
 
@@ -546,9 +546,14 @@ pub fn paged_decode_attention_with(
     check_parts(cache, keys)?;
     check_parts(cache, values)?;
     check_queries(cache, queries)?;
-    let units: Vec<Result<Vec<f32>>> = (0..queries.lengths.len() * cache.kv_heads)
-        .into_par_iter()
-        .map(|u| {
+    // Multiply-adds of scores and read-out over every query token's context.
+    let tokens: usize = queries.lengths.iter().map(|&l| l.max(0) as usize).sum();
+    let work = tokens.saturating_mul(queries.q_heads * 2 * queries.head_dim);
+    let units: Vec<Result<Vec<f32>>> = par::map_range(
+        queries.lengths.len() * cache.kv_heads,
+        work,
+        par::PAR_MIN_ATTEND,
+        |u| {
             token_head(
                 isa,
                 cache,
@@ -558,8 +563,8 @@ pub fn paged_decode_attention_with(
                 u / cache.kv_heads,
                 u % cache.kv_heads,
             )
-        })
-        .collect();
+        },
+    );
     let mut out = Vec::with_capacity(queries.q.len());
     for u in units {
         out.extend_from_slice(&u?);

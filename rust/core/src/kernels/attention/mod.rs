@@ -12,7 +12,8 @@
 //! file holds the driver that is the same for every layout:
 //!
 //! - each head's tokens are split into fixed chunks of [`CHUNK`] tokens (whole KIVI key groups),
-//!   and every (head, chunk) pair is one rayon task: scores, the chunk's maximum, `exp` (the
+//!   and every (head, chunk) pair is one rayon task (one step of a loop on the calling thread
+//!   for calls below `par::PAR_MIN_ATTEND` multiply-adds): scores, the chunk's maximum, `exp` (the
 //!   SIMD polynomial of `simd::scalar::exp`) and its float64 sum, and the value sums;
 //! - the chunks of a head are merged by log-sum-exp in chunk order, `sum = sum_c e^(m_c - m)
 //!   sum_c`, the accumulators alike, and the log-sum-exp is returned so that callers can merge
@@ -31,8 +32,6 @@ mod uniform;
 
 use std::ops::Range;
 
-use rayon::prelude::*;
-
 use self::dense::DensePlan;
 use self::mse::MsePlan;
 use self::runs::{CentredPlan, RunsPlan};
@@ -40,6 +39,7 @@ use self::side::SidePlan;
 use self::uniform::{ChannelsPlan, TokensPlan};
 use super::{check_finite, check_head_dim, check_len, check_row_len};
 use crate::error::{KvqError, Result};
+use crate::par;
 use crate::scalars::ScalarView;
 use crate::simd::{self, ops, Isa};
 
@@ -596,25 +596,22 @@ pub fn decode_attention_with(
     }
     let vrows = vplan.values().ok_or_else(channel_values)?;
     let (rows, d, t) = (lay.rows, lay.head_dim, lay.tokens);
-    let qp: Vec<Vec<Vec<f32>>> = (0..lay.heads)
-        .into_par_iter()
-        .map(|h| {
-            let qh = &q[h * rows * d..(h + 1) * rows * d];
-            terms.iter().map(|k| k.queries(isa, qh, h, &lay)).collect()
-        })
-        .collect();
+    // Multiply-adds of the scores and the read-out: small calls stay on the calling thread.
+    let work = (lay.heads * rows).saturating_mul(t.saturating_mul(2 * d));
+    let qp: Vec<Vec<Vec<f32>>> = par::map_range(lay.heads, work, par::PAR_MIN_ATTEND, |h| {
+        let qh = &q[h * rows * d..(h + 1) * rows * d];
+        terms.iter().map(|k| k.queries(isa, qh, h, &lay)).collect()
+    });
     let shifts = lse_shifts(isa, &terms, q, &lay)?;
     let step = terms.iter().map(|k| k.token_step()).max().unwrap_or(1);
     let len = CHUNK.div_ceil(step) * step;
     let chunks = t.div_ceil(len);
-    let parts: Vec<std::result::Result<Part, Bad>> = (0..lay.heads * chunks)
-        .into_par_iter()
-        .map(|i| {
+    let parts: Vec<std::result::Result<Part, Bad>> =
+        par::map_range(lay.heads * chunks, work, par::PAR_MIN_ATTEND, |i| {
             let (h, c) = (i / chunks, i % chunks);
             let span = c * len..((c + 1) * len).min(t);
             chunk(isa, &terms, &qp[h], vrows, h, span, &lay, want_probs)
-        })
-        .collect();
+        });
     let mut heads = Vec::with_capacity(lay.heads);
     for (h, ps) in parts.chunks(chunks).enumerate() {
         // The first non-finite logit of the head, by query row then token (as one pass would).
@@ -636,14 +633,11 @@ pub fn decode_attention_with(
                 .collect::<Vec<_>>(),
         );
     }
-    let merged: Vec<(Vec<f32>, Vec<f32>, Vec<f32>)> = heads
-        .into_par_iter()
-        .enumerate()
-        .map(|(h, ps)| {
+    let merged: Vec<(Vec<f32>, Vec<f32>, Vec<f32>)> =
+        par::map_range(lay.heads, work, par::PAR_MIN_ATTEND, |h| {
             let shift = &shifts[h * rows..(h + 1) * rows];
-            merge(isa, vrows, (h, &ps, shift), &lay, want_probs)
-        })
-        .collect();
+            merge(isa, vrows, (h, &heads[h], shift), &lay, want_probs)
+        });
     let mut res = Attention {
         out: Vec::with_capacity(qlen),
         lse: Vec::with_capacity(lay.heads * rows),
