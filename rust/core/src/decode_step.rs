@@ -6,7 +6,11 @@
 //!
 //! Which parts the kernel reads as which rows is declared once per layer ([`RowSpec`], the
 //! part indices of a [`crate::kernels::attention::CodedRows`] variant): a new row kind is one
-//! more variant here and its match arm in [`RowSpec::rows`].
+//! more variant here and its match arm in [`RowSpec::rows`]. The rows of the `matched` scheme
+//! borrow more than the reads ([`CodedRows::ChannelRuns`] a slice of runs,
+//! [`CodedRows::Centred`] its inner rows), so a step builds them in stages that each outlive
+//! the next: reads, then runs ([`RowSpec::runs`]), then the base rows, then the mean around
+//! them ([`RowSpec::wrap`]).
 
 use std::borrow::Cow;
 
@@ -15,7 +19,7 @@ use rayon::prelude::*;
 use crate::error::{KvqError, Result};
 use crate::format::Dtype;
 use crate::kernels::attention::{
-    decode_attention, Attention, CodedRows, Layout, QjlRows, SideRows,
+    decode_attention, Attention, ChannelRun, CodedRows, Layout, QjlRows, SideRows,
 };
 use crate::par;
 use crate::scalars::ScalarView;
@@ -51,6 +55,32 @@ pub enum RowSpec {
     },
     /// [`CodedRows::Dense`]: a float part (any float dtype, read as float32).
     Dense { values: usize },
+    /// [`CodedRows::ChannelRuns`]: runs of basis columns coded per channel, and the basis
+    /// (basis_heads x head_dim x head_dim float32).
+    ChannelRuns {
+        runs: Vec<RunSpec>,
+        group: usize,
+        basis: Vec<f32>,
+        basis_heads: usize,
+    },
+    /// [`CodedRows::Centred`]: other rows (not themselves centred) around a per-head mean
+    /// (mean_heads x head_dim float32).
+    Centred {
+        rows: Box<RowSpec>,
+        mean: Vec<f32>,
+        mean_heads: usize,
+    },
+}
+
+/// The parts of one [`ChannelRun`] (its codes, scales and zero points), its bits and columns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RunSpec {
+    pub codes: usize,
+    pub scales: usize,
+    pub zeros: usize,
+    pub bits: u32,
+    pub start: usize,
+    pub stop: usize,
 }
 
 /// HeadQ's side code: the store's parts plus the basis (as [`SideRows`]).
@@ -135,6 +165,11 @@ impl RowSpec {
     /// `f` float values.
     fn parts(&self) -> Vec<(usize, char)> {
         match *self {
+            RowSpec::ChannelRuns { ref runs, .. } => runs
+                .iter()
+                .flat_map(|r| [(r.codes, 'b'), (r.scales, 's'), (r.zeros, 's')])
+                .collect(),
+            RowSpec::Centred { ref rows, .. } => rows.parts(),
             RowSpec::Mse {
                 codes, norms, qjl, ..
             } => {
@@ -165,8 +200,56 @@ impl RowSpec {
         self.parts().iter().map(|p| p.0).max().unwrap_or(0)
     }
 
-    fn rows<'a>(&self, r: &'a [Read<'a>]) -> CodedRows<'a> {
+    /// The runs of [`RowSpec::ChannelRuns`] (of the inner rows of [`RowSpec::Centred`]) over
+    /// its reads; empty for other rows.
+    fn runs<'a>(&self, r: &'a [Read<'a>]) -> Vec<ChannelRun<'a>> {
+        match self {
+            RowSpec::ChannelRuns { runs, .. } => (runs.iter().zip(r.chunks_exact(3)))
+                .map(|(run, p)| ChannelRun {
+                    codes: p[0].bytes(),
+                    scales: p[1].scalars(),
+                    zeros: p[2].scalars(),
+                    bits: run.bits,
+                    start: run.start,
+                    stop: run.stop,
+                })
+                .collect(),
+            RowSpec::Centred { rows, .. } => rows.runs(r),
+            _ => Vec::new(),
+        }
+    }
+
+    /// `base` (the rows of [`RowSpec::rows`]) around the mean of [`RowSpec::Centred`], or
+    /// `base` itself.
+    fn wrap<'a>(&'a self, base: &'a CodedRows<'a>) -> CodedRows<'a> {
+        match self {
+            RowSpec::Centred {
+                mean, mean_heads, ..
+            } => CodedRows::Centred {
+                rows: base,
+                mean,
+                mean_heads: *mean_heads,
+            },
+            _ => *base,
+        }
+    }
+
+    /// The rows without the mean of [`RowSpec::Centred`] (see [`RowSpec::wrap`]); `runs` are
+    /// those of [`RowSpec::runs`].
+    fn rows<'a>(&'a self, r: &'a [Read<'a>], runs: &'a [ChannelRun<'a>]) -> CodedRows<'a> {
         match *self {
+            RowSpec::ChannelRuns {
+                group,
+                ref basis,
+                basis_heads,
+                ..
+            } => CodedRows::ChannelRuns {
+                runs,
+                group,
+                basis,
+                basis_heads,
+            },
+            RowSpec::Centred { ref rows, .. } => rows.rows(r, runs),
             RowSpec::Mse {
                 bits, seed, qjl, ..
             } => CodedRows::Mse {
@@ -283,7 +366,20 @@ pub fn attend(
             ));
         }
     }
+    for (spec, name) in [(keys, "keys"), (values, "values")] {
+        if let RowSpec::Centred { rows, .. } = spec {
+            if matches!(**rows, RowSpec::Centred { .. }) {
+                return Err(KvqError::ShapeMismatch {
+                    arg: name,
+                    expected: "rows around one mean".into(),
+                    actual: "centred rows in centred rows".into(),
+                });
+            }
+        }
+    }
     let (kr, vr) = (reads(store, keys)?, reads(store, values)?);
+    let (kruns, vruns) = (keys.runs(&kr), values.runs(&vr));
+    let (kbase, vbase) = (keys.rows(&kr, &kruns), values.rows(&vr, &vruns));
     let sr = match side {
         Some(s) => Some((read(store, s.codes, 'b')?, read(store, s.scales, 's')?)),
         None => None,
@@ -303,9 +399,9 @@ pub fn attend(
     let mut coded = decode_attention(
         step.q,
         &lay,
-        &keys.rows(&kr),
+        &keys.wrap(&kbase),
         side_rows.as_ref(),
-        &values.rows(&vr),
+        &values.wrap(&vbase),
         false,
     )?;
     if w == 0 {
@@ -478,33 +574,14 @@ mod tests {
             qjl: None,
         };
         let values = RowSpec::Dense { values: 2 };
-        let q = gaussians(3, 2, heads * rows * d);
-        let fk = gaussians(4, 2, heads * w * d);
-        let fv = gaussians(5, 2, heads * w * d);
-        let mut mask = vec![0.0f32; rows * w];
-        mask[w - 1] = f32::NEG_INFINITY; // query token 0 does not see the newest window token
-        let lay = Layout {
-            heads,
-            rows,
-            tokens: 0,
-            head_dim: d,
-            scale: 0.25,
-        };
-        let step = Step {
-            q: &q,
-            layout: lay,
-            tokens: rows,
-            fp_keys: &fk,
-            fp_values: &fv,
-            window: w,
-            mask: Some(&mask),
-            batch: 1,
-        };
+        let inputs = Inputs::new(3, heads, rows, d, w);
+        let step = inputs.step(heads, rows, d, 0.25);
+        let (q, lay, fk) = (&inputs.q, step.layout, &inputs.fk);
         let got = attend(&store, &keys, None, &values, &step).unwrap();
         let flat_codes: Vec<u8> = all_codes.concat();
         let flat_norms: Vec<u16> = all_norms.concat();
         let coded = decode_attention(
-            &q,
+            q,
             &Layout { tokens: t, ..lay },
             &CodedRows::Mse {
                 codes: &flat_codes,
@@ -518,15 +595,87 @@ mod tests {
             false,
         )
         .unwrap();
+        assert_merged(&got, &coded, &step);
+        // Bad sizes name the argument.
+        let short = Step {
+            fp_keys: &fk[1..],
+            ..step
+        };
+        let err = attend(&store, &keys, None, &values, &short)
+            .unwrap_err()
+            .to_string();
+        assert!(err.starts_with("fp_keys"), "{err}");
+        let far = RowSpec::Dense { values: 9 };
+        assert!(attend(&store, &keys, None, &far, &step).is_err());
+    }
+
+    /// Queries, full-precision tokens and a mask (query token 0 does not see the newest
+    /// window token) of one batch row, drawn from `seed`.
+    struct Inputs {
+        q: Vec<f32>,
+        fk: Vec<f32>,
+        fv: Vec<f32>,
+        mask: Vec<f32>,
+        window: usize,
+    }
+
+    impl Inputs {
+        fn new(seed: u64, heads: usize, rows: usize, d: usize, w: usize) -> Self {
+            let mut mask = vec![0.0f32; rows * w];
+            mask[w - 1] = f32::NEG_INFINITY;
+            Self {
+                q: gaussians(seed, 2, heads * rows * d),
+                fk: gaussians(seed + 1, 2, heads * w * d),
+                fv: gaussians(seed + 2, 2, heads * w * d),
+                mask,
+                window: w,
+            }
+        }
+
+        /// The step of every row as one query token's.
+        fn step(&self, heads: usize, rows: usize, d: usize, scale: f32) -> Step<'_> {
+            Step {
+                q: &self.q,
+                layout: Layout {
+                    heads,
+                    rows,
+                    tokens: 0,
+                    head_dim: d,
+                    scale,
+                },
+                tokens: rows,
+                fp_keys: &self.fk,
+                fp_values: &self.fv,
+                window: self.window,
+                mask: Some(&self.mask),
+                batch: 1,
+            }
+        }
+    }
+
+    /// `got` equals `coded` merged by log-sum-exp with a float64 softmax over the
+    /// full-precision tokens of `step` (one batch row), to 1e-5.
+    fn assert_merged(got: &Attention, coded: &Attention, step: &Step) {
+        let Layout {
+            heads,
+            rows,
+            head_dim: d,
+            scale,
+            ..
+        } = step.layout;
+        let (w, fk, fv) = (step.window, step.fp_keys, step.fp_values);
         for h in 0..heads {
             for r in 0..rows {
-                let qr = &q[(h * rows + r) * d..][..d];
+                let qr = &step.q[(h * rows + r) * d..][..d];
                 let s: Vec<f64> = (0..w)
                     .map(|j| {
                         let dot: f64 = (0..d)
                             .map(|c| f64::from(qr[c]) * f64::from(fk[(h * w + j) * d + c]))
                             .sum();
-                        dot * 0.25 + f64::from(mask[(r % rows) * w + j])
+                        dot * f64::from(scale)
+                            + step
+                                .mask
+                                .map_or(0.0, |m| f64::from(m[(r % step.tokens) * w + j]))
                     })
                     .collect();
                 let m = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
@@ -549,16 +698,154 @@ mod tests {
                 }
             }
         }
-        // Bad sizes name the argument.
-        let short = Step {
-            fp_keys: &fk[1..],
-            ..step
+    }
+
+    /// The matched rows (runs of basis columns around a mean; columns 6, 7 of width 0): keys
+    /// around one shared mean, values the same runs in another basis around a mean per head,
+    /// read from a store filled by appends, equal the kernel over the joined buffers merged
+    /// with the window; a mean around a mean is refused.
+    #[test]
+    fn matched_rows_step_equals_the_kernel_merged_with_the_window() {
+        let (heads, d, rows, w, group) = (2usize, 8usize, 3usize, 4usize, 8usize);
+        let cols = [(3u32, 0usize, 3usize), (2, 3, 6)];
+        let mut specs = Vec::new();
+        for (bits, lo, hi) in cols {
+            for (name, dtype, num, den) in [
+                ("codes", Dtype::U8, bits as usize, 8),
+                ("scales", Dtype::F32, 1, group),
+                ("zeros", Dtype::F32, 1, group),
+            ] {
+                specs.push(PartSpec {
+                    name: format!("{name}{bits}"),
+                    dtype,
+                    widen: false,
+                    outer: vec![1, heads, hi - lo],
+                    inner: vec![],
+                    num,
+                    den,
+                });
+            }
+        }
+        let mut store = LayerStore::new(specs.clone()).unwrap();
+        // Random codes and nonnegative scalars in chunks of two groups; `joined` keeps each part's outer
+        // rows joined along tokens (the kernel's layout of the whole).
+        let (chunks, per) = (3usize, 2 * group);
+        let mut joined: Vec<Vec<Vec<u8>>> = specs
+            .iter()
+            .map(|p| vec![Vec::new(); p.outer.iter().product()])
+            .collect();
+        for c in 0..chunks {
+            let mut bytes = Vec::new();
+            for (i, p) in specs.iter().enumerate() {
+                let n = p.units(per);
+                let outer: usize = p.outer.iter().product();
+                let seed = (10 * c + i) as u64;
+                let b: Vec<u8> = if p.dtype == Dtype::U8 {
+                    gaussians(seed, 7, outer * n)
+                        .iter()
+                        .map(|g| (g.to_bits() >> 11) as u8)
+                        .collect()
+                } else {
+                    gaussians(seed, 8, outer * n)
+                        .iter()
+                        .flat_map(|g| (0.2 * g.abs()).to_le_bytes())
+                        .collect()
+                };
+                let size = b.len() / outer;
+                for (o, row) in joined[i].iter_mut().enumerate() {
+                    row.extend_from_slice(&b[o * size..(o + 1) * size]);
+                }
+                bytes.push((vec![1, heads, p.outer[2], n], b));
+            }
+            let parts: Vec<ChunkPart> = (specs.iter().zip(&bytes))
+                .map(|(p, (shape, b))| ChunkPart {
+                    dtype: p.dtype,
+                    shape,
+                    bytes: b,
+                })
+                .collect();
+            store.append(&parts, per).unwrap();
+        }
+        let t = chunks * per;
+        let run_specs: Vec<RunSpec> = (cols.iter().enumerate())
+            .map(|(i, &(bits, start, stop))| RunSpec {
+                codes: 3 * i,
+                scales: 3 * i + 1,
+                zeros: 3 * i + 2,
+                bits,
+                start,
+                stop,
+            })
+            .collect();
+        let (kbasis, vbasis) = (gaussians(20, 2, d * d), gaussians(21, 2, heads * d * d));
+        let (kmean, vmean) = (gaussians(22, 2, d), gaussians(23, 2, heads * d));
+        let centred = |basis: &[f32], basis_heads, mean: &[f32], mean_heads| RowSpec::Centred {
+            rows: Box::new(RowSpec::ChannelRuns {
+                runs: run_specs.clone(),
+                group,
+                basis: basis.to_vec(),
+                basis_heads,
+            }),
+            mean: mean.to_vec(),
+            mean_heads,
         };
-        let err = attend(&store, &keys, None, &values, &short)
+        let keys = centred(&kbasis, 1, &kmean, 1);
+        let values = centred(&vbasis, heads, &vmean, heads);
+        let inputs = Inputs::new(24, heads, rows, d, w);
+        let step = inputs.step(heads, rows, d, 0.3);
+        let (q, lay) = (&inputs.q, step.layout);
+        let got = attend(&store, &keys, None, &values, &step).unwrap();
+        let flat: Vec<Vec<u8>> = joined.iter().map(|p| p.concat()).collect();
+        let floats: Vec<Vec<f32>> = (flat.iter())
+            .map(|b| {
+                b.chunks_exact(4)
+                    .map(|x| f32::from_le_bytes([x[0], x[1], x[2], x[3]]))
+                    .collect()
+            })
+            .collect();
+        let runs: Vec<ChannelRun> = (run_specs.iter())
+            .map(|r| ChannelRun {
+                codes: &flat[r.codes],
+                scales: ScalarView::F32(&floats[r.scales]),
+                zeros: ScalarView::F32(&floats[r.zeros]),
+                bits: r.bits,
+                start: r.start,
+                stop: r.stop,
+            })
+            .collect();
+        let base = |basis, basis_heads| CodedRows::ChannelRuns {
+            runs: &runs,
+            group,
+            basis,
+            basis_heads,
+        };
+        let (kb, vb) = (base(&kbasis, 1), base(&vbasis, heads));
+        let coded = decode_attention(
+            q,
+            &Layout { tokens: t, ..lay },
+            &CodedRows::Centred {
+                rows: &kb,
+                mean: &kmean,
+                mean_heads: 1,
+            },
+            None,
+            &CodedRows::Centred {
+                rows: &vb,
+                mean: &vmean,
+                mean_heads: heads,
+            },
+            false,
+        )
+        .unwrap();
+        assert_merged(&got, &coded, &step);
+        let twice = RowSpec::Centred {
+            rows: Box::new(keys.clone()),
+            mean: kmean.clone(),
+            mean_heads: 1,
+        };
+        let err = attend(&store, &twice, None, &values, &step)
             .unwrap_err()
             .to_string();
-        assert!(err.starts_with("fp_keys"), "{err}");
-        let far = RowSpec::Dense { values: 9 };
-        assert!(attend(&store, &keys, None, &far, &step).is_err());
+        assert!(err.contains("one mean"), "{err}");
     }
 }
