@@ -21,3 +21,24 @@ def held_tensors(cache) -> list[torch.Tensor]:
         else:
             out += [layer.keys, layer.values]
     return out
+
+
+def per_head_matched_calibration(heads: int, d: int, seed: int):
+    """A ``matched`` calibration with one seeded random orthonormal basis and a nonzero mean
+    per KV head for keys and for values (values transform-coded), widths in several runs
+    with width-0 columns (keys 5/3/2/1/0, values 4/2/0 over quarters and eighths of ``d``)."""
+    from kvqrs.kernels.rng import random_orthonormal_basis
+    from kvqrs.schemes.matched import MatchedBasis, MatchedCalibration
+
+    rng = np.random.default_rng(seed)
+    e = d // 8
+
+    def side(widths: list[int], mean: np.ndarray) -> MatchedBasis:
+        basis = np.stack([random_orthonormal_basis(int(rng.integers(2**63)), d, d) for _ in range(heads)])
+        return MatchedBasis(mean, basis, np.array(widths + [0] * (d - len(widths)), np.uint8))
+
+    key_mean = (rng.standard_normal((heads, d)) * 2).astype(np.float32)
+    value_mean = rng.standard_normal((heads, d)).astype(np.float32)
+    keys = side([5] * e + [3] * (2 * e) + [2] * (2 * e) + [1] * e, key_mean)
+    values = side([4] * (2 * e) + [2] * (3 * e), value_mean)
+    return MatchedCalibration(keys, value_mean, values=values)

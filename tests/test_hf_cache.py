@@ -33,6 +33,8 @@ from kvqrs.hf.attention import _STATE  # noqa: E402
 from kvqrs.schemes import KVCodec  # noqa: E402
 from transformers.cache_utils import DynamicCache  # noqa: E402
 
+from tests.cache_helpers import per_head_matched_calibration  # noqa: E402
+
 # --- tolerances ---------------------------------------------------------------------------------
 
 # Fast path vs token-by-token cache decode, relative perplexity. Both paths quantize exactly the
@@ -958,6 +960,61 @@ def test_fused_matched_step_streaming_equals_one_shot(cfg):
         assert layer._fused and rk.shape[-2] < 46
         outs.append(layer.attend(module, q, rk, rv, None, scaling)[0])
     assert torch.allclose(outs[0], outs[1], rtol=0, atol=1e-6 * v.abs().max().item())
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    MATCHED_FUSED
+    + [
+        pytest.param(
+            QuantConfig(
+                "matched",
+                3,
+                "matched",
+                3,
+                residual_length=8,
+                group=8,
+                sink_tokens=2,
+                calibration={0: per_head_matched_calibration(3, HEAD_DIM, 9)},
+            ),
+            id="matched-per-head-sinks",
+        ),
+        pytest.param(QuantConfig("matched", 4, residual_length=8, group=8, calibration="random"), id="matched-keyonly"),
+    ],
+)
+@pytest.mark.parametrize("nq", [1, 2])
+def test_native_matched_step_equals_the_python_fused_path(cfg, nq, monkeypatch):
+    """A matched layer's decode step in one native call (``CodeStore.attend``: runs, means,
+    window and sinks, log-sum-exp merge in Rust) equals the Python fused path
+    (``codec.fused_attention``, a torch softmax over the full-precision tokens, the merge in
+    torch) to float32 rounding: 2e-6 of the largest |v| (measured 2e-7; the two merge the coded part in
+    float64 and float32 respectively; a wrong run, basis, mean or merge moves outputs by 1e-3
+    or more). GQA 3, a causal mask over the window, several width runs, width-0 columns."""
+    from kvqrs.hf.store import CodeStore
+
+    k, v = _kv(tokens=45, seed=4)
+    k2, v2 = _kv(tokens=nq, seed=5)
+    q = torch.randn(2, 9, nq, HEAD_DIM, generator=torch.Generator().manual_seed(6))
+    module, scaling = _Module(3), HEAD_DIM**-0.5
+    native_attend, calls = CodeStore.attend, []
+
+    def spy(self, *a, **kw):
+        calls.append(self)
+        return native_attend(self, *a, **kw)
+
+    monkeypatch.setattr(CodeStore, "attend", spy)
+    outs = []
+    for native in (True, False):
+        layer = QuantizedLayer(cfg, 0)
+        layer.attend(module, q[..., :1, :], *layer.update(k, v, fused=True), None, scaling)
+        rk, rv = layer.update(k2, v2, fused=True)
+        assert layer._fused
+        if not native:  # the Python path, as for a row kind the native step does not read
+            monkeypatch.setattr(CodeStore, "can_attend", lambda self: False)
+        n = len(calls)
+        outs.append(layer.attend(module, q, rk, rv, _causal_mask(2, nq, 45 + nq), scaling)[0])
+        assert len(calls) == n + native  # one native call per step, none on the Python path
+    assert torch.allclose(outs[0], outs[1], rtol=0, atol=2e-6 * v.abs().max().item())
 
 
 def test_fused_step_falls_back_where_a_mask_hides_codes():

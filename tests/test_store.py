@@ -23,6 +23,8 @@ from kvqrs.hf import QuantConfig, QuantizedKVCache  # noqa: E402
 from kvqrs.hf.attention import _STATE  # noqa: E402
 from kvqrs.hf.store import CodeStore  # noqa: E402
 
+from tests.cache_helpers import per_head_matched_calibration  # noqa: E402
+
 D = 32
 CONFIGS = {
     "kv": QuantConfig("kv", 2, "kv", 3),
@@ -34,6 +36,14 @@ CONFIGS = {
     "headq-kqv": QuantConfig("headq", 2, "kivi", 2, headq_base="kqv", bases="random"),
     "headq-kivi": QuantConfig("headq", 3, group=8, bases="random"),
     "matched": QuantConfig("matched", 3, "matched", 3, group=8, calibration="random"),
+}
+
+# The decode step's configs besides CONFIGS: matched with a calibration per KV head (2 heads)
+# and transform-coded values, and matched keys with full-precision values.
+STEP_CONFIGS = {
+    **CONFIGS,
+    "matched-per-head": QuantConfig("matched", 3, "matched", 3, group=8, calibration={0: per_head_matched_calibration(2, D, 5)}),
+    "matched-keyonly": QuantConfig("matched", 3, group=8, calibration="random"),
 }
 
 
@@ -146,18 +156,35 @@ def test_bad_input_raises_kvqrs_error_naming_the_problem():
         _native.LayerStore([("a", 0, False, [1], [], 0, 1)])
     with pytest.raises(KvqrsError, match="call set_rows"):
         store._native.attend(np.zeros(D, np.float32), 1, 1, D, 1.0, 1, np.zeros(0, np.float32), np.zeros(0, np.float32), 0, None, 1)
+    dense, mean = {"kind": "dense", "values": "keys.codes"}, np.zeros(D, np.float32)
+    centred = {"kind": "centred", "rows": dense, "mean": mean, "mean_heads": 1}
+    with pytest.raises(KvqrsError, match=r"keys.rows: expected rows around one mean, got centred rows in centred rows"):
+        store._native.set_rows({**centred, "rows": centred}, dense)
+    run = {"codes": "keys.nope", "scales": "keys.scales", "zeros": "keys.zeros", "bits": 2, "start": 0, "stop": 4}
+    runs = {"kind": "channel_runs", "runs": [run], "group": 8, "basis": np.eye(D, dtype=np.float32).reshape(-1), "basis_heads": 1}
+    with pytest.raises(KvqrsError, match=r"keys.rows.runs\[0\].codes: no part named \"keys.nope\""):
+        store._native.set_rows({**centred, "rows": runs}, dense)
+    with pytest.raises(KvqrsError, match=r"keys: missing field \"mean_heads\""):
+        store._native.set_rows({k: v for k, v in centred.items() if k != "mean_heads"}, dense)
 
 
-@pytest.mark.parametrize("name", ["kqv", "kivi", "qkqv", "block", "kqv-keyonly", "headq-kqv", "headq-kivi"])
+@pytest.mark.parametrize(
+    "name", ["kqv", "kivi", "qkqv", "block", "kqv-keyonly", "headq-kqv", "headq-kivi", "matched", "matched-per-head", "matched-keyonly"]
+)
 @pytest.mark.parametrize("masked", [False, True])
 def test_decode_step_equals_the_kernel_merged_with_the_window(name, masked):
-    cfg = CONFIGS[name]
+    """``CodeStore.attend`` (one native call) equals the fused kernel over the joined codes
+    merged with a float64 softmax over the window, to float32 rounding (rtol 1e-5, atol
+    1e-6); every row kind here is read natively (``can_attend``), matched's runs and means
+    included (a fallback to the Python path would fail the assertion)."""
+    cfg = STEP_CONFIGS[name]
     codec = cfg.codec(0, D)
     b, h, g, nq, w = 2, 2, 3, 2, 5
     store = CodeStore(codec, b, h, D, torch.float32)
     chunks = [_encode(codec, _x(b, h, cfg.chunk * 2, 10 + i), _x(b, h, cfg.chunk * 2, 20 + i)) for i in range(3)]
     for ck, cv in chunks:
         store.append(ck, cv)
+    assert store.can_attend()
     ref_k, ref_v = store.keys(), store.values()
     q = torch.from_numpy(_x(b, h * g, nq, 30))
     fk, fv = torch.from_numpy(_x(b, h, w, 31)), torch.from_numpy(_x(b, h, w, 32))

@@ -3,7 +3,7 @@
 //! `(dtype code, shape, flat uint8 view of the bytes)` per part (so bfloat16 tensors pass
 //! too); parts leave the same way. The GIL is released for every copy and for the step.
 
-use kvqrs_core::decode_step::{attend, RowSpec, SideSpec, Step};
+use kvqrs_core::decode_step::{attend, RowSpec, RunSpec, SideSpec, Step};
 use kvqrs_core::format::{Dtype, Section};
 use kvqrs_core::kernels::attention::Layout;
 use kvqrs_core::store::{ChunkPart, LayerStore, PartSpec};
@@ -63,6 +63,12 @@ fn get<'py, T: FromPyObject<'py>>(d: &Bound<'py, PyDict>, key: &str, what: &str)
         .map_err(|e| arg_error(format!("{what}.{key}: {e}")))
 }
 
+/// A flat float32 field (a basis or a mean) as an owned copy (the store keeps it).
+fn floats(d: &Bound<'_, PyDict>, key: &str, what: &str) -> PyResult<Vec<f32>> {
+    let a: PyReadonlyArray1<'_, f32> = get(d, key, what)?;
+    Ok(slice(&a, &format!("{what}.{key}"))?.to_vec())
+}
+
 impl PyLayerStore {
     fn part_index(&self, d: &Bound<'_, PyDict>, key: &str, what: &str) -> PyResult<usize> {
         let name: String = get(d, key, what)?;
@@ -104,11 +110,48 @@ impl PyLayerStore {
             "dense" => RowSpec::Dense {
                 values: idx("values")?,
             },
+            "channel_runs" => {
+                let runs: Vec<Bound<'_, PyDict>> = get(d, "runs", what)?;
+                RowSpec::ChannelRuns {
+                    runs: (runs.iter().enumerate())
+                        .map(|(i, r)| self.run_spec(r, &format!("{what}.runs[{i}]")))
+                        .collect::<PyResult<_>>()?,
+                    group: get(d, "group", what)?,
+                    basis: floats(d, "basis", what)?,
+                    basis_heads: get(d, "basis_heads", what)?,
+                }
+            }
+            "centred" => {
+                let inner: Bound<'_, PyDict> = get(d, "rows", what)?;
+                let rows = self.row_spec(&inner, &format!("{what}.rows"))?;
+                if matches!(rows, RowSpec::Centred { .. }) {
+                    return Err(arg_error(format!(
+                        "{what}.rows: expected rows around one mean, got centred rows in centred rows"
+                    )));
+                }
+                RowSpec::Centred {
+                    rows: Box::new(rows),
+                    mean: floats(d, "mean", what)?,
+                    mean_heads: get(d, "mean_heads", what)?,
+                }
+            }
             other => {
                 return Err(arg_error(format!(
-                    "{what}.kind: expected mse, uniform_tokens, uniform_channels or dense, got {other:?}"
+                    "{what}.kind: expected mse, uniform_tokens, uniform_channels, dense, channel_runs or centred, got {other:?}"
                 )))
             }
+        })
+    }
+
+    /// One run of `channel_runs` rows: its parts by name, bits and basis columns.
+    fn run_spec(&self, d: &Bound<'_, PyDict>, what: &str) -> PyResult<RunSpec> {
+        Ok(RunSpec {
+            codes: self.part_index(d, "codes", what)?,
+            scales: self.part_index(d, "scales", what)?,
+            zeros: self.part_index(d, "zeros", what)?,
+            bits: get(d, "bits", what)?,
+            start: get(d, "start", what)?,
+            stop: get(d, "stop", what)?,
         })
     }
 }
@@ -246,7 +289,9 @@ impl PyLayerStore {
     }
 
     /// Declares the rows a decode step reads: `keys` and `values` are the `spec()` dicts of
-    /// the row objects with part names in place of arrays; `side` HeadQ's, with its basis.
+    /// the row objects with part names in place of arrays (`channel_runs` with a flat float32
+    /// `basis` and its `basis_heads`, `centred` with a flat float32 `mean` and its
+    /// `mean_heads`); `side` HeadQ's, with its basis.
     #[pyo3(signature = (keys, values, side=None))]
     fn set_rows(
         &mut self,
@@ -263,18 +308,15 @@ impl PyLayerStore {
         }
         let s = match side {
             None => None,
-            Some(d) => {
-                let basis: PyReadonlyArray1<'_, f32> = get(d, "basis", "side")?;
-                Some(SideSpec {
-                    codes: self.part_index(d, "codes", "side")?,
-                    scales: self.part_index(d, "scales", "side")?,
-                    basis: slice(&basis, "side.basis")?.to_vec(),
-                    basis_heads: get(d, "basis_heads", "side")?,
-                    rank: get(d, "rank", "side")?,
-                    bits: get(d, "bits", "side")?,
-                    sign: get(d, "sign", "side")?,
-                })
-            }
+            Some(d) => Some(SideSpec {
+                codes: self.part_index(d, "codes", "side")?,
+                scales: self.part_index(d, "scales", "side")?,
+                basis: floats(d, "basis", "side")?,
+                basis_heads: get(d, "basis_heads", "side")?,
+                rank: get(d, "rank", "side")?,
+                bits: get(d, "bits", "side")?,
+                sign: get(d, "sign", "side")?,
+            }),
         };
         self.rows = Some(Rows {
             keys: k,
