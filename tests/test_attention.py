@@ -7,9 +7,6 @@ ratios 1, 3 and 7, one to four query tokens, padded and unpadded head_dims; plus
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -19,6 +16,8 @@ from kvqrs import KvqrsError, oracle, random_orthonormal_basis
 from kvqrs.kernels import CentredRows, ChannelRunRows, DenseRows, MSERows, SideRows, UniformRows, decode_attention
 from kvqrs.schemes import KVCodec
 from kvqrs.schemes.matched import MatchedBasis, MatchedCalibration, MatchedCoder
+
+from tests.process_helpers import stdout_per_thread_count
 
 # --------------------------------------------------------------------------------------------
 # Tolerances
@@ -333,10 +332,7 @@ def test_fused_matched_does_not_depend_on_the_thread_count():
         "s = c.fused_attention(q, c.encode_keys(k), c.encode_values(v), probs=True)\n"
         "sys.stdout.buffer.write(b''.join(a.tobytes() for a in (*r, *s)))\n"
     )
-    outs = []
-    for threads in ("1", "4"):
-        env = dict(os.environ, RAYON_NUM_THREADS=threads)
-        outs.append(subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, check=True).stdout)
+    outs = stdout_per_thread_count(script)
     assert outs[0] == outs[1] and len(outs[0]) > 0
 
 
@@ -353,10 +349,7 @@ def test_results_do_not_depend_on_the_thread_count():
         "r = c.fused_attention(q, c.encode_keys(k), c.encode_values(v), probs=True)\n"
         "sys.stdout.buffer.write(r.out.tobytes() + r.lse.tobytes() + r.probs.tobytes())\n"
     )
-    outs = []
-    for threads in ("1", "4"):
-        env = dict(os.environ, RAYON_NUM_THREADS=threads)
-        outs.append(subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, check=True).stdout)
+    outs = stdout_per_thread_count(script)
     assert outs[0] == outs[1] and len(outs[0]) > 0
 
 

@@ -24,6 +24,7 @@ from kvqrs.hf.attention import _STATE  # noqa: E402
 from kvqrs.hf.store import CodeStore  # noqa: E402
 
 from tests.cache_helpers import per_head_matched_calibration  # noqa: E402
+from tests.process_helpers import stdout_per_thread_count  # noqa: E402
 
 D = 32
 CONFIGS = {
@@ -278,3 +279,24 @@ def test_a_row_kind_the_native_step_does_not_know_keeps_the_other_path(monkeypat
     fresh = CodeStore(codec, 1, 2, D, torch.float32)
     fresh.append(*_encode(codec, _x(1, 2, 4, 0), _x(1, 2, 4, 1)))
     assert fresh.can_attend()
+
+
+def _matched_step_bytes() -> bytes:
+    """One native matched step (4 KV heads with their own calibrations, 1,000 coded tokens, a
+    256-token window, 4 query tokens, GQA 3) as bytes."""
+    codec = QuantConfig("matched", 3, "matched", 3, group=8, calibration={0: per_head_matched_calibration(4, 64, 3)}).codec(0, 64)
+    rng = np.random.default_rng(4)
+    k, v, q, fk, fv = (
+        rng.standard_normal(s).astype(np.float32) for s in ((2, 4, 1000, 64),) * 2 + ((2, 12, 4, 64),) + ((2, 4, 256, 64),) * 2
+    )
+    store = CodeStore(codec, 2, 4, 64, torch.float32)
+    store.append(codec.encode_keys(k), codec.encode_values(v))
+    assert store.can_attend()
+    return store.attend(*map(torch.from_numpy, (q, fk, fv)), None, 0.125).numpy().tobytes()
+
+
+def test_matched_decode_step_does_not_depend_on_the_thread_count():
+    """The native matched step (runs and means; window heads split above the work minimum,
+    here reached) gives the same bytes on one rayon thread as on four."""
+    outs = stdout_per_thread_count("import sys; from tests.test_store import _matched_step_bytes as f; sys.stdout.buffer.write(f())")
+    assert outs[0] == outs[1] and len(outs[0]) > 0
