@@ -26,7 +26,7 @@ import torch
 
 from .. import _native
 from .._arrays import KvqrsError
-from ..kernels.attention import DenseRows, _per_head
+from ..kernels.attention import DenseRows, per_head_table
 from ..schemes import Encoded
 
 _NP_CODES = {np.dtype(np.uint8): 0, np.dtype(np.float16): 1, np.dtype(np.float32): 2, np.dtype(np.float64): 3}
@@ -243,9 +243,9 @@ class CodeStore:
                 elif k == "runs":  # ChannelRunRows: each run's parts
                     out[k] = [spec(r) for r in v]
                 elif k == "basis" and row.get("kind") == "channel_runs":
-                    out[k], out["basis_heads"] = _per_head(v, "basis", lead, (d, d))
+                    out[k], out["basis_heads"] = per_head_table(v, "basis", lead, (d, d))
                 elif k == "mean":
-                    out[k], out["mean_heads"] = _per_head(v, "mean", lead, (d,))
+                    out[k], out["mean_heads"] = per_head_table(v, "mean", lead, (d,))
                 elif k == "basis":
                     out[k] = np.ascontiguousarray(v, np.float32).reshape(-1)
                 else:

@@ -316,9 +316,14 @@ class _FlatCentred(NamedTuple):
     mean_heads: int
 
 
-def _per_head(x: Any, arg: str, lead: tuple[int, ...], shape: tuple[int, ...]) -> tuple[np.ndarray, int]:
-    """A per-head table (``shape``, or ``(B, *shape)`` with ``B`` the last leading axis) as a
-    flat finite float32 array and ``B`` (1 for one table)."""
+def per_head_table(x: Any, arg: str, lead: tuple[int, ...], shape: tuple[int, ...]) -> tuple[np.ndarray, int]:
+    """A per-head table (``shape``, or ``(B, *shape)`` with ``B`` the last leading axis
+    ``lead[-1]``) as a flat finite float32 array and ``B`` (1 for one table): how the fused
+    kernel and the native decode step take a ``matched`` basis or mean.
+
+    Raises:
+        KvqrsError: another shape, or a non-finite entry (named ``arg``).
+    """
     a = as_array(x, arg)
     heads = lead[-1] if lead else 1
     if a.shape == shape:
@@ -336,14 +341,14 @@ def _flat_rows(rows: Rows, arg: str, lead: tuple[int, ...], t: int, d: int) -> A
     if isinstance(rows, CentredRows):
         if isinstance(rows.rows, CentredRows):
             raise KvqrsError(f"{arg}.rows: expected rows around one mean, got CentredRows in CentredRows")
-        mean, count = _per_head(rows.mean, f"{arg}.mean", lead, (d,))
+        mean, count = per_head_table(rows.mean, f"{arg}.mean", lead, (d,))
         return _FlatCentred(_flat_rows(rows.rows, arg, lead, t, d), mean, count)
     try:
         parts = rows.layout(lead, t, d)
     except KvqrsError as e:
         raise KvqrsError(f"{arg}.{e}") from None
     if isinstance(rows, ChannelRunRows):
-        basis, count = _per_head(rows.basis, f"{arg}.basis", lead, (d, d))
+        basis, count = per_head_table(rows.basis, f"{arg}.basis", lead, (d, d))
         runs = [
             run._replace(
                 **{k: lay.flat(getattr(run, k), f"{arg}.runs[{i}].{k}", parts[f"runs[{i}].{k}"]) for k in ("codes", "scales", "zeros")}
