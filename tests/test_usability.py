@@ -74,6 +74,12 @@ def test_eval_refuses_unknown_rows_before_loading_the_model(text_file, no_model,
     assert "'kqvv'" in err and "'kqv k4 v4'" in err and "'kivi k2'" in err and "'dense'" in err
 
 
+def test_eval_refuses_bad_matched_bits_before_loading_the_model(text_file, no_model, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["eval", "--protocol", "llama", "--data", text_file, "--matched-bits", "4", "x@256", "--threads", "1"])
+    assert e.value.code == 2 and "--matched-bits: expected BITS or BITS@GROUP (e.g. 4 or 4@256), got 'x@256'" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

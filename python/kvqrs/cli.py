@@ -244,6 +244,7 @@ def _eval_llama(args: argparse.Namespace) -> int:
     texts = _texts(args)
     out = pathlib.Path(args.out if args.out is not None else ("reports/llama-quick" if args.quick else "reports/llama"))
     chunks = args.chunks if args.chunks is not None else (2 if args.quick else 40)
+    budgets = [_matched_budget(spec) for spec in args.matched_bits]  # refused before the model loads
     torch_threads(1 if args.threads is None else args.threads)
     start = time.perf_counter()
     model, tok = model_mod.load(progress=not args.no_progress)
@@ -252,15 +253,7 @@ def _eval_llama(args: argparse.Namespace) -> int:
     else:
         windows = lp.llama_chunks(tok, texts.calibration, args.ctx, args.calibration_windows or 8)
         stats = record_matched(model, windows, skip=1)
-        bits = {}
-        for spec in args.matched_bits:
-            b, _, g = spec.partition("@")
-            try:
-                key = (float(b), int(g or 128))
-            except ValueError:
-                raise KvqrsError(f"--matched-bits: expected BITS or BITS@GROUP (e.g. 4 or 4@256), got {spec!r}") from None
-            bits[key] = fit_matched(stats, *key)
-        rows = lp.llama_rows(bits)
+        rows = lp.llama_rows({key: fit_matched(stats, *key) for key in budgets})
     rows = select_rows(rows, args.rows)
     print(f"kvqrs eval --protocol llama: {len(rows)} rows x {chunks} chunks of {args.ctx} tokens, text: {texts.source}")
     result = lp.run_llama(model, tok, texts, rows, ctx=args.ctx, chunks=chunks, progress=not args.no_progress)
@@ -269,6 +262,15 @@ def _eval_llama(args: argparse.Namespace) -> int:
     print(lp.markdown(result))
     print(f"report: {md}")
     return 0
+
+
+def _matched_budget(spec: str) -> tuple[float, int]:
+    """``--matched-bits`` ``BITS`` or ``BITS@GROUP`` as ``(key bits, group)`` (group 128 by default)."""
+    b, _, g = spec.partition("@")
+    try:
+        return float(b), int(g or 128)
+    except ValueError:
+        raise KvqrsError(f"--matched-bits: expected BITS or BITS@GROUP (e.g. 4 or 4@256), got {spec!r}") from None
 
 
 def _needle(args: argparse.Namespace) -> int:
@@ -477,7 +479,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="llama protocol: `kvqrs calibrate` files, one matched row each beside dense (default: fit on the calibration "
         "text); needle: one or more such files, each adding the matched preset row it was fitted for "
-        "(`--bits 4 --group 256`: matched 4bit; `--bits 2 --group 128`: matched 2bit)",
+        "(files written by `kvqrs calibrate --preset NAME`: 4bit, 3bit or 2bit)",
     )
     ev.add_argument(
         "--matched-bits",

@@ -217,7 +217,8 @@ class QuantConfig:
         if not isinstance(self.calibration, dict) or layer not in self.calibration:
             raise KvqrsError(
                 f"calibration: the matched scheme needs a calibration for layer {layer} "
-                "(kvqrs.hf.calibrate_matched, or `kvqrs calibrate` and kvqrs.hf.load_matched), or calibration='random'"
+                "(kvqrs.hf.calibrate_matched, or `kvqrs calibrate` and kvqrs.hf.load_matched), calibration='prefill' "
+                "(fitted on the prompt), or calibration='random'"
             )
         return self.calibration[layer]
 
