@@ -118,7 +118,11 @@ def test_allocation_spends_the_budget_on_sensitive_layers(model32, texts):
     ch = lp.llama_chunks(tok, texts.calibration, CTX, 3)
     # At 64 tokens, groups of 16 and one float32 sink, width 2 costs about 3.4 bits per element
     # and width 4 about 5.6: a budget between them gives some layers each.
-    cal = allocate_matched(model, ch[:2], ch[2:], budget=4.5, widths=(2, 4), group=16, sink_tokens=1)
-    widths = [c.value_bits for _, c in sorted(cal.items())]
-    assert set(widths) == {2, 4}  # a budget between the two: some layers each
-    assert all(c.keys.code_bits() == c.value_bits for c in cal.values())  # keys fitted at the layer's width
+    cal = allocate_matched(model, ch[:2], ch[2:], budget=4.5, key_widths=(2, 4), group=16, sink_tokens=1)
+    pairs = [(c.keys.code_bits(), c.value_bits) for _, c in sorted(cal.items())]
+    assert {k for k, _ in pairs} | {v for _, v in pairs} == {2, 4}  # some layers or sides each
+    # Key widths chosen apart from the value widths: values at 3 bits, keys at 2 or 4.
+    cal = allocate_matched(model, ch[:2], ch[2:], budget=4.5, key_widths=(2, 4), value_widths=(3,), group=16, sink_tokens=1)
+    assert {c.value_bits for c in cal.values()} == {3} and {c.keys.code_bits() for c in cal.values()} == {2.0, 4.0}
+    with pytest.raises(KvqrsError, match="value_widths: expected integer bits"):
+        allocate_matched(model, ch[:2], ch[2:], budget=4.5, key_widths=(2, 4), value_widths=(2.5,), group=16)

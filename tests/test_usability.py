@@ -83,8 +83,11 @@ def test_eval_refuses_bad_matched_bits_before_loading_the_model(text_file, no_mo
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--budget", "1.5"], "more than the narrowest width 2"),
-        (["--budget", "3", "--widths", "3", "4"], "more than the narrowest width 3"),
+        (["--budget", "1.5"], "more than the narrowest widths' 2.0 bits"),
+        (["--budget", "3", "--key-widths", "3", "4"], "more than the narrowest widths' 3.0 bits"),
+        (["--budget", "2.7", "--key-widths", "2.5", "4", "--value-widths", "3"], "more than the narrowest widths' 2.75 bits"),
+        (["--budget", "3", "--key-widths", "2.5", "3.5"], "--value-widths: expected integer bits in 1..8"),
+        (["--budget", "3", "--value-widths", "0", "3"], "--value-widths: expected integer bits in 1..8"),
         (["--preset", "5bit"], "expected one of ['2bit', '3bit', '4bit']"),
     ],
 )

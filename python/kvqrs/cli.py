@@ -339,11 +339,18 @@ def _calibrate(args: argparse.Namespace) -> int:
         if args.preset not in PRESETS:
             raise KvqrsError(f"--preset: expected one of {sorted(PRESETS)}, got {args.preset!r}")
         p = PRESETS[args.preset]
-        args.budget, args.widths, args.group, args.sink_tokens = p["budget"], list(p["widths"]), p["group"], p["sink_tokens"]
-    if args.budget is not None and not (min(args.widths) < args.budget <= 16):
-        # the narrowest width costs more than its bits (scales, norms, sinks): checked before the model loads
+        args.budget, args.group, args.sink_tokens = p["budget"], p["group"], p["sink_tokens"]
+        args.key_widths, args.value_widths = list(p["key_widths"]), list(p["value_widths"])
+    if args.value_widths is None:
+        args.value_widths = sorted({int(a) for a in args.key_widths if a == int(a)})
+    bad = [b for b in args.value_widths if not 1 <= b <= 8]
+    if bad or not args.value_widths:
+        raise KvqrsError(f"--value-widths: expected integer bits in 1..8 (default: the integer --key-widths), got {args.value_widths}")
+    narrowest = (min(args.key_widths) + min(args.value_widths)) / 2
+    if args.budget is not None and not (narrowest < args.budget <= 16):
+        # the narrowest widths cost more than their bits (scales, norms, sinks): checked before the model loads
         raise KvqrsError(
-            f"--budget: expected more than the narrowest width {min(args.widths)} bits per element (and at most 16), got {args.budget}"
+            f"--budget: expected more than the narrowest widths' {narrowest} bits per element (and at most 16), got {args.budget}"
         )
     texts = _texts(args)
     torch_threads(1 if args.threads is None else args.threads)
@@ -363,11 +370,13 @@ def _calibrate(args: argparse.Namespace) -> int:
                 f"--budget: the calibration text holds {len(windows)} windows of {args.ctx} tokens, fewer than --windows + --probe-windows"
             )
         fit, probe = windows[: args.windows], windows[args.windows :]
-        cal = allocate_matched(model, fit, probe, args.budget, tuple(args.widths), args.group, args.sink_tokens)
-        path = save_matched(args.out, cal, {**meta, "budget": args.budget})
-        chosen = [c.value_bits for _, c in sorted(cal.items())]
+        kw, vw = tuple(args.key_widths), tuple(args.value_widths)
+        cal = allocate_matched(model, fit, probe, args.budget, kw, vw, args.group, args.sink_tokens)
+        widths = {"key_widths": " ".join(map(str, kw)), "value_widths": " ".join(map(str, vw))}
+        path = save_matched(args.out, cal, {**meta, "budget": args.budget, **widths})
+        chosen = [f"{c.keys.code_bits():g}/{c.value_bits}" for _, c in sorted(cal.items())]
         what = (
-            f"budget {args.budget} bits/element, per-layer widths {' '.join(map(str, chosen))} (sensitivity on {len(probe)} more windows)"
+            f"budget {args.budget} bits/element, per-layer key/value widths {' '.join(chosen)} (sensitivity on {len(probe)} more windows)"
         )
     print(f"kvqrs calibrate: {len(cal)} layers, {what}, group {args.group}, {args.windows} windows of {args.ctx} tokens; wrote {path}")
     return 0
@@ -532,11 +541,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ca.add_argument(
         "--preset",
-        help="the settings of QuantConfig.preset(NAME): 4bit, 3bit or 2bit (its --budget, --widths, --group and "
+        help="the settings of QuantConfig.preset(NAME): 4bit, 3bit or 2bit (its --budget, --key-widths, --value-widths, --group and "
         "--sink-tokens; default: none)",
     )
     ca.add_argument(
-        "--widths", type=int, nargs="+", default=[2, 3, 4, 5], help="with --budget: the candidate widths per layer (default: 2 3 4 5)"
+        "--key-widths",
+        type=float,
+        nargs="+",
+        default=[2, 3, 4, 5],
+        help="with --budget: the candidate average key code bits per layer, fractions allowed (default: 2 3 4 5)",
+    )
+    ca.add_argument(
+        "--value-widths",
+        type=int,
+        nargs="+",
+        help="with --budget: the candidate value bits per layer, chosen apart from the key widths (default: the integer --key-widths)",
     )
     ca.add_argument(
         "--probe-windows",

@@ -195,61 +195,95 @@ def allocate_matched(
     windows: list[torch.Tensor],
     probe: list[torch.Tensor],
     budget: float,
-    widths: tuple[int, ...] = (2, 3, 4, 5),
+    key_widths: tuple[float, ...] = (2, 3, 4, 5),
+    value_widths: tuple[int, ...] | None = None,
     group: int = 128,
     sink_tokens: int = 1,
 ) -> dict:
-    """A ``matched`` calibration whose per-layer widths come from measured sensitivity.
+    """A ``matched`` calibration whose per-layer key and value widths come from measured
+    sensitivity.
 
-    For every width ``b`` of ``widths`` the layers are fitted at ``b`` average key code bits
-    (key scale groups of ``group`` tokens) with ``b``-bit values; the KL of
-    coding each layer alone at each width is measured on the ``probe`` windows
-    (:func:`layer_sensitivity`), the bits per element of each choice counted on the
+    The layers are fitted at every key width ``a`` of ``key_widths`` (average key code bits,
+    key scale groups of ``group`` tokens). The KL of coding each layer's keys alone at each
+    key width, and its values alone at each value width, is measured on the ``probe`` windows
+    (:func:`layer_sensitivity`); the bits per element of each side's choice are counted on the
     calibration keys and values of one window (codes, scales, norms, and the sinks in the
-    model's dtype), and :func:`~kvqrs.schemes.matched.allocate_layers` picks one width per layer within
-    ``budget``.
+    model's dtype). Small distortions add up, so a layer's option ``(a, b)`` costs
+    ``KL_keys(a) + KL_values(b)`` at the mean of the two sides' bits, and
+    :func:`~kvqrs.schemes.matched.allocate_layers` picks one pair per layer within ``budget``
+    (keys and values of one layer need not weigh alike).
 
     Args:
         model: a transformers model loaded with ``attn_implementation="kvqrs"``.
         windows: calibration windows the statistics are fitted on; probe: other windows of the
             calibration text the sensitivities are measured on (never the evaluation text).
         budget: average stored bits per element of keys and values.
-        widths: the candidate widths; group: tokens per key scale group (the config's
+        key_widths: candidate average key code bits (fractions allowed: the widths are
+            water-filled over coordinates); value_widths: candidate value bits (integers 1..8;
+            default the integer key widths); group: tokens per key scale group (the config's
             ``group``); sink_tokens: the full-precision leading tokens.
 
     Returns:
         ``{layer: MatchedCalibration}`` with ``value_bits`` set per layer.
 
     Raises:
-        KvqrsError: the budget is below the narrowest widths, or no attention call was recorded.
+        KvqrsError: no candidate widths, a value width that is not an integer in 1..8, the
+            budget below the narrowest widths, or no attention call was recorded.
     """
     import dataclasses
+    import itertools
 
     from ..schemes.matched import allocate_layers
     from .config import QuantConfig
 
+    kw = tuple(float(a) for a in key_widths)
+    vw = tuple(sorted({int(a) for a in kw if a == int(a)})) if value_widths is None else tuple(value_widths)
+    if not kw or not vw:
+        raise KvqrsError(f"widths: expected candidate key and value widths, got keys {key_widths} and values {value_widths}")
+    if any(isinstance(b, float) and b != int(b) or not 1 <= b <= 8 for b in vw):
+        raise KvqrsError(f"value_widths: expected integer bits in 1..8, got {vw}")
     stats = record_matched(model, windows, sink_tokens)
-    fits = {b: fit_matched(stats, float(b), group) for b in widths}
-    configs = [QuantConfig("matched", b, "matched", b, group=group, sink_tokens=sink_tokens, calibration=fits[b]) for b in widths]
-    kl = layer_sensitivity(model, probe, configs)
-    bits = option_bits(stats, configs, windows[0].shape[-1], torch.finfo(model.dtype).bits)
-    pick = allocate_layers(kl, bits, budget)
-    return {layer: dataclasses.replace(fits[widths[j]][layer], value_bits=int(widths[j])) for layer, j in zip(sorted(stats), pick.tolist())}
+    fits = {a: fit_matched(stats, a, group) for a in kw}
+    common = {"group": group, "sink_tokens": sink_tokens}
+    key_cfgs = [QuantConfig("matched", 4, None, **common, calibration=fits[a]) for a in kw]
+    # Values alone read only the value mean of a calibration (the same in every fit) and its width.
+    value_cal = lambda b: {layer: dataclasses.replace(c, value_bits=int(b)) for layer, c in fits[kw[0]].items()}  # noqa: E731
+    value_cfgs = [QuantConfig(None, int(b), "matched", int(b), **common, calibration=value_cal(b)) for b in vw]
+    kl_k, kl_v = layer_sensitivity(model, probe, key_cfgs), layer_sensitivity(model, probe, value_cfgs)
+    tokens, dtype_bits = windows[0].shape[-1], torch.finfo(model.dtype).bits
+    bits_k = option_bits(stats, key_cfgs, tokens, dtype_bits, side="keys")
+    bits_v = option_bits(stats, value_cfgs, tokens, dtype_bits, side="values")
+    pairs = list(itertools.product(range(len(kw)), range(len(vw))))
+    cost = np.stack([kl_k[:, a] + kl_v[:, b] for a, b in pairs], axis=1)
+    bits = np.stack([(bits_k[:, a] + bits_v[:, b]) / 2 for a, b in pairs], axis=1)
+    pick = allocate_layers(cost, bits, budget)
+    return {
+        layer: dataclasses.replace(fits[kw[pairs[j][0]]][layer], value_bits=int(vw[pairs[j][1]]))
+        for layer, j in zip(sorted(stats), pick.tolist())
+    }
 
 
-def option_bits(stats: dict, configs: list, tokens: int, dtype_bits: int) -> np.ndarray:
-    """Stored bits per element of keys and values (averaged) of each layer under each config,
-    counted on ``tokens`` tokens of the recorded calibration keys and values (:func:`record_matched`
-    statistics, the sinks left out of them) plus the configs' sink tokens at ``dtype_bits``:
-    float64 ``(layers, len(configs))``."""
+def option_bits(stats: dict, configs: list, tokens: int, dtype_bits: int, side: str = "both") -> np.ndarray:
+    """Stored bits per element of each layer under each config, counted on ``tokens`` tokens
+    of the recorded calibration keys and values (:func:`record_matched` statistics, the sinks
+    left out of them) plus the configs' sink tokens at ``dtype_bits``: of the keys and values
+    averaged (``side="both"``), or of one side (``"keys"``, ``"values"``; that side's sinks).
+    Returns float64 ``(layers, len(configs))``; raises :class:`KvqrsError` on another side."""
+    if side not in ("both", "keys", "values"):
+        raise KvqrsError(f"side: expected 'both', 'keys' or 'values', got {side!r}")
+    sides = ("keys", "values") if side == "both" else (side,)
     out = np.zeros((len(stats), len(configs)))
     for i, (layer, (_, k, v)) in enumerate(sorted(stats.items())):
         for j, cfg in enumerate(configs):
             n = tokens - cfg.sink_tokens
-            kk, vv = k[None, :, :n], v[None, :, :n]
             codec = cfg.codec(layer, k.shape[-1])
-            coded = 8 * (codec.encode_keys(kk).nbytes + codec.encode_values(vv).nbytes)
-            out[i, j] = (coded + 2 * dtype_bits * cfg.sink_tokens * k.shape[0] * k.shape[-1]) / (2 * k.shape[0] * tokens * k.shape[-1])
+            coded = 0
+            if "keys" in sides:
+                coded += 8 * codec.encode_keys(k[None, :, :n]).nbytes
+            if "values" in sides:
+                coded += 8 * codec.encode_values(v[None, :, :n]).nbytes
+            sinks = len(sides) * dtype_bits * cfg.sink_tokens * k.shape[0] * k.shape[-1]
+            out[i, j] = (coded + sinks) / (len(sides) * k.shape[0] * tokens * k.shape[-1])
     return out
 
 

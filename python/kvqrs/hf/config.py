@@ -181,7 +181,8 @@ class QuantConfig:
             calibration: ``{layer: MatchedCalibration}`` with the preset's per-layer widths
                 (``kvqrs calibrate --preset NAME``, or
                 :func:`kvqrs.hf.calibration.allocate_matched` with the preset's ``budget``,
-                ``widths``, ``group`` and ``sink_tokens``), or the path of that file.
+                ``key_widths``, ``value_widths``, ``group`` and ``sink_tokens``), or the path
+                of that file.
             overrides: other :class:`QuantConfig` fields (``residual_length``, ``seed``, ...).
 
         Raises:
@@ -239,11 +240,12 @@ class QuantConfig:
 
 
 PRESETS: dict[str, dict[str, Any]] = {
-    # Per-layer widths among ``widths`` from measured sensitivity within ``budget`` average
-    # stored bits per element (every byte counted), on llama.cpp's perplexity protocol
-    # (docs/evaluation.md); ``value_bits`` labels the config (each layer's width overrides it).
-    "4bit": {"budget": 4.25, "widths": (3, 4, 5), "group": 256, "value_bits": 4, "sink_tokens": 1},
-    "3bit": {"budget": 3.25, "widths": (3, 4), "group": 256, "value_bits": 3, "sink_tokens": 1},
-    "2bit": {"budget": 2.5, "widths": (2, 3), "group": 128, "value_bits": 2, "sink_tokens": 1},
+    # Per-layer key and value widths among ``key_widths`` (average key code bits) and
+    # ``value_widths`` from measured sensitivity within ``budget`` average stored bits per
+    # element (every byte counted), on llama.cpp's perplexity protocol (docs/evaluation.md);
+    # ``value_bits`` labels the config (each layer's widths override it).
+    "4bit": {"budget": 4.25, "key_widths": (3, 3.5, 4, 4.5, 5), "value_widths": (3, 4, 5), "group": 256, "value_bits": 4, "sink_tokens": 1},
+    "3bit": {"budget": 3.25, "key_widths": (2.5, 3, 3.5, 4), "value_widths": (2, 3, 4), "group": 256, "value_bits": 3, "sink_tokens": 1},
+    "2bit": {"budget": 2.5, "key_widths": (1.5, 2, 2.5, 3), "value_widths": (1, 2, 3), "group": 128, "value_bits": 2, "sink_tokens": 1},
 }
 """The recommended presets of :meth:`QuantConfig.preset`."""
