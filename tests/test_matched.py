@@ -175,8 +175,12 @@ def test_bad_calibrations_are_named():
         MatchedBasis(np.zeros((1, 4)), np.eye(4)[None], np.array([1, 2, 2, 1]))
     with pytest.raises(KvqrsError, match="calibration"):
         KVCodec("matched", 3, 8)
-    with pytest.raises(KvqrsError, match="calibration for layer 0"):
-        QuantConfig("matched", 3, "matched", 3).codec(0, 8)
+    with pytest.raises(KvqrsError, match="the matched scheme needs one"):
+        QuantConfig("matched", 3, "matched", 3)  # refused when built, not at the first update
+    with pytest.raises(KvqrsError, match="the matched scheme needs one"):
+        QuantConfig(None, 3, "matched", 3)
+    with pytest.raises(KvqrsError, match="calibration for layer 1"):
+        QuantConfig("matched", 3, "matched", 3, calibration={0: random_calibration(8, 3, 0)}).codec(1, 8)
     with pytest.raises(KvqrsError, match="kv_heads"):
         cal = random_calibration(8, 3, 0)
         wide = MatchedCalibration(MatchedBasis(np.zeros((2, 8)), np.stack([np.eye(8)] * 2), cal.keys.widths), np.zeros((2, 8)))

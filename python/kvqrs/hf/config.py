@@ -94,6 +94,11 @@ class QuantConfig:
         for name in ("residual_length", "sink_tokens"):
             if getattr(self, name) < 0:
                 raise KvqrsError(f"{name}: expected >= 0, got {getattr(self, name)}")
+        if self.calibration is None and "matched" in (self.key_scheme, self.value_scheme):
+            raise KvqrsError(
+                "calibration: the matched scheme needs one: {layer: MatchedCalibration} (kvqrs.hf.calibrate_matched, or "
+                "`kvqrs calibrate` and kvqrs.hf.load_matched), 'prefill' (fitted on the prompt) or 'random' (the control)"
+            )
         if isinstance(self.calibration, str):
             if self.calibration not in ("random", "prefill"):
                 raise KvqrsError(f"calibration: expected {{layer: MatchedCalibration}}, 'prefill' or 'random', got {self.calibration!r}")
