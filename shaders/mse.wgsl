@@ -15,12 +15,20 @@
 // float32 ulps (stated tolerance in tests/test_gpu_mse.py), which moves a code only for a
 // coordinate within ~1e-6 of a Lloyd-Max boundary.
 //
+// `ls_scales` is the least-squares row scale (docs/kernels.md section 5, scale
+// "least_squares"): with r the decoded direction (lloyd_max.decode -> hadamard.inverse with
+// scale 1, composed on the host), s = dot(x, r) / dot(r, r), both float32 dot products in the
+// eight-accumulator order of section 8 (the Rust path's order: bit-identical where the driver
+// does not contract a * b + c to FMA, lavapipe included), then one float32 division (WGSL:
+// within 2.5 ulp); s = 0 when dot(x, r) <= 0 (a zero row).
+//
 // Bindings (group 0):
 //   0  uniform  Params { items: u32, dim: u32 }
 //   1  storage, read        x: array<f32>          rows * dim
-//   2  storage, read_write  out_norms: array<f32>  rows (inf when the norm overflows float32)
+//   2  storage, read_write  out_norms: array<f32>  rows (inf when the norm or scale overflows float32)
+//   3  storage, read        dir: array<f32>        rows * dim (`ls_scales` only)
 //
-// Entry point and grid: `norms`, one invocation per row (items = rows).
+// Entry points and grid: `norms` and `ls_scales`, one invocation per row (items = rows).
 
 struct Params {
     items: u32,
@@ -30,6 +38,7 @@ struct Params {
 @group(0) @binding(0) var<uniform> params: Params;
 @group(0) @binding(1) var<storage, read> x: array<f32>;
 @group(0) @binding(2) var<storage, read_write> out_norms: array<f32>;
+@group(0) @binding(3) var<storage, read> dir: array<f32>;
 
 @compute @workgroup_size(64)
 fn norms(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
@@ -58,4 +67,28 @@ fn norms(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: ve
         acc[i & 7u] = acc[i & 7u] + v * v;
     }
     out_norms[row] = ldexp(ldexp(sqrt(combine8(acc)), e1), e2);
+}
+
+@compute @workgroup_size(64)
+fn ls_scales(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+             @builtin(local_invocation_id) lid: vec3<u32>) {
+    let row = item_index(wid, nwg, lid);
+    if (row >= params.items) {
+        return;
+    }
+    let base = row * params.dim;
+    var num = array<f32, 8>(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0);
+    var den = array<f32, 8>(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0);
+    for (var i = 0u; i < params.dim; i = i + 1u) {
+        let r = dir[base + i];
+        num[i & 7u] = num[i & 7u] + x[base + i] * r;
+        den[i & 7u] = den[i & 7u] + r * r;
+    }
+    let n = combine8(num);
+    let q = combine8(den);
+    var s = 0.0;
+    if (n > 0.0 && q > 0.0) {
+        s = n / q;
+    }
+    out_norms[row] = s;
 }

@@ -22,7 +22,7 @@ from tests.gpu_helpers import (
     requires_adapter,
     same_error,
 )
-from tests.strategies import bits, codes_match_except_near_boundaries, finite_rows, head_dims, leading_shapes, seeds
+from tests.strategies import assert_scales_close, bits, codes_match_except_near_boundaries, finite_rows, head_dims, leading_shapes, seeds
 
 pytestmark = requires_adapter
 
@@ -138,3 +138,23 @@ def test_bad_input_raises_like_rust_path(call):
 def test_rows_beyond_the_loop_limit_raise():
     with pytest.raises(kvqrs.KvqrsError, match="the WGSL path loops over at most 8192 values per row"):
         gpu.mse_encode(np.ones((1, 9000), np.float32), 2, None)
+
+
+@given(mse_inputs())
+def test_least_squares_scale_matches_oracle(case):
+    """scale="least_squares" on the device: the norm mode's codes, and scales equal to the
+    oracle's from the device's codes (the same float32 dot products as the Rust path, one WGSL
+    division) within tests/test_mse.py's tolerance; zero rows store 0."""
+    x, b, seed = case
+    got = gpu.mse_encode(x, b, seed, scale="least_squares")
+    np.testing.assert_array_equal(got.codes, gpu.mse_encode(x, b, seed).codes)
+    assert_scales_close(got.norms, np.asarray(x, np.float32), got.codes, b, seed)
+
+
+def test_least_squares_zero_row_and_bad_scale():
+    x = np.zeros((2, 40), np.float32)
+    x[1] = np.arange(40)
+    code = gpu.mse_encode(x, 3, 7, scale="least_squares")
+    assert code.norms[0] == 0 and code.norms[1] > 0
+    with pytest.raises(kvqrs.KvqrsError, match="scale: expected one of"):
+        gpu.mse_encode(x, 3, 7, scale="lsq")

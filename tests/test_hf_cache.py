@@ -1269,3 +1269,49 @@ def test_update_refuses_states_the_layer_cannot_join(shape):
         cache.update(torch.randn(*shape), torch.randn(*shape), 0)
     assert cache.get_seq_length() == 8
     assert all(torch.equal(a, b) for a, b in zip(cache.layers[0].materialize(), before))
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        pytest.param(QuantConfig("kv", 2, "kv", 2, residual_length=3, value_scale="least_squares"), id="kv"),
+        pytest.param(QuantConfig("kqv", 3, "kqv", 3, residual_length=4, value_scale="least_squares"), id="kqv"),
+        pytest.param(
+            QuantConfig("matched", 3, "matched", 3, residual_length=2, group=8, calibration="random", value_scale="least_squares"),
+            id="matched",
+        ),
+    ],
+)
+def test_least_squares_value_scale_cache_round_trip(cfg):
+    """A cache written with value_scale="least_squares" loads (the setting travels in the config)
+    and decodes identically; the same tokens under the norm setting store other scales in the
+    same layout, and the file refuses to load under that setting."""
+    import dataclasses
+
+    assert cfg.label().endswith("[ls-scale]")
+    cache = _filled_cache(cfg)
+    data = cache.to_bytes()
+    back = QuantizedKVCache.from_bytes(data)
+    assert back.config.value_scale == "least_squares" and back.nbytes() == cache.nbytes()
+    _layers_equal(cache, back)
+    norm_cfg = dataclasses.replace(cfg, value_scale="norm", _codecs={})
+    assert _filled_cache(norm_cfg).nbytes() == cache.nbytes()
+    with pytest.raises(KvqrsError, match="other settings"):
+        QuantizedKVCache.from_bytes(data, norm_cfg)
+
+
+@pytest.mark.parametrize(
+    "kwargs, pattern",
+    [
+        ({"value_scale": "lsq"}, r"value_scale: expected one of \('norm', 'least_squares'\)"),
+        ({"value_scheme": "kivi", "value_scale": "least_squares"}, "not to value_scheme='kivi'"),
+        ({"value_scheme": None, "value_scale": "least_squares"}, "not to value_scheme=None"),
+        (
+            {"value_scheme": "matched", "calibration": "prefill", "value_transform": True, "value_scale": "least_squares"},
+            "not to value_transform=True",
+        ),
+    ],
+)
+def test_value_scale_config_is_validated(kwargs, pattern):
+    with pytest.raises(KvqrsError, match=pattern):
+        QuantConfig(kwargs.pop("key_scheme", "matched" if kwargs.get("value_scheme") == "matched" else "kqv"), 3, **kwargs)

@@ -1041,3 +1041,56 @@ def test_headq_refuses_a_basis_without_orthonormal_columns(scale):
     per_head = np.stack([q, q * scale])  # head 0 orthonormal, head 1 not
     with pytest.raises(kvqrs.KvqrsError, match="of KV head 1"):
         KVCodec("headq", 2, 64, basis=per_head)
+
+
+# --------------------------------------------------------------------------------------------
+# value_scale="least_squares": the MSE value stage stores the least-squares scale
+# --------------------------------------------------------------------------------------------
+
+
+def _value_error(codec: KVCodec, v: np.ndarray) -> tuple[Encoded, float]:
+    enc = codec.encode_values(v)
+    return enc, float(((codec.decode_values(enc).astype(np.float64) - v) ** 2).sum() / (v.astype(np.float64) ** 2).sum())
+
+
+@pytest.mark.parametrize("scheme", ["kv", "kqv", "qkqv"])
+def test_least_squares_value_scale_keeps_codes_and_lowers_the_error(scheme):
+    from kvqrs import format as fmt
+
+    v = np.random.default_rng(4).standard_normal((2, 400, 64)).astype(np.float32)
+    norm_codec = KVCodec(scheme, 3, 64, seed=5)
+    ls_codec = KVCodec(scheme, 3, 64, seed=5, value_scale="least_squares")
+    a, err_norm = _value_error(norm_codec, v)
+    b, err_ls = _value_error(ls_codec, v)
+    np.testing.assert_array_equal(b.parts["codes"], a.parts["codes"])
+    assert not np.array_equal(b.parts["norms"], a.parts["norms"])
+    assert b.parts["norms"].dtype == a.parts["norms"].dtype and b.bits_per_element == a.bits_per_element
+    assert b.params == {**a.params, "scale": "least_squares"} and "scale" not in a.params
+    assert err_ls < err_norm
+    # The stored format is unchanged but records the setting: it loads and decodes identically
+    # under its codec, and refuses a codec of the other setting.
+    back = fmt.loads(fmt.dumps(b), ls_codec)
+    np.testing.assert_array_equal(ls_codec.decode_values(back), ls_codec.decode_values(b))
+    with pytest.raises(kvqrs.KvqrsError, match="differs in scale"):
+        fmt.loads(fmt.dumps(b), norm_codec)
+    # The fused read path reads the stored scale as it read the norm.
+    q = np.random.default_rng(6).standard_normal((2, 3, 64)).astype(np.float32)
+    ck = ls_codec.encode_keys(v)
+    fused, _ = ls_codec.attention(q, ck, b, fused=True)
+    ref, _ = ls_codec.attention(q, ck, b, fused=False)
+    np.testing.assert_allclose(fused, ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "kwargs, pattern",
+    [
+        ({"value_scale": "ls"}, r"value_scale: expected one of \('norm', 'least_squares'\)"),
+        ({"value_scale": None}, "value_scale: expected one of"),
+        ({"value_scheme": "kivi", "value_scale": "least_squares"}, "applies to the MSE value stage .* not to 'kivi' values"),
+        ({"value_scheme": "block", "value_scale": "least_squares"}, "not to 'block' values"),
+        ({"value_scheme": "a2", "value_scale": "least_squares"}, "not to 'a2' values"),
+    ],
+)
+def test_value_scale_is_validated(kwargs, pattern):
+    with pytest.raises(kvqrs.KvqrsError, match=pattern):
+        KVCodec("kqv", 3, 64, **kwargs)

@@ -41,6 +41,7 @@ __all__ = [
     "store_scalars",
     "vector_norm",
     "mse_encode",
+    "mse_least_squares_scale",
     "mse_decode",
     "qjl_sketch",
     "qjl_inner_product",
@@ -575,7 +576,7 @@ def vector_norm(x) -> np.ndarray:
     return np.sqrt(_fixed_order_sum(rows * rows)).reshape(lead)
 
 
-def mse_encode(x, bits, seed: int | None) -> tuple[np.ndarray, np.ndarray]:
+def mse_encode(x, bits, seed: int | None, scale: str = "norm") -> tuple[np.ndarray, np.ndarray]:
     """Norm-and-direction encode (docs/kernels.md section 5).
 
     ``x``: ``(..., d)``, taken as float32. Returns ``codes`` uint8 ``(..., d')`` and ``norms``
@@ -583,6 +584,10 @@ def mse_encode(x, bits, seed: int | None) -> tuple[np.ndarray, np.ndarray]:
     ``d' = d``; otherwise ``d' = padded_dim(d)`` and the ``(d', bits)`` codebook is used.
     ``norm = float32(||x||)``; ``u = float32(y / norm)`` (y rotated in float64); zero rows give
     ``u = 0`` (codes of 0.0) and norm 0.
+
+    ``scale="least_squares"`` stores, instead of the norm, the least-squares scale of the decoded
+    direction ``r = mse_decode(codes, 1)`` (float64): ``s = (x . r) / (r . r)``, the minimiser of
+    ``||x - s r||^2`` (0 when ``x . r <= 0``), rounded to float32 and stored likewise.
     """
     bits = _check_bits(bits)
     rows, lead = _as_rows(np.asarray(x, dtype=np.float32), np.float32)
@@ -595,7 +600,27 @@ def mse_encode(x, bits, seed: int | None) -> tuple[np.ndarray, np.ndarray]:
     with np.errstate(divide="ignore", invalid="ignore"):
         u = np.where(denom > 0, y / np.where(denom > 0, denom, 1.0), 0.0).astype(np.float32)
     codes = lloyd_max_encode(u, boundaries)
+    if scale == "least_squares":
+        norms32 = mse_least_squares_scale(rows, codes, bits, seed).astype(np.float32)
+    elif scale != "norm":
+        raise ValueError(f"scale must be 'norm' or 'least_squares', got {scale!r}")
     return codes.reshape(lead + (dp,)), store_scalars(norms32.reshape(lead))
+
+
+def mse_least_squares_scale(x, codes, bits, seed: int | None) -> np.ndarray:
+    """The least-squares row scale of docs/kernels.md section 5: float64 ``(...)``.
+
+    ``x`` ``(..., d)`` (taken as float32) and its codes ``(..., d')``; with ``r`` the decoded
+    direction ``mse_decode(codes, 1)`` (float64), ``s = (x . r) / (r . r)``, the minimiser of
+    ``||x - s r||^2``; 0 when ``x . r <= 0`` (a zero row).
+    """
+    rows, lead = _as_rows(np.asarray(x, dtype=np.float32), np.float64)
+    codes = np.asarray(codes)
+    r = mse_decode(codes.reshape(rows.shape[0], codes.shape[-1]), np.ones(rows.shape[0]), bits, rows.shape[1], seed)
+    num = (rows * r).sum(-1)
+    den = (r * r).sum(-1)
+    ok = (num > 0) & (den > 0)
+    return np.where(ok, num / np.where(ok, den, 1.0), 0.0).reshape(lead)
 
 
 def mse_decode(codes, norms, bits, head_dim, seed) -> np.ndarray:

@@ -1,5 +1,6 @@
-"""The norm-and-direction (MSE) stage on the device (shaders/mse.wgsl for the norm, composed
-with hadamard.wgsl and lloyd_max.wgsl in one submission; docs/kernels.md section 5).
+"""The norm-and-direction (MSE) stage on the device (shaders/mse.wgsl for the norm and the
+least-squares scale, composed with hadamard.wgsl and lloyd_max.wgsl in one submission;
+docs/kernels.md section 5).
 
 Same arguments, results and errors as :mod:`kvqrs.kernels.mse`. The norm is a float32
 reduction on the device (the Rust path's is float64): stored norms can differ from the Rust
@@ -15,14 +16,14 @@ import numpy as np
 from .._arrays import as_float_rows, check_bits, check_out_dtype, check_seed, restore, tensors_in_out
 from ..kernels.hadamard import padded_dim
 from ..kernels.lloyd_max import lloyd_max_codebook
-from ..kernels.mse import MSECode, decode_args
+from ..kernels.mse import MSECode, check_scale, decode_args
 from ._device import Call
 from ._device import device as _device
 from ._host import check_code_range, check_finite, check_overflow, check_row_len, check_stored, store
 from .hadamard import forward_on_device, inverse_on_device
 from .lloyd_max import decode_on_device, encode_on_device
 
-__all__ = ["MSECode", "mse_decode", "mse_encode", "norms_on_device"]
+__all__ = ["MSECode", "ls_scales_on_device", "mse_decode", "mse_encode", "norms_on_device"]
 
 
 def norms_on_device(call: Call, x: Any, rows: int, dim: int) -> Any:
@@ -32,14 +33,27 @@ def norms_on_device(call: Call, x: Any, rows: int, dim: int) -> Any:
     return out
 
 
+def ls_scales_on_device(call: Call, dev: Any, x: Any, codes: Any, rows: int, d: int, seed: int | None, codebook: Any) -> Any:
+    """Queue the least-squares scales ``dot(x, r) / dot(r, r)`` of ``rows`` coded rows, ``r``
+    the decoded direction (the decode with scale 1); returns their buffer of ``rows`` floats."""
+    code_dim = d if seed is None else padded_dim(d)
+    c = decode_on_device(call, dev, codes, rows * code_dim, code_dim, codebook)
+    r = c if seed is None else inverse_on_device(call, dev, c, rows, d, seed)
+    out = call.empty(4 * rows)
+    call.dispatch("mse", "ls_scales", rows, [d], {1: x, 2: out, 3: r})
+    return out
+
+
 @tensors_in_out()
-def mse_encode(x: Any, bits: int, seed: int | None = None, *, device: Any = None) -> MSECode:
+def mse_encode(x: Any, bits: int, seed: int | None = None, scale: str = "norm", *, device: Any = None) -> MSECode:
     """Quantize rows as ``(||x||, codes of R x / ||x||)`` on the device.
 
     Args:
         x: float array ``(..., head_dim)``, head_dim >= 2.
         bits: 1..8 bits per coordinate.
         seed: rotation seed, or None for no rotation.
+        scale: what each row stores, ``"norm"`` (default) or ``"least_squares"``
+            (:func:`kvqrs.mse_encode`).
         device: a :class:`~kvqrs.gpu.Device`, a ``wgpu.GPUAdapter`` or ``"wgpu"`` (default).
 
     Returns:
@@ -47,12 +61,13 @@ def mse_encode(x: Any, bits: int, seed: int | None = None, *, device: Any = None
         or float32 outside float16's range), decodable by :func:`kvqrs.mse_decode`.
 
     Raises:
-        KvqrsError: bad dtype, bits or seed, NaN/Inf in ``x`` (position named), or a norm beyond
-            float32.
+        KvqrsError: bad dtype, bits, seed or scale, NaN/Inf in ``x`` (position named), or a norm
+            (or least-squares scale) beyond float32.
     """
     flat, leading, d, _ = as_float_rows(x, "x", min_dim=2)
     b = check_bits(bits)
     s = check_seed(seed)
+    least_squares = check_scale(scale) == "least_squares"
     code_dim = d if s is None else padded_dim(d)
     rows = flat.size // d
     check_finite(flat, d, "x")
@@ -67,8 +82,11 @@ def mse_encode(x: Any, bits: int, seed: int | None = None, *, device: Any = None
         y = xb if s is None else forward_on_device(call, dev, xb, rows, d, s)
         codes = encode_on_device(call, dev, y, rows * code_dim, code_dim, codebook, norms)
         n = call.read(norms, np.float32, rows)
+        check_overflow(n, 1, "x")
+        if least_squares:
+            n = call.read(ls_scales_on_device(call, dev, xb, codes, rows, d, s, codebook), np.float32, rows)
+            check_overflow(n, 1, "x")
         c = call.read(codes, np.uint8, rows * code_dim)
-    check_overflow(n, 1, "x")
     return MSECode(c.reshape(*leading, code_dim), store(n).reshape(leading))
 
 

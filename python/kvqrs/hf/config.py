@@ -40,6 +40,11 @@ class QuantConfig:
         value_transform: with ``calibration="prefill"``, transform-code the values too (the
             KLT of the prompt's values, water-filled widths at ``value_bits``); else values get
             the per-token rotated Lloyd-Max stage around the prompt's value mean.
+        value_scale: what each value token's MSE stage stores, ``"norm"`` (default) or
+            ``"least_squares"`` (the least-squares scale of the decoded direction: the same
+            bits and decode, a smaller value error; :class:`~kvqrs.schemes.KVCodec`). Only for
+            value schemes with an MSE stage (``kv``, ``kqv``, ``qkqv``, ``matched`` without
+            ``value_transform``).
         bases: HeadQ bases per layer, ``{layer: (kv_heads, d, r)}``, or ``"random"`` for the
             random-basis control.
         a2_uniform: with ``value_scheme="a2"``, give every token the same width (the uniform
@@ -74,11 +79,13 @@ class QuantConfig:
     fused: bool = True
     calibration: Any = None
     value_transform: bool = False
+    value_scale: str = "norm"
     _codecs: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         from .._arrays import check_bits
-        from ..schemes.codec import KEY_SCHEMES, VALUE_SCHEMES
+        from ..kernels.mse import check_scale
+        from ..schemes.codec import KEY_SCHEMES, MSE_VALUE_SCHEMES, VALUE_SCHEMES
 
         if self.key_scheme is not None and self.key_scheme not in KEY_SCHEMES:
             raise KvqrsError(f"key_scheme: expected one of {KEY_SCHEMES} or None, got {self.key_scheme!r}")
@@ -106,6 +113,12 @@ class QuantConfig:
                 raise KvqrsError(
                     f"calibration: {self.calibration!r} applies to the matched scheme only, not {self.key_scheme!r}/{self.value_scheme!r}"
                 )
+        if check_scale(self.value_scale, "value_scale") != "norm" and (self.value_scheme not in MSE_VALUE_SCHEMES or self.value_transform):
+            what = "value_transform=True" if self.value_transform else f"value_scheme={self.value_scheme!r}"
+            raise KvqrsError(
+                f"value_scale: {self.value_scale!r} applies to values with an MSE stage (value_scheme in {MSE_VALUE_SCHEMES}, "
+                f"without value_transform), not to {what}"
+            )
         if self.a2_lookahead is not None and not 1 <= self.a2_lookahead <= self.residual_length:
             raise KvqrsError(
                 f"a2_lookahead: expected 1 .. residual_length ({self.residual_length}) so that only queries that "
@@ -173,6 +186,7 @@ class QuantConfig:
             basis=basis,
             sign=self.sign,
             calibration=calibration,
+            value_scale=self.value_scale,
         )
 
     @classmethod
@@ -240,6 +254,8 @@ class QuantConfig:
         if self.key_scheme == "headq" and isinstance(self.bases, str):
             k += "[random-basis]"
         v = "" if self.value_scheme is None else f" v:{self.value_scheme}{self.value_bits or self.key_bits}"
+        if self.value_scale != "norm":
+            v += "[ls-scale]"
         sinks = f" sinks:{self.sink_tokens}" if self.sink_tokens else ""
         return f"{k} k{self.key_bits}{v}{sinks}"
 

@@ -26,14 +26,32 @@ if TYPE_CHECKING:
     from .._arrays import Array, DTypeLike
 
 
+SCALES = ("norm", "least_squares")
+"""What the MSE stage may store per row (docs/kernels.md section 5): ``"norm"`` (``||x||``, the
+default) or ``"least_squares"`` (the scale of the decoded direction minimising the row's squared
+error). The decoders read either the same way."""
+
+
+def check_scale(scale: Any, name: str = "scale") -> str:
+    """Validate an MSE row-scale mode (one of :data:`SCALES`); returns it.
+
+    Raises:
+        KvqrsError: anything else (the message lists the modes).
+    """
+    if not isinstance(scale, str) or scale not in SCALES:
+        raise KvqrsError(f"{name}: expected one of {SCALES}, got {scale!r}")
+    return scale
+
+
 class MSECode(NamedTuple):
     """Output of :func:`mse_encode`.
 
     Attributes:
         codes: uint8 ``(..., code_dim)`` unpacked Lloyd-Max codes (``code_dim = d'`` with a
             rotation, ``head_dim`` without).
-        norms: ``(...)`` stored norms, float16 when every non-zero norm lies in
-            ``[2**-14, 65504)``, float32 otherwise (16 or 32 bits per vector).
+        norms: ``(...)`` stored per-row scales: the norms ``||x||`` (``scale="norm"``) or the
+            least-squares scales (``scale="least_squares"``); float16 when every non-zero value
+            lies in ``[2**-14, 65504)``, float32 otherwise (16 or 32 bits per vector).
     """
 
     codes: np.ndarray
@@ -41,29 +59,37 @@ class MSECode(NamedTuple):
 
 
 @tensors_in_out()
-def mse_encode(x: Array, bits: int, seed: int | None = None) -> MSECode:
+def mse_encode(x: Array, bits: int, seed: int | None = None, scale: str = "norm") -> MSECode:
     """Quantize rows as ``(||x||, codes of R x / ||x||)``.
 
     Equivalent to ``oracle.mse_encode``: rotate (``seed`` given) or not (``seed=None``, the
     ``kv`` scheme), divide by the norm, bucketize each coordinate with the
     ``(code_dim, bits)`` Lloyd-Max codebook. A zero row gives norm 0.
 
+    With ``scale="least_squares"`` the codes are the same and each row stores, instead of
+    ``||x||``, ``s = dot(x, r) / dot(r, r)`` with ``r`` the decoded direction (the
+    :func:`mse_decode` of the codes with scale 1): the ``s`` minimising ``||x - s r||^2``, so
+    the decode (unchanged, ``s r``) is never further from ``x`` than with the norm, up to the
+    float16 rounding of the stored value (docs/kernels.md section 5). ``s = 0`` when
+    ``dot(x, r) <= 0`` (a zero row).
+
     Args:
         x: float array ``(..., head_dim)``, head_dim >= 2.
         bits: 1..8 bits per coordinate.
         seed: rotation seed, or None for no rotation.
+        scale: what each row stores, ``"norm"`` (default) or ``"least_squares"``.
 
     Returns:
         :class:`MSECode`.
 
     Raises:
-        KvqrsError: bad dtype, bits or seed, NaN/Inf in ``x`` (position named), or a norm beyond
-            float32.
+        KvqrsError: bad dtype, bits, seed or scale, NaN/Inf in ``x`` (position named), or a norm
+            (or least-squares scale) beyond float32.
     """
     flat, leading, d, _ = as_float_rows(x, "x", min_dim=2)
     b = check_bits(bits)
     s = check_seed(seed)
-    codes, norms = _native.mse_encode(flat, d, b, s)
+    codes, norms = _native.mse_encode(flat, d, b, s, check_scale(scale))
     code_dim = d if s is None else padded_dim(d)
     return MSECode(codes.reshape(*leading, code_dim), norms.reshape(leading))
 
@@ -98,7 +124,7 @@ def mse_decode(
 
 
 @tensors_in_out()
-def mse_encode_packed(x: Array, bits: int, seed: int | None = None) -> MSECode:
+def mse_encode_packed(x: Array, bits: int, seed: int | None = None, scale: str = "norm") -> MSECode:
     """:func:`mse_encode` followed by :func:`~kvqrs.pack_bits`, fused row by row in Rust: the
     same bytes without the unpacked ``(..., code_dim)`` intermediate (what the schemes store).
 
@@ -106,6 +132,8 @@ def mse_encode_packed(x: Array, bits: int, seed: int | None = None) -> MSECode:
         x: float array ``(..., head_dim)``, head_dim >= 2.
         bits: 1..8 bits per coordinate.
         seed: rotation seed, or None for no rotation.
+        scale: what each row stores, ``"norm"`` (default) or ``"least_squares"`` (as
+            :func:`mse_encode`).
 
     Returns:
         :class:`MSECode` whose ``codes`` are packed: uint8 ``(..., ceil(code_dim * bits / 8))``
@@ -117,7 +145,7 @@ def mse_encode_packed(x: Array, bits: int, seed: int | None = None) -> MSECode:
     flat, leading, d, _ = as_float_rows(x, "x", min_dim=2)
     b = check_bits(bits)
     s = check_seed(seed)
-    packed, norms = _native.mse_encode_packed(flat, d, b, s)
+    packed, norms = _native.mse_encode_packed(flat, d, b, s, check_scale(scale))
     code_dim = d if s is None else padded_dim(d)
     return MSECode(packed.reshape(*leading, packed_size(code_dim, b)), norms.reshape(leading))
 

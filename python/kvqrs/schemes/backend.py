@@ -44,8 +44,8 @@ FUSED_FUNCTIONS = ("mse_decode_packed", "mse_encode_packed")
 
 
 def _mse_encode_packed(f: dict[str, Callable[..., Any]]) -> Callable[..., Any]:
-    def encode(x: Any, bits: int, seed: int | None = None) -> kernels.MSECode:
-        code = f["mse_encode"](x, bits, seed)
+    def encode(x: Any, bits: int, seed: int | None = None, scale: str = "norm") -> kernels.MSECode:
+        code = f["mse_encode"](x, bits, seed, scale)
         return kernels.MSECode(f["pack_bits"](code.codes, bits), code.norms)
 
     return encode

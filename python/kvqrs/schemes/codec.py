@@ -21,6 +21,7 @@ from .._arrays import (
 )
 from ..kernels.attention import AttentionResult, DenseRows, decode_attention
 from ..kernels.headq import headq_basis
+from ..kernels.mse import check_scale
 from ..kernels.rng import philox4x32_10, random_orthonormal_basis
 from .a2 import A2ValueCoder
 from .backend import Backend, get_backend
@@ -33,6 +34,8 @@ from .mse import MSECoder, MSEQJLCoder
 
 KEY_SCHEMES = ("kv", "kqv", "qkqv", "kivi", "block", "headq", "matched")
 VALUE_SCHEMES = ("kv", "kqv", "qkqv", "kivi", "block", "a2", "matched", "none")
+MSE_VALUE_SCHEMES = ("kv", "kqv", "qkqv", "matched")
+"""Value schemes whose values go through the MSE stage (the ones ``value_scale`` applies to)."""
 SCHEMES = KEY_SCHEMES
 HEADQ_BASES = ("kivi", "kqv", "kv", "block")
 
@@ -73,18 +76,35 @@ def _key_coder(scheme: str, bits: int, head_dim: int, seed: int, group: int, bac
     raise KvqrsError(f"scheme: expected one of {KEY_SCHEMES} for keys, got {scheme!r}")
 
 
-def _value_coder(scheme: str, bits: int, head_dim: int, seed: int, group: int, backend: Backend, calibration: Any = None):
+def _check_value_scale(scale: str, scheme: str, calibration: Any) -> str:
+    """``scale`` validated, and refused (clear error) for values that have no MSE stage."""
+    check_scale(scale, "value_scale")
+    transform_coded = scheme == "matched" and getattr(calibration, "values", None) is not None
+    if scale != "norm" and (scheme not in MSE_VALUE_SCHEMES or transform_coded):
+        what = "transform-coded matched values" if transform_coded else f"{scheme!r} values"
+        raise KvqrsError(
+            f"value_scale: {scale!r} applies to the MSE value stage (value schemes {MSE_VALUE_SCHEMES}, matched "
+            f"without transform-coded values), not to {what}"
+        )
+    return scale
+
+
+def _value_coder(
+    scheme: str, bits: int, head_dim: int, seed: int, group: int, backend: Backend, calibration: Any = None, scale: str = "norm"
+):
     rot, qjl = derive_seed(seed, _VALUE_ROTATION), derive_seed(seed, _VALUE_QJL)
+    if scheme in VALUE_SCHEMES:
+        scale = _check_value_scale(scale, scheme, calibration)
     if scheme == "matched":
         cal = _matched_calibration(calibration, "values")
         if cal.values is not None:  # transform-coded values: the calibrated widths, not ``bits``
             return MatchedCoder(head_dim, cal.values, group, scheme, "values", backend)
         width = bits if cal.value_bits is None else cal.value_bits  # a per-layer allocation overrides the config
-        return MatchedValueCoder(head_dim, width, rot, cal.value_mean, scheme, "values", backend)
+        return MatchedValueCoder(head_dim, width, rot, cal.value_mean, scheme, "values", backend, scale)
     if scheme == "kv":
-        return MSECoder(head_dim, bits, None, scheme, "values", backend)
+        return MSECoder(head_dim, bits, None, scheme, "values", backend, scale)
     if scheme in ("kqv", "qkqv"):
-        return MSEQJLCoder(head_dim, bits, rot, qjl, scheme, "values", backend)
+        return MSEQJLCoder(head_dim, bits, rot, qjl, scheme, "values", backend, scale)
     if scheme == "kivi":
         return KIVICoder(head_dim, bits, group, False, scheme, "values", backend)
     if scheme == "a2":
@@ -163,6 +183,11 @@ class KVCodec:
         basis: HeadQ basis ``(d, r)`` or ``(kv_heads, d, r)``; ``"random"`` for the seeded
             random-basis control; None until :meth:`calibrate` is called.
         sign: +1, or -1 for HeadQ's wrong-sign control.
+        value_scale: what each value token's MSE stage stores: ``"norm"`` (``||v||``, default)
+            or ``"least_squares"`` (the least-squares scale of the decoded direction,
+            :func:`kvqrs.mse_encode`: the same bits and decode, a smaller error); for the value
+            schemes with an MSE stage (``kv``, ``kqv``, ``qkqv``, ``matched`` without
+            transform-coded values), an error for the others.
         calibration: for ``matched`` keys or values, the layer's
             :class:`~kvqrs.schemes.matched.MatchedCalibration` (key transform and widths, value
             mean); ``bits`` is then the value budget's width and the key widths come from the
@@ -201,6 +226,7 @@ class KVCodec:
         sign: int = 1,
         backend: Any = "cpu",
         calibration: MatchedCalibration | None = None,
+        value_scale: str = "norm",
     ):
         self.backend = get_backend(backend)
         self.scheme = scheme
@@ -213,7 +239,10 @@ class KVCodec:
             raise KvqrsError(f"scheme: expected one of {KEY_SCHEMES}, got {scheme!r}")
         self.value_scheme = value_scheme or ("kivi" if scheme == "headq" else scheme)
         self.calibration = calibration
-        self.values = _value_coder(self.value_scheme, self.value_bits, self.head_dim, self.seed, self.group, self.backend, calibration)
+        self.value_scale = value_scale
+        self.values = _value_coder(
+            self.value_scheme, self.value_bits, self.head_dim, self.seed, self.group, self.backend, calibration, value_scale
+        )
         self.rank, self.side_bits, self.sign, self.headq_base = rank, side_bits, sign, headq_base
         if scheme == "headq":
             if headq_base not in HEADQ_BASES:

@@ -17,6 +17,7 @@ from .. import layout as lay
 from .._arrays import KvqrsError, as_float_rows
 from ..kernels import lloyd_max_codebook, packed_size, padded_dim
 from ..kernels.attention import MSERows, QJLRows
+from ..kernels.mse import check_scale
 from ..kernels.qjl import QJLSketch
 from .backend import CPU, Backend
 from .base import Encoded, as_float_array, check_encoded, check_head_dim, flat_rows, split_shape
@@ -37,6 +38,13 @@ def blockwise(fn, q: np.ndarray, lead: tuple[int, ...], tokens: int) -> np.ndarr
     return np.stack(out).reshape(*lead, q.shape[-2], tokens) if out else np.zeros((*lead, q.shape[-2], tokens), np.float32)
 
 
+def scale_params(scale: str) -> dict[str, str]:
+    """The coder parameter recording a row-scale mode: none for the default ``"norm"`` (so those
+    tensors and files are what they were before the option existed), ``{"scale": scale}``
+    otherwise (a tensor then decodes only under the setting it was written with)."""
+    return {} if check_scale(scale) == "norm" else {"scale": scale}
+
+
 class MSECoder:
     """``||x||`` (16 or 32 bits) + ``bits``-bit codes of every code coordinate.
 
@@ -46,14 +54,21 @@ class MSECoder:
         seed: rotation seed, or None for no rotation (the ``kv`` scheme).
         scheme, kind: labels recorded in the encoded tensors.
         backend: the kernels' compute path (:mod:`kvqrs.schemes.backend`), the Rust one by default.
+        scale: what each token stores, ``"norm"`` (``||x||``, default) or ``"least_squares"``
+            (the least-squares scale of the decoded direction, :func:`kvqrs.mse_encode`); the
+            stored layout and the decode are the same.
+
+    Raises:
+        KvqrsError: an unknown ``scale``.
     """
 
-    def __init__(self, head_dim: int, bits: int, seed: int | None, scheme: str, kind: str, backend: Backend = CPU):
+    def __init__(self, head_dim: int, bits: int, seed: int | None, scheme: str, kind: str, backend: Backend = CPU, scale: str = "norm"):
         self.head_dim, self.bits, self.seed, self.scheme, self.kind = head_dim, bits, seed, scheme, kind
         self.k = backend
         self.code_dim = head_dim if seed is None else padded_dim(head_dim)
         self.codebook = lloyd_max_codebook(self.code_dim, bits)
-        self.params = {"bits": bits, "seed": seed}
+        self.params = {"bits": bits, "seed": seed, **scale_params(scale)}
+        self.scale = scale
         self.row_bytes = packed_size(self.code_dim, bits)
 
     def encode(self, x) -> Encoded:
@@ -61,7 +76,7 @@ class MSECoder:
         check_head_dim(x, self.head_dim, self.kind)
         if self.k is CPU:
             return self._encode_native(x)
-        code = self.k.mse_encode_packed(x, self.bits, self.seed)
+        code = self.k.mse_encode_packed(x, self.bits, self.seed, self.scale)
         parts = {"codes": code.codes, "norms": code.norms}
         return Encoded(self.scheme, self.kind, x.shape, x.dtype, parts, self.params)
 
@@ -74,7 +89,7 @@ class MSECoder:
             flat, lead = x.reshape(-1), x.shape[:-1]  # what as_float_rows returns, without its copies
         else:
             flat, lead, _, _ = as_float_rows(x, "x", min_dim=2)
-        packed, norms = _native.mse_encode_packed(flat, self.head_dim, self.bits, self.seed)
+        packed, norms = _native.mse_encode_packed(flat, self.head_dim, self.bits, self.seed, self.scale)
         parts = {"codes": packed.reshape(*lead, self.row_bytes), "norms": norms.reshape(lead)}
         return Encoded(self.scheme, self.kind, x.shape, x.dtype, parts, self.params)
 
@@ -106,7 +121,7 @@ class MSECoder:
         return MSERows(enc.parts["codes"], enc.parts["norms"], self.bits, self.seed)
 
     def rotated(self, enc: Encoded) -> np.ndarray:
-        """The reconstruction in the code domain: ``||x|| * centroids[codes]`` (float32)."""
+        """The reconstruction in the code domain: ``stored scale * centroids[codes]`` (float32)."""
         c = self.k.lloyd_max_decode(self.codes(enc), self.codebook)
         return c * enc.parts["norms"].astype(np.float32)[..., None]
 
@@ -117,18 +132,22 @@ class MSECoder:
 class MSEQJLCoder:
     """(n-1)-bit rotated MSE stage + 1-bit QJL sketch of the rotated residual (n >= 2).
 
-    Stored per token: ``(n-1) * d'`` code bits, the norm, ``d'`` sign bits and ``||r||``.
+    Stored per token: ``(n-1) * d'`` code bits, the norm (or, with ``scale="least_squares"``,
+    the MSE stage's least-squares scale; the residual is then ``R x - s c``), ``d'`` sign bits
+    and ``||r||``.
     """
 
-    def __init__(self, head_dim: int, bits: int, seed: int, qjl_seed: int, scheme: str, kind: str, backend: Backend = CPU):
+    def __init__(
+        self, head_dim: int, bits: int, seed: int, qjl_seed: int, scheme: str, kind: str, backend: Backend = CPU, scale: str = "norm"
+    ):
         if bits < 2:
             raise KvqrsError(f"bits: expected >= 2 for {kind} with a QJL residual ((n-1)-bit Lloyd-Max + 1-bit QJL), got {bits}")
         self.head_dim, self.bits, self.seed, self.qjl_seed = head_dim, bits, seed, qjl_seed
         self.scheme, self.kind = scheme, kind
         self.k = backend
-        self.mse = MSECoder(head_dim, bits - 1, seed, scheme, kind, backend)
+        self.mse = MSECoder(head_dim, bits - 1, seed, scheme, kind, backend, scale)
         self.code_dim = self.mse.code_dim
-        self.params = {"bits": bits, "seed": seed, "qjl_seed": qjl_seed}
+        self.params = {"bits": bits, "seed": seed, "qjl_seed": qjl_seed, **scale_params(scale)}
 
     def encode(self, x) -> Encoded:
         x = as_float_array(x, self.kind)

@@ -8,7 +8,7 @@ use kvqrs_core::kernels::attention::{
 use kvqrs_core::kernels::hadamard::{padded_dim, Rotation};
 use kvqrs_core::kernels::headq::HeadqCoder;
 use kvqrs_core::kernels::lloyd_max::codebook;
-use kvqrs_core::kernels::mse::MseQuantizer;
+use kvqrs_core::kernels::mse::{MseQuantizer, RowScale};
 use kvqrs_core::kernels::pack::{pack_with, packed_len, unpack_with};
 use kvqrs_core::kernels::qjl::QjlSketcher;
 use kvqrs_core::rng::{gaussians, random_orthonormal_basis};
@@ -96,6 +96,12 @@ fn mse_codes_norms_and_decode_are_bit_identical() {
                         .unwrap();
                     let ci = q.encode(&x).unwrap();
                     assert_eq!(ci, c, "{isa:?} d={d} bits={bits} seed={seed:?}");
+                    let ls = RowScale::LeastSquares;
+                    assert_eq!(
+                        q.clone().with_scale(ls).encode(&x).unwrap(),
+                        reference.clone().with_scale(ls).encode(&x).unwrap(),
+                        "least squares {isa:?} d={d} bits={bits} seed={seed:?}"
+                    );
                     assert_eq!(
                         bits_of(&q.decode(&c).unwrap()),
                         bits_of(&xh),

@@ -4,7 +4,7 @@
 use kvqrs_core::kernels::hadamard::Rotation;
 use kvqrs_core::kernels::headq::HeadqCoder;
 use kvqrs_core::kernels::lloyd_max::codebook;
-use kvqrs_core::kernels::mse::MseQuantizer;
+use kvqrs_core::kernels::mse::{MseQuantizer, RowScale};
 use kvqrs_core::kernels::pack;
 use kvqrs_core::kernels::qjl::QjlSketcher;
 use kvqrs_core::kernels::uniform::UniformQuantizer;
@@ -129,20 +129,36 @@ pub fn lloyd_max_decode<'py>(
     Ok(PyArray1::from_vec(py, out))
 }
 
-/// Returns (codes uint8 flat, norms float16|float32).
+/// The quantizer of an encode call: `scale` is `"norm"` or `"least_squares"`.
+fn mse_quantizer(
+    head_dim: usize,
+    bits: i64,
+    seed: Option<u64>,
+    scale: &str,
+) -> PyResult<MseQuantizer> {
+    let mode = RowScale::from_name(scale).ok_or_else(|| {
+        arg_error(format!(
+            "scale: expected 'norm' or 'least_squares', got {scale:?}"
+        ))
+    })?;
+    Ok(py_result(MseQuantizer::new(head_dim, bits_u32(bits), seed))?.with_scale(mode))
+}
+
+/// Returns (codes uint8 flat, norms float16|float32); `scale`: what each row stores,
+/// `"norm"` or `"least_squares"`.
 #[pyfunction]
-#[pyo3(signature = (x, head_dim, bits, seed=None))]
+#[pyo3(signature = (x, head_dim, bits, seed=None, scale="norm"))]
 pub fn mse_encode<'py>(
     py: Python<'py>,
     x: PyReadonlyArray1<'py, f32>,
     head_dim: usize,
     bits: i64,
     seed: Option<u64>,
+    scale: &str,
 ) -> PyResult<(U8Out<'py>, Bound<'py, PyAny>)> {
     let xs = slice(&x, "x")?;
-    let c = py_result(
-        py.allow_threads(|| MseQuantizer::new(head_dim, bits_u32(bits), seed)?.encode(xs)),
-    )?;
+    let q = mse_quantizer(head_dim, bits, seed, scale)?;
+    let c = py_result(py.allow_threads(|| q.encode(xs)))?;
     Ok((PyArray1::from_vec(py, c.codes), plane_to_py(py, c.norms)))
 }
 
@@ -167,19 +183,18 @@ pub fn mse_decode<'py>(
 /// Returns (packed codes uint8 flat, `packed_len(code_dim, bits)` bytes per row, norms
 /// float16|float32): `mse_encode` then `pack_bits`, fused row by row.
 #[pyfunction]
-#[pyo3(signature = (x, head_dim, bits, seed=None))]
+#[pyo3(signature = (x, head_dim, bits, seed=None, scale="norm"))]
 pub fn mse_encode_packed<'py>(
     py: Python<'py>,
     x: PyReadonlyArray1<'py, f32>,
     head_dim: usize,
     bits: i64,
     seed: Option<u64>,
+    scale: &str,
 ) -> PyResult<(U8Out<'py>, Bound<'py, PyAny>)> {
     let xs = slice(&x, "x")?;
-    let (packed, norms) =
-        py_result(py.allow_threads(|| {
-            MseQuantizer::new(head_dim, bits_u32(bits), seed)?.encode_packed(xs)
-        }))?;
+    let q = mse_quantizer(head_dim, bits, seed, scale)?;
+    let (packed, norms) = py_result(py.allow_threads(|| q.encode_packed(xs)))?;
     Ok((PyArray1::from_vec(py, packed), plane_to_py(py, norms)))
 }
 

@@ -1,5 +1,6 @@
 //! Norm-and-direction quantization, the MSE stage (docs/kernels.md section 5):
-//! store `||x||`, quantize the rotated unit vector coordinate-wise with the Lloyd-Max codebook.
+//! store `||x||` (or the least-squares scale of the decoded direction), quantize the rotated
+//! unit vector coordinate-wise with the Lloyd-Max codebook.
 //! Composes the hadamard and lloyd_max kernels.
 
 use std::sync::Arc;
@@ -15,6 +16,29 @@ use crate::reduce::norm_f64;
 use crate::scalars::{ScalarPlane, ScalarView};
 use crate::simd::{ops, Isa, IsaChoice};
 
+/// The per-row scalar the MSE stage stores (docs/kernels.md section 5, step 5). The decode is
+/// the same for both (`scale * R^T c`): only the stored value differs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum RowScale {
+    /// `||x||` (the reference, TurboQuant's stored norm).
+    #[default]
+    Norm,
+    /// `s = dot(x, r) / dot(r, r)` with `r` the decoded direction (the decode with scale 1),
+    /// the scale minimising `||x - s r||^2`; 0 when `dot(x, r) <= 0` (a zero row).
+    LeastSquares,
+}
+
+impl RowScale {
+    /// The mode of a name: `"norm"` or `"least_squares"`.
+    pub fn from_name(name: &str) -> Option<Self> {
+        match name {
+            "norm" => Some(RowScale::Norm),
+            "least_squares" => Some(RowScale::LeastSquares),
+            _ => None,
+        }
+    }
+}
+
 /// The MSE quantizer for one (head_dim, bits, rotation seed).
 #[derive(Debug, Clone)]
 pub struct MseQuantizer {
@@ -28,6 +52,8 @@ pub struct MseQuantizer {
     decode_table: Vec<f32>,
     /// Code of a zero coordinate (every code of a zero row).
     zero_code: u8,
+    /// What each row stores: its norm or the least-squares scale.
+    scale: RowScale,
     isa: IsaChoice,
 }
 
@@ -62,8 +88,20 @@ impl MseQuantizer {
             zero_code: codebook.encode_value(0.0),
             codebook,
             decode_table,
+            scale: RowScale::Norm,
             isa: IsaChoice::default(),
         })
+    }
+
+    /// Sets what the encoders store per row (the decoders do not depend on it).
+    pub fn with_scale(mut self, scale: RowScale) -> Self {
+        self.scale = scale;
+        self
+    }
+
+    /// What the encoders store per row.
+    pub fn scale(&self) -> RowScale {
+        self.scale
     }
 
     /// Pins the instruction set (tests, benches); errors if this CPU lacks it.
@@ -204,14 +242,21 @@ impl MseQuantizer {
         check_len("norms", norms.len(), rows, "one per row")?;
         // A finite norm implies a finite row (the float64 sum of squares cannot overflow), so
         // the full input scan runs only to name an error, as the reference reports it.
+        let ls = self.scale == RowScale::LeastSquares;
         let done = par::rows2(
             rows,
             cd,
             (x, d),
             (out, width),
             (norms, 1),
-            || (vec![0.0f32; cd], vec![0u8; if packed { cd } else { 0 }]),
-            |(unit, row_codes), first, xs, cs, ns| {
+            || {
+                (
+                    vec![0.0f32; cd],
+                    vec![0u8; if packed { cd } else { 0 }],
+                    vec![0.0f32; if ls { d } else { 0 }],
+                )
+            },
+            |(unit, row_codes, dir), first, xs, cs, ns| {
                 for (k, ((src, dst), n)) in xs
                     .chunks_exact(d)
                     .zip(cs.chunks_exact_mut(width))
@@ -225,7 +270,14 @@ impl MseQuantizer {
                     } else {
                         self.encode_row(isa, src, unit, dst)
                     };
-                    *n = norm.ok_or(first + k)?;
+                    let norm = norm.ok_or(first + k)?;
+                    *n = if ls {
+                        let codes: &[u8] = if packed { row_codes } else { dst };
+                        self.least_squares_row(isa, src, codes, unit, dir)
+                            .ok_or(first + k)?
+                    } else {
+                        norm
+                    };
                 }
                 Ok(())
             },
@@ -235,6 +287,29 @@ impl MseQuantizer {
             return Err(KvqError::NormOverflow { arg: "x", row });
         }
         Ok(())
+    }
+
+    /// The least-squares scale of one coded row: `r` = the decoded direction (the decode of
+    /// `codes` with scale 1, into `dir`; `buf`: code_dim values of scratch), then
+    /// `s = dot(x, r) / dot(r, r)` (section 8 float32 dot products, a float32 division), 0 when
+    /// `dot(x, r) <= 0`. `None` when `s` is not finite (a row near float32's top).
+    fn least_squares_row(
+        &self,
+        isa: Isa,
+        x: &[f32],
+        codes: &[u8],
+        buf: &mut [f32],
+        dir: &mut [f32],
+    ) -> Option<f32> {
+        self.decode_row_isa(isa, codes, 1.0, buf, dir);
+        let num = ops::dot(isa, x, dir);
+        let den = ops::dot(isa, dir, dir);
+        let s = if num > 0.0 && den > 0.0 {
+            num / den
+        } else {
+            0.0
+        };
+        s.is_finite().then_some(s)
     }
 
     /// Decodes `norm * R^T centroids[codes]` into rows of head_dim values.
@@ -393,6 +468,42 @@ mod tests {
         let q = MseQuantizer::new(40, 3, Some(1)).unwrap();
         let c = q.encode(&[0.0; 40]).unwrap();
         assert_eq!(q.decode(&c).unwrap(), vec![0.0; 40]);
+    }
+
+    /// Squared reconstruction error of each row.
+    fn row_errors(x: &[f32], xh: &[f32], d: usize) -> Vec<f64> {
+        x.chunks(d)
+            .zip(xh.chunks(d))
+            .map(|(a, b)| a.iter().zip(b).map(|(u, v)| f64::from(u - v).powi(2)).sum())
+            .collect()
+    }
+
+    #[test]
+    fn least_squares_scale_keeps_codes_and_never_raises_the_error() {
+        let ls = RowScale::LeastSquares;
+        for (d, seed) in [(128, Some(7)), (96, Some(2)), (40, None)] {
+            let mut x = gaussians(11, STREAM_QJL_MATRIX, 300 * d);
+            x[..d].fill(0.0); // a zero row stores 0, never NaN
+            for bits in 1..=8 {
+                let q = MseQuantizer::new(d, bits, seed).unwrap();
+                let (cn, cl) = (
+                    q.encode(&x).unwrap(),
+                    q.clone().with_scale(ls).encode(&x).unwrap(),
+                );
+                assert_eq!(cl.codes, cn.codes, "d={d} bits={bits}");
+                assert_eq!(cl.norms.get(0).to_bits(), 0);
+                let (en, el) = (
+                    row_errors(&x, &q.decode(&cn).unwrap(), d),
+                    row_errors(&x, &q.decode(&cl).unwrap(), d),
+                );
+                let mut n2 = x.chunks(d).map(|r| norm_f64(r).powi(2));
+                for (row, (a, b)) in el.iter().zip(&en).enumerate() {
+                    // The float16 storage of either scale may cost up to ~2^-22 ||x||^2.
+                    let slack = 1e-6 * n2.next().unwrap();
+                    assert!(a <= &(b + slack), "d={d} bits={bits} row={row}: {a} > {b}");
+                }
+            }
+        }
     }
 
     #[test]
