@@ -109,6 +109,9 @@ def test_calibration_file_row_reads_its_settings(tmp_path):
     assert row.name == "matched budget 3.25, per-layer widths g256 sinks:2 (a.npz)"
     assert (row.config.group, row.config.sink_tokens) == (256, 2)
     assert [row.config.codec(i, 64).values.bits for i in range(2)] == [2, 3]
+    assert row.config.value_scale == "norm"
+    ls = lp.file_row(p, "least_squares")
+    assert ls.name == "matched budget 3.25, per-layer widths g256 sinks:2 ls-scale (a.npz)" and ls.config.value_scale == "least_squares"
 
 
 def test_allocation_spends_the_budget_on_sensitive_layers(model32, texts):

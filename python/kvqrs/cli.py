@@ -249,7 +249,7 @@ def _eval_llama(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     model, tok = model_mod.load(progress=not args.no_progress)
     if args.calibration:
-        rows = [r for r in lp.llama_rows() if r.config is None] + [lp.file_row(p) for p in args.calibration]
+        rows = [r for r in lp.llama_rows() if r.config is None] + [lp.file_row(p, args.value_scale) for p in args.calibration]
     else:
         windows = lp.llama_chunks(tok, texts.calibration, args.ctx, args.calibration_windows or 8)
         stats = record_matched(model, windows, skip=1)
@@ -489,6 +489,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="llama protocol: `kvqrs calibrate` files, one matched row each beside dense (default: fit on the calibration "
         "text); needle: one or more such files, each adding the matched preset row it was fitted for "
         "(files written by `kvqrs calibrate --preset NAME`: 4bit, 3bit or 2bit)",
+    )
+    ev.add_argument(
+        "--value-scale",
+        choices=["norm", "least_squares"],
+        default=None,
+        help="llama protocol, --calibration rows: what the values' MSE stage stores per token, its norm or the "
+        "least-squares scale of the decoded direction (default: the preset's, else norm)",
     )
     ev.add_argument(
         "--matched-bits",
