@@ -420,8 +420,8 @@ def test_native_rows_are_typed_objects_and_errors_name_the_part():
 
     q = np.zeros(64, np.float32)
     dense = DenseRows(q)
-    # A dict is not a row object: the binding names the fields it looked for.
-    with pytest.raises(TypeError, match="codes"):
+    # A dict is not a row object (the binding reads typed rows by attribute).
+    with pytest.raises(TypeError, match="argument 'keys': expected a row object .* got a dict"):
         _native.decode_attention(q, {"kind": "mse", "bits": 4}, dense, None, 1, 1, 1, 64, 1.0, False)
     with pytest.raises(KvqrsError, match="keys.values"):
         _native.decode_attention(q, DenseRows(q[:3]), dense, None, 1, 1, 1, 64, 1.0, False)

@@ -143,3 +143,38 @@ def test_bad_input_is_a_clean_error():
     with pytest.raises(KvqrsError, match="q: expected finite"):
         layout.attend(cache, np.full_like(q, np.inf), [0], [2], table, 0.125)
     assert np.isfinite(layout.attend(cache, q, [0], [2], table, 0.125)).all()
+
+
+def test_the_paged_binding_takes_typed_per_token_rows():
+    """Each side reaches ``_native.paged_decode_attention`` as its row object with page
+    places in place of arrays: rows of another layout are a KvqrsError naming the side, a
+    malformed object a TypeError naming the field, never a panic."""
+    from kvqrs import _native
+    from kvqrs.kernels.attention import DenseRows, UniformRows
+
+    layout = SlotLayout(QuantConfig("kqv", 4, "kqv", 4), layer=0, head_dim=D)
+    cache = _cache(layout, 2)
+    x = np.ones((2, KV_HEADS, D), np.float32)
+    layout.write(cache, x, x, np.array([0, 1]))
+    keys, values = layout._page_rows("keys", BLOCK), layout._page_rows("values", BLOCK)
+    q = np.ones(Q_HEADS * D, np.float32)
+
+    def attend(k, v):
+        ints = (np.array([0], np.int32), np.array([2], np.int32), np.array([0, 1], np.int32))
+        return _native.paged_decode_attention(
+            cache.reshape(-1), 2, KV_HEADS, BLOCK, BLOCK * layout.slot_bytes, *cache.strides[:2], k, v, q, Q_HEADS, D, 0.125, *ints, 2
+        )
+
+    want = layout.attend(cache, q.reshape(1, Q_HEADS, D), [0], [2], np.array([[0, 1]]), 0.125).reshape(-1)
+    np.testing.assert_array_equal(attend(keys, values), want)
+    with pytest.raises(KvqrsError, match="values: expected MSERows or per-token UniformRows"):
+        attend(keys, DenseRows((0, 4)))
+    per_channel = UniformRows((0, 4), (4, 2, "float16"), (6, 2, "float16"), 4, 32, per_channel=True)
+    with pytest.raises(KvqrsError, match="keys: expected MSERows or per-token UniformRows"):
+        attend(per_channel, values)
+    with pytest.raises(KvqrsError, match="keys.norms: expected stored scalars of dtype 'float16' or 'float32', got \"int8\""):
+        attend(keys._replace(norms=(*keys.norms[:2], "int8")), values)
+    with pytest.raises(TypeError, match="argument 'keys': failed to extract field MSERows.codes"):
+        attend(keys._replace(codes="codes"), values)
+    with pytest.raises(TypeError, match="argument 'values': expected a row object"):
+        attend(keys, {"kind": "mse"})

@@ -8,6 +8,7 @@ bad input raises ``KvqrsError`` naming the problem."""
 from __future__ import annotations
 
 import json
+from collections import namedtuple
 
 import numpy as np
 import pytest
@@ -22,6 +23,7 @@ from kvqrs import format as fmt  # noqa: E402
 from kvqrs.hf import QuantConfig, QuantizedKVCache  # noqa: E402
 from kvqrs.hf.attention import _STATE  # noqa: E402
 from kvqrs.hf.store import CodeStore  # noqa: E402
+from kvqrs.kernels.attention import CentredRows, ChannelRun, ChannelRunRows, DenseRows, MSERows, UniformRows, binding_rows  # noqa: E402
 
 from tests.cache_helpers import per_head_matched_calibration  # noqa: E402
 from tests.process_helpers import stdout_per_thread_count  # noqa: E402
@@ -157,16 +159,58 @@ def test_bad_input_raises_kvqrs_error_naming_the_problem():
         _native.LayerStore([("a", 0, False, [1], [], 0, 1)])
     with pytest.raises(KvqrsError, match="call set_rows"):
         store._native.attend(np.zeros(D, np.float32), 1, 1, D, 1.0, 1, np.zeros(0, np.float32), np.zeros(0, np.float32), 0, None, 1)
-    dense, mean = {"kind": "dense", "values": "keys.codes"}, np.zeros(D, np.float32)
-    centred = {"kind": "centred", "rows": dense, "mean": mean, "mean_heads": 1}
-    with pytest.raises(KvqrsError, match=r"keys.rows: expected rows around one mean, got centred rows in centred rows"):
-        store._native.set_rows({**centred, "rows": centred}, dense)
-    run = {"codes": "keys.nope", "scales": "keys.scales", "zeros": "keys.zeros", "bits": 2, "start": 0, "stop": 4}
-    runs = {"kind": "channel_runs", "runs": [run], "group": 8, "basis": np.eye(D, dtype=np.float32).reshape(-1), "basis_heads": 1}
+    lead = (1, 2)
+    dense = binding_rows(DenseRows("keys.codes"), "values", lead, D, _as_is)
+    runs = ChannelRunRows((ChannelRun("keys.nope", "keys.scales", "keys.zeros", 2, 0, 4),), 8, np.eye(D, dtype=np.float32), 0)
     with pytest.raises(KvqrsError, match=r"keys.rows.runs\[0\].codes: no part named \"keys.nope\""):
-        store._native.set_rows({**centred, "rows": runs}, dense)
-    with pytest.raises(KvqrsError, match=r"keys: missing field \"mean_heads\""):
-        store._native.set_rows({k: v for k, v in centred.items() if k != "mean_heads"}, dense)
+        store._native.set_rows(binding_rows(CentredRows(runs, np.zeros(D, np.float32)), "keys", lead, D, _as_is), dense)
+    with pytest.raises(KvqrsError, match="values: per-channel uniform groups are a key layout"):
+        store._native.set_rows(dense, UniformRows("keys.codes", "keys.scales", "keys.zeros", 2, 8, per_channel=True))
+    assert not store._native.has_rows
+
+
+def _as_is(part, name):
+    """For :func:`binding_rows` of rows that already hold the part names (a layer store's)."""
+    return part
+
+
+def test_set_rows_refuses_malformed_row_objects_with_a_type_error_naming_the_field():
+    """The store's rows are typed objects read by attribute (``rust/py/src/rows.rs``): a
+    missing field, a field of the wrong type, a mean inside a mean or an object of another
+    class is a ``TypeError`` naming the row class and field, never a panic; nothing is
+    declared."""
+    store = _native.LayerStore(
+        [
+            ("keys.codes", 0, False, [1, 1], [16], 1, 1),
+            ("keys.norms", 1, True, [1, 1], [], 1, 1),
+            ("values.fp", 2, False, [1, 1], [D], 1, 1),
+        ]
+    )
+    dense = DenseRows("values.fp")
+    mse = MSERows("keys.codes", "keys.norms", 4, 7)
+    centred = binding_rows(CentredRows(mse, np.zeros(D, np.float32)), "keys", (1, 1), D, _as_is)
+    cases = [  # (rows, the message, its cause or None)
+        (mse._replace(codes=3), "MSERows.codes", "'int' object cannot be converted"),
+        (mse._replace(bits="four"), "MSERows.bits", "cannot be interpreted as an integer"),
+        (mse._replace(qjl=("keys.codes", "keys.norms")), "MSERows.qjl", "no attribute 'signs'"),
+        (
+            centred._replace(rows=centred),
+            "CentredRows.rows",
+            "expected MSERows, UniformRows, DenseRows or ChannelRunRows, got _FlatCentred",
+        ),
+        (namedtuple("Centred", "rows mean")(mse, centred.mean), "CentredRows: missing field", "no attribute 'mean_heads'"),
+        ({"kind": "mse", "codes": "keys.codes", "norms": "keys.norms", "bits": 4, "seed": 7}, "expected a row object .* got a dict", None),
+        (object(), "expected MSERows, UniformRows, DenseRows or ChannelRunRows, got object", None),
+    ]
+    for rows, match, cause in cases:
+        with pytest.raises(TypeError, match=f"argument 'keys': .*{match}") as e:
+            store.set_rows(rows, dense)
+        assert cause is None or cause in str(e.value.__cause__)
+    with pytest.raises(TypeError, match="SideRows: missing field"):
+        store.set_rows(mse, dense, side=mse)
+    assert not store.has_rows
+    store.set_rows(mse, dense)
+    assert store.has_rows
 
 
 @pytest.mark.parametrize(
@@ -194,8 +238,6 @@ def test_decode_step_equals_the_kernel_merged_with_the_window(name, masked):
         mask = torch.ones(b, 1, nq, w, dtype=torch.bool)
         mask[:, :, 0, -1] = False
     got = store.attend(q, fk, fv, mask, 0.2).numpy()
-    from kvqrs.kernels.attention import DenseRows
-
     cv = DenseRows(ref_v.numpy()) if isinstance(ref_v, torch.Tensor) else ref_v
     res = codec.fused_attention(q.numpy(), ref_k, cv, scale=0.2)
     qg = q.double().reshape(b, h, g * nq, D)

@@ -56,6 +56,16 @@ _U8 = npt.NDArray[np.uint8]
 _I32 = npt.NDArray[np.int32]
 _Scalars = npt.NDArray[np.float16] | npt.NDArray[np.float32]
 
+# The row objects of kvqrs.kernels.attention as the binding reads them (rust/py/src/rows.rs, by
+# attribute name): MSERows (codes, norms, bits, seed, qjl: QJLRows(signs, norms, seed) | None),
+# UniformRows (codes, scales, zeros, bits, group, per_channel, seed), DenseRows (values),
+# ChannelRunRows (runs: ChannelRun(codes, scales, zeros, bits, start, stop), group, basis flat
+# float32, basis_heads), CentredRows (rows, mean flat float32, mean_heads); SideRows (codes,
+# scales, basis flat float32, bits, sign, rank, basis_heads). Each entry point puts its own
+# stand-in for a stored part in place of the arrays (kvqrs.kernels.attention.binding_rows).
+_Rows = Any
+_Side = Any
+
 def pack_bits(codes: _U8, count: int, bits: int) -> _U8: ...
 def unpack_bits(packed: _U8, count: int, bits: int) -> _U8: ...
 def hadamard(x: _F32, head_dim: int, seed: int | None = None) -> _F32: ...
@@ -95,12 +105,10 @@ def container_write(sections: list[tuple[str, int, list[int], bytes]]) -> bytes:
 def container_read(data: bytes) -> list[tuple[str, int, list[int], bytes]]: ...
 def decode_attention(
     q: _F32,
-    # MSERows | UniformRows | DenseRows | the flattened ChannelRunRows (runs, group, basis,
-    # basis_heads), each optionally in the flattened CentredRows (rows, mean, mean_heads);
-    # arrays flat and checked (kvqrs.kernels.attention)
-    keys: Any,
-    values: Any,
-    side: Any | None,  # the flattened SideRows: codes, scales, basis, bits, sign, rank, basis_heads
+    # arrays flat and checked (kvqrs.kernels.attention.binding_rows / binding_side)
+    keys: _Rows,
+    values: _Rows,
+    side: _Side | None,
     heads: int,
     rows: int,
     tokens: int,
@@ -116,8 +124,10 @@ def paged_decode_attention(
     page_bytes: int,
     block_stride: int,
     head_stride: int,
-    keys: dict[str, Any],
-    values: dict[str, Any],
+    # each part's (offset, row_bytes) or (offset, row_bytes, dtype name) in a page: MSERows or
+    # per-token UniformRows (kvqrs.vllm.layout)
+    keys: _Rows,
+    values: _Rows,
     q: _F32,
     q_heads: int,
     head_dim: int,
@@ -155,7 +165,8 @@ class LayerStore:
     def from_sections(
         parts: Sequence[_PartSpec], sections: Sequence[tuple[str, int, Sequence[int], bytes]], prefix: str, tokens: int
     ) -> LayerStore: ...
-    def set_rows(self, keys: dict[str, Any], values: dict[str, Any], side: dict[str, Any] | None = None) -> None: ...
+    # part names in place of arrays (kvqrs.hf.store.CodeStore)
+    def set_rows(self, keys: _Rows, values: _Rows, side: _Side | None = None) -> None: ...
     def attend(
         self,
         q: _F32,

@@ -26,7 +26,7 @@ import torch
 
 from .. import _native
 from .._arrays import KvqrsError
-from ..kernels.attention import DenseRows, per_head_table
+from ..kernels.attention import DenseRows, binding_rows, binding_side
 from ..schemes import Encoded
 
 _NP_CODES = {np.dtype(np.uint8): 0, np.dtype(np.float16): 1, np.dtype(np.float32): 2, np.dtype(np.float64): 3}
@@ -214,12 +214,10 @@ class CodeStore:
         return self._attends
 
     def _declare_rows(self) -> None:
-        """Tell the native store which parts the fused kernel reads as which rows: the
-        ``spec()`` dicts of the codec's row objects for the parts held, each array replaced by
-        its part's name, nested rows (``CentredRows``' inner rows, ``ChannelRunRows``' runs)
-        likewise; a ``matched`` basis ``(d, d)`` or ``(kv_heads, d, d)`` and mean ``(d,)`` or
-        ``(kv_heads, d)`` go flat float32 with their counts ``basis_heads`` / ``mean_heads``.
-        Raises :class:`KvqrsError` for rows the native step does not read."""
+        """Tell the native store which parts the fused kernel reads as which rows: the codec's
+        row objects for the parts held (:func:`~kvqrs.kernels.attention.binding_rows`), each
+        array replaced by its part's name. Raises :class:`KvqrsError` for rows the native step
+        does not read or rows reading an array the store does not hold."""
         ck = self.keys()
         cv = DenseRows(np.zeros((self.batch, self.kv_heads, self.tokens, self.head_dim), np.float32)) if self.key_only else self.values()
         rows = self.codec.fused_rows(ck, cv)
@@ -231,28 +229,14 @@ class CodeStore:
         else:
             names[id(cv.values)] = "values.fp"
 
+        def part(a: Any, name: str) -> str:
+            if id(a) not in names:
+                raise KvqrsError(f"rows: part {name!r} reads an array the store does not hold")
+            return names[id(a)]
+
         lead, d = (self.batch, self.kv_heads), self.head_dim
-
-        def spec(row: dict[str, Any]) -> dict[str, Any]:
-            out = {}
-            for k, v in row.items():
-                if isinstance(v, np.ndarray) and id(v) in names:
-                    out[k] = names[id(v)]
-                elif k == "rows":  # CentredRows: the rows around the mean
-                    out[k] = spec(v)
-                elif k == "runs":  # ChannelRunRows: each run's parts
-                    out[k] = [spec(r) for r in v]
-                elif k == "basis" and row.get("kind") == "channel_runs":
-                    out[k], out["basis_heads"] = per_head_table(v, "basis", lead, (d, d))
-                elif k == "mean":
-                    out[k], out["mean_heads"] = per_head_table(v, "mean", lead, (d,))
-                elif k == "basis":
-                    out[k] = np.ascontiguousarray(v, np.float32).reshape(-1)
-                else:
-                    out[k] = v
-            return out
-
-        self._native.set_rows(spec(rows[0].spec()), spec(rows[1].spec()), None if rows[2] is None else spec(rows[2].spec()))
+        side = None if rows[2] is None else binding_side(rows[2], lead, d, part)
+        self._native.set_rows(binding_rows(rows[0], "keys", lead, d, part), binding_rows(rows[1], "values", lead, d, part), side)
 
     def attend(self, query: torch.Tensor, fp_k: torch.Tensor, fp_v: torch.Tensor, mask: torch.Tensor | None, scale: float):
         """Attention of ``query`` ``(batch, q_heads, nq, d)`` over the coded tokens and the

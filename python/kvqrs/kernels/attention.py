@@ -21,7 +21,7 @@ float64 reference is :func:`kvqrs.oracle.decode_attention`, which takes the ``sp
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple, Union
+from typing import Any, Callable, NamedTuple, Union
 
 import numpy as np
 
@@ -335,35 +335,57 @@ def per_head_table(x: Any, arg: str, lead: tuple[int, ...], shape: tuple[int, ..
     return as_float_rows(a.reshape(-1, shape[-1]), arg)[0].reshape(-1), count
 
 
-def _flat_rows(rows: Rows, arg: str, lead: tuple[int, ...], t: int, d: int) -> Any:
-    """``rows`` with every array checked against its declared layout and flattened (what the
-    native kernel borrows; it reads the fields by name)."""
+def _base(rows: Rows, arg: str) -> Any:
+    """The rows of ``rows`` without a mean (raising for rows the kernel does not read)."""
+    inner = rows.rows if isinstance(rows, CentredRows) else rows
+    if isinstance(inner, CentredRows):
+        raise KvqrsError(f"{arg}.rows: expected rows around one mean, got CentredRows in CentredRows")
+    if not isinstance(inner, (MSERows, UniformRows, DenseRows, ChannelRunRows)):
+        raise KvqrsError(f"{arg}: expected MSERows, UniformRows, DenseRows, ChannelRunRows or CentredRows, got {type(inner).__name__}")
+    return inner
+
+
+def binding_rows(rows: Rows, arg: str, lead: tuple[int, ...], d: int, part: Callable[[Any, str], Any]) -> Any:
+    """``rows`` as the native binding reads them (the typed objects of ``rust/py/src/rows.rs``):
+    each stored array replaced by ``part(array, name)``, ``name`` its part in ``rows.layout``
+    (``codes``, ``qjl.signs``, ``runs[1].scales``): the fused kernel passes the checked flat
+    array, the layer store the part's name in the store, the paged cache the part's place in a
+    page. A ``ChannelRunRows`` basis and a ``CentredRows`` mean go flat float32 with their
+    per-head count (``lead``: the leading shape, ``d``: head_dim).
+
+    Raises:
+        KvqrsError: an unknown row class, nested ``CentredRows``, a basis or mean of another
+            shape or not finite, or what ``part`` raises.
+    """
+    inner = _base(rows, arg)
     if isinstance(rows, CentredRows):
-        if isinstance(rows.rows, CentredRows):
-            raise KvqrsError(f"{arg}.rows: expected rows around one mean, got CentredRows in CentredRows")
         mean, count = per_head_table(rows.mean, f"{arg}.mean", lead, (d,))
-        return _FlatCentred(_flat_rows(rows.rows, arg, lead, t, d), mean, count)
-    try:
-        parts = rows.layout(lead, t, d)
-    except KvqrsError as e:
-        raise KvqrsError(f"{arg}.{e}") from None
+        return _FlatCentred(binding_rows(inner, arg, lead, d, part), mean, count)
     if isinstance(rows, ChannelRunRows):
         basis, count = per_head_table(rows.basis, f"{arg}.basis", lead, (d, d))
         runs = [
-            run._replace(
-                **{k: lay.flat(getattr(run, k), f"{arg}.runs[{i}].{k}", parts[f"runs[{i}].{k}"]) for k in ("codes", "scales", "zeros")}
-            )
+            run._replace(**{k: part(getattr(run, k), f"runs[{i}].{k}") for k in ("codes", "scales", "zeros")})
             for i, run in enumerate(rows.runs)
         ]
         return _FlatRuns(runs, int(rows.group), basis, count)
-    flat = {
-        name: lay.flat(getattr(rows, name) if "." not in name else getattr(rows.qjl, name[4:]), f"{arg}.{name}", part)
-        for name, part in parts.items()
-    }
-    if isinstance(rows, MSERows) and rows.qjl is not None:
-        qjl = rows.qjl._replace(signs=flat.pop("qjl.signs"), norms=flat.pop("qjl.norms"))
-        return rows._replace(qjl=qjl, **flat)
-    return rows._replace(**flat)
+    if isinstance(rows, MSERows):
+        q = rows.qjl
+        qjl = None if q is None else q._replace(signs=part(q.signs, "qjl.signs"), norms=part(q.norms, "qjl.norms"))
+        return rows._replace(codes=part(rows.codes, "codes"), norms=part(rows.norms, "norms"), qjl=qjl)
+    if isinstance(rows, UniformRows):
+        return rows._replace(**{k: part(getattr(rows, k), k) for k in ("codes", "scales", "zeros")})
+    return DenseRows(part(rows.values, "values"))
+
+
+def _flat_rows(rows: Rows, arg: str, lead: tuple[int, ...], t: int, d: int) -> Any:
+    """``rows`` with every array checked against its declared layout and flattened (what the
+    native kernel borrows; it reads the fields by name)."""
+    inner = _base(rows, arg)
+    try:
+        parts = inner.layout(lead, t, d)
+    except KvqrsError as e:
+        raise KvqrsError(f"{arg}.{e}") from None
+    return binding_rows(rows, arg, lead, d, lambda a, name: lay.flat(a, f"{arg}.{name}", parts[name]))
 
 
 class _FlatSide(NamedTuple):
@@ -376,6 +398,27 @@ class _FlatSide(NamedTuple):
     sign: float
     rank: int
     basis_heads: int
+
+
+def binding_side(side: SideRows, lead: tuple[int, ...], d: int, part: Callable[[Any, str], Any]) -> _FlatSide:
+    """HeadQ's ``side`` as the native binding reads it (as :func:`binding_rows`): ``codes`` and
+    ``scales`` replaced by ``part(array, name)``, the basis flat float32 with its rank and count.
+
+    Raises:
+        KvqrsError: not :class:`SideRows`, a basis other than ``(d, rank)`` or ``(kv_heads, d,
+            rank)``, bad bits.
+    """
+    if not isinstance(side, SideRows):
+        raise KvqrsError(f"side: expected SideRows, got {type(side).__name__}")
+    basis = np.asarray(side.basis, dtype=np.float32)
+    if basis.ndim not in (2, 3) or basis.shape[-2] != d or (basis.ndim == 3 and (not lead or lead[-1] != basis.shape[0])):
+        raise KvqrsError(
+            f"side.basis: expected (head_dim={d}, rank) or (kv_heads={lead[-1] if lead else 1}, {d}, rank), got shape {basis.shape}"
+        )
+    bits = check_bits(side.bits, "side.bits")
+    heads = 1 if basis.ndim == 2 else basis.shape[0]
+    flat = np.ascontiguousarray(basis).reshape(-1)
+    return _FlatSide(part(side.codes, "codes"), part(side.scales, "scales"), flat, bits, float(side.sign), basis.shape[-1], heads)
 
 
 def decode_attention(
@@ -438,24 +481,10 @@ def decode_attention(
     vrows = _flat_rows(values, "values", lead, t, d)
     srows = None
     if side is not None:
-        if not isinstance(side, SideRows):
-            raise KvqrsError(f"side: expected SideRows, got {type(side).__name__}")
-        basis = np.asarray(side.basis, dtype=np.float32)
-        if basis.ndim not in (2, 3) or basis.shape[-2] != d or (basis.ndim == 3 and (not lead or lead[-1] != basis.shape[0])):
-            raise KvqrsError(
-                f"side.basis: expected (head_dim={d}, rank) or (kv_heads={lead[-1] if lead else 1}, {d}, rank), got shape {basis.shape}"
-            )
-        qb = check_bits(side.bits, "side.bits")
-        r = basis.shape[-1]
-        parts = lay.side(lead, t, r, qb)
-        srows = _FlatSide(
-            lay.flat(side.codes, "side.codes", parts["codes"]),
-            lay.flat(side.scales, "side.scales", parts["scales"]),
-            np.ascontiguousarray(basis).reshape(-1),
-            qb,
-            float(side.sign),
-            r,
-            1 if basis.ndim == 2 else basis.shape[0],
+        srows = binding_side(side, lead, d, lambda a, name: a)
+        parts = lay.side(lead, t, srows.rank, srows.bits)
+        srows = srows._replace(
+            codes=lay.flat(side.codes, "side.codes", parts["codes"]), scales=lay.flat(side.scales, "side.scales", parts["scales"])
         )
     sc = 1.0 / math.sqrt(d) if scale is None else _scale(scale)
     heads = int(np.prod(lead)) if lead else 1

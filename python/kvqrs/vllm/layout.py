@@ -12,19 +12,19 @@ the block table (:meth:`SlotLayout.attend`). This module needs NumPy only (no vL
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from .. import _native
 from .._arrays import KvqrsError
 from ..hf.config import QuantConfig
+from ..kernels.attention import MSERows, UniformRows, binding_rows
 from ..schemes import KVCodec
 
 PAGED_SCHEMES = ("kv", "kqv", "qkqv", "block")
 """Schemes whose every token has a fixed stored size (KIVI keys group tokens per channel; HeadQ
 needs calibrated bases; A^2 values give each token its own width)."""
-
-_PARTS = ("codes", "norms", "qjl_signs", "qjl_norms", "scales", "zeros")
 
 
 @dataclass(frozen=True)
@@ -87,32 +87,33 @@ class SlotLayout:
         if side is not None:
             raise KvqrsError("kvqrs paged cache: HeadQ side codes are not stored in paged slots")
         self.parts: list[Part] = []
-        self.specs = {}
-        for side_name, enc, rows in (("keys", ck, krows), ("values", cv, vrows)):
-            self.specs[side_name] = self._side(side_name, enc, rows.spec())
+        self.rows = {"keys": self._side("keys", ck, krows), "values": self._side("values", cv, vrows)}
         self.slot_bytes = sum(p.row_bytes for p in self.parts)
 
-    def _side(self, side: str, enc, spec: dict) -> dict:
-        """Append this side's parts; return its layout dict for the Rust entry point (offsets
-        within a slot; :meth:`_page_spec` scales them to a page)."""
-        names = [n for n in _PARTS if isinstance(spec.get(n), np.ndarray)]
-        if spec["kind"] not in ("mse", "uniform_tokens") or set(names) != set(enc.parts):
-            raise KvqrsError(f"kvqrs paged cache: {side} of kind {spec['kind']!r} have no fixed per-token layout")
-        out = {k: spec[k] for k in ("kind", "bits", "seed", "group", "qjl_seed") if k in spec}
-        for n in names:
-            a = np.asarray(enc.parts[n])
+    def _side(self, side: str, enc, rows) -> Any:
+        """Append this side's parts; return its rows for the Rust entry point with each array
+        replaced by ``(offset, row_bytes[, dtype])`` within a slot (:meth:`_page_rows` scales
+        them to a page)."""
+        if not (isinstance(rows, MSERows) or (isinstance(rows, UniformRows) and not rows.per_channel)):
+            raise KvqrsError(f"kvqrs paged cache: {side} as {type(rows).__name__} have no fixed per-token layout")
+        names = {id(a): n for n, a in enc.parts.items()}
+
+        def place(a: Any, name: str) -> tuple:
+            if id(a) not in names:
+                raise KvqrsError(f"kvqrs paged cache: {side}.{name} is not a stored part")
+            arr = np.asarray(a)
             offset = sum(p.row_bytes for p in self.parts)
-            self.parts.append(Part(side, n, offset, a.nbytes, a.dtype, a.shape[2:]))
-            out[n] = (offset, a.nbytes) if a.dtype == np.uint8 else (offset, a.nbytes, a.dtype.name)
+            self.parts.append(Part(side, names[id(a)], offset, arr.nbytes, arr.dtype, arr.shape[2:]))
+            return (offset, arr.nbytes) if arr.dtype == np.uint8 else (offset, arr.nbytes, arr.dtype.name)
+
+        out = binding_rows(rows, side, (), self.head_dim, place)
+        if {p.name for p in self.parts if p.side == side} != set(enc.parts):
+            raise KvqrsError(f"kvqrs paged cache: {side} rows do not read every stored part")
         return out
 
-    def _page_spec(self, side: str, block_size: int) -> dict:
-        """The side's layout dict with each part at its offset in a page of ``block_size`` slots."""
-        spec = dict(self.specs[side])
-        for p in self.parts:
-            if p.side == side:
-                spec[p.name] = (block_size * p.offset, *spec[p.name][1:])
-        return spec
+    def _page_rows(self, side: str, block_size: int) -> Any:
+        """The side's rows with each part at its offset in a page of ``block_size`` slots."""
+        return binding_rows(self.rows[side], side, (), self.head_dim, lambda at, _: (block_size * at[0], *at[1:]))
 
     def bits_per_element(self) -> float:
         """Stored bits per key and value element (every byte of the slot counted)."""
@@ -215,8 +216,8 @@ class SlotLayout:
             n * self.slot_bytes,
             cache.strides[0],
             cache.strides[1],
-            self._page_spec("keys", n),
-            self._page_spec("values", n),
+            self._page_rows("keys", n),
+            self._page_rows("values", n),
             q.reshape(-1),
             q.shape[1],
             self.head_dim,

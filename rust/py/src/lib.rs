@@ -7,6 +7,7 @@ mod errors;
 mod format;
 mod kernels;
 mod paged;
+mod rows;
 mod store;
 
 use pyo3::prelude::*;

@@ -1,6 +1,7 @@
 //! Binding of the paged decode attention kernel: the cache arrives as one flat uint8 array (the
-//! layer's pages, borrowed), each side's slot layout as a dict of `(offset, row_bytes[, dtype])`
-//! tuples (built and checked by `kvqrs.vllm.layout`); the GIL is released for the kernel.
+//! layer's pages, borrowed), each side's layout in a page as its typed row object (`rows.rs`:
+//! `MSERows` or per-token `UniformRows`) with `(offset, row_bytes[, dtype])` tuples in place of
+//! arrays (built and checked by `kvqrs.vllm.layout`); the GIL is released for the kernel.
 
 use kvqrs_core::kernels::paged::{
     paged_decode_attention as core_paged, PagedCache, PagedQjl, PagedQueries, PagedRows, Part,
@@ -8,87 +9,76 @@ use kvqrs_core::kernels::paged::{
 };
 use numpy::{PyArray1, PyReadonlyArray1};
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
 
 use crate::arrays::slice;
 use crate::errors::{arg_error, py_result};
+use crate::rows::{BaseRows, Rows};
 
-fn get<'py, T: FromPyObject<'py>>(d: &Bound<'py, PyDict>, side: &str, key: &str) -> PyResult<T> {
-    match d.get_item(key)? {
-        None => Err(arg_error(format!("{side}.{key}: required"))),
-        Some(v) => v
-            .extract::<T>()
-            .map_err(|e| arg_error(format!("{side}.{key}: {e}"))),
-    }
+/// A part of a slot as `(offset, row_bytes)` in a page.
+type PyPart = (usize, usize);
+/// Stored scalars as `(offset, row_bytes, dtype name)` in a page.
+type PyScalarPart = (usize, usize, String);
+/// One side's rows with each part's place in a page in place of arrays.
+type PagedPyRows<'py> = Rows<'py, PyPart, PyScalarPart, PyPart>;
+
+fn part(&(offset, row_bytes): &PyPart) -> Part {
+    Part { offset, row_bytes }
 }
 
-fn part(d: &Bound<'_, PyDict>, side: &str, key: &str) -> PyResult<Part> {
-    let (offset, row_bytes): (usize, usize) = get(d, side, key)?;
-    Ok(Part { offset, row_bytes })
-}
-
-fn kind(name: &str, side: &str, key: &str) -> PyResult<Scalar> {
-    match name {
-        "float16" => Ok(Scalar::F16),
-        "float32" => Ok(Scalar::F32),
-        other => Err(arg_error(format!(
-            "{side}.{key}: expected stored scalars of dtype 'float16' or 'float32', got {other:?}"
-        ))),
-    }
-}
-
-fn scalar_part(d: &Bound<'_, PyDict>, side: &str, key: &str) -> PyResult<ScalarPart> {
-    let (offset, row_bytes, dtype): (usize, usize, String) = get(d, side, key)?;
+fn scalar_part((offset, row_bytes, dtype): &PyScalarPart, what: &str) -> PyResult<ScalarPart> {
+    let kind = match dtype.as_str() {
+        "float16" => Scalar::F16,
+        "float32" => Scalar::F32,
+        other => {
+            return Err(arg_error(format!(
+                "{what}: expected stored scalars of dtype 'float16' or 'float32', got {other:?}"
+            )))
+        }
+    };
     Ok(ScalarPart {
-        part: Part { offset, row_bytes },
-        kind: kind(&dtype, side, key)?,
+        part: part(&(*offset, *row_bytes)),
+        kind,
     })
 }
 
-fn rows(d: &Bound<'_, PyDict>, side: &str) -> PyResult<PagedRows> {
-    let k: String = get(d, side, "kind")?;
-    let bits: u32 = get(d, side, "bits")?;
-    let seed: Option<u64> = get(d, side, "seed")?;
-    match k.as_str() {
-        "mse" => {
-            let qjl = match d.get_item("qjl_seed")? {
-                Some(s) if !s.is_none() => Some(PagedQjl {
-                    signs: part(d, side, "qjl_signs")?,
-                    norms: scalar_part(d, side, "qjl_norms")?,
-                    seed: s
-                        .extract()
-                        .map_err(|e| arg_error(format!("{side}.qjl_seed: {e}")))?,
+/// The paged kernel reads per-token layouts only: MSE rows and per-token uniform groups.
+fn rows(r: &PagedPyRows<'_>, side: &str) -> PyResult<PagedRows> {
+    let what = |field: &str| format!("{side}.{field}");
+    match r {
+        Rows::Base(BaseRows::Mse(m)) => Ok(PagedRows::Mse {
+            codes: part(&m.codes),
+            norms: scalar_part(&m.norms, &what("norms"))?,
+            bits: m.bits,
+            seed: m.seed,
+            qjl: match &m.qjl {
+                None => None,
+                Some(q) => Some(PagedQjl {
+                    signs: part(&q.signs),
+                    norms: scalar_part(&q.norms, &what("qjl.norms"))?,
+                    seed: q.seed,
                 }),
-                _ => None,
-            };
-            Ok(PagedRows::Mse {
-                codes: part(d, side, "codes")?,
-                norms: scalar_part(d, side, "norms")?,
-                bits,
-                seed,
-                qjl,
-            })
-        }
-        "uniform_tokens" => {
-            let scales = scalar_part(d, side, "scales")?;
-            let zeros = scalar_part(d, side, "zeros")?;
+            },
+        }),
+        Rows::Base(BaseRows::Uniform(u)) if !u.per_channel => {
+            let scales = scalar_part(&u.scales, &what("scales"))?;
+            let zeros = scalar_part(&u.zeros, &what("zeros"))?;
             if scales.kind != zeros.kind {
                 return Err(arg_error(format!(
                     "{side}.zeros: expected the scales' dtype"
                 )));
             }
             Ok(PagedRows::UniformTokens {
-                codes: part(d, side, "codes")?,
+                codes: part(&u.codes),
                 scales: scales.part,
                 zeros: zeros.part,
                 kind: scales.kind,
-                bits,
-                group: get(d, side, "group")?,
-                seed,
+                bits: u.bits,
+                group: u.group,
+                seed: u.seed,
             })
         }
-        other => Err(arg_error(format!(
-            "{side}.kind: expected 'mse' or 'uniform_tokens' (per-token layouts), got {other:?}"
+        _ => Err(arg_error(format!(
+            "{side}: expected MSERows or per-token UniformRows (per-token layouts)"
         ))),
     }
 }
@@ -106,8 +96,8 @@ pub fn paged_decode_attention<'py>(
     page_bytes: usize,
     block_stride: usize,
     head_stride: usize,
-    keys: &Bound<'py, PyDict>,
-    values: &Bound<'py, PyDict>,
+    keys: PagedPyRows<'py>,
+    values: PagedPyRows<'py>,
     q: PyReadonlyArray1<'py, f32>,
     q_heads: usize,
     head_dim: usize,
@@ -117,7 +107,7 @@ pub fn paged_decode_attention<'py>(
     block_table: PyReadonlyArray1<'py, i32>,
     table_width: usize,
 ) -> PyResult<Bound<'py, PyArray1<f32>>> {
-    let (kr, vr) = (rows(keys, "keys")?, rows(values, "values")?);
+    let (kr, vr) = (rows(&keys, "keys")?, rows(&values, "values")?);
     let c = PagedCache {
         data: slice(&cache, "cache")?,
         blocks,

@@ -9,10 +9,11 @@ use kvqrs_core::kernels::attention::Layout;
 use kvqrs_core::store::{ChunkPart, LayerStore, PartSpec};
 use numpy::{PyArray1, PyReadonlyArray1};
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict};
+use pyo3::types::PyBytes;
 
 use crate::arrays::slice;
 use crate::errors::{arg_error, py_result};
+use crate::rows::{read, BaseRows, ChannelRun, Rows, SideRows, F32};
 
 /// `(name, dtype code, widen, outer axes, inner axes, num, den)`: one declared part.
 type PySpec = (String, u8, bool, Vec<usize>, Vec<usize>, usize, usize);
@@ -43,7 +44,7 @@ fn specs(parts: Vec<PySpec>) -> PyResult<Vec<PartSpec>> {
 }
 
 /// The rows a decode step reads: keys, values and the HeadQ side code.
-struct Rows {
+struct Declared {
     keys: RowSpec,
     values: RowSpec,
     side: Option<SideSpec>,
@@ -53,105 +54,103 @@ struct Rows {
 #[pyclass(module = "kvqrs._native", name = "LayerStore")]
 pub struct PyLayerStore {
     inner: LayerStore,
-    rows: Option<Rows>,
+    rows: Option<Declared>,
 }
 
-fn get<'py, T: FromPyObject<'py>>(d: &Bound<'py, PyDict>, key: &str, what: &str) -> PyResult<T> {
-    d.get_item(key)?
-        .ok_or_else(|| arg_error(format!("{what}: missing field {key:?}")))?
-        .extract()
-        .map_err(|e| arg_error(format!("{what}.{key}: {e}")))
-}
+/// One side of the cache with part names in place of arrays.
+type NamedRows<'py> = Rows<'py, String, String, String>;
+type NamedBase<'py> = BaseRows<'py, String, String, String>;
 
-/// A flat float32 field (a basis or a mean) as an owned copy (the store keeps it).
-fn floats(d: &Bound<'_, PyDict>, key: &str, what: &str) -> PyResult<Vec<f32>> {
-    let a: PyReadonlyArray1<'_, f32> = get(d, key, what)?;
-    Ok(slice(&a, &format!("{what}.{key}"))?.to_vec())
+/// A flat float32 basis or mean as an owned copy (the store keeps it).
+fn floats(a: &F32<'_>, what: &str) -> PyResult<Vec<f32>> {
+    Ok(slice(a, what)?.to_vec())
 }
 
 impl PyLayerStore {
-    fn part_index(&self, d: &Bound<'_, PyDict>, key: &str, what: &str) -> PyResult<usize> {
-        let name: String = get(d, key, what)?;
+    fn part_index(&self, name: &str, what: &str) -> PyResult<usize> {
         self.inner
-            .index(&name)
-            .ok_or_else(|| arg_error(format!("{what}.{key}: no part named {name:?} in the store")))
+            .index(name)
+            .ok_or_else(|| arg_error(format!("{what}: no part named {name:?} in the store")))
     }
 
-    fn row_spec(&self, d: &Bound<'_, PyDict>, what: &str) -> PyResult<RowSpec> {
-        let kind: String = get(d, "kind", what)?;
-        let idx = |key: &str| self.part_index(d, key, what);
-        Ok(match kind.as_str() {
-            "mse" => RowSpec::Mse {
-                codes: idx("codes")?,
-                norms: idx("norms")?,
-                bits: get(d, "bits", what)?,
-                seed: get(d, "seed", what)?,
-                qjl: if d.contains("qjl_signs")? {
-                    Some((idx("qjl_signs")?, idx("qjl_norms")?, get(d, "qjl_seed", what)?))
-                } else {
-                    None
+    fn row_spec(&self, rows: &NamedRows<'_>, what: &str) -> PyResult<RowSpec> {
+        match rows {
+            Rows::Base(b) => self.base_spec(b, what),
+            Rows::Centred(c) => Ok(RowSpec::Centred {
+                rows: Box::new(self.base_spec(&c.rows, &format!("{what}.rows"))?),
+                mean: floats(&c.mean, &format!("{what}.mean"))?,
+                mean_heads: c.mean_heads,
+            }),
+        }
+    }
+
+    fn base_spec(&self, rows: &NamedBase<'_>, what: &str) -> PyResult<RowSpec> {
+        let idx = |name: &str, field: &str| self.part_index(name, &format!("{what}.{field}"));
+        Ok(match rows {
+            BaseRows::Mse(m) => RowSpec::Mse {
+                codes: idx(&m.codes, "codes")?,
+                norms: idx(&m.norms, "norms")?,
+                bits: m.bits,
+                seed: m.seed,
+                qjl: match &m.qjl {
+                    None => None,
+                    Some(q) => Some((
+                        idx(&q.signs, "qjl.signs")?,
+                        idx(&q.norms, "qjl.norms")?,
+                        q.seed,
+                    )),
                 },
             },
-            "uniform_tokens" => RowSpec::UniformTokens {
-                codes: idx("codes")?,
-                scales: idx("scales")?,
-                zeros: idx("zeros")?,
-                bits: get(d, "bits", what)?,
-                group: get(d, "group", what)?,
-                seed: get(d, "seed", what)?,
+            BaseRows::Uniform(u) if u.per_channel => RowSpec::UniformChannels {
+                codes: idx(&u.codes, "codes")?,
+                scales: idx(&u.scales, "scales")?,
+                zeros: idx(&u.zeros, "zeros")?,
+                bits: u.bits,
+                group: u.group,
             },
-            "uniform_channels" => RowSpec::UniformChannels {
-                codes: idx("codes")?,
-                scales: idx("scales")?,
-                zeros: idx("zeros")?,
-                bits: get(d, "bits", what)?,
-                group: get(d, "group", what)?,
+            BaseRows::Uniform(u) => RowSpec::UniformTokens {
+                codes: idx(&u.codes, "codes")?,
+                scales: idx(&u.scales, "scales")?,
+                zeros: idx(&u.zeros, "zeros")?,
+                bits: u.bits,
+                group: u.group,
+                seed: u.seed,
             },
-            "dense" => RowSpec::Dense {
-                values: idx("values")?,
+            BaseRows::Dense(x) => RowSpec::Dense {
+                values: idx(&x.values, "values")?,
             },
-            "channel_runs" => {
-                let runs: Vec<Bound<'_, PyDict>> = get(d, "runs", what)?;
-                RowSpec::ChannelRuns {
-                    runs: (runs.iter().enumerate())
-                        .map(|(i, r)| self.run_spec(r, &format!("{what}.runs[{i}]")))
-                        .collect::<PyResult<_>>()?,
-                    group: get(d, "group", what)?,
-                    basis: floats(d, "basis", what)?,
-                    basis_heads: get(d, "basis_heads", what)?,
-                }
-            }
-            "centred" => {
-                let inner: Bound<'_, PyDict> = get(d, "rows", what)?;
-                let rows = self.row_spec(&inner, &format!("{what}.rows"))?;
-                if matches!(rows, RowSpec::Centred { .. }) {
-                    return Err(arg_error(format!(
-                        "{what}.rows: expected rows around one mean, got centred rows in centred rows"
-                    )));
-                }
-                RowSpec::Centred {
-                    rows: Box::new(rows),
-                    mean: floats(d, "mean", what)?,
-                    mean_heads: get(d, "mean_heads", what)?,
-                }
-            }
-            other => {
-                return Err(arg_error(format!(
-                    "{what}.kind: expected mse, uniform_tokens, uniform_channels, dense, channel_runs or centred, got {other:?}"
-                )))
-            }
+            BaseRows::Runs(r) => RowSpec::ChannelRuns {
+                runs: (r.runs.iter().enumerate())
+                    .map(|(i, run)| self.run_spec(run, &format!("{what}.runs[{i}]")))
+                    .collect::<PyResult<_>>()?,
+                group: r.group,
+                basis: floats(&r.basis, &format!("{what}.basis"))?,
+                basis_heads: r.basis_heads,
+            },
         })
     }
 
-    /// One run of `channel_runs` rows: its parts by name, bits and basis columns.
-    fn run_spec(&self, d: &Bound<'_, PyDict>, what: &str) -> PyResult<RunSpec> {
+    /// One run of `ChannelRunRows`: its parts by name, bits and basis columns.
+    fn run_spec(&self, run: &ChannelRun<String, String>, what: &str) -> PyResult<RunSpec> {
         Ok(RunSpec {
-            codes: self.part_index(d, "codes", what)?,
-            scales: self.part_index(d, "scales", what)?,
-            zeros: self.part_index(d, "zeros", what)?,
-            bits: get(d, "bits", what)?,
-            start: get(d, "start", what)?,
-            stop: get(d, "stop", what)?,
+            codes: self.part_index(&run.codes, &format!("{what}.codes"))?,
+            scales: self.part_index(&run.scales, &format!("{what}.scales"))?,
+            zeros: self.part_index(&run.zeros, &format!("{what}.zeros"))?,
+            bits: run.bits,
+            start: run.start,
+            stop: run.stop,
+        })
+    }
+
+    fn side_spec(&self, s: &SideRows<'_, String, String>) -> PyResult<SideSpec> {
+        Ok(SideSpec {
+            codes: self.part_index(&s.codes, "side.codes")?,
+            scales: self.part_index(&s.scales, "side.scales")?,
+            basis: floats(&s.basis, "side.basis")?,
+            basis_heads: s.basis_heads,
+            rank: s.rank,
+            bits: s.bits,
+            sign: s.sign,
         })
     }
 }
@@ -288,19 +287,18 @@ impl PyLayerStore {
         })
     }
 
-    /// Declares the rows a decode step reads: `keys` and `values` are the `spec()` dicts of
-    /// the row objects with part names in place of arrays (`channel_runs` with a flat float32
-    /// `basis` and its `basis_heads`, `centred` with a flat float32 `mean` and its
-    /// `mean_heads`); `side` HeadQ's, with its basis.
+    /// Declares the rows a decode step reads: `keys` and `values` are the typed row objects
+    /// of `kvqrs.kernels.attention` as the binding reads them (`rows.rs`) with part names in
+    /// place of arrays; `side` HeadQ's, likewise.
     #[pyo3(signature = (keys, values, side=None))]
     fn set_rows(
         &mut self,
-        keys: &Bound<'_, PyDict>,
-        values: &Bound<'_, PyDict>,
-        side: Option<&Bound<'_, PyDict>>,
+        keys: NamedRows<'_>,
+        values: NamedRows<'_>,
+        side: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
-        let k = self.row_spec(keys, "keys")?;
-        let v = self.row_spec(values, "values")?;
+        let k = self.row_spec(&keys, "keys")?;
+        let v = self.row_spec(&values, "values")?;
         if matches!(v, RowSpec::UniformChannels { .. }) {
             return Err(arg_error(
                 "values: per-channel uniform groups are a key layout".into(),
@@ -308,17 +306,9 @@ impl PyLayerStore {
         }
         let s = match side {
             None => None,
-            Some(d) => Some(SideSpec {
-                codes: self.part_index(d, "codes", "side")?,
-                scales: self.part_index(d, "scales", "side")?,
-                basis: floats(d, "basis", "side")?,
-                basis_heads: get(d, "basis_heads", "side")?,
-                rank: get(d, "rank", "side")?,
-                bits: get(d, "bits", "side")?,
-                sign: get(d, "sign", "side")?,
-            }),
+            Some(obj) => Some(self.side_spec(&read(obj, "SideRows")?)?),
         };
-        self.rows = Some(Rows {
+        self.rows = Some(Declared {
             keys: k,
             values: v,
             side: s,
