@@ -30,6 +30,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(kernels::mse_decode, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::mse_encode_packed, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::mse_decode_packed, m)?)?;
+    m.add_function(wrap_pyfunction!(kernels::mse_qjl_encode_packed, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::qjl_sketch, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::qjl_inner_product, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::qjl_vector_estimate, m)?)?;
