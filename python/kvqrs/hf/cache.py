@@ -28,7 +28,6 @@ the store's buffers (:meth:`~kvqrs.hf.store.CodeStore.attend`, the GIL released)
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import os
 import weakref
@@ -259,7 +258,7 @@ class QuantizedLayer(CacheLayerMixin):
         self.seen += key_states.shape[-2]
         self._absorb_sinks()
         fresh = self._flush()
-        self._view = dataclasses.replace(self.view(view_start), first_query=self.seen - key_states.shape[-2], **fresh)
+        self._view = self.view(view_start, first_query=self.seen - key_states.shape[-2], **fresh)
         if not self.record_past and self.is_sliding:
             self._view.snapshot()  # the codes this forward reads, before the oldest are dropped
             self._evict()
@@ -334,12 +333,14 @@ class QuantizedLayer(CacheLayerMixin):
             return {}
         codec = self.codec()
         k, v = _tokens(self.keys, 0, n), _tokens(self.values, 0, n)
-        # Appended along the token axis of every part of the store (amortised O(1) per token).
-        ck = codec.encode_keys(to_numpy(k, "keys"))
-        cv = v if codec.values is None else codec.encode_values(to_numpy(v, "values"))
         if self.store is None:
             self.store = CodeStore(codec, k.shape[0], k.shape[1], self.head_dim, self.dtype)
-        self.store.append(ck, cv)
+        # Appended along the token axis of every part of the store (amortised O(1) per token):
+        # encoded natively in one call where the codec has a native encoder, else in Python.
+        if not self.store.encode_append(k, v):
+            ck = codec.encode_keys(to_numpy(k, "keys"))
+            cv = v if codec.values is None else codec.encode_values(to_numpy(v, "values"))
+            self.store.append(ck, cv)
         if self.record_past:
             self.pending_k = k if self.pending_k is None else torch.cat([self.pending_k, k], dim=-2)
             self.pending_v = v if self.pending_v is None else torch.cat([self.pending_v, v], dim=-2)
@@ -438,8 +439,9 @@ class QuantizedLayer(CacheLayerMixin):
         self._view = None
 
     # -- reading --------------------------------------------------------------------------------
-    def view(self, start: int | None = None) -> _View:
-        """The held tokens from position ``start`` on (default: all of them)."""
+    def view(self, start: int | None = None, **forward: Any) -> _View:
+        """The held tokens from position ``start`` on (default: all of them); ``forward``: the
+        forward's ``first_query`` and flushed originals ``fresh_k``, ``fresh_v`` (see :class:`_View`)."""
         start = self.start if start is None else start
         ns = self.sink_k.shape[-2]
         s_off = min(ns, max(0, start - self.start))
@@ -454,6 +456,7 @@ class QuantizedLayer(CacheLayerMixin):
             self.q_start,
             _tokens(self.keys, w_off),
             _tokens(self.values, w_off),
+            **forward,
         )
 
     def materialize(self, view: _View | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -627,7 +630,7 @@ class QuantizedLayer(CacheLayerMixin):
         if self.awaits_calibration:  # the prefill: fit on its queries, then code what the schedule codes
             self._fit_on_prefill(query)
             fresh = self._flush()
-            view = dataclasses.replace(self.view(view.start), first_query=view.first_query, **fresh)
+            view = self.view(view.start, first_query=view.first_query, **fresh)
             key, value = self.materialize(view)
         if self._fused:
             if self._codes_visible(view, attention_mask, query.shape[-2]):

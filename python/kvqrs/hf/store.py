@@ -28,6 +28,8 @@ from .. import _native
 from .._arrays import KvqrsError
 from ..kernels.attention import DenseRows, per_head_table
 from ..schemes import Encoded
+from ..schemes.backend import CPU
+from ..schemes.mse import MSECoder, MSEQJLCoder
 
 _NP_CODES = {np.dtype(np.uint8): 0, np.dtype(np.float16): 1, np.dtype(np.float32): 2, np.dtype(np.float64): 3}
 _NP_DTYPES = {v: k for k, v in _NP_CODES.items()}
@@ -70,6 +72,24 @@ def _as_part(a: Any) -> tuple[int, list[int], np.ndarray]:
     return _NP_CODES[arr.dtype], list(arr.shape), arr.reshape(-1).view(np.uint8)
 
 
+def _native_encoder(coder: Any) -> dict[str, Any] | None:
+    """The native encoder (``LayerStore.set_encoders``) that gives a coder's bytes, or None:
+    the Rust path of ``kv`` / ``kqv`` keys and values (MSE) and of ``kqv`` values and ``qkqv``
+    (MSE + QJL sketch); other schemes and backends encode in Python."""
+    if getattr(coder, "k", None) is not CPU:
+        return None
+    if type(coder) is MSECoder:
+        return {"kind": "mse", "head_dim": coder.head_dim, "bits": coder.bits, "seed": coder.seed}
+    if type(coder) is MSEQJLCoder:
+        return {"kind": "mse_qjl", "head_dim": coder.head_dim, "bits": coder.bits, "seed": coder.seed, "qjl_seed": coder.qjl_seed}
+    return None
+
+
+def _flat_f32(t: torch.Tensor) -> np.ndarray:
+    """A tensor as flat float32 C-order NumPy (a view when it already is one)."""
+    return t.detach().to(torch.float32).contiguous().reshape(-1).numpy()
+
+
 def _from_part(code: int, shape: list[int], raw: np.ndarray, torch_out: bool = False):
     if torch_out:
         return torch.from_numpy(raw).view(_TORCH_DTYPES[code]).reshape(shape)
@@ -96,6 +116,7 @@ class CodeStore:
         self._templates: dict[str, Encoded] = {}
         self._names: list[str] = self._native.names()
         self._attends: bool | None = None
+        self._encodes: bool | None = None
         self._order = {n: i for i, n in enumerate(self._names)}
 
     @staticmethod
@@ -148,6 +169,26 @@ class CodeStore:
         for n, c in zip(names, chunk):
             ordered[self._order[n]] = c
         self._native.append(ordered, int(ck.shape[-2]))
+
+    def encode_append(self, k: torch.Tensor, v: torch.Tensor) -> bool:
+        """Encode keys ``k`` and values ``v`` ``(batch, kv_heads, tokens, head_dim)`` (any
+        float dtype, as float32) and append their codes in one native call: the bytes
+        :meth:`append` stores for ``codec.encode_keys(k)``, ``codec.encode_values(v)``.
+        Returns False, nothing stored, when the codec has no native encoder (see
+        :func:`_native_encoder`) or the native encode refuses the tokens (a norm beyond
+        float32): the caller then takes the Python path, whose error names the token."""
+        if self._encodes is None:
+            sides = [_native_encoder(self.codec._key_coder()), None if self.key_only else _native_encoder(self.codec.values)]
+            self._encodes = None not in sides
+            if self._encodes:
+                self._native.set_encoders(*sides)
+        if not self._encodes:
+            return False
+        try:
+            self._native.encode_append(_flat_f32(k), _flat_f32(v), int(k.shape[-2]))
+        except KvqrsError:
+            return False
+        return True
 
     def keep(self, lo: int, hi: int) -> None:
         """Keep tokens ``lo .. hi - 1`` (raises unless every part can be cut there)."""

@@ -6,6 +6,7 @@
 
 pub mod alloc;
 pub mod decode_step;
+pub mod encoders;
 pub mod error;
 pub mod format;
 pub mod kernels;

@@ -4,8 +4,11 @@
 //! too); parts leave the same way. The GIL is released for every copy and for the step.
 
 use kvqrs_core::decode_step::{attend, RowSpec, RunSpec, SideSpec, Step};
+use kvqrs_core::encoders::SideEncoder;
 use kvqrs_core::format::{Dtype, Section};
 use kvqrs_core::kernels::attention::Layout;
+use kvqrs_core::kernels::mse::MseQuantizer;
+use kvqrs_core::kernels::mse_qjl::MseQjlEncoder;
 use kvqrs_core::store::{ChunkPart, LayerStore, PartSpec};
 use numpy::{PyArray1, PyReadonlyArray1};
 use pyo3::prelude::*;
@@ -54,6 +57,8 @@ struct Rows {
 pub struct PyLayerStore {
     inner: LayerStore,
     rows: Option<Rows>,
+    /// The native encoders of keys and values (`set_encoders`), for `encode_append`.
+    encoders: Option<(SideEncoder, SideEncoder)>,
 }
 
 fn get<'py, T: FromPyObject<'py>>(d: &Bound<'py, PyDict>, key: &str, what: &str) -> PyResult<T> {
@@ -67,6 +72,31 @@ fn get<'py, T: FromPyObject<'py>>(d: &Bound<'py, PyDict>, key: &str, what: &str)
 fn floats(d: &Bound<'_, PyDict>, key: &str, what: &str) -> PyResult<Vec<f32>> {
     let a: PyReadonlyArray1<'_, f32> = get(d, key, what)?;
     Ok(slice(&a, &format!("{what}.{key}"))?.to_vec())
+}
+
+/// A side's encoder from its dict: `{"kind": "mse", "head_dim", "bits", "seed" (None: no
+/// rotation)}` or `{"kind": "mse_qjl", "head_dim", "bits", "seed", "qjl_seed"}`.
+fn side_encoder(d: &Bound<'_, PyDict>, what: &str) -> PyResult<SideEncoder> {
+    let kind: String = get(d, "kind", what)?;
+    let (head_dim, bits): (usize, u32) = (get(d, "head_dim", what)?, get(d, "bits", what)?);
+    Ok(match kind.as_str() {
+        "mse" => SideEncoder::Mse(py_result(MseQuantizer::new(
+            head_dim,
+            bits,
+            get(d, "seed", what)?,
+        ))?),
+        "mse_qjl" => SideEncoder::MseQjl(py_result(MseQjlEncoder::new(
+            head_dim,
+            bits,
+            get(d, "seed", what)?,
+            get(d, "qjl_seed", what)?,
+        ))?),
+        other => {
+            return Err(arg_error(format!(
+                "{what}.kind: expected 'mse' or 'mse_qjl', got {other:?}"
+            )))
+        }
+    })
 }
 
 impl PyLayerStore {
@@ -164,6 +194,7 @@ impl PyLayerStore {
         Ok(Self {
             inner: py_result(LayerStore::new(specs(parts)?))?,
             rows: None,
+            encoders: None,
         })
     }
 
@@ -285,6 +316,7 @@ impl PyLayerStore {
                 tokens,
             ))?,
             rows: None,
+            encoders: None,
         })
     }
 
@@ -324,6 +356,42 @@ impl PyLayerStore {
             side: s,
         });
         Ok(())
+    }
+
+    /// Declares the native encoders of keys and values for `encode_append` (dicts as
+    /// `side_encoder` reads them).
+    fn set_encoders(
+        &mut self,
+        keys: &Bound<'_, PyDict>,
+        values: &Bound<'_, PyDict>,
+    ) -> PyResult<()> {
+        self.encoders = Some((side_encoder(keys, "keys")?, side_encoder(values, "values")?));
+        Ok(())
+    }
+
+    /// Whether `set_encoders` has declared the encoders.
+    #[getter]
+    fn has_encoders(&self) -> bool {
+        self.encoders.is_some()
+    }
+
+    /// Encodes `tokens` new tokens, keys `k` and values `v` (batch x kv_heads x tokens x
+    /// head_dim float32, flat, C order), with the declared encoders and appends their codes.
+    /// Raises (nothing stored) without encoders, on non-finite rows, a norm beyond float32, or
+    /// parts that do not match the store's.
+    fn encode_append(
+        &mut self,
+        py: Python<'_>,
+        k: PyReadonlyArray1<'_, f32>,
+        v: PyReadonlyArray1<'_, f32>,
+        tokens: usize,
+    ) -> PyResult<()> {
+        let (ks, vs) = (slice(&k, "k")?, slice(&v, "v")?);
+        let (inner, encoders) = (&mut self.inner, &self.encoders);
+        let (ke, ve) = encoders
+            .as_ref()
+            .ok_or_else(|| arg_error("encoders: call set_encoders first".into()))?;
+        py_result(py.allow_threads(|| inner.encode_append((ke, ks), (ve, vs), tokens)))
     }
 
     /// Whether `set_rows` has declared the rows.
