@@ -128,8 +128,8 @@ NATIVE_ENCODED = ("kv", "kqv", "qkqv")
 @given(data=st.data())
 def test_encode_append_stores_the_bytes_of_the_codecs_encodes(name, data):
     """``CodeStore.encode_append`` (one native call) stores the bytes of ``append`` of the
-    codec's encodes of the same float32 tokens, chunk after chunk: float16 / bfloat16 and
-    strided windows, norms widened past float16 included. Configs without a native encoder on
+    codec's encodes of the same float32 tokens, chunk after chunk: the first tokens of float16 /
+    bfloat16 and strided windows, norms widened past float16 included. Configs without a native encoder on
     both sides store nothing and return False (their caller encodes in Python)."""
     cfg = CONFIGS[name]
     codec = cfg.codec(0, D)
@@ -138,13 +138,14 @@ def test_encode_append_stores_the_bytes_of_the_codecs_encodes(name, data):
     for i in range(data.draw(st.integers(1, 4), "chunks")):
         n = cfg.chunk * data.draw(st.integers(1, 3), f"tokens {i}")
         scale = data.draw(st.sampled_from([1.0, 1e3 if dtype == torch.float16 else 1e6]), f"scale {i}")
-        k, v = (torch.from_numpy(_x(2, 3, 2 * n, 2 * i + j, scale)).to(dtype)[..., ::2, :] for j in (0, 1))
-        done = native.encode_append(k, v)
+        w = n + data.draw(st.integers(0, 3), f"window {i}")  # a window holding more tokens than flushed
+        k, v = (torch.from_numpy(_x(2, 3, 2 * w, 2 * i + j, scale)).to(dtype)[..., ::2, :] for j in (0, 1))
+        done = native.encode_append(k, v, n)
         assert done == (name in NATIVE_ENCODED)
         if not done:
             assert native.tokens == 0
             return
-        ref.append(*_encode(codec, k.float().numpy(), v.float().numpy()))
+        ref.append(*_encode(codec, k[..., :n, :].float().numpy(), v[..., :n, :].float().numpy()))
     _same(native.keys(), ref.keys())
     _same(native.values(), ref.values())
 

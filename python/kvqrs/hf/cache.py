@@ -28,6 +28,7 @@ the store's buffers (:meth:`~kvqrs.hf.store.CodeStore.attend`, the GIL released)
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import weakref
@@ -38,6 +39,7 @@ import numpy as np
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from .. import _native
 from .._arrays import KvqrsError
 from ..kernels.attention import DenseRows
 from ..schemes import Encoded
@@ -52,13 +54,67 @@ FUSED_MAX_QUERY = 4
 
 
 def _tokens(t: torch.Tensor, lo: int, hi: int | None = None) -> torch.Tensor:
-    """Tokens ``lo .. hi - 1`` of a ``(batch, heads, tokens, d)`` tensor (``t`` itself for all of them)."""
-    return t if lo == 0 and hi is None else t[..., lo:hi, :]
+    """Tokens ``lo .. hi - 1`` of a ``(batch, heads, tokens, d)`` tensor (``t`` itself for all
+    of them; ``lo``, ``hi`` >= 0, clamped to the tokens as a slice is). A view by ``narrow``,
+    which costs a decode step less than half of indexing."""
+    if lo == 0 and hi is None:
+        return t
+    n = t.shape[-2]
+    hi = n if hi is None else min(hi, n)
+    lo = min(lo, hi)
+    return t.narrow(-2, lo, hi - lo)
 
 
 def _join(head: torch.Tensor, tail: torch.Tensor) -> torch.Tensor:
     """``head`` then ``tail`` along the tokens (no copy when ``head`` is empty)."""
     return tail if not head.shape[-2] else torch.cat([head, tail], dim=-2)
+
+
+@dataclass
+class _Window:
+    """A layer's full-precision window in preallocated float32 CPU buffers ``keys`` /
+    ``values`` ``(batch, kv_heads, cap, d)``: tokens ``lo .. hi - 1`` of each row are the
+    window, and the layer's ``keys`` / ``values`` are views of that span (``k_view`` /
+    ``v_view``, the tensors it last set). New tokens are written in place at ``hi`` by one
+    native call that also checks them finite, so a decode step copies its tokens, not the
+    window. Tokens below ``hi`` are never written again (a view handed out stays valid): the
+    window moves on to a fresh buffer when the room runs out, or when the layer set its window
+    any other way (a crop, a batch selection, a load)."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    lo: int
+    hi: int
+    # Flat NumPy views of the buffers, written by the native append.
+    flat_k: np.ndarray = dataclasses.field(init=False)
+    flat_v: np.ndarray = dataclasses.field(init=False)
+    k_view: torch.Tensor | None = None
+    v_view: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        self.flat_k, self.flat_v = self.keys.numpy().reshape(-1), self.values.numpy().reshape(-1)
+
+    @property
+    def cap(self) -> int:
+        return self.keys.shape[-2]
+
+    @classmethod
+    def holding(cls, keys: torch.Tensor, values: torch.Tensor, room: int) -> _Window:
+        """A buffer holding a copy of the window ``keys``, ``values`` and room for twice its
+        tokens plus ``room`` more (a sliding window moves on to a fresh buffer every ~window
+        tokens: O(1) copied per token)."""
+        held = keys.shape[-2]
+        cap = 2 * (held + room) + 16
+        kb = keys.new_empty((*keys.shape[:2], cap, keys.shape[-1]))
+        vb = values.new_empty((*values.shape[:2], cap, values.shape[-1]))
+        kb[:, :, :held].copy_(keys)
+        vb[:, :, :held].copy_(values)
+        return cls(kb, vb, 0, held)
+
+
+def _plain_f32(*ts: torch.Tensor) -> bool:
+    """Whether every tensor is float32 on the CPU outside autograd (what the window buffer holds)."""
+    return all(t.dtype is torch.float32 and t.device.type == "cpu" and not t.requires_grad for t in ts)
 
 
 @dataclass(frozen=True)
@@ -83,10 +139,21 @@ class _View:
     window_v: torch.Tensor
     # The forward's first query position, and the full-precision originals of the codes it
     # flushed (the newest code tokens): query t reads them quantized only from the step that
-    # quantizes them (QuantConfig.quantized_span(t + 1)), as one token at a time would.
+    # quantizes them (QuantConfig.quantized_span(t + 1)), as one token at a time would. They
+    # are the first tokens of the window before the flush: ``flushed`` holds it and their
+    # count, and ``fresh_k`` / ``fresh_v`` cut them only when a path reads them.
     first_query: int = 0
-    fresh_k: torch.Tensor | None = None
-    fresh_v: torch.Tensor | None = None
+    flushed: tuple[torch.Tensor, torch.Tensor, int] | None = None
+
+    @functools.cached_property
+    def fresh_k(self) -> torch.Tensor | None:
+        """The originals of the keys this forward flushed, None when it flushed none."""
+        return None if self.flushed is None else _tokens(self.flushed[0], 0, self.flushed[2])
+
+    @functools.cached_property
+    def fresh_v(self) -> torch.Tensor | None:
+        """The originals of the values this forward flushed, None when it flushed none."""
+        return None if self.flushed is None else _tokens(self.flushed[1], 0, self.flushed[2])
 
     @functools.cached_property
     def codes_k(self) -> Encoded | None:
@@ -166,6 +233,7 @@ class QuantizedLayer(CacheLayerMixin):
         self.seen = self.start = self.q_start = 0
         self.sink_k = self.sink_v = self.pending_k = self.pending_v = None
         self._view: _View | None = None
+        self._window: _Window | None = None
         # A weak reference: recognising this layer's forward must not keep the decoded keys alive.
         self._returned: weakref.ref | None = None
         # Set once the kvqrs attention function has served this layer: only then may update()
@@ -253,8 +321,7 @@ class QuantizedLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         view_start = self._view_start(self.seen)
-        self.keys = torch.cat([self.keys, key_states], dim=-2)
-        self.values = torch.cat([self.values, value_states], dim=-2)
+        self._append(key_states, value_states)
         self.seen += key_states.shape[-2]
         self._absorb_sinks()
         fresh = self._flush()
@@ -291,7 +358,7 @@ class QuantizedLayer(CacheLayerMixin):
         view = self._view
         if not (self._attended and view.coded and not view.skip and new_tokens <= FUSED_MAX_QUERY and self.dtype != torch.float64):
             return False
-        if view.fresh_k is not None and self.config.quantized_span(view.first_query + 1)[1] < self.window_start:
+        if view.flushed is not None and self.config.quantized_span(view.first_query + 1)[1] < self.window_start:
             return False  # an early query still reads some new codes in full precision
         return self.codec().has_fused_path()
 
@@ -315,6 +382,48 @@ class QuantizedLayer(CacheLayerMixin):
         return sink + (lo - sink) // self.config.chunk * self.config.chunk
 
     # -- state changes ----------------------------------------------------------------------------
+    def _append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Append new tokens to the window, refusing a NaN or infinity (named by its index)
+        before anything is stored: written in place into the window's buffer (:class:`_Window`)
+        where the layer is float32 on the CPU, else joined to the window."""
+        n = key_states.shape[-2]
+        win = self._buffer(n) if _plain_f32(key_states, value_states, self.keys, self.values) else None
+        if win is not None and _native.window_append(win.flat_k, win.flat_v, win.cap, win.hi, key_states.numpy(), value_states.numpy()):
+            win.hi += n
+            self._show(win)
+            return
+        check_finite(key_states, "key_states")  # names the culprit (the native check only finds one)
+        check_finite(value_states, "value_states")
+        self.keys = torch.cat([self.keys, key_states], dim=-2)
+        self.values = torch.cat([self.values, value_states], dim=-2)
+
+    def _buffer(self, n: int) -> _Window:
+        """The window's buffer with room for ``n`` more tokens: the current one while the
+        layer's window is still its view and it is not mostly spare room (a long prompt's
+        buffer, once the prompt is flushed), else a fresh one holding a copy of the window."""
+        win = self._window
+        if win is None or self.keys is not win.k_view or self.values is not win.v_view:
+            win = None
+        elif win.hi + n > win.cap or win.cap > 4 * (win.hi - win.lo + n) + 64:
+            win = None
+        if win is None:
+            win = self._window = _Window.holding(self.keys, self.values, n)
+        return win
+
+    def _show(self, win: _Window) -> None:
+        """Set the layer's window to the buffer's span."""
+        self.keys, self.values = win.keys.narrow(2, win.lo, win.hi - win.lo), win.values.narrow(2, win.lo, win.hi - win.lo)
+        win.k_view, win.v_view = self.keys, self.values
+
+    def _drop_window(self, n: int) -> None:
+        """Drop the window's oldest ``n`` tokens (a view: nothing is copied)."""
+        win = self._window
+        if win is not None and self.keys is win.k_view and self.values is win.v_view:
+            win.lo += n
+            self._show(win)
+        else:
+            self.keys, self.values = _tokens(self.keys, n), _tokens(self.values, n)
+
     def _absorb_sinks(self) -> None:
         """Move window tokens at sink positions into the sinks (they never get quantized)."""
         n = min(self.config.sink_tokens, self.seen) - self.window_start
@@ -322,31 +431,34 @@ class QuantizedLayer(CacheLayerMixin):
             return
         self.sink_k = torch.cat([self.sink_k, _tokens(self.keys, 0, n)], dim=-2)
         self.sink_v = torch.cat([self.sink_v, _tokens(self.values, 0, n)], dim=-2)
-        self.keys, self.values = _tokens(self.keys, n), _tokens(self.values, n)
+        self._drop_window(n)
         self.q_start += n
 
     def _flush(self) -> dict:
         """Encode whole chunks that have left the full-precision window; returns their
-        originals (``fresh_k``, ``fresh_v``; empty when none)."""
+        originals as :class:`_View` takes them (``flushed``; empty when none)."""
         n = self.config.quantized_span(self.seen)[1] - self.window_start
         if n <= 0 or self.awaits_calibration:
             return {}
         codec = self.codec()
-        k, v = _tokens(self.keys, 0, n), _tokens(self.values, 0, n)
         if self.store is None:
-            self.store = CodeStore(codec, k.shape[0], k.shape[1], self.head_dim, self.dtype)
+            self.store = CodeStore(codec, self.keys.shape[0], self.keys.shape[1], self.head_dim, self.dtype)
         # Appended along the token axis of every part of the store (amortised O(1) per token):
-        # encoded natively in one call where the codec has a native encoder, else in Python.
-        if not self.store.encode_append(k, v):
+        # encoded natively in one call, straight from the window, where the codec has a native
+        # encoder, else in Python.
+        if not self.store.encode_append(self.keys, self.values, n):
+            k, v = _tokens(self.keys, 0, n), _tokens(self.values, 0, n)
             ck = codec.encode_keys(to_numpy(k, "keys"))
             cv = v if codec.values is None else codec.encode_values(to_numpy(v, "values"))
             self.store.append(ck, cv)
         if self.record_past:
+            k, v = _tokens(self.keys, 0, n), _tokens(self.values, 0, n)
             self.pending_k = k if self.pending_k is None else torch.cat([self.pending_k, k], dim=-2)
             self.pending_v = v if self.pending_v is None else torch.cat([self.pending_v, v], dim=-2)
-        self.keys, self.values = _tokens(self.keys, n), _tokens(self.values, n)
+        flushed = (self.keys, self.values, n)
+        self._drop_window(n)
         self.quantized += n
-        return {"fresh_k": k, "fresh_v": v}
+        return {"flushed": flushed}
 
     def _slice_codes(self, lo: int, hi: int) -> None:
         """Keep code tokens ``lo .. hi - 1`` (offsets into the codes, chunk-aligned)."""
@@ -374,7 +486,7 @@ class QuantizedLayer(CacheLayerMixin):
             q_drop = min(keep, self.window_start) - self.q_start
             w_drop = max(0, keep - self.window_start)
             self._slice_codes(q_drop, self.quantized)
-            self.keys, self.values = _tokens(self.keys, w_drop), _tokens(self.values, w_drop)
+            self._drop_window(w_drop)
             self.q_start += w_drop
         self.start = keep
 
@@ -441,7 +553,7 @@ class QuantizedLayer(CacheLayerMixin):
     # -- reading --------------------------------------------------------------------------------
     def view(self, start: int | None = None, **forward: Any) -> _View:
         """The held tokens from position ``start`` on (default: all of them); ``forward``: the
-        forward's ``first_query`` and flushed originals ``fresh_k``, ``fresh_v`` (see :class:`_View`)."""
+        forward's ``first_query`` and the originals it flushed, ``flushed`` (see :class:`_View`)."""
         start = self.start if start is None else start
         ns = self.sink_k.shape[-2]
         s_off = min(ns, max(0, start - self.start))
@@ -812,8 +924,6 @@ class QuantizedKVCache(Cache):
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         if not 0 <= layer_idx < len(self.layers):
             raise KvqrsError(f"num_layers: this cache has {len(self.layers)} layers, the model updated layer {layer_idx}")
-        check_finite(key_states, "key_states")
-        check_finite(value_states, "value_states")
         _STATE.set(self)  # the kvqrs attention function of this layer consults this cache
         return super().update(key_states, value_states, layer_idx, *args, fused=self.config.fused, **kwargs)
 

@@ -85,9 +85,15 @@ def _native_encoder(coder: Any) -> dict[str, Any] | None:
     return None
 
 
-def _flat_f32(t: torch.Tensor) -> np.ndarray:
-    """A tensor as flat float32 C-order NumPy (a view when it already is one)."""
-    return t.detach().to(torch.float32).contiguous().reshape(-1).numpy()
+def _window_f32(t: torch.Tensor, tokens: int) -> np.ndarray:
+    """The first ``tokens`` tokens (or more) of a ``(batch, heads, window, d)`` tensor as float32
+    NumPy: the tensor itself, strides and all, when it is float32 on the CPU (no copy: the
+    native call reads the tokens it needs), else a float32 copy of those tokens."""
+    if t.requires_grad:
+        t = t.detach()
+    if t.dtype is torch.float32 and t.device.type == "cpu":
+        return t.numpy()
+    return t[..., :tokens, :].to(device="cpu", dtype=torch.float32).numpy()
 
 
 def _from_part(code: int, shape: list[int], raw: np.ndarray, torch_out: bool = False):
@@ -170,10 +176,11 @@ class CodeStore:
             ordered[self._order[n]] = c
         self._native.append(ordered, int(ck.shape[-2]))
 
-    def encode_append(self, k: torch.Tensor, v: torch.Tensor) -> bool:
-        """Encode keys ``k`` and values ``v`` ``(batch, kv_heads, tokens, head_dim)`` (any
-        float dtype, as float32) and append their codes in one native call: the bytes
-        :meth:`append` stores for ``codec.encode_keys(k)``, ``codec.encode_values(v)``.
+    def encode_append(self, k: torch.Tensor, v: torch.Tensor, tokens: int | None = None) -> bool:
+        """Encode the first ``tokens`` (default: all) tokens of keys ``k`` and values ``v``
+        ``(batch, kv_heads, window, head_dim)`` (any float dtype, as float32; any strides) and
+        append their codes in one native call: the bytes :meth:`append` stores for
+        ``codec.encode_keys``, ``codec.encode_values`` of those tokens.
         Returns False, nothing stored, when the codec has no native encoder (see
         :func:`_native_encoder`) or the native encode refuses the tokens (a norm beyond
         float32): the caller then takes the Python path, whose error names the token."""
@@ -185,7 +192,8 @@ class CodeStore:
         if not self._encodes:
             return False
         try:
-            self._native.encode_append(_flat_f32(k), _flat_f32(v), int(k.shape[-2]))
+            n = int(k.shape[-2]) if tokens is None else int(tokens)
+            self._native.encode_append(_window_f32(k, n), _window_f32(v, n), n)
         except KvqrsError:
             return False
         return True

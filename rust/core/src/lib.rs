@@ -16,6 +16,7 @@ pub mod rng;
 pub mod scalars;
 pub mod simd;
 pub mod store;
+pub mod window;
 
 pub use error::{KvqError, Result};
 pub use simd::Isa;

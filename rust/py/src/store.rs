@@ -10,7 +10,9 @@ use kvqrs_core::kernels::attention::Layout;
 use kvqrs_core::kernels::mse::MseQuantizer;
 use kvqrs_core::kernels::mse_qjl::MseQjlEncoder;
 use kvqrs_core::store::{ChunkPart, LayerStore, PartSpec};
-use numpy::{PyArray1, PyReadonlyArray1};
+use kvqrs_core::window::{all_finite, append_tokens};
+use numpy::ndarray::s;
+use numpy::{PyArray1, PyReadonlyArray1, PyReadonlyArray4, PyReadwriteArray1};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
@@ -97,6 +99,70 @@ fn side_encoder(d: &Bound<'_, PyDict>, what: &str) -> PyResult<SideEncoder> {
             )))
         }
     })
+}
+
+/// Tokens `0 .. tokens` of a `(batch, heads, window, d)` array of any strides, as C-order rows
+/// (the one copy a flush makes: the caller's window is a strided view).
+fn first_tokens(a: &PyReadonlyArray4<'_, f32>, tokens: usize, what: &str) -> PyResult<Vec<f32>> {
+    let view = a.as_array();
+    if view.shape()[2] < tokens {
+        return Err(arg_error(format!(
+            "{what}: expected a window of at least {tokens} tokens, got shape {:?}",
+            view.shape()
+        )));
+    }
+    Ok(view
+        .slice(s![.., .., ..tokens, ..])
+        .iter()
+        .copied()
+        .collect())
+}
+
+/// A `(rows, n, d)`-shaped array of any strides as C-order values (borrowed when contiguous).
+fn c_order<'a>(a: &'a PyReadonlyArray4<'_, f32>) -> std::borrow::Cow<'a, [f32]> {
+    match a.as_slice() {
+        Ok(s) => s.into(),
+        Err(_) => a.as_array().iter().copied().collect::<Vec<_>>().into(),
+    }
+}
+
+fn mut_slice<'a>(a: &'a mut PyReadwriteArray1<'_, f32>, arg: &str) -> PyResult<&'a mut [f32]> {
+    a.as_slice_mut().map_err(|_| {
+        arg_error(format!(
+            "{arg}: expected a C-contiguous array, got a strided view"
+        ))
+    })
+}
+
+/// Appends a decode step's new keys `k` and values `v` (float32 batch x kv_heads x n x
+/// head_dim, any strides) to a layer's window buffers `dst_k`, `dst_v` (flat float32 views of
+/// C-contiguous batch x kv_heads x `cap` x head_dim buffers) at token `at`. Returns False,
+/// nothing copied, when some new value is not finite (the caller names it); raises when the
+/// tokens do not fit the buffers.
+#[pyfunction]
+pub fn window_append(
+    py: Python<'_>,
+    mut dst_k: PyReadwriteArray1<'_, f32>,
+    mut dst_v: PyReadwriteArray1<'_, f32>,
+    cap: usize,
+    at: usize,
+    k: PyReadonlyArray4<'_, f32>,
+    v: PyReadonlyArray4<'_, f32>,
+) -> PyResult<bool> {
+    let (ks, vs) = (k.as_array().shape().to_vec(), v.as_array().shape().to_vec());
+    let (kx, vx) = (c_order(&k), c_order(&v));
+    let (dk, dv) = (
+        mut_slice(&mut dst_k, "dst_k")?,
+        mut_slice(&mut dst_v, "dst_v")?,
+    );
+    py_result(py.allow_threads(|| {
+        if !(all_finite(&kx) && all_finite(&vx)) {
+            return Ok(false);
+        }
+        append_tokens(dk, (cap, at), &kx, (ks[0] * ks[1], ks[2], ks[3]))?;
+        append_tokens(dv, (cap, at), &vx, (vs[0] * vs[1], vs[2], vs[3]))?;
+        Ok(true)
+    }))
 }
 
 impl PyLayerStore {
@@ -375,23 +441,27 @@ impl PyLayerStore {
         self.encoders.is_some()
     }
 
-    /// Encodes `tokens` new tokens, keys `k` and values `v` (batch x kv_heads x tokens x
-    /// head_dim float32, flat, C order), with the declared encoders and appends their codes.
-    /// Raises (nothing stored) without encoders, on non-finite rows, a norm beyond float32, or
+    /// Encodes the first `tokens` tokens of keys `k` and values `v` (float32 batch x kv_heads
+    /// x window x head_dim, any strides: a cache passes its full-precision window as it holds
+    /// it) with the declared encoders and appends their codes. Raises (nothing stored) without
+    /// encoders, for a window of fewer tokens, on non-finite rows, a norm beyond float32, or
     /// parts that do not match the store's.
     fn encode_append(
         &mut self,
         py: Python<'_>,
-        k: PyReadonlyArray1<'_, f32>,
-        v: PyReadonlyArray1<'_, f32>,
+        k: PyReadonlyArray4<'_, f32>,
+        v: PyReadonlyArray4<'_, f32>,
         tokens: usize,
     ) -> PyResult<()> {
-        let (ks, vs) = (slice(&k, "k")?, slice(&v, "v")?);
+        let (ks, vs) = (
+            first_tokens(&k, tokens, "k")?,
+            first_tokens(&v, tokens, "v")?,
+        );
         let (inner, encoders) = (&mut self.inner, &self.encoders);
         let (ke, ve) = encoders
             .as_ref()
             .ok_or_else(|| arg_error("encoders: call set_encoders first".into()))?;
-        py_result(py.allow_threads(|| inner.encode_append((ke, ks), (ve, vs), tokens)))
+        py_result(py.allow_threads(|| inner.encode_append((ke, &ks), (ve, &vs), tokens)))
     }
 
     /// Whether `set_rows` has declared the rows.
