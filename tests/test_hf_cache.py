@@ -1344,3 +1344,15 @@ def test_a_non_finite_token_leaves_the_window_buffer_as_it_was():
     assert layer.seen == 6 and torch.equal(layer.keys, before)
     layer.update(bad.nan_to_num(posinf=0.0), bad.nan_to_num(posinf=0.0))  # 5 in the window: the oldest is flushed
     assert layer.seen == 7 and torch.equal(layer.keys[..., :-1, :], before[..., 1:, :])
+
+
+def test_new_tokens_that_share_the_window_buffer_append_as_copies():
+    """States that are views of the layer's own window (its buffer) are read before the
+    buffer is written: the window is what joining copies of them gives."""
+    layer = QuantizedLayer(QuantConfig("kivi", 2, "kivi", 2, residual_length=8, group=4), 0)
+    k = torch.randn(1, 2, 5, 16)
+    layer.update(k, k)
+    own_k, own_v = layer.keys[..., 1:3, :], layer.values[..., 2:4, :]
+    want_k, want_v = torch.cat([layer.keys, own_k], dim=-2), torch.cat([layer.values, own_v], dim=-2)
+    layer.update(own_k, own_v)
+    assert torch.equal(layer.keys, want_k) and torch.equal(layer.values, want_v)

@@ -85,18 +85,23 @@ class _Window:
     values: torch.Tensor
     lo: int
     hi: int
-    # Flat NumPy views of the buffers, written by the native append.
+    # NumPy views of the buffers (flat: written by the native append; 4-d: read by a flush),
+    # and their capacity in tokens.
     flat_k: np.ndarray = dataclasses.field(init=False)
     flat_v: np.ndarray = dataclasses.field(init=False)
+    np_k: np.ndarray = dataclasses.field(init=False)
+    np_v: np.ndarray = dataclasses.field(init=False)
+    cap: int = dataclasses.field(init=False)
     k_view: torch.Tensor | None = None
     v_view: torch.Tensor | None = None
+    # Whether k_view / v_view show lo .. hi - 1 (an append leaves them behind until the
+    # layer next reads its window: a flush right after moves lo, so it shows once).
+    shown: bool = True
 
     def __post_init__(self) -> None:
-        self.flat_k, self.flat_v = self.keys.numpy().reshape(-1), self.values.numpy().reshape(-1)
-
-    @property
-    def cap(self) -> int:
-        return self.keys.shape[-2]
+        self.np_k, self.np_v = self.keys.numpy(), self.values.numpy()
+        self.flat_k, self.flat_v = self.np_k.reshape(-1), self.np_v.reshape(-1)
+        self.cap = self.keys.shape[-2]
 
     @classmethod
     def holding(cls, keys: torch.Tensor, values: torch.Tensor, room: int) -> _Window:
@@ -112,9 +117,9 @@ class _Window:
         return cls(kb, vb, 0, held)
 
 
-def _plain_f32(*ts: torch.Tensor) -> bool:
-    """Whether every tensor is float32 on the CPU outside autograd (what the window buffer holds)."""
-    return all(t.dtype is torch.float32 and t.device.type == "cpu" and not t.requires_grad for t in ts)
+def _plain_f32(t: torch.Tensor) -> bool:
+    """Whether a tensor is float32 on the CPU outside autograd (what the window buffer holds)."""
+    return t.dtype is torch.float32 and t.device.type == "cpu" and not t.requires_grad
 
 
 @dataclass(frozen=True)
@@ -140,20 +145,24 @@ class _View:
     # The forward's first query position, and the full-precision originals of the codes it
     # flushed (the newest code tokens): query t reads them quantized only from the step that
     # quantizes them (QuantConfig.quantized_span(t + 1)), as one token at a time would. They
-    # are the first tokens of the window before the flush: ``flushed`` holds it and their
-    # count, and ``fresh_k`` / ``fresh_v`` cut them only when a path reads them.
+    # are tokens of the window before the flush: ``flushed`` holds the tensors they are in,
+    # their first token there and their count (``fresh_k`` / ``fresh_v`` cut them only when read).
     first_query: int = 0
-    flushed: tuple[torch.Tensor, torch.Tensor, int] | None = None
+    flushed: tuple[torch.Tensor, torch.Tensor, int, int] | None = None
 
     @functools.cached_property
     def fresh_k(self) -> torch.Tensor | None:
         """The originals of the keys this forward flushed, None when it flushed none."""
-        return None if self.flushed is None else _tokens(self.flushed[0], 0, self.flushed[2])
+        return None if self.flushed is None else self._fresh(self.flushed[0])
 
     @functools.cached_property
     def fresh_v(self) -> torch.Tensor | None:
         """The originals of the values this forward flushed, None when it flushed none."""
-        return None if self.flushed is None else _tokens(self.flushed[1], 0, self.flushed[2])
+        return None if self.flushed is None else self._fresh(self.flushed[1])
+
+    def _fresh(self, src: torch.Tensor) -> torch.Tensor:
+        start, n = self.flushed[2], self.flushed[3]
+        return _tokens(src, start, start + n)
 
     @functools.cached_property
     def codes_k(self) -> Encoded | None:
@@ -387,38 +396,51 @@ class QuantizedLayer(CacheLayerMixin):
         before anything is stored: written in place into the window's buffer (:class:`_Window`)
         where the layer is float32 on the CPU, else joined to the window."""
         n = key_states.shape[-2]
-        win = self._buffer(n) if _plain_f32(key_states, value_states, self.keys, self.values) else None
+        win = self._buffer(n) if _plain_f32(key_states) and _plain_f32(value_states) else None
         if win is not None and _native.window_append(win.flat_k, win.flat_v, win.cap, win.hi, key_states.numpy(), value_states.numpy()):
             win.hi += n
-            self._show(win)
+            win.shown = False  # shown by the next read of the window (_settle)
             return
         check_finite(key_states, "key_states")  # names the culprit (the native check only finds one)
         check_finite(value_states, "value_states")
         self.keys = torch.cat([self.keys, key_states], dim=-2)
         self.values = torch.cat([self.values, value_states], dim=-2)
 
-    def _buffer(self, n: int) -> _Window:
-        """The window's buffer with room for ``n`` more tokens: the current one while the
-        layer's window is still its view and it is not mostly spare room (a long prompt's
-        buffer, once the prompt is flushed), else a fresh one holding a copy of the window."""
+    def _buffered(self) -> _Window | None:
+        """The window's buffer while the layer's window is still its view, else None."""
         win = self._window
-        if win is None or self.keys is not win.k_view or self.values is not win.v_view:
-            win = None
-        elif win.hi + n > win.cap or win.cap > 4 * (win.hi - win.lo + n) + 64:
-            win = None
-        if win is None:
-            win = self._window = _Window.holding(self.keys, self.values, n)
+        return win if win is not None and self.keys is win.k_view and self.values is win.v_view else None
+
+    def _buffer(self, n: int) -> _Window | None:
+        """The window's buffer with room for ``n`` more tokens: the current one while it holds
+        the window and is not mostly spare room (a long prompt's buffer, once the prompt is
+        flushed), else a fresh one holding a copy of the window; None when the window is not
+        float32 on the CPU."""
+        win = self._buffered()
+        if win is not None and win.hi + n <= win.cap <= 4 * (win.hi - win.lo + n) + 64:
+            return win
+        if not (_plain_f32(self.keys) and _plain_f32(self.values)):
+            return None
+        self._window = win = _Window.holding(self.keys, self.values, n)
+        self._show(win)  # the layer's window is now the buffer's
         return win
+
+    def _settle(self) -> None:
+        """Show the window appended to the buffer (see :attr:`_Window.shown`): every method
+        that reads ``keys`` / ``values`` during an update calls this first."""
+        win = self._buffered()
+        if win is not None and not win.shown:
+            self._show(win)
 
     def _show(self, win: _Window) -> None:
         """Set the layer's window to the buffer's span."""
         self.keys, self.values = win.keys.narrow(2, win.lo, win.hi - win.lo), win.values.narrow(2, win.lo, win.hi - win.lo)
-        win.k_view, win.v_view = self.keys, self.values
+        win.k_view, win.v_view, win.shown = self.keys, self.values, True
 
     def _drop_window(self, n: int) -> None:
         """Drop the window's oldest ``n`` tokens (a view: nothing is copied)."""
-        win = self._window
-        if win is not None and self.keys is win.k_view and self.values is win.v_view:
+        win = self._buffered()
+        if win is not None:
             win.lo += n
             self._show(win)
         else:
@@ -429,6 +451,7 @@ class QuantizedLayer(CacheLayerMixin):
         n = min(self.config.sink_tokens, self.seen) - self.window_start
         if n <= 0:
             return
+        self._settle()
         self.sink_k = torch.cat([self.sink_k, _tokens(self.keys, 0, n)], dim=-2)
         self.sink_v = torch.cat([self.sink_v, _tokens(self.values, 0, n)], dim=-2)
         self._drop_window(n)
@@ -446,16 +469,23 @@ class QuantizedLayer(CacheLayerMixin):
         # Appended along the token axis of every part of the store (amortised O(1) per token):
         # encoded natively in one call, straight from the window, where the codec has a native
         # encoder, else in Python.
-        if not self.store.encode_append(self.keys, self.values, n):
+        win = self._buffered()
+        if win is None:
+            flushed = (self.keys, self.values, 0, n)
+            native = self.store.encode_append(self.keys, self.values, n)
+        else:  # read from the buffer (no conversion; the window need not be shown yet)
+            flushed = (win.keys, win.values, win.lo, n)
+            native = self.store.encode_append(win.np_k, win.np_v, n, win.lo)
+        if not native or self.record_past:
+            self._settle()
             k, v = _tokens(self.keys, 0, n), _tokens(self.values, 0, n)
+        if not native:
             ck = codec.encode_keys(to_numpy(k, "keys"))
             cv = v if codec.values is None else codec.encode_values(to_numpy(v, "values"))
             self.store.append(ck, cv)
         if self.record_past:
-            k, v = _tokens(self.keys, 0, n), _tokens(self.values, 0, n)
             self.pending_k = k if self.pending_k is None else torch.cat([self.pending_k, k], dim=-2)
             self.pending_v = v if self.pending_v is None else torch.cat([self.pending_v, v], dim=-2)
-        flushed = (self.keys, self.values, n)
         self._drop_window(n)
         self.quantized += n
         return {"flushed": flushed}
@@ -554,6 +584,7 @@ class QuantizedLayer(CacheLayerMixin):
     def view(self, start: int | None = None, **forward: Any) -> _View:
         """The held tokens from position ``start`` on (default: all of them); ``forward``: the
         forward's ``first_query`` and the originals it flushed, ``flushed`` (see :class:`_View`)."""
+        self._settle()
         start = self.start if start is None else start
         ns = self.sink_k.shape[-2]
         s_off = min(ns, max(0, start - self.start))

@@ -85,15 +85,18 @@ def _native_encoder(coder: Any) -> dict[str, Any] | None:
     return None
 
 
-def _window_f32(t: torch.Tensor, tokens: int) -> np.ndarray:
-    """The first ``tokens`` tokens (or more) of a ``(batch, heads, window, d)`` tensor as float32
-    NumPy: the tensor itself, strides and all, when it is float32 on the CPU (no copy: the
-    native call reads the tokens it needs), else a float32 copy of those tokens."""
+def _window_f32(t: torch.Tensor | np.ndarray, start: int, tokens: int) -> tuple[np.ndarray, int]:
+    """Tokens ``start .. start + tokens - 1`` of a ``(batch, heads, window, d)`` tensor as
+    float32 NumPy and their first token there: the tensor itself, strides and all, when it is
+    float32 on the CPU or already float32 NumPy (no copy: the native call reads the tokens it
+    needs), else a float32 copy of those tokens."""
+    if isinstance(t, np.ndarray):
+        return (t, start) if t.dtype == np.float32 else (t[..., start : start + tokens, :].astype(np.float32), 0)
     if t.requires_grad:
         t = t.detach()
     if t.dtype is torch.float32 and t.device.type == "cpu":
-        return t.numpy()
-    return t[..., :tokens, :].to(device="cpu", dtype=torch.float32).numpy()
+        return t.numpy(), start
+    return t[..., start : start + tokens, :].to(device="cpu", dtype=torch.float32).numpy(), 0
 
 
 def _from_part(code: int, shape: list[int], raw: np.ndarray, torch_out: bool = False):
@@ -176,11 +179,11 @@ class CodeStore:
             ordered[self._order[n]] = c
         self._native.append(ordered, int(ck.shape[-2]))
 
-    def encode_append(self, k: torch.Tensor, v: torch.Tensor, tokens: int | None = None) -> bool:
-        """Encode the first ``tokens`` (default: all) tokens of keys ``k`` and values ``v``
-        ``(batch, kv_heads, window, head_dim)`` (any float dtype, as float32; any strides) and
-        append their codes in one native call: the bytes :meth:`append` stores for
-        ``codec.encode_keys``, ``codec.encode_values`` of those tokens.
+    def encode_append(self, k: torch.Tensor | np.ndarray, v: torch.Tensor | np.ndarray, tokens: int | None = None, start: int = 0) -> bool:
+        """Encode tokens ``start .. start + tokens - 1`` (default: all) of keys ``k`` and values
+        ``v`` ``(batch, kv_heads, window, head_dim)`` (tensors or NumPy arrays of any float
+        dtype, as float32; any strides) and append their codes in one native call: the bytes
+        :meth:`append` stores for ``codec.encode_keys``, ``codec.encode_values`` of those tokens.
         Returns False, nothing stored, when the codec has no native encoder (see
         :func:`_native_encoder`) or the native encode refuses the tokens (a norm beyond
         float32): the caller then takes the Python path, whose error names the token."""
@@ -192,8 +195,9 @@ class CodeStore:
         if not self._encodes:
             return False
         try:
-            n = int(k.shape[-2]) if tokens is None else int(tokens)
-            self._native.encode_append(_window_f32(k, n), _window_f32(v, n), n)
+            n = int(k.shape[-2]) - start if tokens is None else int(tokens)
+            (ka, k0), (va, v0) = _window_f32(k, start, n), _window_f32(v, start, n)
+            self._native.encode_append(ka, va, n, k0, v0)
         except KvqrsError:
             return False
         return True

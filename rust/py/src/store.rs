@@ -12,7 +12,7 @@ use kvqrs_core::kernels::mse_qjl::MseQjlEncoder;
 use kvqrs_core::store::{ChunkPart, LayerStore, PartSpec};
 use kvqrs_core::window::{all_finite, append_tokens};
 use numpy::ndarray::s;
-use numpy::{PyArray1, PyReadonlyArray1, PyReadonlyArray4, PyReadwriteArray1};
+use numpy::{PyArray1, PyArray4, PyArrayMethods, PyReadonlyArray1, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
@@ -101,60 +101,70 @@ fn side_encoder(d: &Bound<'_, PyDict>, what: &str) -> PyResult<SideEncoder> {
     })
 }
 
-/// Tokens `0 .. tokens` of a `(batch, heads, window, d)` array of any strides, as C-order rows
-/// (the one copy a flush makes: the caller's window is a strided view).
-fn first_tokens(a: &PyReadonlyArray4<'_, f32>, tokens: usize, what: &str) -> PyResult<Vec<f32>> {
-    let view = a.as_array();
-    if view.shape()[2] < tokens {
+/// Tokens `start .. start + tokens` of a `(batch, heads, window, d)` array of any strides, as
+/// C-order rows (the one copy a flush makes: the caller's window is a strided view).
+fn window_tokens(
+    a: &Bound<'_, PyArray4<f32>>,
+    start: usize,
+    tokens: usize,
+    what: &str,
+) -> PyResult<Vec<f32>> {
+    let r = a
+        .try_readonly()
+        .map_err(|e| arg_error(format!("{what}: cannot read the array ({e})")))?;
+    let view = r.as_array();
+    let end = start.checked_add(tokens).filter(|&e| e <= view.shape()[2]);
+    let Some(end) = end else {
         return Err(arg_error(format!(
-            "{what}: expected a window of at least {tokens} tokens, got shape {:?}",
+            "{what}: expected a window holding tokens {start} .. {start} + {tokens}, got shape {:?}",
             view.shape()
         )));
-    }
+    };
     Ok(view
-        .slice(s![.., .., ..tokens, ..])
+        .slice(s![.., .., start..end, ..])
         .iter()
         .copied()
         .collect())
 }
 
-/// A `(rows, n, d)`-shaped array of any strides as C-order values (borrowed when contiguous).
-fn c_order<'a>(a: &'a PyReadonlyArray4<'_, f32>) -> std::borrow::Cow<'a, [f32]> {
-    match a.as_slice() {
-        Ok(s) => s.into(),
-        Err(_) => a.as_array().iter().copied().collect::<Vec<_>>().into(),
-    }
-}
-
-fn mut_slice<'a>(a: &'a mut PyReadwriteArray1<'_, f32>, arg: &str) -> PyResult<&'a mut [f32]> {
-    a.as_slice_mut().map_err(|_| {
-        arg_error(format!(
-            "{arg}: expected a C-contiguous array, got a strided view"
-        ))
+/// A float32 array's values in C order (a copy, so that the borrow ends here), or None when
+/// the array is borrowed mutably elsewhere.
+fn c_order(a: &Bound<'_, PyArray4<f32>>) -> Option<Vec<f32>> {
+    let r = a.try_readonly().ok()?;
+    Some(match r.as_slice() {
+        Ok(s) => s.to_vec(),
+        Err(_) => r.as_array().iter().copied().collect(),
     })
 }
 
 /// Appends a decode step's new keys `k` and values `v` (float32 batch x kv_heads x n x
 /// head_dim, any strides) to a layer's window buffers `dst_k`, `dst_v` (flat float32 views of
 /// C-contiguous batch x kv_heads x `cap` x head_dim buffers) at token `at`. Returns False,
-/// nothing copied, when some new value is not finite (the caller names it); raises when the
-/// tokens do not fit the buffers.
+/// nothing copied, when some new value is not finite (the caller names it) or when the arrays
+/// cannot be borrowed as needed (buffers that alias each other, or that another borrow
+/// holds): the caller then joins the tokens to its window instead. Raises when the tokens do
+/// not fit the buffers or a buffer is strided.
 #[pyfunction]
 pub fn window_append(
     py: Python<'_>,
-    mut dst_k: PyReadwriteArray1<'_, f32>,
-    mut dst_v: PyReadwriteArray1<'_, f32>,
+    dst_k: &Bound<'_, PyArray1<f32>>,
+    dst_v: &Bound<'_, PyArray1<f32>>,
     cap: usize,
     at: usize,
-    k: PyReadonlyArray4<'_, f32>,
-    v: PyReadonlyArray4<'_, f32>,
+    k: &Bound<'_, PyArray4<f32>>,
+    v: &Bound<'_, PyArray4<f32>>,
 ) -> PyResult<bool> {
-    let (ks, vs) = (k.as_array().shape().to_vec(), v.as_array().shape().to_vec());
-    let (kx, vx) = (c_order(&k), c_order(&v));
-    let (dk, dv) = (
-        mut_slice(&mut dst_k, "dst_k")?,
-        mut_slice(&mut dst_v, "dst_v")?,
-    );
+    let (ks, vs) = (k.shape().to_vec(), v.shape().to_vec());
+    let (Some(kx), Some(vx)) = (c_order(k), c_order(v)) else {
+        return Ok(false);
+    };
+    let (Ok(mut wk), Ok(mut wv)) = (dst_k.try_readwrite(), dst_v.try_readwrite()) else {
+        return Ok(false);
+    };
+    let strided =
+        || arg_error("dst_k, dst_v: expected C-contiguous buffers, got a strided view".into());
+    let dk = wk.as_slice_mut().map_err(|_| strided())?;
+    let dv = wv.as_slice_mut().map_err(|_| strided())?;
     py_result(py.allow_threads(|| {
         if !(all_finite(&kx) && all_finite(&vx)) {
             return Ok(false);
@@ -441,21 +451,25 @@ impl PyLayerStore {
         self.encoders.is_some()
     }
 
-    /// Encodes the first `tokens` tokens of keys `k` and values `v` (float32 batch x kv_heads
-    /// x window x head_dim, any strides: a cache passes its full-precision window as it holds
-    /// it) with the declared encoders and appends their codes. Raises (nothing stored) without
-    /// encoders, for a window of fewer tokens, on non-finite rows, a norm beyond float32, or
-    /// parts that do not match the store's.
+    /// Encodes `tokens` tokens of keys `k` and values `v` (float32 batch x kv_heads x window
+    /// x head_dim, any strides: a cache passes its full-precision window buffer as it holds
+    /// it), from token `k_start` of `k` and `v_start` of `v`, with the declared encoders and
+    /// appends their codes. Raises (nothing stored) without encoders, for a window that does
+    /// not hold those tokens, on non-finite rows, a norm beyond float32, or parts that do not
+    /// match the store's.
+    #[pyo3(signature = (k, v, tokens, k_start=0, v_start=0))]
     fn encode_append(
         &mut self,
         py: Python<'_>,
-        k: PyReadonlyArray4<'_, f32>,
-        v: PyReadonlyArray4<'_, f32>,
+        k: &Bound<'_, PyArray4<f32>>,
+        v: &Bound<'_, PyArray4<f32>>,
         tokens: usize,
+        k_start: usize,
+        v_start: usize,
     ) -> PyResult<()> {
         let (ks, vs) = (
-            first_tokens(&k, tokens, "k")?,
-            first_tokens(&v, tokens, "v")?,
+            window_tokens(k, k_start, tokens, "k")?,
+            window_tokens(v, v_start, tokens, "v")?,
         );
         let (inner, encoders) = (&mut self.inner, &self.encoders);
         let (ke, ve) = encoders
