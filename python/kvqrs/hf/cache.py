@@ -718,7 +718,9 @@ class QuantizedLayer(CacheLayerMixin):
     # -- accounting -----------------------------------------------------------------------------
     def nbytes(self) -> int:
         """Bytes held: every encoded part plus the full-precision tensors (sinks, window,
-        key-only values, originals kept for a rollback) and a self-calibrated layer's calibration."""
+        key-only values, originals kept for a rollback) and a self-calibrated layer's calibration.
+        The window counts its tokens, not the spare room of its buffer (:class:`_Window`: at
+        most three times the window plus 64 tokens), as the store's room is not counted either."""
         if not self.is_initialized:
             return 0
         total = 0 if self.store is None else self.store.nbytes()
@@ -955,7 +957,8 @@ class QuantizedKVCache(Cache):
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         if not 0 <= layer_idx < len(self.layers):
             raise KvqrsError(f"num_layers: this cache has {len(self.layers)} layers, the model updated layer {layer_idx}")
-        _STATE.set(self)  # the kvqrs attention function of this layer consults this cache
+        if _STATE.get() is not self:  # the kvqrs attention function of this layer consults this cache
+            _STATE.set(self)  # (set only on a change: each set makes a token, a decode step's 0.5 us)
         return super().update(key_states, value_states, layer_idx, *args, fused=self.config.fused, **kwargs)
 
     def attend(self, module, query, key, value, attention_mask, scaling):
