@@ -83,6 +83,14 @@ _norms = st.integers(0, 40).map(lambda n: np.ones(n, dtype=np.float16))
             lambda a, b, c, n, s: _native.mse_encode(c, a, s % 10, s),
             lambda a, b, c, n, s: _native.mse_decode(b, n, a, s % 10, None),
             lambda a, b, c, n, s: _native.qjl_sketch(c, a, s % 300 + 1, s),
+            lambda a, b, c, n, s: _native.mse_qjl_encode_packed(c, a, s % 10, s, s >> 1),
+            # Buffers that alias each other or the new tokens (a borrow conflict) included.
+            lambda a, b, c, n, s: _native.window_append(
+                c, c if s % 2 else c.copy(), a, s % 9, c.reshape(1, 1, 1, -1), (c if s % 3 else c.copy()).reshape(1, 1, -1, 1)
+            ),
+            lambda a, b, c, n, s: _native.LayerStore([("keys.codes", 0, False, [1], [8], 1, 1)]).encode_append(
+                c.reshape(1, 1, -1, 1), c.reshape(1, 1, 1, -1), a
+            ),
             lambda a, b, c, n, s: _native.qjl_inner_product(c, b, n, a, s % 300, s),
             lambda a, b, c, n, s: _native.qjl_vector_estimate(b, n, a, s % 300, s),
             lambda a, b, c, n, s: _native.headq_encode(c, c, a, s % 9, s % 10),

@@ -1315,3 +1315,90 @@ def test_least_squares_value_scale_cache_round_trip(cfg):
 def test_value_scale_config_is_validated(kwargs, pattern):
     with pytest.raises(KvqrsError, match=pattern):
         QuantConfig(kwargs.pop("key_scheme", "matched" if kwargs.get("value_scheme") == "matched" else "kqv"), 3, **kwargs)
+
+
+WINDOW_CASES = [
+    pytest.param(QuantConfig("kqv", 4, "kqv", 4, residual_length=4), None, id="kqv"),
+    pytest.param(QuantConfig("kivi", 2, "kivi", 2, residual_length=3, group=8, sink_tokens=2), None, id="kivi-sinks"),
+    pytest.param(QuantConfig("kqv", 3, "kqv", 3, residual_length=2, sink_tokens=1), 7, id="kqv-sliding"),
+    pytest.param(QuantConfig("kivi", 2, "kivi", 2, residual_length=2, group=4), 9, id="kivi-sliding"),
+    pytest.param(QuantConfig("kqv", 4, residual_length=3), None, id="kqv-keyonly"),
+]
+
+
+def _window_script(cfg: QuantConfig, window: int | None, buffered: bool) -> tuple[list, QuantizedLayer]:
+    """A layer fed a prompt, decode steps, a rollback under past recording, a batch selection
+    and a long prompt after them; returns what each update returned (copies) and the layer.
+    Checks that every tensor handed out kept its values (the buffer never writes below the
+    window's end) and that a long prompt's buffer did not outlive the next step."""
+    layer = QuantizedLayer(cfg, 0, window)
+    rng = np.random.default_rng(3)
+    returned, handed = [], []
+
+    def step(t):
+        b = layer.keys.shape[0] if layer.is_initialized else 2
+        k, v = (torch.from_numpy(rng.standard_normal((b, 3, t, 16)).astype(np.float32)) for _ in "kv")
+        rk, rv = layer.update(k.transpose(2, 1).contiguous().transpose(2, 1), v)  # strided keys, as models hand them
+        handed.append((rk, rk.clone(), rv, rv.clone()))
+        returned.append((rk.clone(), rv.clone()))
+
+    for t in (9, 1, 1):
+        step(t)
+    layer.activate_past_recording()
+    step(3)
+    step(1)
+    layer.crop(-3)
+    step(1)
+    layer.batch_select_indices(torch.tensor([1, 0, 1]))
+    for t in (2, 60, 1, 1):
+        step(t)
+    assert all(torch.equal(a, ca) and torch.equal(b, cb) for a, ca, b, cb in handed)
+    assert (layer._window is not None) == buffered
+    if buffered:
+        assert layer._window.cap <= 4 * layer.keys.shape[-2] + 72
+    return returned, layer
+
+
+@pytest.mark.parametrize("cfg, window", WINDOW_CASES)
+def test_the_window_buffer_holds_what_joining_the_window_holds(cfg, window, monkeypatch):
+    """A float32 CPU layer writes new tokens in place into its window's buffer; a layer that
+    joins the window at every step (the path of other dtypes) returns and holds the same
+    tensors, bit for bit, through :func:`_window_script`."""
+    import kvqrs.hf.cache as cache_mod
+
+    ret_a, a = _window_script(cfg, window, True)
+    monkeypatch.setattr(cache_mod, "_plain_f32", lambda *ts: False)
+    ret_b, b = _window_script(cfg, window, False)
+    for (ka, va), (kb, vb) in zip(ret_a, ret_b):
+        assert torch.equal(ka, kb) and torch.equal(va, vb)
+    assert a.positions() == b.positions()
+    ta, tb = a._tensors(), b._tensors()
+    assert ta.keys() == tb.keys() and all(torch.equal(ta[n], tb[n]) for n in ta)
+    for ea, eb in zip([*a.chunks_k, *a.chunks_v], [*b.chunks_k, *b.chunks_v]):
+        assert all(np.array_equal(ea.parts[n], eb.parts[n]) for n in ea.parts)
+
+
+def test_a_non_finite_token_leaves_the_window_buffer_as_it_was():
+    layer = QuantizedLayer(QuantConfig("kqv", 4, "kqv", 4, residual_length=4), 0)
+    k = torch.randn(2, 3, 6, 16)
+    layer.update(k, k)
+    before = layer.keys.clone()
+    bad = torch.randn(2, 3, 1, 16)
+    bad[1, 2, 0, 5] = float("inf")
+    with pytest.raises(KvqrsError, match=r"value_states: expected finite values, got inf at index \(1, 2, 0, 5\)"):
+        layer.update(torch.randn(2, 3, 1, 16), bad)
+    assert layer.seen == 6 and torch.equal(layer.keys, before)
+    layer.update(bad.nan_to_num(posinf=0.0), bad.nan_to_num(posinf=0.0))  # 5 in the window: the oldest is flushed
+    assert layer.seen == 7 and torch.equal(layer.keys[..., :-1, :], before[..., 1:, :])
+
+
+def test_new_tokens_that_share_the_window_buffer_append_as_copies():
+    """States that are views of the layer's own window (its buffer) are read before the
+    buffer is written: the window is what joining copies of them gives."""
+    layer = QuantizedLayer(QuantConfig("kivi", 2, "kivi", 2, residual_length=8, group=4), 0)
+    k = torch.randn(1, 2, 5, 16)
+    layer.update(k, k)
+    own_k, own_v = layer.keys[..., 1:3, :], layer.values[..., 2:4, :]
+    want_k, want_v = torch.cat([layer.keys, own_k], dim=-2), torch.cat([layer.values, own_v], dim=-2)
+    layer.update(own_k, own_v)
+    assert torch.equal(layer.keys, want_k) and torch.equal(layer.values, want_v)

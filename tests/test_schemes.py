@@ -18,7 +18,7 @@ from hypothesis.extra import numpy as hnp
 from kvqrs import oracle
 from kvqrs.schemes import Encoded, KVCodec, allocate_bits, derive_seed
 
-from tests.strategies import codes_match_except_near_boundaries
+from tests.strategies import codes_match_except_near_boundaries, finite_rows, head_dims, leading_shapes
 
 # --------------------------------------------------------------------------------------------
 # Tolerances (each with its reason)
@@ -1094,3 +1094,45 @@ def test_least_squares_value_scale_keeps_codes_and_lowers_the_error(scheme):
 def test_value_scale_is_validated(kwargs, pattern):
     with pytest.raises(kvqrs.KvqrsError, match=pattern):
         KVCodec("kqv", 3, 64, **kwargs)
+
+
+# --------------------------------------------------------------------------------------------
+# The one-call MSE + QJL encoder (kqv / qkqv values, qkqv keys) against its kernels in sequence
+# --------------------------------------------------------------------------------------------
+
+
+@st.composite
+def mse_qjl_cases(draw):
+    d = draw(head_dims)
+    lead = (*draw(leading_shapes), draw(st.integers(0, 4)))  # (..., tokens)
+    dtype = draw(st.sampled_from([np.float32, np.float16, np.float64]))
+    x = finite_rows(draw, lead, d, scale=draw(st.sampled_from([1e-3, 10.0, 1e4])), dtype=dtype)
+    if draw(st.booleans()):
+        x = x[..., ::-1, :]  # a strided input takes the staging copy
+    return x, draw(st.integers(2, 8)), draw(st.integers(0, 2**64 - 1))
+
+
+@given(mse_qjl_cases())
+def test_native_mse_qjl_encode_equals_the_kernels_in_sequence(case):
+    """``MSEQJLCoder.encode`` (one native call) gives the bytes of ``encode_composed`` (the
+    Python composition of mse_encode_packed, hadamard, lloyd_max_decode and qjl_sketch that
+    every other backend runs): every part, dtype and shape."""
+    x, bits, seed = case
+    for scheme, kind in (("kqv", "values"), ("qkqv", "keys")):
+        codec = KVCodec(scheme, bits, x.shape[-1], seed=seed)
+        coder = codec.values if kind == "values" else codec.keys
+        got, want = coder.encode(x), coder.encode_composed(x)
+        assert (got.shape, got.dtype, list(got.parts)) == (want.shape, want.dtype, list(want.parts))
+        for name, part in want.parts.items():
+            assert got.parts[name].dtype == part.dtype and got.parts[name].shape == part.shape, name
+            np.testing.assert_array_equal(got.parts[name].view(np.uint8), part.view(np.uint8), err_msg=name)
+
+
+def test_native_mse_qjl_encode_reports_errors_as_the_composition():
+    codec = KVCodec("kqv", 4, 40, seed=3)
+    x = np.ones((2, 3, 40), np.float32)
+    x[1, 2, 7] = np.nan
+    with pytest.raises(kvqrs.KvqrsError, match=r"values: .*\(1, 2, 7\)"):
+        codec.encode_values(x)
+    with pytest.raises(kvqrs.KvqrsError, match=r"values: expected shape \(\.\.\., tokens, 40\)"):
+        codec.encode_values(np.ones((2, 41), np.float32))

@@ -7,6 +7,7 @@ bad input raises ``KvqrsError`` naming the problem."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections import namedtuple
 
@@ -118,6 +119,75 @@ def test_store_operations_equal_joined_and_cut_codes(name, data):
         _same(store.keys(), _rows(ref_k, idx))
         _same(store.values(), _rows(ref_v, idx))
     assert store.batch == len(idx) and store.nbytes() <= store.capacity_nbytes()
+
+
+NATIVE_ENCODED = ("kv", "kqv", "qkqv")
+"""The configs whose both sides have a native encoder (``CodeStore.encode_append``)."""
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@settings(max_examples=6, deadline=None)
+@given(data=st.data())
+def test_encode_append_stores_the_bytes_of_the_codecs_encodes(name, data):
+    """``CodeStore.encode_append`` (one native call) stores the bytes of ``append`` of the
+    codec's encodes of the same float32 tokens, chunk after chunk: the first tokens of float16 /
+    bfloat16 and strided windows, norms widened past float16 included. Configs without a native encoder on
+    both sides store nothing and return False (their caller encodes in Python)."""
+    cfg = CONFIGS[name]
+    codec = cfg.codec(0, D)
+    native, ref = CodeStore(codec, 2, 3, D, torch.float32), CodeStore(codec, 2, 3, D, torch.float32)
+    dtype = data.draw(st.sampled_from([torch.float32, torch.float16, torch.bfloat16]), "dtype")
+    for i in range(data.draw(st.integers(1, 4), "chunks")):
+        n = cfg.chunk * data.draw(st.integers(1, 3), f"tokens {i}")
+        scale = data.draw(st.sampled_from([1.0, 1e3 if dtype == torch.float16 else 1e6]), f"scale {i}")
+        w = n + data.draw(st.integers(0, 3), f"window {i}")  # a window holding more tokens than flushed
+        k, v = (torch.from_numpy(_x(2, 3, 2 * w, 2 * i + j, scale)).to(dtype)[..., ::2, :] for j in (0, 1))
+        done = native.encode_append(k, v, n)
+        assert done == (name in NATIVE_ENCODED)
+        if not done:
+            assert native.tokens == 0
+            return
+        ref.append(*_encode(codec, k[..., :n, :].float().numpy(), v[..., :n, :].float().numpy()))
+    _same(native.keys(), ref.keys())
+    _same(native.values(), ref.values())
+
+
+def test_a_native_encode_that_fails_stores_nothing_and_the_cache_names_the_error():
+    codec = CONFIGS["kqv"].codec(0, D)
+    store = CodeStore(codec, 1, 2, D, torch.float32)
+    assert store.encode_append(torch.ones(1, 2, 1, D), torch.ones(1, 2, 1, D))
+    huge = torch.full((1, 2, 1, D), 3e38)  # finite, but its norm overflows float32
+    assert not store.encode_append(huge, torch.ones(1, 2, 1, D))
+    assert store.tokens == 1
+    cache = QuantizedKVCache(QuantConfig("kqv", 4, "kqv", 4, residual_length=1), 1)
+    with pytest.raises(KvqrsError, match="norm"):
+        cache.update(huge.expand(1, 2, 3, D).clone(), torch.ones(1, 2, 3, D), 0)
+
+
+@pytest.mark.parametrize("name", NATIVE_ENCODED)
+def test_a_streamed_cache_holds_the_codes_of_the_python_encode(name, monkeypatch):
+    """A cache flushing through the native encoders holds, token after token, the codes of one
+    that encodes in Python (``_native_encoder`` disabled), and reads the same attention."""
+    import kvqrs.hf.store as store_mod
+
+    cfg = dataclasses.replace(CONFIGS[name], residual_length=3)
+    caches = []
+    for native in (True, False):
+        if not native:
+            monkeypatch.setattr(store_mod, "_native_encoder", lambda coder: None)
+        cache = QuantizedKVCache(cfg, 1)
+        rng = np.random.default_rng(7)
+        outs = [
+            cache.update(*(torch.from_numpy(rng.standard_normal((1, 2, t, D)).astype(np.float32)) for _ in "kv"), 0)[0]
+            for t in (5, 1, 1, 2, 1)
+        ]
+        caches.append((cache.layers[0], outs))
+    (a, outs_a), (b, outs_b) = caches
+    assert a.store._encodes and not b.store._encodes
+    _same(a.store.keys(), b.store.keys())
+    _same(a.store.values(), b.store.values())
+    for x, y in zip(outs_a, outs_b):
+        assert torch.equal(x, y)
 
 
 def test_appends_grow_by_doubling_not_per_token():
@@ -342,3 +412,15 @@ def test_matched_decode_step_does_not_depend_on_the_thread_count():
     here reached) gives the same bytes on one rayon thread as on four."""
     outs = stdout_per_thread_count("import sys; from tests.test_store import _matched_step_bytes as f; sys.stdout.buffer.write(f())")
     assert outs[0] == outs[1] and len(outs[0]) > 0
+
+
+def test_least_squares_values_encode_in_python_not_natively():
+    """The native encoders store norms: a codec storing the least-squares scale has none, so
+    ``encode_append`` declines and the cache appends the codec's own encode."""
+    from kvqrs.hf.store import NativeEncoder, _native_encoder
+    from kvqrs.schemes import KVCodec
+
+    for scheme in ("kv", "kqv"):
+        codec = KVCodec(scheme, 3, 64, value_scheme=scheme, value_scale="least_squares")
+        assert _native_encoder(codec.values) is None
+        assert isinstance(_native_encoder(KVCodec(scheme, 3, 64, value_scheme=scheme).values), NativeEncoder)

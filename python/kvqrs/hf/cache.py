@@ -39,6 +39,7 @@ import numpy as np
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from .. import _native
 from .._arrays import KvqrsError
 from ..kernels.attention import DenseRows
 from ..schemes import Encoded
@@ -53,13 +54,72 @@ FUSED_MAX_QUERY = 4
 
 
 def _tokens(t: torch.Tensor, lo: int, hi: int | None = None) -> torch.Tensor:
-    """Tokens ``lo .. hi - 1`` of a ``(batch, heads, tokens, d)`` tensor (``t`` itself for all of them)."""
-    return t if lo == 0 and hi is None else t[..., lo:hi, :]
+    """Tokens ``lo .. hi - 1`` of a ``(batch, heads, tokens, d)`` tensor (``t`` itself for all
+    of them; ``lo``, ``hi`` >= 0, clamped to the tokens as a slice is). A view by ``narrow``,
+    which costs a decode step less than half of indexing."""
+    if lo == 0 and hi is None:
+        return t
+    n = t.shape[-2]
+    hi = n if hi is None else min(hi, n)
+    lo = min(lo, hi)
+    return t.narrow(-2, lo, hi - lo)
 
 
 def _join(head: torch.Tensor, tail: torch.Tensor) -> torch.Tensor:
     """``head`` then ``tail`` along the tokens (no copy when ``head`` is empty)."""
     return tail if not head.shape[-2] else torch.cat([head, tail], dim=-2)
+
+
+@dataclass
+class _Window:
+    """A layer's full-precision window in preallocated float32 CPU buffers ``keys`` /
+    ``values`` ``(batch, kv_heads, cap, d)``: tokens ``lo .. hi - 1`` of each row are the
+    window, and the layer's ``keys`` / ``values`` are views of that span (``k_view`` /
+    ``v_view``, the tensors it last set). New tokens are written in place at ``hi`` by one
+    native call that also checks them finite, so a decode step copies its tokens, not the
+    window. Tokens below ``hi`` are never written again (a view handed out stays valid): the
+    window moves on to a fresh buffer when the room runs out, or when the layer set its window
+    any other way (a crop, a batch selection, a load)."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    lo: int
+    hi: int
+    # NumPy views of the buffers (flat: written by the native append; 4-d: read by a flush),
+    # and their capacity in tokens.
+    flat_k: np.ndarray = dataclasses.field(init=False)
+    flat_v: np.ndarray = dataclasses.field(init=False)
+    np_k: np.ndarray = dataclasses.field(init=False)
+    np_v: np.ndarray = dataclasses.field(init=False)
+    cap: int = dataclasses.field(init=False)
+    k_view: torch.Tensor | None = None
+    v_view: torch.Tensor | None = None
+    # Whether k_view / v_view show lo .. hi - 1 (an append leaves them behind until the
+    # layer next reads its window: a flush right after moves lo, so it shows once).
+    shown: bool = True
+
+    def __post_init__(self) -> None:
+        self.np_k, self.np_v = self.keys.numpy(), self.values.numpy()
+        self.flat_k, self.flat_v = self.np_k.reshape(-1), self.np_v.reshape(-1)
+        self.cap = self.keys.shape[-2]
+
+    @classmethod
+    def holding(cls, keys: torch.Tensor, values: torch.Tensor, room: int) -> _Window:
+        """A buffer holding a copy of the window ``keys``, ``values`` and room for twice its
+        tokens plus ``room`` more (a sliding window moves on to a fresh buffer every ~window
+        tokens: O(1) copied per token)."""
+        held = keys.shape[-2]
+        cap = 2 * (held + room) + 16
+        kb = keys.new_empty((*keys.shape[:2], cap, keys.shape[-1]))
+        vb = values.new_empty((*values.shape[:2], cap, values.shape[-1]))
+        kb[:, :, :held].copy_(keys)
+        vb[:, :, :held].copy_(values)
+        return cls(kb, vb, 0, held)
+
+
+def _plain_f32(t: torch.Tensor) -> bool:
+    """Whether a tensor is float32 on the CPU outside autograd (what the window buffer holds)."""
+    return t.dtype is torch.float32 and t.device.type == "cpu" and not t.requires_grad
 
 
 @dataclass(frozen=True)
@@ -84,10 +144,25 @@ class _View:
     window_v: torch.Tensor
     # The forward's first query position, and the full-precision originals of the codes it
     # flushed (the newest code tokens): query t reads them quantized only from the step that
-    # quantizes them (QuantConfig.quantized_span(t + 1)), as one token at a time would.
+    # quantizes them (QuantConfig.quantized_span(t + 1)), as one token at a time would. They
+    # are tokens of the window before the flush: ``flushed`` holds the tensors they are in,
+    # their first token there and their count (``fresh_k`` / ``fresh_v`` cut them only when read).
     first_query: int = 0
-    fresh_k: torch.Tensor | None = None
-    fresh_v: torch.Tensor | None = None
+    flushed: tuple[torch.Tensor, torch.Tensor, int, int] | None = None
+
+    @functools.cached_property
+    def fresh_k(self) -> torch.Tensor | None:
+        """The originals of the keys this forward flushed, None when it flushed none."""
+        return None if self.flushed is None else self._fresh(self.flushed[0])
+
+    @functools.cached_property
+    def fresh_v(self) -> torch.Tensor | None:
+        """The originals of the values this forward flushed, None when it flushed none."""
+        return None if self.flushed is None else self._fresh(self.flushed[1])
+
+    def _fresh(self, src: torch.Tensor) -> torch.Tensor:
+        start, n = self.flushed[2], self.flushed[3]
+        return _tokens(src, start, start + n)
 
     @functools.cached_property
     def codes_k(self) -> Encoded | None:
@@ -167,6 +242,7 @@ class QuantizedLayer(CacheLayerMixin):
         self.seen = self.start = self.q_start = 0
         self.sink_k = self.sink_v = self.pending_k = self.pending_v = None
         self._view: _View | None = None
+        self._window: _Window | None = None
         # A weak reference: recognising this layer's forward must not keep the decoded keys alive.
         self._returned: weakref.ref | None = None
         # Set once the kvqrs attention function has served this layer: only then may update()
@@ -254,12 +330,11 @@ class QuantizedLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         view_start = self._view_start(self.seen)
-        self.keys = torch.cat([self.keys, key_states], dim=-2)
-        self.values = torch.cat([self.values, value_states], dim=-2)
+        self._append(key_states, value_states)
         self.seen += key_states.shape[-2]
         self._absorb_sinks()
         fresh = self._flush()
-        self._view = dataclasses.replace(self.view(view_start), first_query=self.seen - key_states.shape[-2], **fresh)
+        self._view = self.view(view_start, first_query=self.seen - key_states.shape[-2], **fresh)
         if not self.record_past and self.is_sliding:
             self._view.snapshot()  # the codes this forward reads, before the oldest are dropped
             self._evict()
@@ -292,7 +367,7 @@ class QuantizedLayer(CacheLayerMixin):
         view = self._view
         if not (self._attended and view.coded and not view.skip and new_tokens <= FUSED_MAX_QUERY and self.dtype != torch.float64):
             return False
-        if view.fresh_k is not None and self.config.quantized_span(view.first_query + 1)[1] < self.window_start:
+        if view.flushed is not None and self.config.quantized_span(view.first_query + 1)[1] < self.window_start:
             return False  # an early query still reads some new codes in full precision
         return self.codec().has_fused_path()
 
@@ -316,36 +391,104 @@ class QuantizedLayer(CacheLayerMixin):
         return sink + (lo - sink) // self.config.chunk * self.config.chunk
 
     # -- state changes ----------------------------------------------------------------------------
+    def _append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Append new tokens to the window, refusing a NaN or infinity (named by its index)
+        before anything is stored: written in place into the window's buffer (:class:`_Window`)
+        where the layer is float32 on the CPU, else joined to the window."""
+        n = key_states.shape[-2]
+        win = self._buffer(n) if _plain_f32(key_states) and _plain_f32(value_states) else None
+        if win is not None and _native.window_append(win.flat_k, win.flat_v, win.cap, win.hi, key_states.numpy(), value_states.numpy()):
+            win.hi += n
+            win.shown = False  # shown by the next read of the window (_settle)
+            return
+        check_finite(key_states, "key_states")  # names the culprit (the native check only finds one)
+        check_finite(value_states, "value_states")
+        self.keys = torch.cat([self.keys, key_states], dim=-2)
+        self.values = torch.cat([self.values, value_states], dim=-2)
+
+    def _buffered(self) -> _Window | None:
+        """The window's buffer while the layer's window is still its view, else None."""
+        win = self._window
+        return win if win is not None and self.keys is win.k_view and self.values is win.v_view else None
+
+    def _buffer(self, n: int) -> _Window | None:
+        """The window's buffer with room for ``n`` more tokens: the current one while it holds
+        the window and is not mostly spare room (a long prompt's buffer, once the prompt is
+        flushed), else a fresh one holding a copy of the window; None when the window is not
+        float32 on the CPU."""
+        win = self._buffered()
+        if win is not None and win.hi + n <= win.cap <= 4 * (win.hi - win.lo + n) + 64:
+            return win
+        if not (_plain_f32(self.keys) and _plain_f32(self.values)):
+            return None
+        self._window = win = _Window.holding(self.keys, self.values, n)
+        self._show(win)  # the layer's window is now the buffer's
+        return win
+
+    def _settle(self) -> None:
+        """Show the window appended to the buffer (see :attr:`_Window.shown`): every method
+        that reads ``keys`` / ``values`` during an update calls this first."""
+        win = self._buffered()
+        if win is not None and not win.shown:
+            self._show(win)
+
+    def _show(self, win: _Window) -> None:
+        """Set the layer's window to the buffer's span."""
+        self.keys, self.values = win.keys.narrow(2, win.lo, win.hi - win.lo), win.values.narrow(2, win.lo, win.hi - win.lo)
+        win.k_view, win.v_view, win.shown = self.keys, self.values, True
+
+    def _drop_window(self, n: int) -> None:
+        """Drop the window's oldest ``n`` tokens (a view: nothing is copied)."""
+        win = self._buffered()
+        if win is not None:
+            win.lo += n
+            self._show(win)
+        else:
+            self.keys, self.values = _tokens(self.keys, n), _tokens(self.values, n)
+
     def _absorb_sinks(self) -> None:
         """Move window tokens at sink positions into the sinks (they never get quantized)."""
         n = min(self.config.sink_tokens, self.seen) - self.window_start
         if n <= 0:
             return
+        self._settle()
         self.sink_k = torch.cat([self.sink_k, _tokens(self.keys, 0, n)], dim=-2)
         self.sink_v = torch.cat([self.sink_v, _tokens(self.values, 0, n)], dim=-2)
-        self.keys, self.values = _tokens(self.keys, n), _tokens(self.values, n)
+        self._drop_window(n)
         self.q_start += n
 
     def _flush(self) -> dict:
         """Encode whole chunks that have left the full-precision window; returns their
-        originals (``fresh_k``, ``fresh_v``; empty when none)."""
+        originals as :class:`_View` takes them (``flushed``; empty when none)."""
         n = self.config.quantized_span(self.seen)[1] - self.window_start
         if n <= 0 or self.awaits_calibration:
             return {}
         codec = self.codec()
-        k, v = _tokens(self.keys, 0, n), _tokens(self.values, 0, n)
-        # Appended along the token axis of every part of the store (amortised O(1) per token).
-        ck = codec.encode_keys(to_numpy(k, "keys"))
-        cv = v if codec.values is None else codec.encode_values(to_numpy(v, "values"))
         if self.store is None:
-            self.store = CodeStore(codec, k.shape[0], k.shape[1], self.head_dim, self.dtype)
-        self.store.append(ck, cv)
+            self.store = CodeStore(codec, self.keys.shape[0], self.keys.shape[1], self.head_dim, self.dtype)
+        # Appended along the token axis of every part of the store (amortised O(1) per token):
+        # encoded natively in one call, straight from the window, where the codec has a native
+        # encoder, else in Python.
+        win = self._buffered()
+        if win is None:
+            flushed = (self.keys, self.values, 0, n)
+            native = self.store.encode_append(self.keys, self.values, n)
+        else:  # read from the buffer (no conversion; the window need not be shown yet)
+            flushed = (win.keys, win.values, win.lo, n)
+            native = self.store.encode_append(win.np_k, win.np_v, n, win.lo)
+        if not native or self.record_past:
+            self._settle()
+            k, v = _tokens(self.keys, 0, n), _tokens(self.values, 0, n)
+        if not native:
+            ck = codec.encode_keys(to_numpy(k, "keys"))
+            cv = v if codec.values is None else codec.encode_values(to_numpy(v, "values"))
+            self.store.append(ck, cv)
         if self.record_past:
             self.pending_k = k if self.pending_k is None else torch.cat([self.pending_k, k], dim=-2)
             self.pending_v = v if self.pending_v is None else torch.cat([self.pending_v, v], dim=-2)
-        self.keys, self.values = _tokens(self.keys, n), _tokens(self.values, n)
+        self._drop_window(n)
         self.quantized += n
-        return {"fresh_k": k, "fresh_v": v}
+        return {"flushed": flushed}
 
     def _slice_codes(self, lo: int, hi: int) -> None:
         """Keep code tokens ``lo .. hi - 1`` (offsets into the codes, chunk-aligned)."""
@@ -373,7 +516,7 @@ class QuantizedLayer(CacheLayerMixin):
             q_drop = min(keep, self.window_start) - self.q_start
             w_drop = max(0, keep - self.window_start)
             self._slice_codes(q_drop, self.quantized)
-            self.keys, self.values = _tokens(self.keys, w_drop), _tokens(self.values, w_drop)
+            self._drop_window(w_drop)
             self.q_start += w_drop
         self.start = keep
 
@@ -438,8 +581,10 @@ class QuantizedLayer(CacheLayerMixin):
         self._view = None
 
     # -- reading --------------------------------------------------------------------------------
-    def view(self, start: int | None = None) -> _View:
-        """The held tokens from position ``start`` on (default: all of them)."""
+    def view(self, start: int | None = None, **forward: Any) -> _View:
+        """The held tokens from position ``start`` on (default: all of them); ``forward``: the
+        forward's ``first_query`` and the originals it flushed, ``flushed`` (see :class:`_View`)."""
+        self._settle()
         start = self.start if start is None else start
         ns = self.sink_k.shape[-2]
         s_off = min(ns, max(0, start - self.start))
@@ -454,6 +599,7 @@ class QuantizedLayer(CacheLayerMixin):
             self.q_start,
             _tokens(self.keys, w_off),
             _tokens(self.values, w_off),
+            **forward,
         )
 
     def materialize(self, view: _View | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -572,7 +718,9 @@ class QuantizedLayer(CacheLayerMixin):
     # -- accounting -----------------------------------------------------------------------------
     def nbytes(self) -> int:
         """Bytes held: every encoded part plus the full-precision tensors (sinks, window,
-        key-only values, originals kept for a rollback) and a self-calibrated layer's calibration."""
+        key-only values, originals kept for a rollback) and a self-calibrated layer's calibration.
+        The window counts its tokens, not the spare room of its buffer (:class:`_Window`: at
+        most three times the window plus 64 tokens), as the store's room is not counted either."""
         if not self.is_initialized:
             return 0
         total = 0 if self.store is None else self.store.nbytes()
@@ -627,7 +775,7 @@ class QuantizedLayer(CacheLayerMixin):
         if self.awaits_calibration:  # the prefill: fit on its queries, then code what the schedule codes
             self._fit_on_prefill(query)
             fresh = self._flush()
-            view = dataclasses.replace(self.view(view.start), first_query=view.first_query, **fresh)
+            view = self.view(view.start, first_query=view.first_query, **fresh)
             key, value = self.materialize(view)
         if self._fused:
             if self._codes_visible(view, attention_mask, query.shape[-2]):
@@ -809,9 +957,8 @@ class QuantizedKVCache(Cache):
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         if not 0 <= layer_idx < len(self.layers):
             raise KvqrsError(f"num_layers: this cache has {len(self.layers)} layers, the model updated layer {layer_idx}")
-        check_finite(key_states, "key_states")
-        check_finite(value_states, "value_states")
-        _STATE.set(self)  # the kvqrs attention function of this layer consults this cache
+        if _STATE.get() is not self:  # the kvqrs attention function of this layer consults this cache
+            _STATE.set(self)  # (set only on a change: each set makes a token, a decode step's 0.5 us)
         return super().update(key_states, value_states, layer_idx, *args, fused=self.config.fused, **kwargs)
 
     def attend(self, module, query, key, value, attention_mask, scaling):

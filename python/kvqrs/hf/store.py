@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 from fractions import Fraction
 from math import lcm
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -28,6 +28,8 @@ from .. import _native
 from .._arrays import KvqrsError
 from ..kernels.attention import DenseRows, binding_rows, binding_side
 from ..schemes import Encoded
+from ..schemes.backend import CPU
+from ..schemes.mse import MSECoder, MSEQJLCoder
 
 _NP_CODES = {np.dtype(np.uint8): 0, np.dtype(np.float16): 1, np.dtype(np.float32): 2, np.dtype(np.float64): 3}
 _NP_DTYPES = {v: k for k, v in _NP_CODES.items()}
@@ -70,6 +72,44 @@ def _as_part(a: Any) -> tuple[int, list[int], np.ndarray]:
     return _NP_CODES[arr.dtype], list(arr.shape), arr.reshape(-1).view(np.uint8)
 
 
+class NativeEncoder(NamedTuple):
+    """One side's native encoder (``LayerStore.set_encoders``): the MSE stage of ``bits`` bits
+    (``seed`` None: no rotation), or with ``qjl_seed`` the MSE stage of ``bits - 1`` bits and
+    the 1-bit QJL sketch of its residual."""
+
+    head_dim: int
+    bits: int
+    seed: int | None
+    qjl_seed: int | None = None
+
+
+def _native_encoder(coder: Any) -> NativeEncoder | None:
+    """The native encoder that gives a coder's bytes, or None: the Rust path of ``kv`` /
+    ``kqv`` keys and values (MSE) and of ``kqv`` values and ``qkqv`` (MSE + QJL sketch), when
+    they store norms; other schemes, scales and backends encode in Python."""
+    if getattr(coder, "k", None) is not CPU:
+        return None
+    if type(coder) is MSECoder and coder.scale == "norm":
+        return NativeEncoder(coder.head_dim, coder.bits, coder.seed)
+    if type(coder) is MSEQJLCoder and coder.mse.scale == "norm":
+        return NativeEncoder(coder.head_dim, coder.bits, coder.seed, coder.qjl_seed)
+    return None
+
+
+def _window_f32(t: torch.Tensor | np.ndarray, start: int, tokens: int) -> tuple[np.ndarray, int]:
+    """Tokens ``start .. start + tokens - 1`` of a ``(batch, heads, window, d)`` tensor as
+    float32 NumPy and their first token there: the tensor itself, strides and all, when it is
+    float32 on the CPU or already float32 NumPy (no copy: the native call reads the tokens it
+    needs), else a float32 copy of those tokens."""
+    if isinstance(t, np.ndarray):
+        return (t, start) if t.dtype == np.float32 else (t[..., start : start + tokens, :].astype(np.float32), 0)
+    if t.requires_grad:
+        t = t.detach()
+    if t.dtype is torch.float32 and t.device.type == "cpu":
+        return t.numpy(), start
+    return t[..., start : start + tokens, :].to(device="cpu", dtype=torch.float32).numpy(), 0
+
+
 def _from_part(code: int, shape: list[int], raw: np.ndarray, torch_out: bool = False):
     if torch_out:
         return torch.from_numpy(raw).view(_TORCH_DTYPES[code]).reshape(shape)
@@ -96,6 +136,7 @@ class CodeStore:
         self._templates: dict[str, Encoded] = {}
         self._names: list[str] = self._native.names()
         self._attends: bool | None = None
+        self._encodes: bool | None = None
         self._order = {n: i for i, n in enumerate(self._names)}
 
     @staticmethod
@@ -148,6 +189,29 @@ class CodeStore:
         for n, c in zip(names, chunk):
             ordered[self._order[n]] = c
         self._native.append(ordered, int(ck.shape[-2]))
+
+    def encode_append(self, k: torch.Tensor | np.ndarray, v: torch.Tensor | np.ndarray, tokens: int | None = None, start: int = 0) -> bool:
+        """Encode tokens ``start .. start + tokens - 1`` (default: all) of keys ``k`` and values
+        ``v`` ``(batch, kv_heads, window, head_dim)`` (tensors or NumPy arrays of any float
+        dtype, as float32; any strides) and append their codes in one native call: the bytes
+        :meth:`append` stores for ``codec.encode_keys``, ``codec.encode_values`` of those tokens.
+        Returns False, nothing stored, when the codec has no native encoder (see
+        :func:`_native_encoder`) or the native encode refuses the tokens (a norm beyond
+        float32): the caller then takes the Python path, whose error names the token."""
+        if self._encodes is None:
+            sides = [_native_encoder(self.codec._key_coder()), None if self.key_only else _native_encoder(self.codec.values)]
+            self._encodes = None not in sides
+            if self._encodes:
+                self._native.set_encoders(*sides)
+        if not self._encodes:
+            return False
+        try:
+            n = int(k.shape[-2]) - start if tokens is None else int(tokens)
+            (ka, k0), (va, v0) = _window_f32(k, start, n), _window_f32(v, start, n)
+            self._native.encode_append(ka, va, n, k0, v0)
+        except KvqrsError:
+            return False
+        return True
 
     def keep(self, lo: int, hi: int) -> None:
         """Keep tokens ``lo .. hi - 1`` (raises unless every part can be cut there)."""

@@ -45,6 +45,15 @@ def scale_params(scale: str) -> dict[str, str]:
     return {} if check_scale(scale) == "norm" else {"scale": scale}
 
 
+def _native_rows(x: np.ndarray) -> tuple[np.ndarray, tuple[int, ...]]:
+    """``x`` as the native encoders take it: flat float32 rows and the leading shape (what
+    :func:`as_float_rows` returns, without its copies for a float32 C-contiguous array)."""
+    if x.dtype == np.float32 and x.flags.c_contiguous:
+        return x.reshape(-1), x.shape[:-1]
+    flat, lead, _, _ = as_float_rows(x, "x", min_dim=2)
+    return flat, lead
+
+
 class MSECoder:
     """``||x||`` (16 or 32 bits) + ``bits``-bit codes of every code coordinate.
 
@@ -85,10 +94,7 @@ class MSECoder:
         constructor, so a one-token append (a decode step) pays no per-call re-validation in
         ``kvqrs.kernels``; the input is validated as there, and the native kernel reports
         NaN/Inf and norm overflow with the same messages. Same bytes as the general path."""
-        if x.dtype == np.float32 and x.flags.c_contiguous:
-            flat, lead = x.reshape(-1), x.shape[:-1]  # what as_float_rows returns, without its copies
-        else:
-            flat, lead, _, _ = as_float_rows(x, "x", min_dim=2)
+        flat, lead = _native_rows(x)
         packed, norms = _native.mse_encode_packed(flat, self.head_dim, self.bits, self.seed, self.scale)
         parts = {"codes": packed.reshape(*lead, self.row_bytes), "norms": norms.reshape(lead)}
         return Encoded(self.scheme, self.kind, x.shape, x.dtype, parts, self.params)
@@ -150,6 +156,29 @@ class MSEQJLCoder:
         self.params = {"bits": bits, "seed": seed, "qjl_seed": qjl_seed, **scale_params(scale)}
 
     def encode(self, x) -> Encoded:
+        x = as_float_array(x, self.kind)
+        if self.k is CPU and self.mse.scale == "norm":  # the one-call encoder stores norms
+            check_head_dim(x, self.head_dim, self.kind)
+            return self._encode_native(x)
+        return self.encode_composed(x)
+
+    def _encode_native(self, x: np.ndarray) -> Encoded:
+        """The Rust path in one native call (``_native.mse_qjl_encode_packed``): a decode step
+        appending one token pays one call instead of :meth:`encode_composed`'s five. Same
+        bytes; inputs validated and errors reported as :meth:`MSECoder._encode_native` does."""
+        flat, lead = _native_rows(x)
+        packed, norms, signs, qjl_norms = _native.mse_qjl_encode_packed(flat, self.head_dim, self.bits, self.seed, self.qjl_seed)
+        parts = {
+            "codes": packed.reshape(*lead, self.mse.row_bytes),
+            "norms": norms.reshape(lead),
+            "qjl_signs": signs.reshape(*lead, packed_size(self.code_dim, 1)),
+            "qjl_norms": qjl_norms.reshape(lead),
+        }
+        return Encoded(self.scheme, self.kind, x.shape, x.dtype, parts, self.params)
+
+    def encode_composed(self, x) -> Encoded:
+        """:meth:`encode` as the backend's kernels in sequence (the path of every backend but
+        the Rust one, whose single call gives the same bytes)."""
         x = as_float_array(x, self.kind)
         base = self.mse.encode(x)
         residual = self.k.hadamard(x.astype(np.float32), self.seed) - self.mse.rotated(base)

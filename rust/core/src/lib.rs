@@ -6,6 +6,7 @@
 
 pub mod alloc;
 pub mod decode_step;
+pub mod encoders;
 pub mod error;
 pub mod format;
 pub mod kernels;
@@ -15,6 +16,7 @@ pub mod rng;
 pub mod scalars;
 pub mod simd;
 pub mod store;
+pub mod window;
 
 pub use error::{KvqError, Result};
 pub use simd::Isa;

@@ -5,6 +5,7 @@ use kvqrs_core::kernels::hadamard::Rotation;
 use kvqrs_core::kernels::headq::HeadqCoder;
 use kvqrs_core::kernels::lloyd_max::codebook;
 use kvqrs_core::kernels::mse::{MseQuantizer, RowScale};
+use kvqrs_core::kernels::mse_qjl::MseQjlEncoder;
 use kvqrs_core::kernels::pack;
 use kvqrs_core::kernels::qjl::QjlSketcher;
 use kvqrs_core::kernels::uniform::UniformQuantizer;
@@ -196,6 +197,33 @@ pub fn mse_encode_packed<'py>(
     let q = mse_quantizer(head_dim, bits, seed, scale)?;
     let (packed, norms) = py_result(py.allow_threads(|| q.encode_packed(xs)))?;
     Ok((PyArray1::from_vec(py, packed), plane_to_py(py, norms)))
+}
+
+/// Returns (packed codes uint8 flat, `packed_len(code_dim, bits - 1)` bytes per row, norms
+/// float16|float32, sketch signs uint8 flat, `ceil(code_dim / 8)` bytes per row, residual
+/// norms float16|float32): the `(bits - 1)`-bit `mse_encode_packed` of rows of head_dim values
+/// and the QJL sketch (`m = code_dim`, seed `qjl_seed`) of their rotated residual
+/// `hadamard(x) - norm * centroids[codes]`, in one call. Equivalent to those kernels in
+/// sequence, byte for byte.
+#[pyfunction]
+pub fn mse_qjl_encode_packed<'py>(
+    py: Python<'py>,
+    x: PyReadonlyArray1<'py, f32>,
+    head_dim: usize,
+    bits: i64,
+    seed: u64,
+    qjl_seed: u64,
+) -> PyResult<(U8Out<'py>, Bound<'py, PyAny>, U8Out<'py>, Bound<'py, PyAny>)> {
+    let xs = slice(&x, "x")?;
+    let codes = py_result(py.allow_threads(|| {
+        MseQjlEncoder::new(head_dim, bits_u32(bits), seed, qjl_seed)?.encode(xs)
+    }))?;
+    Ok((
+        PyArray1::from_vec(py, codes.packed),
+        plane_to_py(py, codes.norms),
+        PyArray1::from_vec(py, codes.sketch.signs),
+        plane_to_py(py, codes.sketch.norms),
+    ))
 }
 
 /// `unpack_bits` then `mse_decode`, fused row by row.

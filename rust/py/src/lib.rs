@@ -31,6 +31,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(kernels::mse_decode, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::mse_encode_packed, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::mse_decode_packed, m)?)?;
+    m.add_function(wrap_pyfunction!(kernels::mse_qjl_encode_packed, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::qjl_sketch, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::qjl_inner_product, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::qjl_vector_estimate, m)?)?;
@@ -52,5 +53,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(attention::decode_attention, m)?)?;
     m.add_function(wrap_pyfunction!(paged::paged_decode_attention, m)?)?;
     m.add_class::<store::PyLayerStore>()?;
+    m.add_function(wrap_pyfunction!(store::window_append, m)?)?;
     Ok(())
 }

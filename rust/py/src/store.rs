@@ -4,10 +4,15 @@
 //! too); parts leave the same way. The GIL is released for every copy and for the step.
 
 use kvqrs_core::decode_step::{attend, RowSpec, RunSpec, SideSpec, Step};
+use kvqrs_core::encoders::SideEncoder;
 use kvqrs_core::format::{Dtype, Section};
 use kvqrs_core::kernels::attention::Layout;
+use kvqrs_core::kernels::mse::MseQuantizer;
+use kvqrs_core::kernels::mse_qjl::MseQjlEncoder;
 use kvqrs_core::store::{ChunkPart, LayerStore, PartSpec};
-use numpy::{PyArray1, PyReadonlyArray1};
+use kvqrs_core::window::{all_finite, append_tokens};
+use numpy::ndarray::s;
+use numpy::{PyArray1, PyArray4, PyArrayMethods, PyReadonlyArray1, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
@@ -55,6 +60,8 @@ struct Declared {
 pub struct PyLayerStore {
     inner: LayerStore,
     rows: Option<Declared>,
+    /// The native encoders of keys and values (`set_encoders`), for `encode_append`.
+    encoders: Option<(SideEncoder, SideEncoder)>,
 }
 
 /// One side of the cache with part names in place of arrays.
@@ -64,6 +71,105 @@ type NamedBase<'py> = BaseRows<'py, String, String, String>;
 /// A flat float32 basis or mean as an owned copy (the store keeps it).
 fn floats(a: &F32<'_>, what: &str) -> PyResult<Vec<f32>> {
     Ok(slice(a, what)?.to_vec())
+}
+
+/// One side's encoder as `kvqrs.hf.store.NativeEncoder` declares it (read by attribute): the
+/// MSE stage (`seed` None: no rotation), with the QJL sketch of its residual when `qjl_seed`
+/// is set (`bits` then counts the sketch's bit too).
+#[derive(FromPyObject)]
+struct EncoderSpec {
+    head_dim: usize,
+    bits: u32,
+    seed: Option<u64>,
+    qjl_seed: Option<u64>,
+}
+
+fn side_encoder(e: EncoderSpec, what: &str) -> PyResult<SideEncoder> {
+    Ok(match (e.qjl_seed, e.seed) {
+        (None, seed) => SideEncoder::Mse(py_result(MseQuantizer::new(e.head_dim, e.bits, seed))?),
+        (Some(qjl_seed), Some(seed)) => SideEncoder::MseQjl(py_result(MseQjlEncoder::new(
+            e.head_dim, e.bits, seed, qjl_seed,
+        ))?),
+        (Some(_), None) => {
+            return Err(arg_error(format!(
+                "{what}: an MSE + QJL encoder needs a rotation seed, got seed None"
+            )))
+        }
+    })
+}
+
+/// Tokens `start .. start + tokens` of a `(batch, heads, window, d)` array of any strides, as
+/// C-order rows (the one copy a flush makes: the caller's window is a strided view).
+fn window_tokens(
+    a: &Bound<'_, PyArray4<f32>>,
+    start: usize,
+    tokens: usize,
+    what: &str,
+) -> PyResult<Vec<f32>> {
+    let r = a
+        .try_readonly()
+        .map_err(|e| arg_error(format!("{what}: cannot read the array ({e})")))?;
+    let view = r.as_array();
+    let end = start.checked_add(tokens).filter(|&e| e <= view.shape()[2]);
+    let Some(end) = end else {
+        return Err(arg_error(format!(
+            "{what}: expected a window holding tokens {start} .. {start} + {tokens}, got shape {:?}",
+            view.shape()
+        )));
+    };
+    Ok(view
+        .slice(s![.., .., start..end, ..])
+        .iter()
+        .copied()
+        .collect())
+}
+
+/// A float32 array's values in C order (a copy, so that the borrow ends here), or None when
+/// the array is borrowed mutably elsewhere.
+fn c_order(a: &Bound<'_, PyArray4<f32>>) -> Option<Vec<f32>> {
+    let r = a.try_readonly().ok()?;
+    Some(match r.as_slice() {
+        Ok(s) => s.to_vec(),
+        Err(_) => r.as_array().iter().copied().collect(),
+    })
+}
+
+/// Appends a decode step's new keys `k` and values `v` (float32 batch x kv_heads x n x
+/// head_dim, any strides) to a layer's window buffers `dst_k`, `dst_v` (flat float32 views of
+/// C-contiguous batch x kv_heads x `cap` x head_dim buffers) at token `at`. Returns False,
+/// nothing copied, when some new value is not finite (the caller names it) or when the arrays
+/// cannot be borrowed as needed (buffers that alias each other, or that another borrow
+/// holds): the caller then joins the tokens to its window instead. Raises when the tokens do
+/// not fit the buffers or a buffer is strided.
+#[pyfunction]
+pub fn window_append(
+    py: Python<'_>,
+    dst_k: &Bound<'_, PyArray1<f32>>,
+    dst_v: &Bound<'_, PyArray1<f32>>,
+    cap: usize,
+    at: usize,
+    k: &Bound<'_, PyArray4<f32>>,
+    v: &Bound<'_, PyArray4<f32>>,
+) -> PyResult<bool> {
+    let (ks, vs) = (k.shape().to_vec(), v.shape().to_vec());
+    let (Some(kx), Some(vx)) = (c_order(k), c_order(v)) else {
+        return Ok(false);
+    };
+    let (Ok(mut wk), Ok(mut wv)) = (dst_k.try_readwrite(), dst_v.try_readwrite()) else {
+        return Ok(false);
+    };
+    let strided =
+        || arg_error("dst_k, dst_v: expected C-contiguous buffers, got a strided view".into());
+    let dk = wk.as_slice_mut().map_err(|_| strided())?;
+    let dv = wv.as_slice_mut().map_err(|_| strided())?;
+    py_result(py.allow_threads(|| {
+        if !(all_finite(&kx) && all_finite(&vx)) {
+            return Ok(false);
+        }
+        append_tokens(dk, (cap, at), &kx, (ks[0] * ks[1], ks[2], ks[3]))?;
+        append_tokens(dv, (cap, at), &vx, (vs[0] * vs[1], vs[2], vs[3]))?;
+        Ok(true)
+    }))
 }
 
 impl PyLayerStore {
@@ -163,6 +269,7 @@ impl PyLayerStore {
         Ok(Self {
             inner: py_result(LayerStore::new(specs(parts)?))?,
             rows: None,
+            encoders: None,
         })
     }
 
@@ -284,6 +391,7 @@ impl PyLayerStore {
                 tokens,
             ))?,
             rows: None,
+            encoders: None,
         })
     }
 
@@ -314,6 +422,46 @@ impl PyLayerStore {
             side: s,
         });
         Ok(())
+    }
+
+    /// Declares the native encoders of keys and values for `encode_append`
+    /// (`NativeEncoder` objects).
+    fn set_encoders(&mut self, keys: EncoderSpec, values: EncoderSpec) -> PyResult<()> {
+        self.encoders = Some((side_encoder(keys, "keys")?, side_encoder(values, "values")?));
+        Ok(())
+    }
+
+    /// Whether `set_encoders` has declared the encoders.
+    #[getter]
+    fn has_encoders(&self) -> bool {
+        self.encoders.is_some()
+    }
+
+    /// Encodes `tokens` tokens of keys `k` and values `v` (float32 batch x kv_heads x window
+    /// x head_dim, any strides: a cache passes its full-precision window buffer as it holds
+    /// it), from token `k_start` of `k` and `v_start` of `v`, with the declared encoders and
+    /// appends their codes. Raises (nothing stored) without encoders, for a window that does
+    /// not hold those tokens, on non-finite rows, a norm beyond float32, or parts that do not
+    /// match the store's.
+    #[pyo3(signature = (k, v, tokens, k_start=0, v_start=0))]
+    fn encode_append(
+        &mut self,
+        py: Python<'_>,
+        k: &Bound<'_, PyArray4<f32>>,
+        v: &Bound<'_, PyArray4<f32>>,
+        tokens: usize,
+        k_start: usize,
+        v_start: usize,
+    ) -> PyResult<()> {
+        let (ks, vs) = (
+            window_tokens(k, k_start, tokens, "k")?,
+            window_tokens(v, v_start, tokens, "v")?,
+        );
+        let (inner, encoders) = (&mut self.inner, &self.encoders);
+        let (ke, ve) = encoders
+            .as_ref()
+            .ok_or_else(|| arg_error("encoders: call set_encoders first".into()))?;
+        py_result(py.allow_threads(|| inner.encode_append((ke, &ks), (ve, &vs), tokens)))
     }
 
     /// Whether `set_rows` has declared the rows.

@@ -5,6 +5,7 @@ pub mod hadamard;
 pub mod headq;
 pub mod lloyd_max;
 pub mod mse;
+pub mod mse_qjl;
 pub mod pack;
 pub mod paged;
 pub mod qjl;
