@@ -3,8 +3,8 @@
 
 For each context length the prompt (seeded random token ids) is prefilled once, in chunks,
 into a dense cache; every row then starts from a copy of those keys and values (a
-``QuantizedKVCache`` receives them through ``update``, as in a prefill, and quantizes all but
-its full-precision window) and generates ``new_tokens`` greedy tokens. The rate is taken
+``QuantizedKVCache`` receives them through ``update`` and one attention read per layer, as in
+a prefill forward, and quantizes all but its full-precision window) and generates ``new_tokens`` greedy tokens. The rate is taken
 between the first and the last generated token (a logits processor stamps each step), so
 neither the prefill nor the first step (which for ``QuantizedKVCache`` decodes the cache once
 before the fused path engages) is counted.
@@ -114,9 +114,29 @@ def _generate(model, ids, kv, make, attn: str, new_tokens: int) -> tuple[float, 
     return rate, toks, mem.peak, _cache_bytes(cache)
 
 
-def _run(model, ids, kv, cache, attn: str, new_tokens: int) -> tuple[float, torch.Tensor]:
+class _Module:
+    """What the kvqrs attention reads from a transformers attention module."""
+
+    def __init__(self, layer_idx: int, groups: int):
+        self.layer_idx, self.num_key_value_groups = layer_idx, groups
+
+
+def _load(model, kv, cache) -> None:
+    """Hand the prompt's keys and values to ``cache`` layer by layer as a prefill forward
+    does: ``update``, then (a ``QuantizedKVCache``) the layer's attention read, by one query
+    row (a prefill's attention reads the originals of the tokens it flushed, which the layer
+    then lets go)."""
+    cfg = model.config
+    heads, d = cfg.num_attention_heads, cfg.hidden_size // cfg.num_attention_heads
     for i, (k, v) in enumerate(kv):
-        cache.update(k, v, i)
+        k_out, v_out = cache.update(k, v, i)
+        if isinstance(cache, QuantizedKVCache):
+            q = torch.zeros(k.shape[0], heads, 1, getattr(cfg, "head_dim", None) or d)
+            cache.attend(_Module(i, heads // k.shape[1]), q, k_out, v_out, None, q.shape[-1] ** -0.5)
+
+
+def _run(model, ids, kv, cache, attn: str, new_tokens: int) -> tuple[float, torch.Tensor]:
+    _load(model, kv, cache)
     model.set_attn_implementation(attn)
     stamps = _Stamps()
     with torch.no_grad():

@@ -105,11 +105,12 @@ class _Window:
 
     @classmethod
     def holding(cls, keys: torch.Tensor, values: torch.Tensor, room: int) -> _Window:
-        """A buffer holding a copy of the window ``keys``, ``values`` and room for twice its
-        tokens plus ``room`` more (a sliding window moves on to a fresh buffer every ~window
-        tokens: O(1) copied per token)."""
+        """A buffer holding a copy of the window ``keys``, ``values``, the ``room`` tokens
+        about to be appended and as many again as it holds plus 64 (a window moves on to a
+        fresh buffer every ~window tokens: O(1) copied per token; a long prompt gets no more
+        than its own length of room)."""
         held = keys.shape[-2]
-        cap = 2 * (held + room) + 16
+        cap = 2 * held + room + 64
         kb = keys.new_empty((*keys.shape[:2], cap, keys.shape[-1]))
         vb = values.new_empty((*values.shape[:2], cap, values.shape[-1]))
         kb[:, :, :held].copy_(keys)
@@ -487,8 +488,18 @@ class QuantizedLayer(CacheLayerMixin):
             self.pending_k = k if self.pending_k is None else torch.cat([self.pending_k, k], dim=-2)
             self.pending_v = v if self.pending_v is None else torch.cat([self.pending_v, v], dim=-2)
         self._drop_window(n)
+        self._compact()
         self.quantized += n
         return {"flushed": flushed}
+
+    def _compact(self) -> None:
+        """Move the window to a buffer of its size when the current one is mostly flushed
+        tokens (a long prompt's): the prompt's originals are then freed as soon as the forward
+        that flushed them has read them (the view's ``flushed``), not at the layer's next update."""
+        win = self._buffered()
+        if win is not None and win.cap > 4 * (win.hi - win.lo) + 64:
+            self._window = win = _Window.holding(self.keys, self.values, 1)
+            self._show(win)
 
     def _slice_codes(self, lo: int, hi: int) -> None:
         """Keep code tokens ``lo .. hi - 1`` (offsets into the codes, chunk-aligned)."""
