@@ -1402,3 +1402,19 @@ def test_new_tokens_that_share_the_window_buffer_append_as_copies():
     want_k, want_v = torch.cat([layer.keys, own_k], dim=-2), torch.cat([layer.values, own_v], dim=-2)
     layer.update(own_k, own_v)
     assert torch.equal(layer.keys, want_k) and torch.equal(layer.values, want_v)
+
+
+def test_configs_the_codec_refuses_raise_before_anything_is_stored():
+    """A QJL stage needs 2 bits (refused when the config is built); a calibration fitted for
+    another head_dim is refused by the first update before it stores a token."""
+    from kvqrs.schemes.matched import random_calibration
+
+    with pytest.raises(KvqrsError, match="value_bits: expected >= 2 for kqv values"):
+        QuantConfig("kqv", 4, "kqv", 1)
+    with pytest.raises(KvqrsError, match="key_bits: expected >= 2 for qkqv keys"):
+        QuantConfig("qkqv", 1)
+    cfg = QuantConfig("matched", 3, "matched", 3, group=8, residual_length=2, calibration={0: random_calibration(8, 3, 0)})
+    cache = QuantizedKVCache(cfg, 1)
+    with pytest.raises(KvqrsError, match="fitted for head_dim 8, codec head_dim is 16"):
+        cache.update(torch.randn(1, 1, 20, 16), torch.randn(1, 1, 20, 16), 0)
+    assert cache.get_seq_length() == 0 and cache.nbytes() == 0

@@ -326,6 +326,50 @@ def _needle(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_calibrate_args(args: argparse.Namespace) -> None:
+    """``kvqrs calibrate``'s settings, checked before the model loads: a preset fills in its
+    settings and refuses any given beside it; the rest get their defaults."""
+    preset_keys = ("budget", "key_widths", "value_widths", "group", "sink_tokens")
+    if args.preset is not None:  # the recommended settings of QuantConfig.preset(NAME)
+        from .hf.config import PRESETS
+
+        if args.preset not in PRESETS:
+            raise KvqrsError(f"--preset: expected one of {sorted(PRESETS)}, got {args.preset!r}")
+        given = [f"--{k.replace('_', '-')}" for k in preset_keys if getattr(args, k) is not None]
+        if given:
+            raise KvqrsError(f"--preset: sets {', '.join(given)} itself; give either --preset or those")
+        p = PRESETS[args.preset]
+        args.budget, args.group, args.sink_tokens = p["budget"], p["group"], p["sink_tokens"]
+        args.key_widths, args.value_widths = list(p["key_widths"]), list(p["value_widths"])
+    args.group = 128 if args.group is None else args.group
+    args.sink_tokens = 1 if args.sink_tokens is None else args.sink_tokens
+    args.key_widths = [2, 3, 4, 5] if args.key_widths is None else args.key_widths
+    checks = [
+        (args.group >= 1, f"--group: expected at least 1 token, got {args.group}"),
+        (args.sink_tokens >= 0, f"--sink-tokens: expected 0 or more, got {args.sink_tokens}"),
+        (args.windows >= 1, f"--windows: expected at least 1, got {args.windows}"),
+        (args.ctx >= args.sink_tokens + 2, f"--ctx: expected at least --sink-tokens + 2 = {args.sink_tokens + 2} tokens, got {args.ctx}"),
+        (0 < args.bits <= 8, f"--bits: expected 0 < bits <= 8 average key code bits, got {args.bits}"),
+        (all(0 < a <= 8 for a in args.key_widths), f"--key-widths: expected 0 < width <= 8 bits, got {args.key_widths}"),
+        (args.budget is None or args.probe_windows >= 1, f"--probe-windows: expected at least 1 with --budget, got {args.probe_windows}"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise KvqrsError(message)
+    if args.value_widths is None:
+        args.value_widths = sorted({int(a) for a in args.key_widths if a == int(a)})
+        if not args.value_widths:
+            raise KvqrsError(f"--value-widths: needed when no --key-widths is a whole number of bits (got {args.key_widths})")
+    if not all(1 <= b <= 8 for b in args.value_widths):
+        raise KvqrsError(f"--value-widths: expected integer bits in 1..8, got {args.value_widths}")
+    narrowest = (min(args.key_widths) + min(args.value_widths)) / 2
+    if args.budget is not None and not (narrowest < args.budget <= 16):
+        # the narrowest widths cost more than their bits (scales, norms, sinks)
+        raise KvqrsError(
+            f"--budget: expected more than the narrowest widths' {narrowest} bits per element (and at most 16), got {args.budget}"
+        )
+
+
 def _calibrate(args: argparse.Namespace) -> int:
     """``kvqrs calibrate``: fit the ``matched`` scheme on the calibration text and save it."""
     from .evaluation import llama_protocol as lp
@@ -333,25 +377,7 @@ def _calibrate(args: argparse.Namespace) -> int:
     from .hf import calibrate_matched, save_matched
     from .hf.calibration import allocate_matched
 
-    if args.preset is not None:  # the recommended settings of QuantConfig.preset(NAME)
-        from .hf.config import PRESETS
-
-        if args.preset not in PRESETS:
-            raise KvqrsError(f"--preset: expected one of {sorted(PRESETS)}, got {args.preset!r}")
-        p = PRESETS[args.preset]
-        args.budget, args.group, args.sink_tokens = p["budget"], p["group"], p["sink_tokens"]
-        args.key_widths, args.value_widths = list(p["key_widths"]), list(p["value_widths"])
-    if args.value_widths is None:
-        args.value_widths = sorted({int(a) for a in args.key_widths if a == int(a)})
-    bad = [b for b in args.value_widths if not 1 <= b <= 8]
-    if bad or not args.value_widths:
-        raise KvqrsError(f"--value-widths: expected integer bits in 1..8 (default: the integer --key-widths), got {args.value_widths}")
-    narrowest = (min(args.key_widths) + min(args.value_widths)) / 2
-    if args.budget is not None and not (narrowest < args.budget <= 16):
-        # the narrowest widths cost more than their bits (scales, norms, sinks): checked before the model loads
-        raise KvqrsError(
-            f"--budget: expected more than the narrowest widths' {narrowest} bits per element (and at most 16), got {args.budget}"
-        )
+    _check_calibrate_args(args)
     texts = _texts(args)
     torch_threads(1 if args.threads is None else args.threads)
     model, tok = model_mod.load(progress=not args.no_progress)
@@ -407,13 +433,13 @@ def select_rows(rows: list, prefixes: Sequence[str] | None) -> list:
 
 
 def _text_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--data", help="a plain text file (its first 20%% calibrates HeadQ, the rest is evaluated)")
+    p.add_argument("--data", help="a plain text file (its first 20%% is the calibration text, the rest is evaluated)")
     p.add_argument("--wikitext", help="folder of a local WikiText-2/103 raw copy (wiki.test.raw, wiki.valid.*)")
     p.add_argument(
         "--threads",
         type=int,
         default=None,
-        help="PyTorch intra-op threads (eval default: the faster of 1 and all cores, timed on one forward; study: 1)",
+        help="PyTorch intra-op threads (eval default: the faster of 1 and all cores, timed on one forward; study, calibrate: 1)",
     )
     p.add_argument(
         "--ray",
@@ -533,12 +559,12 @@ def build_parser() -> argparse.ArgumentParser:
     ca = sub.add_parser("calibrate", help="fit the matched scheme (key transform, widths, value mean) on a calibration text and save it")
     _text_options(ca)
     ca.add_argument("--bits", type=float, default=4.0, help="average key code bits per coordinate (default: %(default)s)")
-    ca.add_argument("--group", type=int, default=128, help="tokens per key scale group (default: %(default)s)")
+    ca.add_argument("--group", type=int, default=None, help="tokens per key scale group (default: 128)")
     ca.add_argument(
         "--sink-tokens",
         type=int,
-        default=1,
-        help="leading tokens kept in full precision, left out of the statistics (default: %(default)s)",
+        default=None,
+        help="leading tokens kept in full precision, left out of the statistics (default: 1)",
     )
     ca.add_argument(
         "--budget",
@@ -555,7 +581,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--key-widths",
         type=float,
         nargs="+",
-        default=[2, 3, 4, 5],
+        default=None,
         help="with --budget: the candidate average key code bits per layer, fractions allowed (default: 2 3 4 5)",
     )
     ca.add_argument(

@@ -94,6 +94,13 @@ class QuantConfig:
         check_bits(self.key_bits, "key_bits")
         if self.value_bits is not None:
             check_bits(self.value_bits, "value_bits")
+        # A QJL residual takes one of the bits: (n-1)-bit Lloyd-Max + 1-bit sketch.
+        if self.key_scheme == "qkqv" and self.key_bits < 2:
+            raise KvqrsError(f"key_bits: expected >= 2 for qkqv keys (a QJL residual takes 1 bit), got {self.key_bits}")
+        if self.value_scheme in ("kqv", "qkqv") and (self.value_bits or self.key_bits) < 2:
+            raise KvqrsError(
+                f"value_bits: expected >= 2 for {self.value_scheme} values (a QJL residual takes 1 bit), got {self.value_bits or self.key_bits}"
+            )
         for name in ("residual_length", "sink_tokens", "seed", "group", "rank", "side_bits"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
