@@ -12,7 +12,7 @@ import torch
 from kvqrs import _native
 from kvqrs.hf import QuantConfig, QuantizedKVCache
 from kvqrs.schemes import KVCodec
-from speed_common import best_of, per_call, table
+from speed_common import AttentionModule, best_of, per_call, table
 from transformers import DynamicCache
 
 HEAD_DIM, BITS, SEED = 128, 4, 1
@@ -30,13 +30,6 @@ def _rust_per_token(x: np.ndarray) -> float:
     return best_of(run, 20) / len(x)  # the least disturbed call: this is the reference
 
 
-class _Module:
-    """What the attention function reads from a transformers attention module (3 query
-    heads per KV head, as in SmolLM2-135M)."""
-
-    num_key_value_groups, layer_idx = 3, 0
-
-
 def _cache_update(cfg: QuantConfig | None, context: int, calls: int, clock) -> float:
     """Seconds per ``update`` of one decode token on one layer of SmolLM2-135M's shape (3 KV
     heads, head_dim 64) holding ``context`` tokens; the cache grows by one token per call. A
@@ -48,7 +41,7 @@ def _cache_update(cfg: QuantConfig | None, context: int, calls: int, clock) -> f
     k, v = cache.update(kv(context), kv(context), 0)
     if cfg is not None:
         q = torch.from_numpy(rng.standard_normal((1, 9, 1, 64)).astype(np.float32))
-        cache.attend(_Module(), q, k, v, None, 64**-0.5)
+        cache.attend(AttentionModule(0, 3), q, k, v, None, 64**-0.5)
     steps = [(kv(1), kv(1)) for _ in range(calls * 8 + 1)]
     it = iter(steps)
     return per_call(lambda: cache.update(*next(it), 0), calls, repeats=7, clock=clock)

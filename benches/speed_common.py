@@ -106,3 +106,11 @@ def row(cells: Sequence[Any]) -> str:
 
 def gbs(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / 1e9
+
+
+class AttentionModule:
+    """What the kvqrs attention function reads from a transformers attention module: its
+    layer and its query heads per KV head."""
+
+    def __init__(self, layer_idx: int = 0, groups: int = 3):
+        self.layer_idx, self.num_key_value_groups = layer_idx, groups

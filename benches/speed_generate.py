@@ -30,7 +30,7 @@ import time
 import numpy as np
 import torch
 from kvqrs.hf import QuantConfig, QuantizedKVCache
-from speed_common import row, table
+from speed_common import AttentionModule, row, table
 from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
 
 PREFILL_CHUNK = 1024
@@ -114,13 +114,6 @@ def _generate(model, ids, kv, make, attn: str, new_tokens: int) -> tuple[float, 
     return rate, toks, mem.peak, _cache_bytes(cache)
 
 
-class _Module:
-    """What the kvqrs attention reads from a transformers attention module."""
-
-    def __init__(self, layer_idx: int, groups: int):
-        self.layer_idx, self.num_key_value_groups = layer_idx, groups
-
-
 def _load(model, kv, cache) -> None:
     """Hand the prompt's keys and values to ``cache`` layer by layer as a prefill forward
     does: ``update``, then (a ``QuantizedKVCache``) the layer's attention read, by one query
@@ -132,7 +125,7 @@ def _load(model, kv, cache) -> None:
         k_out, v_out = cache.update(k, v, i)
         if isinstance(cache, QuantizedKVCache):
             q = torch.zeros(k.shape[0], heads, 1, getattr(cfg, "head_dim", None) or d)
-            cache.attend(_Module(i, heads // k.shape[1]), q, k_out, v_out, None, q.shape[-1] ** -0.5)
+            cache.attend(AttentionModule(i, heads // k.shape[1]), q, k_out, v_out, None, q.shape[-1] ** -0.5)
 
 
 def _run(model, ids, kv, cache, attn: str, new_tokens: int) -> tuple[float, torch.Tensor]:

@@ -357,7 +357,9 @@ def _check_calibrate_args(args: argparse.Namespace) -> None:
         if not ok:
             raise KvqrsError(message)
     if args.value_widths is None:
-        args.value_widths = sorted({int(a) for a in args.key_widths if a == int(a)})
+        from .hf.calibration import default_value_widths
+
+        args.value_widths = list(default_value_widths(args.key_widths))
         if not args.value_widths:
             raise KvqrsError(f"--value-widths: needed when no --key-widths is a whole number of bits (got {args.key_widths})")
     if not all(1 <= b <= 8 for b in args.value_widths):

@@ -330,7 +330,7 @@ class QuantizedLayer(CacheLayerMixin):
             )
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        if not self.awaits_calibration:
+        if self.seen == 0 and not self.awaits_calibration:
             self.codec()  # a config the codec refuses (for this head_dim) raises before anything is stored
         view_start = self._view_start(self.seen)
         self._append(key_states, value_states)

@@ -237,7 +237,7 @@ def allocate_matched(
     from .config import QuantConfig
 
     kw = tuple(float(a) for a in key_widths)
-    vw = tuple(sorted({int(a) for a in kw if a == int(a)})) if value_widths is None else tuple(value_widths)
+    vw = default_value_widths(kw) if value_widths is None else tuple(value_widths)
     if not kw or not vw:
         raise KvqrsError(f"widths: expected candidate key and value widths, got keys {key_widths} and values {value_widths}")
     if any(isinstance(b, float) and b != int(b) or not 1 <= b <= 8 for b in vw):
@@ -261,6 +261,11 @@ def allocate_matched(
         layer: dataclasses.replace(fits[kw[pairs[j][0]]][layer], value_bits=int(vw[pairs[j][1]]))
         for layer, j in zip(sorted(stats), pick.tolist())
     }
+
+
+def default_value_widths(key_widths) -> tuple[int, ...]:
+    """The candidate value widths when none are given: the whole-number key widths, sorted."""
+    return tuple(sorted({int(a) for a in key_widths if a == int(a)}))
 
 
 def option_bits(stats: dict, configs: list, tokens: int, dtype_bits: int, side: str = "both") -> np.ndarray:
