@@ -523,7 +523,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["norm", "least_squares"],
         default=None,
         help="llama protocol, --calibration rows: what the values' MSE stage stores per token, its norm or the "
-        "least-squares scale of the decoded direction (default: the preset's, else norm)",
+        "least-squares scale of the decoded direction (default: norm)",
     )
     ev.add_argument(
         "--matched-bits",

@@ -94,13 +94,10 @@ def matched_rows(calibration: dict) -> list[LlamaRow]:
 
 def file_row(path, value_scale: str | None = None) -> LlamaRow:
     """The row of a ``kvqrs calibrate`` file: its group and sinks from the file's metadata,
-    values at its per-layer widths (``--budget``) or at ``ceil(bits)``; a file fitted for a
-    preset (``--preset NAME``) gets the rest of that preset's settings too
-    (:meth:`QuantConfig.preset`). ``value_scale`` (``"norm"`` or ``"least_squares"``)
-    overrides the values' stored scale (default: the preset's, else ``"norm"``)."""
+    values at its per-layer widths (``--budget``) or at ``ceil(bits)``, storing
+    ``value_scale`` per value token (``"norm"``, the default, or ``"least_squares"``)."""
     from ..hf import load_matched
     from ..hf.calibration import calibration_meta
-    from ..hf.config import PRESETS
 
     cal, meta = load_matched(path), calibration_meta(path)
     try:
@@ -110,8 +107,7 @@ def file_row(path, value_scale: str | None = None) -> LlamaRow:
         raise KvqrsError(f"calibration: {str(path)!r} has unreadable metadata {meta}") from None
     vb = max(1, math.ceil(bits))
     what = f"budget {meta['budget']}, per-layer widths" if "budget" in meta else f"k{bits:g} v{vb}"
-    preset = PRESETS.get(meta.get("preset", ""), {})
-    scale = value_scale or preset.get("value_scale", "norm")
+    scale = value_scale or "norm"
     label = f"matched {what} g{group} sinks:{sinks}{' ls-scale' if scale == 'least_squares' else ''} ({pathlib.Path(path).name})"
     config = QuantConfig("matched", vb, "matched", vb, group=group, sink_tokens=sinks, calibration=cal, value_scale=scale)
     return LlamaRow(label, config)

@@ -223,8 +223,7 @@ class QuantConfig:
 
             calibration = load_matched(calibration)
         p = PRESETS[name]
-        kw = {"group": p["group"], "sink_tokens": p["sink_tokens"], "value_scale": p.get("value_scale", "norm"), "calibration": calibration}
-        kw.update(overrides)
+        kw = {"group": p["group"], "sink_tokens": p["sink_tokens"], "calibration": calibration, **overrides}
         return cls("matched", p["value_bits"], "matched", p["value_bits"], **kw)
 
     def _matched_calibration(self, layer: int, head_dim: int):
