@@ -170,6 +170,9 @@ impl ScalarView<'_> {
                 actual: format!("{}", self.len()),
             });
         }
+        if self.all_valid(signed) {
+            return Ok(());
+        }
         for i in 0..rows {
             let v = self.get(i);
             if !v.is_finite() || (!signed && v < 0.0) {
@@ -182,11 +185,85 @@ impl ScalarView<'_> {
         }
         Ok(())
     }
+
+    /// Whether every scalar is finite (and not below zero unless `signed`), read from the bit
+    /// patterns in one branch-free pass the compiler vectorises: the fast path of a check that
+    /// runs on every attention call, the per-row loop above only naming the first bad row.
+    fn all_valid(&self, signed: bool) -> bool {
+        // A negative non-zero value has its sign bit set and some other bit set: as an
+        // unsigned pattern it exceeds the sign bit alone (negative zero is allowed, as `<`).
+        match self {
+            ScalarView::F16(v) => {
+                let neg = if signed { u16::MAX } else { 0x8000 };
+                !v.iter()
+                    .fold(false, |bad, &b| bad | ((b & 0x7C00) == 0x7C00) | (b > neg))
+            }
+            ScalarView::F32(v) => {
+                let neg = if signed { u32::MAX } else { 0x8000_0000 };
+                !v.iter().fold(false, |bad, &x| {
+                    let b = x.to_bits();
+                    bad | ((b & 0x7F80_0000) == 0x7F80_0000) | (b > neg)
+                })
+            }
+        }
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The bit-pattern fast path agrees with the per-value rule on every float16 pattern and
+    /// on float32 edge cases.
+    #[test]
+    fn fast_validity_check_agrees_with_the_per_value_rule() {
+        let rule = |v: f32, signed: bool| v.is_finite() && (signed || v >= 0.0);
+        for signed in [false, true] {
+            for b in 0..=u16::MAX {
+                let one = [b];
+                let view = ScalarView::F16(&one);
+                assert_eq!(
+                    view.all_valid(signed),
+                    rule(view.get(0), signed),
+                    "{b:#06x}"
+                );
+            }
+            let edge = [
+                0.0,
+                -0.0,
+                1.0,
+                -1.0,
+                f32::MIN_POSITIVE,
+                -f32::MIN_POSITIVE,
+                f32::MAX,
+                f32::MIN,
+                1e-45,
+                -1e-45,
+                f32::INFINITY,
+                f32::NEG_INFINITY,
+                f32::NAN,
+                -f32::NAN,
+            ];
+            for &x in &edge {
+                let one = [x];
+                assert_eq!(
+                    ScalarView::F32(&one).all_valid(signed),
+                    rule(x, signed),
+                    "{x}"
+                );
+            }
+            let mut many = vec![1.5f32; 1000];
+            assert!(ScalarView::F32(&many).all_valid(signed));
+            many[777] = -2.0;
+            assert_eq!(ScalarView::F32(&many).all_valid(signed), signed);
+            assert_eq!(
+                ScalarView::F32(&many)
+                    .validate_with("x", 1000, signed)
+                    .is_ok(),
+                signed
+            );
+        }
+    }
 
     #[test]
     fn chooses_f16_when_values_fit() {

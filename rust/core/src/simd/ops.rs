@@ -55,6 +55,35 @@ pub(crate) fn dots(isa: Isa, mat: &[f32], x: &[f32], out: &mut [f32]) {
     }
 }
 
+/// `out[r * stride + k] = dot(q row r, x row k)` (`reduce::dot`) for the `q.len() / n` query
+/// rows and the `x.len() / n` rows of `x` (rows of `n` values): the scores of a block of
+/// decoded keys, several tokens per register on x86 when `n` is a multiple of 8.
+pub(crate) fn dots_tokens(
+    isa: Isa,
+    q: &[f32],
+    x: &[f32],
+    n: usize,
+    out: &mut [f32],
+    stride: usize,
+) {
+    let (rows, count) = (q.len() / n.max(1), x.len() / n.max(1));
+    debug_assert!(rows == 0 || out.len() >= (rows - 1) * stride + count);
+    match isa {
+        // SAFETY (both arms): `isa` is supported.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 if n.is_multiple_of(8) => unsafe { avx512::dots_tokens(q, x, n, out, stride) },
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 if n.is_multiple_of(8) => unsafe { avx2::dots_tokens(q, x, n, out, stride) },
+        _ => {
+            for (r, qr) in q.chunks_exact(n).enumerate() {
+                for (k, xk) in x.chunks_exact(n).enumerate() {
+                    out[r * stride + k] = dot(isa, qr, xk);
+                }
+            }
+        }
+    }
+}
+
 /// `x *= mult` (when given), then the unnormalised transform (`x.len()` a power of two).
 pub(crate) fn fwht(isa: Isa, x: &mut [f32], mult: Option<&[f32]>) {
     let n = x.len();
@@ -276,6 +305,37 @@ pub(crate) fn axpy_f64(isa: Isa, acc: &mut [f64], w: f64, x: &[f32]) {
     }
 }
 
+/// `o[i] += sum_c w[c * groups + i / group] * mat[c * stride + i]`, the terms added in
+/// increasing `c` for each `i`: [`axpy_rows_f32`] with one weight per row and group of `group`
+/// consecutive values (`groups = ceil(o.len() / group)`, `w` holds rows x groups), e.g. the
+/// per-token groups of a uniform code, whose scale differs per group.
+pub(crate) fn axpy_rows_grouped(
+    isa: Isa,
+    o: &mut [f32],
+    w: &[f32],
+    (groups, group): (usize, usize),
+    mat: &[f32],
+    stride: usize,
+) {
+    if o.is_empty() {
+        return;
+    }
+    debug_assert!(groups == o.len().div_ceil(group) && w.len().is_multiple_of(groups));
+    debug_assert!(w.is_empty() || mat.len() >= (w.len() / groups - 1) * stride + o.len());
+    match isa {
+        // SAFETY (both arms): `isa` is supported.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 if group.is_multiple_of(16) => unsafe {
+            avx512::axpy_rows_grouped(o, w, (groups, group), mat, stride)
+        },
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 | Isa::Avx512 if group.is_multiple_of(8) => unsafe {
+            avx2::axpy_rows_grouped(o, w, (groups, group), mat, stride)
+        },
+        _ => scalar::axpy_rows_grouped(o, w, (groups, group), mat, stride),
+    }
+}
+
 /// `o[i] += sum_c w[c] * mat[c * stride + i]`, the terms added in increasing `c` for each `i`
 /// (row `c` of `mat` starts at `c * stride` and holds at least `o.len()` values): a run of
 /// `o += w[c] * row c` steps with `o` kept in registers.
@@ -430,6 +490,46 @@ mod tests {
         }
     }
 
+    /// Scores of blocks of tokens: every row count, token count (the SIMD groups of 4 and 8
+    /// and their remainders) and row length, against the scalar `dot` of each pair; entries
+    /// between the rows of `out` stay untouched.
+    #[test]
+    fn token_block_dots_match_to_the_last_bit() {
+        for isa in simd_isas() {
+            for n in [7, 8, 12, 16, 24, 64, 72, 128] {
+                for rows in [1, 2, 3, 4, 5, 9] {
+                    for count in (0..=19).chain([32, 33]) {
+                        let q: Vec<f32> = (0..rows * n)
+                            .map(|i| ((i * 7919 % 1000) as f32 - 500.0) / 3.0)
+                            .collect();
+                        let x: Vec<f32> = values(n as u64 + 31 * count as u64, count * n)
+                            .iter()
+                            .map(|v| v * 1e-20)
+                            .collect();
+                        let stride = count + 3;
+                        let mut got = vec![7.0f32; rows * stride];
+                        dots_tokens(isa, &q, &x, n, &mut got, stride);
+                        let mut want = vec![7.0f32; rows * stride];
+                        for r in 0..rows {
+                            for k in 0..count {
+                                want[r * stride + k] = dot(
+                                    Isa::Scalar,
+                                    &q[r * n..(r + 1) * n],
+                                    &x[k * n..(k + 1) * n],
+                                );
+                            }
+                        }
+                        assert_eq!(
+                            bits(&got),
+                            bits(&want),
+                            "{isa:?} n={n} rows={rows} count={count}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
     #[test]
     fn transforms_match_to_the_last_bit() {
         for isa in simd_isas() {
@@ -484,6 +584,18 @@ mod tests {
                     axpy_rows_f32(isa, &mut a, &w, &mat, stride);
                     axpy_rows_f32(Isa::Scalar, &mut b, &w, &mat, stride);
                     assert_eq!(bits(&a), bits(&b), "{isa:?} n={n}");
+                    for group in [1, 8, 16, 32, 48] {
+                        let groups = n.div_ceil(group);
+                        let wg: Vec<f32> = values(300 + n as u64, 5 * groups)
+                            .iter()
+                            .map(|v| v * 1e-20)
+                            .collect();
+                        let (mut a, mut b) = (x.clone(), x.clone());
+                        axpy_rows_grouped(isa, &mut a, &wg, (groups, group), &mat, stride);
+                        let want = (groups, group);
+                        axpy_rows_grouped(Isa::Scalar, &mut b, &wg, want, &mat, stride);
+                        assert_eq!(bits(&a), bits(&b), "{isa:?} n={n} group={group}");
+                    }
                 }
                 for negative in [false, true] {
                     let (mut a, mut b) = (x.clone(), x.clone());

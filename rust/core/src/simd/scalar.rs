@@ -156,6 +156,21 @@ pub(crate) fn axpy_rows_f32(o: &mut [f32], w: &[f32], mat: &[f32], stride: usize
     }
 }
 
+pub(crate) fn axpy_rows_grouped(
+    o: &mut [f32],
+    w: &[f32],
+    (groups, group): (usize, usize),
+    mat: &[f32],
+    stride: usize,
+) {
+    for (c, wc) in w.chunks_exact(groups).enumerate() {
+        let row = &mat[c * stride..c * stride + o.len()];
+        for (i, (a, &v)) in o.iter_mut().zip(row).enumerate() {
+            *a += wc[i / group] * v;
+        }
+    }
+}
+
 pub(crate) fn axpy_f32(o: &mut [f32], w: f32, x: &[f32]) {
     o.iter_mut().zip(x).for_each(|(a, &v)| *a += w * v);
 }

@@ -497,6 +497,25 @@ pub(super) mod avx2 {
         let n = o.len();
         let n8 = n / 8 * 8;
         let mut i = 0;
+        // Four registers (32 values) per pass: four independent addition chains in flight.
+        while i + 32 <= n8 {
+            // SAFETY: i + 32 <= n; row c spans mat[c*stride..c*stride+n] (the caller's bound).
+            unsafe {
+                let mut acc: [__m256; 4] =
+                    std::array::from_fn(|v| _mm256_loadu_ps(o.as_ptr().add(i + 8 * v)));
+                for (c, &wc) in w.iter().enumerate() {
+                    let wv = _mm256_set1_ps(wc);
+                    let row = mat.as_ptr().add(c * stride + i);
+                    for (v, a) in acc.iter_mut().enumerate() {
+                        *a = _mm256_add_ps(*a, _mm256_mul_ps(wv, _mm256_loadu_ps(row.add(8 * v))));
+                    }
+                }
+                for (v, a) in acc.iter().enumerate() {
+                    _mm256_storeu_ps(o.as_mut_ptr().add(i + 8 * v), *a);
+                }
+            }
+            i += 32;
+        }
         while i < n8 {
             // SAFETY: i + 8 <= n; row c spans mat[c*stride..c*stride+n] (the caller's bound).
             unsafe {
@@ -646,6 +665,141 @@ pub(super) mod avx2 {
             i += 8;
         }
         super::super::scalar::f16_to_f32(&src[n8..n], &mut out[n8..n]);
+    }
+
+    /// `out[r * stride + k] = dot(q row r, x row k)` for `R` query rows of `n` (a multiple of 8)
+    /// and four rows of `x`, one 8-lane accumulator per (row, token); the four accumulators of
+    /// a query row are combined in one transposed pass in the order of `combine_f32`.
+    #[inline]
+    #[target_feature(enable = "avx2,bmi2")]
+    fn dots_tokens4<const R: usize>(
+        q: &[f32],
+        x: &[f32],
+        n: usize,
+        out: &mut [f32],
+        stride: usize,
+    ) {
+        debug_assert!(q.len() >= R * n && x.len() >= 4 * n && n.is_multiple_of(8));
+        let mut acc = [[_mm256_setzero_ps(); 4]; R];
+        let mut i = 0;
+        while i < n {
+            // SAFETY: rows r < R of q and k < 4 of x hold n floats each, and i + 8 <= n.
+            unsafe {
+                let t: [__m256; 4] =
+                    std::array::from_fn(|k| _mm256_loadu_ps(x.as_ptr().add(k * n + i)));
+                for (r, a) in acc.iter_mut().enumerate() {
+                    let qv = _mm256_loadu_ps(q.as_ptr().add(r * n + i));
+                    for (ak, &tk) in a.iter_mut().zip(&t) {
+                        *ak = _mm256_add_ps(*ak, _mm256_mul_ps(tk, qv));
+                    }
+                }
+            }
+            i += 8;
+        }
+        for (r, a) in acc.iter().enumerate() {
+            let v = combine4(a);
+            // SAFETY: out holds row r's four results at r * stride.
+            unsafe { _mm_storeu_ps(out.as_mut_ptr().add(r * stride), v) };
+        }
+    }
+
+    /// The `combine_f32` of four 8-lane accumulators at once: lane `j` plus lane `j + 4`, then
+    /// lanes `0 + 2` and `1 + 3` of those, then their sum; returns the four results in order.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn combine4(a: &[__m256; 4]) -> __m128 {
+        // [t0 lanes 0..4 + 4..8 | t1 ...], [t2 | t3]
+        let s01 = _mm256_add_ps(
+            _mm256_permute2f128_ps::<0x20>(a[0], a[1]),
+            _mm256_permute2f128_ps::<0x31>(a[0], a[1]),
+        );
+        let s23 = _mm256_add_ps(
+            _mm256_permute2f128_ps::<0x20>(a[2], a[3]),
+            _mm256_permute2f128_ps::<0x31>(a[2], a[3]),
+        );
+        // [t0: b0 + b2, b1 + b3, t2: .., .. | t1: .., .., t3: .., ..]
+        let t = _mm256_add_ps(
+            _mm256_shuffle_ps::<0x44>(s01, s23),
+            _mm256_shuffle_ps::<0xEE>(s01, s23),
+        );
+        // lanes 0, 2, 4, 6: t0, t2, t1, t3
+        let u = _mm256_add_ps(t, _mm256_shuffle_ps::<0xB1>(t, t));
+        let u = _mm256_permutevar8x32_ps(u, _mm256_setr_epi32(0, 4, 2, 6, 1, 3, 5, 7));
+        _mm256_castps256_ps128(u)
+    }
+
+    /// `out[r * stride + k] = dot(q row r, x row k)` (the order of `reduce::dot`) for the
+    /// `q.len() / n` query rows and `x.len() / n` rows of `x`, `n` a multiple of 8: four
+    /// tokens at a time, up to three query rows sharing each load.
+    #[target_feature(enable = "avx2,bmi2")]
+    pub(crate) fn dots_tokens(q: &[f32], x: &[f32], n: usize, out: &mut [f32], stride: usize) {
+        let (rows, count) = (q.len() / n, x.len() / n);
+        let mut r = 0;
+        while r < rows {
+            let rb = (rows - r).min(3);
+            let (qb, ob) = (&q[r * n..(r + rb) * n], &mut out[r * stride..]);
+            let mut k = 0;
+            while k + 4 <= count {
+                let (xk, ok) = (&x[k * n..(k + 4) * n], &mut ob[k..]);
+                match rb {
+                    3 => dots_tokens4::<3>(qb, xk, n, ok, stride),
+                    2 => dots_tokens4::<2>(qb, xk, n, ok, stride),
+                    _ => dots_tokens4::<1>(qb, xk, n, ok, stride),
+                }
+                k += 4;
+            }
+            for k in k..count {
+                for j in 0..rb {
+                    ob[j * stride + k] = dot(&qb[j * n..(j + 1) * n], &x[k * n..(k + 1) * n]);
+                }
+            }
+            r += rb;
+        }
+    }
+
+    /// [`super::super::ops::axpy_rows_grouped`] for `group` a multiple of 8: each register lies
+    /// in one group; four registers per pass.
+    #[target_feature(enable = "avx2,bmi2")]
+    pub(crate) fn axpy_rows_grouped(
+        o: &mut [f32],
+        w: &[f32],
+        (groups, group): (usize, usize),
+        mat: &[f32],
+        stride: usize,
+    ) {
+        let n = o.len();
+        let n8 = n / 8 * 8;
+        let rows = w.len() / groups;
+        let mut i = 0;
+        while i < n8 {
+            let regs = ((n8 - i) / 8).min(4);
+            // SAFETY: i + 8 * regs <= n8 <= n; row c spans mat[c*stride..c*stride+n].
+            unsafe {
+                let mut acc: [__m256; 4] = std::array::from_fn(|v| {
+                    if v < regs {
+                        _mm256_loadu_ps(o.as_ptr().add(i + 8 * v))
+                    } else {
+                        _mm256_setzero_ps()
+                    }
+                });
+                for c in 0..rows {
+                    let row = mat.as_ptr().add(c * stride + i);
+                    for (v, a) in acc.iter_mut().enumerate().take(regs) {
+                        let wv = _mm256_set1_ps(w[c * groups + (i + 8 * v) / group]);
+                        *a = _mm256_add_ps(*a, _mm256_mul_ps(wv, _mm256_loadu_ps(row.add(8 * v))));
+                    }
+                }
+                for (v, a) in acc.iter().enumerate().take(regs) {
+                    _mm256_storeu_ps(o.as_mut_ptr().add(i + 8 * v), *a);
+                }
+            }
+            i += 8 * regs;
+        }
+        for (j, oj) in o.iter_mut().enumerate().skip(n8) {
+            for c in 0..rows {
+                *oj += w[c * groups + j / group] * mat[c * stride + j];
+            }
+        }
     }
 }
 
@@ -1059,18 +1213,29 @@ pub(super) mod avx512 {
     pub(crate) fn axpy_rows_f32(o: &mut [f32], w: &[f32], mat: &[f32], stride: usize) {
         let n = o.len();
         let mut i = 0;
+        // Up to four registers (64 values) per pass: independent addition chains in flight.
         while i < n {
-            let k = mask16((n - i).min(16));
+            let regs = (n - i).div_ceil(16).min(4);
+            let k: [__mmask16; 4] =
+                std::array::from_fn(|v| mask16((n.max(i + 16 * v) - i - 16 * v).min(16)));
             // SAFETY: the masked lanes stay below n in o and in each row c of mat (at c*stride).
             unsafe {
-                let mut acc = _mm512_maskz_loadu_ps(k, o.as_ptr().add(i));
+                let mut acc: [__m512; 4] = std::array::from_fn(|v| {
+                    _mm512_maskz_loadu_ps(k[v], o.as_ptr().add(i + 16 * v.min(regs - 1)))
+                });
                 for (c, &wc) in w.iter().enumerate() {
-                    let v = _mm512_maskz_loadu_ps(k, mat.as_ptr().add(c * stride + i));
-                    acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_set1_ps(wc), v));
+                    let wv = _mm512_set1_ps(wc);
+                    let row = mat.as_ptr().add(c * stride + i);
+                    for (v, a) in acc.iter_mut().enumerate().take(regs) {
+                        let x = _mm512_maskz_loadu_ps(k[v], row.add(16 * v));
+                        *a = _mm512_add_ps(*a, _mm512_mul_ps(wv, x));
+                    }
                 }
-                _mm512_mask_storeu_ps(o.as_mut_ptr().add(i), k, acc);
+                for (v, a) in acc.iter().enumerate().take(regs) {
+                    _mm512_mask_storeu_ps(o.as_mut_ptr().add(i + 16 * v), k[v], *a);
+                }
             }
-            i += 16;
+            i += 16 * regs;
         }
     }
 
@@ -1187,6 +1352,141 @@ pub(super) mod avx512 {
                 _mm512_mask_storeu_ps(out.as_mut_ptr().add(i), k, _mm512_cvtph_ps(h));
             }
             i += 16;
+        }
+    }
+
+    /// `out[r * stride + k] = dot(q row r, x row k)` for `R` query rows of `n` (a multiple of 8)
+    /// and eight rows of `x`: two tokens per register (lanes 0..8 and 8..16, each an 8-lane
+    /// accumulator in the reference order), combined in one transposed pass.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,bmi2")]
+    fn dots_tokens8<const R: usize>(
+        q: &[f32],
+        x: &[f32],
+        n: usize,
+        out: &mut [f32],
+        stride: usize,
+    ) {
+        debug_assert!(q.len() >= R * n && x.len() >= 8 * n && n.is_multiple_of(8));
+        let mut acc = [[_mm512_setzero_ps(); 4]; R];
+        let mut i = 0;
+        while i < n {
+            // SAFETY: rows r < R of q and k < 8 of x hold n floats each, and i + 8 <= n.
+            unsafe {
+                let row = |k: usize| _mm256_castps_pd(_mm256_loadu_ps(x.as_ptr().add(k * n + i)));
+                let t: [__m512; 4] = std::array::from_fn(|p| {
+                    _mm512_castpd_ps(_mm512_insertf64x4::<1>(
+                        _mm512_castpd256_pd512(row(2 * p)),
+                        row(2 * p + 1),
+                    ))
+                });
+                for (r, a) in acc.iter_mut().enumerate() {
+                    let qv = _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(
+                        _mm256_loadu_ps(q.as_ptr().add(r * n + i)),
+                    )));
+                    for (ap, &tp) in a.iter_mut().zip(&t) {
+                        *ap = _mm512_add_ps(*ap, _mm512_mul_ps(tp, qv));
+                    }
+                }
+            }
+            i += 8;
+        }
+        for (r, a) in acc.iter().enumerate() {
+            let v = combine8(a);
+            // SAFETY: out holds row r's eight results at r * stride.
+            unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(r * stride), v) };
+        }
+    }
+
+    /// The `combine_f32` of eight 8-lane accumulators (two per register) at once: lane `j`
+    /// plus lane `j + 4`, then lanes `0 + 2` and `1 + 3` of those, then their sum; returns
+    /// the eight results in token order.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    fn combine8(a: &[__m512; 4]) -> __m256 {
+        // 128-bit blocks: token k's lanes j + (j + 4), tokens 0..4 and 4..8.
+        let s01 = _mm512_add_ps(
+            _mm512_shuffle_f32x4::<0x88>(a[0], a[1]),
+            _mm512_shuffle_f32x4::<0xDD>(a[0], a[1]),
+        );
+        let s23 = _mm512_add_ps(
+            _mm512_shuffle_f32x4::<0x88>(a[2], a[3]),
+            _mm512_shuffle_f32x4::<0xDD>(a[2], a[3]),
+        );
+        // block k: [token k: b0 + b2, b1 + b3, token k + 4: b0 + b2, b1 + b3]
+        let t = _mm512_add_ps(
+            _mm512_shuffle_ps::<0x44>(s01, s23),
+            _mm512_shuffle_ps::<0xEE>(s01, s23),
+        );
+        // lane 4k: token k, lane 4k + 2: token k + 4
+        let u = _mm512_add_ps(t, _mm512_shuffle_ps::<0xB1>(t, t));
+        let idx = _mm512_setr_epi32(0, 4, 8, 12, 2, 6, 10, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+        _mm512_castps512_ps256(_mm512_permutexvar_ps(idx, u))
+    }
+
+    /// [`super::avx2::dots_tokens`] eight tokens at a time.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,bmi2")]
+    pub(crate) fn dots_tokens(q: &[f32], x: &[f32], n: usize, out: &mut [f32], stride: usize) {
+        let (rows, count) = (q.len() / n, x.len() / n);
+        let k8 = count / 8 * 8;
+        let mut r = 0;
+        while r < rows {
+            let rb = (rows - r).min(4);
+            let (qb, ob) = (&q[r * n..(r + rb) * n], &mut out[r * stride..]);
+            let mut k = 0;
+            while k < k8 {
+                let (xk, ok) = (&x[k * n..(k + 8) * n], &mut ob[k..]);
+                match rb {
+                    4 => dots_tokens8::<4>(qb, xk, n, ok, stride),
+                    3 => dots_tokens8::<3>(qb, xk, n, ok, stride),
+                    2 => dots_tokens8::<2>(qb, xk, n, ok, stride),
+                    _ => dots_tokens8::<1>(qb, xk, n, ok, stride),
+                }
+                k += 8;
+            }
+            r += rb;
+        }
+        // The last 1..7 tokens; AVX2 is part of this path's features.
+        if k8 < count {
+            super::avx2::dots_tokens(q, &x[k8 * n..], n, &mut out[k8..], stride);
+        }
+    }
+
+    /// [`super::super::ops::axpy_rows_grouped`] for `group` a multiple of 16: each register
+    /// lies in one group; four registers per pass, the tail masked.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,bmi2")]
+    pub(crate) fn axpy_rows_grouped(
+        o: &mut [f32],
+        w: &[f32],
+        (groups, group): (usize, usize),
+        mat: &[f32],
+        stride: usize,
+    ) {
+        let n = o.len();
+        let rows = w.len() / groups;
+        let mut i = 0;
+        while i < n {
+            let regs = (n - i).div_ceil(16).min(4);
+            let k: [__mmask16; 4] =
+                std::array::from_fn(|v| mask16((n.max(i + 16 * v) - i - 16 * v).min(16)));
+            // SAFETY: the masked lanes stay below n in o and in each row c of mat (at c*stride).
+            unsafe {
+                let mut acc: [__m512; 4] = std::array::from_fn(|v| {
+                    _mm512_maskz_loadu_ps(k[v], o.as_ptr().add(i + 16 * v.min(regs - 1)))
+                });
+                for c in 0..rows {
+                    let row = mat.as_ptr().add(c * stride + i);
+                    for (v, a) in acc.iter_mut().enumerate().take(regs) {
+                        let wv = _mm512_set1_ps(w[c * groups + (i + 16 * v) / group]);
+                        let x = _mm512_maskz_loadu_ps(k[v], row.add(16 * v));
+                        *a = _mm512_add_ps(*a, _mm512_mul_ps(wv, x));
+                    }
+                }
+                for (v, a) in acc.iter().enumerate().take(regs) {
+                    _mm512_mask_storeu_ps(o.as_mut_ptr().add(i + 16 * v), k[v], *a);
+                }
+            }
+            i += 16 * regs;
         }
     }
 }

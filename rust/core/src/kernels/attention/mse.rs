@@ -121,27 +121,28 @@ impl KeyRows for MsePlan<'_> {
         let (cd, t, c0, n) = (self.cd(), self.tokens, span.start, span.len());
         let rows = s.len() / n;
         let (qr, sq) = qp.split_at(rows * cd);
-        let mut dots = vec![0.0f32; rows];
+        let mut dots = vec![0.0f32; rows * BLOCK];
         let mut nb = vec![0.0f32; n];
-        self.norms.read(isa, h * t + c0, &mut nb);
-        self.reader
-            .each_row(isa, self.codes, (h, t), span.clone(), |j, k| {
-                ops::dots(isa, qr, k, &mut dots);
-                let nj = nb[j - c0];
-                for (r, &v) in dots.iter().enumerate() {
-                    s[r * n + j - c0] += nj * v;
+        // Per block of decoded rows: the dots of every (query row, token), then `||k_j|| * dot`.
+        let mut add = |reader: &RowReader, codes: &[u8], nb: &[f32], k: f32, sq: &[f32]| {
+            reader.each_block(isa, codes, (h, t), span.clone(), |j0, block| {
+                let count = block.len() / cd;
+                ops::dots_tokens(isa, sq, block, cd, &mut dots, BLOCK);
+                for (r, dr) in dots.chunks_exact(BLOCK).enumerate() {
+                    let sr = &mut s[r * n + j0 - c0..r * n + j0 - c0 + count];
+                    let nr = &nb[j0 - c0..j0 - c0 + count];
+                    for ((o, &v), &nj) in sr.iter_mut().zip(&dr[..count]).zip(nr) {
+                        *o += k * nj * v;
+                    }
                 }
             });
+        };
+        self.norms.read(isa, h * t + c0, &mut nb);
+        add(&self.reader, self.codes, &nb, 1.0, qr);
         if let Some(p) = &self.qjl {
             // sigma_j decoded to +-1 (products with +-1 are exact sign flips).
             p.norms.read(isa, h * t + c0, &mut nb);
-            p.reader.each_row(isa, p.signs, (h, t), span, |j, sigma| {
-                ops::dots(isa, sq, sigma, &mut dots);
-                let kr = p.k * nb[j - c0];
-                for (r, &v) in dots.iter().enumerate() {
-                    s[r * n + j - c0] += kr * v;
-                }
-            });
+            add(&p.reader, p.signs, &nb, p.k, sq);
         }
     }
 }

@@ -125,18 +125,24 @@ impl ValueRows for TokensPlan<'_> {
         self.reader
             .each_block(isa, self.codes, (h, self.tokens), span, |j0, block| {
                 let count = block.len() / cd;
+                let at = (j0 - c0) * groups..(j0 - c0 + count) * groups;
+                let (scb, zeb) = (&sc[at.clone()], &ze[at]);
                 for (r, ar) in lanes.part.chunks_exact_mut(cd).enumerate() {
                     let zacc = &mut acc[r * stride + cd..(r + 1) * stride];
-                    for (g, ag) in ar.chunks_mut(group).enumerate() {
-                        let w = &mut lanes.w;
-                        w.clear();
-                        w.extend((0..count).map(|k| {
-                            let (pj, at) = (p[r * n + j0 - c0 + k], (j0 - c0 + k) * groups + g);
-                            zacc[g] += f64::from(pj) * f64::from(ze[at]);
-                            pj * sc[at]
-                        }));
-                        ops::axpy_rows_f32(isa, ag, w, &block[g * group..], cd);
+                    let pr = &p[r * n + j0 - c0..r * n + j0 - c0 + count];
+                    // Weights p_j s_(j,g), one per token and group; the zero points' sums.
+                    let w = &mut lanes.w;
+                    w.clear();
+                    for (&pj, (sk, zk)) in pr
+                        .iter()
+                        .zip(scb.chunks_exact(groups).zip(zeb.chunks_exact(groups)))
+                    {
+                        w.extend(sk.iter().map(|&s| pj * s));
+                        for (z, &zg) in zacc.iter_mut().zip(zk) {
+                            *z += f64::from(pj) * f64::from(zg);
+                        }
                     }
+                    ops::axpy_rows_grouped(isa, ar, w, (groups, group), block, cd);
                 }
                 lanes.carry(acc, (stride, 0));
             });
@@ -201,6 +207,24 @@ impl<'a> ChannelsPlan<'a> {
 }
 
 impl ChannelsPlan<'_> {
+    /// The scales and zero points of the groups `g0..g1` of every channel of head `h`
+    /// (channels x (g1 - g0) each, channel-major), read in one pass per channel.
+    fn planes(&self, isa: Isa, h: usize, (g0, g1): (usize, usize)) -> (Vec<f32>, Vec<f32>) {
+        let (d, w) = (self.head_dim, g1 - g0);
+        let mut sc = vec![0.0f32; d * w];
+        let mut ze = vec![0.0f32; d * w];
+        for (c, (s, z)) in sc
+            .chunks_exact_mut(w)
+            .zip(ze.chunks_exact_mut(w))
+            .enumerate()
+        {
+            let at = (h * d + c) * self.groups + g0;
+            self.scales.read(isa, at, s);
+            self.zeros.read(isa, at, z);
+        }
+        (sc, ze)
+    }
+
     /// Adds `sum_j p[r, j] y_hat_(c, j)` for the tokens `span` of head `h` to
     /// `acc[r * stride + offset + c]` for every channel `c`, `p` rows x span.len(): per group
     /// of tokens (cut by the span), `s_(c,g) * dot(p_g, code_(c,g)) + z_(c,g) * sum_g p` with
@@ -220,7 +244,9 @@ impl ChannelsPlan<'_> {
         let mut scratch = vec![0u8; group];
         let mut lev = vec![0.0f32; group];
         let mut psum = vec![0.0f64; rows];
-        for g in c0 / group..span.end.div_ceil(group) {
+        let (g0, g1) = (c0 / group, span.end.div_ceil(group));
+        let (scs, zes) = self.planes(isa, h, (g0, g1));
+        for g in g0..g1 {
             let (t0, t1) = ((g * group).max(c0), ((g + 1) * group).min(span.end));
             let len = t1 - t0;
             for (r, ps) in psum.iter_mut().enumerate() {
@@ -232,11 +258,8 @@ impl ChannelsPlan<'_> {
                 let row = &self.codes[ch * rb..(ch + 1) * rb];
                 self.reader
                     .decode(isa, row, t0, &mut scratch, &mut lev[..len]);
-                let at = ch * self.groups + g;
-                let (sc, ze) = (
-                    f64::from(self.scales.get(at)),
-                    f64::from(self.zeros.get(at)),
-                );
+                let at = c * (g1 - g0) + g - g0;
+                let (sc, ze) = (f64::from(scs[at]), f64::from(zes[at]));
                 for (r, &ps) in psum.iter().enumerate() {
                     let pr = &p[r * n + t0 - c0..r * n + t1 - c0];
                     let dot = f64::from(ops::dot(isa, pr, &lev[..len]));
@@ -261,7 +284,9 @@ impl KeyRows for ChannelsPlan<'_> {
         let mut block = vec![0.0f32; d * group];
         let mut w = vec![0.0f32; d];
         let mut part = vec![0.0f32; group];
-        for g in c0 / group..span.end.div_ceil(group) {
+        let (g0, g1) = (c0 / group, span.end.div_ceil(group));
+        let (sc, ze) = self.planes(isa, h, (g0, g1));
+        for g in g0..g1 {
             let (t0, t1) = (g * group, ((g + 1) * group).min(span.end));
             let len = t1 - t0;
             for (c, lev) in block.chunks_exact_mut(len).take(d).enumerate() {
@@ -272,9 +297,9 @@ impl KeyRows for ChannelsPlan<'_> {
             for (r, qr) in q.chunks_exact(d).enumerate() {
                 let mut zs = 0.0f32;
                 for (c, (wc, &qc)) in w.iter_mut().zip(qr).enumerate() {
-                    let at = (h * d + c) * self.groups + g;
-                    zs += qc * self.zeros.get(at);
-                    *wc = qc * self.scales.get(at);
+                    let at = c * (g1 - g0) + g - g0;
+                    zs += qc * ze[at];
+                    *wc = qc * sc[at];
                 }
                 let o = &mut part[..len];
                 o.fill(0.0);
