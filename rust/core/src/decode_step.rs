@@ -23,6 +23,7 @@ use crate::kernels::attention::{
 };
 use crate::par;
 use crate::scalars::ScalarView;
+use crate::simd::{self, ops};
 use crate::store::{to_f32, LayerStore};
 
 /// The parts of a store that make one side's rows (indices into the store's parts).
@@ -408,43 +409,37 @@ pub fn attend(
         return Ok(coded);
     }
     let per_batch = heads / step.batch;
+    let isa = simd::active();
+    // Per head: the window's scores of every query row in float32 (`ops::dots_tokens`, the
+    // fixed order of `reduce::dot`), the SIMD `exp` of the fused kernel with a float64 sum, the
+    // float64 value sums, then the merge with the coded part.
     let window_head = |h: usize, out: &mut [f32], lse: &mut [f32]| -> Option<(usize, usize, f32)> {
         let kh = &step.fp_keys[h * w * d..(h + 1) * w * d];
         let vh = &step.fp_values[h * w * d..(h + 1) * w * d];
-        let mut s = vec![0.0f64; w];
+        let qh = &step.q[h * rows * d..(h + 1) * rows * d];
+        let mut s = vec![0.0f32; rows * w];
+        ops::dots_tokens(isa, qh, kh, d, &mut s, w);
         let mut acc = vec![0.0f64; d];
-        for r in 0..rows {
-            let qr = &step.q[(h * rows + r) * d..(h * rows + r + 1) * d];
+        for (r, sr) in s.chunks_exact_mut(w).enumerate() {
             let i = r % step.tokens;
-            for (j, sj) in s.iter_mut().enumerate() {
-                let dot: f64 = qr
-                    .iter()
-                    .zip(&kh[j * d..(j + 1) * d])
-                    .map(|(&a, &b)| f64::from(a) * f64::from(b))
-                    .sum();
-                let mut v = dot * f64::from(lay.scale);
-                if let Some(m) = step.mask {
-                    v += f64::from(m[((h / per_batch) * step.tokens + i) * w + j]);
-                }
-                if v.is_nan() || (v > 0.0 && (v as f32).is_infinite()) {
-                    return Some((r, j, v as f32));
-                }
-                *sj = v;
+            ops::scale(isa, sr, lay.scale);
+            if let Some(m) = step.mask {
+                let mr = &m[((h / per_batch) * step.tokens + i) * w..][..w];
+                sr.iter_mut().zip(mr).for_each(|(v, &mv)| *v += mv);
             }
-            let m = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-            if m == f64::NEG_INFINITY {
+            if let Some(j) = sr.iter().position(|&v| v.is_nan() || v == f32::INFINITY) {
+                return Some((r, j, sr[j]));
+            }
+            let m = sr.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            if m == f32::NEG_INFINITY {
                 continue; // every full-precision token masked: the coded part alone
             }
+            let sum = ops::exp_sum(isa, sr, m);
             acc.iter_mut().for_each(|a| *a = 0.0);
-            let mut sum = 0.0f64;
-            for (j, &sj) in s.iter().enumerate() {
-                let p = (sj - m).exp();
-                sum += p;
-                for (a, &v) in acc.iter_mut().zip(&vh[j * d..(j + 1) * d]) {
-                    *a += p * f64::from(v);
-                }
+            for (&p, vj) in sr.iter().zip(vh.chunks_exact(d)) {
+                ops::axpy_f64(isa, &mut acc, f64::from(p), vj);
             }
-            let lse_w = m + sum.ln();
+            let lse_w = f64::from(m) + sum.ln();
             let lse_c = f64::from(lse[r]);
             let top = lse_c.max(lse_w);
             let total = top + ((lse_c - top).exp() + (lse_w - top).exp()).ln();

@@ -147,7 +147,9 @@ pub(crate) fn decode_packed(isa: Isa, packed: &[u8], bits: u32, table: &[f32], o
     match isa {
         // SAFETY (both arms): `isa` is supported; `table` has 256 entries.
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 if bits == 4 => unsafe { avx512::decode_packed4(packed, table, out) },
+        Isa::Avx512 if (1..=4).contains(&bits) => unsafe {
+            avx512::decode_packed(packed, bits, table, out)
+        },
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 | Isa::Avx512 if bits <= 4 => unsafe {
             avx2::decode_packed(packed, bits, table, out)
@@ -683,7 +685,7 @@ mod tests {
                     decode(Isa::Scalar, &codes, lookup, bits_, mul, &mut b);
                     assert_eq!(bits(&a), bits(&b), "{isa:?} bits={bits_}");
                 }
-                for count in 0..=40 {
+                for count in (0..=40).chain([64, codes.len()]) {
                     let c = &codes[..count];
                     let len = (count * bits_ as usize).div_ceil(8);
                     let (mut p1, mut p2) = (vec![0u8; len], vec![0u8; len]);

@@ -1239,6 +1239,56 @@ pub(super) mod avx512 {
         }
     }
 
+    /// `out[i] = table[code_i]` for a packed row of `bits`-bit codes (`bits <= 3`): sixteen
+    /// codes per step from one 8-byte read; lane `i` takes the two bytes holding bits
+    /// `i * bits ..` as a 16-bit word (a byte shuffle), widened, shifted and masked, then one
+    /// 16-entry permute. Four bits: [`decode_packed4`].
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,bmi2")]
+    pub(crate) fn decode_packed(packed: &[u8], bits: u32, table: &[f32], out: &mut [f32]) {
+        debug_assert!((1..=4).contains(&bits) && table.len() >= 256);
+        if bits == 4 {
+            return decode_packed4(packed, table, out);
+        }
+        let b = bits as usize;
+        let (mut pat, mut sh) = ([0i8; 32], [0i32; 16]);
+        for i in 0..16 {
+            let bit = i * b;
+            // Byte indices within a 128-bit half: both halves hold the same 8 bytes.
+            pat[2 * i] = (bit / 8) as i8;
+            pat[2 * i + 1] = pat[2 * i] + 1;
+            sh[i] = (bit % 8) as i32;
+        }
+        // SAFETY: pat holds 32 bytes, sh 16 lanes, table 256 >= 16 entries.
+        let (pat, shifts, lut) = unsafe {
+            (
+                _mm256_loadu_si256(pat.as_ptr().cast()),
+                _mm512_loadu_si512(sh.as_ptr().cast()),
+                _mm512_loadu_ps(table.as_ptr()),
+            )
+        };
+        let mask = _mm512_set1_epi32((1 << bits) - 1);
+        // Steps whose 8-byte read stays inside `packed` (16 codes take 2 * bits bytes).
+        let steps = (out.len() / 16).min((packed.len() + 2 * b).saturating_sub(8) / (2 * b));
+        for k in 0..steps {
+            // SAFETY: 2 b k + 8 <= packed.len() (the bound of `steps`); 16k + 16 <= out.len().
+            unsafe {
+                let x = _mm_loadl_epi64(packed.as_ptr().add(2 * b * k).cast());
+                let words = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(x), pat);
+                let idx = _mm512_and_si512(
+                    _mm512_srlv_epi32(_mm512_cvtepu16_epi32(words), shifts),
+                    mask,
+                );
+                _mm512_storeu_ps(
+                    out.as_mut_ptr().add(16 * k),
+                    _mm512_permutexvar_ps(idx, lut),
+                );
+            }
+        }
+        let done = 16 * steps;
+        // AVX2 is part of this path's features, so the call needs no `unsafe`.
+        super::avx2::decode_packed(&packed[done * b / 8..], bits, table, &mut out[done..]);
+    }
+
     /// `out[i] = table[code_i]` for a packed row of 4-bit codes: sixteen codes (eight bytes)
     /// per step, each byte duplicated, widened to 32-bit lanes and shifted by 0 or 4, then one
     /// 16-entry permute.
