@@ -598,10 +598,14 @@ pub fn decode_attention_with(
     let (rows, d, t) = (lay.rows, lay.head_dim, lay.tokens);
     // Multiply-adds of the scores and the read-out: small calls stay on the calling thread.
     let work = (lay.heads * rows).saturating_mul(t.saturating_mul(2 * d));
-    let qp: Vec<Vec<Vec<f32>>> = par::map_range(lay.heads, work, par::PAR_MIN_ATTEND, |h| {
-        let qh = &q[h * rows * d..(h + 1) * rows * d];
-        terms.iter().map(|k| k.queries(isa, qh, h, &lay)).collect()
-    });
+    // The query rows' preparation and the merge are a few rows per head: on the calling thread
+    // (a fork-join costs more than they do); the chunks are the parallel work.
+    let qp: Vec<Vec<Vec<f32>>> = (0..lay.heads)
+        .map(|h| {
+            let qh = &q[h * rows * d..(h + 1) * rows * d];
+            terms.iter().map(|k| k.queries(isa, qh, h, &lay)).collect()
+        })
+        .collect();
     let shifts = lse_shifts(isa, &terms, q, &lay)?;
     let step = terms.iter().map(|k| k.token_step()).max().unwrap_or(1);
     let len = CHUNK.div_ceil(step) * step;
@@ -633,11 +637,12 @@ pub fn decode_attention_with(
                 .collect::<Vec<_>>(),
         );
     }
-    let merged: Vec<(Vec<f32>, Vec<f32>, Vec<f32>)> =
-        par::map_range(lay.heads, work, par::PAR_MIN_ATTEND, |h| {
+    let merged: Vec<(Vec<f32>, Vec<f32>, Vec<f32>)> = (0..lay.heads)
+        .map(|h| {
             let shift = &shifts[h * rows..(h + 1) * rows];
             merge(isa, vrows, (h, &heads[h], shift), &lay, want_probs)
-        });
+        })
+        .collect();
     let mut res = Attention {
         out: Vec::with_capacity(qlen),
         lse: Vec::with_capacity(lay.heads * rows),
