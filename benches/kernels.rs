@@ -40,13 +40,10 @@ use rayon::prelude::*;
 const D: usize = 128;
 const BITS: u32 = 4;
 
-/// The paths compared: the scalar reference and the fastest one this CPU supports.
+/// The paths compared: the scalar reference and every SIMD path this CPU supports (AVX2 and
+/// AVX-512 side by side on an AVX-512 machine).
 fn paths() -> Vec<Isa> {
-    let mut p = vec![Isa::Scalar];
-    if Isa::best() != Isa::Scalar {
-        p.push(Isa::best());
-    }
-    p
+    Isa::available()
 }
 
 fn pool(threads: usize) -> rayon::ThreadPool {
