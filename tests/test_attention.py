@@ -431,3 +431,28 @@ def test_native_rows_are_typed_objects_and_errors_name_the_part():
     uni = UniformRows(np.zeros(32, np.uint8), np.ones(2, np.float16), np.zeros(1, np.float16), 4, 32)
     with pytest.raises(KvqrsError, match="values.zeros"):
         _native.decode_attention(q, dense, uni, None, 1, 1, 1, 64, 1.0, False)
+
+
+@pytest.mark.parametrize("scheme", ["kivi", "block"])
+def test_values_near_the_float32_limit_give_finite_output_or_a_named_error(scheme):
+    """Uniform-coded values whose float32 block sums overflow (64 equal weights of 1e38): the
+    fused read returns finite output where its float64 zero-point sums hold the total (KIVI's
+    constant values sit in the zero point) and otherwise raises naming the values, never an
+    infinite or NaN output."""
+    d, t = 20, 64
+    codec = KVCodec(scheme, 4, head_dim=d, seed=1)
+    k = np.zeros((1, t, d), np.float32)  # equal logits
+    q = np.random.default_rng(0).standard_normal((1, 1, d)).astype(np.float32)
+    for v in (np.full((1, t, d), 1e38, np.float32), np.linspace(-1e38, 1e38, t * d, dtype=np.float32).reshape(1, t, d)):
+        ck, cv = codec.encode_keys(k), codec.encode_values(v)
+        try:
+            out = codec.fused_attention(q, ck, cv).out
+        except KvqrsError as e:
+            assert "values: row 0 overflows float32" in str(e)
+            continue
+        assert np.isfinite(out).all()
+        np.testing.assert_allclose(out, codec.attention(q, ck, cv, fused=False)[0], rtol=1e-5, atol=0)
+    # KIVI's constant values are its zero points: summed in float64, the read stays finite.
+    if scheme == "kivi":
+        cv = codec.encode_values(np.full((1, t, d), 1e38, np.float32))
+        assert np.isfinite(codec.fused_attention(q, codec.encode_keys(k), cv).out).all()

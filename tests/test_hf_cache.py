@@ -1418,3 +1418,26 @@ def test_configs_the_codec_refuses_raise_before_anything_is_stored():
     with pytest.raises(KvqrsError, match="fitted for head_dim 8, codec head_dim is 16"):
         cache.update(torch.randn(1, 1, 20, 16), torch.randn(1, 1, 20, 16), 0)
     assert cache.get_seq_length() == 0 and cache.nbytes() == 0
+
+
+@pytest.mark.parametrize("scheme", ["kqv", "qkqv"])
+def test_a_fused_step_whose_output_does_not_fit_float16_raises(scheme):
+    """A float16 layer whose values sit at float16's maximum: once they are coded, the fused
+    step's float32 output can exceed 65504 (the codes overshoot); cast to the layer's dtype that
+    is an error naming it, never an infinite output."""
+    torch.manual_seed(0)
+    d, heads, dt = 20, 2, torch.float16
+    layer = QuantizedLayer(QuantConfig(scheme, 4, scheme, 4, residual_length=4, group=8), 0)
+    mod = _Module(1)
+    k, v = torch.randn(1, heads, 16, d), torch.randn(1, heads, 16, d)
+    rk, rv = layer.update(k.to(dt), v.to(dt), fused=True)
+    layer.attend(mod, torch.randn(1, heads, 1, d).to(dt), rk, rv, None, d**-0.5)
+    q = torch.full((1, heads, 1, d), 1e4 / d).to(dt)  # every later query reads the hot token
+    with pytest.raises(KvqrsError, match="does not fit torch.float16"):
+        for s in range(8):
+            hot = s == 0
+            kk = torch.ones(1, heads, 1, d) if hot else torch.randn(1, heads, 1, d) * 0.01
+            vv = torch.full((1, heads, 1, d), 65504.0) if hot else torch.randn(1, heads, 1, d)
+            rk, rv = layer.update(kk.to(dt), vv.to(dt), fused=True)
+            out = layer.attend(mod, q, rk, rv, None, d**-0.5)[0]
+            assert torch.isfinite(out).all()

@@ -761,7 +761,8 @@ class QuantizedLayer(CacheLayerMixin):
             # One native call: the fused kernel over the store's buffers and the softmax over
             # the full-precision tokens, merged by log-sum-exp (GIL released).
             out = view.store.attend(query, fp_k, fp_v, mask, float(scaling))
-            return out.to(query.dtype).transpose(1, 2).contiguous(), None
+            # float32 sums cast to the model's dtype: an error, not inf, when they do not fit
+            return from_numpy(out.numpy(), query).transpose(1, 2).contiguous(), None
         codec = self.codec()
         q = to_numpy(query, "query")
         cv = view.codes_v
@@ -775,7 +776,7 @@ class QuantizedLayer(CacheLayerMixin):
             w_w = (lse_w - lse).exp_()
             # A fully masked full-precision part has lse_w = -inf and NaN probabilities: its weight is 0.
             out = out.mul_((lse_q - lse).exp_()).add_(torch.where(w_w > 0, out_w.mul_(w_w), 0.0))
-        return out.to(query.dtype).transpose(1, 2).contiguous(), None
+        return from_numpy(out.numpy(), query).transpose(1, 2).contiguous(), None
 
     def attend(self, module, query, key, value, attention_mask, scaling):
         if self._returned is None or key is not self._returned() or self._view is None:

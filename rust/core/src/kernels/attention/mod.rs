@@ -543,7 +543,8 @@ fn channel_values() -> KvqError {
 /// whose length does not match the layout (naming it, e.g. `keys.codes`), invalid stored
 /// scalars, bad bits or group, a bad HeadQ basis, runs out of order or beyond head_dim, a
 /// basis or mean of the wrong size or not finite, non-finite queries or logits (a key mean's
-/// `scale * q . mu` included).
+/// `scale * q . mu` included), values whose weighted sums overflow float32
+/// ([`KvqError::NormOverflow`] naming the query row).
 ///
 /// Runs on the active instruction-set path ([`simd::active`]); every path returns the same
 /// bits.
@@ -652,6 +653,14 @@ pub fn decode_attention_with(
         res.out.extend_from_slice(&o);
         res.lse.extend_from_slice(&l);
         res.probs.extend_from_slice(&p);
+    }
+    // Finite logits and values can still overflow the float32 value sums (values near 3.4e38
+    // summed over a block): an error naming the query row, never an infinite output.
+    if let Some(i) = res.out.iter().position(|v| !v.is_finite()) {
+        return Err(KvqError::NormOverflow {
+            arg: "values",
+            row: i / d,
+        });
     }
     Ok(res)
 }
@@ -875,6 +884,42 @@ mod tests {
                 / (d as f64).sqrt();
             let want_p0 = (s - f64::from(got.lse[r])).exp();
             assert!((f64::from(p[0]) - want_p0).abs() < 1e-5 * (1.0 + want_p0));
+        }
+    }
+
+    /// Values near the float32 limit whose weighted float32 sums overflow give an error naming
+    /// the query row, not an infinite output.
+    #[test]
+    fn overflowing_value_sums_are_an_error() {
+        let (d, t, rows) = (8usize, 64usize, 1usize);
+        let lay = Layout {
+            heads: 1,
+            rows,
+            tokens: t,
+            head_dim: d,
+            scale: 0.125,
+        };
+        let q = vec![0.0f32; rows * d];
+        let keys = vec![0.5f32; t * d];
+        let huge = vec![3.0e38f32; t * d];
+        let small = vec![1.0f32; t * d];
+        let run = |v: &[f32]| {
+            decode_attention(
+                &q,
+                &lay,
+                &CodedRows::Dense(&keys),
+                None,
+                &CodedRows::Dense(v),
+                false,
+            )
+        };
+        assert!(run(&small).is_ok());
+        match run(&huge) {
+            Err(KvqError::NormOverflow {
+                arg: "values",
+                row: 0,
+            }) => {}
+            other => panic!("expected an overflow error, got {other:?}"),
         }
     }
 

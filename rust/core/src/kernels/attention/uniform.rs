@@ -122,29 +122,28 @@ impl ValueRows for TokensPlan<'_> {
         let rows = p.len() / n;
         let (sc, ze) = self.planes(isa, h, span.clone());
         let mut lanes = super::reader::Lanes::new(rows, cd);
-        let mut zs = vec![0.0f32; groups];
         self.reader
             .each_block(isa, self.codes, (h, self.tokens), span, |j0, block| {
                 let count = block.len() / cd;
                 let at = (j0 - c0) * groups..(j0 - c0 + count) * groups;
                 let (scb, zeb) = (&sc[at.clone()], &ze[at]);
                 for (r, ar) in lanes.part.chunks_exact_mut(cd).enumerate() {
+                    let zacc = &mut acc[r * stride + cd..(r + 1) * stride];
                     let pr = &p[r * n + j0 - c0..r * n + j0 - c0 + count];
-                    // Weights p_j s_(j,g), one per token and group.
+                    // Weights p_j s_(j,g), one per token and group; the zero points' sums in
+                    // float64 (a float32 sum of zero points near its limit would overflow).
                     let w = &mut lanes.w;
                     w.clear();
-                    for (&pj, sk) in pr.iter().zip(scb.chunks_exact(groups)) {
+                    for (&pj, (sk, zk)) in pr
+                        .iter()
+                        .zip(scb.chunks_exact(groups).zip(zeb.chunks_exact(groups)))
+                    {
                         w.extend(sk.iter().map(|&s| pj * s));
+                        for (z, &zg) in zacc.iter_mut().zip(zk) {
+                            *z += f64::from(pj) * f64::from(zg);
+                        }
                     }
                     ops::axpy_rows_grouped(isa, ar, w, (groups, group), block, cd);
-                    // The zero points' sums sum_j p_j z_(j,g): float32 lanes over the block (as
-                    // the value sums), carried into float64.
-                    zs.iter_mut().for_each(|z| *z = 0.0);
-                    ops::axpy_rows_f32(isa, &mut zs, pr, zeb, groups);
-                    let zacc = &mut acc[r * stride + cd..(r + 1) * stride];
-                    zacc.iter_mut()
-                        .zip(&zs)
-                        .for_each(|(a, &z)| *a += f64::from(z));
                 }
                 lanes.carry(acc, (stride, 0));
             });
