@@ -331,7 +331,7 @@ pub(crate) fn axpy_rows_grouped(
             avx512::axpy_rows_grouped(o, w, (groups, group), mat, stride)
         },
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 | Isa::Avx512 if group.is_multiple_of(8) => unsafe {
+        Isa::Avx2 | Isa::Avx512 if group.is_multiple_of(8) && o.len().is_multiple_of(8) => unsafe {
             avx2::axpy_rows_grouped(o, w, (groups, group), mat, stride)
         },
         _ => scalar::axpy_rows_grouped(o, w, (groups, group), mat, stride),

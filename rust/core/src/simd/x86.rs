@@ -757,8 +757,8 @@ pub(super) mod avx2 {
         }
     }
 
-    /// [`super::super::ops::axpy_rows_grouped`] for `group` a multiple of 8: each register lies
-    /// in one group; four registers per pass.
+    /// [`super::super::ops::axpy_rows_grouped`] for `group` and `o.len()` multiples of 8: each
+    /// register lies in one group; four registers per pass.
     #[target_feature(enable = "avx2,bmi2")]
     pub(crate) fn axpy_rows_grouped(
         o: &mut [f32],
@@ -768,12 +768,12 @@ pub(super) mod avx2 {
         stride: usize,
     ) {
         let n = o.len();
-        let n8 = n / 8 * 8;
+        debug_assert!(n.is_multiple_of(8));
         let rows = w.len() / groups;
         let mut i = 0;
-        while i < n8 {
-            let regs = ((n8 - i) / 8).min(4);
-            // SAFETY: i + 8 * regs <= n8 <= n; row c spans mat[c*stride..c*stride+n].
+        while i < n {
+            let regs = ((n - i) / 8).min(4);
+            // SAFETY: i + 8 * regs <= n; row c spans mat[c*stride..c*stride+n].
             unsafe {
                 let mut acc: [__m256; 4] = std::array::from_fn(|v| {
                     if v < regs {
@@ -795,11 +795,6 @@ pub(super) mod avx2 {
             }
             i += 8 * regs;
         }
-        for (j, oj) in o.iter_mut().enumerate().skip(n8) {
-            for c in 0..rows {
-                *oj += w[c * groups + j / group] * mat[c * stride + j];
-            }
-        }
     }
 }
 
@@ -810,6 +805,13 @@ pub(super) mod avx512 {
     #[inline]
     fn mask16(n: usize) -> __mmask16 {
         ((1u32 << n) - 1) as __mmask16
+    }
+
+    /// The lane masks of four 16-lane registers from index `i` of a row of `n` values (0 for a
+    /// register wholly past the end).
+    #[inline]
+    fn masks4(n: usize, i: usize) -> [__mmask16; 4] {
+        std::array::from_fn(|v| mask16(n.saturating_sub(i + 16 * v).min(16)))
     }
 
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,bmi2")]
@@ -1216,8 +1218,7 @@ pub(super) mod avx512 {
         // Up to four registers (64 values) per pass: independent addition chains in flight.
         while i < n {
             let regs = (n - i).div_ceil(16).min(4);
-            let k: [__mmask16; 4] =
-                std::array::from_fn(|v| mask16((n.max(i + 16 * v) - i - 16 * v).min(16)));
+            let k = masks4(n, i);
             // SAFETY: the masked lanes stay below n in o and in each row c of mat (at c*stride).
             unsafe {
                 let mut acc: [__m512; 4] = std::array::from_fn(|v| {
@@ -1517,8 +1518,7 @@ pub(super) mod avx512 {
         let mut i = 0;
         while i < n {
             let regs = (n - i).div_ceil(16).min(4);
-            let k: [__mmask16; 4] =
-                std::array::from_fn(|v| mask16((n.max(i + 16 * v) - i - 16 * v).min(16)));
+            let k = masks4(n, i);
             // SAFETY: the masked lanes stay below n in o and in each row c of mat (at c*stride).
             unsafe {
                 let mut acc: [__m512; 4] = std::array::from_fn(|v| {
