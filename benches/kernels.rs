@@ -335,6 +335,7 @@ fn attention(c: &mut Criterion) {
             heads: HEADS,
             rows: ROWS,
             tokens: t,
+            stride: t,
             head_dim: HD,
             scale: 0.125,
         };

@@ -96,11 +96,13 @@ pub struct SideSpec {
     pub sign: f32,
 }
 
-/// A part's bytes for every head (contiguous), as read by the kernel.
+/// A part's whole buffer (every head's rows `room` tokens apart), as read by the kernel:
+/// borrowed from the store (a copy only for float16 / bfloat16 values read as float32, or
+/// scalars at an address not aligned to their size).
 enum Read<'a> {
-    Bytes(Cow<'a, [u8]>),
-    F16(Vec<u16>),
-    F32(Vec<f32>),
+    Bytes(&'a [u8]),
+    F16(Cow<'a, [u16]>),
+    F32(Cow<'a, [f32]>),
 }
 
 impl Read<'_> {
@@ -125,9 +127,41 @@ impl Read<'_> {
     }
 }
 
+/// Numbers every bit pattern of which is a value: bytes can be read as them in place.
+trait Plain: Copy {
+    fn from_le(b: &[u8]) -> Self;
+}
+
+impl Plain for u16 {
+    fn from_le(b: &[u8]) -> Self {
+        u16::from_le_bytes([b[0], b[1]])
+    }
+}
+
+impl Plain for f32 {
+    fn from_le(b: &[u8]) -> Self {
+        f32::from_le_bytes([b[0], b[1], b[2], b[3]])
+    }
+}
+
+/// Little-endian `bytes` as `T` values: borrowed when aligned (the store's allocations are),
+/// else copied.
+fn plain<T: Plain>(bytes: &[u8]) -> Cow<'_, [T]> {
+    #[cfg(target_endian = "little")]
+    {
+        // SAFETY: every bit pattern of a `Plain` type is a valid value, and `align_to` returns
+        // only the aligned middle; it is used only when nothing is left over on either side.
+        let (pre, mid, post) = unsafe { bytes.align_to::<T>() };
+        if pre.is_empty() && post.is_empty() {
+            return Cow::Borrowed(mid);
+        }
+    }
+    let size = std::mem::size_of::<T>();
+    Cow::Owned(bytes.chunks_exact(size).map(T::from_le).collect())
+}
+
 fn read(store: &LayerStore, i: usize, kind: char) -> Result<Read<'_>> {
-    let rows = store.specs().nth(i).map_or(0, |s| s.outer.iter().product());
-    let bytes = store.rows(i, 0..rows);
+    let bytes = store.buffer(i);
     let dtype = store.dtype(i);
     let bad = |what: &str| KvqError::ShapeMismatch {
         arg: "store",
@@ -139,15 +173,11 @@ fn read(store: &LayerStore, i: usize, kind: char) -> Result<Read<'_>> {
     };
     Ok(match (kind, dtype) {
         ('b', Dtype::U8) => Read::Bytes(bytes),
-        ('s', Dtype::F16) => Read::F16(
-            bytes
-                .chunks_exact(2)
-                .map(|b| u16::from_le_bytes([b[0], b[1]]))
-                .collect(),
-        ),
-        ('s', Dtype::F32) | ('f', _) => {
-            Read::F32(to_f32(dtype, &bytes).ok_or_else(|| bad("float values"))?)
-        }
+        ('s', Dtype::F16) => Read::F16(plain(bytes)),
+        ('s', Dtype::F32) | ('f', Dtype::F32) => Read::F32(plain(bytes)),
+        ('f', _) => Read::F32(Cow::Owned(
+            to_f32(dtype, bytes).ok_or_else(|| bad("float values"))?,
+        )),
         ('b', _) => return Err(bad("uint8 codes")),
         _ => return Err(bad("float16 or float32 stored scalars")),
     })
@@ -340,6 +370,7 @@ pub fn attend(
     }
     let lay = Layout {
         tokens: store.tokens(),
+        stride: store.room(),
         ..step.layout
     };
     let (heads, rows, d, w) = (lay.heads, lay.rows, lay.head_dim, step.window);
@@ -495,6 +526,31 @@ mod tests {
         }
     }
 
+    /// Bytes read as numbers: in place when aligned, copied (the same values) when not.
+    #[test]
+    fn plain_reads_borrow_aligned_bytes_and_copy_the_rest() {
+        let words: Vec<u32> = (0..9).map(|i| 0x3C00_4000 + i).collect();
+        let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
+        let want16 = |b: &[u8]| -> Vec<u16> {
+            b.chunks_exact(2)
+                .map(|c| u16::from_le_bytes([c[0], c[1]]))
+                .collect()
+        };
+        // `bytes` is a fresh allocation (aligned); one byte in, it is not.
+        let aligned = plain::<u16>(&bytes[..16]);
+        assert!(matches!(aligned, Cow::Borrowed(_)));
+        assert_eq!(aligned.as_ref(), want16(&bytes[..16]).as_slice());
+        let shifted = plain::<u16>(&bytes[1..17]);
+        assert!(matches!(shifted, Cow::Owned(_)));
+        assert_eq!(shifted.as_ref(), want16(&bytes[1..17]).as_slice());
+        let f = plain::<f32>(&bytes[2..34]);
+        assert!(matches!(f, Cow::Owned(_)));
+        let want: Vec<f32> = (bytes[2..34].chunks_exact(4))
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
+        assert_eq!(f.as_ref(), want.as_slice());
+    }
+
     /// The step over a store filled by appends equals the kernel over the joined codes merged
     /// by log-sum-exp with a float64 softmax over the full-precision tokens.
     #[test]
@@ -561,6 +617,8 @@ mod tests {
             ];
             store.append(&parts, per).unwrap();
         }
+        // The kernel reads the store's buffers in place, heads `room` tokens apart.
+        assert!(store.room() > t);
         let keys = RowSpec::Mse {
             codes: 0,
             norms: 1,
@@ -577,7 +635,7 @@ mod tests {
         let flat_norms: Vec<u16> = all_norms.concat();
         let coded = decode_attention(
             q,
-            &Layout { tokens: t, ..lay },
+            &lay.compact(t),
             &CodedRows::Mse {
                 codes: &flat_codes,
                 norms: ScalarView::F16(&flat_norms),
@@ -635,6 +693,7 @@ mod tests {
                     heads,
                     rows,
                     tokens: 0,
+                    stride: 0,
                     head_dim: d,
                     scale,
                 },
@@ -762,6 +821,7 @@ mod tests {
             store.append(&parts, per).unwrap();
         }
         let t = chunks * per;
+        assert!(store.room() > t);
         let run_specs: Vec<RunSpec> = (cols.iter().enumerate())
             .map(|(i, &(bits, start, stop))| RunSpec {
                 codes: 3 * i,
@@ -817,7 +877,7 @@ mod tests {
         let (kb, vb) = (base(&kbasis, 1), base(&vbasis, heads));
         let coded = decode_attention(
             q,
-            &Layout { tokens: t, ..lay },
+            &lay.compact(t),
             &CodedRows::Centred {
                 rows: &kb,
                 mean: &kmean,

@@ -96,7 +96,7 @@ impl ScalarPlane {
     }
 
     fn validate_with(&self, arg: &'static str, rows: usize, signed: bool) -> Result<()> {
-        self.view().validate_with(arg, rows, signed)
+        self.view().validate_rows(arg, (1, rows, rows), signed)
     }
 
     /// A borrowed view of the plane.
@@ -154,36 +154,55 @@ impl ScalarView<'_> {
 
     /// Checks `rows` finite non-negative values (norms, scales).
     pub fn validate(&self, arg: &'static str, rows: usize) -> Result<()> {
-        self.validate_with(arg, rows, false)
+        self.validate_rows(arg, (1, rows, rows), false)
     }
 
     /// Checks `rows` finite values (negative ones allowed, e.g. zero points).
     pub fn validate_signed(&self, arg: &'static str, rows: usize) -> Result<()> {
-        self.validate_with(arg, rows, true)
+        self.validate_rows(arg, (1, rows, rows), true)
     }
 
-    fn validate_with(&self, arg: &'static str, rows: usize, signed: bool) -> Result<()> {
-        if self.len() != rows {
+    /// Checks a buffer of `blocks` blocks of `room` scalars whose first `used` of each are
+    /// held (a layer store keeps room to append after each head's rows): finite, and not
+    /// below zero unless `signed`. Errors name the row counted over the held scalars.
+    pub fn validate_rows(
+        &self,
+        arg: &'static str,
+        (blocks, room, used): (usize, usize, usize),
+        signed: bool,
+    ) -> Result<()> {
+        if used > room || Some(self.len()) != blocks.checked_mul(room) {
             return Err(KvqError::ShapeMismatch {
                 arg,
-                expected: format!("{rows} stored scalars (one per row)"),
+                expected: format!("{blocks} x {room} stored scalars ({used} held per block)"),
                 actual: format!("{}", self.len()),
             });
         }
-        if self.all_valid(signed) {
-            return Ok(());
-        }
-        for i in 0..rows {
-            let v = self.get(i);
-            if !v.is_finite() || (!signed && v < 0.0) {
-                return Err(KvqError::InvalidScalar {
-                    arg,
-                    row: i,
-                    value: v,
-                });
+        for b in 0..blocks {
+            let held = self.slice(b * room, used);
+            if held.all_valid(signed) {
+                continue;
+            }
+            for i in 0..used {
+                let v = held.get(i);
+                if !v.is_finite() || (!signed && v < 0.0) {
+                    return Err(KvqError::InvalidScalar {
+                        arg,
+                        row: b * used + i,
+                        value: v,
+                    });
+                }
             }
         }
         Ok(())
+    }
+
+    /// Scalars `start .. start + len`.
+    fn slice(&self, start: usize, len: usize) -> ScalarView<'_> {
+        match self {
+            ScalarView::F16(v) => ScalarView::F16(&v[start..start + len]),
+            ScalarView::F32(v) => ScalarView::F32(&v[start..start + len]),
+        }
     }
 
     /// Whether every scalar is finite (and not below zero unless `signed`), read from the bit
@@ -258,10 +277,38 @@ mod tests {
             assert_eq!(ScalarView::F32(&many).all_valid(signed), signed);
             assert_eq!(
                 ScalarView::F32(&many)
-                    .validate_with("x", 1000, signed)
+                    .validate_rows("x", (1, 1000, 1000), signed)
                     .is_ok(),
                 signed
             );
+        }
+    }
+
+    /// A strided buffer is checked on its held scalars only, and a bad one is named by its
+    /// row over the held scalars.
+    #[test]
+    fn strided_checks_read_the_held_scalars_only() {
+        // 3 blocks of room 5, 3 held: the room (here NaN) is not read.
+        let mut v = vec![f32::NAN; 15];
+        for b in 0..3 {
+            v[b * 5..b * 5 + 3].copy_from_slice(&[1.0, 2.0, 3.0]);
+        }
+        let view = ScalarView::F32(&v);
+        assert!(view.validate_rows("x", (3, 5, 3), false).is_ok());
+        v[2 * 5 + 1] = -1.0;
+        match ScalarView::F32(&v).validate_rows("x", (3, 5, 3), false) {
+            Err(KvqError::InvalidScalar { row, .. }) => assert_eq!(row, 2 * 3 + 1),
+            other => panic!("{other:?}"),
+        }
+        assert!(ScalarView::F32(&v)
+            .validate_rows("x", (3, 5, 3), true)
+            .is_ok());
+        // Room below the held count, or a buffer of another length: a shape error.
+        for sizes in [(3, 5, 6), (3, 4, 3), (4, 5, 3)] {
+            assert!(matches!(
+                ScalarView::F32(&v).validate_rows("x", sizes, true),
+                Err(KvqError::ShapeMismatch { .. })
+            ));
         }
     }
 

@@ -149,6 +149,9 @@ pub struct ChunkPart<'a> {
 pub struct LayerStore {
     parts: Vec<Buffer>,
     tokens: usize,
+    /// Token room: every part has room for `units(room)` entries per outer row, so the rows of
+    /// every part are `room` tokens apart (what the decode step's kernel reads in place).
+    room: usize,
 }
 
 fn shape_err(arg: &str, expected: String, actual: String) -> KvqError {
@@ -237,12 +240,19 @@ impl LayerStore {
                 })
                 .collect(),
             tokens: 0,
+            room: 0,
         })
     }
 
     /// Tokens held.
     pub fn tokens(&self) -> usize {
         self.tokens
+    }
+
+    /// Token room of every part's outer rows (`>= tokens`; rows of part `i` in
+    /// [`LayerStore::buffer`] start `units(room)` entries apart).
+    pub fn room(&self) -> usize {
+        self.room
     }
 
     /// Batch rows.
@@ -334,14 +344,18 @@ impl LayerStore {
             }
         }
         let held = self.tokens;
+        if held + tokens > self.room {
+            // Every part grows together (doubling the token room: amortised O(1) appends).
+            let room = (2 * self.room).max(held + tokens).max(8);
+            for b in &mut self.parts {
+                b.relayout(b.spec.units(held), b.spec.units(room));
+            }
+            self.room = room;
+        }
         for (b, c) in self.parts.iter_mut().zip(chunk) {
             let (u0, add) = (b.spec.units(held), b.spec.units(tokens));
             if c.dtype == Dtype::F32 && b.dtype == Dtype::F16 {
                 b.widen(u0);
-            }
-            if u0 + add > b.cap {
-                let cap = (2 * b.cap).max(u0 + add).max(8);
-                b.relayout(u0, cap);
             }
             let eb = b.entry_bytes();
             let stride = b.row_stride();
@@ -434,27 +448,10 @@ impl LayerStore {
         (b.dtype, b.spec.shape(self.tokens), b.gather(0, units))
     }
 
-    /// Outer rows `rows` of part `i` for the tokens held, contiguous: borrowed when the part
-    /// has one row per such span (`units == cap` or a single row), else gathered.
-    pub fn rows(&self, i: usize, rows: std::ops::Range<usize>) -> std::borrow::Cow<'_, [u8]> {
-        let b = &self.parts[i];
-        let units = b.spec.units(self.tokens);
-        let eb = b.entry_bytes();
-        let stride = b.row_stride();
-        if rows.is_empty() {
-            return std::borrow::Cow::Borrowed(&[]);
-        }
-        if rows.len() == 1 || units == b.cap {
-            return std::borrow::Cow::Borrowed(
-                &b.data[rows.start * stride
-                    ..rows.start * stride + (rows.len() - 1) * stride + units * eb],
-            );
-        }
-        let mut out = Vec::with_capacity(rows.len() * units * eb);
-        for r in rows {
-            out.extend_from_slice(&b.data[r * stride..r * stride + units * eb]);
-        }
-        std::borrow::Cow::Owned(out)
+    /// Part `i`'s whole buffer: its outer rows of `units(room)` entries each (C order), the
+    /// first `units(tokens)` of each held; borrowed, never copied.
+    pub fn buffer(&self, i: usize) -> &[u8] {
+        &self.parts[i].data
     }
 
     /// The parts as container sections named `prefix + name` (the saved format).

@@ -434,6 +434,7 @@ fn fused_attention_is_bit_identical_on_every_isa_and_thread_count() {
             heads,
             rows,
             tokens: t,
+            stride: t,
             head_dim: d,
             scale: 1.0 / (d as f32).sqrt(),
         };
@@ -547,6 +548,7 @@ fn fused_matched_runs_are_bit_identical_on_every_isa_and_thread_count() {
             heads,
             rows,
             tokens: t,
+            stride: t,
             head_dim: d,
             scale: 1.0 / (d as f32).sqrt(),
         };

@@ -175,6 +175,7 @@ pub fn decode_attention<'py>(
         heads,
         rows,
         tokens,
+        stride: tokens,
         head_dim,
         scale,
     };

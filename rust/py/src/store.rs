@@ -504,6 +504,7 @@ impl PyLayerStore {
                 heads,
                 rows,
                 tokens: 0,
+                stride: 0,
                 head_dim,
                 scale,
             },

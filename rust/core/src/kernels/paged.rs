@@ -485,6 +485,7 @@ fn token_head(
             heads: 1,
             rows: g,
             tokens: n,
+            stride: n,
             head_dim: d,
             scale: qs.scale,
         };
@@ -688,6 +689,7 @@ mod tests {
                         heads: 1,
                         rows: g,
                         tokens: n,
+                        stride: n,
                         head_dim: D,
                         scale: 0.125,
                     },

@@ -1,4 +1,4 @@
-//! Full-precision rows (heads x tokens x head_dim float32): plain dot products for keys,
+//! Full-precision rows (heads x stride x head_dim float32, the first tokens of each held): plain dot products for keys,
 //! float32-lane weighted sums for values.
 
 use std::ops::Range;
@@ -6,37 +6,55 @@ use std::ops::Range;
 use super::super::{check_finite, check_len};
 use super::reader::{mul, unrotate, Lanes, BLOCK};
 use super::{KeyRows, Layout, Names, ValueRows};
-use crate::error::Result;
+use crate::error::{KvqError, Result};
 use crate::simd::{ops, Isa};
 
 /// Validated dense rows.
 pub(super) struct DensePlan<'a> {
     x: &'a [f32],
-    tokens: usize,
+    /// Token room per head.
+    stride: usize,
     head_dim: usize,
 }
 
 impl<'a> DensePlan<'a> {
     pub(super) fn new(x: &'a [f32], names: &Names, lay: &Layout) -> Result<Self> {
         let d = lay.head_dim;
-        let vectors = mul(names.dense, lay.heads, lay.tokens)?;
+        let vectors = mul(names.dense, lay.heads, lay.stride)?;
         check_len(
             names.dense,
             x.len(),
             mul(names.dense, vectors, d)?,
-            "heads x tokens x head_dim values",
+            "heads x stride x head_dim values",
         )?;
-        check_finite(names.dense, x, d)?;
-        Ok(Self {
+        let plan = Self {
             x,
-            tokens: lay.tokens,
+            stride: lay.stride,
             head_dim: d,
-        })
+        };
+        for h in 0..lay.heads {
+            // Rows are named as counted over the held tokens of every head.
+            check_finite(names.dense, plan.rows(h, 0..lay.tokens), d).map_err(|e| match e {
+                KvqError::NonFinite {
+                    arg,
+                    row,
+                    col,
+                    value,
+                } => KvqError::NonFinite {
+                    arg,
+                    row: h * lay.tokens + row,
+                    col,
+                    value,
+                },
+                e => e,
+            })?;
+        }
+        Ok(plan)
     }
 
     /// Rows `span` of head `h`.
     fn rows(&self, h: usize, span: Range<usize>) -> &[f32] {
-        let (t, d) = (self.tokens, self.head_dim);
+        let (t, d) = (self.stride, self.head_dim);
         &self.x[(h * t + span.start) * d..(h * t + span.end) * d]
     }
 }

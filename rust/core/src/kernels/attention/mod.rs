@@ -177,10 +177,25 @@ pub struct Layout {
     pub rows: usize,
     /// Cached tokens per head.
     pub tokens: usize,
+    /// Token room per head of the coded arrays (`>= tokens`): each head's rows of a part
+    /// start `stride` tokens' worth of entries after the previous head's (a layer store's
+    /// buffers, which keep room to append); equal to `tokens` for compact arrays.
+    pub stride: usize,
     /// head_dim d.
     pub head_dim: usize,
     /// Logit scale (1/sqrt(d) for plain attention).
     pub scale: f32,
+}
+
+impl Layout {
+    /// The same sizes over `tokens` tokens of compact arrays (`stride == tokens`).
+    pub fn compact(self, tokens: usize) -> Self {
+        Self {
+            tokens,
+            stride: tokens,
+            ..self
+        }
+    }
 }
 
 /// Output of [`decode_attention`].
@@ -575,6 +590,13 @@ pub fn decode_attention_with(
     check_head_dim("head_dim", lay.head_dim)?;
     check_row_len("tokens", lay.tokens)?;
     check_row_len("rows", lay.rows)?;
+    if lay.stride < lay.tokens {
+        return Err(KvqError::InvalidDimension {
+            arg: "stride",
+            expected: format!("token room per head >= the {} tokens", lay.tokens),
+            actual: lay.stride as i64,
+        });
+    }
     if !(lay.scale.is_finite() && lay.scale > 0.0) {
         return Err(KvqError::InvalidValue {
             arg: "scale",
@@ -669,7 +691,7 @@ pub fn decode_attention_with(
 mod tests {
     use super::*;
     use crate::kernels::mse::MseQuantizer;
-    use crate::kernels::pack::pack;
+    use crate::kernels::pack::{pack, packed_len};
     use crate::kernels::uniform::UniformQuantizer;
     use crate::rng::gaussians;
 
@@ -745,6 +767,7 @@ mod tests {
                 heads: 1,
                 rows,
                 tokens: t,
+                stride: t,
                 head_dim: d,
                 scale: 1.0 / (d as f32).sqrt(),
             };
@@ -813,6 +836,7 @@ mod tests {
                 heads: 1,
                 rows,
                 tokens: t,
+                stride: t,
                 head_dim: d,
                 scale: 1.0 / (d as f32).sqrt(),
             };
@@ -867,6 +891,7 @@ mod tests {
             heads: 1,
             rows,
             tokens: t,
+            stride: t,
             head_dim: d,
             scale: 1.0 / (d as f32).sqrt(),
         };
@@ -896,6 +921,7 @@ mod tests {
             heads: 1,
             rows,
             tokens: t,
+            stride: t,
             head_dim: d,
             scale: 0.125,
         };
@@ -929,6 +955,7 @@ mod tests {
             heads: 1,
             rows: 1,
             tokens: 2,
+            stride: 2,
             head_dim: 4,
             scale: 0.5,
         };
@@ -944,10 +971,174 @@ mod tests {
         let values = CodedRows::Dense(&[0.0; 8]);
         let err = decode_attention(&q, &lay, &keys, None, &values, false).unwrap_err();
         assert!(err.to_string().starts_with("keys.codes"), "{err}");
-        let lay0 = Layout { tokens: 0, ..lay };
+        let lay0 = lay.compact(0);
         assert!(decode_attention(&q, &lay0, &keys, None, &values, false)
             .unwrap_err()
             .to_string()
             .starts_with("tokens"));
+        let short = Layout { stride: 1, ..lay };
+        assert!(decode_attention(&q, &short, &keys, None, &values, false)
+            .unwrap_err()
+            .to_string()
+            .starts_with("stride"));
+    }
+
+    /// Each of `blocks` blocks of `used` entries of `x` placed `room` entries apart, the room
+    /// filled with `fill` (what a layer store's buffers hold past each head's tokens).
+    fn spread<T: Copy>(x: &[T], blocks: usize, room: usize, fill: T) -> Vec<T> {
+        let used = x.len() / blocks;
+        let mut out = vec![fill; blocks * room];
+        for (o, b) in out.chunks_exact_mut(room).zip(x.chunks_exact(used)) {
+            o[..used].copy_from_slice(b);
+        }
+        out
+    }
+
+    /// Rows read `stride` tokens apart give the bits of the compact rows for every row layout;
+    /// the room past each head's tokens (filled with NaN scalars and 0xFF codes) is neither
+    /// read nor checked.
+    #[test]
+    fn rows_with_room_per_head_equal_compact_rows() {
+        let (heads, rows, d, t, room, g) = (2usize, 3usize, 64usize, 45usize, 61usize, 16usize);
+        let q = gaussians(20, 1, heads * rows * d);
+        let bytes = |seed: u64, n: usize| -> Vec<u8> {
+            (gaussians(seed, 2, n).iter())
+                .map(|v| (v.to_bits() >> 9) as u8)
+                .collect()
+        };
+        let positive = |seed: u64, n: usize| -> Vec<f32> {
+            gaussians(seed, 3, n)
+                .iter()
+                .map(|v| 0.5 + v.abs())
+                .collect()
+        };
+        let (rb3, rb1) = (packed_len(d, 3), packed_len(d, 1));
+        let (kc, vc, qs) = (
+            bytes(1, heads * t * rb3),
+            bytes(2, heads * t * rb3),
+            bytes(3, heads * t * rb1),
+        );
+        let norms: Vec<u16> = positive(4, heads * t)
+            .iter()
+            .map(|&v| half::f16::from_f32(v).to_bits())
+            .collect();
+        let (qn, dense) = (positive(5, heads * t), gaussians(6, 4, heads * t * d));
+        // KIVI keys per channel; values in groups of coordinates.
+        let (rbt, rbr) = (packed_len(t, 4), packed_len(room, 4));
+        let (gt, gr) = (t.div_ceil(g), room.div_ceil(g));
+        let cc = bytes(7, heads * d * rbt);
+        let (cs, cz) = (positive(8, heads * d * gt), gaussians(9, 5, heads * d * gt));
+        let (us, uz) = (
+            positive(10, heads * t * (d / g)),
+            gaussians(11, 6, heads * t * (d / g)),
+        );
+        let (sc, ss) = (bytes(12, heads * t * 2), positive(13, heads * t));
+        let basis = gaussians(14, 7, d * 4);
+        let nan16 = half::f16::NAN.to_bits();
+        let wide = |x: &[u8], per: usize| spread(x, heads, room * per, 0xFF);
+        let wide_f = |x: &[f32], per: usize| spread(x, heads, room * per, f32::NAN);
+        let (kcw, vcw, qsw) = (wide(&kc, rb3), wide(&vc, rb3), wide(&qs, rb1));
+        let normsw = spread(&norms, heads, room, nan16);
+        let (qnw, densew) = (wide_f(&qn, 1), wide_f(&dense, d));
+        let ccw = spread(&cc, heads * d, rbr, 0xFF);
+        let (csw, czw) = (
+            spread(&cs, heads * d, gr, f32::NAN),
+            spread(&cz, heads * d, gr, f32::NAN),
+        );
+        let (usw, uzw) = (wide_f(&us, d / g), wide_f(&uz, d / g));
+        let (scw, ssw) = (wide(&sc, 2), wide_f(&ss, 1));
+        let (u2, rb2) = (&kc[..heads * t * packed_len(d, 2)], packed_len(d, 2));
+        let u2w = wide(u2, rb2);
+        let lay = Layout {
+            heads,
+            rows,
+            tokens: t,
+            stride: t,
+            head_dim: d,
+            scale: 0.125,
+        };
+        let strided = Layout {
+            stride: room,
+            ..lay
+        };
+        // Every row layout as (keys, values), over the compact arrays or their spread copies.
+        type Mse<'a> = (&'a [u8], &'a [u8], &'a [u16], &'a [u8], &'a [f32]);
+        type Groups<'a> = (&'a [u8], &'a [f32], &'a [f32]);
+        fn mse<'a>(
+            codes: &'a [u8],
+            norms: &'a [u16],
+            signs: &'a [u8],
+            qn: &'a [f32],
+        ) -> CodedRows<'a> {
+            CodedRows::Mse {
+                codes,
+                norms: ScalarView::F16(norms),
+                bits: 3,
+                seed: Some(2),
+                qjl: Some(QjlRows {
+                    signs,
+                    norms: ScalarView::F32(qn),
+                    seed: 9,
+                }),
+            }
+        }
+        fn layouts<'a>(
+            (kc, vc, norms, qs, qn): Mse<'a>,
+            (cc, cs, cz): Groups<'a>,
+            (u2, us, uz): Groups<'a>,
+            (dense, g): (&'a [f32], usize),
+        ) -> [(CodedRows<'a>, CodedRows<'a>); 3] {
+            [
+                // MSE keys and values with a QJL residual.
+                (mse(kc, norms, qs, qn), mse(vc, norms, qs, qn)),
+                // KIVI keys per channel, values in groups of coordinates (no rotation).
+                (
+                    CodedRows::UniformChannels {
+                        codes: cc,
+                        scales: ScalarView::F32(cs),
+                        zeros: ScalarView::F32(cz),
+                        bits: 4,
+                        group: g,
+                    },
+                    CodedRows::UniformTokens {
+                        codes: u2,
+                        scales: ScalarView::F32(us),
+                        zeros: ScalarView::F32(uz),
+                        bits: 2,
+                        group: g,
+                        seed: None,
+                    },
+                ),
+                (CodedRows::Dense(dense), CodedRows::Dense(dense)),
+            ]
+        }
+        let compact = layouts(
+            (&kc, &vc, &norms, &qs, &qn),
+            (&cc, &cs, &cz),
+            (u2, &us, &uz),
+            (&dense, g),
+        );
+        let spread_rows = layouts(
+            (&kcw, &vcw, &normsw, &qsw, &qnw),
+            (&ccw, &csw, &czw),
+            (&u2w, &usw, &uzw),
+            (&densew, g),
+        );
+        // HeadQ's side code with every layout.
+        let side = |codes, scales| SideRows {
+            codes,
+            scales: ScalarView::F32(scales),
+            basis: &basis,
+            basis_heads: 1,
+            rank: 4,
+            bits: 4,
+            sign: 1.0,
+        };
+        let (s0, s1) = (side(&sc, &ss), side(&scw, &ssw));
+        for ((k0, v0), (k1, v1)) in compact.iter().zip(&spread_rows) {
+            let want = decode_attention(&q, &lay, k0, Some(&s0), v0, true).unwrap();
+            let got = decode_attention(&q, &strided, k1, Some(&s1), v1, true).unwrap();
+            assert_eq!(got, want);
+        }
     }
 }

@@ -36,11 +36,13 @@ pub(super) struct MsePlan<'a> {
     rot: Option<Rotation>,
     reader: RowReader,
     qjl: Option<Qjl<'a>>,
-    tokens: usize,
+    /// Token room per head (rows of head `h` start at token `h * stride`).
+    stride: usize,
 }
 
 impl<'a> MsePlan<'a> {
-    /// Checks the buffers of `codes` (heads x tokens rows) against the layout.
+    /// Checks the buffers of `codes` (heads x stride rows, the first `tokens` of each held)
+    /// against the layout.
     pub(super) fn new(
         (codes, norms, bits, seed): (&'a [u8], ScalarView<'a>, u32, Option<u64>),
         qjl: Option<QjlRows<'a>>,
@@ -48,7 +50,8 @@ impl<'a> MsePlan<'a> {
         lay: &Layout,
     ) -> Result<Self> {
         let d = lay.head_dim;
-        let vectors = mul(names.codes, lay.heads, lay.tokens)?;
+        let vectors = mul(names.codes, lay.heads, lay.stride)?;
+        let held = (lay.heads, lay.stride, lay.tokens);
         check_bits(names.bits, bits)?;
         let (rot, cd) = code_domain(seed, d)?;
         let reader = RowReader::new(cd, bits, &codebook(cd, bits)?.centroids_f32);
@@ -56,9 +59,9 @@ impl<'a> MsePlan<'a> {
             names.codes,
             codes.len(),
             mul(names.codes, vectors, reader.row_bytes)?,
-            "heads x tokens x packed codes",
+            "heads x stride x packed codes",
         )?;
-        norms.validate(names.norms, vectors)?;
+        norms.validate_rows(names.norms, held, false)?;
         let qjl = match qjl {
             None => None,
             Some(q) => {
@@ -74,9 +77,9 @@ impl<'a> MsePlan<'a> {
                     names.qjl_signs,
                     q.signs.len(),
                     mul(names.qjl_signs, vectors, qreader.row_bytes)?,
-                    "heads x tokens x ceil(d'/8) sign bytes",
+                    "heads x stride x ceil(d'/8) sign bytes",
                 )?;
-                q.norms.validate(names.qjl_norms, vectors)?;
+                q.norms.validate_rows(names.qjl_norms, held, false)?;
                 Some(Qjl {
                     signs: q.signs,
                     norms: q.norms,
@@ -92,7 +95,7 @@ impl<'a> MsePlan<'a> {
             rot,
             reader,
             qjl,
-            tokens: lay.tokens,
+            stride: lay.stride,
         })
     }
 
@@ -118,7 +121,7 @@ impl KeyRows for MsePlan<'_> {
     }
 
     fn add_scores(&self, isa: Isa, qp: &[f32], h: usize, span: Range<usize>, s: &mut [f32]) {
-        let (cd, t, c0, n) = (self.cd(), self.tokens, span.start, span.len());
+        let (cd, t, c0, n) = (self.cd(), self.stride, span.start, span.len());
         let rows = s.len() / n;
         let (qr, sq) = qp.split_at(rows * cd);
         let mut dots = vec![0.0f32; rows * BLOCK];
@@ -154,7 +157,7 @@ impl ValueRows for MsePlan<'_> {
     }
 
     fn accumulate(&self, isa: Isa, p: &[f32], h: usize, span: Range<usize>, acc: &mut [f64]) {
-        let (cd, t, c0, n) = (self.cd(), self.tokens, span.start, span.len());
+        let (cd, t, c0, n) = (self.cd(), self.stride, span.start, span.len());
         let (rows, stride) = (p.len() / n, self.acc_dim());
         let mut lanes = Lanes::new(rows, cd);
         let mut nb = [0.0f32; BLOCK];

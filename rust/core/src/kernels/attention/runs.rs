@@ -458,6 +458,7 @@ mod tests {
                 heads,
                 rows,
                 tokens: t,
+                stride: t,
                 head_dim: d,
                 scale: 1.0 / (d as f32).sqrt(),
             };
@@ -533,6 +534,7 @@ mod tests {
             heads,
             rows,
             tokens: t,
+            stride: t,
             head_dim: d,
             scale: 0.3,
         };
@@ -577,6 +579,7 @@ mod tests {
             heads,
             rows: 1,
             tokens: t,
+            stride: t,
             head_dim: d,
             scale: 0.5,
         };
@@ -656,6 +659,7 @@ mod tests {
             heads,
             rows,
             tokens: t,
+            stride: t,
             head_dim: d,
             scale: 0.25,
         };

@@ -18,7 +18,8 @@ pub(super) struct SidePlan<'a> {
     coders: Vec<HeadqCoder>,
     reader: RowReader,
     sign: f32,
-    tokens: usize,
+    /// Token room per head.
+    stride: usize,
 }
 
 impl<'a> SidePlan<'a> {
@@ -58,21 +59,22 @@ impl<'a> SidePlan<'a> {
         let half = coders[0].half();
         let levels: Vec<f32> = (0..1u32 << s.bits).map(|v| v as f32 - half).collect();
         let reader = RowReader::new(s.rank, s.bits, &levels);
-        let vectors = layout.heads * layout.tokens;
+        let vectors = mul("side.codes", layout.heads, layout.stride)?;
         check_len(
             "side.codes",
             s.codes.len(),
             mul("side.codes", vectors, reader.row_bytes)?,
-            "heads x tokens x packed side codes",
+            "heads x stride x packed side codes",
         )?;
-        s.scales.validate("side.scales", vectors)?;
+        let held = (layout.heads, layout.stride, layout.tokens);
+        s.scales.validate_rows("side.scales", held, false)?;
         Ok(Self {
             codes: s.codes,
             scales: s.scales,
             coders,
             reader,
             sign: s.sign,
-            tokens: layout.tokens,
+            stride: layout.stride,
         })
     }
 }
@@ -90,7 +92,7 @@ impl KeyRows for SidePlan<'_> {
     }
 
     fn add_scores(&self, isa: Isa, qu: &[f32], h: usize, span: Range<usize>, s: &mut [f32]) {
-        let (t, c0, n) = (self.tokens, span.start, span.len());
+        let (t, c0, n) = (self.stride, span.start, span.len());
         let mut dots = vec![0.0f32; s.len() / n];
         let mut sc = vec![0.0f32; n];
         self.scales.read(isa, h * t + c0, &mut sc);

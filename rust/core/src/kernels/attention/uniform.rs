@@ -28,7 +28,8 @@ pub(super) struct TokensPlan<'a> {
     reader: RowReader,
     group: usize,
     groups: usize,
-    tokens: usize,
+    /// Token room per head.
+    stride: usize,
 }
 
 impl<'a> TokensPlan<'a> {
@@ -39,7 +40,7 @@ impl<'a> TokensPlan<'a> {
         lay: &Layout,
     ) -> Result<Self> {
         let d = lay.head_dim;
-        let vectors = mul(names.codes, lay.heads, lay.tokens)?;
+        let vectors = mul(names.codes, lay.heads, lay.stride)?;
         check_bits(names.bits, bits)?;
         check_row_len(names.group, group)?;
         let (rot, cd) = code_domain(seed, d)?;
@@ -49,10 +50,12 @@ impl<'a> TokensPlan<'a> {
             names.codes,
             codes.len(),
             mul(names.codes, vectors, reader.row_bytes)?,
-            "heads x tokens x packed codes",
+            "heads x stride x packed codes",
         )?;
-        scales.validate(names.scales, mul(names.scales, vectors, groups)?)?;
-        zeros.validate_signed(names.zeros, vectors * groups)?;
+        let per_head = mul(names.scales, lay.stride, groups)?;
+        let held = (lay.heads, per_head, lay.tokens * groups);
+        scales.validate_rows(names.scales, held, false)?;
+        zeros.validate_rows(names.zeros, held, true)?;
         Ok(Self {
             codes,
             scales,
@@ -61,13 +64,13 @@ impl<'a> TokensPlan<'a> {
             reader,
             group,
             groups,
-            tokens: lay.tokens,
+            stride: lay.stride,
         })
     }
 
     /// The scales and zero points of tokens `span` of head `h` (span x groups each).
     fn planes(&self, isa: Isa, h: usize, span: Range<usize>) -> (Vec<f32>, Vec<f32>) {
-        let start = (h * self.tokens + span.start) * self.groups;
+        let start = (h * self.stride + span.start) * self.groups;
         let mut sc = vec![0.0f32; span.len() * self.groups];
         let mut ze = vec![0.0f32; sc.len()];
         self.scales.read(isa, start, &mut sc);
@@ -96,7 +99,7 @@ impl KeyRows for TokensPlan<'_> {
         let (qr, sums) = qp.split_at(rows * cd);
         let (sc, ze) = self.planes(isa, h, span.clone());
         self.reader
-            .each_row(isa, self.codes, (h, self.tokens), span, |j, k| {
+            .each_row(isa, self.codes, (h, self.stride), span, |j, k| {
                 let base = (j - c0) * groups;
                 for (r, row) in qr.chunks_exact(cd).enumerate() {
                     let mut acc = 0.0f32;
@@ -123,7 +126,7 @@ impl ValueRows for TokensPlan<'_> {
         let (sc, ze) = self.planes(isa, h, span.clone());
         let mut lanes = super::reader::Lanes::new(rows, cd);
         self.reader
-            .each_block(isa, self.codes, (h, self.tokens), span, |j0, block| {
+            .each_block(isa, self.codes, (h, self.stride), span, |j0, block| {
                 let count = block.len() / cd;
                 let at = (j0 - c0) * groups..(j0 - c0 + count) * groups;
                 let (scb, zeb) = (&sc[at.clone()], &ze[at]);
@@ -168,8 +171,10 @@ pub(super) struct ChannelsPlan<'a> {
     codes: &'a [u8],
     scales: ScalarView<'a>,
     zeros: ScalarView<'a>,
+    /// Rows of `stride` codes (the first `tokens` held).
     reader: RowReader,
     group: usize,
+    /// Scale groups of a row's room (`ceil(stride / group)`).
     groups: usize,
     head_dim: usize,
 }
@@ -181,20 +186,21 @@ impl<'a> ChannelsPlan<'a> {
         names: &Names,
         lay: &Layout,
     ) -> Result<Self> {
-        let (h, t, d) = (lay.heads, lay.tokens, lay.head_dim);
+        let (h, d) = (lay.heads, lay.head_dim);
         check_bits(names.bits, bits)?;
         check_row_len(names.group, group)?;
-        let reader = RowReader::new(t, bits, &levels(bits));
-        let groups = t.div_ceil(group);
+        let reader = RowReader::new(lay.stride, bits, &levels(bits));
+        let groups = lay.stride.div_ceil(group);
         let channels = mul(names.codes, h, d)?;
         check_len(
             names.codes,
             codes.len(),
             mul(names.codes, channels, reader.row_bytes)?,
-            "heads x head_dim x packed tokens",
+            "heads x head_dim x packed stride tokens",
         )?;
-        scales.validate(names.scales, mul(names.scales, channels, groups)?)?;
-        zeros.validate_signed(names.zeros, channels * groups)?;
+        let held = (channels, groups, lay.tokens.div_ceil(group));
+        scales.validate_rows(names.scales, held, false)?;
+        zeros.validate_rows(names.zeros, held, true)?;
         Ok(Self {
             codes,
             scales,
