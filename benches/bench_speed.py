@@ -10,11 +10,13 @@ Sections (``--sections``, all by default):
 - ``peers``: the TurboQuant peers' 4-bit quantize/dequantize against kvqrs on ``--peer-vectors``
   vectors (they run at ~0.1 GB/s, so fewer vectors keep the run short);
 - ``append``: the Python-to-Rust overhead of appending one token, and cache updates;
+- ``step``: one layer's decode step (update + attention) at ``--contexts`` cached tokens, back to
+  back and with the CPU caches cold (as inside ``generate``), dense against ``QuantizedKVCache``;
 - ``generate``: ``model.generate`` tokens/s on SmolLM2-135M at ``--contexts`` tokens of context,
   dense ``DynamicCache`` against ``QuantizedKVCache``.
 
 Usage: ``bash scripts/bench.sh`` (installs the peers, then runs this), or
-``.venv/bin/python benches/bench_speed.py [--quick] [--sections kernels peers append generate]``.
+``.venv/bin/python benches/bench_speed.py [--quick] [--sections kernels peers append step generate]``.
 ``--quick`` is a smoke run on tiny sizes (seconds); the full run takes about 10-15 minutes.
 """
 
@@ -39,14 +41,19 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test of the harness")
     ap.add_argument(
-        "--sections", nargs="+", default=["kernels", "peers", "append", "generate"], choices=["kernels", "peers", "append", "generate"]
+        "--sections",
+        nargs="+",
+        default=["kernels", "peers", "append", "step", "generate"],
+        choices=["kernels", "peers", "append", "step", "generate"],
     )
     ap.add_argument("--vectors", type=int, default=None, help="vectors of head_dim 128 for the kernels (default 2^20)")
     ap.add_argument("--oracle-vectors", type=int, default=None, help="vectors for the float64 oracle (default 2^16)")
     ap.add_argument("--peer-vectors", type=int, default=None, help="vectors for the TurboQuant peers (default 2^16)")
     ap.add_argument("--repeats", type=int, default=None, help="timed repeats per row, best kept (default 5)")
     ap.add_argument("--threads", type=int, default=os.cpu_count(), help="torch / OpenMP threads of every row (default: all CPUs)")
-    ap.add_argument("--contexts", type=int, nargs="+", default=None, help="generation contexts (default 1024 4096 16384)")
+    ap.add_argument(
+        "--contexts", type=int, nargs="+", default=None, help="cached tokens of the step and generate sections (default 1024 4096 16384)"
+    )
     ap.add_argument("--new-tokens", type=int, default=None, help="greedy tokens timed per generation (default 32)")
     ap.add_argument("--residual", type=int, default=128, help="QuantizedKVCache full-precision window")
     ap.add_argument("--peer-worker", help=argparse.SUPPRESS)
@@ -98,6 +105,14 @@ def main(argv: list[str] | None = None) -> None:
 
         print("\n### Appending one token (kqv, head_dim 128; cache rows: SmolLM2-135M's layer shape)\n")
         print(append_table([256] if args.quick else [1024, 4096], args.quick), flush=True)
+    if "step" in args.sections:
+        from speed_step import step_table
+
+        print(
+            "\n### One layer's decode step (update + attention; 3 KV heads x 3 query heads, head_dim 64), "
+            "median of calls back to back (warm) and after writing 64 MiB (cold)\n"
+        )
+        print(step_table(args.contexts, args.quick), flush=True)
     if "generate" in args.sections:
         from speed_generate import generation_table
 

@@ -46,6 +46,20 @@ def test_quick_kernels_and_append(bench_speed, capsys):
     assert "nan" not in out and "inf" not in out.replace("info", "")
 
 
+def test_quick_step(bench_speed, capsys):
+    import torch
+
+    threads = torch.get_num_threads()
+    try:
+        bench_speed.main(["--quick", "--sections", "step", "--threads", "1"])
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr().out
+    for row in ("dense DynamicCache + SDPA", "QuantizedKVCache kqv k4 v4", "QuantizedKVCache kivi k4 v4"):
+        assert f"| 64 | {row}" in out, row
+    assert "nan" not in out and "inf" not in out.replace("info", "")
+
+
 def test_butterflies_compute_the_kvqrs_rotation(bench_speed):
     import kvqrs
     import numpy as np
