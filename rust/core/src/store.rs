@@ -660,6 +660,7 @@ mod tests {
     }
 
     fn check(store: &LayerStore, want: &[Dense]) {
+        assert!(store.room() >= store.tokens());
         for (i, w) in want.iter().enumerate() {
             let (_, shape, bytes) = store.part(i);
             assert_eq!(
@@ -667,6 +668,20 @@ mod tests {
                 w.units
             );
             assert_eq!(bytes, w.data, "part {i}");
+            // The decode step's view: the buffer's outer rows `units(room)` entries apart, the
+            // first `units(tokens)` of each held.
+            let b = &store.parts[i];
+            let eb = b.entry_bytes();
+            let (room, held) = (
+                b.spec.units(store.room()) * eb,
+                b.spec.units(store.tokens()) * eb,
+            );
+            let buf = store.buffer(i);
+            assert_eq!(buf.len(), b.spec.rows() * room, "part {i}");
+            let rows: Vec<u8> = (0..b.spec.rows())
+                .flat_map(|r| buf[r * room..r * room + held].iter().copied())
+                .collect();
+            assert_eq!(rows, w.data, "part {i} in place");
         }
     }
 
