@@ -55,6 +55,8 @@ pub struct QjlRows<'a> {
 }
 
 /// Stored rows of one side of the cache (keys or values), `heads x tokens` vectors of head_dim.
+/// The sizes below are those of compact arrays; with room per head ([`Layout::stride`]) every
+/// `tokens` along a token axis reads `stride` (the first `tokens` of each head's rows held).
 #[derive(Debug, Clone, Copy)]
 pub enum CodedRows<'a> {
     /// Norm-and-direction codes (docs/kernels.md section 5): `kv` (no rotation) and the MSE
