@@ -6,8 +6,9 @@ This section times one layer's decode step (``update`` of one token, then the at
 token's query rows) of SmolLM2-135M's shape (3 KV heads x 3 query heads each, head_dim 64) two
 ways: back to back, and with 64 MiB of other memory written before each call (the caches cold,
 the workers asleep). The dense row is ``DynamicCache.update`` plus torch SDPA on its float32
-cache; the quantized rows are ``QuantizedKVCache`` (window 128) through the kvqrs attention
-function's call (``cache.attend``: one native call over the codes and the window).
+cache; the quantized rows are ``QuantizedKVCache`` (window ``--residual``, default 128) through
+the kvqrs attention function's call (``cache.attend``: one native call over the codes and the
+window).
 """
 
 from __future__ import annotations
@@ -63,15 +64,16 @@ def _times(step, calls: int, evict: np.ndarray | None) -> float:
     return statistics.median(out)
 
 
-def step_table(contexts: list[int], quick: bool) -> str:
+def step_table(contexts: list[int], quick: bool, residual: int = 128) -> str:
     """Microseconds per layer per decode step, warm and cold, and each quantized row's speed
-    against the dense row in the same state (dense time / row time)."""
+    against the dense row in the same state (dense time / row time); ``residual``: the
+    quantized caches' full-precision window."""
     calls = 20 if quick else 200
     evict = np.zeros(EVICT_BYTES // 8)
     rows = [
         ("dense DynamicCache + SDPA", None),
-        ("QuantizedKVCache kqv k4 v4 (window 128)", QuantConfig("kqv", 4, "kqv", 4, residual_length=128)),
-        ("QuantizedKVCache kivi k4 v4 (window 128)", QuantConfig("kivi", 4, "kivi", 4, residual_length=128)),
+        (f"QuantizedKVCache kqv k4 v4 (window {residual})", QuantConfig("kqv", 4, "kqv", 4, residual_length=residual)),
+        (f"QuantizedKVCache kivi k4 v4 (window {residual})", QuantConfig("kivi", 4, "kivi", 4, residual_length=residual)),
     ]
     out = []
     for ctx in contexts:

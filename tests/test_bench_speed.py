@@ -46,17 +46,23 @@ def test_quick_kernels_and_append(bench_speed, capsys):
     assert "nan" not in out and "inf" not in out.replace("info", "")
 
 
-def test_quick_step(bench_speed, capsys):
+def test_quick_step(bench_speed, capsys, monkeypatch):
     import torch
+    from kvqrs.hf.store import CodeStore
 
+    # The quantized rows must time the native decode step over the codes, not the window alone.
+    reads = []
+    attend = CodeStore.attend
+    monkeypatch.setattr(CodeStore, "attend", lambda self, *a, **k: reads.append(1) or attend(self, *a, **k))
     threads = torch.get_num_threads()
     try:
-        bench_speed.main(["--quick", "--sections", "step", "--threads", "1"])
+        bench_speed.main(["--quick", "--sections", "step", "--threads", "1", "--residual", "16"])
     finally:
         torch.set_num_threads(threads)
     out = capsys.readouterr().out
-    for row in ("dense DynamicCache + SDPA", "QuantizedKVCache kqv k4 v4", "QuantizedKVCache kivi k4 v4"):
+    for row in ("dense DynamicCache + SDPA", "QuantizedKVCache kqv k4 v4 (window 16)", "QuantizedKVCache kivi k4 v4 (window 16)"):
         assert f"| 64 | {row}" in out, row
+    assert len(reads) >= 2 * 20
     assert "nan" not in out and "inf" not in out.replace("info", "")
 
 

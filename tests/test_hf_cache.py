@@ -1404,6 +1404,26 @@ def test_new_tokens_that_share_the_window_buffer_append_as_copies():
     assert torch.equal(layer.keys, want_k) and torch.equal(layer.values, want_v)
 
 
+@pytest.mark.parametrize("bits,group", [(2, 12), (4, 6), (3, 8)])
+def test_kivi_groups_of_whole_bytes_join_step_after_step(bits, group):
+    """Groups whose codes fill whole bytes (group x bits a multiple of 8, not group itself) keep
+    joining the cache one decode step at a time, the codes equal to one encoding of them."""
+    cache = QuantizedKVCache(QuantConfig("kivi", bits, "kivi", bits, group=group, residual_length=3), 1)
+    gen = torch.Generator().manual_seed(bits * group)
+    k, v = torch.randn(1, 2, 5, 64, generator=gen), torch.randn(1, 2, 5, 64, generator=gen)
+    cache.update(k, v, 0)
+    for _ in range(6 * group):
+        k1, v1 = torch.randn(1, 2, 1, 64, generator=gen), torch.randn(1, 2, 1, 64, generator=gen)
+        cache.update(k1, v1, 0)
+        k, v = torch.cat([k, k1], dim=-2), torch.cat([v, v1], dim=-2)
+    layer = cache.layers[0]
+    assert layer.quantized >= 5 * group
+    codec = layer.codec()
+    want = codec.decode_keys(codec.encode_keys(k[..., : layer.quantized, :].numpy()))
+    got, _ = layer.materialize(layer.view(0))
+    torch.testing.assert_close(got[..., : layer.quantized, :], torch.from_numpy(want), rtol=0, atol=0)
+
+
 def test_configs_the_codec_refuses_raise_before_anything_is_stored():
     """A QJL stage needs 2 bits (refused when the config is built); a calibration fitted for
     another head_dim is refused by the first update before it stores a token."""
@@ -1413,6 +1433,13 @@ def test_configs_the_codec_refuses_raise_before_anything_is_stored():
         QuantConfig("kqv", 4, "kqv", 1)
     with pytest.raises(KvqrsError, match="key_bits: expected >= 2 for qkqv keys"):
         QuantConfig("qkqv", 1)
+    # Per-channel codes join a cache a group at a time: a group must fill whole bytes.
+    with pytest.raises(KvqrsError, match="group x key_bits must be a multiple of 8"):
+        QuantConfig("kivi", 3, "kivi", 3, group=4)
+    with pytest.raises(KvqrsError, match="group x key_bits must be a multiple of 8"):
+        QuantConfig("headq", 3, "kivi", 3, group=12, bases="random")
+    with pytest.raises(KvqrsError, match="group must be a multiple of 8"):
+        QuantConfig("matched", 3, "matched", 3, group=12, calibration="random")
     cfg = QuantConfig("matched", 3, "matched", 3, group=8, residual_length=2, calibration={0: random_calibration(8, 3, 0)})
     cache = QuantizedKVCache(cfg, 1)
     with pytest.raises(KvqrsError, match="fitted for head_dim 8, codec head_dim is 16"):

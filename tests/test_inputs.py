@@ -586,7 +586,7 @@ def test_gqa_ratios_through_the_quantized_cache(g, kv_heads, d, scheme):
     register()
     model = tiny_llama(kv_heads, g, d)
     ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(g))
-    kw = dict(residual_length=3, group=4, bases="random" if scheme == "headq" else None)
+    kw = dict(residual_length=3, group=8, bases="random" if scheme == "headq" else None)
     values = "kivi" if scheme == "headq" else scheme
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

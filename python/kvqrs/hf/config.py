@@ -28,7 +28,9 @@ class QuantConfig:
             Sinks"); quantized tokens start after them. The first forward (the prompt) must hold
             at least this many tokens.
         seed: seed of every rotation and sketch.
-        group: KIVI / block group size (KIVI keys flush in chunks of ``group`` tokens).
+        group: KIVI / block group size (KIVI keys flush in chunks of ``group`` tokens, whose
+            packed codes must fill whole bytes: ``group * key_bits`` a multiple of 8; the
+            ``matched`` scheme's widths go up to 8 bits, so there ``group`` is a multiple of 8).
         headq_base, rank, side_bits, sign: HeadQ settings (see :class:`KVCodec`).
         calibration: for the ``matched`` scheme, ``{layer: MatchedCalibration}``
             (:func:`kvqrs.hf.calibrate_matched`, saved by ``kvqrs calibrate``); ``group`` is then
@@ -108,6 +110,20 @@ class QuantConfig:
         for name in ("residual_length", "sink_tokens"):
             if getattr(self, name) < 0:
                 raise KvqrsError(f"{name}: expected >= 0, got {getattr(self, name)}")
+        # Per-channel codes are packed along tokens and join a cache a group at a time: a group's
+        # codes must fill whole bytes.
+        kivi_keys = self.key_scheme == "kivi" or (self.key_scheme == "headq" and self.headq_base == "kivi")
+        if kivi_keys and self.group * self.key_bits % 8:
+            raise KvqrsError(
+                f"group: KIVI keys pack each channel's codes along tokens, so group x key_bits must be a multiple of 8 "
+                f"(whole bytes per group), got group {self.group} at {self.key_bits} bits"
+            )
+        per_channel = self.key_scheme == "matched" or (self.value_scheme == "matched" and self.value_transform)
+        if per_channel and self.group % 8:
+            raise KvqrsError(
+                f"group: the matched scheme packs each coordinate's codes along tokens at widths 1..8, so group must be a "
+                f"multiple of 8 (whole bytes per group), got {self.group}"
+            )
         if self.calibration is None and "matched" in (self.key_scheme, self.value_scheme):
             raise KvqrsError(
                 "calibration: the matched scheme needs one: {layer: MatchedCalibration} (kvqrs.hf.calibrate_matched, or "
