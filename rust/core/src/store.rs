@@ -7,8 +7,10 @@
 //! every part holds whole entries (`T * num % den == 0`, the part's alignment).
 //!
 //! Each part keeps its outer rows (every index before the token axis) apart, each with room
-//! for `cap` entries along the token axis, so appending tokens copies only the new bytes:
-//! when the room runs out it doubles (amortised O(1) per appended token). Cutting the newest
+//! for `units(room)` entries along the token axis (one token room for every part), so appending
+//! tokens copies only the new bytes: when the room runs out it doubles for every part
+//! (amortised O(1) per appended token), and the decode step reads every part in place, its
+//! rows `room` tokens apart ([`LayerStore::buffer`]). Cutting the newest
 //! tokens (a crop) is O(1); dropping the oldest (a sliding window) moves the kept bytes;
 //! selecting, reordering or repeating batch rows copies the selected rows.
 //!
