@@ -6,11 +6,11 @@
 //!
 //! Which parts the kernel reads as which rows is declared once per layer ([`RowSpec`], the
 //! part indices of a [`crate::kernels::attention::CodedRows`] variant): a new row kind is one
-//! more variant here and its match arm in [`RowSpec::rows`]. The rows of the `matched` scheme
+//! more variant here and its match arm in `RowSpec::rows`. The rows of the `matched` scheme
 //! borrow more than the reads ([`CodedRows::ChannelRuns`] a slice of runs,
 //! [`CodedRows::Centred`] its inner rows), so a step builds them in stages that each outlive
-//! the next: reads, then runs ([`RowSpec::runs`]), then the base rows, then the mean around
-//! them ([`RowSpec::wrap`]).
+//! the next: reads, then runs (`RowSpec::runs`), then the base rows, then the mean around
+//! them (`RowSpec::wrap`).
 
 use std::borrow::Cow;
 

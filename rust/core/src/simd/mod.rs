@@ -33,7 +33,7 @@ pub enum Isa {
 }
 
 impl Isa {
-    /// Every path, in the order of [`Isa::index`].
+    /// Every path, in the order of `Isa::index`.
     pub const ALL: [Isa; 4] = [Isa::Scalar, Isa::Avx2, Isa::Avx512, Isa::Neon];
 
     /// Lower-case name: `scalar`, `avx2`, `avx512`, `neon`.

@@ -4,10 +4,10 @@
 //! domain (the rotated domain for rotation schemes) and used there at once.
 //!
 //! The kernel is split along the row layouts, as faiss's distance computers compose a decoder
-//! and a similarity: each layout (one file: [`mse`], [`uniform`], [`dense`], HeadQ's [`side`]
-//! code, the per-channel runs of a calibrated basis in [`runs`], and a [`CodedRows::Centred`]
-//! mean around any of them) implements [`KeyRows`] (prepare the query rows once per head, then
-//! add their scores against a span of tokens) and, for value layouts, [`ValueRows`] (add the
+//! and a similarity: each layout (one file: `mse`, `uniform`, `dense`, HeadQ's `side`
+//! code, the per-channel runs of a calibrated basis in `runs`, and a [`CodedRows::Centred`]
+//! mean around any of them) implements `KeyRows` (prepare the query rows once per head, then
+//! add their scores against a span of tokens) and, for value layouts, `ValueRows` (add the
 //! weighted sum of a span of value rows to a float64 accumulator, then map it back once). This
 //! file holds the driver that is the same for every layout:
 //!
