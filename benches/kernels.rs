@@ -331,14 +331,7 @@ fn attention(c: &mut Criterion) {
     for t in [4096usize, 32768] {
         g.throughput(Throughput::Bytes((t * HEADS * 2 * HD * 4) as u64));
         let v = HEADS * t;
-        let lay = Layout {
-            heads: HEADS,
-            rows: ROWS,
-            tokens: t,
-            stride: t,
-            head_dim: HD,
-            scale: 0.125,
-        };
+        let lay = Layout::new(HEADS, ROWS, t, HD, 0.125);
         let (m4, m3) = (packed_len(HD, 4), packed_len(HD, 3));
         let (k4, k3) = (Side::new(1, v, m4, v, HD), Side::new(11, v, m3, v, HD));
         let v4 = Side::new(21, v, m4, v, HD);

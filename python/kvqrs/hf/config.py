@@ -112,8 +112,7 @@ class QuantConfig:
                 raise KvqrsError(f"{name}: expected >= 0, got {getattr(self, name)}")
         # Per-channel codes are packed along tokens and join a cache a group at a time: a group's
         # codes must fill whole bytes.
-        kivi_keys = self.key_scheme == "kivi" or (self.key_scheme == "headq" and self.headq_base == "kivi")
-        if kivi_keys and self.group * self.key_bits % 8:
+        if self._kivi_keys and self.group * self.key_bits % 8:
             raise KvqrsError(
                 f"group: KIVI keys pack each channel's codes along tokens, so group x key_bits must be a multiple of 8 "
                 f"(whole bytes per group), got group {self.group} at {self.key_bits} bits"
@@ -149,10 +148,14 @@ class QuantConfig:
             )
 
     @property
+    def _kivi_keys(self) -> bool:
+        """Keys coded per channel in KIVI groups of tokens (``kivi``, HeadQ over ``kivi``)."""
+        return self.key_scheme == "kivi" or (self.key_scheme == "headq" and self.headq_base == "kivi")
+
+    @property
     def chunk(self) -> int:
         """Tokens per flush: KIVI keys are quantized per channel over whole groups of tokens."""
-        kivi_keys = self.key_scheme == "kivi" or (self.key_scheme == "headq" and self.headq_base == "kivi")
-        return self.group if kivi_keys or self.key_scheme == "matched" else 1
+        return self.group if self._kivi_keys or self.key_scheme == "matched" else 1
 
     def quantized_count(self, seen: int) -> int:
         """Tokens quantized after ``seen`` tokens: whole chunks between the sinks and the

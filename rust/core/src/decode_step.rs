@@ -689,14 +689,7 @@ mod tests {
         fn step(&self, heads: usize, rows: usize, d: usize, scale: f32) -> Step<'_> {
             Step {
                 q: &self.q,
-                layout: Layout {
-                    heads,
-                    rows,
-                    tokens: 0,
-                    stride: 0,
-                    head_dim: d,
-                    scale,
-                },
+                layout: Layout::new(heads, rows, 0, d, scale),
                 tokens: rows,
                 fp_keys: &self.fk,
                 fp_values: &self.fv,

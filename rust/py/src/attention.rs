@@ -171,14 +171,7 @@ pub fn decode_attention<'py>(
     let (kr, vr) = (wrap(&keys, "keys", &kin)?, wrap(&values, "values", &vin)?);
     let side: Option<ArraySide<'py>> = side.map(|s| read(&s, "SideRows")).transpose()?;
     let sr = side.as_ref().map(side_rows).transpose()?;
-    let layout = Layout {
-        heads,
-        rows,
-        tokens,
-        stride: tokens,
-        head_dim,
-        scale,
-    };
+    let layout = Layout::new(heads, rows, tokens, head_dim, scale);
     let res =
         py_result(py.allow_threads(|| core_attention(qs, &layout, &kr, sr.as_ref(), &vr, probs)))?;
     Ok((

@@ -500,14 +500,7 @@ impl PyLayerStore {
         };
         let step = Step {
             q: slice(&q, "q")?,
-            layout: Layout {
-                heads,
-                rows,
-                tokens: 0,
-                stride: 0,
-                head_dim,
-                scale,
-            },
+            layout: Layout::new(heads, rows, 0, head_dim, scale),
             tokens,
             fp_keys: slice(&fp_keys, "fp_keys")?,
             fp_values: slice(&fp_values, "fp_values")?,

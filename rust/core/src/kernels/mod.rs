@@ -99,11 +99,17 @@ pub fn check_len(arg: &'static str, len: usize, expected: usize, what: &str) -> 
 
 /// Rejects NaN and infinities, naming the first offending position.
 pub fn check_finite(arg: &'static str, data: &[f32], dim: usize) -> Result<()> {
+    check_finite_from(arg, data, dim, 0)
+}
+
+/// [`check_finite`] of rows that start at row `first` of a larger array (errors name that
+/// array's row).
+pub fn check_finite_from(arg: &'static str, data: &[f32], dim: usize, first: usize) -> Result<()> {
     match data.iter().position(|v| !v.is_finite()) {
         None => Ok(()),
         Some(i) => Err(KvqError::NonFinite {
             arg,
-            row: i / dim,
+            row: first + i / dim,
             col: i % dim,
             value: data[i],
         }),

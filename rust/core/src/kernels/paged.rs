@@ -481,14 +481,7 @@ fn token_head(
             PageSide::new(*keys, page, n),
             PageSide::new(*values, page, n),
         );
-        let layout = Layout {
-            heads: 1,
-            rows: g,
-            tokens: n,
-            stride: n,
-            head_dim: d,
-            scale: qs.scale,
-        };
+        let layout = Layout::new(1, g, n, d, qs.scale);
         let part = decode_attention_with(isa, q, &layout, &ks.coded(), None, &vs.coded(), false)?;
         for r in 0..g {
             let l = f64::from(part.lse[r]);
@@ -685,14 +678,7 @@ mod tests {
                 let (kns, vns) = (&kn[h * t..h * t + n], &vn[h * t..h * t + n]);
                 let want = decode_attention(
                     &q[(ti * heads + h) * g * D..(ti * heads + h + 1) * g * D],
-                    &Layout {
-                        heads: 1,
-                        rows: g,
-                        tokens: n,
-                        stride: n,
-                        head_dim: D,
-                        scale: 0.125,
-                    },
+                    &Layout::new(1, g, n, D, 0.125),
                     &CodedRows::Mse {
                         codes: &kcs,
                         norms: ScalarView::F32(kns),

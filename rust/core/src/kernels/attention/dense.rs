@@ -3,10 +3,10 @@
 
 use std::ops::Range;
 
-use super::super::{check_finite, check_len};
+use super::super::{check_finite_from, check_len};
 use super::reader::{mul, unrotate, Lanes, BLOCK};
 use super::{KeyRows, Layout, Names, ValueRows};
-use crate::error::{KvqError, Result};
+use crate::error::Result;
 use crate::simd::{ops, Isa};
 
 /// Validated dense rows.
@@ -34,20 +34,7 @@ impl<'a> DensePlan<'a> {
         };
         for h in 0..lay.heads {
             // Rows are named as counted over the held tokens of every head.
-            check_finite(names.dense, plan.rows(h, 0..lay.tokens), d).map_err(|e| match e {
-                KvqError::NonFinite {
-                    arg,
-                    row,
-                    col,
-                    value,
-                } => KvqError::NonFinite {
-                    arg,
-                    row: h * lay.tokens + row,
-                    col,
-                    value,
-                },
-                e => e,
-            })?;
+            check_finite_from(names.dense, plan.rows(h, 0..lay.tokens), d, h * lay.tokens)?;
         }
         Ok(plan)
     }

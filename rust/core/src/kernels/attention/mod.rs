@@ -190,6 +190,18 @@ pub struct Layout {
 }
 
 impl Layout {
+    /// Sizes of compact arrays (`stride == tokens`).
+    pub fn new(heads: usize, rows: usize, tokens: usize, head_dim: usize, scale: f32) -> Self {
+        Self {
+            heads,
+            rows,
+            tokens,
+            stride: tokens,
+            head_dim,
+            scale,
+        }
+    }
+
     /// The same sizes over `tokens` tokens of compact arrays (`stride == tokens`).
     pub fn compact(self, tokens: usize) -> Self {
         Self {
@@ -765,14 +777,7 @@ mod tests {
                 seed: Some(11),
                 qjl: None,
             };
-            let lay = Layout {
-                heads: 1,
-                rows,
-                tokens: t,
-                stride: t,
-                head_dim: d,
-                scale: 1.0 / (d as f32).sqrt(),
-            };
+            let lay = Layout::new(1, rows, t, d, 1.0 / (d as f32).sqrt());
             let got = decode_attention(&q, &lay, &keys, None, &values, true).unwrap();
             let want = reference(
                 &q,
@@ -834,14 +839,7 @@ mod tests {
                 group: 32,
                 seed: None,
             };
-            let lay = Layout {
-                heads: 1,
-                rows,
-                tokens: t,
-                stride: t,
-                head_dim: d,
-                scale: 1.0 / (d as f32).sqrt(),
-            };
+            let lay = Layout::new(1, rows, t, d, 1.0 / (d as f32).sqrt());
             let got = decode_attention(&q, &lay, &keys, None, &values, false).unwrap();
             let want = reference(&q, &kdec, &vq.decode(&vc).unwrap(), rows, t, d);
             close(&got.out, &want, 1e-5);
@@ -889,14 +887,7 @@ mod tests {
             seed: Some(5),
             qjl: None,
         };
-        let lay = Layout {
-            heads: 1,
-            rows,
-            tokens: t,
-            stride: t,
-            head_dim: d,
-            scale: 1.0 / (d as f32).sqrt(),
-        };
+        let lay = Layout::new(1, rows, t, d, 1.0 / (d as f32).sqrt());
         let got = decode_attention(&q, &lay, &keys, None, &values, true).unwrap();
         let want = reference(&q, &kdec, &quant.decode(&vc).unwrap(), rows, t, d);
         close(&got.out, &want, 1e-5);
@@ -919,14 +910,7 @@ mod tests {
     #[test]
     fn overflowing_value_sums_are_an_error() {
         let (d, t, rows) = (8usize, 64usize, 1usize);
-        let lay = Layout {
-            heads: 1,
-            rows,
-            tokens: t,
-            stride: t,
-            head_dim: d,
-            scale: 0.125,
-        };
+        let lay = Layout::new(1, rows, t, d, 0.125);
         let q = vec![0.0f32; rows * d];
         let keys = vec![0.5f32; t * d];
         let huge = vec![3.0e38f32; t * d];
@@ -953,14 +937,7 @@ mod tests {
 
     #[test]
     fn bad_sizes_name_the_argument() {
-        let lay = Layout {
-            heads: 1,
-            rows: 1,
-            tokens: 2,
-            stride: 2,
-            head_dim: 4,
-            scale: 0.5,
-        };
+        let lay = Layout::new(1, 1, 2, 4, 0.5);
         let q = [0.0f32; 4];
         let n = [0u16; 2];
         let keys = CodedRows::Mse {
@@ -1051,14 +1028,7 @@ mod tests {
         let (scw, ssw) = (wide(&sc, 2), wide_f(&ss, 1));
         let (u2, rb2) = (&kc[..heads * t * packed_len(d, 2)], packed_len(d, 2));
         let u2w = wide(u2, rb2);
-        let lay = Layout {
-            heads,
-            rows,
-            tokens: t,
-            stride: t,
-            head_dim: d,
-            scale: 0.125,
-        };
+        let lay = Layout::new(heads, rows, t, d, 0.125);
         let strided = Layout {
             stride: room,
             ..lay

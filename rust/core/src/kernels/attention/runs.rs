@@ -454,14 +454,7 @@ mod tests {
             let kc = code(10, (heads, t, d), &RUNS, group);
             let vc = code(20, (heads, t, d), &RUNS, group);
             let q = gaussians(30, 9, heads * rows * d);
-            let lay = Layout {
-                heads,
-                rows,
-                tokens: t,
-                stride: t,
-                head_dim: d,
-                scale: 1.0 / (d as f32).sqrt(),
-            };
+            let lay = Layout::new(heads, rows, t, d, 1.0 / (d as f32).sqrt());
             let (kruns, vruns) = (kc.runs(), vc.runs());
             let (kin, vin) = (kc.rows(&kruns, group), vc.rows(&vruns, group));
             let (keys, values) = (kc.centred(&kin), vc.centred(&vin));
@@ -530,14 +523,7 @@ mod tests {
         let runs = kc.runs();
         let q = gaussians(52, 9, heads * rows * d);
         let v = gaussians(53, 9, heads * t * d);
-        let lay = Layout {
-            heads,
-            rows,
-            tokens: t,
-            stride: t,
-            head_dim: d,
-            scale: 0.3,
-        };
+        let lay = Layout::new(heads, rows, t, d, 0.3);
         let per_head = CodedRows::ChannelRuns {
             runs: &runs,
             group,
@@ -575,14 +561,7 @@ mod tests {
         let runs = kc.runs();
         let q = vec![0.5f32; heads * d];
         let v = vec![0.0f32; heads * t * d];
-        let lay = Layout {
-            heads,
-            rows: 1,
-            tokens: t,
-            stride: t,
-            head_dim: d,
-            scale: 0.5,
-        };
+        let lay = Layout::new(heads, 1, t, d, 0.5);
         let values = CodedRows::Dense(&v);
         let err = |k: CodedRows| {
             decode_attention(&q, &lay, &k, None, &values, false)
@@ -655,14 +634,7 @@ mod tests {
         let (kruns, vruns) = (kc.runs(), vc.runs());
         let (kin, vin) = (kc.rows(&kruns, group), vc.rows(&vruns, group));
         let (keys, values) = (kc.centred(&kin), vc.centred(&vin));
-        let lay = Layout {
-            heads,
-            rows,
-            tokens: t,
-            stride: t,
-            head_dim: d,
-            scale: 0.25,
-        };
+        let lay = Layout::new(heads, rows, t, d, 0.25);
         let want =
             decode_attention_with(Isa::Scalar, &q, &lay, &keys, None, &values, true).unwrap();
         for isa in Isa::available() {
