@@ -42,7 +42,8 @@ TOL = 1e-5
 PROB_ATOL = 1e-30
 
 KEY_SCHEMES = ["kv", "kqv", "qkqv", "kivi", "block", "headq:kivi", "headq:kqv", "headq:kv", "headq:block"]
-VALUE_SCHEMES = ["kv", "kqv", "qkqv", "kivi", "block"]
+# "kv:log8": kv values whose norms are 8-bit log codes (docs/kernels.md section 13).
+VALUE_SCHEMES = ["kv", "kqv", "qkqv", "kivi", "block", "kv:log8"]
 # 64 and 128 are powers of two; 96 and 40 are padded to 128 and 64 by the rotation schemes.
 HEAD_DIMS = [64, 96, 128, 40]
 GQA_RATIOS = [1, 3, 7]
@@ -77,6 +78,9 @@ def problems(draw, key_scheme=None, value_scheme=None):
         draw(st.sampled_from([0.1, 1.0, 3.0])),
     )
     extra = {}
+    if vs == "kv:log8":
+        vs = "kv"
+        extra = dict(value_norms="log8", group=draw(st.sampled_from([1, 8, 32])))
     scheme = ks
     if ks.startswith("headq"):
         scheme, base = ks.split(":")
@@ -85,7 +89,7 @@ def problems(draw, key_scheme=None, value_scheme=None):
             basis = np.stack([random_orthonormal_basis(int(rng.integers(2**63)), d, rank) for _ in range(kv_heads)])
         else:
             basis = random_orthonormal_basis(int(rng.integers(2**63)), d, rank)
-        extra = dict(headq_base=base, basis=basis, rank=rank, side_bits=draw(st.integers(1, 8)), sign=draw(st.sampled_from([1, -1])))
+        extra.update(headq_base=base, basis=basis, rank=rank, side_bits=draw(st.integers(1, 8)), sign=draw(st.sampled_from([1, -1])))
     codec = KVCodec(scheme, bits, d, seed=seed, value_scheme=vs, value_bits=value_bits, **extra)
     k = (rng.standard_normal((*batch, kv_heads, tokens, d)) * k_scale).astype(np.float32)
     v = (rng.standard_normal((*batch, kv_heads, tokens, d)) * v_scale).astype(np.float32)

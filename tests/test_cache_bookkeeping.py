@@ -45,6 +45,9 @@ EVERY_SCHEME = [
     pytest.param(QuantConfig("headq", 2, residual_length=0, group=8, bases="random"), id="headq-kivi"),
     pytest.param(QuantConfig("headq", 3, "block", 3, residual_length=3, headq_base="block", bases="random"), id="headq-block"),
     pytest.param(QuantConfig("matched", 3, "matched", 3, residual_length=3, group=8, calibration="random"), id="matched"),
+    pytest.param(
+        QuantConfig("matched", 3, "matched", 3, residual_length=3, group=8, calibration="random", value_norms="log8"), id="matched-log8"
+    ),
 ]
 
 

@@ -311,6 +311,7 @@ GROUPED = [
     pytest.param(QuantConfig("kivi", 2, "kivi", 2, residual_length=5), id="kivi"),
     pytest.param(QuantConfig("headq", 2, residual_length=0, bases="random"), id="headq-kivi"),
     pytest.param(QuantConfig("matched", 3, "matched", 3, residual_length=2, group=8, calibration="random"), id="matched"),
+    pytest.param(QuantConfig("kivi", 2, "kv", 3, residual_length=5, group=8, value_norms="log8"), id="kivi-kv-log8"),
 ]
 
 
@@ -437,6 +438,9 @@ CROP_SCHEMES = [
     pytest.param(QuantConfig("kqv", 4, residual_length=6), id="kqv-keyonly"),
     pytest.param(QuantConfig("headq", 2, residual_length=6, headq_base="kqv", bases="random"), id="headq-kqv"),
     pytest.param(QuantConfig("matched", 3, "matched", 3, residual_length=6, group=8, calibration="random"), id="matched"),
+    pytest.param(
+        QuantConfig("matched", 3, "matched", 3, residual_length=6, group=8, calibration="random", value_norms="log8"), id="matched-log8"
+    ),
 ]
 
 
@@ -880,6 +884,10 @@ MATCHED_FUSED = [
     ),
     pytest.param(
         QuantConfig("matched", 3, "matched", 3, residual_length=8, group=8, sink_tokens=1, calibration="random"), id="matched-sink"
+    ),
+    pytest.param(
+        QuantConfig("matched", 3, "matched", 3, residual_length=8, group=8, sink_tokens=1, calibration="random", value_norms="log8"),
+        id="matched-log8",
     ),
 ]
 
@@ -1468,3 +1476,19 @@ def test_a_fused_step_whose_output_does_not_fit_float16_raises(scheme):
             rk, rv = layer.update(kk.to(dt), vv.to(dt), fused=True)
             out = layer.attend(mod, q, rk, rv, None, d**-0.5)[0]
             assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize(
+    "args, kwargs, pattern",
+    [
+        (("kqv", 3, "kv", 3), {}, "must flush whole groups: use matched or KIVI keys"),
+        (("kivi", 2, "kqv", 3), {}, "not to value_scheme='kqv'"),
+        (("matched", 3, "matched", 3), {"calibration": "prefill", "value_transform": True}, "not to value_transform=True"),
+        (("kivi", 2, "kv", 3), {"value_norms": "log"}, r"value_norms: expected one of \('float', 'log8'\)"),
+    ],
+)
+def test_log8_value_norms_are_refused_where_they_cannot_stream(args, kwargs, pattern):
+    """Log-coded norms share an exponent per group of tokens, so the cache must flush whole
+    groups; they replace a plain MSE-stage norm only."""
+    with pytest.raises(KvqrsError, match=pattern):
+        QuantConfig(*args, group=8, value_norms=kwargs.pop("value_norms", "log8"), **kwargs)

@@ -12,7 +12,7 @@ import math
 import kvqrs
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 from kvqrs import oracle
@@ -1094,6 +1094,56 @@ def test_least_squares_value_scale_keeps_codes_and_lowers_the_error(scheme):
 def test_value_scale_is_validated(kwargs, pattern):
     with pytest.raises(kvqrs.KvqrsError, match=pattern):
         KVCodec("kqv", 3, 64, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs, pattern",
+    [
+        ({"value_norms": "log4"}, r"norms: expected one of \('float', 'log8'\)"),
+        ({"value_scheme": "kqv", "value_norms": "log8"}, "applies to the MSE value stage without a QJL residual .* not to 'kqv' values"),
+        ({"value_scheme": "kivi", "value_norms": "log8"}, "not to 'kivi' values"),
+        ({"value_scheme": "kv", "value_norms": "log8", "group": 0}, "group: expected an integer >= 1"),
+    ],
+)
+def test_value_norms_are_validated(kwargs, pattern):
+    with pytest.raises(kvqrs.KvqrsError, match=pattern):
+        KVCodec("kivi", 2, 64, **kwargs)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    group=st.sampled_from([1, 8, 32]),
+    tokens=st.integers(0, 70),
+    spread=st.sampled_from([0.0, 1.0, 8.0]),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_log8_value_norms_are_the_float_norms_log_coded(group, tokens, spread, seed):
+    """``value_norms="log8"``: the same codes as the float-norm coder, its stored norms coded by
+    the log kernel (the oracle's), and every decoded row the float decode times its log-coded
+    norm's ratio (within 2.2% where the norm is not below its group's smallest level)."""
+    rng = np.random.default_rng(seed)
+    v = rng.standard_normal((2, tokens, 40)) * np.exp(spread * rng.standard_normal((2, tokens, 1)))
+    v = v.astype(np.float32)
+    plain = KVCodec("kivi", 2, 40, value_scheme="kv", value_bits=3, group=group)
+    log8 = KVCodec("kivi", 2, 40, value_scheme="kv", value_bits=3, group=group, value_norms="log8")
+    a, b = plain.encode_values(v), log8.encode_values(v)
+    np.testing.assert_array_equal(a.parts["codes"], b.parts["codes"])
+    assert b.parts["norms"].dtype == np.uint8 and b.parts["norm_exps"].shape == (2, -(-tokens // group))
+    if tokens:
+        codes, exps = oracle.log_encode(a.parts["norms"], group)
+        np.testing.assert_array_equal(b.parts["norms"], codes)
+        np.testing.assert_array_equal(b.parts["norm_exps"], exps)
+        n_hat = oracle.log_decode(codes, exps, group)
+        ratio = np.divide(n_hat, a.parts["norms"].astype(np.float64), out=np.zeros_like(n_hat), where=a.parts["norms"] > 0)
+        np.testing.assert_allclose(
+            log8.decode_values(b), plain.decode_values(a) * ratio[..., None].astype(np.float32), rtol=1e-5, atol=1e-30
+        )
+        inside = a.parts["norms"] >= oracle.log_decode(np.full_like(codes, 254), exps, group)
+        assert inside.all() or spread > 1  # 2^11.5 at 4 sigma: inside 14.9 octaves
+        assert np.all(np.abs(ratio[inside] - 1) <= 2 ** (1 / 32) - 1 + 1e-6)
+    # 8 bits per norm and 8 per group instead of 16 (float16 norms) or 32.
+    saved = 8 * a.parts["norms"].itemsize * a.parts["norms"].size - 8 * (b.parts["norms"].size + b.parts["norm_exps"].size)
+    assert (a.nbytes - b.nbytes) * 8 == saved
 
 
 # --------------------------------------------------------------------------------------------

@@ -329,7 +329,7 @@ def _needle(args: argparse.Namespace) -> int:
 def _check_calibrate_args(args: argparse.Namespace) -> None:
     """``kvqrs calibrate``'s settings, checked before the model loads: a preset fills in its
     settings and refuses any given beside it; the rest get their defaults."""
-    preset_keys = ("budget", "key_widths", "value_widths", "group", "sink_tokens")
+    preset_keys = ("budget", "key_widths", "value_widths", "group", "sink_tokens", "value_norms")
     if args.preset is not None:  # the recommended settings of QuantConfig.preset(NAME)
         from .hf.config import PRESETS
 
@@ -341,7 +341,9 @@ def _check_calibrate_args(args: argparse.Namespace) -> None:
         p = PRESETS[args.preset]
         args.budget, args.group, args.sink_tokens = p["budget"], p["group"], p["sink_tokens"]
         args.key_widths, args.value_widths = list(p["key_widths"]), list(p["value_widths"])
+        args.value_norms = p["value_norms"]
     args.group = 128 if args.group is None else args.group
+    args.value_norms = "float" if args.value_norms is None else args.value_norms
     args.sink_tokens = 1 if args.sink_tokens is None else args.sink_tokens
     args.key_widths = [2, 3, 4, 5] if args.key_widths is None else args.key_widths
     checks = [
@@ -383,7 +385,7 @@ def _calibrate(args: argparse.Namespace) -> int:
     texts = _texts(args)
     torch_threads(1 if args.threads is None else args.threads)
     model, tok = model_mod.load(progress=not args.no_progress)
-    meta = {"group": args.group, "sink_tokens": args.sink_tokens, "source": texts.source}
+    meta = {"group": args.group, "sink_tokens": args.sink_tokens, "value_norms": args.value_norms, "source": texts.source}
     if args.preset is not None:
         meta["preset"] = args.preset
     if args.budget is None:
@@ -399,7 +401,7 @@ def _calibrate(args: argparse.Namespace) -> int:
             )
         fit, probe = windows[: args.windows], windows[args.windows :]
         kw, vw = tuple(args.key_widths), tuple(args.value_widths)
-        cal = allocate_matched(model, fit, probe, args.budget, kw, vw, args.group, args.sink_tokens)
+        cal = allocate_matched(model, fit, probe, args.budget, kw, vw, args.group, args.sink_tokens, args.value_norms)
         widths = {"key_widths": " ".join(map(str, kw)), "value_widths": " ".join(map(str, vw))}
         path = save_matched(args.out, cal, {**meta, "budget": args.budget, **widths})
         chosen = [f"{c.keys.code_bits():g}/{c.value_bits}" for _, c in sorted(cal.items())]
@@ -569,6 +571,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="leading tokens kept in full precision, left out of the statistics (default: 1)",
     )
     ca.add_argument(
+        "--value-norms",
+        choices=("float", "log8"),
+        default=None,
+        help="how value tokens store their norms, float16 or 8-bit log codes with an exponent per group (docs/kernels.md "
+        "section 13); recorded in the file and used by its eval row (default: float)",
+    )
+    ca.add_argument(
         "--budget",
         type=float,
         help="per-layer widths from measured sensitivity at this average of stored bits per element of keys and values, "
@@ -576,8 +585,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ca.add_argument(
         "--preset",
-        help="the settings of QuantConfig.preset(NAME): 4bit, 3bit or 2bit (its --budget, --key-widths, --value-widths, --group and "
-        "--sink-tokens; default: none)",
+        help="the settings of QuantConfig.preset(NAME): 4bit, 3bit or 2bit (its --budget, --key-widths, --value-widths, --group, "
+        "--sink-tokens and --value-norms; default: none)",
     )
     ca.add_argument(
         "--key-widths",

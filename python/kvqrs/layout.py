@@ -54,6 +54,16 @@ def mse(lead: tuple[int, ...], t: int, code_dim: int, bits: int) -> Layout:
     }
 
 
+def log_norms(lead: tuple[int, ...], t: int, group: int) -> Layout:
+    """Log-coded norms (docs/kernels.md section 13): an 8-bit code per token ``(..., T)`` and an
+    exponent byte per group of ``group`` tokens ``(..., ceil(T / group))``; codes are relative
+    to their group's exponent, so chunks join at whole groups."""
+    return {
+        "norms": Part((*lead, t), "uint8", -1, group),
+        "norm_exps": Part((*lead, -(-t // group)), "uint8", -1, group),
+    }
+
+
 def qjl(lead: tuple[int, ...], t: int, code_dim: int) -> Layout:
     """The QJL sketch of a rotated residual (m = d'): sign bits and ``||r||`` per token."""
     return {"signs": Part((*lead, t, packed_size(code_dim, 1)), "uint8", -2), "norms": Part((*lead, t), "scalar", -1)}

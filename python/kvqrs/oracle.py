@@ -852,6 +852,55 @@ def uniform_decode(codes, scales, zeros, bits, group) -> np.ndarray:
 
 
 # --------------------------------------------------------------------------------------------
+# Log-coded scalars (kernels.md section 13)
+# --------------------------------------------------------------------------------------------
+
+LOG_BIAS = 127
+LOG_EXP_MIN = 16
+LOG_EXP_MAX = 254
+LOG_ZERO = 255
+
+
+def log_encode(values, group) -> tuple[np.ndarray, np.ndarray]:
+    """8-bit log codes of non-negative scalars along the last axis (kernels.md section 13).
+
+    ``values`` (..., n) -> codes uint8 (..., n) and exponent bytes uint8 (..., ceil(n / group)).
+    The grid index ``r = floor(16 log2 v + 0.5)`` is computed in float64 (the kernels read it
+    from the float32 bits); zero and subnormal values have none.
+    """
+    rows, lead = _as_rows(values, np.float32)
+    n = rows.shape[1]
+    g = -(-n // group)
+    v = rows.astype(np.float64)
+    has = v >= 2.0**-126
+    with np.errstate(divide="ignore"):
+        r = np.where(has, np.floor(16 * np.log2(np.where(has, v, 1.0)) + 0.5), 0).astype(np.int64)
+    exps = np.zeros((rows.shape[0], g), np.int64)
+    codes = np.full(rows.shape, LOG_ZERO, np.int64)
+    for j in range(g):
+        sl = slice(j * group, (j + 1) * group)
+        rg, hg = r[:, sl], has[:, sl]
+        largest = np.where(hg, rg, np.iinfo(np.int64).min).max(axis=1)
+        b = np.where(hg.any(axis=1), np.clip(largest // 16 + LOG_BIAS, LOG_EXP_MIN, LOG_EXP_MAX), LOG_BIAS)
+        exps[:, j] = b
+        c = (16 * (b - LOG_BIAS) + 15)[:, None] - rg
+        code = np.where(c <= 254, np.maximum(c, 0), np.where(c <= 270, 254, LOG_ZERO))
+        codes[:, sl] = np.where(hg, code, LOG_ZERO)
+    return codes.astype(np.uint8).reshape(*lead, n), exps.astype(np.uint8).reshape(*lead, g)
+
+
+def log_decode(codes, exps, group) -> np.ndarray:
+    """``2^(k / 16)``, ``k = 16 (b - 127) + 15 - c`` (code 255: 0) per value (kernels.md section
+    13); float64 (..., n), each value exactly a float32."""
+    c = np.asarray(codes).astype(np.int64)
+    n = c.shape[-1]
+    b = np.asarray(exps).astype(np.int64)[..., np.arange(n) // group]
+    k = 16 * (b - LOG_BIAS) + 15 - c
+    levels = np.exp2((k % 16) / 16.0).astype(np.float32).astype(np.float64)
+    return np.where(c == LOG_ZERO, 0.0, np.ldexp(levels, k // 16))
+
+
+# --------------------------------------------------------------------------------------------
 # Fused decode attention (kernels.md section 11), from this module's own decoders
 # --------------------------------------------------------------------------------------------
 

@@ -26,6 +26,7 @@ from ._shaders import KERNEL_SHADERS, read_shader, shader_files, source
 from .hadamard import hadamard, inverse_hadamard, padded_dim
 from .headq import HeadQCode, headq_basis, headq_decode, headq_encode, headq_score_correction
 from .lloyd_max import Codebook, lloyd_max_codebook, lloyd_max_decode, lloyd_max_encode
+from .log_scalars import LogScalars, log_decode, log_encode
 from .mse import MSECode, mse_decode, mse_encode
 from .pack import pack_bits, packed_size, unpack_bits
 from .qjl import QJLSketch, qjl_inner_product, qjl_sketch, qjl_vector_estimate
@@ -37,6 +38,7 @@ __all__ = [
     "Device",
     "HeadQCode",
     "KERNEL_SHADERS",
+    "LogScalars",
     "MSECode",
     "QJLSketch",
     "UniformCode",
@@ -52,6 +54,8 @@ __all__ = [
     "lloyd_max_codebook",
     "lloyd_max_decode",
     "lloyd_max_encode",
+    "log_decode",
+    "log_encode",
     "mse_decode",
     "mse_encode",
     "pack_bits",

@@ -47,6 +47,11 @@ class QuantConfig:
             bits and decode, a smaller value error; :class:`~kvqrs.schemes.KVCodec`). Only for
             value schemes with an MSE stage (``kv``, ``kqv``, ``qkqv``, ``matched`` without
             ``value_transform``).
+        value_norms: how that scale is stored, ``"float"`` (float16/float32, default) or
+            ``"log8"`` (8 bits on a 1/16-octave grid with an exponent byte per ``group``
+            tokens: half the bits of a float16 norm, docs/kernels.md section 13). Only for
+            ``kv`` and ``matched`` values (without ``value_transform``), with keys that flush
+            whole groups (``matched`` or KIVI keys: the chunk is ``group`` tokens).
         bases: HeadQ bases per layer, ``{layer: (kv_heads, d, r)}``, or ``"random"`` for the
             random-basis control.
         a2_uniform: with ``value_scheme="a2"``, give every token the same width (the uniform
@@ -82,6 +87,7 @@ class QuantConfig:
     calibration: Any = None
     value_transform: bool = False
     value_scale: str = "norm"
+    value_norms: str = "float"
     _codecs: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -141,6 +147,24 @@ class QuantConfig:
                 f"value_scale: {self.value_scale!r} applies to values with an MSE stage (value_scheme in {MSE_VALUE_SCHEMES}, "
                 f"without value_transform), not to {what}"
             )
+        if self.value_norms != "float":
+            from ..schemes.codec import LOG_NORM_VALUE_SCHEMES
+            from ..schemes.mse import NORMS
+
+            if self.value_norms not in NORMS:
+                raise KvqrsError(f"value_norms: expected one of {NORMS}, got {self.value_norms!r}")
+            if self.value_scheme not in LOG_NORM_VALUE_SCHEMES or self.value_transform:
+                what = "value_transform=True" if self.value_transform else f"value_scheme={self.value_scheme!r}"
+                raise KvqrsError(
+                    f"value_norms: {self.value_norms!r} applies to values with an MSE stage and no QJL residual "
+                    f"(value_scheme in {LOG_NORM_VALUE_SCHEMES}, without value_transform), not to {what}"
+                )
+            if self.chunk % self.group:
+                raise KvqrsError(
+                    f"value_norms: {self.value_norms!r} codes value norms relative to an exponent per group of {self.group} "
+                    f"tokens, so the cache must flush whole groups: use matched or KIVI keys (this config flushes "
+                    f"{self.chunk} token(s) at a time)"
+                )
         if self.a2_lookahead is not None and not 1 <= self.a2_lookahead <= self.residual_length:
             raise KvqrsError(
                 f"a2_lookahead: expected 1 .. residual_length ({self.residual_length}) so that only queries that "
@@ -213,6 +237,7 @@ class QuantConfig:
             sign=self.sign,
             calibration=calibration,
             value_scale=self.value_scale,
+            value_norms=self.value_norms,
         )
 
     @classmethod
@@ -242,7 +267,13 @@ class QuantConfig:
 
             calibration = load_matched(calibration)
         p = PRESETS[name]
-        kw = {"group": p["group"], "sink_tokens": p["sink_tokens"], "calibration": calibration, **overrides}
+        kw = {
+            "group": p["group"],
+            "sink_tokens": p["sink_tokens"],
+            "value_norms": p["value_norms"],
+            "calibration": calibration,
+            **overrides,
+        }
         return cls("matched", p["value_bits"], "matched", p["value_bits"], **kw)
 
     def _matched_calibration(self, layer: int, head_dim: int):
@@ -282,6 +313,8 @@ class QuantConfig:
         v = "" if self.value_scheme is None else f" v:{self.value_scheme}{self.value_bits or self.key_bits}"
         if self.value_scale != "norm":
             v += "[ls-scale]"
+        if self.value_norms != "float":
+            v += f"[{self.value_norms}-norms]"
         sinks = f" sinks:{self.sink_tokens}" if self.sink_tokens else ""
         return f"{k} k{self.key_bits}{v}{sinks}"
 
@@ -291,8 +324,32 @@ PRESETS: dict[str, dict[str, Any]] = {
     # ``value_widths`` from measured sensitivity within ``budget`` average stored bits per
     # element (every byte counted), on llama.cpp's perplexity protocol (docs/evaluation.md);
     # ``value_bits`` labels the config (each layer's widths override it).
-    "4bit": {"budget": 4.25, "key_widths": (3, 3.5, 4, 4.5, 5), "value_widths": (3, 4, 5), "group": 256, "value_bits": 4, "sink_tokens": 1},
-    "3bit": {"budget": 3.25, "key_widths": (2.5, 3, 3.5, 4), "value_widths": (2, 3, 4), "group": 256, "value_bits": 3, "sink_tokens": 1},
-    "2bit": {"budget": 2.5, "key_widths": (1.5, 2, 2.5, 3), "value_widths": (1, 2, 3), "group": 128, "value_bits": 2, "sink_tokens": 1},
+    "4bit": {
+        "budget": 4.25,
+        "key_widths": (3, 3.5, 4, 4.5, 5),
+        "value_widths": (3, 4, 5),
+        "group": 256,
+        "value_bits": 4,
+        "sink_tokens": 1,
+        "value_norms": "float",
+    },
+    "3bit": {
+        "budget": 3.25,
+        "key_widths": (2.5, 3, 3.5, 4),
+        "value_widths": (2, 3, 4),
+        "group": 256,
+        "value_bits": 3,
+        "sink_tokens": 1,
+        "value_norms": "float",
+    },
+    "2bit": {
+        "budget": 2.5,
+        "key_widths": (1.5, 2, 2.5, 3),
+        "value_widths": (1, 2, 3),
+        "group": 128,
+        "value_bits": 2,
+        "sink_tokens": 1,
+        "value_norms": "float",
+    },
 }
 """The recommended presets of :meth:`QuantConfig.preset`."""

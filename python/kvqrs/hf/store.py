@@ -89,7 +89,7 @@ def _native_encoder(coder: Any) -> NativeEncoder | None:
     they store norms; other schemes, scales and backends encode in Python."""
     if getattr(coder, "k", None) is not CPU:
         return None
-    if type(coder) is MSECoder and coder.scale == "norm":
+    if type(coder) is MSECoder and coder.scale == "norm" and coder.norms == "float":
         return NativeEncoder(coder.head_dim, coder.bits, coder.seed)
     if type(coder) is MSEQJLCoder and coder.mse.scale == "norm":
         return NativeEncoder(coder.head_dim, coder.bits, coder.seed, coder.qjl_seed)

@@ -15,6 +15,7 @@ from .attention import (
 from .hadamard import hadamard, inverse_hadamard, padded_dim
 from .headq import HeadQCode, headq_basis, headq_decode, headq_encode, headq_score_correction
 from .lloyd_max import Codebook, lloyd_max_codebook, lloyd_max_decode, lloyd_max_encode
+from .log_scalars import LogScalars, log_decode, log_encode
 from .mse import MSECode, mse_decode, mse_decode_packed, mse_encode, mse_encode_packed
 from .pack import pack_bits, packed_size, unpack_bits
 from .qjl import QJLSketch, qjl_inner_product, qjl_sketch, qjl_vector_estimate
@@ -46,6 +47,9 @@ __all__ = [
     "lloyd_max_codebook",
     "lloyd_max_decode",
     "lloyd_max_encode",
+    "LogScalars",
+    "log_decode",
+    "log_encode",
     "mse_decode",
     "mse_decode_packed",
     "mse_encode",

@@ -29,6 +29,7 @@ from .. import _native
 from .. import layout as lay
 from .._arrays import KvqrsError, as_array, as_float_rows, check_bits, check_positive_int, check_seed
 from .hadamard import padded_dim
+from .log_scalars import LogScalars
 
 
 class QJLRows(NamedTuple):
@@ -51,14 +52,16 @@ class MSERows(NamedTuple):
     Attributes:
         codes: uint8 ``(..., T, packed_size(code_dim, bits))`` packed codes (``code_dim = d'``
             with a rotation, ``head_dim`` without).
-        norms: float16/float32 ``(..., T)``.
+        norms: float16/float32 ``(..., T)``, or :class:`~kvqrs.kernels.log_scalars.LogScalars`
+            (8-bit log codes ``(..., T)`` with exponent bytes ``(..., ceil(T / group))``,
+            docs/kernels.md section 13).
         bits: bits of the MSE stage (1..8).
         seed: rotation seed, or None (the ``kv`` scheme).
         qjl: optional :class:`QJLRows` of the rotated residual (``qkqv`` keys, ``kqv`` values).
     """
 
     codes: np.ndarray
-    norms: np.ndarray
+    norms: np.ndarray | LogScalars
     bits: int
     seed: int | None
     qjl: QJLRows | None = None
@@ -69,6 +72,8 @@ class MSERows(NamedTuple):
         seed = check_seed(self.seed, "seed")
         cd = d if seed is None else padded_dim(d)
         parts = lay.mse(lead, t, cd, b)
+        if isinstance(self.norms, LogScalars):
+            parts.update(lay.log_norms(lead, t, check_positive_int(self.norms.group, "norms.group")))
         if self.qjl is not None:
             if seed is None:
                 raise KvqrsError("qjl: a QJL residual follows a rotated MSE stage; seed is None")
@@ -77,7 +82,12 @@ class MSERows(NamedTuple):
         return parts
 
     def spec(self) -> dict[str, Any]:
-        d: dict[str, Any] = {"kind": "mse", "codes": self.codes, "norms": self.norms, "bits": self.bits, "seed": self.seed}
+        norms = self.norms
+        if isinstance(norms, LogScalars):
+            from .. import oracle
+
+            norms = oracle.log_decode(norms.codes, norms.exps, norms.group)
+        d: dict[str, Any] = {"kind": "mse", "codes": self.codes, "norms": norms, "bits": self.bits, "seed": self.seed}
         if self.qjl is not None:
             d.update(qjl_signs=self.qjl.signs, qjl_norms=self.qjl.norms, qjl_seed=self.qjl.seed)
         return d
@@ -285,7 +295,7 @@ def _tokens(rows: Rows, arg: str, lead: tuple[int, ...]) -> int:
     if isinstance(rows, ChannelRunRows):
         return check_positive_int(rows.tokens, f"{arg}.tokens", minimum=0)
     if isinstance(rows, MSERows):
-        a = as_array(rows.norms, f"{arg}.norms")
+        a = as_array(rows.norms.codes if isinstance(rows.norms, LogScalars) else rows.norms, f"{arg}.norms")
     elif isinstance(rows, UniformRows):
         a = as_array(rows.scales, f"{arg}.scales")
         a = a[..., 0] if a.ndim else a
@@ -371,7 +381,11 @@ def binding_rows(rows: Rows, arg: str, lead: tuple[int, ...], d: int, part: Call
     if isinstance(rows, MSERows):
         q = rows.qjl
         qjl = None if q is None else q._replace(signs=part(q.signs, "qjl.signs"), norms=part(q.norms, "qjl.norms"))
-        return rows._replace(codes=part(rows.codes, "codes"), norms=part(rows.norms, "norms"), qjl=qjl)
+        n = rows.norms
+        norms = (
+            LogScalars(part(n.codes, "norms"), part(n.exps, "norm_exps"), int(n.group)) if isinstance(n, LogScalars) else part(n, "norms")
+        )
+        return rows._replace(codes=part(rows.codes, "codes"), norms=norms, qjl=qjl)
     if isinstance(rows, UniformRows):
         return rows._replace(**{k: part(getattr(rows, k), k) for k in ("codes", "scales", "zeros")})
     return DenseRows(part(rows.values, "values"))

@@ -27,6 +27,8 @@ KERNEL_FUNCTIONS = (
     "inverse_hadamard",
     "lloyd_max_decode",
     "lloyd_max_encode",
+    "log_decode",
+    "log_encode",
     "mse_decode",
     "mse_encode",
     "pack_bits",
@@ -83,6 +85,8 @@ class Backend:
     inverse_hadamard: Callable[..., Any]
     lloyd_max_decode: Callable[..., Any]
     lloyd_max_encode: Callable[..., Any]
+    log_decode: Callable[..., Any]
+    log_encode: Callable[..., Any]
     mse_decode: Callable[..., Any]
     mse_decode_packed: Callable[..., Any]
     mse_encode: Callable[..., Any]

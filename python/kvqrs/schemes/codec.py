@@ -30,12 +30,14 @@ from .block import BlockCoder
 from .headq import HeadQCoder
 from .kivi import KIVICoder
 from .matched import MatchedCalibration, MatchedCoder, MatchedValueCoder
-from .mse import MSECoder, MSEQJLCoder
+from .mse import MSECoder, MSEQJLCoder, norm_params
 
 KEY_SCHEMES = ("kv", "kqv", "qkqv", "kivi", "block", "headq", "matched")
 VALUE_SCHEMES = ("kv", "kqv", "qkqv", "kivi", "block", "a2", "matched", "none")
 MSE_VALUE_SCHEMES = ("kv", "kqv", "qkqv", "matched")
 """Value schemes whose values go through the MSE stage (the ones ``value_scale`` applies to)."""
+LOG_NORM_VALUE_SCHEMES = ("kv", "matched")
+"""Value schemes whose MSE stage may store log-coded norms (``value_norms="log8"``)."""
 SCHEMES = KEY_SCHEMES
 HEADQ_BASES = ("kivi", "kqv", "kv", "block")
 
@@ -89,20 +91,44 @@ def _check_value_scale(scale: str, scheme: str, calibration: Any) -> str:
     return scale
 
 
+def _check_value_norms(norms: str, scheme: str, calibration: Any) -> str:
+    """``norms`` validated, and refused (clear error) for values whose MSE stage has no plain
+    per-token norm (a QJL residual is computed against the float norm) or no MSE stage."""
+    norm_params(norms, 1)
+    transform_coded = scheme == "matched" and getattr(calibration, "values", None) is not None
+    if norms != "float" and (scheme not in LOG_NORM_VALUE_SCHEMES or transform_coded):
+        what = "transform-coded matched values" if transform_coded else f"{scheme!r} values"
+        raise KvqrsError(
+            f"value_norms: {norms!r} applies to the MSE value stage without a QJL residual (value schemes "
+            f"{LOG_NORM_VALUE_SCHEMES}, matched without transform-coded values), not to {what}"
+        )
+    return norms
+
+
 def _value_coder(
-    scheme: str, bits: int, head_dim: int, seed: int, group: int, backend: Backend, calibration: Any = None, scale: str = "norm"
+    scheme: str,
+    bits: int,
+    head_dim: int,
+    seed: int,
+    group: int,
+    backend: Backend,
+    calibration: Any = None,
+    scale: str = "norm",
+    norms: str = "float",
 ):
     rot, qjl = derive_seed(seed, _VALUE_ROTATION), derive_seed(seed, _VALUE_QJL)
     if scheme in VALUE_SCHEMES:
         scale = _check_value_scale(scale, scheme, calibration)
+        norms = _check_value_norms(norms, scheme, calibration)
+    stored = {"norms": norms, "norm_group": group}
     if scheme == "matched":
         cal = _matched_calibration(calibration, "values")
         if cal.values is not None:  # transform-coded values: the calibrated widths, not ``bits``
             return MatchedCoder(head_dim, cal.values, group, scheme, "values", backend)
         width = bits if cal.value_bits is None else cal.value_bits  # a per-layer allocation overrides the config
-        return MatchedValueCoder(head_dim, width, rot, cal.value_mean, scheme, "values", backend, scale)
+        return MatchedValueCoder(head_dim, width, rot, cal.value_mean, scheme, "values", backend, scale, **stored)
     if scheme == "kv":
-        return MSECoder(head_dim, bits, None, scheme, "values", backend, scale)
+        return MSECoder(head_dim, bits, None, scheme, "values", backend, scale, **stored)
     if scheme in ("kqv", "qkqv"):
         return MSEQJLCoder(head_dim, bits, rot, qjl, scheme, "values", backend, scale)
     if scheme == "kivi":
@@ -188,6 +214,12 @@ class KVCodec:
             :func:`kvqrs.mse_encode`: the same bits and decode, a smaller error); for the value
             schemes with an MSE stage (``kv``, ``kqv``, ``qkqv``, ``matched`` without
             transform-coded values), an error for the others.
+        value_norms: how that per-token scale is stored: ``"float"`` (float16, or float32
+            outside its range; default) or ``"log8"`` (8 bits on a 1/16-octave grid with an
+            exponent byte per ``group`` tokens, docs/kernels.md section 13: 8 bits per token
+            instead of 16, at most 2.2% relative error); for ``kv`` and ``matched`` values
+            (not transform-coded), an error for the others. Chunks of tokens join at whole
+            groups.
         calibration: for ``matched`` keys or values, the layer's
             :class:`~kvqrs.schemes.matched.MatchedCalibration` (key transform and widths, value
             mean); ``bits`` is then the value budget's width and the key widths come from the
@@ -227,6 +259,7 @@ class KVCodec:
         backend: Any = "cpu",
         calibration: MatchedCalibration | None = None,
         value_scale: str = "norm",
+        value_norms: str = "float",
     ):
         self.backend = get_backend(backend)
         self.scheme = scheme
@@ -239,9 +272,9 @@ class KVCodec:
             raise KvqrsError(f"scheme: expected one of {KEY_SCHEMES}, got {scheme!r}")
         self.value_scheme = value_scheme or ("kivi" if scheme == "headq" else scheme)
         self.calibration = calibration
-        self.value_scale = value_scale
+        self.value_scale, self.value_norms = value_scale, value_norms
         self.values = _value_coder(
-            self.value_scheme, self.value_bits, self.head_dim, self.seed, self.group, self.backend, calibration, value_scale
+            self.value_scheme, self.value_bits, self.head_dim, self.seed, self.group, self.backend, calibration, value_scale, value_norms
         )
         self.rank, self.side_bits, self.sign, self.headq_base = rank, side_bits, sign, headq_base
         if scheme == "headq":

@@ -561,17 +561,27 @@ class MatchedValueCoder:
     """Values of the ``matched`` scheme: the calibrated value mean removed (it is added back once
     to the output, since the probabilities sum to one), then the rotated Lloyd-Max MSE stage
     (``||x - mu||`` + b-bit codes per token): per-token codes, since the read-out weights
-    tokens, and a shared mean is the one structure every token repeats. ``scale``: what each
-    token stores, as :class:`~kvqrs.schemes.mse.MSECoder`."""
+    tokens, and a shared mean is the one structure every token repeats. ``scale``, ``norms``,
+    ``norm_group``: what each token stores and how, as :class:`~kvqrs.schemes.mse.MSECoder`."""
 
     def __init__(
-        self, head_dim: int, bits: int, seed: int, mean: np.ndarray, scheme: str, kind: str, backend: Backend = CPU, scale: str = "norm"
+        self,
+        head_dim: int,
+        bits: int,
+        seed: int,
+        mean: np.ndarray,
+        scheme: str,
+        kind: str,
+        backend: Backend = CPU,
+        scale: str = "norm",
+        norms: str = "float",
+        norm_group: int | None = None,
     ):
         from .mse import MSECoder
 
         self.head_dim, self.bits, self.scheme, self.kind = head_dim, bits, scheme, kind
         self.mean = np.asarray(mean, dtype=np.float32)
-        self.mse = MSECoder(head_dim, bits, seed, scheme, kind, backend, scale)
+        self.mse = MSECoder(head_dim, bits, seed, scheme, kind, backend, scale, norms, norm_group)
         digest = __import__("hashlib").blake2b(self.mean.tobytes(), digest_size=8).hexdigest()
         self.params = {**self.mse.params, "mean": digest}
 

@@ -17,6 +17,7 @@ from .. import layout as lay
 from .._arrays import KvqrsError, as_float_rows
 from ..kernels import lloyd_max_codebook, packed_size, padded_dim
 from ..kernels.attention import MSERows, QJLRows
+from ..kernels.log_scalars import LogScalars
 from ..kernels.mse import check_scale
 from ..kernels.qjl import QJLSketch
 from .backend import CPU, Backend
@@ -45,6 +46,28 @@ def scale_params(scale: str) -> dict[str, str]:
     return {} if check_scale(scale) == "norm" else {"scale": scale}
 
 
+NORMS = ("float", "log8")
+"""How the MSE stage stores its per-token norms: ``"float"`` (float16, or float32 outside its
+range: docs/kernels.md section 5) or ``"log8"`` (8-bit log codes with an exponent byte per
+group of tokens: docs/kernels.md section 13)."""
+
+
+def norm_params(norms: str, group: int | None) -> dict[str, object]:
+    """The coder parameters recording the norm storage: none for ``"float"`` (tensors and files
+    as before the option existed), ``{"norms": "log8", "norm_group": group}`` otherwise.
+
+    Raises:
+        KvqrsError: an unknown mode, or ``"log8"`` without a positive group.
+    """
+    if norms not in NORMS:
+        raise KvqrsError(f"norms: expected one of {NORMS}, got {norms!r}")
+    if norms == "float":
+        return {}
+    if isinstance(group, bool) or not isinstance(group, (int, np.integer)) or group < 1:
+        raise KvqrsError(f"norm_group: log8 norms share an exponent per group of tokens; expected a group >= 1, got {group!r}")
+    return {"norms": norms, "norm_group": int(group)}
+
+
 def _native_rows(x: np.ndarray) -> tuple[np.ndarray, tuple[int, ...]]:
     """``x`` as the native encoders take it: flat float32 rows and the leading shape (what
     :func:`as_float_rows` returns, without its copies for a float32 C-contiguous array)."""
@@ -66,28 +89,53 @@ class MSECoder:
         scale: what each token stores, ``"norm"`` (``||x||``, default) or ``"least_squares"``
             (the least-squares scale of the decoded direction, :func:`kvqrs.mse_encode`); the
             stored layout and the decode are the same.
+        norms: how that scale is stored (:data:`NORMS`): ``"float"`` (default) or ``"log8"``
+            (the stored scale coded in 8 bits on a 1/16-octave grid, an exponent byte per
+            ``norm_group`` tokens: parts ``norms`` uint8 ``(..., T)`` and ``norm_exps`` uint8
+            ``(..., ceil(T / norm_group))``; chunks join at whole groups).
+        norm_group: tokens per exponent of ``"log8"`` norms.
 
     Raises:
-        KvqrsError: an unknown ``scale``.
+        KvqrsError: an unknown ``scale`` or ``norms``, ``"log8"`` without a group.
     """
 
-    def __init__(self, head_dim: int, bits: int, seed: int | None, scheme: str, kind: str, backend: Backend = CPU, scale: str = "norm"):
+    def __init__(
+        self,
+        head_dim: int,
+        bits: int,
+        seed: int | None,
+        scheme: str,
+        kind: str,
+        backend: Backend = CPU,
+        scale: str = "norm",
+        norms: str = "float",
+        norm_group: int | None = None,
+    ):
         self.head_dim, self.bits, self.seed, self.scheme, self.kind = head_dim, bits, seed, scheme, kind
         self.k = backend
         self.code_dim = head_dim if seed is None else padded_dim(head_dim)
         self.codebook = lloyd_max_codebook(self.code_dim, bits)
-        self.params = {"bits": bits, "seed": seed, **scale_params(scale)}
-        self.scale = scale
+        self.params = {"bits": bits, "seed": seed, **scale_params(scale), **norm_params(norms, norm_group)}
+        self.scale, self.norms = scale, norms
+        self.norm_group = int(norm_group) if norms == "log8" else None
         self.row_bytes = packed_size(self.code_dim, bits)
 
     def encode(self, x) -> Encoded:
         x = as_float_array(x, self.kind)
         check_head_dim(x, self.head_dim, self.kind)
         if self.k is CPU:
-            return self._encode_native(x)
-        code = self.k.mse_encode_packed(x, self.bits, self.seed, self.scale)
-        parts = {"codes": code.codes, "norms": code.norms}
-        return Encoded(self.scheme, self.kind, x.shape, x.dtype, parts, self.params)
+            enc = self._encode_native(x)
+        else:
+            code = self.k.mse_encode_packed(x, self.bits, self.seed, self.scale)
+            enc = Encoded(self.scheme, self.kind, x.shape, x.dtype, {"codes": code.codes, "norms": code.norms}, self.params)
+        if self.norm_group is not None:
+            n = enc.parts["norms"]
+            if n.shape[-1]:
+                log = self.k.log_encode(n, self.norm_group)
+                enc.parts.update(norms=log.codes, norm_exps=log.exps)
+            else:  # no tokens: no groups
+                enc.parts.update(norms=np.zeros(n.shape, np.uint8), norm_exps=np.zeros(n.shape, np.uint8))
+        return enc
 
     def _encode_native(self, x: np.ndarray) -> Encoded:
         """The Rust path in one native call: the settings were validated once by the
@@ -103,7 +151,25 @@ class MSECoder:
         """Stored parts of a ``(..., T, d)`` tensor: packed codes ``(..., T, packed(code_dim,
         bits))`` and norms ``(..., T)``."""
         lead, t, _ = split_shape(shape)
-        return lay.mse(lead, t, self.code_dim, self.bits)
+        parts = lay.mse(lead, t, self.code_dim, self.bits)
+        if self.norm_group is not None:
+            parts.update(lay.log_norms(lead, t, self.norm_group))
+        return parts
+
+    def stored_norms(self, enc: Encoded) -> np.ndarray | LogScalars:
+        """The stored scales of the MSE parts of ``enc``: the float16/float32 array, or the
+        :class:`~kvqrs.kernels.log_scalars.LogScalars` of ``"log8"`` norms."""
+        if self.norm_group is None:
+            return enc.parts["norms"]
+        return LogScalars(enc.parts["norms"], enc.parts["norm_exps"], self.norm_group)
+
+    def norm_values(self, enc: Encoded) -> np.ndarray:
+        """The stored scales of ``enc`` as float16/float32 values (``"log8"`` norms decoded to
+        float32)."""
+        n = self.stored_norms(enc)
+        if not isinstance(n, LogScalars):
+            return n
+        return self.k.log_decode(n) if n.codes.shape[-1] else np.zeros(n.codes.shape, np.float32)
 
     def codes(self, enc: Encoded) -> np.ndarray:
         """Unpacked codes ``(..., tokens, code_dim)``."""
@@ -115,7 +181,7 @@ class MSECoder:
 
     def decode_unchecked(self, enc: Encoded) -> np.ndarray:
         """Decode the MSE parts of ``enc`` (also when ``enc`` belongs to a composite coder)."""
-        return self.k.mse_decode_packed(enc.parts["codes"], enc.parts["norms"], self.bits, self.head_dim, self.seed)
+        return self.k.mse_decode_packed(enc.parts["codes"], self.norm_values(enc), self.bits, self.head_dim, self.seed)
 
     def attention_rows(self, enc: Encoded) -> MSERows:
         """The stored parts as the fused attention kernel reads them (codes stay packed)."""
@@ -124,12 +190,12 @@ class MSECoder:
 
     def rows_unchecked(self, enc: Encoded) -> MSERows:
         """:meth:`attention_rows` of the MSE parts of ``enc`` (also of a composite coder's)."""
-        return MSERows(enc.parts["codes"], enc.parts["norms"], self.bits, self.seed)
+        return MSERows(enc.parts["codes"], self.stored_norms(enc), self.bits, self.seed)
 
     def rotated(self, enc: Encoded) -> np.ndarray:
         """The reconstruction in the code domain: ``stored scale * centroids[codes]`` (float32)."""
         c = self.k.lloyd_max_decode(self.codes(enc), self.codebook)
-        return c * enc.parts["norms"].astype(np.float32)[..., None]
+        return c * self.norm_values(enc).astype(np.float32)[..., None]
 
     def scores(self, q: np.ndarray, enc: Encoded) -> np.ndarray:
         return decoded_scores(q, self.decode(enc))

@@ -22,20 +22,23 @@ use crate::kernels::attention::{
     decode_attention, Attention, ChannelRun, CodedRows, Layout, QjlRows, SideRows,
 };
 use crate::par;
-use crate::scalars::ScalarView;
+use crate::scalars::{LogView, ScalarView};
 use crate::simd::{self, ops};
 use crate::store::{to_f32, LayerStore};
 
 /// The parts of a store that make one side's rows (indices into the store's parts).
 #[derive(Debug, Clone, PartialEq)]
 pub enum RowSpec {
-    /// [`CodedRows::Mse`], optionally with the QJL sketch `(signs, norms, seed)`.
+    /// [`CodedRows::Mse`], optionally with the QJL sketch `(signs, norms, seed)`; with `log`
+    /// `(exponent part, group)` the norms part holds 8-bit log codes (docs/kernels.md
+    /// section 13).
     Mse {
         codes: usize,
         norms: usize,
         bits: u32,
         seed: Option<u64>,
         qjl: Option<(usize, usize, u64)>,
+        log: Option<(usize, usize)>,
     },
     /// [`CodedRows::UniformTokens`].
     UniformTokens {
@@ -202,12 +205,18 @@ impl RowSpec {
                 .collect(),
             RowSpec::Centred { ref rows, .. } => rows.parts(),
             RowSpec::Mse {
-                codes, norms, qjl, ..
+                codes,
+                norms,
+                qjl,
+                log,
+                ..
             } => {
-                let mut v = vec![(codes, 'b'), (norms, 's')];
+                let mut v = vec![(codes, 'b'), (norms, if log.is_some() { 'b' } else { 's' })];
                 if let Some((s, n, _)) = qjl {
                     v.extend([(s, 'b'), (n, 's')]);
                 }
+                // The exponents last, so that the sketch's reads keep their places.
+                v.extend(log.map(|(e, _)| (e, 'b')));
                 v
             }
             RowSpec::UniformTokens {
@@ -282,10 +291,22 @@ impl RowSpec {
             },
             RowSpec::Centred { ref rows, .. } => rows.rows(r, runs),
             RowSpec::Mse {
-                bits, seed, qjl, ..
+                bits,
+                seed,
+                qjl,
+                log,
+                ..
             } => CodedRows::Mse {
                 codes: r[0].bytes(),
-                norms: r[1].scalars(),
+                norms: match log {
+                    None => r[1].scalars(),
+                    Some((_, group)) => ScalarView::Log(LogView {
+                        codes: r[1].bytes(),
+                        exps: r[r.len() - 1].bytes(),
+                        group,
+                        row: 0,
+                    }),
+                },
                 bits,
                 seed,
                 qjl: qjl.map(|(_, _, s)| QjlRows {
@@ -625,6 +646,7 @@ mod tests {
             bits: 4,
             seed: Some(3),
             qjl: None,
+            log: None,
         };
         let values = RowSpec::Dense { values: 2 };
         let inputs = Inputs::new(3, heads, rows, d, w);

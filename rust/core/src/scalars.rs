@@ -8,6 +8,7 @@
 use half::f16;
 
 use crate::error::{KvqError, Result};
+use crate::kernels::log_scalars;
 use crate::simd::{ops, Isa};
 
 /// Smallest positive normal float16 (2^-14): below it float16 loses relative precision.
@@ -108,14 +109,77 @@ impl ScalarPlane {
     }
 }
 
-/// Borrowed stored scalars (float16 bit patterns or float32), e.g. straight from a NumPy
-/// buffer: what the read paths use to avoid copying a plane per call.
+/// Borrowed stored scalars (float16 bit patterns, float32, or 8-bit log codes), e.g. straight
+/// from a NumPy buffer: what the read paths use to avoid copying a plane per call.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum ScalarView<'a> {
     /// IEEE binary16 bit patterns.
     F16(&'a [u16]),
     /// float32 values.
     F32(&'a [f32]),
+    /// 8-bit log codes with one exponent byte per group (docs/kernels.md section 13).
+    Log(LogView<'a>),
+}
+
+/// Log-coded scalars laid out as rows of `row` values (a head's tokens, `row` = the layout's
+/// stride), each row's codes in groups of `group` with `ceil(row / group)` exponent bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LogView<'a> {
+    /// rows x row codes.
+    pub codes: &'a [u8],
+    /// rows x ceil(row / group) exponent bytes.
+    pub exps: &'a [u8],
+    /// Values per exponent.
+    pub group: usize,
+    /// Values per row (0 until the reader sets it with [`ScalarView::in_rows`]).
+    pub row: usize,
+}
+
+impl LogView<'_> {
+    fn groups(&self) -> usize {
+        self.row.div_ceil(self.group.max(1))
+    }
+
+    #[inline]
+    fn get(&self, i: usize) -> f32 {
+        let (r, j) = (i / self.row, i % self.row);
+        log_scalars::level(self.codes[i], self.exps[r * self.groups() + j / self.group])
+    }
+
+    /// Checks `blocks` rows of `room` values, `used` held: the buffer sizes and the held
+    /// groups' exponent bytes.
+    fn validate(
+        &self,
+        arg: &'static str,
+        (blocks, room, used): (usize, usize, usize),
+    ) -> Result<()> {
+        let groups = self.groups();
+        let ok = self.group > 0
+            && self.row == room
+            && used <= room
+            && Some(self.codes.len()) == blocks.checked_mul(room)
+            && Some(self.exps.len()) == blocks.checked_mul(groups);
+        if !ok {
+            return Err(KvqError::ShapeMismatch {
+                arg,
+                expected: format!(
+                    "{blocks} x {room} log codes and {blocks} x ceil({room} / group) exponent bytes ({used} held per block)"
+                ),
+                actual: format!(
+                    "{} codes, {} exponent bytes, group {}, rows of {}",
+                    self.codes.len(),
+                    self.exps.len(),
+                    self.group,
+                    self.row
+                ),
+            });
+        }
+        let held = used.div_ceil(self.group);
+        for b in 0..blocks {
+            log_scalars::check_exps(arg, &self.exps[b * groups..b * groups + held])?;
+        }
+        Ok(())
+    }
 }
 
 impl ScalarView<'_> {
@@ -124,6 +188,16 @@ impl ScalarView<'_> {
         match self {
             ScalarView::F16(v) => v.len(),
             ScalarView::F32(v) => v.len(),
+            ScalarView::Log(l) => l.codes.len(),
+        }
+    }
+
+    /// The view read as rows of `row` values (what a log-coded view needs to find each
+    /// value's group exponent; other views are flat and returned unchanged).
+    pub fn in_rows(self, row: usize) -> Self {
+        match self {
+            ScalarView::Log(l) => ScalarView::Log(LogView { row, ..l }),
+            other => other,
         }
     }
 
@@ -138,6 +212,7 @@ impl ScalarView<'_> {
         match self {
             ScalarView::F16(v) => f16::from_bits(v[i]).to_f32(),
             ScalarView::F32(v) => v[i],
+            ScalarView::Log(l) => l.get(i),
         }
     }
 
@@ -149,6 +224,11 @@ impl ScalarView<'_> {
         match self {
             ScalarView::F16(v) => ops::f16_to_f32(isa, &v[start..end], out),
             ScalarView::F32(v) => out.copy_from_slice(&v[start..end]),
+            ScalarView::Log(l) => {
+                for (i, o) in (start..end).zip(out.iter_mut()) {
+                    *o = l.get(i);
+                }
+            }
         }
     }
 
@@ -171,6 +251,10 @@ impl ScalarView<'_> {
         (blocks, room, used): (usize, usize, usize),
         signed: bool,
     ) -> Result<()> {
+        if let ScalarView::Log(l) = self {
+            // Every code is a valid non-negative level; only the exponents can be out of range.
+            return l.validate(arg, (blocks, room, used));
+        }
         if used > room || Some(self.len()) != blocks.checked_mul(room) {
             return Err(KvqError::ShapeMismatch {
                 arg,
@@ -202,6 +286,7 @@ impl ScalarView<'_> {
         match self {
             ScalarView::F16(v) => ScalarView::F16(&v[start..start + len]),
             ScalarView::F32(v) => ScalarView::F32(&v[start..start + len]),
+            ScalarView::Log(_) => unreachable!("log-coded views are validated whole"),
         }
     }
 
@@ -224,6 +309,7 @@ impl ScalarView<'_> {
                     bad | ((b & 0x7F80_0000) == 0x7F80_0000) | (b > neg)
                 })
             }
+            ScalarView::Log(_) => true,
         }
     }
 }

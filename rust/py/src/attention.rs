@@ -9,13 +9,13 @@ use kvqrs_core::kernels::attention::{
     decode_attention as core_attention, ChannelRun, CodedRows, Layout, QjlRows,
     SideRows as CoreSide,
 };
-use kvqrs_core::scalars::ScalarView;
+use kvqrs_core::scalars::{LogView, ScalarView};
 use numpy::{PyArray1, PyReadonlyArray1};
 use pyo3::prelude::*;
 
 use crate::arrays::{slice, Scalars};
 use crate::errors::py_result;
-use crate::rows::{read, BaseRows, Rows, SideRows, F32};
+use crate::rows::{read, BaseRows, Norms, Rows, SideRows, F32};
 
 type Bytes<'py> = PyReadonlyArray1<'py, u8>;
 /// One side of the cache with its arrays.
@@ -60,6 +60,20 @@ fn groups<'a>(
     ))
 }
 
+/// The borrowed norms of `MSERows` (`name` names them in errors); log-coded norms get their
+/// row length from the kernel's layout.
+fn norms<'a>(n: &'a Norms<Bytes<'_>, Scalars<'_>>, name: &str) -> PyResult<ScalarView<'a>> {
+    Ok(match n {
+        Norms::Plain(s) => s.view(name)?,
+        Norms::Log(l) => ScalarView::Log(LogView {
+            codes: slice(&l.codes, name)?,
+            exps: slice(&l.exps, &format!("{name}.exps"))?,
+            group: l.group,
+            row: 0,
+        }),
+    })
+}
+
 /// `inner` around the mean of `CentredRows`, or `inner` itself.
 fn wrap<'a>(
     rows: &'a ArrayRows<'_>,
@@ -87,7 +101,7 @@ fn base_rows<'a>(
     Ok(match base {
         BaseRows::Mse(m) => CodedRows::Mse {
             codes: slice(&m.codes, &name("codes"))?,
-            norms: m.norms.view(&name("norms"))?,
+            norms: norms(&m.norms, &name("norms"))?,
             bits: m.bits,
             seed: m.seed,
             qjl: match &m.qjl {

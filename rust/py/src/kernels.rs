@@ -4,6 +4,7 @@
 use kvqrs_core::kernels::hadamard::Rotation;
 use kvqrs_core::kernels::headq::HeadqCoder;
 use kvqrs_core::kernels::lloyd_max::codebook;
+use kvqrs_core::kernels::log_scalars;
 use kvqrs_core::kernels::mse::{MseQuantizer, RowScale};
 use kvqrs_core::kernels::mse_qjl::MseQjlEncoder;
 use kvqrs_core::kernels::pack;
@@ -456,5 +457,30 @@ pub fn uniform_decode<'py>(
         py_result(py.allow_threads(|| {
             UniformQuantizer::new(n, group, bits_u32(bits))?.decode_parts(c, s, z)
         }))?;
+    Ok(PyArray1::from_vec(py, out))
+}
+
+#[pyfunction]
+pub fn log_encode<'py>(
+    py: Python<'py>,
+    values: PyReadonlyArray1<'py, f32>,
+    n: usize,
+    group: usize,
+) -> PyResult<(U8Out<'py>, U8Out<'py>)> {
+    let v = slice(&values, "values")?;
+    let (codes, exps) = py_result(py.allow_threads(|| log_scalars::encode(v, n, group)))?;
+    Ok((PyArray1::from_vec(py, codes), PyArray1::from_vec(py, exps)))
+}
+
+#[pyfunction]
+pub fn log_decode<'py>(
+    py: Python<'py>,
+    codes: PyReadonlyArray1<'py, u8>,
+    exps: PyReadonlyArray1<'py, u8>,
+    n: usize,
+    group: usize,
+) -> PyResult<F32Out<'py>> {
+    let (c, e) = (slice(&codes, "codes")?, slice(&exps, "exps")?);
+    let out = py_result(py.allow_threads(|| log_scalars::decode(c, e, n, group)))?;
     Ok(PyArray1::from_vec(py, out))
 }

@@ -12,7 +12,7 @@ use pyo3::prelude::*;
 
 use crate::arrays::slice;
 use crate::errors::{arg_error, py_result};
-use crate::rows::{BaseRows, Rows};
+use crate::rows::{BaseRows, Norms, Rows};
 
 /// A part of a slot as `(offset, row_bytes)` in a page.
 type PyPart = (usize, usize);
@@ -47,7 +47,14 @@ fn rows(r: &PagedPyRows<'_>, side: &str) -> PyResult<PagedRows> {
     match r {
         Rows::Base(BaseRows::Mse(m)) => Ok(PagedRows::Mse {
             codes: part(&m.codes),
-            norms: scalar_part(&m.norms, &what("norms"))?,
+            norms: match &m.norms {
+                Norms::Plain(n) => scalar_part(n, &what("norms"))?,
+                Norms::Log(_) => {
+                    return Err(arg_error(format!(
+                        "{side}.norms: the paged kernel reads float16/float32 norms, not log-coded ones"
+                    )))
+                }
+            },
             bits: m.bits,
             seed: m.seed,
             qjl: match &m.qjl {

@@ -26,11 +26,27 @@ pub struct QJLRows<B, S> {
     pub seed: u64,
 }
 
+/// `LogScalars`: 8-bit log codes and their group exponent bytes (docs/kernels.md section 13).
+#[derive(FromPyObject)]
+pub struct LogNorms<B> {
+    pub codes: B,
+    pub exps: B,
+    pub group: usize,
+}
+
+/// The norms of `MSERows`: stored scalars, or `LogScalars` (tried first: stored scalars are
+/// never an object with `codes`, `exps` and `group`).
+#[derive(FromPyObject)]
+pub enum Norms<B, S> {
+    Log(LogNorms<B>),
+    Plain(S),
+}
+
 /// `MSERows`.
 #[derive(FromPyObject)]
 pub struct MSERows<B, S> {
     pub codes: B,
-    pub norms: S,
+    pub norms: Norms<B, S>,
     pub bits: u32,
     pub seed: Option<u64>,
     pub qjl: Option<QJLRows<B, S>>,

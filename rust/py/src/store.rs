@@ -18,7 +18,7 @@ use pyo3::types::PyBytes;
 
 use crate::arrays::slice;
 use crate::errors::{arg_error, py_result};
-use crate::rows::{read, BaseRows, ChannelRun, Rows, SideRows, F32};
+use crate::rows::{read, BaseRows, ChannelRun, LogNorms, Norms, Rows, SideRows, F32};
 
 /// `(name, dtype code, widen, outer axes, inner axes, num, den)`: one declared part.
 type PySpec = (String, u8, bool, Vec<usize>, Vec<usize>, usize, usize);
@@ -195,7 +195,13 @@ impl PyLayerStore {
         Ok(match rows {
             BaseRows::Mse(m) => RowSpec::Mse {
                 codes: idx(&m.codes, "codes")?,
-                norms: idx(&m.norms, "norms")?,
+                norms: match &m.norms {
+                    Norms::Plain(n) | Norms::Log(LogNorms { codes: n, .. }) => idx(n, "norms")?,
+                },
+                log: match &m.norms {
+                    Norms::Plain(_) => None,
+                    Norms::Log(l) => Some((idx(&l.exps, "norms.exps")?, l.group)),
+                },
                 bits: m.bits,
                 seed: m.seed,
                 qjl: match &m.qjl {

@@ -4,6 +4,7 @@ pub mod attention;
 pub mod hadamard;
 pub mod headq;
 pub mod lloyd_max;
+pub mod log_scalars;
 pub mod mse;
 pub mod mse_qjl;
 pub mod pack;

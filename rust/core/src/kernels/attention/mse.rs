@@ -61,6 +61,8 @@ impl<'a> MsePlan<'a> {
             mul(names.codes, vectors, reader.row_bytes)?,
             "heads x stride x packed codes",
         )?;
+        // Log-coded norms find each token's group exponent by its head's row of `stride`.
+        let norms = norms.in_rows(lay.stride);
         norms.validate_rows(names.norms, held, false)?;
         let qjl = match qjl {
             None => None,
