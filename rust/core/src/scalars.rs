@@ -146,6 +146,27 @@ impl LogView<'_> {
         log_scalars::level(self.codes[i], self.exps[r * self.groups() + j / self.group])
     }
 
+    /// Values `start .. start + out.len()`, a run of one group's codes at a time.
+    fn read(&self, start: usize, out: &mut [f32]) {
+        let groups = self.groups();
+        let (mut r, mut j, mut i) = (start / self.row, start % self.row, start);
+        let mut rest = out;
+        while !rest.is_empty() {
+            let e = self.exps[r * groups + j / self.group];
+            let run = (self.group - j % self.group)
+                .min(self.row - j)
+                .min(rest.len());
+            let (now, later) = rest.split_at_mut(run);
+            for (o, &c) in now.iter_mut().zip(&self.codes[i..i + run]) {
+                *o = log_scalars::level(c, e);
+            }
+            (rest, i, j) = (later, i + run, j + run);
+            if j == self.row {
+                (r, j) = (r + 1, 0);
+            }
+        }
+    }
+
     /// Checks `blocks` rows of `room` values, `used` held: the buffer sizes and the held
     /// groups' exponent bytes.
     fn validate(
@@ -224,11 +245,7 @@ impl ScalarView<'_> {
         match self {
             ScalarView::F16(v) => ops::f16_to_f32(isa, &v[start..end], out),
             ScalarView::F32(v) => out.copy_from_slice(&v[start..end]),
-            ScalarView::Log(l) => {
-                for (i, o) in (start..end).zip(out.iter_mut()) {
-                    *o = l.get(i);
-                }
-            }
+            ScalarView::Log(l) => l.read(start, out),
         }
     }
 
@@ -396,6 +413,65 @@ mod tests {
                 Err(KvqError::ShapeMismatch { .. })
             ));
         }
+    }
+
+    /// A log-coded view over rows with room (3 rows of room 13, 9 held, groups of 4) reads
+    /// the held values as the kernel decodes each compact row, from any start and length, and
+    /// its check reads the held groups' exponents only.
+    #[test]
+    fn log_view_reads_rows_with_room() {
+        let (rows, room, used, group): (usize, usize, usize, usize) = (3, 13, 9, 4);
+        let values: Vec<f32> = (0..rows * used)
+            .map(|i| 0.01 + (i as f32 * 1.7).sin().abs() * 40.0)
+            .collect();
+        let (codes, exps) = log_scalars::encode(&values, used, group).unwrap();
+        let want = log_scalars::decode(&codes, &exps, used, group).unwrap();
+        let (gu, gr) = (used.div_ceil(group), room.div_ceil(group));
+        let (mut c, mut e) = (vec![7u8; rows * room], vec![0u8; rows * gr]);
+        for r in 0..rows {
+            c[r * room..r * room + used].copy_from_slice(&codes[r * used..(r + 1) * used]);
+            e[r * gr..r * gr + gu].copy_from_slice(&exps[r * gu..(r + 1) * gu]);
+        }
+        let view = |e: &[u8]| {
+            let codes = c.clone();
+            let exps = e.to_vec();
+            move |row: usize| {
+                let v = ScalarView::Log(LogView {
+                    codes: &codes,
+                    exps: &exps,
+                    group,
+                    row: 0,
+                })
+                .in_rows(row);
+                v.validate_rows("x", (rows, room, used), false).is_ok()
+            }
+        };
+        assert!(view(&e)(room));
+        // Rows of another length than the room: a shape error.
+        assert!(!view(&e)(used));
+        let v = ScalarView::Log(LogView {
+            codes: &c,
+            exps: &e,
+            group,
+            row: 0,
+        })
+        .in_rows(room);
+        for r in 0..rows {
+            for start in 0..used {
+                for len in 0..=used - start {
+                    let mut out = vec![f32::NAN; len];
+                    v.read(Isa::Scalar, r * room + start, &mut out);
+                    assert_eq!(out, want[r * used + start..r * used + start + len]);
+                }
+            }
+        }
+        // A bad exponent in a held group is an error; in the room it is not read.
+        let mut bad = e.clone();
+        bad[gr + 1] = 255;
+        assert!(!view(&bad)(room));
+        let mut in_room = e.clone();
+        in_room[gr + 3] = 0;
+        assert!(view(&in_room)(room));
     }
 
     #[test]
