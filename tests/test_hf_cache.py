@@ -312,6 +312,7 @@ GROUPED = [
     pytest.param(QuantConfig("headq", 2, residual_length=0, bases="random"), id="headq-kivi"),
     pytest.param(QuantConfig("matched", 3, "matched", 3, residual_length=2, group=8, calibration="random"), id="matched"),
     pytest.param(QuantConfig("kivi", 2, "kv", 3, residual_length=5, group=8, value_norms="log8"), id="kivi-kv-log8"),
+    pytest.param(QuantConfig("kqv", 3, "kv", 3, residual_length=2, group=8, value_norms="log8"), id="kqv-kv-log8"),
 ]
 
 
@@ -1481,14 +1482,19 @@ def test_a_fused_step_whose_output_does_not_fit_float16_raises(scheme):
 @pytest.mark.parametrize(
     "args, kwargs, pattern",
     [
-        (("kqv", 3, "kv", 3), {}, "must flush whole groups: use matched or KIVI keys"),
         (("kivi", 2, "kqv", 3), {}, "not to value_scheme='kqv'"),
         (("matched", 3, "matched", 3), {"calibration": "prefill", "value_transform": True}, "not to value_transform=True"),
         (("kivi", 2, "kv", 3), {"value_norms": "log"}, r"value_norms: expected one of \('float', 'log8'\)"),
     ],
 )
-def test_log8_value_norms_are_refused_where_they_cannot_stream(args, kwargs, pattern):
-    """Log-coded norms share an exponent per group of tokens, so the cache must flush whole
-    groups; they replace a plain MSE-stage norm only."""
+def test_log8_value_norms_replace_a_plain_mse_norm_only(args, kwargs, pattern):
     with pytest.raises(KvqrsError, match=pattern):
         QuantConfig(*args, group=8, value_norms=kwargs.pop("value_norms", "log8"), **kwargs)
+
+
+def test_log8_value_norms_flush_whole_groups():
+    """Log-coded norms share an exponent per group of tokens: the cache flushes whole groups
+    whatever the keys (values alone too)."""
+    assert QuantConfig("kqv", 3, "kv", 3, group=8, value_norms="log8").chunk == 8
+    assert QuantConfig(None, 3, "kv", 3, group=8, value_norms="log8").chunk == 8
+    assert QuantConfig("kqv", 3, "kv", 3, group=8).chunk == 1

@@ -50,8 +50,8 @@ class QuantConfig:
         value_norms: how that scale is stored, ``"float"`` (float16/float32, default) or
             ``"log8"`` (8 bits on a 1/16-octave grid with an exponent byte per ``group``
             tokens: half the bits of a float16 norm, docs/kernels.md section 13). Only for
-            ``kv`` and ``matched`` values (without ``value_transform``), with keys that flush
-            whole groups (``matched`` or KIVI keys: the chunk is ``group`` tokens).
+            ``kv`` and ``matched`` values (without ``value_transform``); the cache then flushes
+            whole groups of ``group`` tokens (as with KIVI or matched keys).
         bases: HeadQ bases per layer, ``{layer: (kv_heads, d, r)}``, or ``"random"`` for the
             random-basis control.
         a2_uniform: with ``value_scheme="a2"``, give every token the same width (the uniform
@@ -159,12 +159,6 @@ class QuantConfig:
                     f"value_norms: {self.value_norms!r} applies to values with an MSE stage and no QJL residual "
                     f"(value_scheme in {LOG_NORM_VALUE_SCHEMES}, without value_transform), not to {what}"
                 )
-            if self.chunk % self.group:
-                raise KvqrsError(
-                    f"value_norms: {self.value_norms!r} codes value norms relative to an exponent per group of {self.group} "
-                    f"tokens, so the cache must flush whole groups: use matched or KIVI keys (this config flushes "
-                    f"{self.chunk} token(s) at a time)"
-                )
         if self.a2_lookahead is not None and not 1 <= self.a2_lookahead <= self.residual_length:
             raise KvqrsError(
                 f"a2_lookahead: expected 1 .. residual_length ({self.residual_length}) so that only queries that "
@@ -178,8 +172,9 @@ class QuantConfig:
 
     @property
     def chunk(self) -> int:
-        """Tokens per flush: KIVI keys are quantized per channel over whole groups of tokens."""
-        return self.group if self._kivi_keys or self.key_scheme == "matched" else 1
+        """Tokens per flush: KIVI and matched keys are quantized per channel over whole groups
+        of tokens, and log-coded value norms share an exponent per group."""
+        return self.group if self._kivi_keys or self.key_scheme == "matched" or self.value_norms == "log8" else 1
 
     def quantized_count(self, seen: int) -> int:
         """Tokens quantized after ``seen`` tokens: whole chunks between the sinks and the
