@@ -1146,6 +1146,22 @@ def test_log8_value_norms_are_the_float_norms_log_coded(group, tokens, spread, s
     assert (a.nbytes - b.nbytes) * 8 == saved
 
 
+def test_log8_value_norms_travel_in_the_format_with_their_group():
+    from kvqrs import format as fmt
+
+    v = np.random.default_rng(3).standard_normal((2, 24, 16)).astype(np.float32)
+    codec = KVCodec("kivi", 2, 16, value_scheme="kv", group=8, value_norms="log8")
+    enc = codec.encode_values(v)
+    back = fmt.loads(fmt.dumps(enc), codec)
+    np.testing.assert_array_equal(codec.decode_values(back), codec.decode_values(enc))
+    for other in (
+        KVCodec("kivi", 2, 16, value_scheme="kv", group=16, value_norms="log8"),
+        KVCodec("kivi", 2, 16, value_scheme="kv", group=8),
+    ):
+        with pytest.raises(kvqrs.KvqrsError, match="differs in norm"):
+            fmt.loads(fmt.dumps(enc), other)
+
+
 # --------------------------------------------------------------------------------------------
 # The one-call MSE + QJL encoder (kqv / qkqv values, qkqv keys) against its kernels in sequence
 # --------------------------------------------------------------------------------------------
