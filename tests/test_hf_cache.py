@@ -887,8 +887,19 @@ MATCHED_FUSED = [
         QuantConfig("matched", 3, "matched", 3, residual_length=8, group=8, sink_tokens=1, calibration="random"), id="matched-sink"
     ),
     pytest.param(
-        QuantConfig("matched", 3, "matched", 3, residual_length=8, group=8, sink_tokens=1, calibration="random", value_norms="log8"),
-        id="matched-log8",
+        QuantConfig(
+            "matched",
+            3,
+            "matched",
+            3,
+            residual_length=8,
+            group=8,
+            sink_tokens=1,
+            sink_dtype="bfloat16",
+            calibration="random",
+            value_norms="log8",
+        ),
+        id="matched-log8-bf16-sink",
     ),
 ]
 
@@ -1498,3 +1509,28 @@ def test_log8_value_norms_flush_whole_groups():
     assert QuantConfig("kqv", 3, "kv", 3, group=8, value_norms="log8").chunk == 8
     assert QuantConfig(None, 3, "kv", 3, group=8, value_norms="log8").chunk == 8
     assert QuantConfig("kqv", 3, "kv", 3, group=8).chunk == 1
+
+
+def test_sinks_stored_in_sink_dtype_are_read_back_in_the_layer_dtype(tmp_path):
+    """``sink_dtype``: the sinks held in float16 (half the bytes), read back as float32 values
+    rounded once, the same through a save and load; other dtypes are refused."""
+    cfg = QuantConfig("kqv", 4, "kqv", 4, residual_length=4, sink_tokens=3, sink_dtype="float16")
+    plain = QuantConfig("kqv", 4, "kqv", 4, residual_length=4, sink_tokens=3)
+    k, v = _kv(tokens=20, seed=7)
+    caches = [QuantizedKVCache(c, 1) for c in (cfg, plain)]
+    for c in caches:
+        c.update(k, v, 0)
+    half, full = (c.layers[0] for c in caches)
+    assert half.sink_k.dtype == torch.float16 and full.sink_k.dtype == torch.float32
+    assert full.nbytes() - half.nbytes() == 2 * k[..., :3, :].numel() * 2
+    hk, hv = half.materialize()
+    assert hk.dtype == torch.float32
+    torch.testing.assert_close(hk[..., :3, :], k[..., :3, :].half().float(), rtol=0, atol=0)
+    torch.testing.assert_close(hv[..., 3:, :], full.materialize()[1][..., 3:, :], rtol=0, atol=0)
+    assert not torch.equal(hk[..., :3, :], k[..., :3, :])
+    caches[0].save(tmp_path / "s.kvqc")
+    back = QuantizedKVCache.load(tmp_path / "s.kvqc", cfg)
+    assert back.layers[0].sink_k.dtype == torch.float16
+    assert all(torch.equal(a, b) for a, b in zip(back.layers[0].materialize(), half.materialize()))
+    with pytest.raises(KvqrsError, match="sink_dtype: expected None or one of"):
+        QuantConfig("kqv", 4, sink_tokens=1, sink_dtype="float8")

@@ -135,8 +135,19 @@ CONFIGS = [
     pytest.param(QuantConfig("kivi", 2, "kivi", 2, residual_length=3, group=8, sink_tokens=2), id="kivi-g8-r3-s2"),
     pytest.param(QuantConfig("qkqv", 3, "block", 4, residual_length=2, sink_tokens=4), id="qkqv-block-s4"),
     pytest.param(
-        QuantConfig("matched", 3, "matched", 3, residual_length=3, group=8, sink_tokens=1, calibration="random", value_norms="log8"),
-        id="matched-log8-s1",
+        QuantConfig(
+            "matched",
+            3,
+            "matched",
+            3,
+            residual_length=3,
+            group=8,
+            sink_tokens=2,
+            sink_dtype="float16",
+            calibration="random",
+            value_norms="log8",
+        ),
+        id="matched-log8-s2-f16",
     ),
 ]
 

@@ -329,7 +329,7 @@ def _needle(args: argparse.Namespace) -> int:
 def _check_calibrate_args(args: argparse.Namespace) -> None:
     """``kvqrs calibrate``'s settings, checked before the model loads: a preset fills in its
     settings and refuses any given beside it; the rest get their defaults."""
-    preset_keys = ("budget", "key_widths", "value_widths", "group", "sink_tokens", "value_norms")
+    preset_keys = ("budget", "key_widths", "value_widths", "group", "sink_tokens", "value_norms", "sink_dtype")
     if args.preset is not None:  # the recommended settings of QuantConfig.preset(NAME)
         from .hf.config import PRESETS
 
@@ -341,7 +341,7 @@ def _check_calibrate_args(args: argparse.Namespace) -> None:
         p = PRESETS[args.preset]
         args.budget, args.group, args.sink_tokens = p["budget"], p["group"], p["sink_tokens"]
         args.key_widths, args.value_widths = list(p["key_widths"]), list(p["value_widths"])
-        args.value_norms = p["value_norms"]
+        args.value_norms, args.sink_dtype = p["value_norms"], p["sink_dtype"]
     args.group = 128 if args.group is None else args.group
     args.value_norms = "float" if args.value_norms is None else args.value_norms
     args.sink_tokens = 1 if args.sink_tokens is None else args.sink_tokens
@@ -386,6 +386,8 @@ def _calibrate(args: argparse.Namespace) -> int:
     torch_threads(1 if args.threads is None else args.threads)
     model, tok = model_mod.load(progress=not args.no_progress)
     meta = {"group": args.group, "sink_tokens": args.sink_tokens, "value_norms": args.value_norms, "source": texts.source}
+    if args.sink_dtype is not None:
+        meta["sink_dtype"] = args.sink_dtype
     if args.preset is not None:
         meta["preset"] = args.preset
     if args.budget is None:
@@ -401,7 +403,7 @@ def _calibrate(args: argparse.Namespace) -> int:
             )
         fit, probe = windows[: args.windows], windows[args.windows :]
         kw, vw = tuple(args.key_widths), tuple(args.value_widths)
-        cal = allocate_matched(model, fit, probe, args.budget, kw, vw, args.group, args.sink_tokens, args.value_norms)
+        cal = allocate_matched(model, fit, probe, args.budget, kw, vw, args.group, args.sink_tokens, args.value_norms, args.sink_dtype)
         widths = {"key_widths": " ".join(map(str, kw)), "value_widths": " ".join(map(str, vw))}
         path = save_matched(args.out, cal, {**meta, "budget": args.budget, **widths})
         chosen = [f"{c.keys.code_bits():g}/{c.value_bits}" for _, c in sorted(cal.items())]
@@ -571,6 +573,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="leading tokens kept in full precision, left out of the statistics (default: 1)",
     )
     ca.add_argument(
+        "--sink-dtype",
+        choices=("float16", "bfloat16"),
+        default=None,
+        help="store the sinks in this dtype (default: the model's); recorded in the file and used by its eval row",
+    )
+    ca.add_argument(
         "--value-norms",
         choices=("float", "log8"),
         default=None,
@@ -586,7 +594,7 @@ def build_parser() -> argparse.ArgumentParser:
     ca.add_argument(
         "--preset",
         help="the settings of QuantConfig.preset(NAME): 4bit, 3bit or 2bit (its --budget, --key-widths, --value-widths, --group, "
-        "--sink-tokens and --value-norms; default: none)",
+        "--sink-tokens, --sink-dtype and --value-norms; default: none)",
     )
     ca.add_argument(
         "--key-widths",

@@ -94,8 +94,8 @@ def matched_rows(calibration: dict) -> list[LlamaRow]:
 
 def file_row(path, value_scale: str | None = None) -> LlamaRow:
     """The row of a ``kvqrs calibrate`` file: its group and sinks from the file's metadata,
-    values at its per-layer widths (``--budget``) or at ``ceil(bits)`` with the norms the file
-    records (``value_norms``), storing ``value_scale`` per value token (``"norm"``, the default,
+    values at its per-layer widths (``--budget``) or at ``ceil(bits)`` with the norms and sink
+    dtype the file records (``value_norms``, ``sink_dtype``), storing ``value_scale`` per value token (``"norm"``, the default,
     or ``"least_squares"``)."""
     from ..hf import load_matched
     from ..hf.calibration import calibration_meta
@@ -108,11 +108,21 @@ def file_row(path, value_scale: str | None = None) -> LlamaRow:
         raise KvqrsError(f"calibration: {str(path)!r} has unreadable metadata {meta}") from None
     vb = max(1, math.ceil(bits))
     what = f"budget {meta['budget']}, per-layer widths" if "budget" in meta else f"k{bits:g} v{vb}"
-    scale, norms = value_scale or "norm", meta.get("value_norms", "float")
+    scale, norms, sink_dtype = value_scale or "norm", meta.get("value_norms", "float"), meta.get("sink_dtype")
     tags = (" ls-scale" if scale == "least_squares" else "") + (f" {norms}-norms" if norms != "float" else "")
+    tags += f" {sink_dtype}-sinks" if sink_dtype else ""
     label = f"matched {what} g{group} sinks:{sinks}{tags} ({pathlib.Path(path).name})"
     config = QuantConfig(
-        "matched", vb, "matched", vb, group=group, sink_tokens=sinks, calibration=cal, value_scale=scale, value_norms=norms
+        "matched",
+        vb,
+        "matched",
+        vb,
+        group=group,
+        sink_tokens=sinks,
+        sink_dtype=sink_dtype,
+        calibration=cal,
+        value_scale=scale,
+        value_norms=norms,
     )
     return LlamaRow(label, config)
 

@@ -198,6 +198,8 @@ class FakeQuant:
         if query.shape[-2] != length:
             raise ValueError("kvqrs fake-quant path: expects a full window starting at position 0 (no cache)")
         held, all_held = self._schedule(length)
+        # The sinks as the cache reads them back (rounded to sink_dtype when set).
+        key, value = cfg.round_sinks(key), cfg.round_sinks(value)
         # With no full-precision token (no window, no sinks) every key a query may see (j <= t)
         # is quantized: the causal mask hides the rest, so the mixing below reduces to the
         # quantized parts alone.

@@ -281,7 +281,7 @@ class QuantizedLayer(CacheLayerMixin):
         self.device, self.dtype = key_states.device, key_states.dtype
         self.head_dim = key_states.shape[-1]
         self.keys, self.values = key_states[..., :0, :], value_states[..., :0, :]
-        self.sink_k, self.sink_v = key_states[..., :0, :], value_states[..., :0, :]
+        self.sink_k, self.sink_v = self.config.store_sinks(key_states[..., :0, :]), self.config.store_sinks(value_states[..., :0, :])
         self.is_initialized = True
 
     def activate_past_recording(self) -> None:
@@ -455,8 +455,8 @@ class QuantizedLayer(CacheLayerMixin):
         if n <= 0:
             return
         self._settle()
-        self.sink_k = torch.cat([self.sink_k, _tokens(self.keys, 0, n)], dim=-2)
-        self.sink_v = torch.cat([self.sink_v, _tokens(self.values, 0, n)], dim=-2)
+        self.sink_k = torch.cat([self.sink_k, self.config.store_sinks(_tokens(self.keys, 0, n))], dim=-2)
+        self.sink_v = torch.cat([self.sink_v, self.config.store_sinks(_tokens(self.values, 0, n))], dim=-2)
         self._drop_window(n)
         self.q_start += n
 
@@ -605,8 +605,8 @@ class QuantizedLayer(CacheLayerMixin):
         coded = self.quantized > 0 and start < self.window_start
         return _View(
             start,
-            _tokens(self.sink_k, s_off),
-            _tokens(self.sink_v, s_off),
+            _tokens(self.sink_k, s_off).to(self.dtype),  # stored in sink_dtype, read in the layer's
+            _tokens(self.sink_v, s_off).to(self.dtype),
             self.store if coded else None,
             self.quantized if coded else 0,
             self.q_start,
@@ -660,7 +660,8 @@ class QuantizedLayer(CacheLayerMixin):
 
     def fp_tensors(self) -> dict[str, torch.Tensor]:
         """The full-precision tensors held, ``(batch, kv_heads, tokens, head_dim)`` in the
-        layer's dtype: ``window_keys``, ``window_values``, ``sink_keys``, ``sink_values``, and
+        layer's dtype (the sinks in ``QuantConfig.sink_dtype`` when set): ``window_keys``,
+        ``window_values``, ``sink_keys``, ``sink_values``, and
         ``pending_keys``, ``pending_values`` (originals kept for a rollback) while recording."""
         out = {"window_keys": self.keys, "window_values": self.values, "sink_keys": self.sink_k, "sink_values": self.sink_v}
         if self.pending_k is not None:

@@ -200,6 +200,7 @@ def allocate_matched(
     group: int = 128,
     sink_tokens: int = 1,
     value_norms: str = "float",
+    sink_dtype: str | None = None,
 ) -> dict:
     """A ``matched`` calibration whose per-layer key and value widths come from measured
     sensitivity.
@@ -223,7 +224,8 @@ def allocate_matched(
             water-filled over coordinates); value_widths: candidate value bits (integers 1..8;
             default the integer key widths); group: tokens per key scale group (the config's
             ``group``); sink_tokens: the full-precision leading tokens; value_norms: how value
-            tokens store their norms (``QuantConfig.value_norms``), measured and counted so.
+            tokens store their norms (``QuantConfig.value_norms``), measured and counted so;
+            sink_dtype: the sinks' storage (``QuantConfig.sink_dtype``), counted so.
 
     Returns:
         ``{layer: MatchedCalibration}`` with ``value_bits`` set per layer.
@@ -246,7 +248,7 @@ def allocate_matched(
         raise KvqrsError(f"value_widths: expected integer bits in 1..8, got {vw}")
     stats = record_matched(model, windows, sink_tokens)
     fits = {a: fit_matched(stats, a, group) for a in kw}
-    common = {"group": group, "sink_tokens": sink_tokens}
+    common = {"group": group, "sink_tokens": sink_tokens, "sink_dtype": sink_dtype}
     key_cfgs = [QuantConfig("matched", 4, None, **common, calibration=fits[a]) for a in kw]
     # Values alone read only the value mean of a calibration (the same in every fit) and its width.
     value_cal = lambda b: {layer: dataclasses.replace(c, value_bits=int(b)) for layer, c in fits[kw[0]].items()}  # noqa: E731
@@ -273,7 +275,7 @@ def default_value_widths(key_widths) -> tuple[int, ...]:
 def option_bits(stats: dict, configs: list, tokens: int, dtype_bits: int, side: str = "both") -> np.ndarray:
     """Stored bits per element of each layer under each config, counted on ``tokens`` tokens
     of the recorded calibration keys and values (:func:`record_matched` statistics, the sinks
-    left out of them) plus the configs' sink tokens at ``dtype_bits``: of the keys and values
+    left out of them) plus the configs' sink tokens at ``dtype_bits`` (or their ``sink_dtype``'s): of the keys and values
     averaged (``side="both"``), or of one side (``"keys"``, ``"values"``; that side's sinks).
     Returns float64 ``(layers, len(configs))``; raises :class:`KvqrsError` on another side."""
     if side not in ("both", "keys", "values"):
@@ -289,7 +291,7 @@ def option_bits(stats: dict, configs: list, tokens: int, dtype_bits: int, side: 
                 coded += 8 * codec.encode_keys(k[None, :, :n]).nbytes
             if "values" in sides:
                 coded += 8 * codec.encode_values(v[None, :, :n]).nbytes
-            sinks = len(sides) * dtype_bits * cfg.sink_tokens * k.shape[0] * k.shape[-1]
+            sinks = len(sides) * cfg.sink_bits(dtype_bits) * cfg.sink_tokens * k.shape[0] * k.shape[-1]
             out[i, j] = (coded + sinks) / (len(sides) * k.shape[0] * tokens * k.shape[-1])
     return out
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import torch
 
 from .._arrays import KvqrsError
 from ..schemes import KVCodec
@@ -27,6 +28,9 @@ class QuantConfig:
             sinks, Xiao et al. 2023, "Efficient Streaming Language Models with Attention
             Sinks"); quantized tokens start after them. The first forward (the prompt) must hold
             at least this many tokens.
+        sink_dtype: the dtype the sinks are stored in: None (default) the model's, or
+            ``"float16"`` / ``"bfloat16"`` (rounded once when they enter the cache, read back in
+            the model's dtype; the fast path rounds them the same way).
         seed: seed of every rotation and sketch.
         group: KIVI / block group size (KIVI keys flush in chunks of ``group`` tokens, whose
             packed codes must fill whole bytes: ``group * key_bits`` a multiple of 8; the
@@ -74,6 +78,7 @@ class QuantConfig:
     value_bits: int | None = None
     residual_length: int = 0
     sink_tokens: int = 0
+    sink_dtype: str | None = None
     seed: int = 0
     group: int = 32
     headq_base: str = "kivi"
@@ -147,6 +152,8 @@ class QuantConfig:
                 f"value_scale: {self.value_scale!r} applies to values with an MSE stage (value_scheme in {MSE_VALUE_SCHEMES}, "
                 f"without value_transform), not to {what}"
             )
+        if self.sink_dtype not in SINK_DTYPES:
+            raise KvqrsError(f"sink_dtype: expected None or one of {tuple(SINK_DTYPES)[1:]}, got {self.sink_dtype!r}")
         if self.value_norms != "float":
             from ..schemes.codec import LOG_NORM_VALUE_SCHEMES
             from ..schemes.mse import NORMS
@@ -294,6 +301,24 @@ class QuantConfig:
             )
         return self.calibration[layer]
 
+    def store_sinks(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Sink tokens as the cache stores them (``sink_dtype``; unchanged when None)."""
+        dtype = SINK_DTYPES[self.sink_dtype]
+        return tokens if dtype is None else tokens.to(dtype)
+
+    def round_sinks(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` ``(..., T, d)`` with its first ``sink_tokens`` positions rounded to ``sink_dtype``
+        and back (what the cache reads of them); ``x`` itself when nothing changes."""
+        n = min(self.sink_tokens, x.shape[-2])
+        if SINK_DTYPES[self.sink_dtype] is None or n == 0:
+            return x
+        return torch.cat([self.store_sinks(x[..., :n, :]).to(x.dtype), x[..., n:, :]], dim=-2)
+
+    def sink_bits(self, model_bits: int) -> int:
+        """Stored bits per sink element: ``sink_dtype``'s, or the model's ``model_bits``."""
+        dtype = SINK_DTYPES[self.sink_dtype]
+        return model_bits if dtype is None else torch.finfo(dtype).bits
+
     @property
     def quantizes_keys(self) -> bool:
         return self.key_scheme is not None
@@ -308,11 +333,18 @@ class QuantConfig:
         v = "" if self.value_scheme is None else f" v:{self.value_scheme}{self.value_bits or self.key_bits}"
         if self.value_scale != "norm":
             v += "[ls-scale]"
+        if self.sink_dtype not in SINK_DTYPES:
+            raise KvqrsError(f"sink_dtype: expected None or one of {tuple(SINK_DTYPES)[1:]}, got {self.sink_dtype!r}")
         if self.value_norms != "float":
             v += f"[{self.value_norms}-norms]"
         sinks = f" sinks:{self.sink_tokens}" if self.sink_tokens else ""
+        if self.sink_tokens and self.sink_dtype:
+            sinks += f"[{self.sink_dtype}]"
         return f"{k} k{self.key_bits}{v}{sinks}"
 
+
+SINK_DTYPES: dict[str | None, Any] = {None: None, "float16": torch.float16, "bfloat16": torch.bfloat16}
+"""The storage dtypes of ``QuantConfig.sink_dtype`` (None: the model's)."""
 
 PRESETS: dict[str, dict[str, Any]] = {
     # Per-layer key and value widths among ``key_widths`` (average key code bits) and
@@ -327,6 +359,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "value_bits": 4,
         "sink_tokens": 1,
         "value_norms": "float",
+        "sink_dtype": None,
     },
     "3bit": {
         "budget": 3.25,
@@ -336,6 +369,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "value_bits": 3,
         "sink_tokens": 1,
         "value_norms": "float",
+        "sink_dtype": None,
     },
     "2bit": {
         "budget": 2.5,
@@ -345,6 +379,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "value_bits": 2,
         "sink_tokens": 1,
         "value_norms": "float",
+        "sink_dtype": None,
     },
 }
 """The recommended presets of :meth:`QuantConfig.preset`."""

@@ -220,8 +220,11 @@ def _load_layer(layer, i: int, info: dict, sections: dict, raw: list, version: s
         seen, start, q_start = (int(info[name]) for name in _POSITIONS)
     except (KeyError, TypeError, ValueError):
         raise KvqrsError(f"compressed cache: layer {i} lacks its dtype, head_dim, quantized count or the positions it holds") from None
+    sink_dtype = layer.config.sink_dtype or dtype  # sinks stored in the config's sink_dtype when set
     fp = {
-        name: _tensor(sections, f"L{i}.{name}", dtype, d) for name in (*_FP_ALWAYS, *_FP_OPTIONAL) if name in _FP_ALWAYS or info.get(name)
+        name: _tensor(sections, f"L{i}.{name}", sink_dtype if name.startswith("sink_") else dtype, d)
+        for name in (*_FP_ALWAYS, *_FP_OPTIONAL)
+        if name in _FP_ALWAYS or info.get(name)
     }
     keys = fp["window_keys"]
     layer.lazy_initialization(keys, fp["window_values"])
