@@ -1534,3 +1534,6 @@ def test_sinks_stored_in_sink_dtype_are_read_back_in_the_layer_dtype(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(back.layers[0].materialize(), half.materialize()))
     with pytest.raises(KvqrsError, match="sink_dtype: expected None or one of"):
         QuantConfig("kqv", 4, sink_tokens=1, sink_dtype="float8")
+    big = QuantizedKVCache(cfg, 1)
+    with pytest.raises(KvqrsError, match="beyond float16's range; use sink_dtype='bfloat16'"):
+        big.update(k * 1e5, v, 0)

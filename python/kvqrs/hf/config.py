@@ -302,9 +302,22 @@ class QuantConfig:
         return self.calibration[layer]
 
     def store_sinks(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Sink tokens as the cache stores them (``sink_dtype``; unchanged when None)."""
+        """Sink tokens as the cache stores them (``sink_dtype``; unchanged when None).
+
+        Raises:
+            KvqrsError: a sink value beyond the finite range of ``sink_dtype`` (float16 tops
+                out at 65504; it would be stored as infinity).
+        """
         dtype = SINK_DTYPES[self.sink_dtype]
-        return tokens if dtype is None else tokens.to(dtype)
+        if dtype is None or tokens.dtype == dtype:
+            return tokens
+        out = tokens.to(dtype)
+        if tokens.numel() and not torch.isfinite(out).all() and torch.isfinite(tokens).all():
+            raise KvqrsError(
+                f"sink_dtype: a sink value of magnitude {float(tokens.abs().max()):.4g} is beyond {self.sink_dtype}'s range; "
+                "use sink_dtype='bfloat16' or None"
+            )
+        return out
 
     def round_sinks(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``(..., T, d)`` with its first ``sink_tokens`` positions rounded to ``sink_dtype``
