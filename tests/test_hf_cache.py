@@ -1537,3 +1537,7 @@ def test_sinks_stored_in_sink_dtype_are_read_back_in_the_layer_dtype(tmp_path):
     big = QuantizedKVCache(cfg, 1)
     with pytest.raises(KvqrsError, match="beyond float16's range; use sink_dtype='bfloat16'"):
         big.update(k * 1e5, v, 0)
+    # Refused before anything is stored: the cache takes the next prompt as its first.
+    assert big.get_seq_length() == 0
+    big.update(k, v, 0)
+    assert all(torch.equal(a, b) for a, b in zip(big.layers[0].materialize(), half.materialize()))

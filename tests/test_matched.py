@@ -371,3 +371,20 @@ def test_channel_calibration_is_stored_as_a_permutation(tmp_path):
     with np.load(p) as z:
         assert "perm_0" in z.files and "basis_0" not in z.files
     np.testing.assert_array_equal(load_matched(p)[0].keys.basis, keys.basis)
+
+
+def test_preset_refuses_a_file_calibrated_for_other_settings(tmp_path):
+    """A preset's per-layer widths were allocated for its group, value norms and sink dtype: a
+    file recording others is refused by name (one recording the preset's loads)."""
+    from kvqrs.hf.config import PRESETS
+
+    cal = {0: random_calibration(16, 3, 0)}
+    p = PRESETS["3bit"]
+    same = {"group": p["group"], "value_norms": p["value_norms"], **({"sink_dtype": p["sink_dtype"]} if p["sink_dtype"] else {})}
+    cfg = QuantConfig.preset("3bit", save_matched(tmp_path / "ok.npz", cal, same))
+    assert (cfg.group, cfg.value_norms, cfg.sink_dtype) == (p["group"], p["value_norms"], p["sink_dtype"])
+    other_norms = "float" if p["value_norms"] == "log8" else "log8"
+    for key, value in (("group", 64), ("value_norms", other_norms)):
+        path = save_matched(tmp_path / f"{key}.npz", cal, {**same, key: value})
+        with pytest.raises(KvqrsError, match=f"was made with {key} '{value}'"):
+            QuantConfig.preset("3bit", path)

@@ -347,7 +347,10 @@ def _check_calibrate_args(args: argparse.Namespace) -> None:
     args.sink_tokens = 1 if args.sink_tokens is None else args.sink_tokens
     args.key_widths = [2, 3, 4, 5] if args.key_widths is None else args.key_widths
     checks = [
-        (args.group >= 1, f"--group: expected at least 1 token, got {args.group}"),
+        (
+            args.group >= 8 and args.group % 8 == 0,
+            f"--group: the matched scheme packs codes along tokens, so a multiple of 8 tokens, got {args.group}",
+        ),
         (args.sink_tokens >= 0, f"--sink-tokens: expected 0 or more, got {args.sink_tokens}"),
         (args.windows >= 1, f"--windows: expected at least 1, got {args.windows}"),
         (args.ctx >= args.sink_tokens + 2, f"--ctx: expected at least --sink-tokens + 2 = {args.sink_tokens + 2} tokens, got {args.ctx}"),

@@ -332,6 +332,9 @@ class QuantizedLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         if self.seen == 0 and not self.awaits_calibration:
             self.codec()  # a config the codec refuses (for this head_dim) raises before anything is stored
+        sinks = min(self.config.sink_tokens, self.seen + key_states.shape[-2]) - self.seen
+        for states in (key_states, value_states) if sinks > 0 else ():
+            self.config.store_sinks(states[..., :sinks, :])  # beyond sink_dtype's range: raises before anything is stored
         view_start = self._view_start(self.seen)
         self._append(key_states, value_states)
         self.seen += key_states.shape[-2]

@@ -264,11 +264,12 @@ class QuantConfig:
             raise KvqrsError(f"preset: expected one of {sorted(PRESETS)}, got {name!r}")
         if calibration is None:
             raise KvqrsError(f"preset: {name!r} uses the matched scheme and needs a calibration (`kvqrs calibrate --preset {name}`)")
-        if not isinstance(calibration, dict):
-            from .calibration import load_matched
-
-            calibration = load_matched(calibration)
         p = PRESETS[name]
+        if not isinstance(calibration, dict):
+            from .calibration import calibration_meta, load_matched
+
+            _check_preset_file(name, p, calibration_meta(calibration), calibration)
+            calibration = load_matched(calibration)
         kw = {
             "group": p["group"],
             "sink_tokens": p["sink_tokens"],
@@ -354,6 +355,18 @@ class QuantConfig:
         if self.sink_tokens and self.sink_dtype:
             sinks += f"[{self.sink_dtype}]"
         return f"{k} k{self.key_bits}{v}{sinks}"
+
+
+def _check_preset_file(name: str, preset: dict, meta: dict, path: Any) -> None:
+    """Refuse a calibration file whose recorded settings differ from the preset's (its widths
+    were allocated for them: another group, value norms or sink dtype counts other bits)."""
+    recorded = {"group": meta.get("group"), "value_norms": meta.get("value_norms", "float"), "sink_dtype": meta.get("sink_dtype")}
+    wanted = {k: (None if preset[k] is None else str(preset[k])) for k in recorded}
+    if "group" not in meta:  # a file written without the calibrate command's metadata
+        recorded["group"] = wanted["group"]
+    differ = [f"{k} {recorded[k]!r} (the preset's: {wanted[k]!r})" for k in recorded if recorded[k] != wanted[k]]
+    if differ:
+        raise KvqrsError(f"calibration: {str(path)!r} was made with {', '.join(differ)}; make it with `kvqrs calibrate --preset {name}`")
 
 
 SINK_DTYPES: dict[str | None, Any] = {None: None, "float16": torch.float16, "bfloat16": torch.bfloat16}
