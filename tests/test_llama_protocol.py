@@ -95,6 +95,11 @@ def test_self_calibrated_row_counts_its_calibration(model32, texts):
     side_v = sum(c.value_mean.nbytes for c in fitted.values()) * 8 / numel
     assert bk == pytest.approx(fk + side_k) and bv == pytest.approx(fv + side_v)
     assert all(c.keys.permutation is not None for c in fitted.values())  # the cheap channel transform
+    # Sinks stored in float16 count 16 bits per element instead of the model's 32.
+    half = QuantConfig("matched", 3, "matched", 3, group=16, sink_tokens=1, sink_dtype="float16", calibration=fitted)
+    hk, hv = lp.chunk_bits(half, qkv)
+    n_sink = sum(k[..., :1, :].size for _, k, _ in qkv.values())
+    assert fk - hk == pytest.approx(16 * n_sink / numel) and fv - hv == pytest.approx(16 * n_sink / numel)
 
 
 def test_calibration_file_row_reads_its_settings(tmp_path):

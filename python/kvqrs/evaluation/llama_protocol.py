@@ -148,7 +148,8 @@ def _scored_log_probs(model, ids: torch.Tensor) -> torch.Tensor:
 
 def chunk_bits(cfg: QuantConfig, qkv: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]], dtype_bits: int = 32) -> tuple[float, float]:
     """Bits per element of keys and of values of one chunk of every layer, every stored byte
-    counted: the codes of the tokens after the sinks, plus the sinks at ``dtype_bits``, plus,
+    counted: the codes of the tokens after the sinks, plus the sinks at ``dtype_bits`` (their
+    ``sink_dtype``'s when set), plus,
     for a self-calibrated config (``calibration="prefill"``), the calibration each layer fits
     on the chunk (its key side to the keys, its value side to the values).
 
@@ -169,11 +170,11 @@ def chunk_bits(cfg: QuantConfig, qkv: dict[int, tuple[np.ndarray, np.ndarray, np
             bits["v"] += 8 * side_v
         codec = cfg.codec(layer, k.shape[-1], fitted)
         numel += k.size
-        n_sink = k[..., :sink, :].size
-        bits["k"] += n_sink * dtype_bits + (
+        sink_bits = k[..., :sink, :].size * cfg.sink_bits(dtype_bits)
+        bits["k"] += sink_bits + (
             8 * codec.encode_keys(k[..., sink:, :]).nbytes if cfg.quantizes_keys else k[..., sink:, :].size * dtype_bits
         )
-        bits["v"] += n_sink * dtype_bits + (
+        bits["v"] += sink_bits + (
             8 * codec.encode_values(v[..., sink:, :]).nbytes if codec.values is not None else v[..., sink:, :].size * dtype_bits
         )
     return bits["k"] / numel, bits["v"] / numel
