@@ -106,6 +106,7 @@ def test_padding_slots_are_skipped():
         (QuantConfig("kqv", 2, "a2", 2), "A\\^2 gives every token its own width"),
         (QuantConfig("kqv", 4), "values kept in full precision"),
         (QuantConfig("kqv", 4, "kqv", 4, residual_length=8), "residual_length 8"),
+        (QuantConfig("kqv", 4, "kv", 4, group=8, value_norms="log8"), "value_norms 'log8': log-coded norms share an exponent"),
     ],
 )
 def test_schemes_without_a_fixed_token_size_are_refused(config, match):

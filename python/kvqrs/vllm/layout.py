@@ -59,6 +59,8 @@ def refuse_reason(config: QuantConfig) -> str | None:
         return f"value scheme {config.value_scheme!r}: {why}; choose one of {', '.join(PAGED_SCHEMES)}"
     if config.residual_length:
         return f"residual_length {config.residual_length}: a paged cache stores every token as codes (use 0)"
+    if config.value_norms != "float":
+        return f"value_norms {config.value_norms!r}: log-coded norms share an exponent per group of tokens; a paged cache needs a fixed size per token (use 'float')"
     return None
 
 
