@@ -78,31 +78,17 @@ def _key_coder(scheme: str, bits: int, head_dim: int, seed: int, group: int, bac
     raise KvqrsError(f"scheme: expected one of {KEY_SCHEMES} for keys, got {scheme!r}")
 
 
-def _check_value_scale(scale: str, scheme: str, calibration: Any) -> str:
-    """``scale`` validated, and refused (clear error) for values that have no MSE stage."""
-    check_scale(scale, "value_scale")
+def _check_value_option(option: str, value: str, default: str, schemes: tuple[str, ...], stage: str, scheme: str, calibration: Any) -> str:
+    """A value-stage setting (``value_scale``, ``value_norms``; already validated) other than
+    its ``default`` refused, with a clear error, for values outside ``schemes`` and for
+    transform-coded ``matched`` values (``stage`` names what it applies to)."""
     transform_coded = scheme == "matched" and getattr(calibration, "values", None) is not None
-    if scale != "norm" and (scheme not in MSE_VALUE_SCHEMES or transform_coded):
+    if value != default and (scheme not in schemes or transform_coded):
         what = "transform-coded matched values" if transform_coded else f"{scheme!r} values"
         raise KvqrsError(
-            f"value_scale: {scale!r} applies to the MSE value stage (value schemes {MSE_VALUE_SCHEMES}, matched "
-            f"without transform-coded values), not to {what}"
+            f"{option}: {value!r} applies to {stage} (value schemes {schemes}, matched without transform-coded values), not to {what}"
         )
-    return scale
-
-
-def _check_value_norms(norms: str, scheme: str, calibration: Any) -> str:
-    """``norms`` validated, and refused (clear error) for values whose MSE stage has no plain
-    per-token norm (a QJL residual is computed against the float norm) or no MSE stage."""
-    norm_params(norms, 1)
-    transform_coded = scheme == "matched" and getattr(calibration, "values", None) is not None
-    if norms != "float" and (scheme not in LOG_NORM_VALUE_SCHEMES or transform_coded):
-        what = "transform-coded matched values" if transform_coded else f"{scheme!r} values"
-        raise KvqrsError(
-            f"value_norms: {norms!r} applies to the MSE value stage without a QJL residual (value schemes "
-            f"{LOG_NORM_VALUE_SCHEMES}, matched without transform-coded values), not to {what}"
-        )
-    return norms
+    return value
 
 
 def _value_coder(
@@ -118,8 +104,11 @@ def _value_coder(
 ):
     rot, qjl = derive_seed(seed, _VALUE_ROTATION), derive_seed(seed, _VALUE_QJL)
     if scheme in VALUE_SCHEMES:
-        scale = _check_value_scale(scale, scheme, calibration)
-        norms = _check_value_norms(norms, scheme, calibration)
+        check_scale(scale, "value_scale")
+        norm_params(norms, 1)
+        scale = _check_value_option("value_scale", scale, "norm", MSE_VALUE_SCHEMES, "the MSE value stage", scheme, calibration)
+        stage = "the MSE value stage without a QJL residual"  # a QJL residual is computed against the float norm
+        norms = _check_value_option("value_norms", norms, "float", LOG_NORM_VALUE_SCHEMES, stage, scheme, calibration)
     stored = {"norms": norms, "norm_group": group}
     if scheme == "matched":
         cal = _matched_calibration(calibration, "values")
