@@ -99,10 +99,11 @@ def test_8_bits_greedy_against_bf16_vllm(run):
     # mantissa, itself an error of the order of an 8-bit code, so the two runs part at near ties,
     # and where depends on the machine's bf16 arithmetic (measured on two machines: prompts 0 and
     # 2 agree on all 24 tokens, prompt 3 on 23, prompt 1 ("Write a haiku ...") on 5, where one run
-    # writes "a reflection" and the other "a place"; and prompts 0-2 in full, prompt 3 on 8); the
-    # exact comparison is the float32 one above.
+    # writes "a reflection" and the other "a place"; and prompts 0-2 in full, prompt 3 on 8; on an
+    # Intel Xeon with AVX-512 BF16: prompts 0 and 2 in full, prompt 3 on 23, prompt 1 not even on
+    # its first token); the exact comparison is the float32 one above.
     ours, base = tokens(run(kvqrs={"scheme": "block", "bits": 8}, dtype="bfloat16")), tokens(run(dtype="bfloat16"))
-    assert all(o[:5] == b[:5] for o, b in zip(ours, base))
+    assert sum(o[:5] == b[:5] for o, b in zip(ours, base)) >= 3
     assert sum(o == b for o, b in zip(ours, base)) >= 2
 
 
@@ -130,7 +131,11 @@ def test_4_bits_agrees_with_quantized_kv_cache(run, model_folder):
     test_every_attention_call_equals_the_codec_on_the_same_inputs). Measured on 24 tokens:
     prompts 1 and 2 agree throughout, prompt 0 on its first 5 tokens, and the 53-token prompt
     takes another first token (its top 3 lie within 0.3 nats). Where the first 5 greedy tokens
-    agree, the first-token log-probabilities agree within 0.05 nats."""
+    agree, the first-token log-probabilities of vLLM's top 5 agree within 0.05 nats on an AMD
+    EPYC and within 0.31 on an Intel Xeon with AVX-512 BF16 (the two float32 forwards differ more
+    there: vLLM's whole top 5 moves by 0.07 to 0.30 nats on "The capital of France is"), so the
+    bound is 0.5 nats: far below what a wrong code, scale or attention would do (the exact check
+    is the other test)."""
     import torch
     from kvqrs.evaluation import model as model_mod
     from kvqrs.hf import QuantConfig, QuantizedKVCache
@@ -148,7 +153,7 @@ def test_4_bits_agrees_with_quantized_kv_cache(run, model_folder):
         gen = model.generate(ids, past_key_values=cache, max_new_tokens=5, do_sample=False)[0, ids.shape[1] :].tolist()
         if gen == out["token_ids"][: len(gen)]:
             agree += 1
-            assert all(abs(lp[k].item() - v) < 0.05 for k, v in first.items()), prompt
+            assert all(abs(lp[k].item() - v) < 0.5 for k, v in first.items()), prompt
     assert agree >= 3
 
 
