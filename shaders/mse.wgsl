@@ -22,13 +22,19 @@
 // does not contract a * b + c to FMA, lavapipe included), then one float32 division (WGSL:
 // within 2.5 ulp); s = 0 when dot(x, r) <= 0 (a zero row).
 //
+// `pn_scales` is the norm-preserving row scale (scale "preserve_norm"): x holds the rows'
+// norms (one per row, from `norms`), s = norm / sqrt(dot(r, r)) with dot(r, r) as above, one
+// WGSL sqrt and division (each within 2.5 ulp); s = norm when dot(r, r) = 0.
+//
 // Bindings (group 0):
 //   0  uniform  Params { items: u32, dim: u32 }
 //   1  storage, read        x: array<f32>          rows * dim
 //   2  storage, read_write  out_norms: array<f32>  rows (inf when the norm or scale overflows float32)
-//   3  storage, read        dir: array<f32>        rows * dim (`ls_scales` only)
+//   3  storage, read        dir: array<f32>        rows * dim (`ls_scales`, `pn_scales`)
+// (`pn_scales`: binding 1 holds one norm per row.)
 //
-// Entry points and grid: `norms` and `ls_scales`, one invocation per row (items = rows).
+// Entry points and grid: `norms`, `ls_scales` and `pn_scales`, one invocation per row
+// (items = rows).
 
 struct Params {
     items: u32,
@@ -89,6 +95,27 @@ fn ls_scales(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg
     var s = 0.0;
     if (n > 0.0 && q > 0.0) {
         s = n / q;
+    }
+    out_norms[row] = s;
+}
+
+@compute @workgroup_size(64)
+fn pn_scales(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+             @builtin(local_invocation_id) lid: vec3<u32>) {
+    let row = item_index(wid, nwg, lid);
+    if (row >= params.items) {
+        return;
+    }
+    let base = row * params.dim;
+    var den = array<f32, 8>(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0);
+    for (var i = 0u; i < params.dim; i = i + 1u) {
+        let r = dir[base + i];
+        den[i & 7u] = den[i & 7u] + r * r;
+    }
+    let q = combine8(den);
+    var s = x[row];
+    if (q > 0.0) {
+        s = s / sqrt(q);
     }
     out_norms[row] = s;
 }

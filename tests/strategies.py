@@ -91,10 +91,17 @@ LS_SCALE_RTOL = 1e-5
 F16_LIMITS = (2.0**-14, 65504.0)
 
 
-def assert_scales_close(got, x, codes, nbits, seed):
-    """Stored least-squares scales against the oracle's from the same codes: same storage, values
-    within one float16 ulp (float16-range values) or LS_SCALE_RTOL (the others)."""
-    want = _oracle.store_scalars(_oracle.mse_least_squares_scale(x, codes, nbits, seed).astype(np.float32))
+def assert_scales_close(got, x, codes, nbits, seed, scale="least_squares"):
+    """Stored least-squares (or, with ``scale="preserve_norm"``, norm-preserving) scales against
+    the oracle's from the same codes: same storage, values within one float16 ulp (float16-range
+    values) or LS_SCALE_RTOL (the others; the norm-preserving scale's float32 norm, dot, square
+    root and division stay within it too)."""
+    x = np.asarray(x, np.float32)
+    if scale == "least_squares":
+        s = _oracle.mse_least_squares_scale(x, codes, nbits, seed)
+    else:
+        s = _oracle.mse_preserve_norm_scale(_oracle.vector_norm(x).astype(np.float32), codes, nbits, x.shape[-1], seed)
+    want = _oracle.store_scalars(s.astype(np.float32))
     got = np.asarray(got)
     assert got.dtype == want.dtype and got.shape == want.shape
     g, w = got.astype(np.float64), want.astype(np.float64)

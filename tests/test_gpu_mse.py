@@ -151,6 +151,17 @@ def test_least_squares_scale_matches_oracle(case):
     assert_scales_close(got.norms, np.asarray(x, np.float32), got.codes, b, seed)
 
 
+@given(mse_inputs())
+def test_preserve_norm_scale_matches_oracle(case):
+    """scale="preserve_norm" on the device: the norm mode's codes, and scales equal to the
+    oracle's from the device's codes (the device's norm, the Rust path's float32 dot, one WGSL
+    square root and division) within tests/test_mse.py's tolerance; zero rows store 0."""
+    x, b, seed = case
+    got = gpu.mse_encode(x, b, seed, scale="preserve_norm")
+    np.testing.assert_array_equal(got.codes, gpu.mse_encode(x, b, seed).codes)
+    assert_scales_close(got.norms, x, got.codes, b, seed, scale="preserve_norm")
+
+
 def test_least_squares_zero_row_and_bad_scale():
     x = np.zeros((2, 40), np.float32)
     x[1] = np.arange(40)

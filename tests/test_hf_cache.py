@@ -1323,7 +1323,7 @@ def test_least_squares_value_scale_cache_round_trip(cfg):
 @pytest.mark.parametrize(
     "kwargs, pattern",
     [
-        ({"value_scale": "lsq"}, r"value_scale: expected one of \('norm', 'least_squares'\)"),
+        ({"value_scale": "lsq"}, r"value_scale: expected one of \('norm', 'least_squares', 'preserve_norm'\)"),
         ({"value_scheme": "kivi", "value_scale": "least_squares"}, "not to value_scheme='kivi'"),
         ({"value_scheme": None, "value_scale": "least_squares"}, "not to value_scheme=None"),
         (

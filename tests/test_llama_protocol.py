@@ -117,6 +117,13 @@ def test_calibration_file_row_reads_its_settings(tmp_path):
     assert row.config.value_scale == "norm"
     ls = lp.file_row(p, "least_squares")
     assert ls.name == "matched budget 3.25, per-layer widths g256 sinks:2 ls-scale (a.npz)" and ls.config.value_scale == "least_squares"
+    # A file recording its value scale (`kvqrs calibrate --value-scale`) evaluates with it unless told otherwise.
+    q = save_matched(tmp_path / "b.npz", cal, {"group": 256, "sink_tokens": 2, "budget": 3.25, "value_scale": "preserve_norm"})
+    pn = lp.file_row(q)
+    assert (
+        pn.config.value_scale == "preserve_norm" and pn.name == "matched budget 3.25, per-layer widths g256 sinks:2 preserve_norm (b.npz)"
+    )
+    assert lp.file_row(q, "norm").config.value_scale == "norm"
 
 
 def test_allocation_spends_the_budget_on_sensitive_layers(model32, texts):

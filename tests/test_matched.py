@@ -374,17 +374,26 @@ def test_channel_calibration_is_stored_as_a_permutation(tmp_path):
 
 
 def test_preset_refuses_a_file_calibrated_for_other_settings(tmp_path):
-    """A preset's per-layer widths were allocated for its group, value norms and sink dtype: a
+    """A preset's per-layer widths were allocated for its group, value norms, sink dtype and
+    value scale: a
     file recording others is refused by name (one recording the preset's loads)."""
     from kvqrs.hf.config import PRESETS
 
     cal = {0: random_calibration(16, 3, 0)}
     p = PRESETS["3bit"]
     same = {"group": p["group"], "value_norms": p["value_norms"], **({"sink_dtype": p["sink_dtype"]} if p["sink_dtype"] else {})}
+    if p["value_scale"] != "norm":
+        same["value_scale"] = p["value_scale"]
     cfg = QuantConfig.preset("3bit", save_matched(tmp_path / "ok.npz", cal, same))
-    assert (cfg.group, cfg.value_norms, cfg.sink_dtype) == (p["group"], p["value_norms"], p["sink_dtype"])
+    assert (cfg.group, cfg.value_norms, cfg.sink_dtype, cfg.value_scale) == (
+        p["group"],
+        p["value_norms"],
+        p["sink_dtype"],
+        p["value_scale"],
+    )
     other_norms = "float" if p["value_norms"] == "log8" else "log8"
-    for key, value in (("group", 64), ("value_norms", other_norms)):
+    other_scale = "least_squares" if p["value_scale"] != "least_squares" else "norm"
+    for key, value in (("group", 64), ("value_norms", other_norms), ("value_scale", other_scale)):
         path = save_matched(tmp_path / f"{key}.npz", cal, {**same, key: value})
         with pytest.raises(KvqrsError, match=f"was made with {key} '{value}'"):
             QuantConfig.preset("3bit", path)

@@ -1053,6 +1053,26 @@ def _value_error(codec: KVCodec, v: np.ndarray) -> tuple[Encoded, float]:
     return enc, float(((codec.decode_values(enc).astype(np.float64) - v) ** 2).sum() / (v.astype(np.float64) ** 2).sum())
 
 
+@pytest.mark.parametrize("scheme", ["kv", "matched"])
+def test_preserve_norm_value_scale_keeps_codes_and_each_values_norm(scheme):
+    """value_scale="preserve_norm": the norm setting's codes and bits, stored scales that make
+    every decoded value as long as its input, recorded in the parameters (QJL values add a
+    residual estimate to the MSE stage's decode, so only the stage itself keeps the norm)."""
+    v = np.random.default_rng(6).standard_normal((2, 64, 64)).astype(np.float32)
+    from kvqrs.schemes.matched import random_calibration
+
+    kw = {"calibration": random_calibration(64, 3, 1), "group": 16, "value_norms": "log8"} if scheme == "matched" else {"seed": 5}
+    a = KVCodec(scheme, 3, 64, **kw).encode_values(v)
+    codec = KVCodec(scheme, 3, 64, **kw, value_scale="preserve_norm")
+    b = codec.encode_values(v)
+    np.testing.assert_array_equal(b.parts["codes"], a.parts["codes"])
+    assert b.bits_per_element == a.bits_per_element and b.params == {**a.params, "scale": "preserve_norm"}
+    # (the random matched control's value mean is zero: the decoded values are the MSE stage's)
+    ratio = np.linalg.norm(codec.decode_values(b), axis=-1) / np.linalg.norm(v, axis=-1)
+    tol = 2.0**-10 if scheme != "matched" else 2.0**-4  # log8 norms: 1/16-octave grid, <= 2.2% error
+    assert np.all(np.abs(ratio - 1) < tol), ratio.min()
+
+
 @pytest.mark.parametrize("scheme", ["kv", "kqv", "qkqv"])
 def test_least_squares_value_scale_keeps_codes_and_lowers_the_error(scheme):
     from kvqrs import format as fmt
@@ -1084,7 +1104,7 @@ def test_least_squares_value_scale_keeps_codes_and_lowers_the_error(scheme):
 @pytest.mark.parametrize(
     "kwargs, pattern",
     [
-        ({"value_scale": "ls"}, r"value_scale: expected one of \('norm', 'least_squares'\)"),
+        ({"value_scale": "ls"}, r"value_scale: expected one of \('norm', 'least_squares', 'preserve_norm'\)"),
         ({"value_scale": None}, "value_scale: expected one of"),
         ({"value_scheme": "kivi", "value_scale": "least_squares"}, "applies to the MSE value stage .* not to 'kivi' values"),
         ({"value_scheme": "block", "value_scale": "least_squares"}, "not to 'block' values"),

@@ -77,6 +77,7 @@ def test_mse_and_rotation_are_identical_on_every_path(x, b, seed):
         out = (code.codes, code.norms, kvqrs.mse_decode(code.codes, code.norms, b, x.shape[-1], seed))
         out += tuple(kvqrs.mse_encode(x, b, seed, scale="least_squares"))
         out += tuple(kvqrs.mse_encode_packed(x, b, seed, scale="least_squares"))
+        out += tuple(kvqrs.mse_encode_packed(x, b, seed, scale="preserve_norm"))
         if seed is not None:
             y = kvqrs.hadamard(x, seed)
             out += (y, kvqrs.inverse_hadamard(y, seed, x.shape[-1]))

@@ -5,6 +5,8 @@ the user gave. None of these tests loads the real model."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import kvqrs
 import numpy as np
 import pytest
@@ -98,6 +100,7 @@ def test_eval_refuses_bad_matched_bits_before_loading_the_model(text_file, no_mo
         (["--group", "0"], "--group: the matched scheme packs codes along tokens, so a multiple of 8 tokens, got 0"),
         (["--group", "7"], "a multiple of 8 tokens, got 7"),
         (["--preset", "3bit", "--value-norms", "log8"], "--preset: sets --value-norms itself"),
+        (["--preset", "2bit", "--value-scale", "norm"], "--preset: sets --value-scale itself"),
         (["--ctx", "2"], "--ctx: expected at least --sink-tokens + 2 = 3 tokens"),
         (["--preset", "5bit"], "expected one of ['2bit', '3bit', '4bit']"),
     ],
@@ -202,3 +205,33 @@ def test_fastest_threads_times_and_sets_the_thread_count():
 
 def test_version_is_the_release():
     assert kvqrs.__version__ == "0.2.0"
+
+
+def test_calibrate_preset_measures_and_records_its_value_scale(text_file, tmp_path, monkeypatch):
+    """`kvqrs calibrate --preset` passes the preset's value scale to the sensitivity measurement
+    and records it (and its other settings) in the file, so its eval row and
+    `QuantConfig.preset` use it."""
+    pytest.importorskip("torch")
+    from kvqrs.evaluation import llama_protocol as lp
+    from kvqrs.evaluation import model as model_mod
+    from kvqrs.hf import calibration
+    from kvqrs.hf.calibration import calibration_meta
+    from kvqrs.hf.config import PRESETS
+    from kvqrs.schemes.matched import random_calibration
+
+    seen = {}
+
+    def allocate(model, fit, probe, budget, kw, vw, group, sinks, norms, sink_dtype, scale):
+        seen.update(budget=budget, norms=norms, scale=scale)
+        return {0: dataclasses.replace(random_calibration(16, 3, 0), value_bits=3)}
+
+    monkeypatch.setattr(model_mod, "load", lambda *a, **k: (object(), object()))
+    monkeypatch.setattr(lp, "llama_chunks", lambda tok, text, ctx, n: [None] * n)
+    monkeypatch.setattr(calibration, "allocate_matched", allocate)
+    out = tmp_path / "c.npz"
+    assert main(["calibrate", "--data", text_file, "--preset", "3bit", "--no-progress", "--out", str(out)]) == 0
+    p = PRESETS["3bit"]
+    assert seen == {"budget": p["budget"], "norms": p["value_norms"], "scale": p["value_scale"]}
+    meta = calibration_meta(out)
+    assert meta["value_scale"] == p["value_scale"] and meta["preset"] == "3bit"
+    assert lp.file_row(out).config.value_scale == p["value_scale"]

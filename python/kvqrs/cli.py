@@ -16,6 +16,7 @@ import numpy as np
 from . import __version__
 from ._native import KvqrsError
 from .kernels import hadamard, lloyd_max_codebook, lloyd_max_decode, mse_decode, mse_encode, padded_dim
+from .kernels.mse import SCALES
 
 
 def selfcheck_rows(head_dims: Sequence[int], bits_list: Sequence[int], vectors: int, seed: int) -> list[dict]:
@@ -329,7 +330,7 @@ def _needle(args: argparse.Namespace) -> int:
 def _check_calibrate_args(args: argparse.Namespace) -> None:
     """``kvqrs calibrate``'s settings, checked before the model loads: a preset fills in its
     settings and refuses any given beside it; the rest get their defaults."""
-    preset_keys = ("budget", "key_widths", "value_widths", "group", "sink_tokens", "value_norms", "sink_dtype")
+    preset_keys = ("budget", "key_widths", "value_widths", "group", "sink_tokens", "value_norms", "sink_dtype", "value_scale")
     if args.preset is not None:  # the recommended settings of QuantConfig.preset(NAME)
         from .hf.config import PRESETS
 
@@ -341,9 +342,10 @@ def _check_calibrate_args(args: argparse.Namespace) -> None:
         p = PRESETS[args.preset]
         args.budget, args.group, args.sink_tokens = p["budget"], p["group"], p["sink_tokens"]
         args.key_widths, args.value_widths = list(p["key_widths"]), list(p["value_widths"])
-        args.value_norms, args.sink_dtype = p["value_norms"], p["sink_dtype"]
+        args.value_norms, args.sink_dtype, args.value_scale = p["value_norms"], p["sink_dtype"], p["value_scale"]
     args.group = 128 if args.group is None else args.group
     args.value_norms = "float" if args.value_norms is None else args.value_norms
+    args.value_scale = "norm" if args.value_scale is None else args.value_scale
     args.sink_tokens = 1 if args.sink_tokens is None else args.sink_tokens
     args.key_widths = [2, 3, 4, 5] if args.key_widths is None else args.key_widths
     checks = [
@@ -391,6 +393,8 @@ def _calibrate(args: argparse.Namespace) -> int:
     meta = {"group": args.group, "sink_tokens": args.sink_tokens, "value_norms": args.value_norms, "source": texts.source}
     if args.sink_dtype is not None:
         meta["sink_dtype"] = args.sink_dtype
+    if args.value_scale != "norm":  # files without it store norms, as before the option existed
+        meta["value_scale"] = args.value_scale
     if args.preset is not None:
         meta["preset"] = args.preset
     if args.budget is None:
@@ -406,7 +410,9 @@ def _calibrate(args: argparse.Namespace) -> int:
             )
         fit, probe = windows[: args.windows], windows[args.windows :]
         kw, vw = tuple(args.key_widths), tuple(args.value_widths)
-        cal = allocate_matched(model, fit, probe, args.budget, kw, vw, args.group, args.sink_tokens, args.value_norms, args.sink_dtype)
+        cal = allocate_matched(
+            model, fit, probe, args.budget, kw, vw, args.group, args.sink_tokens, args.value_norms, args.sink_dtype, args.value_scale
+        )
         widths = {"key_widths": " ".join(map(str, kw)), "value_widths": " ".join(map(str, vw))}
         path = save_matched(args.out, cal, {**meta, "budget": args.budget, **widths})
         chosen = [f"{c.keys.code_bits():g}/{c.value_bits}" for _, c in sorted(cal.items())]
@@ -527,10 +533,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ev.add_argument(
         "--value-scale",
-        choices=["norm", "least_squares"],
+        choices=SCALES,
         default=None,
-        help="llama protocol, --calibration rows: what the values' MSE stage stores per token, its norm or the "
-        "least-squares scale of the decoded direction (default: norm)",
+        help="llama protocol, --calibration rows: what the values' MSE stage stores per token, its norm, the "
+        "least-squares or the norm-preserving scale of the decoded direction (default: the file's, else norm)",
     )
     ev.add_argument(
         "--matched-bits",
@@ -589,6 +595,13 @@ def build_parser() -> argparse.ArgumentParser:
         "section 13); recorded in the file and used by its eval row (default: float)",
     )
     ca.add_argument(
+        "--value-scale",
+        choices=SCALES,
+        default=None,
+        help="what value tokens store per token beside their codes: the norm, the least-squares scale or the norm-preserving "
+        "scale of the decoded direction (docs/kernels.md section 5); recorded in the file and used by its eval row (default: norm)",
+    )
+    ca.add_argument(
         "--budget",
         type=float,
         help="per-layer widths from measured sensitivity at this average of stored bits per element of keys and values, "
@@ -597,7 +610,7 @@ def build_parser() -> argparse.ArgumentParser:
     ca.add_argument(
         "--preset",
         help="the settings of QuantConfig.preset(NAME): 4bit, 3bit or 2bit (its --budget, --key-widths, --value-widths, --group, "
-        "--sink-tokens, --sink-dtype and --value-norms; default: none)",
+        "--sink-tokens, --sink-dtype, --value-norms and --value-scale; default: none)",
     )
     ca.add_argument(
         "--key-widths",

@@ -42,6 +42,7 @@ __all__ = [
     "vector_norm",
     "mse_encode",
     "mse_least_squares_scale",
+    "mse_preserve_norm_scale",
     "mse_decode",
     "qjl_sketch",
     "qjl_inner_product",
@@ -587,7 +588,9 @@ def mse_encode(x, bits, seed: int | None, scale: str = "norm") -> tuple[np.ndarr
 
     ``scale="least_squares"`` stores, instead of the norm, the least-squares scale of the decoded
     direction ``r = mse_decode(codes, 1)`` (float64): ``s = (x . r) / (r . r)``, the minimiser of
-    ``||x - s r||^2`` (0 when ``x . r <= 0``), rounded to float32 and stored likewise.
+    ``||x - s r||^2`` (0 when ``x . r <= 0``), rounded to float32 and stored likewise;
+    ``scale="preserve_norm"`` stores ``s = norm / ||r||`` (:func:`mse_preserve_norm_scale`), so
+    that the decoded row keeps the norm.
     """
     bits = _check_bits(bits)
     rows, lead = _as_rows(np.asarray(x, dtype=np.float32), np.float32)
@@ -602,8 +605,10 @@ def mse_encode(x, bits, seed: int | None, scale: str = "norm") -> tuple[np.ndarr
     codes = lloyd_max_encode(u, boundaries)
     if scale == "least_squares":
         norms32 = mse_least_squares_scale(rows, codes, bits, seed).astype(np.float32)
+    elif scale == "preserve_norm":
+        norms32 = mse_preserve_norm_scale(norms32, codes, bits, rows.shape[1], seed).astype(np.float32)
     elif scale != "norm":
-        raise ValueError(f"scale must be 'norm' or 'least_squares', got {scale!r}")
+        raise ValueError(f"scale must be 'norm', 'least_squares' or 'preserve_norm', got {scale!r}")
     return codes.reshape(lead + (dp,)), store_scalars(norms32.reshape(lead))
 
 
@@ -621,6 +626,21 @@ def mse_least_squares_scale(x, codes, bits, seed: int | None) -> np.ndarray:
     den = (r * r).sum(-1)
     ok = (num > 0) & (den > 0)
     return np.where(ok, num / np.where(ok, den, 1.0), 0.0).reshape(lead)
+
+
+def mse_preserve_norm_scale(norms, codes, bits, head_dim: int, seed: int | None) -> np.ndarray:
+    """The norm-preserving row scale of docs/kernels.md section 5: float64 ``(...)``.
+
+    ``norms`` ``(...)`` the rows' float32 norms, ``codes`` ``(..., d')`` their codes; with ``r``
+    the decoded direction ``mse_decode(codes, 1)`` (float64), ``s = norm / ||r||`` (``norm`` when
+    ``r = 0``), so that the decode ``s r`` has the row's norm. The Lloyd-Max centroids are
+    conditional means: ``||r|| < 1`` on average, and the plain norm shrinks the decoded rows.
+    """
+    n = np.asarray(norms, dtype=np.float64).reshape(-1)
+    codes = np.asarray(codes)
+    r = mse_decode(codes.reshape(n.shape[0], codes.shape[-1]), np.ones(n.shape[0]), bits, head_dim, seed)
+    rn = np.sqrt((r * r).sum(-1))
+    return np.where(rn > 0, n / np.where(rn > 0, rn, 1.0), n).reshape(np.shape(norms))
 
 
 def mse_decode(codes, norms, bits, head_dim, seed) -> np.ndarray:

@@ -95,8 +95,8 @@ def matched_rows(calibration: dict) -> list[LlamaRow]:
 def file_row(path, value_scale: str | None = None) -> LlamaRow:
     """The row of a ``kvqrs calibrate`` file: its group and sinks from the file's metadata,
     values at its per-layer widths (``--budget``) or at ``ceil(bits)`` with the norms and sink
-    dtype the file records (``value_norms``, ``sink_dtype``), storing ``value_scale`` per value token (``"norm"``, the default,
-    or ``"least_squares"``)."""
+    dtype the file records (``value_norms``, ``sink_dtype``), storing ``value_scale`` per value
+    token (:data:`kvqrs.kernels.mse.SCALES`; None: the file's ``value_scale``, else ``"norm"``)."""
     from ..hf import load_matched
     from ..hf.calibration import calibration_meta
 
@@ -108,8 +108,8 @@ def file_row(path, value_scale: str | None = None) -> LlamaRow:
         raise KvqrsError(f"calibration: {str(path)!r} has unreadable metadata {meta}") from None
     vb = max(1, math.ceil(bits))
     what = f"budget {meta['budget']}, per-layer widths" if "budget" in meta else f"k{bits:g} v{vb}"
-    scale, norms, sink_dtype = value_scale or "norm", meta.get("value_norms", "float"), meta.get("sink_dtype")
-    tags = (" ls-scale" if scale == "least_squares" else "") + (f" {norms}-norms" if norms != "float" else "")
+    scale, norms, sink_dtype = value_scale or meta.get("value_scale", "norm"), meta.get("value_norms", "float"), meta.get("sink_dtype")
+    tags = {"norm": "", "least_squares": " ls-scale"}.get(scale, f" {scale}") + (f" {norms}-norms" if norms != "float" else "")
     tags += f" {sink_dtype}-sinks" if sink_dtype else ""
     label = f"matched {what} g{group} sinks:{sinks}{tags} ({pathlib.Path(path).name})"
     config = QuantConfig(

@@ -23,7 +23,7 @@ from ._host import check_code_range, check_finite, check_overflow, check_row_len
 from .hadamard import forward_on_device, inverse_on_device
 from .lloyd_max import decode_on_device, encode_on_device
 
-__all__ = ["MSECode", "ls_scales_on_device", "mse_decode", "mse_encode", "norms_on_device"]
+__all__ = ["MSECode", "ls_scales_on_device", "mse_decode", "mse_encode", "norms_on_device", "pn_scales_on_device"]
 
 
 def norms_on_device(call: Call, x: Any, rows: int, dim: int) -> Any:
@@ -33,14 +33,29 @@ def norms_on_device(call: Call, x: Any, rows: int, dim: int) -> Any:
     return out
 
 
+def _direction_on_device(call: Call, dev: Any, codes: Any, rows: int, d: int, seed: int | None, codebook: Any) -> Any:
+    """Queue the decoded directions ``r`` (the decode with scale 1) of ``rows`` coded rows."""
+    code_dim = d if seed is None else padded_dim(d)
+    c = decode_on_device(call, dev, codes, rows * code_dim, code_dim, codebook)
+    return c if seed is None else inverse_on_device(call, dev, c, rows, d, seed)
+
+
 def ls_scales_on_device(call: Call, dev: Any, x: Any, codes: Any, rows: int, d: int, seed: int | None, codebook: Any) -> Any:
     """Queue the least-squares scales ``dot(x, r) / dot(r, r)`` of ``rows`` coded rows, ``r``
     the decoded direction (the decode with scale 1); returns their buffer of ``rows`` floats."""
-    code_dim = d if seed is None else padded_dim(d)
-    c = decode_on_device(call, dev, codes, rows * code_dim, code_dim, codebook)
-    r = c if seed is None else inverse_on_device(call, dev, c, rows, d, seed)
+    r = _direction_on_device(call, dev, codes, rows, d, seed, codebook)
     out = call.empty(4 * rows)
     call.dispatch("mse", "ls_scales", rows, [d], {1: x, 2: out, 3: r})
+    return out
+
+
+def pn_scales_on_device(call: Call, dev: Any, norms: Any, codes: Any, rows: int, d: int, seed: int | None, codebook: Any) -> Any:
+    """Queue the norm-preserving scales ``norm / sqrt(dot(r, r))`` of ``rows`` coded rows of
+    norms ``norms`` (a buffer of ``rows`` floats), ``r`` the decoded direction; returns their
+    buffer of ``rows`` floats."""
+    r = _direction_on_device(call, dev, codes, rows, d, seed, codebook)
+    out = call.empty(4 * rows)
+    call.dispatch("mse", "pn_scales", rows, [d], {1: norms, 2: out, 3: r})
     return out
 
 
@@ -52,8 +67,8 @@ def mse_encode(x: Any, bits: int, seed: int | None = None, scale: str = "norm", 
         x: float array ``(..., head_dim)``, head_dim >= 2.
         bits: 1..8 bits per coordinate.
         seed: rotation seed, or None for no rotation.
-        scale: what each row stores, ``"norm"`` (default) or ``"least_squares"``
-            (:func:`kvqrs.mse_encode`).
+        scale: what each row stores, ``"norm"`` (default), ``"least_squares"`` or
+            ``"preserve_norm"`` (:func:`kvqrs.mse_encode`).
         device: a :class:`~kvqrs.gpu.Device`, a ``wgpu.GPUAdapter`` or ``"wgpu"`` (default).
 
     Returns:
@@ -67,7 +82,7 @@ def mse_encode(x: Any, bits: int, seed: int | None = None, scale: str = "norm", 
     flat, leading, d, _ = as_float_rows(x, "x", min_dim=2)
     b = check_bits(bits)
     s = check_seed(seed)
-    least_squares = check_scale(scale) == "least_squares"
+    mode = check_scale(scale)
     code_dim = d if s is None else padded_dim(d)
     rows = flat.size // d
     check_finite(flat, d, "x")
@@ -83,8 +98,9 @@ def mse_encode(x: Any, bits: int, seed: int | None = None, scale: str = "norm", 
         codes = encode_on_device(call, dev, y, rows * code_dim, code_dim, codebook, norms)
         n = call.read(norms, np.float32, rows)
         check_overflow(n, 1, "x")
-        if least_squares:
-            n = call.read(ls_scales_on_device(call, dev, xb, codes, rows, d, s, codebook), np.float32, rows)
+        if mode != "norm":
+            scales = ls_scales_on_device if mode == "least_squares" else pn_scales_on_device
+            n = call.read(scales(call, dev, xb if mode == "least_squares" else norms, codes, rows, d, s, codebook), np.float32, rows)
             check_overflow(n, 1, "x")
         c = call.read(codes, np.uint8, rows * code_dim)
     return MSECode(c.reshape(*leading, code_dim), store(n).reshape(leading))

@@ -201,6 +201,7 @@ def allocate_matched(
     sink_tokens: int = 1,
     value_norms: str = "float",
     sink_dtype: str | None = None,
+    value_scale: str = "norm",
 ) -> dict:
     """A ``matched`` calibration whose per-layer key and value widths come from measured
     sensitivity.
@@ -225,7 +226,9 @@ def allocate_matched(
             default the integer key widths); group: tokens per key scale group (the config's
             ``group``); sink_tokens: the full-precision leading tokens; value_norms: how value
             tokens store their norms (``QuantConfig.value_norms``), measured and counted so;
-            sink_dtype: the sinks' storage (``QuantConfig.sink_dtype``), counted so.
+            sink_dtype: the sinks' storage (``QuantConfig.sink_dtype``), counted so;
+            value_scale: what value tokens store per token (``QuantConfig.value_scale``),
+            measured so.
 
     Returns:
         ``{layer: MatchedCalibration}`` with ``value_bits`` set per layer.
@@ -252,7 +255,10 @@ def allocate_matched(
     key_cfgs = [QuantConfig("matched", 4, None, **common, calibration=fits[a]) for a in kw]
     # Values alone read only the value mean of a calibration (the same in every fit) and its width.
     value_cal = lambda b: {layer: dataclasses.replace(c, value_bits=int(b)) for layer, c in fits[kw[0]].items()}  # noqa: E731
-    value_cfgs = [QuantConfig(None, int(b), "matched", int(b), **common, calibration=value_cal(b), value_norms=value_norms) for b in vw]
+    value_cfgs = [
+        QuantConfig(None, int(b), "matched", int(b), **common, calibration=value_cal(b), value_norms=value_norms, value_scale=value_scale)
+        for b in vw
+    ]
     kl_k, kl_v = layer_sensitivity(model, probe, key_cfgs), layer_sensitivity(model, probe, value_cfgs)
     tokens, dtype_bits = windows[0].shape[-1], torch.finfo(model.dtype).bits
     bits_k = option_bits(stats, key_cfgs, tokens, dtype_bits, side="keys")
@@ -358,7 +364,8 @@ def save_matched(path: str | pathlib.Path | io.BytesIO, calibration: dict, meta:
 
 def calibration_meta(path: str | pathlib.Path) -> dict[str, str]:
     """The metadata strings :func:`save_matched` wrote with a calibration (``kvqrs calibrate``
-    records ``group``, ``sink_tokens``, ``value_norms``, and ``bits`` or ``budget``)."""
+    records ``group``, ``sink_tokens``, ``value_norms``, ``bits`` or ``budget``, and
+    ``sink_dtype``, ``value_scale``, ``preset`` when set)."""
     try:
         with np.load(pathlib.Path(path), allow_pickle=False) as z:
             return {k[5:]: str(z[k]) for k in z.files if k.startswith("meta_")}

@@ -46,9 +46,11 @@ class QuantConfig:
         value_transform: with ``calibration="prefill"``, transform-code the values too (the
             KLT of the prompt's values, water-filled widths at ``value_bits``); else values get
             the per-token rotated Lloyd-Max stage around the prompt's value mean.
-        value_scale: what each value token's MSE stage stores, ``"norm"`` (default) or
+        value_scale: what each value token's MSE stage stores, ``"norm"`` (default),
             ``"least_squares"`` (the least-squares scale of the decoded direction: the same
-            bits and decode, a smaller value error; :class:`~kvqrs.schemes.KVCodec`). Only for
+            bits and decode, a smaller value error) or ``"preserve_norm"`` (the decoded value
+            keeps the token's norm: no shrinkage of the attention output's scale;
+            :func:`kvqrs.mse_encode`, :class:`~kvqrs.schemes.KVCodec`). Only for
             value schemes with an MSE stage (``kv``, ``kqv``, ``qkqv``, ``matched`` without
             ``value_transform``).
         value_norms: how that scale is stored, ``"float"`` (float16/float32, default) or
@@ -253,17 +255,17 @@ class QuantConfig:
             calibration: ``{layer: MatchedCalibration}`` with the preset's per-layer widths
                 (``kvqrs calibrate --preset NAME``, or
                 :func:`kvqrs.hf.calibration.allocate_matched` with the preset's ``budget``,
-                ``key_widths``, ``value_widths``, ``group``, ``sink_tokens``, ``value_norms``
-                and ``sink_dtype``), or the path of that file.
+                ``key_widths``, ``value_widths``, ``group``, ``sink_tokens``, ``value_norms``,
+                ``sink_dtype`` and ``value_scale``), or the path of that file.
             overrides: other :class:`QuantConfig` fields (``residual_length``, ``seed``, ...).
 
         Returns:
-            A ``matched`` config with the preset's ``group``, ``sink_tokens``, ``sink_dtype``
-            and ``value_norms``.
+            A ``matched`` config with the preset's ``group``, ``sink_tokens``, ``sink_dtype``,
+            ``value_norms`` and ``value_scale``.
 
         Raises:
             KvqrsError: an unknown name (the message lists them), no calibration, or a
-                calibration file recording another group, value norms or sink dtype.
+                calibration file recording another group, value norms, sink dtype or value scale.
         """
         if name not in PRESETS:
             raise KvqrsError(f"preset: expected one of {sorted(PRESETS)}, got {name!r}")
@@ -275,7 +277,7 @@ class QuantConfig:
 
             _check_preset_file(name, p, calibration_meta(calibration), calibration)
             calibration = load_matched(calibration)
-        kw = {k: p[k] for k in ("group", "sink_tokens", "sink_dtype", "value_norms")}
+        kw = {k: p[k] for k in ("group", "sink_tokens", "sink_dtype", "value_norms", "value_scale")}
         kw.update(calibration=calibration, **overrides)
         return cls("matched", p["value_bits"], "matched", p["value_bits"], **kw)
 
@@ -346,7 +348,7 @@ class QuantConfig:
             k += "[random-basis]"
         v = "" if self.value_scheme is None else f" v:{self.value_scheme}{self.value_bits or self.key_bits}"
         if self.value_scale != "norm":
-            v += "[ls-scale]"
+            v += "[ls-scale]" if self.value_scale == "least_squares" else f"[{self.value_scale}]"
         if self.sink_dtype not in SINK_DTYPES:
             raise KvqrsError(f"sink_dtype: expected None or one of {tuple(SINK_DTYPES)[1:]}, got {self.sink_dtype!r}")
         if self.value_norms != "float":
@@ -359,8 +361,14 @@ class QuantConfig:
 
 def _check_preset_file(name: str, preset: dict, meta: dict, path: Any) -> None:
     """Refuse a calibration file whose recorded settings differ from the preset's (its widths
-    were allocated for them: another group, value norms or sink dtype counts other bits)."""
-    recorded = {"group": meta.get("group"), "value_norms": meta.get("value_norms", "float"), "sink_dtype": meta.get("sink_dtype")}
+    were allocated for them: another group, value norms or sink dtype counts other bits,
+    another value scale measured other sensitivities)."""
+    recorded = {
+        "group": meta.get("group"),
+        "value_norms": meta.get("value_norms", "float"),
+        "sink_dtype": meta.get("sink_dtype"),
+        "value_scale": meta.get("value_scale", "norm"),
+    }
     wanted = {k: (None if preset[k] is None else str(preset[k])) for k in recorded}
     if "group" not in meta:  # a file written without the calibrate command's metadata
         recorded["group"] = wanted["group"]
@@ -377,7 +385,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     # ``value_widths`` from measured sensitivity within ``budget`` average stored bits per
     # element (every byte counted), on llama.cpp's perplexity protocol (docs/evaluation.md);
     # ``value_bits`` labels the config (each layer's widths override it). Value norms as 8-bit
-    # log codes and float16 sinks free bits the widths spend (KL -10% to -17%, measured).
+    # log codes and float16 sinks free bits the widths spend (KL -10% to -17%, measured);
+    # norm-preserving value scales remove the decoded values' shrinkage (KL -2% to -12%).
     "4bit": {
         "budget": 4.25,
         "key_widths": (3, 3.5, 4, 4.5, 5),
@@ -387,6 +396,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "sink_tokens": 1,
         "value_norms": "log8",
         "sink_dtype": "float16",
+        "value_scale": "preserve_norm",
     },
     "3bit": {
         "budget": 3.25,
@@ -397,6 +407,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "sink_tokens": 1,
         "value_norms": "log8",
         "sink_dtype": "float16",
+        "value_scale": "preserve_norm",
     },
     "2bit": {
         "budget": 2.5,
@@ -407,6 +418,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "sink_tokens": 1,
         "value_norms": "log8",
         "sink_dtype": "float16",
+        "value_scale": "preserve_norm",
     },
 }
 """The recommended presets of :meth:`QuantConfig.preset`."""

@@ -26,10 +26,11 @@ if TYPE_CHECKING:
     from .._arrays import Array, DTypeLike
 
 
-SCALES = ("norm", "least_squares")
+SCALES = ("norm", "least_squares", "preserve_norm")
 """What the MSE stage may store per row (docs/kernels.md section 5): ``"norm"`` (``||x||``, the
-default) or ``"least_squares"`` (the scale of the decoded direction minimising the row's squared
-error). The decoders read either the same way."""
+default), ``"least_squares"`` (the scale of the decoded direction minimising the row's squared
+error) or ``"preserve_norm"`` (``||x|| / ||r||``, ``r`` the decoded direction: the decoded row
+keeps the input's norm). The decoders read every one the same way."""
 
 
 def check_scale(scale: Any, name: str = "scale") -> str:
@@ -50,7 +51,7 @@ class MSECode(NamedTuple):
         codes: uint8 ``(..., code_dim)`` unpacked Lloyd-Max codes (``code_dim = d'`` with a
             rotation, ``head_dim`` without).
         norms: ``(...)`` stored per-row scales: the norms ``||x||`` (``scale="norm"``) or the
-            least-squares scales (``scale="least_squares"``); float16 when every non-zero value
+            least-squares or norm-preserving scales (``scale=``); float16 when every non-zero value
             lies in ``[2**-14, 65504)``, float32 otherwise (16 or 32 bits per vector).
     """
 
@@ -71,13 +72,18 @@ def mse_encode(x: Array, bits: int, seed: int | None = None, scale: str = "norm"
     :func:`mse_decode` of the codes with scale 1): the ``s`` minimising ``||x - s r||^2``, so
     the decode (unchanged, ``s r``) is never further from ``x`` than with the norm, up to the
     float16 rounding of the stored value (docs/kernels.md section 5). ``s = 0`` when
-    ``dot(x, r) <= 0`` (a zero row).
+    ``dot(x, r) <= 0`` (a zero row). With ``scale="preserve_norm"`` each row stores
+    ``s = ||x|| / ||r||``: the decode keeps the row's norm (the Lloyd-Max centroids are
+    conditional means, so ``||r|| < 1`` on average and the plain norm shrinks every decoded row
+    by about ``sqrt(1 - D)``, ``D`` the codebook's distortion: a bias of the attention output's
+    scale, the 6D framework's value scale error).
 
     Args:
         x: float array ``(..., head_dim)``, head_dim >= 2.
         bits: 1..8 bits per coordinate.
         seed: rotation seed, or None for no rotation.
-        scale: what each row stores, ``"norm"`` (default) or ``"least_squares"``.
+        scale: what each row stores, ``"norm"`` (default), ``"least_squares"`` or
+            ``"preserve_norm"``.
 
     Returns:
         :class:`MSECode`.
@@ -132,7 +138,7 @@ def mse_encode_packed(x: Array, bits: int, seed: int | None = None, scale: str =
         x: float array ``(..., head_dim)``, head_dim >= 2.
         bits: 1..8 bits per coordinate.
         seed: rotation seed, or None for no rotation.
-        scale: what each row stores, ``"norm"`` (default) or ``"least_squares"`` (as
+        scale: what each row stores, ``"norm"`` (default), ``"least_squares"`` or ``"preserve_norm"`` (as
             :func:`mse_encode`).
 
     Returns:

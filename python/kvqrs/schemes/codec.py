@@ -198,9 +198,10 @@ class KVCodec:
         basis: HeadQ basis ``(d, r)`` or ``(kv_heads, d, r)``; ``"random"`` for the seeded
             random-basis control; None until :meth:`calibrate` is called.
         sign: +1, or -1 for HeadQ's wrong-sign control.
-        value_scale: what each value token's MSE stage stores: ``"norm"`` (``||v||``, default)
-            or ``"least_squares"`` (the least-squares scale of the decoded direction,
-            :func:`kvqrs.mse_encode`: the same bits and decode, a smaller error); for the value
+        value_scale: what each value token's MSE stage stores: ``"norm"`` (``||v||``, default),
+            ``"least_squares"`` (the least-squares scale of the decoded direction,
+            :func:`kvqrs.mse_encode`: the same bits and decode, a smaller error) or
+            ``"preserve_norm"`` (``||v|| / ||r||``: each decoded value keeps its norm); for the value
             schemes with an MSE stage (``kv``, ``kqv``, ``qkqv``, ``matched`` without
             transform-coded values), an error for the others.
         value_norms: how that per-token scale is stored: ``"float"`` (float16, or float32

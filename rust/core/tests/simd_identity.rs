@@ -96,12 +96,13 @@ fn mse_codes_norms_and_decode_are_bit_identical() {
                         .unwrap();
                     let ci = q.encode(&x).unwrap();
                     assert_eq!(ci, c, "{isa:?} d={d} bits={bits} seed={seed:?}");
-                    let ls = RowScale::LeastSquares;
-                    assert_eq!(
-                        q.clone().with_scale(ls).encode(&x).unwrap(),
-                        reference.clone().with_scale(ls).encode(&x).unwrap(),
-                        "least squares {isa:?} d={d} bits={bits} seed={seed:?}"
-                    );
+                    for mode in [RowScale::LeastSquares, RowScale::PreserveNorm] {
+                        assert_eq!(
+                            q.clone().with_scale(mode).encode(&x).unwrap(),
+                            reference.clone().with_scale(mode).encode(&x).unwrap(),
+                            "{mode:?} {isa:?} d={d} bits={bits} seed={seed:?}"
+                        );
+                    }
                     assert_eq!(
                         bits_of(&q.decode(&c).unwrap()),
                         bits_of(&xh),

@@ -131,7 +131,7 @@ pub fn lloyd_max_decode<'py>(
     Ok(PyArray1::from_vec(py, out))
 }
 
-/// The quantizer of an encode call: `scale` is `"norm"` or `"least_squares"`.
+/// The quantizer of an encode call: `scale` is `"norm"`, `"least_squares"` or `"preserve_norm"`.
 fn mse_quantizer(
     head_dim: usize,
     bits: i64,
@@ -140,14 +140,14 @@ fn mse_quantizer(
 ) -> PyResult<MseQuantizer> {
     let mode = RowScale::from_name(scale).ok_or_else(|| {
         arg_error(format!(
-            "scale: expected 'norm' or 'least_squares', got {scale:?}"
+            "scale: expected 'norm', 'least_squares' or 'preserve_norm', got {scale:?}"
         ))
     })?;
     Ok(py_result(MseQuantizer::new(head_dim, bits_u32(bits), seed))?.with_scale(mode))
 }
 
 /// Returns (codes uint8 flat, norms float16|float32); `scale`: what each row stores,
-/// `"norm"` or `"least_squares"`.
+/// `"norm"`, `"least_squares"` or `"preserve_norm"`.
 #[pyfunction]
 #[pyo3(signature = (x, head_dim, bits, seed=None, scale="norm"))]
 pub fn mse_encode<'py>(

@@ -1,5 +1,5 @@
 //! Norm-and-direction quantization, the MSE stage (docs/kernels.md section 5):
-//! store `||x||` (or the least-squares scale of the decoded direction), quantize the rotated
+//! store `||x||` (or the least-squares or norm-preserving scale of the decoded direction), quantize the rotated
 //! unit vector coordinate-wise with the Lloyd-Max codebook.
 //! Composes the hadamard and lloyd_max kernels.
 
@@ -26,14 +26,19 @@ pub enum RowScale {
     /// `s = dot(x, r) / dot(r, r)` with `r` the decoded direction (the decode with scale 1),
     /// the scale minimising `||x - s r||^2`; 0 when `dot(x, r) <= 0` (a zero row).
     LeastSquares,
+    /// `s = ||x|| / sqrt(dot(r, r))`: the decoded row keeps the input's norm. The Lloyd-Max
+    /// centroids are conditional means, so `||r|| < 1` and the plain norm shrinks every decoded
+    /// row by `sqrt(1 - D)` (`D` the codebook's distortion); this scale removes that bias.
+    PreserveNorm,
 }
 
 impl RowScale {
-    /// The mode of a name: `"norm"` or `"least_squares"`.
+    /// The mode of a name: `"norm"`, `"least_squares"` or `"preserve_norm"`.
     pub fn from_name(name: &str) -> Option<Self> {
         match name {
             "norm" => Some(RowScale::Norm),
             "least_squares" => Some(RowScale::LeastSquares),
+            "preserve_norm" => Some(RowScale::PreserveNorm),
             _ => None,
         }
     }
@@ -52,7 +57,7 @@ pub struct MseQuantizer {
     decode_table: Vec<f32>,
     /// Code of a zero coordinate (every code of a zero row).
     zero_code: u8,
-    /// What each row stores: its norm or the least-squares scale.
+    /// What each row stores: its norm, the least-squares or the norm-preserving scale.
     scale: RowScale,
     isa: IsaChoice,
 }
@@ -242,7 +247,7 @@ impl MseQuantizer {
         check_len("norms", norms.len(), rows, "one per row")?;
         // A finite norm implies a finite row (the float64 sum of squares cannot overflow), so
         // the full input scan runs only to name an error, as the reference reports it.
-        let ls = self.scale == RowScale::LeastSquares;
+        let ls = self.scale != RowScale::Norm;
         let done = par::rows2(
             rows,
             cd,
@@ -273,7 +278,7 @@ impl MseQuantizer {
                     let norm = norm.ok_or(first + k)?;
                     *n = if ls {
                         let codes: &[u8] = if packed { row_codes } else { dst };
-                        self.least_squares_row(isa, src, codes, unit, dir)
+                        self.scale_row(isa, (src, norm), codes, unit, dir)
                             .ok_or(first + k)?
                     } else {
                         norm
@@ -289,25 +294,35 @@ impl MseQuantizer {
         Ok(())
     }
 
-    /// The least-squares scale of one coded row: `r` = the decoded direction (the decode of
-    /// `codes` with scale 1, into `dir`; `buf`: code_dim values of scratch), then
-    /// `s = dot(x, r) / dot(r, r)` (section 8 float32 dot products, a float32 division), 0 when
-    /// `dot(x, r) <= 0`. `None` when `s` is not finite (a row near float32's top).
-    fn least_squares_row(
+    /// The stored scale of one coded row `x` of norm `norm`, from `r` = the decoded direction
+    /// (the decode of `codes` with scale 1, into `dir`; `buf`: code_dim values of scratch) and
+    /// section 8 float32 dot products: least squares `s = dot(x, r) / dot(r, r)` (0 when
+    /// `dot(x, r) <= 0`), norm-preserving `s = norm / sqrt(dot(r, r))` (`norm` when
+    /// `dot(r, r) = 0`), one float32 division. `None` when `s` is not finite (a row near
+    /// float32's top).
+    fn scale_row(
         &self,
         isa: Isa,
-        x: &[f32],
+        (x, norm): (&[f32], f32),
         codes: &[u8],
         buf: &mut [f32],
         dir: &mut [f32],
     ) -> Option<f32> {
         self.decode_row_isa(isa, codes, 1.0, buf, dir);
-        let num = ops::dot(isa, x, dir);
         let den = ops::dot(isa, dir, dir);
-        let s = if num > 0.0 && den > 0.0 {
-            num / den
+        let s = if self.scale == RowScale::PreserveNorm {
+            if den > 0.0 {
+                norm / den.sqrt()
+            } else {
+                norm
+            }
         } else {
-            0.0
+            let num = ops::dot(isa, x, dir);
+            if num > 0.0 && den > 0.0 {
+                num / den
+            } else {
+                0.0
+            }
         };
         s.is_finite().then_some(s)
     }
@@ -502,6 +517,48 @@ mod tests {
                     let slack = 1e-6 * n2.next().unwrap();
                     assert!(a <= &(b + slack), "d={d} bits={bits} row={row}: {a} > {b}");
                 }
+            }
+        }
+    }
+
+    #[test]
+    fn preserve_norm_scale_keeps_codes_and_the_row_norm() {
+        let pn = RowScale::PreserveNorm;
+        for (d, seed) in [(128, Some(7)), (96, Some(2)), (40, None)] {
+            let mut x = gaussians(13, STREAM_QJL_MATRIX, 200 * d);
+            x[..d].fill(0.0); // a zero row stores 0, never NaN
+            for bits in 1..=8 {
+                let q = MseQuantizer::new(d, bits, seed).unwrap();
+                let (cn, cp) = (
+                    q.encode(&x).unwrap(),
+                    q.clone().with_scale(pn).encode(&x).unwrap(),
+                );
+                assert_eq!(cp.codes, cn.codes, "d={d} bits={bits}");
+                assert_eq!(cp.norms.get(0).to_bits(), 0);
+                let (dn, dp) = (q.decode(&cn).unwrap(), q.decode(&cp).unwrap());
+                let (mut plain, mut kept) = (0.0, 0.0);
+                for (row, ((a, b), c)) in x
+                    .chunks(d)
+                    .zip(dp.chunks(d))
+                    .zip(dn.chunks(d))
+                    .enumerate()
+                    .skip(1)
+                {
+                    let (n, np) = (norm_f64(a), norm_f64(b));
+                    // float16 storage of the scale: a relative error below 2^-11.
+                    assert!(
+                        (np / n - 1.0).abs() < 1e-3,
+                        "d={d} bits={bits} row={row}: {np} vs {n}"
+                    );
+                    (plain, kept) = (plain + norm_f64(c) / n, kept + np / n);
+                }
+                // On average the plain norm's decode is shorter (the centroids are conditional
+                // means); a single row's decoded direction may be longer than 1. Past 4 bits
+                // the shrinkage is below float16's rounding of the stored scale.
+                assert!(
+                    bits > 4 || plain < kept,
+                    "d={d} bits={bits}: {plain} >= {kept}"
+                );
             }
         }
     }
