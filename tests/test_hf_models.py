@@ -399,3 +399,26 @@ def test_attention_variants_it_does_not_compute_raise():
     with pytest.raises(KvqrsError, match="soft-capping"), torch.no_grad():
         model(_ids(8))
     assert QuantConfig("kqv", 3, sink_tokens=4).label() == "kqv k3 sinks:4"
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+@pytest.mark.parametrize("kind", ["mistral", "gemma3"])
+@pytest.mark.parametrize("prompt", [23, 30])
+def test_sliding_layers_fit_prefill_calibration_on_the_whole_prompt(models, kind, prompt):
+    """calibration="prefill" on sliding layers, a prompt longer than the window: each layer fits
+    on the whole prompt and codes it before dropping what no later forward reads (the prompt
+    then equals the fast path's fit on the same tokens), and decode steps go on reading the
+    window (the prompt was once trimmed before the fit: an IndexError at these lengths)."""
+    model = _model(models, kind)
+    cfg = QuantConfig("matched", 4, "matched", 4, group=8, sink_tokens=1, calibration="prefill")
+    ids = _ids(prompt + 6, seed=5)
+    with torch.no_grad(), fake_quant(cfg):
+        fast = model(ids[:, :prompt]).logits
+    cache = _qcache(cfg, model)
+    slow = _run(model, ids, cache, [prompt, *range(prompt + 1, prompt + 7)])
+    lp = lambda x: torch.log_softmax(x, dim=-1)  # noqa: E731
+    assert (lp(fast) - lp(slow[:, :prompt])).abs().max() < LOGPROB_ATOL
+    assert all(layer.fitted_tokens == prompt for layer in cache.layers)
+    for layer in cache.layers:
+        held = layer.seen - layer.start
+        assert held <= WINDOW - 1 + cfg.chunk - 1 if layer.is_sliding else held == prompt + 6

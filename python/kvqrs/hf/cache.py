@@ -341,9 +341,8 @@ class QuantizedLayer(CacheLayerMixin):
         self._absorb_sinks()
         fresh = self._flush()
         self._view = self.view(view_start, first_query=self.seen - key_states.shape[-2], **fresh)
-        if not self.record_past and self.is_sliding:
-            self._view.snapshot()  # the codes this forward reads, before the oldest are dropped
-            self._evict()
+        if not self.awaits_calibration:  # else the prompt stays whole until attend fits on it
+            self._drop_unread(self._view)
         self._fused = fused and self._can_fuse(key_states.shape[-2])
         if self._fused:
             k, v = _join(self._view.sink_k, self._view.window_k), _join(self._view.sink_v, self._view.window_v)
@@ -351,6 +350,13 @@ class QuantizedLayer(CacheLayerMixin):
             k, v = self.materialize(self._view)
         self._returned = weakref.ref(k)
         return k, v
+
+    def _drop_unread(self, view: _View) -> None:
+        """A sliding layer without past recording: read the codes of ``view`` (the forward's),
+        then drop the tokens no later forward reads."""
+        if not self.record_past and self.is_sliding:
+            view.snapshot()
+            self._evict()
 
     def _check_states(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Refuse states that cannot join this layer, before anything is stored: keys and values
@@ -794,6 +800,7 @@ class QuantizedLayer(CacheLayerMixin):
             self._fit_on_prefill(query)
             fresh = self._flush()
             view = self.view(view.start, first_query=view.first_query, **fresh)
+            self._drop_unread(view)
             key, value = self.materialize(view)
         if self._fused:
             if self._codes_visible(view, attention_mask, query.shape[-2]):
