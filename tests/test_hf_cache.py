@@ -1077,7 +1077,7 @@ def test_generation_with_fused_steps_matches_the_decoded_cache(model32, cfg, mon
     new = 8
     for fused in (False, True):
         calls.update(fused=0, materialize=0)
-        cache = QuantizedKVCache(dataclasses.replace(cfg, fused=fused, _codecs={}), _layers(model))
+        cache = QuantizedKVCache(dataclasses.replace(cfg, fused=fused), _layers(model))
         with torch.no_grad():
             g = model.generate(
                 prompt, past_key_values=cache, max_new_tokens=new, do_sample=False, output_logits=True, return_dict_in_generate=True
@@ -1248,6 +1248,18 @@ def test_quant_config_integer_fields(field, value):
         QuantConfig("kqv", 3, **{field: value})
 
 
+def test_replaced_config_builds_its_own_codecs():
+    import dataclasses
+
+    cfg = QuantConfig("kqv", 4, "kqv", 4)
+    assert cfg.codec(0, 64).bits == 4
+    # A config made by dataclasses.replace must not inherit the original's cached codecs.
+    other = dataclasses.replace(cfg, key_bits=2, value_bits=2)
+    assert other.codec(0, 64).bits == 2
+    assert other.codec(0, 64).value_bits == 2
+    assert cfg.codec(0, 64).bits == 4
+
+
 def test_generate_does_not_mutate_a_shared_config(model32):
     import dataclasses
 
@@ -1314,7 +1326,7 @@ def test_least_squares_value_scale_cache_round_trip(cfg):
     back = QuantizedKVCache.from_bytes(data)
     assert back.config.value_scale == "least_squares" and back.nbytes() == cache.nbytes()
     _layers_equal(cache, back)
-    norm_cfg = dataclasses.replace(cfg, value_scale="norm", _codecs={})
+    norm_cfg = dataclasses.replace(cfg, value_scale="norm")
     assert _filled_cache(norm_cfg).nbytes() == cache.nbytes()
     with pytest.raises(KvqrsError, match="other settings"):
         QuantizedKVCache.from_bytes(data, norm_cfg)

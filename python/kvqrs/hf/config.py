@@ -95,7 +95,7 @@ class QuantConfig:
     value_transform: bool = False
     value_scale: str = "norm"
     value_norms: str = "float"
-    _codecs: dict = field(default_factory=dict, repr=False, compare=False)
+    _codecs: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         from .._arrays import check_bits
