@@ -19,7 +19,38 @@ ROUNDING_TOL = 1e-4
 
 @given(data=st.data(), b=bits, n=st.integers(1, 70), group=st.integers(1, 40), leading=leading_shapes)
 def test_matches_oracle(data, b, n, group, leading):
-    x = finite_rows(data.draw, leading, n, scale=100.0)
+    _check_against_oracle(finite_rows(data.draw, leading, n, scale=100.0), b, group)
+
+
+@pytest.mark.parametrize("b, group", [(1, 32), (2, 128), (4, 100), (8, 7)])
+def test_inputs_split_over_threads_match_the_oracle(b, group):
+    # 3 x 64 rows of 700 values: far above the size below which a call stays on one thread.
+    rng = np.random.default_rng(b)
+    x = (rng.standard_normal((3, 64, 700)) * rng.uniform(0.01, 100.0, (3, 64, 1))).astype(np.float32)
+    x[1, 7, 3] = 3e5  # one zero point or scale past float16: that plane is stored in float32
+    _check_against_oracle(x, b, group)
+
+
+def test_the_lowest_overflowing_row_is_named_whatever_the_threads():
+    x = np.zeros((96, 800), np.float32)
+    x[70, :2] = x[5, :2] = (-3e38, 3e38)  # a range past float32
+    with pytest.raises(kvqrs.KvqrsError, match="row 5"):
+        kvqrs.uniform_encode(x, 4, 32)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.float64])
+def test_transposed_views_encode_as_their_copies(dtype):
+    # Per-channel groups read tokens as rows: a (tokens, channels) array's transpose.
+    x = np.random.default_rng(3).standard_normal((2, 1000, 48)).astype(dtype)
+    view = np.swapaxes(x, -1, -2)
+    got, want = kvqrs.uniform_encode(view, 3, 128), kvqrs.uniform_encode(np.ascontiguousarray(view), 3, 128)
+    for a, b in zip(got[:3], want[:3]):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(a, b)
+
+
+def _check_against_oracle(x, b, group):
+    n = x.shape[-1]
     got = kvqrs.uniform_encode(x, b, group)
     codes, scales, zeros = oracle.uniform_encode(x, b, group)
     assert got.scales.dtype == scales.dtype and got.zeros.dtype == zeros.dtype

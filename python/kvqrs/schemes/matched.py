@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from .. import layout as lay
-from .._arrays import KvqrsError
+from .._arrays import KvqrsError, contiguous_float32
 from ..kernels.attention import CentredRows, ChannelRun, ChannelRunRows, MSERows
 from ..kernels.uniform import UniformCode
 from .backend import CPU, Backend
@@ -404,7 +404,7 @@ class MatchedCoder:
         check_head_dim(x, self.head_dim, self.kind)
         mean, basis = self._heads(x)
         y = np.swapaxes(_rows_times(x.astype(np.float32) - mean, basis), -1, -2)  # (..., d, T): coordinates along tokens
-        y = np.ascontiguousarray(y)
+        y = contiguous_float32(y)
         parts = {}
         t = x.shape[-2]
         for b, lo, hi in self.runs:

@@ -6,6 +6,7 @@
 use super::{check_bits, check_finite, check_row_len, rows_of};
 use crate::alloc::output_vec;
 use crate::error::{KvqError, Result};
+use crate::par;
 use crate::scalars::{ScalarPlane, ScalarView};
 
 /// Codes (one byte each) plus one scale and one zero point per group.
@@ -47,42 +48,71 @@ impl UniformQuantizer {
 
     /// Encodes rows of `n` values. Scales and zero points are rounded to their storage first
     /// and the codes are computed with the stored values, so decoding sees what encoding saw.
+    /// Rows run in parallel (each row's bytes are the same for any thread count).
     pub fn encode(&self, x: &[f32]) -> Result<UniformCodes> {
         let rows = rows_of("x", x.len(), self.n)?;
         check_finite("x", x, self.n)?;
         let g = self.groups();
         let (mut scales, mut zeros) = (vec![0.0f32; rows * g], vec![0.0f32; rows * g]);
-        for (r, row) in x.chunks_exact(self.n).enumerate() {
-            for (j, grp) in row.chunks(self.group).enumerate() {
-                let lo = grp.iter().fold(f32::INFINITY, |m, &v| m.min(v));
-                let hi = grp.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
-                let scale = (hi - lo) / self.top();
-                if !scale.is_finite() {
-                    return Err(KvqError::NormOverflow { arg: "x", row: r });
+        let top = self.top();
+        par::rows2(
+            rows,
+            self.n,
+            (x, self.n),
+            (&mut scales, g),
+            (&mut zeros, g),
+            || (),
+            |_, first, xs, ss, zs| {
+                for (k, row) in xs.chunks_exact(self.n).enumerate() {
+                    for (j, grp) in row.chunks(self.group).enumerate() {
+                        let lo = grp.iter().fold(f32::INFINITY, |m, &v| m.min(v));
+                        let hi = grp.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+                        let scale = (hi - lo) / top;
+                        if !scale.is_finite() {
+                            return Err(first + k);
+                        }
+                        ss[k * g + j] = scale;
+                        zs[k * g + j] = lo;
+                    }
                 }
-                scales[r * g + j] = scale;
-                zeros[r * g + j] = lo;
-            }
-        }
+                Ok(())
+            },
+        )
+        .map_err(|row| KvqError::NormOverflow { arg: "x", row })?;
         let (scales, zeros) = (ScalarPlane::store(&scales), ScalarPlane::store(&zeros));
         let mut codes = vec![0u8; x.len()];
-        for (r, (row, out)) in x
-            .chunks_exact(self.n)
-            .zip(codes.chunks_exact_mut(self.n))
-            .enumerate()
-        {
-            for (j, (grp, cg)) in row
-                .chunks(self.group)
-                .zip(out.chunks_mut(self.group))
-                .enumerate()
-            {
-                let (s, z) = (scales.get(r * g + j), zeros.get(r * g + j));
-                for (c, &v) in cg.iter_mut().zip(grp) {
-                    let t = if s > 0.0 { (v - z) / s } else { 0.0 };
-                    *c = (t + 0.5).floor().clamp(0.0, self.top()) as u8;
+        let _ = par::rows1(
+            rows,
+            self.n,
+            (x, self.n),
+            (&mut codes, self.n),
+            || (),
+            |_, first, xs, cs| {
+                for (k, (row, out)) in xs
+                    .chunks_exact(self.n)
+                    .zip(cs.chunks_exact_mut(self.n))
+                    .enumerate()
+                {
+                    let r = first + k;
+                    for (j, (grp, cg)) in row
+                        .chunks(self.group)
+                        .zip(out.chunks_mut(self.group))
+                        .enumerate()
+                    {
+                        let (s, z) = (scales.get(r * g + j), zeros.get(r * g + j));
+                        // clamp(floor(t + 0.5), 0, top) without a floor call: for t + 0.5 in
+                        // [0, top] truncation is the floor, and both forms send everything
+                        // below 0 to 0 and above top to top (an integer), so the codes are
+                        // the same bits and the loop vectorises.
+                        for (c, &v) in cg.iter_mut().zip(grp) {
+                            let t = if s > 0.0 { (v - z) / s } else { 0.0 };
+                            *c = (t + 0.5).clamp(0.0, top) as u8;
+                        }
+                    }
                 }
-            }
-        }
+                Ok(())
+            },
+        );
         Ok(UniformCodes {
             codes,
             scales,
