@@ -1349,6 +1349,20 @@ def test_value_scale_config_is_validated(kwargs, pattern):
         QuantConfig(kwargs.pop("key_scheme", "matched" if kwargs.get("value_scheme") == "matched" else "kqv"), 3, **kwargs)
 
 
+@pytest.mark.parametrize(
+    "kwargs, pattern",
+    [
+        ({"group": 0}, "group: expected 1 <= group <= 1048576"),
+        ({"group": 2**21, "value_scheme": "kv", "value_norms": "log8"}, "group: expected 1 <= group <= 1048576"),
+        ({"sink_dtype": "float16"}, "sink_dtype: 'float16' sets how sink tokens are stored, but sink_tokens=0 keeps none"),
+        ({"sink_dtype": "bfloat16", "sink_tokens": 0}, "sink_tokens=0 keeps none"),
+    ],
+)
+def test_settings_no_codec_can_use_are_refused_by_the_config(kwargs, pattern):
+    with pytest.raises(KvqrsError, match=pattern):
+        QuantConfig("kv", 4, **kwargs)
+
+
 WINDOW_CASES = [
     pytest.param(QuantConfig("kqv", 4, "kqv", 4, residual_length=4), None, id="kqv"),
     pytest.param(QuantConfig("kivi", 2, "kivi", 2, residual_length=3, group=8, sink_tokens=2), None, id="kivi-sinks"),

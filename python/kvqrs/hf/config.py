@@ -123,6 +123,8 @@ class QuantConfig:
         for name in ("residual_length", "sink_tokens"):
             if getattr(self, name) < 0:
                 raise KvqrsError(f"{name}: expected >= 0, got {getattr(self, name)}")
+        if not 1 <= self.group <= MAX_GROUP:
+            raise KvqrsError(f"group: expected 1 <= group <= {MAX_GROUP} values per scale group (the kernels' row limit), got {self.group}")
         # Per-channel codes are packed along tokens and join a cache a group at a time: a group's
         # codes must fill whole bytes.
         if self._kivi_keys and self.group * self.key_bits % 8:
@@ -156,6 +158,10 @@ class QuantConfig:
             )
         if self.sink_dtype not in SINK_DTYPES:
             raise KvqrsError(f"sink_dtype: expected None or one of {tuple(SINK_DTYPES)[1:]}, got {self.sink_dtype!r}")
+        if self.sink_dtype is not None and self.sink_tokens == 0:
+            raise KvqrsError(
+                f"sink_dtype: {self.sink_dtype!r} sets how sink tokens are stored, but sink_tokens=0 keeps none; set sink_tokens >= 1 or sink_dtype=None"
+            )
         if self.value_norms != "float":
             from ..schemes.codec import LOG_NORM_VALUE_SCHEMES
             from ..schemes.mse import NORMS
@@ -376,6 +382,9 @@ def _check_preset_file(name: str, preset: dict, meta: dict, path: Any) -> None:
     if differ:
         raise KvqrsError(f"calibration: {str(path)!r} was made with {', '.join(differ)}; make it with `kvqrs calibrate --preset {name}`")
 
+
+MAX_GROUP = 1 << 20
+"""The longest scale group: the kernels' row limit (``MAX_ROW_LEN`` in rust/core/src/kernels/mod.rs)."""
 
 SINK_DTYPES: dict[str | None, Any] = {None: None, "float16": torch.float16, "bfloat16": torch.bfloat16}
 """The storage dtypes of ``QuantConfig.sink_dtype`` (None: the model's)."""
