@@ -1260,6 +1260,19 @@ def test_replaced_config_builds_its_own_codecs():
     assert cfg.codec(0, 64).bits == 4
 
 
+def test_configs_with_built_codecs_pickle_and_copy():
+    import copy
+    import pickle
+
+    cfg = QuantConfig("kqv", 4, "kqv", 3, residual_length=8)
+    codec = cfg.codec(0, 64)
+    for other in (pickle.loads(pickle.dumps(cfg)), copy.deepcopy(cfg), copy.copy(cfg)):
+        assert other == cfg
+        built = other.codec(0, 64)
+        assert built is not codec and (built.bits, built.value_bits) == (4, 3)
+    assert cfg.codec(0, 64) is codec
+
+
 def test_generate_does_not_mutate_a_shared_config(model32):
     import dataclasses
 

@@ -97,6 +97,11 @@ class QuantConfig:
     value_norms: str = "float"
     _codecs: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
+    def __getstate__(self) -> dict:
+        # The per-layer codecs are a cache built from the settings (and hold kernel functions
+        # that do not pickle): copies and pickles carry the settings only and build their own.
+        return {**self.__dict__, "_codecs": {}}
+
     def __post_init__(self) -> None:
         from .._arrays import check_bits
         from ..kernels.mse import check_scale
