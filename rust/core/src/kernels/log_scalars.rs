@@ -122,12 +122,18 @@ pub fn encode(values: &[f32], n: usize, group: usize) -> Result<(Vec<u8>, Vec<u8
 /// Checks stored exponent bytes (any code is valid; a byte outside `EXP_MIN..=EXP_MAX` would
 /// decode beyond the normal float32 range).
 pub fn check_exps(arg: &'static str, exps: &[u8]) -> Result<()> {
+    check_exps_from(arg, exps, 0)
+}
+
+/// [`check_exps`] of bytes that start at group `first` of a larger array (errors name that
+/// array's group).
+pub fn check_exps_from(arg: &'static str, exps: &[u8], first: usize) -> Result<()> {
     match exps.iter().position(|e| !(EXP_MIN..=EXP_MAX).contains(e)) {
         None => Ok(()),
         Some(i) => Err(KvqError::ShapeMismatch {
             arg,
             expected: format!("log-code exponent bytes in {EXP_MIN}..={EXP_MAX}"),
-            actual: format!("{} at group {i}", exps[i]),
+            actual: format!("{} at group {}", exps[i], first + i),
         }),
     }
 }
