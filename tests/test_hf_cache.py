@@ -1503,6 +1503,32 @@ def test_log8_value_norms_replace_a_plain_mse_norm_only(args, kwargs, pattern):
         QuantConfig(*args, group=8, value_norms=kwargs.pop("value_norms", "log8"), **kwargs)
 
 
+def test_log8_value_norms_need_a_group_the_log_code_takes():
+    """The log code takes groups of up to 2^20 values: a config (and a codec) with a larger
+    group is refused when made, not at its first encode."""
+    QuantConfig("kqv", 3, "kv", 3, group=2**20, value_norms="log8")
+    for group in (2**20 + 1, 0):
+        with pytest.raises(KvqrsError, match=rf"^group: log8 norms .* expected a group in 1\.\.1048576, got {group}$"):
+            QuantConfig("kqv", 3, "kv", 3, group=group, value_norms="log8")
+    with pytest.raises(KvqrsError, match=r"^group: log8 norms"):
+        KVCodec("kqv", 3, 64, value_scheme="kv", group=2**20 + 1, value_norms="log8")
+    # Float norms have no exponent groups: the group bounds only what uses it.
+    QuantConfig("kqv", 3, "kv", 3, group=2**20 + 1)
+
+
+def test_config_and_codec_refuse_value_stage_settings_alike():
+    """QuantConfig refuses, before any codec exists, what its codecs would refuse: the same
+    check names the setting and the values it does not apply to."""
+    for kwargs in ({"value_scale": "least_squares"}, {"value_norms": "log8"}):
+        with pytest.raises(KvqrsError) as config_error:
+            QuantConfig("kqv", 3, "kivi", 3, group=8, **kwargs)
+        with pytest.raises(KvqrsError) as codec_error:
+            KVCodec("kqv", 3, 64, value_scheme="kivi", group=8, **kwargs)
+        config_msg, codec_msg = str(config_error.value), str(codec_error.value)
+        assert config_msg.endswith("not to value_scheme='kivi'") and codec_msg.endswith("not to 'kivi' values")
+        assert config_msg.removesuffix("value_scheme='kivi'") == codec_msg.removesuffix("'kivi' values")
+
+
 def test_log8_value_norms_flush_whole_groups():
     """Log-coded norms share an exponent per group of tokens: the cache flushes whole groups
     whatever the keys (values alone too)."""

@@ -55,7 +55,8 @@ class QuantConfig:
             ``value_transform``).
         value_norms: how that scale is stored, ``"float"`` (float16/float32, default) or
             ``"log8"`` (8 bits on a 1/16-octave grid with an exponent byte per ``group``
-            tokens: half the bits of a float16 norm, docs/kernels.md section 13). Only for
+            tokens, ``group`` at most 2^20: half the bits of a float16 norm, docs/kernels.md
+            section 13). Only for
             ``kv`` and ``matched`` values (without ``value_transform``); the cache then flushes
             whole groups of ``group`` tokens (as with KIVI or matched keys).
         bases: HeadQ bases per layer, ``{layer: (kv_heads, d, r)}``, or ``"random"`` for the
@@ -99,8 +100,7 @@ class QuantConfig:
 
     def __post_init__(self) -> None:
         from .._arrays import check_bits
-        from ..kernels.mse import check_scale
-        from ..schemes.codec import KEY_SCHEMES, MSE_VALUE_SCHEMES, VALUE_SCHEMES
+        from ..schemes.codec import KEY_SCHEMES, VALUE_SCHEMES, check_value_stage
 
         if self.key_scheme is not None and self.key_scheme not in KEY_SCHEMES:
             raise KvqrsError(f"key_scheme: expected one of {KEY_SCHEMES} or None, got {self.key_scheme!r}")
@@ -148,26 +148,12 @@ class QuantConfig:
                 raise KvqrsError(
                     f"calibration: {self.calibration!r} applies to the matched scheme only, not {self.key_scheme!r}/{self.value_scheme!r}"
                 )
-        if check_scale(self.value_scale, "value_scale") != "norm" and (self.value_scheme not in MSE_VALUE_SCHEMES or self.value_transform):
-            what = "value_transform=True" if self.value_transform else f"value_scheme={self.value_scheme!r}"
-            raise KvqrsError(
-                f"value_scale: {self.value_scale!r} applies to values with an MSE stage (value_scheme in {MSE_VALUE_SCHEMES}, "
-                f"without value_transform), not to {what}"
-            )
+        # The codec's own check, run before any codec is built (value_transform makes the
+        # matched values transform-coded).
+        what = "value_transform=True" if self.value_transform else f"value_scheme={self.value_scheme!r}"
+        check_value_stage(self.value_scheme, self.value_scale, self.value_norms, self.group, self.value_transform, what)
         if self.sink_dtype not in SINK_DTYPES:
             raise KvqrsError(f"sink_dtype: expected None or one of {tuple(SINK_DTYPES)[1:]}, got {self.sink_dtype!r}")
-        if self.value_norms != "float":
-            from ..schemes.codec import LOG_NORM_VALUE_SCHEMES
-            from ..schemes.mse import NORMS
-
-            if self.value_norms not in NORMS:
-                raise KvqrsError(f"value_norms: expected one of {NORMS}, got {self.value_norms!r}")
-            if self.value_scheme not in LOG_NORM_VALUE_SCHEMES or self.value_transform:
-                what = "value_transform=True" if self.value_transform else f"value_scheme={self.value_scheme!r}"
-                raise KvqrsError(
-                    f"value_norms: {self.value_norms!r} applies to values with an MSE stage and no QJL residual "
-                    f"(value_scheme in {LOG_NORM_VALUE_SCHEMES}, without value_transform), not to {what}"
-                )
         if self.a2_lookahead is not None and not 1 <= self.a2_lookahead <= self.residual_length:
             raise KvqrsError(
                 f"a2_lookahead: expected 1 .. residual_length ({self.residual_length}) so that only queries that "
