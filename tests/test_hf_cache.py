@@ -1529,6 +1529,38 @@ def test_config_and_codec_refuse_value_stage_settings_alike():
         assert config_msg.removesuffix("value_scheme='kivi'") == codec_msg.removesuffix("'kivi' values")
 
 
+@pytest.mark.parametrize("kwargs", [{}, {"sink_tokens": 0}])
+def test_sink_dtype_needs_sinks(kwargs):
+    """A sink dtype with no sink tokens would store nothing: refused, naming both settings."""
+    with pytest.raises(KvqrsError, match=r"^sink_dtype: 'float16' sets how sink tokens are stored, but sink_tokens is 0"):
+        QuantConfig("kqv", 4, "kqv", 4, sink_dtype="float16", **kwargs)
+    QuantConfig("kqv", 4, "kqv", 4, sink_dtype="float16", sink_tokens=1)
+    QuantConfig("kqv", 4, "kqv", 4, sink_dtype=None, **kwargs)
+    # A preset's sink dtype goes with its sinks: overriding them away drops it too.
+    from kvqrs.schemes.matched import random_calibration
+
+    cal = {0: random_calibration(64, 4, 0)}
+    assert QuantConfig.preset("4bit", cal).sink_dtype == "float16"
+    assert QuantConfig.preset("4bit", cal, sink_tokens=0).sink_dtype is None
+    with pytest.raises(KvqrsError, match="but sink_tokens is 0"):
+        QuantConfig.preset("4bit", cal, sink_tokens=0, sink_dtype="bfloat16")
+
+
+def test_cache_saved_with_a_sink_dtype_and_no_sinks_still_loads(tmp_path):
+    """A cache saved with a sink dtype and no sinks (a config refused since) loads, without the
+    sink dtype: it held only empty sink tensors in it."""
+    cfg = QuantConfig("kqv", 4, "kqv", 4, residual_length=4)
+    cfg.sink_dtype = "float16"  # what such a config was, past the check added since
+    k, v = _kv(tokens=20, seed=7)
+    old = QuantizedKVCache(cfg, 1)
+    old.update(k, v, 0)
+    assert old.layers[0].sink_k.dtype == torch.float16 and old.layers[0].sink_k.shape[-2] == 0
+    old.save(tmp_path / "old.kvqc")
+    back = QuantizedKVCache.load(tmp_path / "old.kvqc")
+    assert back.config.sink_dtype is None and back.layers[0].sink_k.dtype == torch.float32
+    assert all(torch.equal(a, b) for a, b in zip(back.layers[0].materialize(), old.layers[0].materialize()))
+
+
 def test_log8_value_norms_flush_whole_groups():
     """Log-coded norms share an exponent per group of tokens: the cache flushes whole groups
     whatever the keys (values alone too)."""

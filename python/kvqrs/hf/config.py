@@ -30,7 +30,8 @@ class QuantConfig:
             at least this many tokens.
         sink_dtype: the dtype the sinks are stored in: None (default) the model's, or
             ``"float16"`` / ``"bfloat16"`` (rounded once when they enter the cache, read back in
-            the model's dtype; the fast path rounds them the same way).
+            the model's dtype; the fast path rounds them the same way). Needs
+            ``sink_tokens >= 1``.
         seed: seed of every rotation and sketch.
         group: KIVI / block group size (KIVI keys flush in chunks of ``group`` tokens, whose
             packed codes must fill whole bytes: ``group * key_bits`` a multiple of 8; the
@@ -154,6 +155,11 @@ class QuantConfig:
         check_value_stage(self.value_scheme, self.value_scale, self.value_norms, self.group, self.value_transform, what)
         if self.sink_dtype not in SINK_DTYPES:
             raise KvqrsError(f"sink_dtype: expected None or one of {tuple(SINK_DTYPES)[1:]}, got {self.sink_dtype!r}")
+        if self.sink_dtype is not None and self.sink_tokens == 0:
+            raise KvqrsError(
+                f"sink_dtype: {self.sink_dtype!r} sets how sink tokens are stored, but sink_tokens is 0 (no sinks); "
+                "set sink_tokens >= 1 or sink_dtype=None"
+            )
         if self.a2_lookahead is not None and not 1 <= self.a2_lookahead <= self.residual_length:
             raise KvqrsError(
                 f"a2_lookahead: expected 1 .. residual_length ({self.residual_length}) so that only queries that "
@@ -243,7 +249,9 @@ class QuantConfig:
                 :func:`kvqrs.hf.calibration.allocate_matched` with the preset's ``budget``,
                 ``key_widths``, ``value_widths``, ``group``, ``sink_tokens``, ``value_norms``,
                 ``sink_dtype`` and ``value_scale``), or the path of that file.
-            overrides: other :class:`QuantConfig` fields (``residual_length``, ``seed``, ...).
+            overrides: other :class:`QuantConfig` fields (``residual_length``, ``seed``, ...);
+                ``sink_tokens=0`` without a ``sink_dtype`` also drops the preset's sink dtype
+                (there are no sinks to store in it).
 
         Returns:
             A ``matched`` config with the preset's ``group``, ``sink_tokens``, ``sink_dtype``,
@@ -264,6 +272,8 @@ class QuantConfig:
             _check_preset_file(name, p, calibration_meta(calibration), calibration)
             calibration = load_matched(calibration)
         kw = {k: p[k] for k in ("group", "sink_tokens", "sink_dtype", "value_norms", "value_scale")}
+        if overrides.get("sink_tokens") == 0 and "sink_dtype" not in overrides:
+            kw["sink_dtype"] = None
         kw.update(calibration=calibration, **overrides)
         return cls("matched", p["value_bits"], "matched", p["value_bits"], **kw)
 
