@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kvqrs import KvqrsError, oracle, random_orthonormal_basis
-from kvqrs.kernels import CentredRows, ChannelRunRows, DenseRows, MSERows, SideRows, UniformRows, decode_attention
+from kvqrs.kernels import CentredRows, ChannelRunRows, DenseRows, LogScalars, MSERows, SideRows, UniformRows, decode_attention
 from kvqrs.schemes import KVCodec
 from kvqrs.schemes.matched import MatchedBasis, MatchedCalibration, MatchedCoder
 
@@ -417,6 +417,24 @@ def test_bad_inputs_raise_kvqrs_errors_naming_the_argument():
         decode_attention(q, keys, values, side=side)
     with pytest.raises(KvqrsError, match=r"side.codes: expected shape \(2, 10, 2\)"):
         decode_attention(q, keys, values, side=side._replace(basis=np.ones((64, 4), np.float32), codes=side.codes[..., :1]))
+
+
+def test_bad_log_norm_exponent_names_the_exponent_part():
+    """An exponent byte of log-coded value norms outside 16..254 is named as ``values.norm_exps``
+    (the part that holds it), with its group's flat index in that array."""
+    rng = np.random.default_rng(2)
+    q = rng.standard_normal((2, 3, 64)).astype(np.float32)
+    keys = _mse(rng, (2,), 10, 64)
+    codec = KVCodec("kv", 4, 64, seed=0, value_norms="log8", group=4)
+    enc = codec.encode_values(rng.standard_normal((2, 10, 64)).astype(np.float32))
+    exps = enc.parts["norm_exps"]
+    assert exps.shape == (2, 3)
+    values = MSERows(enc.parts["codes"], LogScalars(enc.parts["norms"], exps, 4), 4, None)
+    decode_attention(q, keys, values)
+    bad = exps.copy()
+    bad[1, 2] = 3
+    with pytest.raises(KvqrsError, match=r"^values\.norm_exps: expected log-code exponent bytes in 16\.\.=254, got 3 at group 5$"):
+        decode_attention(q, keys, values._replace(norms=LogScalars(enc.parts["norms"], bad, 4)))
 
 
 def test_native_rows_are_typed_objects_and_errors_name_the_part():

@@ -168,6 +168,7 @@ def _code() -> LogScalars:
         lambda m: m.log_encode(np.array([[1.0, np.nan]], np.float32), 1),
         lambda m: m.log_encode(np.array([[np.inf, 1.0]], np.float32), 2),
         lambda m: m.log_encode(np.array([[1.0, -np.inf]], np.float32), 2),
+        lambda m: m.log_encode(np.ones((2, 2, 3), np.float32) - 2 * (np.arange(12).reshape(2, 2, 3) == 8), 2),
         lambda m: m.log_encode(np.ones((2, 3), np.float32), 0),
         lambda m: m.log_encode(np.ones((2, 3), np.float32), True),
         lambda m: m.log_encode(np.ones((2, 3), np.float32), 2**21),

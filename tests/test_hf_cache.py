@@ -1362,20 +1362,6 @@ def test_value_scale_config_is_validated(kwargs, pattern):
         QuantConfig(kwargs.pop("key_scheme", "matched" if kwargs.get("value_scheme") == "matched" else "kqv"), 3, **kwargs)
 
 
-@pytest.mark.parametrize(
-    "kwargs, pattern",
-    [
-        ({"group": 0}, "group: expected 1 <= group <= 1048576"),
-        ({"group": 2**21, "value_scheme": "kv", "value_norms": "log8"}, "group: expected 1 <= group <= 1048576"),
-        ({"sink_dtype": "float16"}, "sink_dtype: 'float16' sets how sink tokens are stored, but sink_tokens=0 keeps none"),
-        ({"sink_dtype": "bfloat16", "sink_tokens": 0}, "sink_tokens=0 keeps none"),
-    ],
-)
-def test_settings_no_codec_can_use_are_refused_by_the_config(kwargs, pattern):
-    with pytest.raises(KvqrsError, match=pattern):
-        QuantConfig("kv", 4, **kwargs)
-
-
 WINDOW_CASES = [
     pytest.param(QuantConfig("kqv", 4, "kqv", 4, residual_length=4), None, id="kqv"),
     pytest.param(QuantConfig("kivi", 2, "kivi", 2, residual_length=3, group=8, sink_tokens=2), None, id="kivi-sinks"),
@@ -1540,6 +1526,64 @@ def test_a_fused_step_whose_output_does_not_fit_float16_raises(scheme):
 def test_log8_value_norms_replace_a_plain_mse_norm_only(args, kwargs, pattern):
     with pytest.raises(KvqrsError, match=pattern):
         QuantConfig(*args, group=8, value_norms=kwargs.pop("value_norms", "log8"), **kwargs)
+
+
+def test_log8_value_norms_need_a_group_the_log_code_takes():
+    """The log code takes groups of up to 2^20 values: a config (and a codec) with a larger
+    group is refused when made, not at its first encode."""
+    QuantConfig("kqv", 3, "kv", 3, group=2**20, value_norms="log8")
+    for group in (2**20 + 1, 0):
+        with pytest.raises(KvqrsError, match=rf"^group: log8 norms .* expected a group in 1\.\.1048576, got {group}$"):
+            QuantConfig("kqv", 3, "kv", 3, group=group, value_norms="log8")
+    with pytest.raises(KvqrsError, match=r"^group: log8 norms"):
+        KVCodec("kqv", 3, 64, value_scheme="kv", group=2**20 + 1, value_norms="log8")
+    # Float norms have no exponent groups: the group bounds only what uses it.
+    QuantConfig("kqv", 3, "kv", 3, group=2**20 + 1)
+
+
+def test_config_and_codec_refuse_value_stage_settings_alike():
+    """QuantConfig refuses, before any codec exists, what its codecs would refuse: the same
+    check names the setting and the values it does not apply to."""
+    for kwargs in ({"value_scale": "least_squares"}, {"value_norms": "log8"}):
+        with pytest.raises(KvqrsError) as config_error:
+            QuantConfig("kqv", 3, "kivi", 3, group=8, **kwargs)
+        with pytest.raises(KvqrsError) as codec_error:
+            KVCodec("kqv", 3, 64, value_scheme="kivi", group=8, **kwargs)
+        config_msg, codec_msg = str(config_error.value), str(codec_error.value)
+        assert config_msg.endswith("not to value_scheme='kivi'") and codec_msg.endswith("not to 'kivi' values")
+        assert config_msg.removesuffix("value_scheme='kivi'") == codec_msg.removesuffix("'kivi' values")
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"sink_tokens": 0}])
+def test_sink_dtype_needs_sinks(kwargs):
+    """A sink dtype with no sink tokens would store nothing: refused, naming both settings."""
+    with pytest.raises(KvqrsError, match=r"^sink_dtype: 'float16' sets how sink tokens are stored, but sink_tokens is 0"):
+        QuantConfig("kqv", 4, "kqv", 4, sink_dtype="float16", **kwargs)
+    QuantConfig("kqv", 4, "kqv", 4, sink_dtype="float16", sink_tokens=1)
+    QuantConfig("kqv", 4, "kqv", 4, sink_dtype=None, **kwargs)
+    # A preset's sink dtype goes with its sinks: overriding them away drops it too.
+    from kvqrs.schemes.matched import random_calibration
+
+    cal = {0: random_calibration(64, 4, 0)}
+    assert QuantConfig.preset("4bit", cal).sink_dtype == "float16"
+    assert QuantConfig.preset("4bit", cal, sink_tokens=0).sink_dtype is None
+    with pytest.raises(KvqrsError, match="but sink_tokens is 0"):
+        QuantConfig.preset("4bit", cal, sink_tokens=0, sink_dtype="bfloat16")
+
+
+def test_cache_saved_with_a_sink_dtype_and_no_sinks_still_loads(tmp_path):
+    """A cache saved with a sink dtype and no sinks (a config refused since) loads, without the
+    sink dtype: it held only empty sink tensors in it."""
+    cfg = QuantConfig("kqv", 4, "kqv", 4, residual_length=4)
+    cfg.sink_dtype = "float16"  # what such a config was, past the check added since
+    k, v = _kv(tokens=20, seed=7)
+    old = QuantizedKVCache(cfg, 1)
+    old.update(k, v, 0)
+    assert old.layers[0].sink_k.dtype == torch.float16 and old.layers[0].sink_k.shape[-2] == 0
+    old.save(tmp_path / "old.kvqc")
+    back = QuantizedKVCache.load(tmp_path / "old.kvqc")
+    assert back.config.sink_dtype is None and back.layers[0].sink_k.dtype == torch.float32
+    assert all(torch.equal(a, b) for a, b in zip(back.layers[0].materialize(), old.layers[0].materialize()))
 
 
 def test_log8_value_norms_flush_whole_groups():

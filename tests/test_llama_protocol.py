@@ -124,6 +124,11 @@ def test_calibration_file_row_reads_its_settings(tmp_path):
         pn.config.value_scale == "preserve_norm" and pn.name == "matched budget 3.25, per-layer widths g256 sinks:2 preserve_norm (b.npz)"
     )
     assert lp.file_row(q, "norm").config.value_scale == "norm"
+    # A file recording a sink dtype but no sinks (made before QuantConfig refused the pair)
+    # evaluates without one: nothing was stored in it.
+    z = save_matched(tmp_path / "c.npz", cal, {"group": 256, "sink_tokens": 0, "sink_dtype": "float16", "budget": 3.25})
+    zr = lp.file_row(z)
+    assert zr.config.sink_tokens == 0 and zr.config.sink_dtype is None and "float16" not in zr.name
 
 
 def test_allocation_spends_the_budget_on_sensitive_layers(model32, texts):

@@ -309,10 +309,19 @@ def _code() -> LogScalars:
 @pytest.mark.parametrize(
     ("call", "message"),
     [
-        (lambda: log_encode(np.array([[1.0, 2.0], [3.0, -1.0]], np.float32), 1), r"^values: expected finite .*non-negative.*got -1 at"),
-        (lambda: log_encode(np.array([[1.0, np.nan]], np.float32), 1), r"^values: expected finite .*got NaN at"),
-        (lambda: log_encode(np.array([[np.inf, 1.0]], np.float32), 1), r"^values: expected finite .*got inf at"),
-        (lambda: log_encode(np.array([[1.0, -np.inf]], np.float32), 2), r"^values: expected finite .*got -inf at"),
+        # A bad value is named by its row (over the flattened leading axes) and its position in
+        # the row, as mse_encode names a non-finite value.
+        (
+            lambda: log_encode(np.array([[1.0, 2.0], [3.0, -1.0]], np.float32), 1),
+            r"^values: expected finite non-negative values, got -1 at row 1, position 1$",
+        ),
+        (lambda: log_encode(np.array([[1.0, np.nan]], np.float32), 1), r"^values: expected finite .*got NaN at row 0, position 1$"),
+        (lambda: log_encode(np.array([[np.inf, 1.0]], np.float32), 1), r"^values: expected finite .*got inf at row 0, position 0$"),
+        (lambda: log_encode(np.array([[1.0, -np.inf]], np.float32), 2), r"^values: expected finite .*got -inf at row 0, position 1$"),
+        (
+            lambda: log_encode(np.ones((2, 2, 3), np.float32) - 2 * (np.arange(12).reshape(2, 2, 3) == 8), 2),
+            r"^values: expected finite non-negative values, got -1 at row 2, position 2$",
+        ),
         (lambda: log_encode(np.ones((2, 3), np.float32), 0), r"^group: expected an integer >= 1, got 0"),
         (lambda: log_encode(np.ones((2, 3), np.float32), True), r"^group: expected an integer >= 1, got bool"),
         (lambda: log_encode(np.ones((2, 3), np.float32), 1.5), r"^group: expected an integer >= 1"),

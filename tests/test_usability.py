@@ -96,7 +96,10 @@ def test_eval_refuses_bad_matched_bits_before_loading_the_model(text_file, no_mo
         (["--budget", "4", "--probe-windows", "0"], "--probe-windows: expected at least 1 with --budget"),
         (["--windows", "0"], "--windows: expected at least 1"),
         (["--sink-tokens", "-1"], "--sink-tokens: expected 0 or more"),
-        (["--sink-tokens", "0", "--sink-dtype", "float16"], "--sink-dtype: float16 stores sink tokens, but --sink-tokens is 0"),
+        (
+            ["--sink-tokens", "0", "--sink-dtype", "float16"],
+            "--sink-dtype: float16 sets how sink tokens are stored, but --sink-tokens is 0",
+        ),
         (["--bits", "0"], "--bits: expected 0 < bits <= 8"),
         (["--group", "0"], "--group: the matched scheme packs codes along tokens, so a multiple of 8 tokens, got 0"),
         (["--group", "7"], "a multiple of 8 tokens, got 7"),

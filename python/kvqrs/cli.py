@@ -354,7 +354,11 @@ def _check_calibrate_args(args: argparse.Namespace) -> None:
             f"--group: the matched scheme packs codes along tokens, so a multiple of 8 tokens, got {args.group}",
         ),
         (args.sink_tokens >= 0, f"--sink-tokens: expected 0 or more, got {args.sink_tokens}"),
-        (args.sink_dtype is None or args.sink_tokens > 0, f"--sink-dtype: {args.sink_dtype} stores sink tokens, but --sink-tokens is 0"),
+        (
+            args.sink_dtype is None or args.sink_tokens >= 1,
+            f"--sink-dtype: {args.sink_dtype} sets how sink tokens are stored, but --sink-tokens is 0 (no sinks); "
+            "give --sink-tokens 1 or more, or no --sink-dtype",
+        ),
         (args.windows >= 1, f"--windows: expected at least 1, got {args.windows}"),
         (args.ctx >= args.sink_tokens + 2, f"--ctx: expected at least --sink-tokens + 2 = {args.sink_tokens + 2} tokens, got {args.ctx}"),
         (0 < args.bits <= 8, f"--bits: expected 0 < bits <= 8 average key code bits, got {args.bits}"),

@@ -109,6 +109,9 @@ def file_row(path, value_scale: str | None = None) -> LlamaRow:
     vb = max(1, math.ceil(bits))
     what = f"budget {meta['budget']}, per-layer widths" if "budget" in meta else f"k{bits:g} v{vb}"
     scale, norms, sink_dtype = value_scale or meta.get("value_scale", "norm"), meta.get("value_norms", "float"), meta.get("sink_dtype")
+    # A file made with a sink dtype but no sinks (which `kvqrs calibrate` now refuses) stored
+    # nothing in that dtype: its row has none.
+    sink_dtype = sink_dtype if sinks else None
     tags = {"norm": "", "least_squares": " ls-scale"}.get(scale, f" {scale}") + (f" {norms}-norms" if norms != "float" else "")
     tags += f" {sink_dtype}-sinks" if sink_dtype else ""
     label = f"matched {what} g{group} sinks:{sinks}{tags} ({pathlib.Path(path).name})"

@@ -57,6 +57,15 @@ def check_finite(flat: np.ndarray, dim: int, arg: str) -> None:
         raise KvqrsError(f"{arg}: expected finite values, got {rust_float(flat[i])} at row {row}, position {col}")
 
 
+def check_non_negative(flat: np.ndarray, dim: int, arg: str) -> None:
+    """Raise ``KvqrsError`` naming the first negative, NaN or infinite value of flat rows of
+    ``dim`` values by its row and position."""
+    bad = ~(np.isfinite(flat) & (flat >= 0))
+    if bad.any():
+        i, row, col = _position(bad, dim)
+        raise KvqrsError(f"{arg}: expected finite non-negative values, got {rust_float(flat[i])} at row {row}, position {col}")
+
+
 def check_code_range(flat: np.ndarray, width: int, bits: int, arg: str) -> None:
     """Raise for a uint8 code ``>= 2**bits`` (other dtypes are checked by ``as_code_rows``)."""
     limit = 1 << bits

@@ -12,14 +12,12 @@ from typing import Any
 import numpy as np
 
 from .._arrays import KvqrsError, as_float_rows, check_out_dtype, check_positive_int, restore, tensors_in_out
-from ..kernels.log_scalars import LogScalars, decode_args
+from ..kernels.log_scalars import MAX_ROW_LEN, LogScalars, decode_args
 from ._device import device as _device
-from ._host import check_row_len, check_stored
+from ._host import check_non_negative, check_row_len
 
 __all__ = ["LogScalars", "log_decode", "log_encode"]
 
-_MAX_ROW_LEN = 1 << 20
-"""The Rust path's longest row or group (``MAX_ROW_LEN`` of rust/core/src/kernels/mod.rs)."""
 _EXP_MIN, _EXP_MAX = 16, 254
 """Valid exponent bytes (``EXP_MIN``, ``EXP_MAX`` of rust/core/src/kernels/log_scalars.rs)."""
 
@@ -27,8 +25,8 @@ _EXP_MIN, _EXP_MAX = 16, 254
 def _check_lengths(n: int, group: int) -> None:
     """The Rust path's row and group length checks, with its messages."""
     for arg, v in (("n", n), ("group", group)):
-        if not 1 <= v <= _MAX_ROW_LEN:
-            raise KvqrsError(f"{arg}: expected 1 <= {arg} <= {_MAX_ROW_LEN}, got {v}")
+        if not 1 <= v <= MAX_ROW_LEN:
+            raise KvqrsError(f"{arg}: expected 1 <= {arg} <= {MAX_ROW_LEN}, got {v}")
 
 
 @tensors_in_out()
@@ -55,14 +53,14 @@ def log_encode(values: Any, group: int, *, device: Any = None) -> LogScalars:
         ``(..., ceil(n / group))``, ``group``.
 
     Raises:
-        KvqrsError: bad dtype, shape or group, a negative, NaN or infinite value (its flat
+        KvqrsError: bad dtype, shape or group, a negative, NaN or infinite value (its row and
             position named), a group longer than 8192 values, or a batch beyond the adapter's
             buffer limit.
     """
     g = check_positive_int(group, "group")
     flat, leading, n, _ = as_float_rows(values, "values")
     _check_lengths(n, g)
-    check_stored(flat, "values")
+    check_non_negative(flat, n, "values")
     check_row_len(min(g, n), "group")
     groups = -(-n // g)
     rows = flat.size // n

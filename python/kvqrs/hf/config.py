@@ -30,7 +30,8 @@ class QuantConfig:
             at least this many tokens.
         sink_dtype: the dtype the sinks are stored in: None (default) the model's, or
             ``"float16"`` / ``"bfloat16"`` (rounded once when they enter the cache, read back in
-            the model's dtype; the fast path rounds them the same way).
+            the model's dtype; the fast path rounds them the same way). Needs
+            ``sink_tokens >= 1``.
         seed: seed of every rotation and sketch.
         group: KIVI / block group size (KIVI keys flush in chunks of ``group`` tokens, whose
             packed codes must fill whole bytes: ``group * key_bits`` a multiple of 8; the
@@ -55,7 +56,8 @@ class QuantConfig:
             ``value_transform``).
         value_norms: how that scale is stored, ``"float"`` (float16/float32, default) or
             ``"log8"`` (8 bits on a 1/16-octave grid with an exponent byte per ``group``
-            tokens: half the bits of a float16 norm, docs/kernels.md section 13). Only for
+            tokens, ``group`` at most 2^20: half the bits of a float16 norm, docs/kernels.md
+            section 13). Only for
             ``kv`` and ``matched`` values (without ``value_transform``); the cache then flushes
             whole groups of ``group`` tokens (as with KIVI or matched keys).
         bases: HeadQ bases per layer, ``{layer: (kv_heads, d, r)}``, or ``"random"`` for the
@@ -104,8 +106,7 @@ class QuantConfig:
 
     def __post_init__(self) -> None:
         from .._arrays import check_bits
-        from ..kernels.mse import check_scale
-        from ..schemes.codec import KEY_SCHEMES, MSE_VALUE_SCHEMES, VALUE_SCHEMES
+        from ..schemes.codec import KEY_SCHEMES, VALUE_SCHEMES, check_value_stage
 
         if self.key_scheme is not None and self.key_scheme not in KEY_SCHEMES:
             raise KvqrsError(f"key_scheme: expected one of {KEY_SCHEMES} or None, got {self.key_scheme!r}")
@@ -128,8 +129,6 @@ class QuantConfig:
         for name in ("residual_length", "sink_tokens"):
             if getattr(self, name) < 0:
                 raise KvqrsError(f"{name}: expected >= 0, got {getattr(self, name)}")
-        if not 1 <= self.group <= MAX_GROUP:
-            raise KvqrsError(f"group: expected 1 <= group <= {MAX_GROUP} values per scale group (the kernels' row limit), got {self.group}")
         # Per-channel codes are packed along tokens and join a cache a group at a time: a group's
         # codes must fill whole bytes.
         if self._kivi_keys and self.group * self.key_bits % 8:
@@ -155,30 +154,17 @@ class QuantConfig:
                 raise KvqrsError(
                     f"calibration: {self.calibration!r} applies to the matched scheme only, not {self.key_scheme!r}/{self.value_scheme!r}"
                 )
-        if check_scale(self.value_scale, "value_scale") != "norm" and (self.value_scheme not in MSE_VALUE_SCHEMES or self.value_transform):
-            what = "value_transform=True" if self.value_transform else f"value_scheme={self.value_scheme!r}"
-            raise KvqrsError(
-                f"value_scale: {self.value_scale!r} applies to values with an MSE stage (value_scheme in {MSE_VALUE_SCHEMES}, "
-                f"without value_transform), not to {what}"
-            )
+        # The codec's own check, run before any codec is built (value_transform makes the
+        # matched values transform-coded).
+        what = "value_transform=True" if self.value_transform else f"value_scheme={self.value_scheme!r}"
+        check_value_stage(self.value_scheme, self.value_scale, self.value_norms, self.group, self.value_transform, what)
         if self.sink_dtype not in SINK_DTYPES:
             raise KvqrsError(f"sink_dtype: expected None or one of {tuple(SINK_DTYPES)[1:]}, got {self.sink_dtype!r}")
         if self.sink_dtype is not None and self.sink_tokens == 0:
             raise KvqrsError(
-                f"sink_dtype: {self.sink_dtype!r} sets how sink tokens are stored, but sink_tokens=0 keeps none; set sink_tokens >= 1 or sink_dtype=None"
+                f"sink_dtype: {self.sink_dtype!r} sets how sink tokens are stored, but sink_tokens is 0 (no sinks); "
+                "set sink_tokens >= 1 or sink_dtype=None"
             )
-        if self.value_norms != "float":
-            from ..schemes.codec import LOG_NORM_VALUE_SCHEMES
-            from ..schemes.mse import NORMS
-
-            if self.value_norms not in NORMS:
-                raise KvqrsError(f"value_norms: expected one of {NORMS}, got {self.value_norms!r}")
-            if self.value_scheme not in LOG_NORM_VALUE_SCHEMES or self.value_transform:
-                what = "value_transform=True" if self.value_transform else f"value_scheme={self.value_scheme!r}"
-                raise KvqrsError(
-                    f"value_norms: {self.value_norms!r} applies to values with an MSE stage and no QJL residual "
-                    f"(value_scheme in {LOG_NORM_VALUE_SCHEMES}, without value_transform), not to {what}"
-                )
         if self.a2_lookahead is not None and not 1 <= self.a2_lookahead <= self.residual_length:
             raise KvqrsError(
                 f"a2_lookahead: expected 1 .. residual_length ({self.residual_length}) so that only queries that "
@@ -268,7 +254,9 @@ class QuantConfig:
                 :func:`kvqrs.hf.calibration.allocate_matched` with the preset's ``budget``,
                 ``key_widths``, ``value_widths``, ``group``, ``sink_tokens``, ``value_norms``,
                 ``sink_dtype`` and ``value_scale``), or the path of that file.
-            overrides: other :class:`QuantConfig` fields (``residual_length``, ``seed``, ...).
+            overrides: other :class:`QuantConfig` fields (``residual_length``, ``seed``, ...);
+                ``sink_tokens=0`` without a ``sink_dtype`` also drops the preset's sink dtype
+                (there are no sinks to store in it).
 
         Returns:
             A ``matched`` config with the preset's ``group``, ``sink_tokens``, ``sink_dtype``,
@@ -289,6 +277,8 @@ class QuantConfig:
             _check_preset_file(name, p, calibration_meta(calibration), calibration)
             calibration = load_matched(calibration)
         kw = {k: p[k] for k in ("group", "sink_tokens", "sink_dtype", "value_norms", "value_scale")}
+        if overrides.get("sink_tokens") == 0 and "sink_dtype" not in overrides:
+            kw["sink_dtype"] = None
         kw.update(calibration=calibration, **overrides)
         return cls("matched", p["value_bits"], "matched", p["value_bits"], **kw)
 
@@ -387,9 +377,6 @@ def _check_preset_file(name: str, preset: dict, meta: dict, path: Any) -> None:
     if differ:
         raise KvqrsError(f"calibration: {str(path)!r} was made with {', '.join(differ)}; make it with `kvqrs calibrate --preset {name}`")
 
-
-MAX_GROUP = 1 << 20
-"""The longest scale group: the kernels' row limit (``MAX_ROW_LEN`` in rust/core/src/kernels/mod.rs)."""
 
 SINK_DTYPES: dict[str | None, Any] = {None: None, "float16": torch.float16, "bfloat16": torch.bfloat16}
 """The storage dtypes of ``QuantConfig.sink_dtype`` (None: the model's)."""

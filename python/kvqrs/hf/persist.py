@@ -161,8 +161,14 @@ def loads(data: bytes, config: QuantConfig | None, make_cache: Callable[[QuantCo
             if n.startswith("bases.") and c == 2
         }
         bases = found or None
+    fields = meta["config"]
+    # A sink_dtype without sinks (refused by QuantConfig since) stored only empty sink tensors,
+    # in that dtype: the config is rebuilt without it and those tensors read as they were saved.
+    unused_sink_dtype = None
+    if isinstance(fields, dict) and fields.get("sink_tokens") == 0 and fields.get("sink_dtype") is not None:
+        unused_sink_dtype, fields = fields["sink_dtype"], {**fields, "sink_dtype": None}
     try:
-        saved = QuantConfig(**{**meta["config"], "calibration": _calibration(meta, sections)}, bases=bases)
+        saved = QuantConfig(**{**fields, "calibration": _calibration(meta, sections)}, bases=bases)
     except (TypeError, KvqrsError) as e:
         raise KvqrsError(f"compressed cache: its config cannot be rebuilt ({e})") from None
     if config is not None and not isinstance(config, QuantConfig):
@@ -176,7 +182,7 @@ def loads(data: bytes, config: QuantConfig | None, make_cache: Callable[[QuantCo
             raise KvqrsError(f"compressed cache: layer {i} has sliding window {window!r}")
         layer.sliding_window, layer.record_past = window, bool(info.get("record_past"))
         if info.get("initialized"):
-            _load_layer(layer, i, info, sections, raw, meta["format"])
+            _load_layer(layer, i, info, sections, raw, meta["format"], unused_sink_dtype)
     return cache
 
 
@@ -214,7 +220,7 @@ def _load_calibration(layer, i: int, info: dict, sections: dict) -> None:
     layer.set_calibration(fitted[0], int(info.get("fitted_tokens", 0)))
 
 
-def _load_layer(layer, i: int, info: dict, sections: dict, raw: list, version: str) -> None:
+def _load_layer(layer, i: int, info: dict, sections: dict, raw: list, version: str, unused_sink_dtype: str | None = None) -> None:
     try:
         dtype, d, quantized = info["dtype"], int(info["head_dim"]), int(info["quantized"])
         seen, start, q_start = (int(info[name]) for name in _POSITIONS)
@@ -222,10 +228,12 @@ def _load_layer(layer, i: int, info: dict, sections: dict, raw: list, version: s
         raise KvqrsError(f"compressed cache: layer {i} lacks its dtype, head_dim, quantized count or the positions it holds") from None
     sink_dtype = layer.config.sink_dtype or dtype  # sinks stored in the config's sink_dtype when set
     fp = {
-        name: _tensor(sections, f"L{i}.{name}", sink_dtype if name.startswith("sink_") else dtype, d)
+        name: _tensor(sections, f"L{i}.{name}", (unused_sink_dtype or sink_dtype) if name.startswith("sink_") else dtype, d)
         for name in (*_FP_ALWAYS, *_FP_OPTIONAL)
         if name in _FP_ALWAYS or info.get(name)
     }
+    if unused_sink_dtype is not None:  # empty: the dtype of no sinks
+        fp.update({name: fp[name].to(getattr(torch, sink_dtype)) for name in ("sink_keys", "sink_values")})
     keys = fp["window_keys"]
     layer.lazy_initialization(keys, fp["window_values"])
     _load_calibration(layer, i, info, sections)

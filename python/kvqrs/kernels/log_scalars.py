@@ -23,6 +23,8 @@ from .._arrays import (
 if TYPE_CHECKING:
     from .._arrays import Array, DTypeLike
 
+MAX_ROW_LEN = 1 << 20
+"""The longest row and group the log code takes (``MAX_ROW_LEN`` of rust/core/src/kernels/mod.rs)."""
 STEPS_PER_OCTAVE = 16
 """Grid steps per factor of two: a coded value is within ``2^(1/32) - 1 = 2.2%`` of its input."""
 
@@ -63,7 +65,9 @@ def log_encode(values: Array, group: int) -> LogScalars:
         :class:`LogScalars`.
 
     Raises:
-        KvqrsError: bad dtype or group, a negative or non-finite value (position named).
+        KvqrsError: bad dtype or group, a negative or non-finite value (named by its row of
+            the flattened leading axes and its position along the last axis, as the other
+            kernels name a non-finite value).
     """
     g = check_positive_int(group, "group")
     flat, leading, n, _ = as_float_rows(values, "values")

@@ -78,17 +78,27 @@ def _key_coder(scheme: str, bits: int, head_dim: int, seed: int, group: int, bac
     raise KvqrsError(f"scheme: expected one of {KEY_SCHEMES} for keys, got {scheme!r}")
 
 
-def _check_value_option(option: str, value: str, default: str, schemes: tuple[str, ...], stage: str, scheme: str, calibration: Any) -> str:
-    """A value-stage setting (``value_scale``, ``value_norms``; already validated) other than
-    its ``default`` refused, with a clear error, for values outside ``schemes`` and for
-    transform-coded ``matched`` values (``stage`` names what it applies to)."""
-    transform_coded = scheme == "matched" and getattr(calibration, "values", None) is not None
-    if value != default and (scheme not in schemes or transform_coded):
-        what = "transform-coded matched values" if transform_coded else f"{scheme!r} values"
-        raise KvqrsError(
-            f"{option}: {value!r} applies to {stage} (value schemes {schemes}, matched without transform-coded values), not to {what}"
-        )
-    return value
+def check_value_stage(scheme: str | None, scale: Any, norms: Any, group: Any, transform_coded: bool, what: str) -> None:
+    """The value stage's settings, checked alike by :class:`KVCodec` and, before any codec is
+    built, by ``QuantConfig``: ``value_scale`` and ``value_norms`` known, log8 norms with a
+    ``group`` the log code takes, and either setting other than its default only for value
+    schemes with that stage and not for transform-coded ``matched`` values (``what`` names
+    the caller's values in the error).
+
+    Raises:
+        KvqrsError: an unknown setting, a group out of range, or a setting its values lack.
+    """
+    check_scale(scale, "value_scale")
+    norm_params(norms, group, ("value_norms", "group"))
+    for option, value, default, schemes, stage in (
+        ("value_scale", scale, "norm", MSE_VALUE_SCHEMES, "the MSE value stage"),
+        # A QJL residual is computed against the float norm.
+        ("value_norms", norms, "float", LOG_NORM_VALUE_SCHEMES, "the MSE value stage without a QJL residual"),
+    ):
+        if value != default and (scheme not in schemes or transform_coded):
+            raise KvqrsError(
+                f"{option}: {value!r} applies to {stage} (value schemes {schemes}, matched without transform-coded values), not to {what}"
+            )
 
 
 def _value_coder(
@@ -104,11 +114,10 @@ def _value_coder(
 ):
     rot, qjl = derive_seed(seed, _VALUE_ROTATION), derive_seed(seed, _VALUE_QJL)
     if scheme in VALUE_SCHEMES:
-        check_scale(scale, "value_scale")
-        norm_params(norms, 1)
-        scale = _check_value_option("value_scale", scale, "norm", MSE_VALUE_SCHEMES, "the MSE value stage", scheme, calibration)
-        stage = "the MSE value stage without a QJL residual"  # a QJL residual is computed against the float norm
-        norms = _check_value_option("value_norms", norms, "float", LOG_NORM_VALUE_SCHEMES, stage, scheme, calibration)
+        transform_coded = scheme == "matched" and getattr(calibration, "values", None) is not None
+        check_value_stage(
+            scheme, scale, norms, group, transform_coded, "transform-coded matched values" if transform_coded else f"{scheme!r} values"
+        )
     stored = {"norms": norms, "norm_group": group}
     if scheme == "matched":
         cal = _matched_calibration(calibration, "values")

@@ -17,7 +17,7 @@ from .. import layout as lay
 from .._arrays import KvqrsError, as_float_rows
 from ..kernels import lloyd_max_codebook, packed_size, padded_dim
 from ..kernels.attention import MSERows, QJLRows
-from ..kernels.log_scalars import LogScalars
+from ..kernels.log_scalars import MAX_ROW_LEN, LogScalars
 from ..kernels.mse import check_scale
 from ..kernels.qjl import QJLSketch
 from .backend import CPU, Backend
@@ -52,19 +52,23 @@ range: docs/kernels.md section 5) or ``"log8"`` (8-bit log codes with an exponen
 group of tokens: docs/kernels.md section 13)."""
 
 
-def norm_params(norms: str, group: int | None) -> dict[str, object]:
+def norm_params(norms: str, group: int | None, names: tuple[str, str] = ("norms", "norm_group")) -> dict[str, object]:
     """The coder parameters recording the norm storage: none for ``"float"`` (tensors and files
     as before the option existed), ``{"norms": "log8", "norm_group": group}`` otherwise.
+    ``names``: what errors call ``norms`` and ``group`` (the caller's own settings).
 
     Raises:
-        KvqrsError: an unknown mode, or ``"log8"`` without a positive group.
+        KvqrsError: an unknown mode, or ``"log8"`` without a group the log code takes
+            (``1 .. MAX_ROW_LEN``).
     """
     if norms not in NORMS:
-        raise KvqrsError(f"norms: expected one of {NORMS}, got {norms!r}")
+        raise KvqrsError(f"{names[0]}: expected one of {NORMS}, got {norms!r}")
     if norms == "float":
         return {}
-    if isinstance(group, bool) or not isinstance(group, (int, np.integer)) or group < 1:
-        raise KvqrsError(f"norm_group: log8 norms share an exponent per group of tokens; expected a group >= 1, got {group!r}")
+    if isinstance(group, bool) or not isinstance(group, (int, np.integer)) or not 1 <= group <= MAX_ROW_LEN:
+        raise KvqrsError(
+            f"{names[1]}: log8 norms share an exponent byte per group of tokens; expected a group in 1..{MAX_ROW_LEN}, got {group!r}"
+        )
     return {"norms": norms, "norm_group": int(group)}
 
 

@@ -62,6 +62,17 @@ pub enum KvqError {
         value: f32,
     },
 
+    /// An input value that must be finite and non-negative (a log-coded scalar) and is not.
+    #[error(
+        "{arg}: expected finite non-negative values, got {value} at row {row}, position {col}"
+    )]
+    NegativeOrNonFinite {
+        arg: &'static str,
+        row: usize,
+        col: usize,
+        value: f32,
+    },
+
     /// A stored scalar (norm, scale) that is negative or not finite.
     #[error("{arg}: expected finite stored scalars (non-negative for norms and scales), got {value} at row {row}")]
     InvalidScalar {

@@ -140,14 +140,20 @@ impl LogView<'_> {
         self.row.div_ceil(self.group.max(1))
     }
 
+    /// Value `i` of a validated view (rows and groups of at least one value).
     #[inline]
     fn get(&self, i: usize) -> f32 {
         let (r, j) = (i / self.row, i % self.row);
         log_scalars::level(self.codes[i], self.exps[r * self.groups() + j / self.group])
     }
 
-    /// Values `start .. start + out.len()`, a run of one group's codes at a time.
+    /// Values `start .. start + out.len()` of a validated view, a run of one group's codes at a
+    /// time (two divisions per call, none per value).
     fn read(&self, start: usize, out: &mut [f32]) {
+        // A view of no rows validates with rows of 0 values: reading nothing must not divide.
+        if out.is_empty() {
+            return;
+        }
         let groups = self.groups();
         let (mut r, mut j, mut i) = (start / self.row, start % self.row, start);
         let mut rest = out;
@@ -167,11 +173,12 @@ impl LogView<'_> {
         }
     }
 
-    /// Checks `blocks` rows of `room` values, `used` held: the buffer sizes and the held
-    /// groups' exponent bytes.
-    fn validate(
+    /// Checks `blocks` rows of `room` values, `used` held: the buffer sizes (errors name
+    /// `arg`) and the held groups' exponent bytes (errors name `exps_arg` and the group counted
+    /// over the held groups, as a compact array's flat index).
+    pub fn validate(
         &self,
-        arg: &'static str,
+        (arg, exps_arg): (&'static str, &'static str),
         (blocks, room, used): (usize, usize, usize),
     ) -> Result<()> {
         let groups = self.groups();
@@ -197,7 +204,7 @@ impl LogView<'_> {
         }
         let held = used.div_ceil(self.group);
         for b in 0..blocks {
-            log_scalars::check_exps(arg, &self.exps[b * groups..b * groups + held])?;
+            log_scalars::check_exps_from(exps_arg, &self.exps[b * groups..][..held], b * held)?;
         }
         Ok(())
     }
@@ -261,18 +268,22 @@ impl ScalarView<'_> {
 
     /// Checks a buffer of `blocks` blocks of `room` scalars whose first `used` of each are
     /// held (a layer store keeps room to append after each head's rows): finite, and not
-    /// below zero unless `signed`. Errors name the row counted over the held scalars.
+    /// below zero unless `signed`. Errors name the row counted over the held scalars; a
+    /// log-coded view's exponent bytes are named `arg` too ([`LogView::validate`] names them
+    /// apart).
     pub fn validate_rows(
         &self,
         arg: &'static str,
         (blocks, room, used): (usize, usize, usize),
         signed: bool,
     ) -> Result<()> {
-        if let ScalarView::Log(l) = self {
+        let flat = match *self {
+            ScalarView::F16(v) => Flat::F16(v),
+            ScalarView::F32(v) => Flat::F32(v),
             // Every code is a valid non-negative level; only the exponents can be out of range.
-            return l.validate(arg, (blocks, room, used));
-        }
-        if used > room || Some(self.len()) != blocks.checked_mul(room) {
+            ScalarView::Log(l) => return l.validate((arg, arg), (blocks, room, used)),
+        };
+        if used > room || Some(flat.len()) != blocks.checked_mul(room) {
             return Err(KvqError::ShapeMismatch {
                 arg,
                 expected: format!("{blocks} x {room} stored scalars ({used} held per block)"),
@@ -280,7 +291,7 @@ impl ScalarView<'_> {
             });
         }
         for b in 0..blocks {
-            let held = self.slice(b * room, used);
+            let held = flat.slice(b * room, used);
             if held.all_valid(signed) {
                 continue;
             }
@@ -297,13 +308,36 @@ impl ScalarView<'_> {
         }
         Ok(())
     }
+}
+
+/// The float views, whose scalars can be sliced and checked one by one (a log-coded view's
+/// values depend on their row's exponent bytes, so it is checked whole).
+#[derive(Clone, Copy)]
+enum Flat<'a> {
+    F16(&'a [u16]),
+    F32(&'a [f32]),
+}
+
+impl Flat<'_> {
+    fn len(&self) -> usize {
+        match self {
+            Flat::F16(v) => v.len(),
+            Flat::F32(v) => v.len(),
+        }
+    }
+
+    fn get(&self, i: usize) -> f32 {
+        match self {
+            Flat::F16(v) => f16::from_bits(v[i]).to_f32(),
+            Flat::F32(v) => v[i],
+        }
+    }
 
     /// Scalars `start .. start + len`.
-    fn slice(&self, start: usize, len: usize) -> ScalarView<'_> {
+    fn slice(&self, start: usize, len: usize) -> Self {
         match self {
-            ScalarView::F16(v) => ScalarView::F16(&v[start..start + len]),
-            ScalarView::F32(v) => ScalarView::F32(&v[start..start + len]),
-            ScalarView::Log(_) => unreachable!("log-coded views are validated whole"),
+            Flat::F16(v) => Flat::F16(&v[start..start + len]),
+            Flat::F32(v) => Flat::F32(&v[start..start + len]),
         }
     }
 
@@ -314,19 +348,18 @@ impl ScalarView<'_> {
         // A negative non-zero value has its sign bit set and some other bit set: as an
         // unsigned pattern it exceeds the sign bit alone (negative zero is allowed, as `<`).
         match self {
-            ScalarView::F16(v) => {
+            Flat::F16(v) => {
                 let neg = if signed { u16::MAX } else { 0x8000 };
                 !v.iter()
                     .fold(false, |bad, &b| bad | ((b & 0x7C00) == 0x7C00) | (b > neg))
             }
-            ScalarView::F32(v) => {
+            Flat::F32(v) => {
                 let neg = if signed { u32::MAX } else { 0x8000_0000 };
                 !v.iter().fold(false, |bad, &x| {
                     let b = x.to_bits();
                     bad | ((b & 0x7F80_0000) == 0x7F80_0000) | (b > neg)
                 })
             }
-            ScalarView::Log(_) => true,
         }
     }
 }
@@ -343,7 +376,7 @@ mod tests {
         for signed in [false, true] {
             for b in 0..=u16::MAX {
                 let one = [b];
-                let view = ScalarView::F16(&one);
+                let view = Flat::F16(&one);
                 assert_eq!(
                     view.all_valid(signed),
                     rule(view.get(0), signed),
@@ -368,16 +401,12 @@ mod tests {
             ];
             for &x in &edge {
                 let one = [x];
-                assert_eq!(
-                    ScalarView::F32(&one).all_valid(signed),
-                    rule(x, signed),
-                    "{x}"
-                );
+                assert_eq!(Flat::F32(&one).all_valid(signed), rule(x, signed), "{x}");
             }
             let mut many = vec![1.5f32; 1000];
-            assert!(ScalarView::F32(&many).all_valid(signed));
+            assert!(Flat::F32(&many).all_valid(signed));
             many[777] = -2.0;
-            assert_eq!(ScalarView::F32(&many).all_valid(signed), signed);
+            assert_eq!(Flat::F32(&many).all_valid(signed), signed);
             assert_eq!(
                 ScalarView::F32(&many)
                     .validate_rows("x", (1, 1000, 1000), signed)
@@ -465,13 +494,43 @@ mod tests {
                 }
             }
         }
-        // A bad exponent in a held group is an error; in the room it is not read.
+        // A bad exponent in a held group is an error naming the exponent part and the group
+        // counted over the held groups; in the room it is not read.
         let mut bad = e.clone();
         bad[gr + 1] = 255;
         assert!(!view(&bad)(room));
+        let named = LogView {
+            codes: &c,
+            exps: &bad,
+            group,
+            row: room,
+        }
+        .validate(("x", "x_exps"), (rows, room, used));
+        assert_eq!(
+            named.unwrap_err().to_string(),
+            format!(
+                "x_exps: expected log-code exponent bytes in 16..=254, got 255 at group {}",
+                gu + 1
+            )
+        );
         let mut in_room = e.clone();
         in_room[gr + 3] = 0;
         assert!(view(&in_room)(room));
+    }
+
+    /// A view of blocks with no room validates and reads nothing without dividing by its
+    /// rows of zero values.
+    #[test]
+    fn log_view_of_empty_rows_reads_nothing() {
+        let v = ScalarView::Log(LogView {
+            codes: &[],
+            exps: &[],
+            group: 4,
+            row: 0,
+        })
+        .in_rows(0);
+        assert!(v.validate_rows("x", (3, 0, 0), false).is_ok());
+        v.read(Isa::Scalar, 0, &mut []);
     }
 
     #[test]

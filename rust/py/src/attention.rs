@@ -60,14 +60,18 @@ fn groups<'a>(
     ))
 }
 
-/// The borrowed norms of `MSERows` (`name` names them in errors); log-coded norms get their
-/// row length from the kernel's layout.
-fn norms<'a>(n: &'a Norms<Bytes<'_>, Scalars<'_>>, name: &str) -> PyResult<ScalarView<'a>> {
+/// The borrowed norms of `MSERows` (`name` names them in errors, `exps_name` the exponent
+/// bytes of log-coded ones); log-coded norms get their row length from the kernel's layout.
+fn norms<'a>(
+    n: &'a Norms<Bytes<'_>, Scalars<'_>>,
+    name: &str,
+    exps_name: &str,
+) -> PyResult<ScalarView<'a>> {
     Ok(match n {
         Norms::Plain(s) => s.view(name)?,
         Norms::Log(l) => ScalarView::Log(LogView {
             codes: slice(&l.codes, name)?,
-            exps: slice(&l.exps, &format!("{name}.exps"))?,
+            exps: slice(&l.exps, exps_name)?,
             group: l.group,
             row: 0,
         }),
@@ -101,7 +105,7 @@ fn base_rows<'a>(
     Ok(match base {
         BaseRows::Mse(m) => CodedRows::Mse {
             codes: slice(&m.codes, &name("codes"))?,
-            norms: norms(&m.norms, &name("norms"))?,
+            norms: norms(&m.norms, &name("norms"), &name("norm_exps"))?,
             bits: m.bits,
             seed: m.seed,
             qjl: match &m.qjl {

@@ -92,9 +92,10 @@ pub fn encode(values: &[f32], n: usize, group: usize) -> Result<(Vec<u8>, Vec<u8
     check_row_len("group", group)?;
     let rows = rows_of("values", values.len(), n)?;
     if let Some(i) = values.iter().position(|v| !(v.is_finite() && *v >= 0.0)) {
-        return Err(KvqError::InvalidScalar {
+        return Err(KvqError::NegativeOrNonFinite {
             arg: "values",
-            row: i,
+            row: i / n,
+            col: i % n,
             value: values[i],
         });
     }
@@ -121,12 +122,18 @@ pub fn encode(values: &[f32], n: usize, group: usize) -> Result<(Vec<u8>, Vec<u8
 /// Checks stored exponent bytes (any code is valid; a byte outside `EXP_MIN..=EXP_MAX` would
 /// decode beyond the normal float32 range).
 pub fn check_exps(arg: &'static str, exps: &[u8]) -> Result<()> {
+    check_exps_from(arg, exps, 0)
+}
+
+/// [`check_exps`] of bytes that start at group `first` of a larger array (errors name that
+/// array's group).
+pub fn check_exps_from(arg: &'static str, exps: &[u8], first: usize) -> Result<()> {
     match exps.iter().position(|e| !(EXP_MIN..=EXP_MAX).contains(e)) {
         None => Ok(()),
         Some(i) => Err(KvqError::ShapeMismatch {
             arg,
             expected: format!("log-code exponent bytes in {EXP_MIN}..={EXP_MAX}"),
-            actual: format!("{} at group {i}", exps[i]),
+            actual: format!("{} at group {}", exps[i], first + i),
         }),
     }
 }
@@ -246,10 +253,15 @@ mod tests {
 
     #[test]
     fn bad_input_is_an_error() {
+        // The bad value is named by its row of `n` values and its position in that row.
         assert!(matches!(
-            encode(&[1.0, -1.0], 2, 1),
-            Err(KvqError::InvalidScalar { row: 1, .. })
+            encode(&[1.0, 2.0, 3.0, 4.0, -1.0, 6.0], 3, 2),
+            Err(KvqError::NegativeOrNonFinite { row: 1, col: 1, .. })
         ));
+        assert_eq!(
+            encode(&[1.0, 2.0, f32::NAN], 1, 1).unwrap_err().to_string(),
+            "values: expected finite non-negative values, got NaN at row 2, position 0"
+        );
         assert!(encode(&[f32::NAN], 1, 1).is_err());
         assert!(encode(&[1.0], 1, 0).is_err());
         assert!(decode(&[0, 0], &[0], 2, 1).is_err());

@@ -227,6 +227,8 @@ pub struct Attention {
 struct Names {
     codes: &'static str,
     norms: &'static str,
+    /// The exponent bytes of log-coded norms.
+    norm_exps: &'static str,
     scales: &'static str,
     zeros: &'static str,
     bits: &'static str,
@@ -241,6 +243,7 @@ struct Names {
 const KEY_NAMES: Names = Names {
     codes: "keys.codes",
     norms: "keys.norms",
+    norm_exps: "keys.norm_exps",
     scales: "keys.scales",
     zeros: "keys.zeros",
     bits: "keys.bits",
@@ -264,6 +267,7 @@ const KEY_RUN_NAMES: Names = Names {
 const VALUE_NAMES: Names = Names {
     codes: "values.codes",
     norms: "values.norms",
+    norm_exps: "values.norm_exps",
     scales: "values.scales",
     zeros: "values.zeros",
     bits: "values.bits",

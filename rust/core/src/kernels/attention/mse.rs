@@ -63,7 +63,10 @@ impl<'a> MsePlan<'a> {
         )?;
         // Log-coded norms find each token's group exponent by its head's row of `stride`.
         let norms = norms.in_rows(lay.stride);
-        norms.validate_rows(names.norms, held, false)?;
+        match norms {
+            ScalarView::Log(l) => l.validate((names.norms, names.norm_exps), held)?,
+            _ => norms.validate_rows(names.norms, held, false)?,
+        }
         let qjl = match qjl {
             None => None,
             Some(q) => {
