@@ -3,7 +3,7 @@ bases, turned into one :class:`kvqrs.schemes.KVCodec` per layer."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -97,7 +97,6 @@ class QuantConfig:
     value_transform: bool = False
     value_scale: str = "norm"
     value_norms: str = "float"
-    _codecs: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __getstate__(self) -> dict:
         # The per-layer codecs are a cache built from the settings (and hold kernel functions
@@ -105,6 +104,9 @@ class QuantConfig:
         return {**self.__dict__, "_codecs": {}}
 
     def __post_init__(self) -> None:
+        # Per-layer codecs built from the settings: a cache, not a field (replace, asdict and
+        # copies carry the settings only).
+        self._codecs: dict = {}
         from .._arrays import check_bits
         from ..schemes.codec import KEY_SCHEMES, VALUE_SCHEMES, check_value_stage
 
