@@ -1439,6 +1439,31 @@ def test_a_non_finite_token_leaves_the_window_buffer_as_it_was():
     assert layer.seen == 7 and torch.equal(layer.keys[..., :-1, :], before[..., 1:, :])
 
 
+@pytest.mark.parametrize("side", ["keys", "values"])
+@pytest.mark.parametrize("residual,sinks", [(0, 0), (3, 1)])
+@pytest.mark.parametrize("first", [True, False])
+def test_an_update_refused_for_a_range_overflow_stores_nothing(side, residual, sinks, first):
+    """A KIVI group whose range (max - min) overflows float32 is found only when its chunk is
+    encoded, after the tokens reached the window: the refused update leaves the cache as it
+    was, and the next updates give the bytes of a cache that never saw it."""
+    config = QuantConfig("kivi", 4, "kivi", 4, group=8, residual_length=residual, sink_tokens=sinks)
+    gen = torch.Generator().manual_seed(residual + 2 * first)
+    good = [(torch.randn(1, 2, n, 16, generator=gen), torch.randn(1, 2, n, 16, generator=gen)) for n in (9, 8, 1, 1)]
+    bad_k, bad_v = torch.randn(1, 2, 16, 16, generator=gen), torch.randn(1, 2, 16, 16, generator=gen)
+    bad = bad_k if side == "keys" else bad_v
+    bad[0, 1, 2, 5], bad[0, 1, 5 if side == "keys" else 2, 5 if side == "keys" else 6] = 3e38, -3e38
+    refused, clean = QuantizedKVCache(config, 1), QuantizedKVCache(config, 1)
+    for step, (k, v) in enumerate(good):
+        if step == (0 if first else 2):
+            with pytest.raises(KvqrsError, match="overflows float32"):
+                refused.update(bad_k, bad_v, 0)
+            assert refused.get_seq_length() == sum(t[0].shape[-2] for t in good[:step])
+        ka, va = refused.update(k, v, 0)
+        kb, vb = clean.update(k, v, 0)
+        assert torch.equal(ka, kb) and torch.equal(va, vb)
+    assert refused.to_bytes() == clean.to_bytes()
+
+
 def test_new_tokens_that_share_the_window_buffer_append_as_copies():
     """States that are views of the layer's own window (its buffer) are read before the
     buffer is written: the window is what joining copies of them gives."""

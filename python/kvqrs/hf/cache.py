@@ -336,10 +336,15 @@ class QuantizedLayer(CacheLayerMixin):
         for states in (key_states, value_states) if sinks > 0 else ():
             self.config.store_sinks(states[..., :sinks, :])  # beyond sink_dtype's range: raises before anything is stored
         view_start = self._view_start(self.seen)
-        self._append(key_states, value_states)
-        self.seen += key_states.shape[-2]
-        self._absorb_sinks()
-        fresh = self._flush()
+        undo = self._undo_point()
+        try:
+            self._append(key_states, value_states)
+            self.seen += key_states.shape[-2]
+            self._absorb_sinks()
+            fresh = self._flush()
+        except KvqrsError:  # e.g. a group's range beyond float32, found when the chunk is encoded
+            self._undo(undo)
+            raise
         self._view = self.view(view_start, first_query=self.seen - key_states.shape[-2], **fresh)
         if not self.awaits_calibration:  # else the prompt stays whole until attend fits on it
             self._drop_unread(self._view)
@@ -350,6 +355,21 @@ class QuantizedLayer(CacheLayerMixin):
             k, v = self.materialize(self._view)
         self._returned = weakref.ref(k)
         return k, v
+
+    def _undo_point(self) -> tuple:
+        """What :meth:`_undo` restores: the state an append, a sink move or a flush changes
+        (the window buffer is only written past ``hi``, so its bounds restore its content)."""
+        win = self._window
+        bounds = None if win is None else (win.lo, win.hi, win.k_view, win.v_view, win.shown)
+        return (self.keys, self.values, self.seen, self.sink_k, self.sink_v, self.q_start, self.store, self.quantized, win, bounds)
+
+    def _undo(self, point: tuple) -> None:
+        """Return to :meth:`_undo_point`'s state: an update that raises stores nothing. A
+        flush that raises has appended no codes (the store's native encode refuses whole)."""
+        (self.keys, self.values, self.seen, self.sink_k, self.sink_v, self.q_start, self.store, self.quantized, win, bounds) = point
+        self._window = win
+        if win is not None:
+            win.lo, win.hi, win.k_view, win.v_view, win.shown = bounds
 
     def _drop_unread(self, view: _View) -> None:
         """A sliding layer without past recording: read the codes of ``view`` (the forward's),
