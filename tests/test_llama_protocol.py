@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 
+import numpy as np
 import pytest
 import torch
 from kvqrs import KvqrsError
@@ -146,3 +147,27 @@ def test_allocation_spends_the_budget_on_sensitive_layers(model32, texts):
     assert {c.value_bits for c in cal.values()} == {3} and {c.keys.code_bits() for c in cal.values()} == {2.0, 4.0}
     with pytest.raises(KvqrsError, match="value_widths: expected integer bits"):
         allocate_matched(model, ch[:2], ch[2:], budget=4.5, key_widths=(2, 4), value_widths=(2.5,), group=16)
+
+
+def test_allocation_with_value_classes_measures_and_counts_them(model32, texts, tmp_path):
+    """`allocate_matched(..., value_classes=True)` fits classes at every candidate value width and
+    keeps the chosen width's; the file's row evaluates them (the fast path) and counts the
+    class index of every token in the value bits."""
+    from kvqrs.hf import save_matched
+    from kvqrs.hf.calibration import allocate_matched
+
+    model, tok = model32
+    ch = lp.llama_chunks(tok, texts.calibration, CTX, 3)
+    cal = allocate_matched(
+        model, ch[:2], ch[2:], budget=4.5, key_widths=(3,), value_widths=(2, 3), group=16, sink_tokens=1, value_classes=True
+    )
+    assert all(c.value_classes is not None and sum(b * n for b, n in c.value_classes) == 16 * c.value_bits for c in cal.values())
+    row = lp.file_row(save_matched(tmp_path / "c.npz", cal, {"group": 16, "sink_tokens": 1, "budget": 4.5}))
+    assert "a2-classes" in row.name
+    v = np.random.default_rng(0).standard_normal((1, 3, CTX - 1, 64)).astype(np.float32)
+    for layer, c in cal.items():  # 63 coded tokens fill 4 chunks of 16 slots, each slot with its class index
+        enc = row.config.codec(layer, 64).encode_values(v, np.ones(v.shape[:-1]))
+        k = max(1, math.ceil(math.log2(len(c.value_classes))))
+        assert enc.nbytes == 3 * 4 * (sum(n * (8 * b + 2) for b, n in c.value_classes) + 2 * k)
+    result = lp.run_llama(model, tok, texts, [row], ctx=CTX, chunks=1, progress=False)
+    assert np.isfinite(result["rows"][0]["kl_mean"])

@@ -225,8 +225,8 @@ def test_calibrate_preset_measures_and_records_its_value_scale(text_file, tmp_pa
 
     seen = {}
 
-    def allocate(model, fit, probe, budget, kw, vw, group, sinks, norms, sink_dtype, scale):
-        seen.update(budget=budget, norms=norms, scale=scale)
+    def allocate(model, fit, probe, budget, kw, vw, group, sinks, norms, sink_dtype, scale, classes):
+        seen.update(budget=budget, norms=norms, scale=scale, classes=classes)
         return {0: dataclasses.replace(random_calibration(16, 3, 0), value_bits=3)}
 
     monkeypatch.setattr(model_mod, "load", lambda *a, **k: (object(), object()))
@@ -235,7 +235,7 @@ def test_calibrate_preset_measures_and_records_its_value_scale(text_file, tmp_pa
     out = tmp_path / "c.npz"
     assert main(["calibrate", "--data", text_file, "--preset", "3bit", "--no-progress", "--out", str(out)]) == 0
     p = PRESETS["3bit"]
-    assert seen == {"budget": p["budget"], "norms": p["value_norms"], "scale": p["value_scale"]}
+    assert seen == {"budget": p["budget"], "norms": p["value_norms"], "scale": p["value_scale"], "classes": False}
     meta = calibration_meta(out)
     assert meta["value_scale"] == p["value_scale"] and meta["preset"] == "3bit"
     assert lp.file_row(out).config.value_scale == p["value_scale"]

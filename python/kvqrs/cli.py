@@ -8,6 +8,7 @@ storage cost in bits per element.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from collections.abc import Sequence
 
@@ -389,7 +390,7 @@ def _calibrate(args: argparse.Namespace) -> int:
     from .evaluation import llama_protocol as lp
     from .evaluation import model as model_mod
     from .hf import calibrate_matched, save_matched
-    from .hf.calibration import allocate_matched
+    from .hf.calibration import allocate_matched, fit_value_classes
 
     _check_calibrate_args(args)
     texts = _texts(args)
@@ -405,6 +406,8 @@ def _calibrate(args: argparse.Namespace) -> int:
     if args.budget is None:
         windows = lp.llama_chunks(tok, texts.calibration, args.ctx, args.windows)
         cal = calibrate_matched(model, windows, args.bits, args.group, skip=args.sink_tokens)
+        if args.value_classes:  # at the value width the file's row uses
+            cal = fit_value_classes(model, windows, cal, args.group, args.sink_tokens, max(1, math.ceil(args.bits)))
         path = save_matched(args.out, cal, {**meta, "bits": args.bits})
         what = f"key code bits {args.bits}"
     else:
@@ -416,7 +419,18 @@ def _calibrate(args: argparse.Namespace) -> int:
         fit, probe = windows[: args.windows], windows[args.windows :]
         kw, vw = tuple(args.key_widths), tuple(args.value_widths)
         cal = allocate_matched(
-            model, fit, probe, args.budget, kw, vw, args.group, args.sink_tokens, args.value_norms, args.sink_dtype, args.value_scale
+            model,
+            fit,
+            probe,
+            args.budget,
+            kw,
+            vw,
+            args.group,
+            args.sink_tokens,
+            args.value_norms,
+            args.sink_dtype,
+            args.value_scale,
+            args.value_classes,
         )
         widths = {"key_widths": " ".join(map(str, kw)), "value_widths": " ".join(map(str, vw))}
         path = save_matched(args.out, cal, {**meta, "budget": args.budget, **widths})
@@ -605,6 +619,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="what value tokens store per token beside their codes: the norm, the least-squares scale or the norm-preserving "
         "scale of the decoded direction (docs/kernels.md section 5); recorded in the file and used by its eval row (default: norm)",
+    )
+    ca.add_argument(
+        "--value-classes",
+        action="store_true",
+        help="code value tokens in per-token width classes ordered by A^2 importance (docs/schemes.md; fast evaluation path "
+        "only), fitted at each layer's value width and measured and counted so by --budget",
     )
     ca.add_argument(
         "--budget",

@@ -25,6 +25,7 @@ import torch
 from .._arrays import KvqrsError
 from ..hf import QuantConfig, fake_quant
 from ..hf.attention import active
+from ..schemes.width_classes import unit_weights
 from .capture import Recorder
 
 LLAMA_CPP = [
@@ -114,6 +115,7 @@ def file_row(path, value_scale: str | None = None) -> LlamaRow:
     sink_dtype = sink_dtype if sinks else None
     tags = {"norm": "", "least_squares": " ls-scale"}.get(scale, f" {scale}") + (f" {norms}-norms" if norms != "float" else "")
     tags += f" {sink_dtype}-sinks" if sink_dtype else ""
+    tags += " a2-classes" if any(c.value_classes for c in cal.values()) else ""
     label = f"matched {what} g{group} sinks:{sinks}{tags} ({pathlib.Path(path).name})"
     config = QuantConfig(
         "matched",
@@ -178,7 +180,9 @@ def chunk_bits(cfg: QuantConfig, qkv: dict[int, tuple[np.ndarray, np.ndarray, np
             8 * codec.encode_keys(k[..., sink:, :]).nbytes if cfg.quantizes_keys else k[..., sink:, :].size * dtype_bits
         )
         bits["v"] += sink_bits + (
-            8 * codec.encode_values(v[..., sink:, :]).nbytes if codec.values is not None else v[..., sink:, :].size * dtype_bits
+            8 * codec.encode_values(v[..., sink:, :], unit_weights(codec, v[..., sink:, :])).nbytes
+            if codec.values is not None
+            else v[..., sink:, :].size * dtype_bits
         )
     return bits["k"] / numel, bits["v"] / numel
 

@@ -19,12 +19,14 @@ import contextvars
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import repeat_kv
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
 from .._arrays import KvqrsError
+from ..schemes.width_classes import IMPORTANCE_WINDOW
 from ..torch import from_numpy, to_numpy
 from .config import QuantConfig
 
@@ -206,7 +208,8 @@ class FakeQuant:
         all_held = attention_mask is not None and all_held
         g = module.num_key_value_groups
         s_fp = None
-        if not (all_held and cfg.quantizes_keys) or (cfg.value_scheme == "a2" and not cfg.a2_uniform):
+        local_a2 = codec.values is not None and cfg.value_scheme != "a2" and codec.needs_weights
+        if not (all_held and cfg.quantizes_keys) or (cfg.value_scheme == "a2" and not cfg.a2_uniform) or local_a2:
             s_fp = (query @ repeat_kv(key, g).transpose(2, 3)) * scaling
         logits = s_fp
         # The sinks are never quantized: codes (and KIVI key groups) start after them, as in the cache.
@@ -225,6 +228,8 @@ class FakeQuant:
         weights = None
         if cfg.value_scheme == "a2" and not cfg.a2_uniform:
             weights = _a2_importance(module, s_fp, attention_mask, cfg.a2_lookahead)[..., sink:]
+        elif local_a2:
+            weights = local_importance(s_fp, sink, module.num_key_value_groups)[..., sink:]
         v_hat = from_numpy(codec.decode_values(codec.encode_values(to_numpy(value[..., sink:, :], "values"), weights)), value)
         v_hat = torch.cat([value[..., :sink, :], v_hat], dim=-2)
         if all_held:
@@ -244,6 +249,31 @@ def _a2_importance(module, s_fp, attention_mask, lookahead):
         p = p * ((lag >= 0) & (lag < lookahead))
     g = module.num_key_value_groups
     return p.sum(dim=-2).reshape(p.shape[0], -1, g, length).sum(dim=2).numpy()
+
+
+def local_importance(logits: torch.Tensor, sinks: int, groups: int, window: int = IMPORTANCE_WINDOW) -> np.ndarray:
+    """The A^2 importance of each key that a cache can measure while the key is still in its
+    full-precision window: ``w_j = sum_t sum_heads p_tj^2`` over the queries ``t = j .. j +
+    window - 1``, each ``p_t`` the softmax of query ``t`` over the sinks and its ``window``
+    latest keys (full precision, read the same by any cache).
+
+    Args:
+        logits: ``(batch, q_heads, len, len)`` scaled full-precision logits of the queries at
+            positions ``0 .. len - 1`` against the same positions' keys.
+        sinks: leading full-precision tokens every query's softmax keeps.
+        groups: query heads per KV head (GQA).
+        window: the local window and lookahead.
+
+    Returns:
+        float64 ``(batch, kv_heads, len)``.
+    """
+    length = logits.shape[-1]
+    lag = torch.arange(length)[:, None] - torch.arange(length)[None, :]  # t - j
+    recent = (lag >= 0) & (lag < window)
+    seen = recent | ((lag >= 0) & (torch.arange(length)[None, :] < sinks))
+    p = torch.softmax(logits.double().masked_fill(~seen, float("-inf")), dim=-1) ** 2
+    w = (p * recent).sum(dim=-2)
+    return w.reshape(w.shape[0], -1, groups, length).sum(dim=2).numpy()
 
 
 @contextlib.contextmanager

@@ -991,6 +991,11 @@ class QuantizedKVCache(Cache):
             raise KvqrsError(
                 "value_scheme: the a2 allocation needs each token's future attention; it runs in the fast evaluation path only"
             )
+        if isinstance(config.calibration, dict) and any(getattr(c, "value_classes", None) for c in config.calibration.values()):
+            raise KvqrsError(
+                "calibration: values in width classes need the A^2 importance of each token from the queries that read it; "
+                "they run in the fast evaluation path (kvqrs.hf.fake_quant) only"
+            )
         if (num_layers is None) == (model_config is None):
             raise KvqrsError("num_layers, model_config: give exactly one (model_config to follow the model's sliding-window layers)")
         windows = [None] * max(num_layers, 0) if model_config is None else layer_windows(model_config)

@@ -13,6 +13,7 @@ import torch
 
 from .._arrays import KvqrsError
 from ..kernels import headq_basis
+from ..schemes.width_classes import unit_weights
 from ..torch import to_numpy
 from .attention import active, register
 
@@ -202,6 +203,7 @@ def allocate_matched(
     value_norms: str = "float",
     sink_dtype: str | None = None,
     value_scale: str = "norm",
+    value_classes: bool = False,
 ) -> dict:
     """A ``matched`` calibration whose per-layer key and value widths come from measured
     sensitivity.
@@ -228,7 +230,9 @@ def allocate_matched(
             tokens store their norms (``QuantConfig.value_norms``), measured and counted so;
             sink_dtype: the sinks' storage (``QuantConfig.sink_dtype``), counted so;
             value_scale: what value tokens store per token (``QuantConfig.value_scale``),
-            measured so.
+            measured so; value_classes: values in per-token width classes
+            (:func:`fit_value_classes`, fitted on ``windows`` at each value width), measured
+            and counted so.
 
     Returns:
         ``{layer: MatchedCalibration}`` with ``value_bits`` set per layer.
@@ -254,9 +258,14 @@ def allocate_matched(
     common = {"group": group, "sink_tokens": sink_tokens, "sink_dtype": sink_dtype}
     key_cfgs = [QuantConfig("matched", 4, None, **common, calibration=fits[a]) for a in kw]
     # Values alone read only the value mean of a calibration (the same in every fit) and its width.
-    value_cal = lambda b: {layer: dataclasses.replace(c, value_bits=int(b)) for layer, c in fits[kw[0]].items()}  # noqa: E731
+    plain = {b: {layer: dataclasses.replace(c, value_bits=int(b)) for layer, c in fits[kw[0]].items()} for b in vw}
+    fitted_values = (
+        {b: fit_value_classes(model, windows, cal, group, sink_tokens, int(b)) for b, cal in plain.items()} if value_classes else plain
+    )
     value_cfgs = [
-        QuantConfig(None, int(b), "matched", int(b), **common, calibration=value_cal(b), value_norms=value_norms, value_scale=value_scale)
+        QuantConfig(
+            None, int(b), "matched", int(b), **common, calibration=fitted_values[b], value_norms=value_norms, value_scale=value_scale
+        )
         for b in vw
     ]
     kl_k, kl_v = layer_sensitivity(model, probe, key_cfgs), layer_sensitivity(model, probe, value_cfgs)
@@ -267,10 +276,91 @@ def allocate_matched(
     cost = np.stack([kl_k[:, a] + kl_v[:, b] for a, b in pairs], axis=1)
     bits = np.stack([(bits_k[:, a] + bits_v[:, b]) / 2 for a, b in pairs], axis=1)
     pick = allocate_layers(cost, bits, budget)
-    return {
-        layer: dataclasses.replace(fits[kw[pairs[j][0]]][layer], value_bits=int(vw[pairs[j][1]]))
-        for layer, j in zip(sorted(stats), pick.tolist())
-    }
+    out = {}
+    for layer, j in zip(sorted(stats), pick.tolist()):
+        chosen = fitted_values[vw[pairs[j][1]]][layer]
+        out[layer] = dataclasses.replace(fits[kw[pairs[j][0]]][layer], value_bits=chosen.value_bits, value_classes=chosen.value_classes)
+    return out
+
+
+class _ClassRecorder:
+    """Attention state that, per layer, allocates each calibration window's value widths freely
+    by local A^2 importance (:func:`~kvqrs.schemes.a2.allocate_bits` per chunk of ``group``
+    tokens after the sinks, at the layer's value width) and counts the widths; attention runs
+    unchanged."""
+
+    def __init__(self, calibration: dict, group: int, sink_tokens: int, default_bits: int) -> None:
+        self.calibration, self.group, self.sinks, self.default_bits = calibration, group, sink_tokens, default_bits
+        self.histograms: dict[int, np.ndarray] = {}
+
+    def bits(self, layer: int) -> int:
+        b = self.calibration[layer].value_bits
+        return self.default_bits if b is None else b
+
+    def attend(self, module, query, key, value, attention_mask, scaling):
+        from transformers.integrations.sdpa_attention import repeat_kv
+
+        from ..schemes.a2 import allocate_bits
+        from .attention import local_importance
+
+        layer, g = module.layer_idx, module.num_key_value_groups
+        logits = (query @ repeat_kv(key, g).transpose(2, 3)) * scaling
+        w = local_importance(logits, self.sinks, g)[0, :, self.sinks :]  # (kv_heads, n)
+        v = to_numpy(value, "values")[0, :, self.sinks :].astype(np.float64) - self.calibration[layer].value_mean[:, None, :]
+        n = (w.shape[-1] // self.group) * self.group
+        if n:
+            rows = lambda a: a[:, :n].reshape(-1, self.group)  # noqa: E731  (kv_heads * chunks, group)
+            widths = allocate_bits(rows(w), rows(np.sum(v**2, axis=-1)), self.bits(layer), value.shape[-1])
+            hist = self.histograms.setdefault(layer, np.zeros(9))
+            hist += np.bincount(widths.reshape(-1), minlength=9)[:9]
+        return None
+
+
+def fit_value_classes(model, windows: Iterable[torch.Tensor], calibration: dict, group: int, sink_tokens: int = 1, bits: int = 4) -> dict:
+    """Give each layer of a ``matched`` calibration per-token value width classes
+    (:mod:`kvqrs.schemes.width_classes`) fitted on calibration windows.
+
+    In every window, each KV head's value tokens after the sinks, in chunks of ``group``, get
+    the widths that minimise their A^2-weighted distortion at the layer's value width
+    (``value_bits``, else ``bits``), from the importances a cache can measure
+    (:func:`~kvqrs.hf.attention.local_importance`); the layer's classes are those widths'
+    histogram rounded to a chunk (:func:`~kvqrs.schemes.width_classes.class_counts`). A layer
+    whose allocation is one width (1-bit values) keeps its plain value stage.
+
+    Args:
+        model: a transformers model loaded with ``attn_implementation="kvqrs"``.
+        windows: ``(1, len)`` token tensors of a calibration text, each longer than
+            ``sink_tokens + group``.
+        calibration: ``{layer: MatchedCalibration}`` with per-token values (no value transform).
+        group: tokens per chunk (the config's ``group``); sink_tokens: the full-precision
+            leading tokens; bits: the value width of layers without ``value_bits``.
+
+    Returns:
+        ``{layer: MatchedCalibration}`` with ``value_bits`` and ``value_classes`` set.
+
+    Raises:
+        KvqrsError: transform-coded values, no window with a whole chunk, or no attention call.
+    """
+    import dataclasses
+
+    from ..schemes.width_classes import class_counts
+
+    if any(c.values is not None for c in calibration.values()):
+        raise KvqrsError("calibration: value classes apply to per-token values, not transform-coded ones")
+    rec = _ClassRecorder(calibration, int(group), int(sink_tokens), int(bits))
+    with torch.no_grad(), active(rec):
+        for ids in windows:
+            model(ids)
+    if set(rec.histograms) != set(calibration):
+        raise KvqrsError(
+            f"windows: expected windows longer than sink_tokens + group = {sink_tokens + group} tokens through the kvqrs attention"
+        )
+    out = {}
+    for layer, cal in calibration.items():
+        classes = class_counts(rec.histograms[layer], rec.bits(layer), int(group))
+        keep = classes if len(classes) > 1 else None
+        out[layer] = dataclasses.replace(cal, value_bits=rec.bits(layer), value_classes=keep)
+    return out
 
 
 def default_value_widths(key_widths) -> tuple[int, ...]:
@@ -296,7 +386,7 @@ def option_bits(stats: dict, configs: list, tokens: int, dtype_bits: int, side: 
             if "keys" in sides:
                 coded += 8 * codec.encode_keys(k[None, :, :n]).nbytes
             if "values" in sides:
-                coded += 8 * codec.encode_values(v[None, :, :n]).nbytes
+                coded += 8 * codec.encode_values(v[None, :, :n], unit_weights(codec, v[None, :, :n])).nbytes
             sinks = len(sides) * cfg.sink_bits(dtype_bits) * cfg.sink_tokens * k.shape[0] * k.shape[-1]
             out[i, j] = (coded + sinks) / (len(sides) * k.shape[0] * tokens * k.shape[-1])
     return out
@@ -353,6 +443,8 @@ def save_matched(path: str | pathlib.Path | io.BytesIO, calibration: dict, meta:
             arrays.update({f"vbasis_{layer}": c.values.basis, f"vwidths_{layer}": c.values.widths})
         if c.value_bits is not None:
             arrays[f"vbits_{layer}"] = np.array(c.value_bits, dtype=np.uint8)
+        if c.value_classes is not None:
+            arrays[f"vclasses_{layer}"] = np.array(c.value_classes, dtype=np.uint16)
     extra = {f"meta_{k}": np.array(str(v)) for k, v in (meta or {}).items()}
     if isinstance(path, io.BytesIO):
         np.savez(path, format=np.array(MATCHED_FORMAT), **arrays, **extra)
@@ -400,7 +492,8 @@ def load_matched(path: str | pathlib.Path | io.BytesIO) -> dict:
                 basis = z[f"basis_{i}"] if f"basis_{i}" in z.files else _permutation_basis(z[f"perm_{i}"])
                 values = MatchedBasis(z[f"vmean_{i}"], z[f"vbasis_{i}"], z[f"vwidths_{i}"]) if f"vbasis_{i}" in z.files else None
                 vbits = int(z[f"vbits_{i}"]) if f"vbits_{i}" in z.files else None
-                out[i] = MatchedCalibration(MatchedBasis(z[f"mean_{i}"], basis, z[f"widths_{i}"]), z[f"vmean_{i}"], values, vbits)
+                classes = tuple(map(tuple, z[f"vclasses_{i}"].tolist())) if f"vclasses_{i}" in z.files else None
+                out[i] = MatchedCalibration(MatchedBasis(z[f"mean_{i}"], basis, z[f"widths_{i}"]), z[f"vmean_{i}"], values, vbits, classes)
             return out
     except (OSError, ValueError, KeyError, EOFError) as e:
         raise KvqrsError(f"calibration: cannot read {name!r}: {e}") from None

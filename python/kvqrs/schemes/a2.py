@@ -8,6 +8,7 @@ token, packed) and counted in the bits per element.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 
@@ -55,6 +56,19 @@ def allocate_bits(weights: np.ndarray, sq_norms: np.ndarray, bits: int, head_dim
     return out.reshape(*lead, t)
 
 
+def check_weights(weights: Any, shape: tuple[int, ...]) -> np.ndarray:
+    """``weights`` as float64 importances of ``shape`` (the tokens'); raises :class:`KvqrsError`
+    naming the first negative or non-finite one, or another shape."""
+    w = np.asarray(weights, dtype=np.float64)
+    if w.shape != shape:
+        raise KvqrsError(f"weights: expected importances of shape {shape}, got shape {w.shape}")
+    bad = ~np.isfinite(w) | (w < 0)
+    if bad.any():
+        pos = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise KvqrsError(f"weights: expected finite non-negative importances, got {w[pos]} at index {pos}")
+    return w
+
+
 class A2ValueCoder:
     """Rotated MSE values with per-token widths from :func:`allocate_bits`.
 
@@ -77,13 +91,7 @@ class A2ValueCoder:
         if weights is None:
             widths = np.full(v.shape[:-1], self.bits, dtype=np.uint8)
         else:
-            w = np.asarray(weights, dtype=np.float64)
-            if w.shape != v.shape[:-1]:
-                raise KvqrsError(f"weights: expected importances of shape {v.shape[:-1]}, got shape {w.shape}")
-            bad = ~np.isfinite(w) | (w < 0)
-            if bad.any():
-                pos = tuple(int(i) for i in np.argwhere(bad)[0])
-                raise KvqrsError(f"weights: expected finite non-negative importances, got {w[pos]} at index {pos}")
+            w = check_weights(weights, v.shape[:-1])
             widths = allocate_bits(w, np.sum(v32.astype(np.float64) ** 2, axis=-1), self.bits, self.head_dim)
         # All widths of the tensor form one bit stream: 3 bits per token.
         parts: dict[str, np.ndarray] = {"widths": self.k.pack_bits(widths.reshape(-1) - MIN_BITS, 3)}

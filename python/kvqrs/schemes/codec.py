@@ -31,6 +31,7 @@ from .headq import HeadQCoder
 from .kivi import KIVICoder
 from .matched import MatchedCalibration, MatchedCoder, MatchedValueCoder
 from .mse import MSECoder, MSEQJLCoder, norm_params
+from .width_classes import WidthClassCoder
 
 KEY_SCHEMES = ("kv", "kqv", "qkqv", "kivi", "block", "headq", "matched")
 VALUE_SCHEMES = ("kv", "kqv", "qkqv", "kivi", "block", "a2", "matched", "none")
@@ -123,6 +124,12 @@ def _value_coder(
         cal = _matched_calibration(calibration, "values")
         if cal.values is not None:  # transform-coded values: the calibrated widths, not ``bits``
             return MatchedCoder(head_dim, cal.values, group, scheme, "values", backend)
+        if cal.value_classes is not None:
+            chunk = sum(c for _, c in cal.value_classes)
+            if chunk != group:
+                raise KvqrsError(f"value_classes: the calibration's classes fill chunks of {chunk} tokens, the config's group is {group}")
+            stage = lambda b: MSECoder(head_dim, b, rot, scheme, "values", backend, scale, **stored)  # noqa: E731
+            return WidthClassCoder(cal.value_classes, group, cal.value_mean, stage)
         width = bits if cal.value_bits is None else cal.value_bits  # a per-layer allocation overrides the config
         return MatchedValueCoder(head_dim, width, rot, cal.value_mean, scheme, "values", backend, scale, **stored)
     if scheme == "kv":
@@ -460,10 +467,12 @@ class KVCodec:
         ``sum_q p_qj^2``) is used by the ``a2`` value scheme only."""
         if self.values is None:
             raise KvqrsError("value_scheme: this codec keeps values in full precision ('none'); nothing to encode")
-        if self.value_scheme == "a2":
+        if self.value_scheme == "a2" or self.needs_weights:
             return _with_source(name_nonfinite(self.values.encode, v, "values", weights), v, self.seed)
         if weights is not None:
-            raise KvqrsError(f"weights: only the a2 value scheme uses attention weights, this codec's values are {self.value_scheme!r}")
+            raise KvqrsError(
+                f"weights: only a2 values and matched values in width classes use attention weights, this codec's values are {self.value_scheme!r}"
+            )
         return _with_source(name_nonfinite(self.values.encode, v, "values"), v, self.seed)
 
     def decode_values(self, cv: Encoded) -> Array:
@@ -492,6 +501,12 @@ class KVCodec:
         if cv.shape[:-1] != ck.shape[:-1]:
             raise KvqrsError(f"cv: expected values with the keys' heads and tokens {ck.shape[:-1]}, got {cv.shape[:-1]}")
         self._check_keys(ck)
+
+    @property
+    def needs_weights(self) -> bool:
+        """Whether :meth:`encode_values` needs each token's A^2 importance (``a2`` values, or
+        ``matched`` values in width classes): only the fast evaluation path has the queries."""
+        return self.value_scheme == "a2" or bool(getattr(self.values, "needs_weights", False))
 
     def has_fused_path(self) -> bool:
         """Whether :meth:`fused_attention` can read this codec's keys and values (or keys with

@@ -493,6 +493,8 @@ def calibration_fingerprint(cal: MatchedCalibration) -> str:
     parts = [_fingerprint(cal.keys), _fingerprint(cal.values) if cal.values is not None else "-"]
     parts.append(__import__("hashlib").blake2b(cal.value_mean.tobytes(), digest_size=8).hexdigest())
     parts.append(str(cal.value_bits))
+    if cal.value_classes is not None:
+        parts.append(str(cal.value_classes))
     return ":".join(parts)
 
 
@@ -521,12 +523,17 @@ class MatchedCalibration:
             the eigenbasis of their read-out weight with water-filled widths.
         value_bits: this layer's Lloyd-Max value width (1..8), overriding the config's (a
             per-layer allocation, :func:`allocate_layers`); None: the config's.
+        value_classes: None, or the per-token width classes of the values (``((width, count),
+            ...)`` per chunk of the config's ``group`` tokens, mean width ``value_bits``):
+            tokens are ordered by A^2 importance (:mod:`kvqrs.schemes.width_classes`), fitted by
+            :func:`kvqrs.hf.calibration.fit_value_classes`.
     """
 
     keys: MatchedBasis
     value_mean: np.ndarray
     values: MatchedBasis | None = None
     value_bits: int | None = None
+    value_classes: tuple[tuple[int, int], ...] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.keys, MatchedBasis):
@@ -548,6 +555,16 @@ class MatchedCalibration:
             ):
                 raise KvqrsError(f"value_bits: expected None or an integer width 1..{MAX_WIDTH}, got {self.value_bits!r}")
             object.__setattr__(self, "value_bits", int(self.value_bits))
+        if self.value_classes is not None:
+            from .width_classes import check_classes
+
+            chunk = sum(int(c) for _, c in self.value_classes)
+            classes = check_classes(self.value_classes, chunk)
+            if self.values is not None or self.value_bits is None or sum(b * c for b, c in classes) != self.value_bits * chunk:
+                raise KvqrsError(
+                    f"value_classes: expected classes of mean width value_bits ({self.value_bits}) for per-token values, got {classes}"
+                )
+            object.__setattr__(self, "value_classes", classes)
 
     @property
     def nbytes(self) -> int:
@@ -555,6 +572,17 @@ class MatchedCalibration:
         side information a self-calibrated cache holds per sequence."""
         vbytes = self.value_mean.nbytes if self.values is None else self.values.nbytes
         return int(self.keys.nbytes + vbytes)
+
+
+def head_mean(mean: np.ndarray, x: np.ndarray, kind: str) -> np.ndarray:
+    """A calibration's per-KV-head mean ``(kv_heads, d)`` shaped to broadcast against ``x``
+    ``(..., kv_heads, tokens, d)`` (or any ``(..., tokens, d)`` with one head's mean)."""
+    h = mean.shape[0]
+    if x.ndim >= 3 and x.shape[-3] == h:
+        return mean[:, None, :]
+    if h == 1:
+        return mean[0]
+    raise KvqrsError(f"{kind}: expected shape (..., {h} kv_heads, tokens, {mean.shape[-1]}) for this calibration, got {x.shape}")
 
 
 class MatchedValueCoder:
@@ -586,12 +614,7 @@ class MatchedValueCoder:
         self.params = {**self.mse.params, "mean": digest}
 
     def _mean(self, x: np.ndarray) -> np.ndarray:
-        h = self.mean.shape[0]
-        if x.ndim >= 3 and x.shape[-3] == h:
-            return self.mean[:, None, :]
-        if h == 1:
-            return self.mean[0]
-        raise KvqrsError(f"{self.kind}: expected shape (..., {h} kv_heads, tokens, {self.head_dim}) for this calibration, got {x.shape}")
+        return head_mean(self.mean, x, self.kind)
 
     def encode(self, x: Any) -> Encoded:
         x = as_float_array(x, self.kind)
