@@ -1205,6 +1205,29 @@ def test_loaded_cache_continues_the_model_identically(model32, tmp_path):
         assert torch.equal(a, b)
 
 
+def test_a_deep_copied_or_pickled_prefix_continues_like_the_original(model32):
+    """transformers' prefix reuse deep-copies a prefilled cache for each continuation: the copy
+    (and a pickled one) holds the same bytes, continues the model as the original does, and
+    continuing it leaves the original untouched."""
+    import copy
+    import pickle
+
+    model, tok = model32
+    ids = tok(TEXT, return_tensors="pt").input_ids[:, :40]
+    cache = QuantizedKVCache(QuantConfig("kivi", 2, "kivi", 2, residual_length=8, group=8, fused=False), _layers(model))
+    with torch.no_grad():
+        model(ids[:, :32], cache=cache, use_cache=True)
+    prefix = cache.to_bytes()
+    copies = [copy.deepcopy(cache), pickle.loads(pickle.dumps(cache))]
+    assert all(type(c) is QuantizedKVCache and c.to_bytes() == prefix for c in copies)
+    with torch.no_grad():
+        steps = [[model(ids[:, t : t + 1], cache=c, use_cache=True).logits for t in range(32, 40)] for c in copies]
+        assert cache.to_bytes() == prefix  # the copies' steps did not touch the original
+        steps.append([model(ids[:, t : t + 1], cache=cache, use_cache=True).logits for t in range(32, 40)])
+    for a, b, c in zip(*steps):
+        assert torch.equal(a, c) and torch.equal(b, c)
+
+
 # --- (j) review findings: misuse is an error, not a silent wrong number --------------------------
 
 

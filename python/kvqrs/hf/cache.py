@@ -1024,6 +1024,18 @@ class QuantizedKVCache(Cache):
         return sum(layer.nbytes() for layer in self.layers)
 
     # -- the compressed-cache format (docs/format.md; kvqrs.hf.persist) ---------------------------------
+    def __deepcopy__(self, memo: dict) -> QuantizedKVCache:
+        """A copy through :meth:`to_bytes` / :meth:`from_bytes` (the codes live in native
+        stores): ``copy.deepcopy(cache)`` reuses a prefilled prompt, as transformers' prefix
+        caching recipe does. The copy holds the same bytes; its window is contiguous where the
+        original's may be a view of a longer buffer, so a fused decode step may round its last
+        bit differently. Raises :class:`KvqrsError` for a cache on a non-CPU device."""
+        return type(self).from_bytes(self.to_bytes())
+
+    def __reduce__(self):
+        """Pickled as its :meth:`to_bytes` (Ray, multiprocessing)."""
+        return (_cache_from_bytes, (type(self), self.to_bytes()))
+
     def to_bytes(self) -> bytes:
         """The whole cache (config, codes, full-precision window, HeadQ bases) as checksummed bytes."""
         return persist.dumps(self)
@@ -1044,3 +1056,8 @@ class QuantizedKVCache(Cache):
         """Read a cache written by :meth:`save` (see :meth:`from_bytes`)."""
         with open(path, "rb") as f:
             return cls.from_bytes(f.read(), config)
+
+
+def _cache_from_bytes(cls: type, data: bytes) -> QuantizedKVCache:
+    """Unpickle a :class:`QuantizedKVCache` (or subclass) from its :meth:`~QuantizedKVCache.to_bytes`."""
+    return cls.from_bytes(data)
