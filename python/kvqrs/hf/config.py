@@ -352,8 +352,6 @@ class QuantConfig:
         v = "" if self.value_scheme is None else f" v:{self.value_scheme}{self.value_bits or self.key_bits}"
         if self.value_scale != "norm":
             v += "[ls-scale]" if self.value_scale == "least_squares" else f"[{self.value_scale}]"
-        if self.sink_dtype not in SINK_DTYPES:
-            raise KvqrsError(f"sink_dtype: expected None or one of {tuple(SINK_DTYPES)[1:]}, got {self.sink_dtype!r}")
         if self.value_norms != "float":
             v += f"[{self.value_norms}-norms]"
         sinks = f" sinks:{self.sink_tokens}" if self.sink_tokens else ""

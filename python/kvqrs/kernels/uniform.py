@@ -58,7 +58,8 @@ def uniform_encode(x: Array, bits: int, group: int) -> UniformCode:
         :class:`UniformCode`.
 
     Raises:
-        KvqrsError: bad dtype, bits or group, NaN/Inf in ``x``.
+        KvqrsError: bad dtype, bits or group, NaN/Inf in ``x``, or a group whose range
+            ``max - min`` overflows float32 (naming its row).
     """
     b = check_bits(bits)
     g = check_positive_int(group, "group")
