@@ -1285,6 +1285,22 @@ def test_replaced_config_builds_its_own_codecs():
     assert QuantConfig(**dataclasses.asdict(cfg)) == cfg
 
 
+def test_setting_a_field_validates_it_and_drops_the_built_codecs():
+    """A field set on a config whose codecs were built takes effect (the codecs are rebuilt
+    from the new settings); a setting the config refuses raises and leaves the old one."""
+    cfg = QuantConfig("kqv", 4, "kqv", 4)
+    before = cfg.codec(0, 64)
+    cfg.key_bits = 2
+    after = cfg.codec(0, 64)
+    assert after is not before and after.encode_keys(np.zeros((1, 3, 64), np.float32)).params["bits"] == 2
+    with pytest.raises(KvqrsError, match="key_bits"):
+        cfg.key_bits = 99
+    assert cfg.key_bits == 2 and cfg.codec(0, 64) is after
+    with pytest.raises(KvqrsError, match="sink_dtype"):
+        cfg.sink_dtype = "float16"  # no sinks to store in it
+    assert cfg.sink_dtype is None
+
+
 def test_configs_with_built_codecs_pickle_and_copy():
     import copy
     import pickle
@@ -1625,7 +1641,7 @@ def test_cache_saved_with_a_sink_dtype_and_no_sinks_still_loads(tmp_path):
     """A cache saved with a sink dtype and no sinks (a config refused since) loads, without the
     sink dtype: it held only empty sink tensors in it."""
     cfg = QuantConfig("kqv", 4, "kqv", 4, residual_length=4)
-    cfg.sink_dtype = "float16"  # what such a config was, past the check added since
+    object.__setattr__(cfg, "sink_dtype", "float16")  # what such a config was, past the check added since
     k, v = _kv(tokens=20, seed=7)
     old = QuantizedKVCache(cfg, 1)
     old.update(k, v, 0)

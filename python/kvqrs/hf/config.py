@@ -101,7 +101,29 @@ class QuantConfig:
     def __getstate__(self) -> dict:
         # The per-layer codecs are a cache built from the settings (and hold kernel functions
         # that do not pickle): copies and pickles carry the settings only and build their own.
-        return {**self.__dict__, "_codecs": {}}
+        return {**self.__dict__, "_codecs": {}, "_validating": False}
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # Setting a field of a built config validates the new settings (restoring the old value
+        # when they are refused) and drops the codecs built from the old ones.
+        if name.startswith("_") or "_codecs" not in self.__dict__ or self.__dict__.get("_validating"):
+            object.__setattr__(self, name, value)
+            return
+        old, codecs = self.__dict__.get(name), self._codecs
+        object.__setattr__(self, name, value)
+        try:
+            self._revalidate()
+        except KvqrsError:
+            object.__setattr__(self, name, old)
+            object.__setattr__(self, "_codecs", codecs)  # built from the old, valid settings
+            raise
+
+    def _revalidate(self) -> None:
+        object.__setattr__(self, "_validating", True)
+        try:
+            self.__post_init__()
+        finally:
+            object.__setattr__(self, "_validating", False)
 
     def __post_init__(self) -> None:
         # Per-layer codecs built from the settings: a cache, not a field (replace, asdict and
