@@ -1285,6 +1285,22 @@ def test_replaced_config_builds_its_own_codecs():
     assert QuantConfig(**dataclasses.asdict(cfg)) == cfg
 
 
+def test_configs_holding_arrays_compare_by_value():
+    """HeadQ bases and matched calibrations hold NumPy arrays: `==` compares them by value (it
+    raised on the ambiguous truth value of an array)."""
+    import dataclasses
+
+    from kvqrs.schemes.matched import random_calibration
+
+    basis = np.eye(64, 4, dtype=np.float32)
+    a = QuantConfig("headq", 4, "kqv", 4, bases={0: basis})
+    assert a == QuantConfig("headq", 4, "kqv", 4, bases={0: basis.copy()})
+    assert a != dataclasses.replace(a, bases={0: 2 * basis}) and a != dataclasses.replace(a, bases={0: basis.astype(np.float64)})
+    m = QuantConfig("matched", 3, "matched", 3, calibration={0: random_calibration(64, 3, 1)})
+    assert m == QuantConfig("matched", 3, "matched", 3, calibration={0: random_calibration(64, 3, 1)})
+    assert m != dataclasses.replace(m, calibration={0: random_calibration(64, 3, 2)}) and m != "matched"
+
+
 def test_setting_a_field_validates_it_and_drops_the_built_codecs():
     """A field set on a config whose codecs were built takes effect (the codecs are rebuilt
     from the new settings); a setting the config refuses raises and leaves the old one."""

@@ -3,6 +3,7 @@ bases, turned into one :class:`kvqrs.schemes.KVCodec` per layer."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,7 +14,21 @@ from .._arrays import KvqrsError
 from ..schemes import KVCodec
 
 
-@dataclass
+def same_settings(a: Any, b: Any) -> bool:
+    """Whether two settings are equal, NumPy arrays (HeadQ bases, calibrations) by type, shape
+    and value, inside dicts, sequences and dataclasses (``==`` on arrays is elementwise)."""
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return type(a) is type(b) and a.shape == b.shape and a.dtype == b.dtype and bool(np.array_equal(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same_settings(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(map(same_settings, a, b))
+    if dataclasses.is_dataclass(a) and not isinstance(a, type):
+        return type(a) is type(b) and all(same_settings(getattr(a, f.name), getattr(b, f.name)) for f in dataclasses.fields(a))
+    return bool(a == b)
+
+
+@dataclass(eq=False)
 class QuantConfig:
     """KV-cache quantization settings for a whole model.
 
@@ -102,6 +117,12 @@ class QuantConfig:
         # The per-layer codecs are a cache built from the settings (and hold kernel functions
         # that do not pickle): copies and pickles carry the settings only and build their own.
         return {**self.__dict__, "_codecs": {}, "_validating": False}
+
+    def __eq__(self, other: object) -> bool:
+        # Field by field, arrays by value (the generated __eq__ raised on NumPy HeadQ bases).
+        return type(other) is type(self) and same_settings(self, other)
+
+    __hash__ = None  # type: ignore[assignment]  # mutable, as a dataclass with eq
 
     def __setattr__(self, name: str, value: Any) -> None:
         # Setting a field of a built config validates the new settings (restoring the old value
