@@ -846,7 +846,7 @@ def uniform_encode(x, bits, group) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     hi = np.stack([rows[:, s : s + group].max(axis=1) for s in starts], axis=1) if n else lo
     top = np.float32(2**b - 1)
     scales = store_scalars((hi - lo) / top)
-    zeros = store_scalars(lo)
+    zeros = store_scalars(lo + np.float32(0.0))  # a -0.0 minimum is stored as +0.0 (one byte pattern)
     s32 = scales.astype(np.float32)
     z32 = zeros.astype(np.float32)
     codes = np.zeros(rows.shape, dtype=np.uint8)

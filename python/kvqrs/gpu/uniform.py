@@ -57,7 +57,7 @@ def uniform_encode(x: Any, bits: int, group: int, *, device: Any = None) -> Unif
         call.dispatch("uniform", "ranges", rows * groups, params, {1: xb, 2: rb})
         raw = call.read(rb, np.float32, 2 * rows * groups).reshape(-1, 2)
         check_overflow(raw[:, 0], groups, "x")
-        scales, zeros = store(raw[:, 0]), store(raw[:, 1])
+        scales, zeros = store(raw[:, 0]), store(raw[:, 1] + np.float32(0.0))  # a -0.0 minimum stored as +0.0
         codes = call.empty(rows * n)
         call.dispatch("uniform", "encode", -(-rows * n // 4), params, {1: xb, 3: call.upload(_interleave(scales, zeros)), 4: codes})
         c = call.read(codes, np.uint8, rows * n)

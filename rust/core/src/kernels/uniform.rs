@@ -72,7 +72,9 @@ impl UniformQuantizer {
                             return Err(first + k);
                         }
                         ss[k * g + j] = scale;
-                        zs[k * g + j] = lo;
+                        // `min` leaves the sign of a zero minimum unspecified: + 0.0 stores
+                        // +0.0 for either, so the bytes match the oracle on every platform.
+                        zs[k * g + j] = lo + 0.0;
                     }
                 }
                 Ok(())
