@@ -1519,6 +1519,41 @@ def test_an_update_refused_for_a_range_overflow_stores_nothing(side, residual, s
     assert refused.to_bytes() == clean.to_bytes()
 
 
+def test_a_refused_first_update_leaves_the_layer_uninitialized():
+    """A first update refused after the layer took its dtype, batch and heads from it (here a
+    range overflow found at the encode) forgets them: the next update starts the layer anew."""
+    config = QuantConfig("kivi", 4, "kivi", 4, group=8)
+    bad = torch.randn(2, 2, 16, 64, dtype=torch.float64)
+    bad[0, 1, 2, 5], bad[0, 1, 5, 5] = 3e38, -3e38
+    refused, clean = QuantizedKVCache(config, 1), QuantizedKVCache(config, 1)
+    with pytest.raises(KvqrsError, match="overflows float32"):
+        refused.update(bad, bad.clone(), 0)
+    assert not refused.layers[0].is_initialized
+    k, v = torch.randn(1, 2, 9, 64), torch.randn(1, 2, 9, 64)
+    assert refused.update(k, v, 0)[0].dtype == torch.float32
+    clean.update(k, v, 0)
+    assert refused.to_bytes() == clean.to_bytes()
+
+
+def test_a_cache_keeps_its_settings_when_the_callers_config_changes():
+    """The cache codes with a copy of the config it was given: setting a field of the caller's
+    config afterwards changes new caches only; the cache's own config refuses changes."""
+    cfg = QuantConfig("kv", 4, "kv", 4)
+    changed, kept = QuantizedKVCache(cfg, 1), QuantizedKVCache(QuantConfig("kv", 4, "kv", 4), 1)
+    gen = torch.Generator().manual_seed(3)
+    steps = [(torch.randn(1, 2, n, 64, generator=gen), torch.randn(1, 2, n, 64, generator=gen)) for n in (10, 1, 1)]
+    changed.update(*steps[0], 0)
+    cfg.key_bits = 2
+    kept.update(*steps[0], 0)
+    for k, v in steps[1:]:
+        changed.update(k, v, 0)
+        kept.update(k, v, 0)
+    assert changed.to_bytes() == kept.to_bytes() and changed.config.key_bits == 4
+    with pytest.raises(KvqrsError, match="belongs to a QuantizedKVCache"):
+        changed.config.key_bits = 2
+    assert QuantizedKVCache(cfg, 1).config.key_bits == 2
+
+
 def test_new_tokens_that_share_the_window_buffer_append_as_copies():
     """States that are views of the layer's own window (its buffer) are read before the
     buffer is written: the window is what joining copies of them gives."""

@@ -41,7 +41,7 @@ def test_class_counts_keep_a_histogram_of_the_right_mean():
     assert class_counts([0, 25, 50, 25, 0, 0, 0, 0, 0], 2, 128) == ((3, 32), (2, 64), (1, 32))
 
 
-@pytest.mark.parametrize("bad", [[], [(2, 0)], [(9, 8)], [(2, 4), (2, 4)], [(3, 7)], "x"])
+@pytest.mark.parametrize("bad", [[], [(2, 0)], [(9, 8)], [(2, 4), (2, 4)], [(3, 7)], "x", 5, [(3,)], [(3.5, 8)], [(True, 8)]])
 def test_bad_classes_are_named(bad):
     with pytest.raises(KvqrsError, match="value_classes"):
         check_classes(bad, 8)
@@ -131,6 +131,9 @@ def test_encode_needs_finite_non_negative_weights_of_the_tokens_shape():
         coder.encode(x)
     with pytest.raises(KvqrsError, match="shape"):
         coder.encode(x, np.ones((1, 3, 4)))
+    for bad in ("abc", np.ones((1, 3, 5)) * 1j):
+        with pytest.raises(KvqrsError, match="real importances"):
+            coder.encode(x, bad)
     w = np.ones((1, 3, 5))
     w[0, 1, 2] = -1
     with pytest.raises(KvqrsError, match=r"non-negative importances, got -1.0 at index \(0, 1, 2\)"):

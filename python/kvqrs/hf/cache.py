@@ -328,16 +328,16 @@ class QuantizedLayer(CacheLayerMixin):
             raise KvqrsError(
                 f"sink_tokens: {self.config.sink_tokens} sink tokens, but the prompt of layer {self.layer_idx} has {key_states.shape[-2]} tokens"
             )
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        if self.seen == 0 and not self.awaits_calibration:
-            self.codec()  # a config the codec refuses (for this head_dim) raises before anything is stored
-        sinks = min(self.config.sink_tokens, self.seen + key_states.shape[-2]) - self.seen
-        for states in (key_states, value_states) if sinks > 0 else ():
-            self.config.store_sinks(states[..., :sinks, :])  # beyond sink_dtype's range: raises before anything is stored
-        view_start = self._view_start(self.seen)
         undo = self._undo_point()
+        view_start = self._view_start(self.seen)
         try:
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            if self.seen == 0 and not self.awaits_calibration:
+                self.codec()  # a config the codec refuses (for this head_dim)
+            sinks = min(self.config.sink_tokens, self.seen + key_states.shape[-2]) - self.seen
+            for states in (key_states, value_states) if sinks > 0 else ():
+                self.config.store_sinks(states[..., :sinks, :])  # beyond sink_dtype's range
             self._append(key_states, value_states)
             self.seen += key_states.shape[-2]
             self._absorb_sinks()
@@ -361,12 +361,14 @@ class QuantizedLayer(CacheLayerMixin):
         (the window buffer is only written past ``hi``, so its bounds restore its content)."""
         win = self._window
         bounds = None if win is None else (win.lo, win.hi, win.k_view, win.v_view, win.shown)
-        return (self.keys, self.values, self.seen, self.sink_k, self.sink_v, self.q_start, self.store, self.quantized, win, bounds)
+        fp = (self.keys, self.values, self.sink_k, self.sink_v)
+        return (self.is_initialized, fp, self.seen, self.q_start, self.store, self.quantized, win, bounds)
 
     def _undo(self, point: tuple) -> None:
         """Return to :meth:`_undo_point`'s state: an update that raises stores nothing. A
         flush that raises has appended no codes (the store's native encode refuses whole)."""
-        (self.keys, self.values, self.seen, self.sink_k, self.sink_v, self.q_start, self.store, self.quantized, win, bounds) = point
+        (self.is_initialized, fp, self.seen, self.q_start, self.store, self.quantized, win, bounds) = point
+        self.keys, self.values, self.sink_k, self.sink_v = fp  # a first update's dtype, batch and heads forgotten too
         self._window = win
         if win is not None:
             win.lo, win.hi, win.k_view, win.v_view, win.shown = bounds
@@ -1001,7 +1003,9 @@ class QuantizedKVCache(Cache):
         windows = [None] * max(num_layers, 0) if model_config is None else layer_windows(model_config)
         if len(windows) < 1:
             raise KvqrsError(f"num_layers: expected >= 1, got {num_layers if model_config is None else 0}")
-        self.config = config
+        # The cache's own settings: the caller may go on changing its config (QuantConfig's
+        # setters rebuild its codecs) without changing what this cache has coded or codes next.
+        self.config = config = config.in_use_copy()
         super().__init__(layers=[QuantizedLayer(config, i, w) for i, w in enumerate(windows)])
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):

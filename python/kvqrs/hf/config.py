@@ -3,6 +3,7 @@ bases, turned into one :class:`kvqrs.schemes.KVCodec` per layer."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from dataclasses import dataclass
 from typing import Any
@@ -116,7 +117,7 @@ class QuantConfig:
     def __getstate__(self) -> dict:
         # The per-layer codecs are a cache built from the settings (and hold kernel functions
         # that do not pickle): copies and pickles carry the settings only and build their own.
-        return {**self.__dict__, "_codecs": {}, "_validating": False}
+        return {**self.__dict__, "_codecs": {}, "_validating": False, "_in_use": False}
 
     def __eq__(self, other: object) -> bool:
         # Field by field, arrays by value (the generated __eq__ raised on NumPy HeadQ bases).
@@ -130,6 +131,11 @@ class QuantConfig:
         if name.startswith("_") or "_codecs" not in self.__dict__ or self.__dict__.get("_validating"):
             object.__setattr__(self, name, value)
             return
+        if self.__dict__.get("_in_use"):
+            raise KvqrsError(
+                f"{name}: this config belongs to a QuantizedKVCache, whose codes were made with it; "
+                "build a new config (dataclasses.replace) and a new cache"
+            )
         old, codecs = self.__dict__.get(name), self._codecs
         object.__setattr__(self, name, value)
         try:
@@ -138,6 +144,12 @@ class QuantConfig:
             object.__setattr__(self, name, old)
             object.__setattr__(self, "_codecs", codecs)  # built from the old, valid settings
             raise
+
+    def in_use_copy(self) -> QuantConfig:
+        """A copy of these settings whose fields cannot be set (a cache's own config)."""
+        c = copy.copy(self)
+        object.__setattr__(c, "_in_use", True)
+        return c
 
     def _revalidate(self) -> None:
         object.__setattr__(self, "_validating", True)

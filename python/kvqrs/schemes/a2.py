@@ -59,7 +59,12 @@ def allocate_bits(weights: np.ndarray, sq_norms: np.ndarray, bits: int, head_dim
 def check_weights(weights: Any, shape: tuple[int, ...]) -> np.ndarray:
     """``weights`` as float64 importances of ``shape`` (the tokens'); raises :class:`KvqrsError`
     naming the first negative or non-finite one, or another shape."""
-    w = np.asarray(weights, dtype=np.float64)
+    try:
+        if np.iscomplexobj(weights):
+            raise TypeError("complex")
+        w = np.asarray(weights, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise KvqrsError(f"weights: expected real importances of shape {shape}, got {type(weights).__name__}") from None
     if w.shape != shape:
         raise KvqrsError(f"weights: expected importances of shape {shape}, got shape {w.shape}")
     bad = ~np.isfinite(w) | (w < 0)

@@ -558,8 +558,8 @@ class MatchedCalibration:
         if self.value_classes is not None:
             from .width_classes import check_classes
 
-            chunk = sum(int(c) for _, c in self.value_classes)
-            classes = check_classes(self.value_classes, chunk)
+            classes = check_classes(self.value_classes)
+            chunk = sum(c for _, c in classes)
             if self.values is not None or self.value_bits is None or sum(b * c for b, c in classes) != self.value_bits * chunk:
                 raise KvqrsError(
                     f"value_classes: expected classes of mean width value_bits ({self.value_bits}) for per-token values, got {classes}"

@@ -35,18 +35,27 @@ IMPORTANCE_WINDOW = 64
 can measure before the token is coded."""
 
 
-def check_classes(classes: Any, chunk: int, what: str = "value_classes") -> tuple[tuple[int, int], ...]:
+def check_classes(classes: Any, chunk: int | None = None, what: str = "value_classes") -> tuple[tuple[int, int], ...]:
     """``classes`` as ``((width, count), ...)`` sorted by width, widest first: distinct integer
-    widths 1..8, positive counts summing to ``chunk``. Raises :class:`KvqrsError` otherwise."""
+    widths 1..8 with positive integer counts summing to ``chunk`` (None: any total). Raises
+    :class:`KvqrsError` otherwise (floats and booleans are not integers here)."""
+
+    def integer(v: Any) -> bool:
+        return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+
     try:
-        pairs = tuple((int(w), int(c)) for w, c in classes)
-    except (TypeError, ValueError):
-        raise KvqrsError(f"{what}: expected (width, count) pairs, got {classes!r}") from None
+        pairs = [tuple(p) for p in classes]
+    except TypeError:
+        pairs = None
+    if not pairs or any(len(p) != 2 or not all(map(integer, p)) for p in pairs):
+        raise KvqrsError(f"{what}: expected a sequence of (width, count) integer pairs, got {classes!r}")
+    pairs = [(int(w), int(c)) for w, c in pairs]
     widths = [w for w, _ in pairs]
-    if not pairs or len(set(widths)) != len(widths) or any(not 1 <= w <= MAX_WIDTH or c < 1 for w, c in pairs):
+    if len(set(widths)) != len(widths) or any(not 1 <= w <= MAX_WIDTH or c < 1 for w, c in pairs):
         raise KvqrsError(f"{what}: expected distinct widths in 1..{MAX_WIDTH} with positive counts, got {classes!r}")
-    if sum(c for _, c in pairs) != chunk:
-        raise KvqrsError(f"{what}: the counts must sum to the chunk of {chunk} tokens, got {sum(c for _, c in pairs)}")
+    total = sum(c for _, c in pairs)
+    if chunk is not None and total != chunk:
+        raise KvqrsError(f"{what}: the counts must sum to the chunk of {chunk} tokens, got {total}")
     return tuple(sorted(pairs, reverse=True))
 
 
