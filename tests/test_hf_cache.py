@@ -1495,22 +1495,23 @@ def test_a_non_finite_token_leaves_the_window_buffer_as_it_was():
 
 
 @pytest.mark.parametrize("side", ["keys", "values"])
-@pytest.mark.parametrize("residual,sinks", [(0, 0), (3, 1)])
+@pytest.mark.parametrize("residual,sinks", [(0, 0), (3, 1), (20, 0)])
 @pytest.mark.parametrize("first", [True, False])
-def test_an_update_refused_for_a_range_overflow_stores_nothing(side, residual, sinks, first):
-    """A KIVI group whose range (max - min) overflows float32 is found only when its chunk is
-    encoded, after the tokens reached the window: the refused update leaves the cache as it
-    was, and the next updates give the bytes of a cache that never saw it."""
+def test_values_beyond_the_storable_range_are_refused_on_arrival(side, residual, sinks, first):
+    """A value past MAX_STATE could make a group's range (max - min) or a norm overflow float32
+    when its chunk is coded, updates later (a KIVI group of 3e38 and -3e38): the update that
+    brings it is refused, naming it, and the cache goes on as if it never came."""
     config = QuantConfig("kivi", 4, "kivi", 4, group=8, residual_length=residual, sink_tokens=sinks)
     gen = torch.Generator().manual_seed(residual + 2 * first)
-    good = [(torch.randn(1, 2, n, 16, generator=gen), torch.randn(1, 2, n, 16, generator=gen)) for n in (9, 8, 1, 1)]
+    good = [(torch.randn(1, 2, n, 16, generator=gen), torch.randn(1, 2, n, 16, generator=gen)) for n in (9, 8, 1, 1, 16, 16)]
     bad_k, bad_v = torch.randn(1, 2, 16, 16, generator=gen), torch.randn(1, 2, 16, 16, generator=gen)
     bad = bad_k if side == "keys" else bad_v
     bad[0, 1, 2, 5], bad[0, 1, 5 if side == "keys" else 2, 5 if side == "keys" else 6] = 3e38, -3e38
     refused, clean = QuantizedKVCache(config, 1), QuantizedKVCache(config, 1)
+    message = rf"{side[:-1]}_states: expected values of magnitude <= 1e\+35, got 3e\+38 at index \(0, 1, 2, 5\)"
     for step, (k, v) in enumerate(good):
         if step == (0 if first else 2):
-            with pytest.raises(KvqrsError, match="overflows float32"):
+            with pytest.raises(KvqrsError, match=message):
                 refused.update(bad_k, bad_v, 0)
             assert refused.get_seq_length() == sum(t[0].shape[-2] for t in good[:step])
         ka, va = refused.update(k, v, 0)
@@ -1519,13 +1520,51 @@ def test_an_update_refused_for_a_range_overflow_stores_nothing(side, residual, s
     assert refused.to_bytes() == clean.to_bytes()
 
 
-def test_a_refused_first_update_leaves_the_layer_uninitialized():
-    """A first update refused after the layer took its dtype, batch and heads from it (here a
-    range overflow found at the encode) forgets them: the next update starts the layer anew."""
+def _refuse_next_encode(monkeypatch):
+    """Make the next chunk encode of any cache raise (as a code that cannot be stored would)."""
+    from kvqrs.hf import store as store_mod
+
+    real = store_mod.CodeStore.encode_append
+    calls = []
+
+    def refuse_once(self, *args, **kwargs):
+        if not calls:
+            calls.append(1)
+            raise KvqrsError("x: row 0 overflows float32")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(store_mod.CodeStore, "encode_append", refuse_once)
+
+
+@pytest.mark.parametrize("residual,sinks", [(0, 0), (3, 1)])
+def test_an_update_whose_encode_is_refused_stores_nothing(monkeypatch, residual, sinks):
+    """An update refused when its chunk is encoded (after the tokens reached the window and the
+    sinks) leaves the cache as it was: the next updates give the bytes of a cache that never
+    saw it."""
+    config = QuantConfig("kivi", 4, "kivi", 4, group=8, residual_length=residual, sink_tokens=sinks)
+    gen = torch.Generator().manual_seed(residual)
+    good = [(torch.randn(1, 2, n, 16, generator=gen), torch.randn(1, 2, n, 16, generator=gen)) for n in (9, 8, 1, 1)]
+    refused, clean = QuantizedKVCache(config, 1), QuantizedKVCache(config, 1)
+    refused.update(*good[0], 0)
+    clean.update(*good[0], 0)
+    _refuse_next_encode(monkeypatch)
+    with pytest.raises(KvqrsError, match="overflows float32"):
+        refused.update(torch.randn(1, 2, 16, 16), torch.randn(1, 2, 16, 16), 0)
+    assert refused.get_seq_length() == 9
+    for k, v in good[1:]:
+        ka, va = refused.update(k, v, 0)
+        kb, vb = clean.update(k, v, 0)
+        assert torch.equal(ka, kb) and torch.equal(va, vb)
+    assert refused.to_bytes() == clean.to_bytes()
+
+
+def test_a_refused_first_update_leaves_the_layer_uninitialized(monkeypatch):
+    """A first update refused after the layer took its dtype, batch and heads from it forgets
+    them: the next update starts the layer anew."""
     config = QuantConfig("kivi", 4, "kivi", 4, group=8)
     bad = torch.randn(2, 2, 16, 64, dtype=torch.float64)
-    bad[0, 1, 2, 5], bad[0, 1, 5, 5] = 3e38, -3e38
     refused, clean = QuantizedKVCache(config, 1), QuantizedKVCache(config, 1)
+    _refuse_next_encode(monkeypatch)
     with pytest.raises(KvqrsError, match="overflows float32"):
         refused.update(bad, bad.clone(), 0)
     assert not refused.layers[0].is_initialized

@@ -51,6 +51,7 @@ __all__ = [
 
 __version__: str
 MAX_CODEBOOK_DIM: int
+MAX_STATE: float
 
 class KvqrsError(ValueError): ...
 

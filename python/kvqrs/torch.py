@@ -52,6 +52,20 @@ def check_finite(t: torch.Tensor, arg: str) -> None:
         raise KvqrsError(f"{arg}: expected finite values, got {float(t[i])} at index {i}")
 
 
+def check_storable(t: torch.Tensor, arg: str) -> None:
+    """:func:`check_finite`, then refuse a value beyond ``kvqrs._native.MAX_STATE`` (1e35) in
+    magnitude, named by its index: a cache codes its tokens steps after their arrival, with
+    those of other updates, and past that bound a norm, a group's range or a rotated coordinate
+    could overflow float32 then (the window's native append makes the same check)."""
+    check_finite(t, arg)
+    from . import _native
+
+    t = t.detach()
+    if t.numel() and float(t.abs().max()) > _native.MAX_STATE:
+        i = tuple(int(j) for j in (t.abs() > _native.MAX_STATE).nonzero()[0])
+        raise KvqrsError(f"{arg}: expected values of magnitude <= {_native.MAX_STATE:.0e}, got {float(t[i]):.6g} at index {i}")
+
+
 def from_numpy(a: np.ndarray, like: torch.Tensor) -> torch.Tensor:
     """``a`` as a tensor with ``like``'s float dtype and device."""
     out = torch.from_numpy(np.ascontiguousarray(a))

@@ -43,7 +43,7 @@ from .. import _native
 from .._arrays import KvqrsError
 from ..kernels.attention import DenseRows
 from ..schemes import Encoded
-from ..torch import check_finite, from_numpy, to_numpy
+from ..torch import check_finite, check_storable, from_numpy, to_numpy
 from . import persist
 from .attention import _STATE, SDPA_MIN_QUERY, _softmax_out, blocked_sdpa, register, sdpa_prefill_active
 from .config import QuantConfig
@@ -435,8 +435,8 @@ class QuantizedLayer(CacheLayerMixin):
             win.hi += n
             win.shown = False  # shown by the next read of the window (_settle)
             return
-        check_finite(key_states, "key_states")  # names the culprit (the native check only finds one)
-        check_finite(value_states, "value_states")
+        check_storable(key_states, "key_states")  # names the culprit (the native check only finds one)
+        check_storable(value_states, "value_states")
         self.keys = torch.cat([self.keys, key_states], dim=-2)
         self.values = torch.cat([self.values, value_states], dim=-2)
 

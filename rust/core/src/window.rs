@@ -1,13 +1,19 @@
 //! The full-precision window of a cache layer in a preallocated buffer: a decode step's new
-//! tokens are checked finite and copied in place, O(new tokens), where joining them to the
+//! tokens are checked storable (finite, at most `MAX_STATE`) and copied in place, O(new tokens), where joining them to the
 //! window would copy the whole window.
 
 use crate::error::{KvqError, Result};
 use crate::simd::{self, ops};
 
-/// Whether every value is finite (the check a cache makes on arrival of new tokens).
-pub fn all_finite(x: &[f32]) -> bool {
-    ops::all_finite(simd::active(), x)
+/// The largest magnitude a cache stores: far above any real key or value, and low enough that
+/// no norm (head_dim up to 2^20), rotated coordinate, group range or basis coordinate of such
+/// values overflows float32 when they are coded, steps later, with tokens of other updates.
+pub const MAX_STATE: f32 = 1e35;
+
+/// Whether every value is finite and at most [`MAX_STATE`] in magnitude (the check a cache
+/// makes on arrival of new tokens).
+pub fn all_storable(x: &[f32]) -> bool {
+    ops::all_finite(simd::active(), x) && x.iter().all(|v| v.abs() <= MAX_STATE)
 }
 
 /// Copies `src`, `rows` x `n` x `d` float32 (C order: each (batch, head) row's new tokens),
@@ -64,6 +70,9 @@ mod tests {
         assert!(append_tokens(&mut dst, (4, 0), &[1.0; 5], (2, 1, 3)).is_err());
         assert!(dst.iter().all(|&v| v == 0.0));
         assert!(append_tokens(&mut dst, (4, 4), &[], (2, 0, 3)).is_ok());
-        assert!(!all_finite(&[1.0, f32::NAN]) && all_finite(&[1.0, -2.0]));
+        assert!(
+            !all_storable(&[1.0, f32::NAN]) && all_storable(&[1.0, -2.0, MAX_STATE, -MAX_STATE])
+        );
+        assert!(!all_storable(&[1.0, -1.01 * MAX_STATE]) && !all_storable(&[f32::INFINITY]));
     }
 }

@@ -20,6 +20,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
         "MAX_CODEBOOK_DIM",
         kvqrs_core::kernels::lloyd_max::MAX_CODEBOOK_DIM,
     )?;
+    m.add("MAX_STATE", kvqrs_core::window::MAX_STATE)?;
     m.add_function(wrap_pyfunction!(kernels::pack_bits, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::unpack_bits, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::hadamard, m)?)?;

@@ -10,7 +10,7 @@ use kvqrs_core::kernels::attention::Layout;
 use kvqrs_core::kernels::mse::MseQuantizer;
 use kvqrs_core::kernels::mse_qjl::MseQjlEncoder;
 use kvqrs_core::store::{ChunkPart, LayerStore, PartSpec};
-use kvqrs_core::window::{all_finite, append_tokens};
+use kvqrs_core::window::{all_storable, append_tokens};
 use numpy::ndarray::s;
 use numpy::{PyArray1, PyArray4, PyArrayMethods, PyReadonlyArray1, PyUntypedArrayMethods};
 use pyo3::prelude::*;
@@ -137,7 +137,7 @@ fn c_order(a: &Bound<'_, PyArray4<f32>>) -> Option<Vec<f32>> {
 /// Appends a decode step's new keys `k` and values `v` (float32 batch x kv_heads x n x
 /// head_dim, any strides) to a layer's window buffers `dst_k`, `dst_v` (flat float32 views of
 /// C-contiguous batch x kv_heads x `cap` x head_dim buffers) at token `at`. Returns False,
-/// nothing copied, when some new value is not finite (the caller names it) or when the arrays
+/// nothing copied, when some new value is not finite or beyond `MAX_STATE` (the caller names it) or when the arrays
 /// cannot be borrowed as needed (buffers that alias each other, or that another borrow
 /// holds): the caller then joins the tokens to its window instead. Raises when the tokens do
 /// not fit the buffers or a buffer is strided.
@@ -163,7 +163,7 @@ pub fn window_append(
     let dk = wk.as_slice_mut().map_err(|_| strided())?;
     let dv = wv.as_slice_mut().map_err(|_| strided())?;
     py_result(py.allow_threads(|| {
-        if !(all_finite(&kx) && all_finite(&vx)) {
+        if !(all_storable(&kx) && all_storable(&vx)) {
             return Ok(false);
         }
         append_tokens(dk, (cap, at), &kx, (ks[0] * ks[1], ks[2], ks[3]))?;
