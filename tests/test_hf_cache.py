@@ -205,6 +205,10 @@ def test_prefill_calibration_cache_equals_fast_path(model64, ids, dense_logits, 
         cache.crop(-(T_EVAL + 9 - 10))
     cache.crop(-(T_EVAL + 9))  # back to nothing: the next prompt fits anew
     assert all(c.fitted is None for c in cache.layers)
+    fresh = QuantizedKVCache(cfg, _layers(model))
+    with torch.no_grad():
+        again, new = (model(ids[:, 3:], past_key_values=c, use_cache=True).logits for c in (cache, fresh))
+    assert torch.equal(again, new) and cache.to_bytes() == fresh.to_bytes()
 
 
 def test_prefill_calibration_needs_the_kvqrs_attention():
@@ -1285,6 +1289,33 @@ def test_replaced_config_builds_its_own_codecs():
     assert QuantConfig(**dataclasses.asdict(cfg)) == cfg
 
 
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("group", 0),
+        ("group", -32),
+        ("rank", 0),
+        ("seed", -1),
+        ("seed", 2**70),
+        ("side_bits", 9),
+        ("sign", 5),
+        ("sign", True),
+        ("headq_base", "nope"),
+        ("fused", "yes"),
+        ("a2_uniform", "no"),
+        ("value_transform", 1),
+    ],
+)
+def test_configs_refuse_settings_no_codec_can_use(field, value):
+    """Every setting is checked when the config is made (and when it is set), naming it, not
+    at the first codec build or never."""
+    with pytest.raises(KvqrsError, match=f"^{field}: expected"):
+        QuantConfig("kivi", 4, "kivi", 4, **{field: value})
+    cfg = QuantConfig("kivi", 4, "kivi", 4)
+    with pytest.raises(KvqrsError, match=f"^{field}: expected"):
+        setattr(cfg, field, value)
+
+
 def test_configs_holding_arrays_compare_by_value():
     """HeadQ bases and matched calibrations hold NumPy arrays: `==` compares them by value (it
     raised on the ambiguous truth value of an array)."""
@@ -1646,6 +1677,18 @@ def test_configs_the_codec_refuses_raise_before_anything_is_stored():
     with pytest.raises(KvqrsError, match="fitted for head_dim 8, codec head_dim is 16"):
         cache.update(torch.randn(1, 1, 20, 16), torch.randn(1, 1, 20, 16), 0)
     assert cache.get_seq_length() == 0 and cache.nbytes() == 0
+
+
+def test_codes_of_float16_extremes_decode_saturated_not_refused():
+    """A float16 KIVI group spanning -65504 .. 65504 reconstructs a step past float16's range
+    (its scale rounds up): the decoded keys saturate at the largest float16, and the update
+    that coded them is neither refused nor left half done."""
+    cache = QuantizedKVCache(QuantConfig("kivi", 4, "kivi", 4, group=8), 1)
+    k = torch.randn(1, 2, 16, 64, dtype=torch.float16)
+    k[0, 1, 2, 5], k[0, 1, 5, 5] = 65504, -65504
+    kk, _ = cache.update(k, torch.randn(1, 2, 16, 64, dtype=torch.float16), 0)
+    assert torch.isfinite(kk).all() and kk[0, 1, 2, 5] == 65504 and kk[0, 1, 5, 5] == -65504
+    assert cache.update(torch.randn(1, 2, 8, 64, dtype=torch.float16), torch.randn(1, 2, 8, 64, dtype=torch.float16), 0)[0].shape[-2] == 24
 
 
 @pytest.mark.parametrize("scheme", ["kqv", "qkqv"])

@@ -66,10 +66,15 @@ def check_storable(t: torch.Tensor, arg: str) -> None:
         raise KvqrsError(f"{arg}: expected values of magnitude <= {_native.MAX_STATE:.0e}, got {float(t[i]):.6g} at index {i}")
 
 
-def from_numpy(a: np.ndarray, like: torch.Tensor) -> torch.Tensor:
-    """``a`` as a tensor with ``like``'s float dtype and device."""
+def from_numpy(a: np.ndarray, like: torch.Tensor, saturate: bool = False) -> torch.Tensor:
+    """``a`` as a tensor with ``like``'s float dtype and device. A finite value past that
+    dtype's range raises, or with ``saturate`` (reconstructions of inputs that were in range,
+    a step or a rounding past it) becomes the dtype's largest value of its sign."""
     out = torch.from_numpy(np.ascontiguousarray(a))
     if out.is_floating_point() and out.dtype != like.dtype:
+        if saturate and like.dtype.is_floating_point and torch.finfo(like.dtype).max < torch.finfo(out.dtype).max:
+            top = torch.finfo(like.dtype).max
+            out = out.clamp(-top, top)
         cast = out.to(dtype=like.dtype)
         bad = torch.isinf(cast) & torch.isfinite(out)
         if bool(bad.any()):

@@ -619,8 +619,9 @@ class QuantizedLayer(CacheLayerMixin):
             )
         if tokens_to_remove:
             self._rollback(self.seen + tokens_to_remove)
-        if self.seen == 0:
+        if self.seen == 0:  # a fresh start: the next prompt fits anew, and a new store takes its layout
             self.set_calibration(None, 0)
+            self.store = None
         self._commit()
         self._view = None
 
@@ -652,9 +653,12 @@ class QuantizedLayer(CacheLayerMixin):
         ks, vs = [view.sink_k], [view.sink_v]
         if view.codes_k is not None:
             codec = self.codec()
-            ks.append(_tokens(from_numpy(codec.decode_keys(view.codes_k, base_only=True), self.keys), view.skip))
+            # Saturated: a code's reconstruction may round past the dtype's range its input was in.
+            ks.append(_tokens(from_numpy(codec.decode_keys(view.codes_k, base_only=True), self.keys, saturate=True), view.skip))
             cv = view.codes_v
-            vs.append(_tokens(cv if isinstance(cv, torch.Tensor) else from_numpy(codec.decode_values(cv), self.values), view.skip))
+            vs.append(
+                _tokens(cv if isinstance(cv, torch.Tensor) else from_numpy(codec.decode_values(cv), self.values, saturate=True), view.skip)
+            )
         return torch.cat([*ks, view.window_k], dim=-2), torch.cat([*vs, view.window_v], dim=-2)
 
     def correction(self, query: torch.Tensor, view: _View | None = None) -> torch.Tensor | None:

@@ -162,8 +162,8 @@ class QuantConfig:
         # Per-layer codecs built from the settings: a cache, not a field (replace, asdict and
         # copies carry the settings only).
         self._codecs: dict = {}
-        from .._arrays import check_bits
-        from ..schemes.codec import KEY_SCHEMES, VALUE_SCHEMES, check_value_stage
+        from .._arrays import check_bits, check_seed
+        from ..schemes.codec import HEADQ_BASES, KEY_SCHEMES, VALUE_SCHEMES, check_value_stage
 
         if self.key_scheme is not None and self.key_scheme not in KEY_SCHEMES:
             raise KvqrsError(f"key_scheme: expected one of {KEY_SCHEMES} or None, got {self.key_scheme!r}")
@@ -186,6 +186,19 @@ class QuantConfig:
         for name in ("residual_length", "sink_tokens"):
             if getattr(self, name) < 0:
                 raise KvqrsError(f"{name}: expected >= 0, got {getattr(self, name)}")
+        check_seed(self.seed, "seed", optional=False)
+        for name in ("group", "rank"):
+            if getattr(self, name) < 1:
+                raise KvqrsError(f"{name}: expected >= 1, got {getattr(self, name)}")
+        if not 1 <= self.side_bits <= 8:
+            raise KvqrsError(f"side_bits: expected HeadQ side-code bits in 1..8, got {self.side_bits}")
+        if isinstance(self.sign, bool) or self.sign not in (1, -1):
+            raise KvqrsError(f"sign: expected 1 or -1 (the wrong-sign HeadQ control), got {self.sign!r}")
+        if self.headq_base not in HEADQ_BASES:
+            raise KvqrsError(f"headq_base: expected one of {HEADQ_BASES}, got {self.headq_base!r}")
+        for name in ("a2_uniform", "fused", "value_transform"):
+            if not isinstance(getattr(self, name), (bool, np.bool_)):
+                raise KvqrsError(f"{name}: expected True or False, got {getattr(self, name)!r}")
         # Per-channel codes are packed along tokens and join a cache a group at a time: a group's
         # codes must fill whole bytes.
         if self._kivi_keys and self.group * self.key_bits % 8:
