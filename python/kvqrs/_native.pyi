@@ -10,6 +10,7 @@ import numpy.typing as npt
 __all__ = [
     "KvqrsError",
     "MAX_CODEBOOK_DIM",
+    "MAX_STATE",
     "__version__",
     "container_read",
     "container_write",
