@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from kvqrs import KvqrsError
 from kvqrs.hf import QuantConfig, QuantizedKVCache, load_matched, save_matched
-from kvqrs.hf.attention import local_importance
+from kvqrs.hf.attention import causal_importance
 from kvqrs.schemes import KVCodec
 from kvqrs.schemes.matched import MatchedCalibration, random_calibration
 from kvqrs.schemes.mse import MSECoder
@@ -140,21 +140,31 @@ def test_encode_needs_finite_non_negative_weights_of_the_tokens_shape():
         coder.encode(x, w)
 
 
-def test_local_importance_equals_a_loop():
+def test_causal_importance_equals_a_loop():
     rng = np.random.default_rng(4)
-    b, hq, g, n, sinks, window = 1, 4, 2, 12, 1, 3
-    logits = torch.from_numpy(rng.standard_normal((b, hq, n, n)))
-    got = local_importance(logits, sinks, g, window)
+    b, hq, g, n, sinks, queries, window = 1, 4, 2, 12, 1, 3, 4
+    logits = torch.from_numpy(rng.standard_normal((b, hq, n, n)) * 3)
+    got = causal_importance(logits, sinks, g, queries, window)
     want = np.zeros((b, hq // g, n))
     for h in range(hq):
         for t in range(n):
-            keys = sorted({j for j in range(t + 1) if t - j < window or j < sinks})
-            s = logits[0, h, t, keys].numpy()
-            p = np.exp(s - s.max()) / np.exp(s - s.max()).sum()
-            for j, pj in zip(keys, p):
-                if t - j < window:
-                    want[0, h // g, j] += pj**2
+            keys = [j for j in range(t + 1) if t - j < window or j < sinks]
+            z = np.exp(logits[0, h, t, keys].numpy()).sum()
+            for j in range(t, min(n, t + queries)):  # the key's own query and the ones before it
+                e = np.exp(logits[0, h, t, j].item())
+                want[0, h // g, j] += (e / z if j == t else e / (z + e)) ** 2
     np.testing.assert_allclose(got, want, rtol=1e-12)
+
+
+def test_causal_importance_reads_no_later_position():
+    rng = np.random.default_rng(5)
+    logits = torch.from_numpy(rng.standard_normal((1, 6, 40, 40)))
+    later = logits.clone()
+    later[..., 21:, :] += torch.from_numpy(rng.standard_normal((1, 6, 19, 40)))
+    later[..., :, 21:] -= 2.0
+    a, b = causal_importance(logits, 1, 3), causal_importance(later, 1, 3)
+    np.testing.assert_array_equal(a[..., :21], b[..., :21])
+    assert not np.allclose(a[..., 21:], b[..., 21:])
 
 
 def test_calibration_file_keeps_the_classes(tmp_path):

@@ -285,7 +285,7 @@ def allocate_matched(
 
 class _ClassRecorder:
     """Attention state that, per layer, allocates each calibration window's value widths freely
-    by local A^2 importance (:func:`~kvqrs.schemes.a2.allocate_bits` per chunk of ``group``
+    by causal A^2 importance (:func:`~kvqrs.schemes.a2.allocate_bits` per chunk of ``group``
     tokens after the sinks, at the layer's value width) and counts the widths; attention runs
     unchanged."""
 
@@ -301,11 +301,11 @@ class _ClassRecorder:
         from transformers.integrations.sdpa_attention import repeat_kv
 
         from ..schemes.a2 import allocate_bits
-        from .attention import local_importance
+        from .attention import causal_importance
 
         layer, g = module.layer_idx, module.num_key_value_groups
         logits = (query @ repeat_kv(key, g).transpose(2, 3)) * scaling
-        w = local_importance(logits, self.sinks, g)[0, :, self.sinks :]  # (kv_heads, n)
+        w = causal_importance(logits, self.sinks, g)[0, :, self.sinks :]  # (kv_heads, n)
         v = to_numpy(value, "values")[0, :, self.sinks :].astype(np.float64) - self.calibration[layer].value_mean[:, None, :]
         n = (w.shape[-1] // self.group) * self.group
         if n:
@@ -323,7 +323,7 @@ def fit_value_classes(model, windows: Iterable[torch.Tensor], calibration: dict,
     In every window, each KV head's value tokens after the sinks, in chunks of ``group``, get
     the widths that minimise their A^2-weighted distortion at the layer's value width
     (``value_bits``, else ``bits``), from the importances a cache can measure
-    (:func:`~kvqrs.hf.attention.local_importance`); the layer's classes are those widths'
+    (:func:`~kvqrs.hf.attention.causal_importance`); the layer's classes are those widths'
     histogram rounded to a chunk (:func:`~kvqrs.schemes.width_classes.class_counts`). A layer
     whose allocation is one width (1-bit values) keeps its plain value stage.
 

@@ -29,10 +29,11 @@ from .matched import head_mean
 from .mse import MSECoder
 
 MAX_WIDTH = 8
+IMPORTANCE_QUERIES = 16
+"""Queries that weigh a token: its own and the ones before it
+(:func:`kvqrs.hf.attention.causal_importance`), so its width depends on no later token."""
 IMPORTANCE_WINDOW = 64
-"""Queries after a token that weigh it, and keys (after the sinks) each query's softmax holds
-(:func:`kvqrs.hf.attention.local_importance`): what a cache with this full-precision window
-can measure before the token is coded."""
+"""Latest keys (after the sinks) in each of those queries' softmax."""
 
 
 def check_classes(classes: Any, chunk: int | None = None, what: str = "value_classes") -> tuple[tuple[int, int], ...]:
