@@ -458,6 +458,9 @@ pub(super) mod avx2 {
             unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(i), v) };
             i += 8;
         }
+        if n8 == out.len() {
+            return; // no tail: a block decode calls this once per row
+        }
         let mut codes = [0u8; 8];
         let rest = &mut codes[..out.len() - n8];
         super::super::scalar::unpack_row(&packed[n8 / 8 * b..], bits, rest);
@@ -1287,7 +1290,9 @@ pub(super) mod avx512 {
         }
         let done = 16 * steps;
         // AVX2 is part of this path's features, so the call needs no `unsafe`.
-        super::avx2::decode_packed(&packed[done * b / 8..], bits, table, &mut out[done..]);
+        if done < out.len() {
+            super::avx2::decode_packed(&packed[done * b / 8..], bits, table, &mut out[done..]);
+        }
     }
 
     /// `out[i] = table[code_i]` for a packed row of 4-bit codes: sixteen codes (eight bytes)
@@ -1315,7 +1320,9 @@ pub(super) mod avx512 {
             i += 16;
         }
         // AVX2 is part of this path's features, so the call needs no `unsafe`.
-        super::avx2::decode_packed(&packed[n16 / 2..], 4, table, &mut out[n16..]);
+        if n16 < out.len() {
+            super::avx2::decode_packed(&packed[n16 / 2..], 4, table, &mut out[n16..]);
+        }
     }
 
     /// Whether every value is finite (exponent not all ones).
