@@ -158,6 +158,35 @@ pub(crate) fn decode_packed(isa: Isa, packed: &[u8], bits: u32, table: &[f32], o
     }
 }
 
+/// [`decode_packed`] of `out.len() / len` short rows of `len` codes, row `r` from
+/// `packed[r * row_bytes..]` (e.g. one group of tokens of every channel): one call, so the
+/// per-call setup of the SIMD decoders is paid once. Exact copies of table entries, as
+/// [`decode_packed`].
+pub(crate) fn decode_packed_rows(
+    isa: Isa,
+    packed: &[u8],
+    (row_bytes, len): (usize, usize),
+    bits: u32,
+    table: &[f32],
+    out: &mut [f32],
+) {
+    if len == 0 {
+        return;
+    }
+    match isa {
+        // SAFETY: `isa` is supported; `table` has 256 entries.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 if (1..=4).contains(&bits) => unsafe {
+            avx512::decode_packed_rows(packed, (row_bytes, len), bits, table, out)
+        },
+        _ => {
+            for (r, o) in out.chunks_exact_mut(len).enumerate() {
+                decode_packed(isa, &packed[r * row_bytes..], bits, table, o);
+            }
+        }
+    }
+}
+
 /// `out[i] = (y[i] * mul) ^ sign_bits[i]` for `i < out.len()`: the sign flip and norm of the
 /// inverse rotation (`(y * s) * mul` with `s = +-1` is exactly `+-(y * mul)`).
 pub(crate) fn finish(isa: Isa, y: &[f32], sign_bits: &[u32], mul: f32, out: &mut [f32]) {
@@ -701,6 +730,24 @@ mod tests {
                     assert_eq!(bits(&a), bits(&b), "{isa:?} bits={bits_} count={count}");
                     let want: Vec<f32> = c.iter().map(|&k| lookup[usize::from(k)]).collect();
                     assert_eq!(bits(&b), bits(&want), "bits={bits_} count={count}");
+                }
+                // Short rows of a strided buffer, as the per-channel keys read one group.
+                let rb = (codes.len() * bits_ as usize).div_ceil(8);
+                let mut packed = vec![0u8; 5 * rb];
+                for r in 0..5 {
+                    let row: Vec<u8> = codes
+                        .iter()
+                        .map(|&k| k ^ (r as u8 & ((1 << bits_) - 1)))
+                        .collect();
+                    pack_row(Isa::Scalar, &row, bits_, &mut packed[r * rb..(r + 1) * rb]);
+                }
+                for len in [1usize, 7, 16, 24, 32, 33, codes.len()] {
+                    let (mut a, mut b) = (vec![0.0; 5 * len], vec![0.0; 5 * len]);
+                    decode_packed_rows(isa, &packed, (rb, len), bits_, lookup, &mut a);
+                    for (r, o) in b.chunks_exact_mut(len).enumerate() {
+                        decode_packed(Isa::Scalar, &packed[r * rb..], bits_, lookup, o);
+                    }
+                    assert_eq!(bits(&a), bits(&b), "{isa:?} bits={bits_} len={len}");
                 }
             }
         }

@@ -1243,10 +1243,26 @@ pub(super) mod avx512 {
         }
     }
 
+    /// [`decode_packed`] of short rows `row_bytes` apart (`out` holds rows x `len`): the
+    /// row decoder inlined into one loop, its constants loaded once.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,bmi2")]
+    pub(crate) fn decode_packed_rows(
+        packed: &[u8],
+        (row_bytes, len): (usize, usize),
+        bits: u32,
+        table: &[f32],
+        out: &mut [f32],
+    ) {
+        for (r, o) in out.chunks_exact_mut(len).enumerate() {
+            decode_packed(&packed[r * row_bytes..], bits, table, o);
+        }
+    }
+
     /// `out[i] = table[code_i]` for a packed row of `bits`-bit codes (`bits <= 3`): sixteen
     /// codes per step from one 8-byte read; lane `i` takes the two bytes holding bits
     /// `i * bits ..` as a 16-bit word (a byte shuffle), widened, shifted and masked, then one
     /// 16-entry permute. Four bits: [`decode_packed4`].
+    #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,bmi2")]
     pub(crate) fn decode_packed(packed: &[u8], bits: u32, table: &[f32], out: &mut [f32]) {
         debug_assert!((1..=4).contains(&bits) && table.len() >= 256);
@@ -1298,6 +1314,7 @@ pub(super) mod avx512 {
     /// `out[i] = table[code_i]` for a packed row of 4-bit codes: sixteen codes (eight bytes)
     /// per step, each byte duplicated, widened to 32-bit lanes and shifted by 0 or 4, then one
     /// 16-entry permute.
+    #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,bmi2")]
     pub(crate) fn decode_packed4(packed: &[u8], table: &[f32], out: &mut [f32]) {
         debug_assert!(table.len() >= 256);

@@ -59,6 +59,28 @@ impl RowReader {
         }
     }
 
+    /// `out[r * len + i] = values[code(start + i)]` of rows `first .. first + out.len() / len`
+    /// of `codes` (rows of `row_bytes`): one call when `start` begins a byte, else row by row.
+    pub(super) fn decode_rows(
+        &self,
+        isa: Isa,
+        codes: &[u8],
+        (first, start, len): (usize, usize, usize),
+        scratch: &mut [u8],
+        out: &mut [f32],
+    ) {
+        let (rb, bit) = (self.row_bytes, start * self.bits as usize);
+        if bit.is_multiple_of(8) {
+            let packed = &codes[first * rb + bit / 8..];
+            ops::decode_packed_rows(isa, packed, (rb, len), self.bits, &self.table, out);
+        } else {
+            for (r, o) in out.chunks_exact_mut(len).enumerate() {
+                let row = &codes[(first + r) * rb..(first + r + 1) * rb];
+                self.decode(isa, row, start, scratch, o);
+            }
+        }
+    }
+
     /// Calls `f(j0, values of rows j0 .. j0 + count)` (count x n) for the tokens `span` of head
     /// `h` (of `t` tokens) in `codes`, in blocks of [`BLOCK`] tokens from `span.start`. When
     /// rows hold no padding bits (`n * bits % 8 == 0`) a block is one bit stream, decoded in

@@ -283,7 +283,7 @@ impl KeyRows for ChannelsPlan<'_> {
     }
 
     fn add_scores(&self, isa: Isa, q: &[f32], h: usize, span: Range<usize>, s: &mut [f32]) {
-        let (d, group, rb) = (self.head_dim, self.group, self.reader.row_bytes);
+        let (d, group) = (self.head_dim, self.group);
         let (c0, n) = (span.start, span.len());
         let mut scratch = vec![0u8; group];
         // One group of tokens: the codes of every channel as levels (d x len), and per query
@@ -296,11 +296,9 @@ impl KeyRows for ChannelsPlan<'_> {
         for g in g0..g1 {
             let (t0, t1) = (g * group, ((g + 1) * group).min(span.end));
             let len = t1 - t0;
-            for (c, lev) in block.chunks_exact_mut(len).take(d).enumerate() {
-                let ch = h * d + c;
-                let row = &self.codes[ch * rb..(ch + 1) * rb];
-                self.reader.decode(isa, row, t0, &mut scratch, lev);
-            }
+            let levels = &mut block[..d * len];
+            self.reader
+                .decode_rows(isa, self.codes, (h * d, t0, len), &mut scratch, levels);
             for (r, qr) in q.chunks_exact(d).enumerate() {
                 let mut zs = 0.0f32;
                 for (c, (wc, &qc)) in w.iter_mut().zip(qr).enumerate() {
