@@ -997,7 +997,7 @@ class QuantizedKVCache(Cache):
             raise KvqrsError(
                 "value_scheme: the a2 allocation needs each token's future attention; it runs in the fast evaluation path only"
             )
-        if isinstance(config.calibration, dict) and any(getattr(c, "value_classes", None) for c in config.calibration.values()):
+        if config.has_value_classes:
             raise KvqrsError(
                 "calibration: values in width classes need the A^2 importance of each token from the queries that read it; "
                 "they run in the fast evaluation path (kvqrs.hf.fake_quant) only"

@@ -410,6 +410,13 @@ class QuantConfig:
     def quantizes_keys(self) -> bool:
         return self.key_scheme is not None
 
+    @property
+    def has_value_classes(self) -> bool:
+        """Whether a layer's calibration codes values in width classes (each token weighed by
+        the queries that read it: :func:`kvqrs.hf.attention.causal_importance`)."""
+        cal = self.calibration
+        return isinstance(cal, dict) and any(getattr(c, "value_classes", None) for c in cal.values())
+
     def label(self) -> str:
         """Short row label, e.g. ``kqv-k4v4`` or ``headq(kivi)-k2``."""
         k = f"{self.key_scheme}({self.headq_base})" if self.key_scheme == "headq" else self.key_scheme
