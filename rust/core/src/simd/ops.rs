@@ -737,7 +737,7 @@ mod tests {
                 for r in 0..5 {
                     let row: Vec<u8> = codes
                         .iter()
-                        .map(|&k| k ^ (r as u8 & ((1 << bits_) - 1)))
+                        .map(|&k| k ^ (r as u8 & ((1u32 << bits_) - 1) as u8))
                         .collect();
                     pack_row(Isa::Scalar, &row, bits_, &mut packed[r * rb..(r + 1) * rb]);
                 }
