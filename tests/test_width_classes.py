@@ -1,6 +1,6 @@
 """Value widths in fixed per-chunk classes ordered by A^2 importance: the rounding of a width
 histogram, the assignment by weight, the coder against the plain MSE stage token by token,
-joining and cutting at whole chunks, the local importance against a loop, calibration files,
+joining and cutting at whole chunks, the causal importance against a loop, calibration files,
 and the fast path and cache's handling of calibrations that hold classes."""
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from kvqrs import KvqrsError
 from kvqrs.hf import QuantConfig, QuantizedKVCache, load_matched, save_matched
 from kvqrs.hf.attention import causal_importance
+from kvqrs.hf.calibration import fit_value_classes
 from kvqrs.schemes import KVCodec
 from kvqrs.schemes.matched import MatchedCalibration, random_calibration
 from kvqrs.schemes.mse import MSECoder
@@ -165,6 +166,43 @@ def test_causal_importance_reads_no_later_position():
     a, b = causal_importance(logits, 1, 3), causal_importance(later, 1, 3)
     np.testing.assert_array_equal(a[..., :21], b[..., :21])
     assert not np.allclose(a[..., 21:], b[..., 21:])
+
+
+def test_causal_importance_refuses_bad_arguments():
+    x = torch.zeros(1, 6, 8, 8)
+    bad = [
+        ((torch.zeros(6, 8, 8), 1, 3), "logits: expected a \\(batch, q_heads, len, len\\)"),
+        ((torch.zeros(1, 6, 8, 7), 1, 3), "logits: expected"),
+        ((np.zeros((1, 6, 8, 8)), 1, 3), "torch tensor, got ndarray"),
+        ((torch.zeros(1, 6, 8, 8, dtype=torch.int64), 1, 3), "real floating-point"),
+        ((x, 1, 4), "groups: expected a divisor of the 6 query heads"),
+        ((x, 1, 0), "groups: expected an integer >= 1"),
+        ((x, -1, 3), "sinks: expected an integer >= 0"),
+        ((x, 1, 3, 0), "queries: expected an integer >= 1"),
+        ((x, 1, 3, 16, 0), "window: expected an integer >= 1"),
+    ]
+    for args, match in bad:
+        with pytest.raises(KvqrsError, match=match):
+            causal_importance(*args)
+    y = x.clone()
+    y[0, 2, 5, 1] = float("nan")
+    with pytest.raises(KvqrsError, match=r"logits: expected finite values, got nan at index \(0, 2, 5, 1\)"):
+        causal_importance(y, 1, 3)
+
+
+def test_class_counts_refuses_a_fractional_mean():
+    with pytest.raises(KvqrsError, match="bits: expected an integer bit width"):
+        class_counts(np.ones(9), 2.5, 128)
+    with pytest.raises(KvqrsError, match="chunk: expected an integer >= 1"):
+        class_counts(np.ones(9), 2, 0)
+
+
+def test_fit_value_classes_names_missing_layers(model32):
+    model, tok = model32
+    ids = tok("a b c " * 100, return_tensors="pt").input_ids
+    cal = {0: random_calibration(model.config.hidden_size // model.config.num_attention_heads, 3, 0)}
+    with pytest.raises(KvqrsError, match="missing layers \\[1"):
+        fit_value_classes(model, [ids], cal, 32)
 
 
 def test_calibration_file_keeps_the_classes(tmp_path):

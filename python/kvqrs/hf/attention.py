@@ -25,9 +25,9 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import repeat_kv
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
-from .._arrays import KvqrsError
+from .._arrays import KvqrsError, check_positive_int
 from ..schemes.width_classes import IMPORTANCE_QUERIES, IMPORTANCE_WINDOW
-from ..torch import from_numpy, to_numpy
+from ..torch import check_finite, from_numpy, to_numpy
 from .config import QuantConfig
 
 NAME = "kvqrs"
@@ -251,6 +251,22 @@ def _a2_importance(module, s_fp, attention_mask, lookahead):
     return p.sum(dim=-2).reshape(p.shape[0], -1, g, length).sum(dim=2).numpy()
 
 
+def _check_importance_args(logits: Any, sinks: Any, groups: Any, queries: Any, window: Any) -> None:
+    """The argument checks of :func:`causal_importance`."""
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 4 or logits.shape[-1] != logits.shape[-2]:
+        got = f"shape {tuple(logits.shape)}" if isinstance(logits, torch.Tensor) else type(logits).__name__
+        raise KvqrsError(f"logits: expected a (batch, q_heads, len, len) torch tensor, got {got}")
+    if not logits.dtype.is_floating_point:
+        raise KvqrsError(f"logits: expected real floating-point logits, got {logits.dtype}")
+    check_finite(logits, "logits")
+    g = check_positive_int(groups, "groups")
+    if logits.shape[1] % g:
+        raise KvqrsError(f"groups: expected a divisor of the {logits.shape[1]} query heads, got {g}")
+    check_positive_int(sinks, "sinks", minimum=0)
+    check_positive_int(queries, "queries")
+    check_positive_int(window, "window")
+
+
 def causal_importance(
     logits: torch.Tensor, sinks: int, groups: int, queries: int = IMPORTANCE_QUERIES, window: int = IMPORTANCE_WINDOW
 ) -> np.ndarray:
@@ -273,12 +289,18 @@ def causal_importance(
 
     Returns:
         float64 ``(batch, kv_heads, len)``.
+
+    Raises:
+        KvqrsError: logits that are not a real ``(batch, q_heads, len, len)`` tensor or hold a
+            NaN or infinity; ``groups`` not a positive divisor of ``q_heads``; ``sinks`` < 0;
+            ``queries`` or ``window`` < 1.
     """
+    _check_importance_args(logits, sinks, groups, queries, window)
     length = logits.shape[-1]
     pos = torch.arange(length)
     lag = pos[:, None] - pos[None, :]  # t - j
     held = (lag >= 0) & ((lag < window) | (pos[None, :] < sinks))
-    x = logits.double()
+    x = logits.detach().double()
     log_z = torch.logsumexp(x.masked_fill(~held, float("-inf")), dim=-1, keepdim=True)
     log_p = torch.where(held, x - log_z, x - torch.logaddexp(log_z.expand_as(x), x))
     weigh = (lag <= 0) & (lag > -queries)

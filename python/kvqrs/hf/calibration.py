@@ -11,7 +11,7 @@ from collections.abc import Iterable
 import numpy as np
 import torch
 
-from .._arrays import KvqrsError
+from .._arrays import KvqrsError, check_bits, check_positive_int
 from ..kernels import headq_basis
 from ..schemes.width_classes import unit_weights
 from ..torch import to_numpy
@@ -339,7 +339,9 @@ def fit_value_classes(model, windows: Iterable[torch.Tensor], calibration: dict,
         ``{layer: MatchedCalibration}`` with ``value_bits`` and ``value_classes`` set.
 
     Raises:
-        KvqrsError: transform-coded values, no window with a whole chunk, or no attention call.
+        KvqrsError: transform-coded values, a calibration missing some of the model's layers,
+            a group < 1, sink_tokens < 0, bits not an integer in 1..8, no window with a whole
+            chunk, or no attention call.
     """
     import dataclasses
 
@@ -347,7 +349,13 @@ def fit_value_classes(model, windows: Iterable[torch.Tensor], calibration: dict,
 
     if any(c.values is not None for c in calibration.values()):
         raise KvqrsError("calibration: value classes apply to per-token values, not transform-coded ones")
-    rec = _ClassRecorder(calibration, int(group), int(sink_tokens), int(bits))
+    group, sink_tokens = check_positive_int(group, "group"), check_positive_int(sink_tokens, "sink_tokens", minimum=0)
+    bits = check_bits(bits)
+    layers = model.config.num_hidden_layers
+    if set(calibration) != set(range(layers)):
+        missing = sorted(set(range(layers)) - set(calibration))
+        raise KvqrsError(f"calibration: expected a calibration for each of the model's {layers} layers, missing layers {missing}")
+    rec = _ClassRecorder(calibration, group, sink_tokens, bits)
     with torch.no_grad(), active(rec):
         for ids in windows:
             model(ids)

@@ -9,8 +9,9 @@ width (a layer's *classes*, fitted on calibration text from the free allocations
 tokens of a chunk, ordered by weight, fill the widest class first. Each class is an ordinary
 MSE stage at its width over its slots, so the stored layout depends on the shape only (chunks
 join and cut at whole chunks), and only the class of each token is stored besides (``ceil(log2
-classes)`` bits). Measured on SmolLM2-135M (docs/evaluation.md), the fixed classes lose almost
-nothing against the free allocation.
+classes)`` bits). Measured on SmolLM2-135M (docs/evaluation.md): fixed classes lose almost
+nothing against the free allocation; they cut the KL where a full-precision window holds the
+newest 64 tokens, and raise it where every token is read quantized.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from .. import layout as lay
-from .._arrays import KvqrsError
+from .._arrays import KvqrsError, check_bits, check_positive_int
 from .a2 import check_weights
 from .base import Encoded, as_float_array, check_encoded, check_head_dim, split_shape
 from .matched import head_mean
@@ -31,7 +32,9 @@ from .mse import MSECoder
 MAX_WIDTH = 8
 IMPORTANCE_QUERIES = 16
 """Queries that weigh a token: its own and the ones before it
-(:func:`kvqrs.hf.attention.causal_importance`), so its width depends on no later token."""
+(:func:`kvqrs.hf.attention.causal_importance`), so its importance depends on no later token.
+Its class is then decided by rank within its chunk (as a group's scale is by the group's
+tokens): a cache codes a chunk once all of its tokens have arrived."""
 IMPORTANCE_WINDOW = 64
 """Latest keys (after the sinks) in each of those queries' softmax."""
 
@@ -76,8 +79,7 @@ def class_counts(histogram: Any, bits: int, chunk: int) -> tuple[tuple[int, int]
     h = np.asarray(histogram, dtype=np.float64).reshape(-1)
     if h.shape != (MAX_WIDTH + 1,) or not np.isfinite(h).all() or (h < 0).any() or h[1:].sum() <= 0:
         raise KvqrsError(f"histogram: expected 9 non-negative counts of widths 0..8 (some of 1..8), got {histogram!r}")
-    if not 1 <= int(bits) <= MAX_WIDTH or chunk < 1:
-        raise KvqrsError(f"bits, chunk: expected bits in 1..{MAX_WIDTH} and a positive chunk, got {bits}, {chunk}")
+    bits, chunk = check_bits(bits, "bits", 1, MAX_WIDTH), check_positive_int(chunk, "chunk")
     frac = h[1:] / h[1:].sum() * chunk
     c = np.floor(frac).astype(np.int64)
     for i in np.argsort(-(frac - c), kind="stable")[: chunk - int(c.sum())]:
