@@ -57,13 +57,14 @@ def check_storable(t: torch.Tensor, arg: str) -> None:
     magnitude, named by its index: a cache codes its tokens steps after their arrival, with
     those of other updates, and past that bound a norm, a group's range or a rotated coordinate
     could overflow float32 then (the window's native append makes the same check)."""
-    check_finite(t, arg)
     from . import _native
 
     t = t.detach()
-    if t.numel() and float(t.abs().max()) > _native.MAX_STATE:
-        i = tuple(int(j) for j in (t.abs() > _native.MAX_STATE).nonzero()[0])
-        raise KvqrsError(f"{arg}: expected values of magnitude <= {_native.MAX_STATE:.0e}, got {float(t[i]):.6g} at index {i}")
+    if not t.numel() or float(t.abs().max()) <= _native.MAX_STATE:  # one pass: NaN fails it too
+        return
+    check_finite(t, arg)  # names a NaN or infinity
+    i = tuple(int(j) for j in (t.abs() > _native.MAX_STATE).nonzero()[0])
+    raise KvqrsError(f"{arg}: expected values of magnitude <= {_native.MAX_STATE:.0e}, got {float(t[i]):.6g} at index {i}")
 
 
 def from_numpy(a: np.ndarray, like: torch.Tensor, saturate: bool = False) -> torch.Tensor:

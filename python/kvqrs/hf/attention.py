@@ -271,13 +271,13 @@ def causal_importance(
     logits: torch.Tensor, sinks: int, groups: int, queries: int = IMPORTANCE_QUERIES, window: int = IMPORTANCE_WINDOW
 ) -> np.ndarray:
     """The A^2 importance of each key predicted from the queries up to its own position, so that
-    a token's stored width never depends on a later token (a scoring protocol stays causal):
-    ``w_j = sum_t sum_heads p_tj^2`` over the queries ``t = j - queries + 1 .. j``. Each query
-    ``t`` has its softmax over the sinks and its ``window`` latest keys (full precision, read the
-    same by any cache; normaliser ``Z_t``); for its own key (``t = j``) ``p_tj`` is that softmax,
-    for a key it precedes (``t < j``) the share the key would take in it, ``exp(s_tj) / (Z_t +
-    exp(s_tj))``. Measured on SmolLM2-135M (docs/evaluation.md), this predicts HeadQ's A^2
-    weight well enough to cut the weighted value distortion of per-token widths by a quarter.
+    it depends on no later token: ``w_j = sum_t sum_heads p_tj^2`` over the queries ``t = j -
+    queries + 1 .. j``. Each query ``t`` has its softmax over the sinks and its ``window`` latest
+    keys (full precision, read the same by any cache; normaliser ``Z_t``); for its own key (``t
+    = j``) ``p_tj`` is that softmax, for a key it precedes (``t < j``) the share the key would
+    take in it, ``exp(s_tj) / (Z_t + exp(s_tj))``. Measured on SmolLM2-135M (docs/evaluation.md,
+    "Value width classes"): value width classes ranked by it cut the KL by 34-38% where the
+    newest 64 tokens stay in full precision, and raise it where every token is read quantized.
 
     Args:
         logits: ``(batch, q_heads, len, len)`` scaled full-precision logits of the queries at

@@ -85,7 +85,7 @@ def class_counts(histogram: Any, bits: int, chunk: int) -> tuple[tuple[int, int]
     for i in np.argsort(-(frac - c), kind="stable")[: chunk - int(c.sum())]:
         c[i] += 1
     w = np.arange(1, MAX_WIDTH + 1)
-    while (excess := int((w * c).sum()) - int(bits) * chunk) != 0:
+    while (excess := int((w * c).sum()) - bits * chunk) != 0:
         used = np.flatnonzero(c)
         i = used[-1] if excess > 0 else used[0]  # narrow the widest token, or widen the narrowest
         j = i - 1 if excess > 0 else i + 1

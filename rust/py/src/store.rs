@@ -137,8 +137,8 @@ fn c_order(a: &Bound<'_, PyArray4<f32>>) -> Option<Vec<f32>> {
 /// Appends a decode step's new keys `k` and values `v` (float32 batch x kv_heads x n x
 /// head_dim, any strides) to a layer's window buffers `dst_k`, `dst_v` (flat float32 views of
 /// C-contiguous batch x kv_heads x `cap` x head_dim buffers) at token `at`. Returns False,
-/// nothing copied, when some new value is not finite or beyond `MAX_STATE` (the caller names it) or when the arrays
-/// cannot be borrowed as needed (buffers that alias each other, or that another borrow
+/// nothing copied, when some new value is not finite or beyond `MAX_STATE` (the caller names
+/// it) or when the arrays cannot be borrowed as needed (buffers that alias each other, or that another borrow
 /// holds): the caller then joins the tokens to its window instead. Raises when the tokens do
 /// not fit the buffers or a buffer is strided.
 #[pyfunction]
