@@ -171,3 +171,68 @@ def test_allocation_with_value_classes_measures_and_counts_them(model32, texts, 
         assert enc.nbytes == 3 * 4 * (sum(n * (8 * b + 2) for b, n in c.value_classes) + 2 * k)
     result = lp.run_llama(model, tok, texts, [row], ctx=CTX, chunks=1, progress=False)
     assert np.isfinite(result["rows"][0]["kl_mean"])
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4])
+def test_gaussian_channel_reaches_the_rate_distortion_bound(bits):
+    from kvqrs.evaluation.channel import gaussian_channel
+
+    rng = np.random.default_rng(bits)
+    var = np.array([[0.25], [4.0]])
+    y = rng.standard_normal((2, 200_000)) * np.sqrt(var)
+    out = gaussian_channel(y, var, bits, np.random.default_rng(7))
+    bound = var[:, 0] * 2.0 ** (-2 * bits)
+    # E[(y_hat - y)^2] = s^2 2^(-2b) and Var(y_hat) = s^2 - D (Cover and Thomas, the backward channel)
+    np.testing.assert_allclose(((out - y) ** 2).mean(axis=1), bound, rtol=0.02)
+    np.testing.assert_allclose(out.var(axis=1), var[:, 0] - bound, rtol=0.02)
+    assert not gaussian_channel(y, var, 0, rng).any() and not gaussian_channel(y, np.zeros((2, 1)), bits, rng).any()
+
+
+def test_channel_keys_keep_group_means_and_drop_zero_widths():
+    from kvqrs.evaluation.channel import channel_keys, channel_values
+    from kvqrs.schemes.matched import MatchedCoder, MatchedValueCoder, random_calibration
+
+    cal = random_calibration(64, 3, 5)
+    widths = np.repeat(np.array([8, 4, 2, 0], np.uint8), 16)
+    import dataclasses
+
+    basis = dataclasses.replace(cal.keys, widths=widths)
+    coder = MatchedCoder(64, basis, 32, "matched", "keys")
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal((1, 96, 64)) * 3 + 1).astype(np.float32)
+    out = channel_keys(coder, x, np.random.default_rng(1))
+    assert out.shape == x.shape and out.dtype == np.float32
+    y = (x.astype(np.float64) - basis.mean[0]) @ basis.basis[0].astype(np.float64)
+    yh = (out.astype(np.float64) - basis.mean[0]) @ basis.basis[0].astype(np.float64)
+    np.testing.assert_allclose(yh[..., 48:], 0, atol=1e-4)  # width 0: the coordinate dropped
+    for s in range(0, 96, 32):  # each group's mean kept (the zero point's job), to sampling error
+        np.testing.assert_allclose(yh[:, s : s + 32, :48].mean(1), y[:, s : s + 32, :48].mean(1), atol=1.2)
+    err = ((yh - y) ** 2).mean(axis=(0, 1))
+    assert err[:16].max() < 1e-3 < err[16:32].mean() < err[32:48].mean()
+    values = MatchedValueCoder(64, 2, 3, np.zeros((1, 64), np.float32), "matched", "values")
+    v = rng.standard_normal((1, 64, 64)).astype(np.float32)
+    vh = channel_values(values, v, np.random.default_rng(2))
+    rel = ((vh - v) ** 2).sum(-1) / (v.astype(np.float64) ** 2).sum(-1)
+    assert rel.mean() == pytest.approx(2.0**-4, rel=0.1)
+
+
+def test_channel_rows_stand_in_for_the_codec(model32, texts):
+    from kvqrs.evaluation.channel import ChannelCodec
+
+    model, tok = model32
+    cfg = QuantConfig("matched", 3, "matched", 3, group=16, sink_tokens=1, calibration="random")
+    row = lp.LlamaRow("matched random", cfg)
+    rows = [lp.LlamaRow("dense", None), row, *lp.channel_rows(row, ["keys", "values", "both"])]
+    res = lp.run_llama(model, tok, texts, rows, ctx=CTX, chunks=CHUNKS, progress=False)
+    _, codec, keys, values, both = res["rows"]
+    assert both["row"] == "matched random, Gaussian test channel (both)"
+    for r in (keys, values, both):  # the bits of the codec it stands in for
+        assert (r["bpe_k"], r["bpe_v"]) == (codec["bpe_k"], codec["bpe_v"])
+        assert np.isfinite(r["kl_mean"]) and r["kl_mean"] > 0
+    assert len({r["kl_mean"] for r in (codec, keys, values, both)}) == 4
+    with pytest.raises(KvqrsError, match="sides"):
+        lp.channel_rows(row, ["all"])
+    with pytest.raises(KvqrsError, match="no codec"):
+        lp.channel_rows(rows[0], ["both"])
+    with pytest.raises(KvqrsError, match="matched transform-coded keys"):
+        ChannelCodec(QuantConfig("kqv", 4, "kqv", 4).codec(0, 64), "keys", np.random.default_rng(0))

@@ -83,6 +83,15 @@ def test_eval_refuses_bad_matched_bits_before_loading_the_model(text_file, no_mo
 
 
 @pytest.mark.parametrize(
+    "argv", [["--channel", "both"], ["--protocol", "llama", "--channel", "keys"], ["--task", "needle", "--channel", "both"]]
+)
+def test_eval_refuses_a_channel_without_calibration_files(text_file, no_model, capsys, argv):
+    with pytest.raises(SystemExit) as e:
+        main(["eval", "--data", text_file, "--threads", "1", *argv])
+    assert e.value.code == 2 and "--channel: applies to --protocol llama with --calibration files" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
     ("args", "message"),
     [
         (["--budget", "1.5"], "more than the narrowest widths' 2.0 bits"),

@@ -179,6 +179,12 @@ def torch_threads(n: int) -> None:
     torch.set_num_threads(n)
 
 
+def _check_channel(args: argparse.Namespace) -> None:
+    """``--channel`` stands in for a ``--calibration`` file row's coders on the llama protocol only."""
+    if args.channel and (args.protocol != "llama" or args.task == "needle" or not args.calibration):
+        raise KvqrsError("--channel: applies to --protocol llama with --calibration files (it stands in for a file row's coders)")
+
+
 def _eval(args: argparse.Namespace) -> int:
     import pathlib
     import time
@@ -187,6 +193,7 @@ def _eval(args: argparse.Namespace) -> int:
     from .evaluation import model_report
     from .evaluation.model_eval import default_rows, run_eval
 
+    _check_channel(args)
     if args.task == "needle":
         return _needle(args)
     texts = _texts(args)
@@ -243,6 +250,7 @@ def _eval_llama(args: argparse.Namespace) -> int:
     from .evaluation import model as model_mod
     from .hf import fit_matched, record_matched
 
+    _check_channel(args)
     texts = _texts(args)
     out = pathlib.Path(args.out if args.out is not None else ("reports/llama-quick" if args.quick else "reports/llama"))
     chunks = args.chunks if args.chunks is not None else (2 if args.quick else 40)
@@ -251,7 +259,9 @@ def _eval_llama(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     model, tok = model_mod.load(progress=not args.no_progress)
     if args.calibration:
-        rows = [r for r in lp.llama_rows() if r.config is None] + [lp.file_row(p, args.value_scale) for p in args.calibration]
+        rows = [r for r in lp.llama_rows() if r.config is None]
+        for row in (lp.file_row(p, args.value_scale) for p in args.calibration):
+            rows += [row] + (lp.channel_rows(row, args.channel) if args.channel else [])
     else:
         windows = lp.llama_chunks(tok, texts.calibration, args.ctx, args.calibration_windows or 8)
         stats = record_matched(model, windows, skip=1)
@@ -556,6 +566,15 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="llama protocol, --calibration rows: what the values' MSE stage stores per token, its norm, the "
         "least-squares or the norm-preserving scale of the decoded direction (default: the file's, else norm)",
+    )
+    ev.add_argument(
+        "--channel",
+        nargs="+",
+        choices=("keys", "values", "both"),
+        default=None,
+        help="llama protocol, --calibration rows: also each file's row with its keys, values or both through the "
+        "Gaussian test channel at the file's widths (an ideal coder of a Gaussian model of each coordinate; "
+        "docs/evaluation.md)",
     )
     ev.add_argument(
         "--matched-bits",

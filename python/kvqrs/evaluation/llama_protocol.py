@@ -27,6 +27,7 @@ from ..hf import QuantConfig, fake_quant
 from ..hf.attention import active
 from ..schemes.width_classes import unit_weights
 from .capture import Recorder
+from .channel import SIDES, channel_wrap
 
 LLAMA_CPP = [
     # llama.cpp's own numbers on this protocol (SmolLM2-135M-Instruct Q4_1 GGUF, wiki.test.raw,
@@ -45,11 +46,13 @@ are quoted beside the kvqrs rows, never recomputed here."""
 
 @dataclass(frozen=True)
 class LlamaRow:
-    """One row: a label and its config (None = dense). ``calibrated``: the config takes the
-    ``matched`` calibration fitted on the calibration text."""
+    """One row: a label and its config (None = dense). ``channel``: the side (``keys``,
+    ``values`` or ``both``) passed through the Gaussian test channel at the config's widths
+    instead of its coder (:mod:`kvqrs.evaluation.channel`); None: the codec itself."""
 
     name: str
     config: QuantConfig | None
+    channel: str | None = None
 
 
 def llama_rows(calibration: dict | None = None) -> list[LlamaRow]:
@@ -132,6 +135,18 @@ def file_row(path, value_scale: str | None = None) -> LlamaRow:
     return LlamaRow(label, config)
 
 
+def channel_rows(row: LlamaRow, sides: list[str]) -> list[LlamaRow]:
+    """``row`` (a ``matched`` row) with each of ``sides`` passed through the Gaussian test channel
+    (:data:`kvqrs.evaluation.channel.SIDES`): one row each, its bits those of the codec it stands
+    in for."""
+    if row.config is None:
+        raise KvqrsError(f"channel: the row {row.name!r} has no codec to stand in for")
+    for side in sides:
+        if side not in SIDES:
+            raise KvqrsError(f"channel: expected sides among {SIDES}, got {side!r}")
+    return [LlamaRow(f"{row.name}, Gaussian test channel ({side})", row.config, side) for side in sides]
+
+
 def llama_chunks(tokenizer, text: str, ctx: int, count: int) -> list[torch.Tensor]:
     """The text tokenized once (no BOS added by SmolLM2's tokenizer), cut into ``count``
     consecutive chunks of ``ctx`` tokens ``(1, ctx)``."""
@@ -201,11 +216,12 @@ def run_llama(model, tokenizer, texts, rows: list[LlamaRow], ctx: int = 512, chu
     results = []
     for row in tqdm(rows, desc="llama protocol", unit="row", disable=not progress):
         nll, kls, agree, n = 0.0, [], 0, 0
+        wrap = None if row.channel is None else channel_wrap(row.channel)
         for ids, lpd in zip(ev, dense):
             if row.config is None:
                 lp = lpd
             else:
-                with fake_quant(row.config, one_shot=True):
+                with fake_quant(row.config, one_shot=True, wrap=wrap):
                     lp = _scored_log_probs(model, ids)
             target = ids[0, ctx // 2 + 1 :]
             nll -= lp.gather(1, target[:, None]).sum().item()

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -164,9 +164,10 @@ class FakeQuant:
     """The fast path: quantize-dequantize inside one forward pass over a window that starts at
     position 0, with the cache's schedule (``QuantConfig.quantized_span``) applied per query."""
 
-    def __init__(self, config: QuantConfig, one_shot: bool = False):
+    def __init__(self, config: QuantConfig, one_shot: bool = False, wrap: Callable[[Any], Any] | None = None):
         self.config = config
         self.one_shot = one_shot
+        self.wrap = wrap
         self.calls = 0
         self._schedules: dict[int, tuple[torch.Tensor, bool]] = {}
 
@@ -196,6 +197,8 @@ class FakeQuant:
 
             fitted = prefill_calibration(cfg, query, key[..., cfg.sink_tokens :, :], value[..., cfg.sink_tokens :, :])
         codec = cfg.codec(module.layer_idx, query.shape[-1], fitted)
+        if self.wrap is not None:
+            codec = self.wrap(codec)
         length = key.shape[-2]
         if query.shape[-2] != length:
             raise ValueError("kvqrs fake-quant path: expects a full window starting at position 0 (no cache)")
@@ -309,15 +312,19 @@ def causal_importance(
 
 
 @contextlib.contextmanager
-def fake_quant(config: QuantConfig, one_shot: bool = False) -> Iterator[FakeQuant]:
+def fake_quant(config: QuantConfig, one_shot: bool = False, wrap: Callable[[Any], Any] | None = None) -> Iterator[FakeQuant]:
     """``with fake_quant(cfg): model(ids)`` runs the fast evaluation path (the model must use
     ``attn_implementation="kvqrs"``).
 
     ``one_shot=True``: every token after the sinks is read quantized, whatever the window and
     chunk settings (a cache prefilled with the whole window in one pass: llama.cpp's perplexity
-    protocol, in which KIVI-style groups are coded with the tokens of the whole window)."""
+    protocol, in which KIVI-style groups are coded with the tokens of the whole window).
+
+    ``wrap``: called on each layer's codec, its result used in the codec's place (the same
+    methods: ``encode_keys``, ``decode_keys``, ``score_correction``, ``encode_values``,
+    ``decode_values``); :func:`kvqrs.evaluation.channel.channel_wrap` makes one."""
     register()
-    with active(FakeQuant(config, one_shot)) as state:
+    with active(FakeQuant(config, one_shot, wrap)) as state:
         yield state
     if state.calls == 0:
         # A model with another attention implementation (sdpa, eager) never consults the plan:

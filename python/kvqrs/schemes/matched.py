@@ -389,7 +389,7 @@ class MatchedCoder:
         return out
 
     # -- transform -------------------------------------------------------------------------
-    def _heads(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def heads(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Mean ``(..., H or 1, 1, d)`` and basis ``(..., H, d, d)`` broadcast against ``x``
         ``(..., H, T, d)``; a single calibrated head also serves inputs without a head axis."""
         h = self.cal.kv_heads
@@ -402,7 +402,7 @@ class MatchedCoder:
     def encode(self, x: Any) -> Encoded:
         x = as_float_array(x, self.kind)
         check_head_dim(x, self.head_dim, self.kind)
-        mean, basis = self._heads(x)
+        mean, basis = self.heads(x)
         y = np.swapaxes(_rows_times(x.astype(np.float32) - mean, basis), -1, -2)  # (..., d, T): coordinates along tokens
         y = contiguous_float32(y)
         parts = {}
@@ -437,7 +437,7 @@ class MatchedCoder:
     def decode(self, enc: Encoded) -> np.ndarray:
         """``x_hat = y_hat U^T + mu``, float32 ``(..., T, d)``."""
         y = self.coordinates(enc)
-        mean, basis = self._heads(y)
+        mean, basis = self.heads(y)
         return _rows_times(y, np.swapaxes(basis, -1, -2)) + mean
 
     def scores(self, q: np.ndarray, enc: Encoded) -> np.ndarray:
