@@ -291,6 +291,33 @@ def test_cache_refuses_configs_it_cannot_hold():
         QuantizedKVCache(QuantConfig(None, 2, "kqv", 2), 2)  # value-only: fast path only
     with pytest.raises(KvqrsError, match="a2"):
         QuantizedKVCache(QuantConfig("kqv", 2, "a2", 2), 2)  # needs future attention
+    for bad in (2.5, "2", True):
+        with pytest.raises(KvqrsError, match="num_layers: expected an integer"):
+            QuantizedKVCache(QuantConfig("kqv", 3), bad)
+    with pytest.raises(KvqrsError, match="config: expected a QuantConfig, got NoneType"):
+        QuantizedKVCache(None, 2)
+
+
+@pytest.mark.parametrize("scheme", ["kqv", "kivi"])
+def test_update_refuses_states_that_are_not_float_tensors_of_one_dtype(scheme):
+    """Integer tensors, NumPy arrays and keys and values of different dtypes raise a KvqrsError
+    naming the argument (integer keys were coded by some schemes; mixed dtypes came back in the
+    keys' dtype) and store nothing."""
+    cache = QuantizedKVCache(QuantConfig(scheme, 4, scheme, 4, residual_length=4), 1)
+    k = torch.randn(1, 3, 8, 64)
+    cases = [
+        ((k * 100).long(), (k * 100).long(), "key_states: expected a floating-point tensor, got dtype torch.int64"),
+        (k.numpy(), k.numpy(), "key_states: expected a torch.Tensor, got ndarray"),
+        (k, k.half(), r"value_states: expected the dtype of key_states \(torch.float32\), got torch.float16"),
+    ]
+    for key, value, message in cases:
+        with pytest.raises(KvqrsError, match=message):
+            cache.update(key, value, 0)
+        assert cache.get_seq_length() == 0
+    cache.update(k, k, 0)
+    with pytest.raises(KvqrsError, match="key_states: layer 0 holds torch.float32, got torch.float16"):
+        cache.update(k.half(), k.half(), 0)
+    assert cache.get_seq_length() == 8
 
 
 # --- (d) residual window and streaming (synthetic, no model) --------------------------------------

@@ -82,6 +82,15 @@ def test_eval_refuses_bad_matched_bits_before_loading_the_model(text_file, no_mo
     assert e.value.code == 2 and "--matched-bits: expected BITS or BITS@GROUP (e.g. 4 or 4@256), got 'x@256'" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv", [[], ["--protocol", "llama"], ["--task", "needle"]])
+def test_eval_refuses_an_unwritable_report_folder_before_loading_the_model(text_file, no_model, capsys, argv, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    with pytest.raises(SystemExit) as e:
+        main(["eval", "--data", text_file, "--threads", "1", "--out", str(blocker / "reports"), *argv])
+    assert e.value.code == 2 and "--out: cannot create the report folder" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     "argv", [["--channel", "both"], ["--protocol", "llama", "--channel", "keys"], ["--task", "needle", "--channel", "both"]]
 )

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
+import pathlib
 import sys
 from collections.abc import Sequence
 
@@ -179,6 +181,18 @@ def torch_threads(n: int) -> None:
     torch.set_num_threads(n)
 
 
+def _report_folder(path: str) -> pathlib.Path:
+    """``--out`` made (or found) before a run, so that an unwritable folder fails in seconds."""
+    out = pathlib.Path(path)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise KvqrsError(f"--out: cannot create the report folder {str(out)!r}: {e.strerror or e}") from None
+    if not os.access(out, os.W_OK):
+        raise KvqrsError(f"--out: the report folder {str(out)!r} is not writable")
+    return out
+
+
 def _check_channel(args: argparse.Namespace) -> None:
     """``--channel`` stands in for a ``--calibration`` file row's coders on the llama protocol only."""
     if args.channel and (args.protocol != "llama" or args.task == "needle" or not args.calibration):
@@ -186,7 +200,6 @@ def _check_channel(args: argparse.Namespace) -> None:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    import pathlib
     import time
 
     from .evaluation import model as model_mod
@@ -207,7 +220,7 @@ def _eval(args: argparse.Namespace) -> int:
     window = args.window if args.window is not None else (256 if args.quick else 512)
     windows = args.windows if args.windows is not None else (1 if args.quick else 3)
     rows = select_rows(default_rows(quick=args.quick, residual_length=args.residual_length), args.rows)  # before the model loads
-    out = pathlib.Path(args.out if args.out is not None else ("reports/eval-quick" if args.quick else "reports/eval"))
+    out = _report_folder(args.out if args.out is not None else ("reports/eval-quick" if args.quick else "reports/eval"))
     threads = 1 if args.threads is None else args.threads
     torch_threads(threads)
     ray = _ray(args)
@@ -243,7 +256,6 @@ def _eval(args: argparse.Namespace) -> int:
 def _eval_llama(args: argparse.Namespace) -> int:
     """``kvqrs eval --protocol llama``: llama.cpp's perplexity protocol (chunks of ``--ctx``
     tokens, the second half scored) for the baselines and the calibrated ``matched`` rows."""
-    import pathlib
     import time
 
     from .evaluation import llama_protocol as lp
@@ -252,7 +264,7 @@ def _eval_llama(args: argparse.Namespace) -> int:
 
     _check_channel(args)
     texts = _texts(args)
-    out = pathlib.Path(args.out if args.out is not None else ("reports/llama-quick" if args.quick else "reports/llama"))
+    out = _report_folder(args.out if args.out is not None else ("reports/llama-quick" if args.quick else "reports/llama"))
     chunks = args.chunks if args.chunks is not None else (2 if args.quick else 40)
     budgets = [_matched_budget(spec) for spec in args.matched_bits]  # refused before the model loads
     torch_threads(1 if args.threads is None else args.threads)
@@ -287,7 +299,6 @@ def _matched_budget(spec: str) -> tuple[float, int]:
 
 def _needle(args: argparse.Namespace) -> int:
     """``kvqrs eval --task needle``: pass key retrieval through the real cache (evaluation/needle.py)."""
-    import pathlib
     import time
 
     from .evaluation import model as model_mod
@@ -304,6 +315,7 @@ def _needle(args: argparse.Namespace) -> int:
     # before the model loads
     rows = select_rows(needle.needle_rows(residual_length=args.residual_length, quick=args.quick, calibrations=calibrations), args.rows)
     texts = _texts(args)
+    out = _report_folder(args.out if args.out is not None else ("reports/needle-quick" if args.quick else "reports/needle"))
     torch_threads(1 if args.threads is None else args.threads)
     start = time.perf_counter()
     model, tok = model_mod.load(progress=not args.no_progress)
@@ -313,8 +325,6 @@ def _needle(args: argparse.Namespace) -> int:
     print(
         f"kvqrs eval --task needle: {len(rows)} rows x {len(contexts)} contexts x {len(depths)} depths x {trials} trials, filler: {texts.source}"
     )
-    out = pathlib.Path(args.out if args.out is not None else ("reports/needle-quick" if args.quick else "reports/needle"))
-    out.mkdir(parents=True, exist_ok=True)
     (out / "needle.trials.jsonl").write_text("")  # read by --resume above before this truncates it
     result = needle.run_needle(
         model,

@@ -40,7 +40,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .. import _native
-from .._arrays import KvqrsError
+from .._arrays import KvqrsError, check_positive_int
 from ..kernels.attention import DenseRows
 from ..schemes import Encoded
 from ..torch import check_finite, check_storable, from_numpy, to_numpy
@@ -384,6 +384,15 @@ class QuantizedLayer(CacheLayerMixin):
         """Refuse states that cannot join this layer, before anything is stored: keys and values
         of different batch, heads or tokens, or a batch, head count or head_dim other than the
         layer holds (after ``batch_select_indices`` the batch is the selected one)."""
+        for name, t in (("key_states", key_states), ("value_states", value_states)):
+            if not isinstance(t, torch.Tensor):
+                raise KvqrsError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+            if not t.dtype.is_floating_point:
+                raise KvqrsError(f"{name}: expected a floating-point tensor, got dtype {t.dtype}")
+        if key_states.dtype != value_states.dtype:
+            raise KvqrsError(f"value_states: expected the dtype of key_states ({key_states.dtype}), got {value_states.dtype}")
+        if self.is_initialized and key_states.dtype != self.dtype:
+            raise KvqrsError(f"key_states: layer {self.layer_idx} holds {self.dtype}, got {key_states.dtype}")
         ks, vs = tuple(key_states.shape), tuple(value_states.shape)
         if len(ks) != 4 or len(vs) != 4:
             raise KvqrsError(f"key_states, value_states: expected (batch, kv_heads, tokens, head_dim) tensors, got shapes {ks} and {vs}")
@@ -991,6 +1000,10 @@ class QuantizedKVCache(Cache):
 
     def __init__(self, config: QuantConfig, num_layers: int | None = None, *, model_config=None):
         register()
+        if not isinstance(config, QuantConfig):
+            raise KvqrsError(f"config: expected a QuantConfig, got {type(config).__name__}")
+        if num_layers is not None:
+            num_layers = check_positive_int(num_layers, "num_layers")
         if config.key_scheme is None:
             raise KvqrsError("key_scheme: the cache quantizes keys; value-only rows run in the fast evaluation path only")
         if config.value_scheme == "a2":
