@@ -90,6 +90,14 @@ def test_from_file_errors(tmp_path, make):
         text.from_file(make(tmp_path))
 
 
+@pytest.mark.parametrize("content", ["", " \n\t\n"])
+def test_from_file_refuses_a_file_without_text(tmp_path, content):
+    p = tmp_path / "empty.txt"
+    p.write_text(content)
+    with pytest.raises(KvqrsError, match="--data: .*empty.txt' holds no text"):
+        text.from_file(p)
+
+
 def test_from_wikitext(tmp_path):
     (tmp_path / "wiki.test.raw").write_text(" = Test =\n" + PARAGRAPHS[0], encoding="utf-8")
     (tmp_path / "wiki.valid.tokens").write_text(" = Tokens =\n" + PARAGRAPHS[2], encoding="utf-8")

@@ -373,6 +373,22 @@ def test_channel_calibration_is_stored_as_a_permutation(tmp_path):
     np.testing.assert_array_equal(load_matched(p)[0].keys.basis, keys.basis)
 
 
+def test_preset_refuses_what_is_not_a_calibration_for_it(tmp_path):
+    """An empty dict, the strings of other calibration modes and a file that is not a
+    calibration are refused by the preset, naming what it takes."""
+    with pytest.raises(KvqrsError, match="empty calibration dict"):
+        QuantConfig.preset("4bit", {})
+    for mode in ("prefill", "random"):
+        with pytest.raises(KvqrsError, match=f"not calibration='{mode}'.*calibration='prefill'"):
+            QuantConfig.preset("4bit", mode)
+    junk = tmp_path / "junk.npz"
+    junk.write_text("not an archive")
+    with pytest.raises(KvqrsError, match="junk.npz'.*not a NumPy .npz archive"):
+        QuantConfig.preset("4bit", junk)
+    with pytest.raises(KvqrsError, match="not a NumPy .npz archive"):
+        load_matched(junk)
+
+
 def test_preset_refuses_a_file_calibrated_for_other_settings(tmp_path):
     """A preset's per-layer widths were allocated for its group, value norms, sink dtype and
     value scale: a

@@ -37,7 +37,10 @@ def from_file(path: str | pathlib.Path) -> Texts:
     p = pathlib.Path(path)
     if not p.is_file():
         raise KvqrsError(f"--data: expected a readable text file, got {str(p)!r}")
-    ev, cal = _split(p.read_text(encoding="utf-8", errors="replace"))
+    raw = p.read_text(encoding="utf-8", errors="replace")
+    if not raw.strip():
+        raise KvqrsError(f"--data: {str(p)!r} holds no text (it is empty or only whitespace)")
+    ev, cal = _split(raw)
     return Texts(ev, cal, f"file {p}")
 
 

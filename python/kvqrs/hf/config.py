@@ -333,13 +333,21 @@ class QuantConfig:
             ``value_norms`` and ``value_scale``.
 
         Raises:
-            KvqrsError: an unknown name (the message lists them), no calibration, or a
+            KvqrsError: an unknown name (the message lists them), no calibration (None, an
+                empty dict, ``"prefill"`` or ``"random"``), a file that is not a calibration, or a
                 calibration file recording another group, value norms, sink dtype or value scale.
         """
         if name not in PRESETS:
             raise KvqrsError(f"preset: expected one of {sorted(PRESETS)}, got {name!r}")
         if calibration is None:
             raise KvqrsError(f"preset: {name!r} uses the matched scheme and needs a calibration (`kvqrs calibrate --preset {name}`)")
+        if isinstance(calibration, str) and calibration in ("prefill", "random"):
+            raise KvqrsError(
+                f"preset: {name!r} takes a calibration file or dict fitted for it, not calibration={calibration!r} (without a file: "
+                "QuantConfig('matched', 4, 'matched', 4, group=256, sink_tokens=1, calibration='prefill'))"
+            )
+        if isinstance(calibration, dict) and not calibration:
+            raise KvqrsError(f"preset: {name!r} got an empty calibration dict; expected {{layer: MatchedCalibration}} for every layer")
         p = PRESETS[name]
         if not isinstance(calibration, dict):
             from .calibration import calibration_meta, load_matched
