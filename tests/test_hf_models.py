@@ -317,7 +317,7 @@ def test_assisted_generation_crops_into_quantized_tokens(models, monkeypatch):
     from kvqrs.hf import QuantizedLayer
 
     model = _model(models, "llama128")
-    monkeypatch.setattr(QuantizedLayer, "activate_past_recording", lambda self: None)
+    monkeypatch.setattr(QuantizedLayer, "activate_past_recording", lambda self, **kwargs: None)
     with pytest.raises(KvqrsError, match="activate_past_recording"):
         _greedy(model, _ids(12, seed=5), QuantConfig("kqv", 3, "kqv", 3, residual_length=4), assistant=_model(models, "qwen3"))
 

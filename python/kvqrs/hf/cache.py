@@ -284,8 +284,10 @@ class QuantizedLayer(CacheLayerMixin):
         self.sink_k, self.sink_v = self.config.store_sinks(key_states[..., :0, :]), self.config.store_sinks(value_states[..., :0, :])
         self.is_initialized = True
 
-    def activate_past_recording(self) -> None:
-        """Keep what a rollback needs until the next :meth:`crop` (see the class docstring)."""
+    def activate_past_recording(self, **kwargs: Any) -> None:
+        """Keep what a rollback needs until the next :meth:`crop` (see the class docstring).
+        Keyword arguments (transformers >= 5.25 passes ``recurrent_states_to_keep``, for
+        linear-attention layers' recurrent states) do not concern a KV layer and are ignored."""
         self.record_past = True
 
     def codec(self):
