@@ -318,6 +318,9 @@ def test_update_refuses_states_that_are_not_float_tensors_of_one_dtype(scheme):
     with pytest.raises(KvqrsError, match="key_states: layer 0 holds torch.float32, got torch.float16"):
         cache.update(k.half(), k.half(), 0)
     assert cache.get_seq_length() == 8
+    cache.crop(-8)  # emptied: it takes what a fresh layer takes
+    cache.update(k.half(), k.half(), 0)
+    assert cache.get_seq_length() == 8
 
 
 # --- (d) residual window and streaming (synthetic, no model) --------------------------------------

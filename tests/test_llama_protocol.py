@@ -230,8 +230,21 @@ def test_channel_rows_stand_in_for_the_codec(model32, texts):
         assert (r["bpe_k"], r["bpe_v"]) == (codec["bpe_k"], codec["bpe_v"])
         assert np.isfinite(r["kl_mean"]) and r["kl_mean"] > 0
     assert len({r["kl_mean"] for r in (codec, keys, values, both)}) == 4
-    with pytest.raises(KvqrsError, match="sides"):
-        lp.channel_rows(row, ["all"])
+    for sides in (["all"], "both", ["keys", "keys"]):
+        with pytest.raises(KvqrsError, match="distinct sides"):
+            lp.channel_rows(row, sides)
+    with pytest.raises(KvqrsError, match="not a matched row"):
+        lp.channel_rows(lp.LlamaRow("kqv", QuantConfig("kqv", 4, "kqv", 4)), ["keys"])
+    import dataclasses
+
+    from kvqrs.schemes.matched import random_calibration
+
+    r = random_calibration(64, 3, 0)
+    for fitted in (dataclasses.replace(r, values=r.keys), dataclasses.replace(r, value_bits=4, value_classes=((5, 8), (3, 8)))):
+        coded = lp.LlamaRow("transform", dataclasses.replace(cfg, calibration={0: fitted}))
+        assert [x.channel for x in lp.channel_rows(coded, ["keys"])] == ["keys"]
+        with pytest.raises(KvqrsError, match="--channel keys runs"):
+            lp.channel_rows(coded, ["keys", "both"])
     with pytest.raises(KvqrsError, match="no codec"):
         lp.channel_rows(rows[0], ["both"])
     with pytest.raises(KvqrsError, match="matched transform-coded keys"):

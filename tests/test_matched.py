@@ -381,12 +381,23 @@ def test_preset_refuses_what_is_not_a_calibration_for_it(tmp_path):
     for mode in ("prefill", "random"):
         with pytest.raises(KvqrsError, match=f"not calibration='{mode}'.*calibration='prefill'"):
             QuantConfig.preset("4bit", mode)
+    for bad in ([], 0, b"prefill"):
+        with pytest.raises(KvqrsError, match="expected a .layer: MatchedCalibration. dict or a file path"):
+            QuantConfig.preset("4bit", bad)
     junk = tmp_path / "junk.npz"
     junk.write_text("not an archive")
     with pytest.raises(KvqrsError, match="junk.npz'.*not a NumPy .npz archive"):
         QuantConfig.preset("4bit", junk)
     with pytest.raises(KvqrsError, match="not a NumPy .npz archive"):
         load_matched(junk)
+    array = tmp_path / "array.npy"
+    np.save(array, np.zeros(3))
+    with pytest.raises(KvqrsError, match="array.npy'.*not a NumPy .npz archive"):
+        QuantConfig.preset("4bit", array)
+    other = tmp_path / "other.npz"
+    np.savez(other, a=np.zeros(3))
+    with pytest.raises(KvqrsError, match=r"^calibration: '.*other.npz' is not a kvqrs matched calibration file"):
+        QuantConfig.preset("4bit", other)
 
 
 def test_preset_refuses_a_file_calibrated_for_other_settings(tmp_path):

@@ -141,9 +141,17 @@ def channel_rows(row: LlamaRow, sides: list[str]) -> list[LlamaRow]:
     in for."""
     if row.config is None:
         raise KvqrsError(f"channel: the row {row.name!r} has no codec to stand in for")
-    for side in sides:
-        if side not in SIDES:
-            raise KvqrsError(f"channel: expected sides among {SIDES}, got {side!r}")
+    if isinstance(sides, str) or len(set(sides)) != len(sides) or any(side not in SIDES for side in sides):
+        raise KvqrsError(f"channel: expected a list of distinct sides among {SIDES}, got {sides!r}")
+    cal = row.config.calibration
+    if row.config.key_scheme != "matched" or row.config.value_scheme not in ("matched", None):
+        raise KvqrsError(f"channel: the row {row.name!r} is not a matched row (the channel stands in for matched coders)")
+    fitted = cal.values() if isinstance(cal, dict) else ()
+    if any(s != "keys" for s in sides) and any(c.values is not None or c.value_classes for c in fitted):
+        raise KvqrsError(
+            f"channel: the row {row.name!r} codes its values by transform or in width classes; the channel models the "
+            "per-token Lloyd-Max value stage only (--channel keys runs)"
+        )
     return [LlamaRow(f"{row.name}, Gaussian test channel ({side})", row.config, side) for side in sides]
 
 

@@ -393,7 +393,7 @@ class QuantizedLayer(CacheLayerMixin):
                 raise KvqrsError(f"{name}: expected a floating-point tensor, got dtype {t.dtype}")
         if key_states.dtype != value_states.dtype:
             raise KvqrsError(f"value_states: expected the dtype of key_states ({key_states.dtype}), got {value_states.dtype}")
-        if self.is_initialized and key_states.dtype != self.dtype:
+        if self.is_initialized and self.seen > 0 and key_states.dtype != self.dtype:  # emptied by crop: as a fresh layer
             raise KvqrsError(f"key_states: layer {self.layer_idx} holds {self.dtype}, got {key_states.dtype}")
         ks, vs = tuple(key_states.shape), tuple(value_states.shape)
         if len(ks) != 4 or len(vs) != 4:

@@ -469,14 +469,16 @@ def calibration_meta(path: str | pathlib.Path) -> dict[str, str]:
     try:
         with np.load(pathlib.Path(path), allow_pickle=False) as z:
             return {k[5:]: str(z[k]) for k in z.files if k.startswith("meta_")}
-    except (OSError, ValueError) as e:
+    except KvqrsError:
+        raise
+    except (OSError, ValueError, TypeError) as e:
         raise KvqrsError(f"calibration: cannot read {str(path)!r}: {_npz_reason(e)}") from None
 
 
 def _npz_reason(e: Exception) -> str:
     """Why ``np.load`` refused a calibration file; NumPy reports a file that is neither ``.npy``
     nor ``.npz`` as pickled data, which ``allow_pickle=False`` refuses."""
-    if "pickled" in str(e):
+    if "pickled" in str(e) or isinstance(e, TypeError):  # TypeError: a .npy array is no archive
         return "not a NumPy .npz archive (calibration files are written by `kvqrs calibrate` or save_matched)"
     return str(e)
 
@@ -511,5 +513,7 @@ def load_matched(path: str | pathlib.Path | io.BytesIO) -> dict:
                 classes = tuple(map(tuple, z[f"vclasses_{i}"].tolist())) if f"vclasses_{i}" in z.files else None
                 out[i] = MatchedCalibration(MatchedBasis(z[f"mean_{i}"], basis, z[f"widths_{i}"]), z[f"vmean_{i}"], values, vbits, classes)
             return out
-    except (OSError, ValueError, KeyError, EOFError) as e:
+    except KvqrsError:
+        raise
+    except (OSError, ValueError, KeyError, EOFError, TypeError) as e:
         raise KvqrsError(f"calibration: cannot read {name!r}: {_npz_reason(e)}") from None

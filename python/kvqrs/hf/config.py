@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -342,9 +343,14 @@ class QuantConfig:
         if calibration is None:
             raise KvqrsError(f"preset: {name!r} uses the matched scheme and needs a calibration (`kvqrs calibrate --preset {name}`)")
         if isinstance(calibration, str) and calibration in ("prefill", "random"):
+            b, g = PRESETS[name]["value_bits"], PRESETS[name]["group"]
             raise KvqrsError(
                 f"preset: {name!r} takes a calibration file or dict fitted for it, not calibration={calibration!r} (without a file: "
-                "QuantConfig('matched', 4, 'matched', 4, group=256, sink_tokens=1, calibration='prefill'))"
+                f"QuantConfig('matched', {b}, 'matched', {b}, group={g}, sink_tokens=1, calibration='prefill'))"
+            )
+        if not isinstance(calibration, (dict, str, os.PathLike)):
+            raise KvqrsError(
+                f"preset: calibration: expected a {{layer: MatchedCalibration}} dict or a file path, got {type(calibration).__name__}"
             )
         if isinstance(calibration, dict) and not calibration:
             raise KvqrsError(f"preset: {name!r} got an empty calibration dict; expected {{layer: MatchedCalibration}} for every layer")
@@ -352,8 +358,9 @@ class QuantConfig:
         if not isinstance(calibration, dict):
             from .calibration import calibration_meta, load_matched
 
+            loaded = load_matched(calibration)  # first: another file is refused as not a calibration
             _check_preset_file(name, p, calibration_meta(calibration), calibration)
-            calibration = load_matched(calibration)
+            calibration = loaded
         kw = {k: p[k] for k in ("group", "sink_tokens", "sink_dtype", "value_norms", "value_scale")}
         if overrides.get("sink_tokens") == 0 and "sink_dtype" not in overrides:
             kw["sink_dtype"] = None
