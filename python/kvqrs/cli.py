@@ -264,13 +264,13 @@ def _eval_llama(args: argparse.Namespace) -> int:
 
     _check_channel(args)
     texts = _texts(args)
-    out = _report_folder(args.out if args.out is not None else ("reports/llama-quick" if args.quick else "reports/llama"))
     chunks = args.chunks if args.chunks is not None else (2 if args.quick else 40)
     budgets = [_matched_budget(spec) for spec in args.matched_bits]  # refused before the model loads
     if args.calibration:  # the files read and the channel rows checked before the model loads
         rows = [r for r in lp.llama_rows() if r.config is None]
         for row in (lp.file_row(p, args.value_scale) for p in args.calibration):
             rows += [row] + (lp.channel_rows(row, args.channel) if args.channel else [])
+    out = _report_folder(args.out if args.out is not None else ("reports/llama-quick" if args.quick else "reports/llama"))  # args first
     torch_threads(1 if args.threads is None else args.threads)
     start = time.perf_counter()
     model, tok = model_mod.load(progress=not args.no_progress)
