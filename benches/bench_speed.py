@@ -13,7 +13,10 @@ Sections (``--sections``, all by default):
 - ``step``: one layer's decode step (update + attention) at ``--contexts`` cached tokens, back to
   back and with the CPU caches cold (as inside ``generate``), dense against ``QuantizedKVCache``;
 - ``generate``: ``model.generate`` tokens/s on SmolLM2-135M at ``--contexts`` tokens of context,
-  dense ``DynamicCache`` against ``QuantizedKVCache``.
+  dense ``DynamicCache`` against ``QuantizedKVCache``;
+- ``scoreboard``: every speed and memory target of ``QuantizedKVCache`` beside its measured
+  value and bound (``speed_scoreboard``), for ``kqv`` 4/4, ``kivi`` 4/4 and the ``4bit`` preset,
+  torch threads as ``fastest_threads`` chooses them.
 
 Usage: ``bash scripts/bench.sh`` (installs the peers, then runs this), or
 ``.venv/bin/python benches/bench_speed.py [--quick] [--sections kernels peers append step generate]``.
@@ -43,14 +46,20 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument(
         "--sections",
         nargs="+",
-        default=["kernels", "peers", "append", "step", "generate"],
-        choices=["kernels", "peers", "append", "step", "generate"],
+        default=["kernels", "peers", "append", "step", "generate", "scoreboard"],
+        choices=["kernels", "peers", "append", "step", "generate", "scoreboard"],
     )
+    ap.add_argument("--calibration", help="the 4bit preset's calibration file for the scoreboard (default: a small one fitted once)")
     ap.add_argument("--vectors", type=int, default=None, help="vectors of head_dim 128 for the kernels (default 2^20)")
     ap.add_argument("--oracle-vectors", type=int, default=None, help="vectors for the float64 oracle (default 2^16)")
     ap.add_argument("--peer-vectors", type=int, default=None, help="vectors for the TurboQuant peers (default 2^16)")
     ap.add_argument("--repeats", type=int, default=None, help="timed repeats per row, best kept (default 5)")
-    ap.add_argument("--threads", type=int, default=os.cpu_count(), help="torch / OpenMP threads of every row (default: all CPUs)")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch / OpenMP threads of every row (default: all CPUs; the scoreboard: as fastest_threads chooses)",
+    )
     ap.add_argument(
         "--contexts", type=int, nargs="+", default=None, help="cached tokens of the step and generate sections (default 1024 4096 16384)"
     )
@@ -75,6 +84,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
+    given_threads, args.threads = args.threads, args.threads or os.cpu_count()
     torch.set_num_threads(args.threads)
     if args.peer_worker:
         from speed_kernels import peer_worker
@@ -122,6 +132,12 @@ def main(argv: list[str] | None = None) -> None:
             f"\n### model.generate on SmolLM2-135M (float32): {args.new_tokens} greedy tokens after the prompt, torch threads={args.threads}, best of {rounds} interleaved rounds\n"
         )
         generation_table(args.contexts, args.new_tokens, args.residual, rounds)
+    if "scoreboard" in args.sections:
+        from speed_scoreboard import scoreboard
+
+        print("\n### Scoreboard: QuantizedKVCache in model.generate (SmolLM2-135M float32) against its targets\n")
+        rounds = 1 if args.quick else 2
+        print(scoreboard(args.contexts, args.new_tokens, args.residual, rounds, given_threads, args.calibration), flush=True)
     print(f"\n(harness run: {time.perf_counter() - start:.0f} s; {machine(args.threads).split('; ')[0].split(', ')[-1]} at the end)")
 
 

@@ -18,3 +18,30 @@ def stdout_per_thread_count(code: str, counts: tuple[str, ...] = ("1", "4")) -> 
         ).stdout
         for n in counts
     ]
+
+
+def cli_refusal(args: list[str], cwd, monkeypatch, capsys) -> str:
+    """Run ``kvqrs ARGS`` in this process from ``cwd`` with loading the model made an error, and
+    return its stderr; the command must exit with status 2 (an argument error, raised before
+    the model loads). In process, not as ``python -m kvqrs``: a fresh interpreter spends about
+    10 seconds importing torch and transformers before it looks at an argument."""
+    import pytest
+    import torch
+    from kvqrs import cli
+    from kvqrs.evaluation import model as model_mod
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded before the arguments were refused")
+
+    monkeypatch.setattr(model_mod, "load", no_load)
+    monkeypatch.chdir(cwd)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    threads = torch.get_num_threads()  # the commands set torch's threads for their run
+    try:
+        with pytest.raises(SystemExit) as exit_:
+            cli.main(args)
+    finally:
+        torch.set_num_threads(threads)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2, err
+    return err

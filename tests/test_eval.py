@@ -24,6 +24,8 @@ from kvqrs.evaluation import model_report, text  # noqa: E402
 from kvqrs.evaluation.model_eval import Row, default_rows, headq_recovered, run_eval, score_row, token_windows  # noqa: E402
 from kvqrs.hf.attention import _STATE  # noqa: E402
 
+from tests.process_helpers import cli_refusal  # noqa: E402
+
 # Dense perplexity through kvqrs' eager attention vs transformers' own loss with SDPA, float32 on
 # one 32-token window: only summation order differs (measured ~2e-7 .. 7e-7); 1e-4 is the bound
 # the evaluation's stated tolerance and still catches a wrong mask, scaling or GQA mapping (those move it by >1%).
@@ -372,18 +374,9 @@ def _env():
     return env
 
 
-def test_cli_eval_missing_data_file_is_a_clean_error(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, "-m", "kvqrs", "eval", "--data", str(tmp_path / "nope.txt"), "--out", str(tmp_path / "o")],
-        capture_output=True,
-        text=True,
-        env=_env(),
-        timeout=CLI_TIMEOUT_S,
-        cwd=tmp_path,
-    )
-    assert proc.returncode == 2
-    assert "kvqrs eval: error: --data" in proc.stderr
-    assert "Traceback" not in proc.stderr
+def test_cli_eval_missing_data_file_is_a_clean_error(tmp_path, monkeypatch, capsys):
+    err = cli_refusal(["eval", "--data", str(tmp_path / "nope.txt"), "--out", str(tmp_path / "o")], tmp_path, monkeypatch, capsys)
+    assert "kvqrs eval: error: --data" in err
     assert not (tmp_path / "o").exists()
 
 
@@ -435,16 +428,8 @@ def test_cli_eval_quick(tmp_path):
 
 
 @pytest.mark.parametrize("args, match", [(["--window", "1"], "--window: expected at least 2"), (["--window", "9000"], "8192")])
-def test_cli_eval_window_bounds(tmp_path, args, match):
-    proc = subprocess.run(
-        [sys.executable, "-m", "kvqrs", "eval", *args, "--out", str(tmp_path / "o")],
-        capture_output=True,
-        text=True,
-        env=_env(),
-        timeout=CLI_TIMEOUT_S,
-        cwd=tmp_path,
-    )
-    assert proc.returncode == 2 and match in proc.stderr and "Traceback" not in proc.stderr
+def test_cli_eval_window_bounds(tmp_path, monkeypatch, capsys, args, match):
+    assert match in cli_refusal(["eval", *args, "--out", str(tmp_path / "o")], tmp_path, monkeypatch, capsys)
 
 
 def test_fastest_threads_keeps_the_faster_setting(model32):

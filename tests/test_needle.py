@@ -23,6 +23,7 @@ from kvqrs.evaluation.needle import Haystack, answer_digits, cell_seed, is_corre
 from kvqrs.hf import QuantConfig  # noqa: E402
 
 from tests.cache_helpers import held_tensors  # noqa: E402
+from tests.process_helpers import cli_refusal  # noqa: E402
 
 # The command line on 2 busy cores: model load (~25-45 s), the gensim text and its tokenization
 # (~10 s), 8 generations of 512 tokens (~5-10 s each when the other core is busy).
@@ -421,8 +422,7 @@ def test_cli_needle_quick(tmp_path, smollm2_installed):
         (["--prefill", "flash"], "invalid choice: 'flash'"),
     ],
 )
-def test_cli_needle_bad_options_fail_before_the_model_loads(tmp_path, args, match):
-    cmd = [sys.executable, "-m", "kvqrs", "eval", "--task", "needle", *args, "--out", str(tmp_path / "o")]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, HF_HUB_OFFLINE="1"), timeout=120, cwd=tmp_path)
-    assert proc.returncode == 2 and match in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+def test_cli_needle_bad_options_fail_before_the_model_loads(tmp_path, monkeypatch, capsys, args, match):
+    err = cli_refusal(["eval", "--task", "needle", *args, "--out", str(tmp_path / "o")], tmp_path, monkeypatch, capsys)
+    assert match in err, err[-2000:]
     assert not (tmp_path / "o").exists()

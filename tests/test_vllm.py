@@ -40,6 +40,12 @@ LAYERS, KV_HEADS, HEAD_DIM = 30, 3, 64
 # (float64 softmax) against the backend's float32 output from the codes (fused kernel, pages
 # merged by log-sum-exp): float32 rounding of outputs of size ~1.
 CHECK_ATOL = 1e-4
+# One engine serves two tests: the check recomputes each attention call beside the backend's,
+# leaving the generated tokens and their log-probabilities as they are.
+KQV4_CHECKED = {"kvqrs": {"scheme": "kqv", "bits": 4}, "check": True, "logprobs": 5}
+# bf16 runs that fit their 4 prompts in this many cache bytes use it (one dense bf16 engine
+# serves the greedy and the capacity tests): 91 blocks of 128 tokens.
+BF16_BUDGET = 1 << 28
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +108,8 @@ def test_8_bits_greedy_against_bf16_vllm(run):
     # writes "a reflection" and the other "a place"; and prompts 0-2 in full, prompt 3 on 8; on an
     # Intel Xeon with AVX-512 BF16: prompts 0 and 2 in full, prompt 3 on 23, prompt 1 not even on
     # its first token); the exact comparison is the float32 one above.
-    ours, base = tokens(run(kvqrs={"scheme": "block", "bits": 8}, dtype="bfloat16")), tokens(run(dtype="bfloat16"))
+    ours = tokens(run(kvqrs={"scheme": "block", "bits": 8}, dtype="bfloat16"))
+    base = tokens(run(dtype="bfloat16", kv_cache_bytes=BF16_BUDGET))
     assert sum(o[:5] == b[:5] for o, b in zip(ours, base)) >= 3
     assert sum(o == b for o, b in zip(ours, base)) >= 2
 
@@ -118,47 +125,54 @@ def test_a_batch_of_different_lengths_gives_each_prompt_its_tokens_alone(run):
 
 def test_every_attention_call_equals_the_codec_on_the_same_inputs(run):
     # decode steps and prefill of a batch of different lengths, through vLLM's block tables
-    res = run(kvqrs={"scheme": "kqv", "bits": 4}, check=True)
+    res = run(**KQV4_CHECKED)
     assert res["check"]["calls"] >= LAYERS * 24
     assert res["check"]["max_abs_diff"] < CHECK_ATOL
 
 
 def test_4_bits_agrees_with_quantized_kv_cache(run, model_folder):
-    """The same prompts through transformers with kvqrs' QuantizedKVCache (kqv, 4 bits). Both
-    quantize the same keys and values with the same codec; the models differ by float32 rounding
-    (~1e-6), which a 4-bit code turns into another code wherever a coordinate sits on a decision
-    boundary, and that grows over 30 layers (the exact check on the same inputs is
-    test_every_attention_call_equals_the_codec_on_the_same_inputs). Measured on 24 tokens:
-    prompts 1 and 2 agree throughout, prompt 0 on its first 5 tokens, and the 53-token prompt
-    takes another first token (its top 3 lie within 0.3 nats). Where the first 5 greedy tokens
-    agree, the first-token log-probabilities of vLLM's top 5 agree within 0.05 nats on an AMD
-    EPYC and within 0.31 on an Intel Xeon with AVX-512 BF16 (the two float32 forwards differ more
-    there: vLLM's whole top 5 moves by 0.07 to 0.30 nats on "The capital of France is"), so the
-    bound is 0.5 nats: far below what a wrong code, scale or attention would do (the exact check
-    is the other test)."""
+    """The same prompts through transformers with kvqrs' QuantizedKVCache (kqv, 4 bits, seed 0).
+    Both quantize the same keys and values with the same codec, but the two float32 forwards
+    differ by rounding (~1e-6), which a 4-bit code turns into another code wherever a coordinate
+    sits on a decision boundary, and that grows over 30 layers: on an Intel Xeon, relative noise
+    of 2^-22 on the transformers keys and values alone moves the first-token log-probabilities of
+    "The capital of France is" by 0.3 nats, as much as vLLM's forward does, and vLLM on an AMD
+    EPYC parted by more than 0.5 nats on "Write a haiku about the sea.". So no per-prompt bound
+    holds on every machine; the exact check on the same inputs is
+    test_every_attention_call_equals_the_codec_on_the_same_inputs. Here, over the prompts, vLLM
+    must sit much closer to the same codec than to the same scheme with other seeds (rotations
+    and sketches), the spread of 4-bit coding itself: a wrong seed, width, scale or attention in
+    the server makes the two distances alike. Measured on an Intel Xeon: 0.49 nats summed over
+    the 4 prompts against 2.5 (the mean over vLLM's top 5 per prompt; seeds 1 to 5)."""
     import torch
     from kvqrs.evaluation import model as model_mod
     from kvqrs.hf import QuantConfig, QuantizedKVCache
 
-    res = run(kvqrs={"scheme": "kqv", "bits": 4}, logprobs=5)
+    res = run(**KQV4_CHECKED)
     model, tok = model_mod.load("float32")
-    agree = 0
+
+    def first_logprobs(ids, seed):
+        cache = QuantizedKVCache(QuantConfig("kqv", 4, "kqv", 4, seed=seed), model.config.num_hidden_layers)
+        with torch.no_grad():
+            return torch.log_softmax(model(ids, past_key_values=cache, use_cache=True).logits[0, -1].float(), -1)
+
+    same, other = 0.0, 0.0
     for prompt, out in zip(PROMPTS, res["rounds"][0]["outputs"]):
         ids = tok(prompt, return_tensors="pt").input_ids
-        cache = QuantizedKVCache(QuantConfig("kqv", 4, "kqv", 4), model.config.num_hidden_layers)
-        with torch.no_grad():
-            lp = torch.log_softmax(model(ids, past_key_values=cache, use_cache=True).logits[0, -1].float(), -1)
-        first = {int(k): v for k, v in out["first_logprobs"].items()}
-        cache = QuantizedKVCache(QuantConfig("kqv", 4, "kqv", 4), model.config.num_hidden_layers)
-        gen = model.generate(ids, past_key_values=cache, max_new_tokens=5, do_sample=False)[0, ids.shape[1] :].tolist()
-        if gen == out["token_ids"][: len(gen)]:
-            agree += 1
-            assert all(abs(lp[k].item() - v) < 0.5 for k, v in first.items()), prompt
-    assert agree >= 3
+        served = {int(k): v for k, v in out["first_logprobs"].items()}
+
+        same += _mean_gap(first_logprobs(ids, 0), served)
+        other += sum(_mean_gap(first_logprobs(ids, seed), served) for seed in range(1, 6)) / 5
+    assert same < 0.5 * other, (same, other)
+
+
+def _mean_gap(logprobs, served: dict[int, float]) -> float:
+    """Mean absolute difference of ``logprobs`` (a vocabulary's) from the served top-k."""
+    return sum(abs(logprobs[k].item() - v) for k, v in served.items()) / len(served)
 
 
 def test_tokens_per_gib_against_bf16(run):
-    budget = 1 << 28
+    budget = BF16_BUDGET
     base, ours = (
         run(dtype="bfloat16", kv_cache_bytes=budget),
         run(kvqrs={"scheme": "kqv", "bits": 4}, dtype="bfloat16", kv_cache_bytes=budget),
