@@ -978,8 +978,11 @@ def test_fused_decode_step_matches_decoded_layer(cfg, nq):
         # (and only for codecs with a fused read path)
         has_path = cfg.codec(0, HEAD_DIM).has_fused_path()
         assert layer._fused == (fused and has_path and cfg.quantized_span(46)[1] >= cfg.quantized_span(45 + nq)[1])
-        # a fused step hands back the sinks and the window alone: nothing is decoded
-        assert rk.shape[-2] == (layer.sink_k.shape[-2] + layer.keys.shape[-2] if layer._fused else 45 + nq)
+        # a fused step hands back the window alone, as it lies in its buffer: nothing is
+        # decoded or joined (attend reads the sinks and the codes)
+        assert rk.shape[-2] == (layer.keys.shape[-2] if layer._fused else 45 + nq)
+        if layer._fused and layer._buffered() is not None:
+            assert rk.untyped_storage().data_ptr() == layer._window.keys.untyped_storage().data_ptr()
         mask = _causal_mask(2, nq, 45 + nq)
         outs.append(layer.attend(module, q, rk, rv, mask, scaling)[0])
     fused_out, decoded = outs

@@ -229,7 +229,8 @@ def test_bad_input_raises_kvqrs_error_naming_the_problem():
     with pytest.raises(KvqrsError, match="token rate"):
         _native.LayerStore([("a", 0, False, [1], [], 0, 1)])
     with pytest.raises(KvqrsError, match="call set_rows"):
-        store._native.attend(np.zeros(D, np.float32), 1, 1, D, 1.0, 1, np.zeros(0, np.float32), np.zeros(0, np.float32), 0, None, 1)
+        none = np.zeros(0, np.float32)
+        store._native.attend(np.zeros(D, np.float32), 1, 1, D, 1.0, 1, none, none, 0, none, none, 0, 0, 0, None, 1)
     lead = (1, 2)
     dense = binding_rows(DenseRows("keys.codes"), "values", lead, D, _as_is)
     runs = ChannelRunRows((ChannelRun("keys.nope", "keys.scales", "keys.zeros", 2, 0, 4),), 8, np.eye(D, dtype=np.float32), 0)
@@ -308,7 +309,15 @@ def test_decode_step_equals_the_kernel_merged_with_the_window(name, masked):
     if masked:  # causal over the window: query 0 does not see the newest window token
         mask = torch.ones(b, 1, nq, w, dtype=torch.bool)
         mask[:, :, 0, -1] = False
-    got = store.attend(q, fk, fv, mask, 0.2).numpy()
+    got = store.attend(q, _no_sinks(fk), (fk, fv), mask, 0.2).numpy()
+    # The same tokens as 2 sinks and a window read in place from a buffer with spare room
+    # (NaN outside the window: a read beyond it shows): the same bits.
+    buffers = [torch.full((b, h, w + 4, D), float("nan")) for _ in range(2)]
+    for buf, t in zip(buffers, (fk, fv)):
+        buf[..., 1 : w - 1, :] = t[..., 2:, :]
+    window = tuple(buf.narrow(2, 1, w - 2) for buf in buffers)
+    split = store.attend(q, (fk[..., :2, :], fv[..., :2, :]), window, mask, 0.2).numpy()
+    assert split.tobytes() == got.tobytes()
     cv = DenseRows(ref_v.numpy()) if isinstance(ref_v, torch.Tensor) else ref_v
     res = codec.fused_attention(q.numpy(), ref_k, cv, scale=0.2)
     qg = q.double().reshape(b, h, g * nq, D)
@@ -405,7 +414,13 @@ def _matched_step_bytes() -> bytes:
     store = CodeStore(codec, 2, 4, 64, torch.float32)
     store.append(codec.encode_keys(k), codec.encode_values(v))
     assert store.can_attend()
-    return store.attend(*map(torch.from_numpy, (q, fk, fv)), None, 0.125).numpy().tobytes()
+    q, fk, fv = map(torch.from_numpy, (q, fk, fv))
+    return store.attend(q, _no_sinks(fk), (fk, fv), None, 0.125).numpy().tobytes()
+
+
+def _no_sinks(like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zero sink tokens of ``like``'s batch, heads and head_dim (keys, values)."""
+    return like[..., :0, :], like[..., :0, :]
 
 
 def test_matched_decode_step_does_not_depend_on_the_thread_count():

@@ -319,7 +319,7 @@ class QuantizedLayer(CacheLayerMixin):
         values attention reads (a sliding layer: the previous W - 1 tokens and the new ones):
         decoded codes between the full-precision tokens, or, on a fused decode step
         (``fused=True``, passed by :class:`QuantizedKVCache` when ``QuantConfig.fused``), the
-        full-precision tokens alone (sinks, then window), the codes being read by :meth:`attend`."""
+        full-precision window alone, the sinks and codes being read by :meth:`attend`."""
         self._check_states(key_states, value_states)
         if self.awaits_calibration and self.seen:
             raise KvqrsError(
@@ -351,8 +351,8 @@ class QuantizedLayer(CacheLayerMixin):
         if not self.awaits_calibration:  # else the prompt stays whole until attend fits on it
             self._drop_unread(self._view)
         self._fused = fused and self._can_fuse(key_states.shape[-2])
-        if self._fused:
-            k, v = _join(self._view.sink_k, self._view.window_k), _join(self._view.sink_v, self._view.window_v)
+        if self._fused:  # the window as it lies in its buffer; attend reads the sinks and codes
+            k, v = self._view.window_k, self._view.window_v
         else:
             k, v = self.materialize(self._view)
         self._returned = weakref.ref(k)
@@ -801,15 +801,16 @@ class QuantizedLayer(CacheLayerMixin):
         """Softmax over the codes (fused kernel) and over the full-precision tokens, merged by
         log-sum-exp: ``out = e^(lse_q - lse) out_q + e^(lse_w - lse) out_w``,
         ``lse = logaddexp(lse_q, lse_w)``."""
-        fp_k = _join(view.sink_k, view.window_k)
-        fp_v = _join(view.sink_v, view.window_v)
         mask = None if attention_mask is None else attention_mask.index_select(-1, view.fp_columns().to(attention_mask.device))
         if view.live and (mask is None or mask.shape[1] == 1) and view.store.can_attend():
             # One native call: the fused kernel over the store's buffers and the softmax over
-            # the full-precision tokens, merged by log-sum-exp (GIL released).
-            out = view.store.attend(query, fp_k, fp_v, mask, float(scaling))
+            # the sinks and the window (read in place from its buffer), merged by log-sum-exp
+            # (GIL released).
+            sinks, window = (view.sink_k, view.sink_v), (view.window_k, view.window_v)
+            out = view.store.attend(query, sinks, window, mask, float(scaling))
             # float32 sums cast to the model's dtype: an error, not inf, when they do not fit
             return from_numpy(out.numpy(), query).transpose(1, 2).contiguous(), None
+        fp_k, fp_v = _join(view.sink_k, view.window_k), _join(view.sink_v, view.window_v)
         codec = self.codec()
         q = to_numpy(query, "query")
         cv = view.codes_v

@@ -96,6 +96,23 @@ def _native_encoder(coder: Any) -> NativeEncoder | None:
     return None
 
 
+def _token_rows(t: torch.Tensor) -> tuple[np.ndarray, int, int]:
+    """A ``(batch, heads, n, d)`` tensor as ``(flat float32 buffer, room, start)``: each of its
+    batch x heads rows holds ``room`` tokens, of which ``start .. start + n - 1`` are ``t``'s.
+    In place when ``t`` is float32 on the CPU and a token span of one buffer's rows (the cache's
+    window, narrowed from its buffer: no copy per decode step), else a contiguous float32 copy
+    (room ``n``, start 0)."""
+    b, h, n, d = t.shape
+    if t.dtype is torch.float32 and t.device.type == "cpu" and n and d:
+        sb, sh, sn, sd = t.stride()
+        off = t.storage_offset()
+        if sd == 1 and sn == d and sh % d == 0 and (b == 1 or sb == h * sh) and off % d == 0:
+            room, start = sh // d, off // d
+            if start + n <= room and t.untyped_storage().nbytes() >= b * h * sh * 4:
+                return torch.as_strided(t.detach(), (b * h * sh,), (1,), 0).numpy(), room, start
+    return t.detach().to(device="cpu", dtype=torch.float32).contiguous().reshape(-1).numpy(), n, 0
+
+
 def _window_f32(t: torch.Tensor | np.ndarray, start: int, tokens: int) -> tuple[np.ndarray, int]:
     """Tokens ``start .. start + tokens - 1`` of a ``(batch, heads, window, d)`` tensor as
     float32 NumPy and their first token there: the tensor itself, strides and all, when it is
@@ -302,24 +319,28 @@ class CodeStore:
         side = None if rows[2] is None else binding_side(rows[2], lead, d, part)
         self._native.set_rows(binding_rows(rows[0], "keys", lead, d, part), binding_rows(rows[1], "values", lead, d, part), side)
 
-    def attend(self, query: torch.Tensor, fp_k: torch.Tensor, fp_v: torch.Tensor, mask: torch.Tensor | None, scale: float):
+    def attend(self, query: torch.Tensor, sinks: tuple, window: tuple, mask: torch.Tensor | None, scale: float):
         """Attention of ``query`` ``(batch, q_heads, nq, d)`` over the coded tokens and the
-        full-precision ones ``fp_k``, ``fp_v`` ``(batch, kv_heads, w, d)`` (sinks, then
-        window), merged by log-sum-exp in one native call. ``mask``: None, or a boolean or
-        additive ``(batch, 1, nq, w)`` mask of the full-precision columns. Returns float32
-        ``(batch, q_heads, nq, d)``. Raises :class:`KvqrsError` on non-finite logits or
-        shapes that do not fit."""
+        full-precision ones, merged by log-sum-exp in one native call: ``sinks`` and
+        ``window``, each a ``(keys, values)`` pair of ``(batch, kv_heads, tokens, d)`` tensors,
+        read in that order (the window in place when it is a float32 span of a token buffer, as
+        the cache's window is). ``mask``: None, or a boolean or additive ``(batch, 1, nq,
+        sinks + window)`` mask of the full-precision columns. Returns float32 ``(batch,
+        q_heads, nq, d)``. Raises :class:`KvqrsError` on non-finite logits or shapes that do
+        not fit."""
         if not self._native.has_rows:
             self._declare_rows()
         b, hq, nq, d = query.shape
         g = hq // self.kv_heads
         q = query.detach().to(torch.float32).contiguous().reshape(-1).numpy()
-        w = fp_k.shape[-2]
-        fk = fp_k.detach().to(torch.float32).contiguous().reshape(-1).numpy()
-        fv = fp_v.detach().to(torch.float32).contiguous().reshape(-1).numpy()
+        ns, w = sinks[0].shape[-2], window[0].shape[-2]
+        sk, sv = (t.detach().to(torch.float32).contiguous().reshape(-1).numpy() for t in sinks)
+        (wk, room, start), (wv, room_v, start_v) = _token_rows(window[0]), _token_rows(window[1])
+        if (room, start) != (room_v, start_v):  # keys and values from buffers of other shapes
+            (wk, room, start), (wv, _, _) = _token_rows(window[0].contiguous()), _token_rows(window[1].contiguous())
         m = None
-        if mask is not None and w:
+        if mask is not None and ns + w:
             mm = mask if mask.dtype != torch.bool else torch.zeros(mask.shape).masked_fill_(~mask, float("-inf"))
-            m = mm.to(torch.float32).expand(b, 1, nq, w).contiguous().reshape(-1).numpy()
-        out, _ = self._native.attend(q, b * self.kv_heads, g * nq, d, float(scale), nq, fk, fv, w, m, b)
+            m = mm.to(torch.float32).expand(b, 1, nq, ns + w).contiguous().reshape(-1).numpy()
+        out, _ = self._native.attend(q, b * self.kv_heads, g * nq, d, float(scale), nq, sk, sv, ns, wk, wv, room, start, w, m, b)
         return torch.from_numpy(out).view(b, hq, nq, d)

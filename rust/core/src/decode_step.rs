@@ -337,6 +337,73 @@ impl RowSpec {
     }
 }
 
+/// Full-precision tokens of every KV head read in place from a buffer with room for `room`
+/// tokens per head (heads x room x head_dim float32): head `h` holds tokens `start .. start +
+/// len` of its row. A cache's window buffer is read this way without a copy per step.
+#[derive(Debug, Clone, Copy)]
+pub struct FpTokens<'a> {
+    pub keys: &'a [f32],
+    pub values: &'a [f32],
+    /// Token room per head.
+    pub room: usize,
+    /// First token read in each head's row, and how many.
+    pub start: usize,
+    pub len: usize,
+}
+
+impl<'a> FpTokens<'a> {
+    /// No tokens.
+    pub const NONE: FpTokens<'static> = FpTokens {
+        keys: &[],
+        values: &[],
+        room: 0,
+        start: 0,
+        len: 0,
+    };
+
+    /// Every token of contiguous heads x `len` x head_dim keys and values.
+    pub fn joined(keys: &'a [f32], values: &'a [f32], len: usize) -> Self {
+        Self {
+            keys,
+            values,
+            room: len,
+            start: 0,
+            len,
+        }
+    }
+
+    /// Head `h`'s keys and values (len x d each).
+    fn head(&self, h: usize, d: usize) -> (&'a [f32], &'a [f32]) {
+        let at = (h * self.room + self.start) * d;
+        (
+            &self.keys[at..at + self.len * d],
+            &self.values[at..at + self.len * d],
+        )
+    }
+
+    /// Errors unless both buffers hold `heads` rows of `room` tokens and the span fits.
+    fn check(&self, name: &'static str, heads: usize, d: usize) -> Result<()> {
+        let size = heads.checked_mul(self.room).and_then(|x| x.checked_mul(d));
+        let fits = self
+            .start
+            .checked_add(self.len)
+            .is_some_and(|end| end <= self.room);
+        if !fits || size != Some(self.keys.len()) || size != Some(self.values.len()) {
+            return Err(KvqError::ShapeMismatch {
+                arg: name,
+                expected: format!(
+                    "{heads} heads x room {} x head_dim {d} keys and values, tokens {}..{} of each head",
+                    self.room,
+                    self.start,
+                    self.start.saturating_add(self.len)
+                ),
+                actual: format!("{} keys, {} values", self.keys.len(), self.values.len()),
+            });
+        }
+        Ok(())
+    }
+}
+
 /// What a layer's decode step reads besides its store.
 #[derive(Debug, Clone, Copy)]
 pub struct Step<'a> {
@@ -347,13 +414,12 @@ pub struct Step<'a> {
     pub layout: Layout,
     /// Query tokens per row group (`rows` is a multiple).
     pub tokens: usize,
-    /// heads x window x head_dim full-precision keys and values (sinks, then window).
-    pub fp_keys: &'a [f32],
-    pub fp_values: &'a [f32],
-    /// Full-precision tokens.
-    pub window: usize,
-    /// Optional additive mask of the full-precision tokens, batch x tokens x window (0 or
-    /// -inf, or any finite bias); head `h` reads batch `h / (heads / batch)`.
+    /// The full-precision tokens, read in this order: the attention sinks, then the window.
+    pub sinks: FpTokens<'a>,
+    pub window: FpTokens<'a>,
+    /// Optional additive mask of the full-precision tokens (sinks, then window), batch x
+    /// tokens x (sinks + window) (0 or -inf, or any finite bias); head `h` reads batch
+    /// `h / (heads / batch)`.
     pub mask: Option<&'a [f32]>,
     /// Batch rows (divides `heads`).
     pub batch: usize,
@@ -394,15 +460,10 @@ pub fn attend(
         stride: store.room(),
         ..step.layout
     };
-    let (heads, rows, d, w) = (lay.heads, lay.rows, lay.head_dim, step.window);
-    let fp_len = heads * w * d;
-    if step.fp_keys.len() != fp_len || step.fp_values.len() != fp_len {
-        return Err(arg(
-            "fp_keys",
-            format!("heads x window x head_dim = {fp_len} values (keys and values)"),
-            step.fp_keys.len().max(step.fp_values.len()),
-        ));
-    }
+    let (heads, rows, d) = (lay.heads, lay.rows, lay.head_dim);
+    step.sinks.check("sinks", heads, d)?;
+    step.window.check("window", heads, d)?;
+    let w = step.sinks.len + step.window.len;
     if step.tokens == 0 || rows % step.tokens != 0 || step.batch == 0 || heads % step.batch != 0 {
         return Err(arg(
             "tokens",
@@ -466,11 +527,12 @@ pub fn attend(
     // fixed order of `reduce::dot`), the SIMD `exp` of the fused kernel with a float64 sum, the
     // float64 value sums, then the merge with the coded part.
     let window_head = |h: usize, out: &mut [f32], lse: &mut [f32]| -> Option<(usize, usize, f32)> {
-        let kh = &step.fp_keys[h * w * d..(h + 1) * w * d];
-        let vh = &step.fp_values[h * w * d..(h + 1) * w * d];
+        let ((sk, sv), (wk, wv)) = (step.sinks.head(h, d), step.window.head(h, d));
         let qh = &step.q[h * rows * d..(h + 1) * rows * d];
         let mut s = vec![0.0f32; rows * w];
-        ops::dots_tokens(isa, qh, kh, d, &mut s, w);
+        // Score columns: the sinks', then the window's (each row `w` apart).
+        ops::dots_tokens(isa, qh, sk, d, &mut s, w);
+        ops::dots_tokens(isa, qh, wk, d, &mut s[step.sinks.len..], w);
         let mut acc = vec![0.0f64; d];
         for (r, sr) in s.chunks_exact_mut(w).enumerate() {
             let i = r % step.tokens;
@@ -488,7 +550,7 @@ pub fn attend(
             }
             let sum = ops::exp_sum(isa, sr, m);
             acc.iter_mut().for_each(|a| *a = 0.0);
-            for (&p, vj) in sr.iter().zip(vh.chunks_exact(d)) {
+            for (&p, vj) in sr.iter().zip(sv.chunks_exact(d).chain(wv.chunks_exact(d))) {
                 ops::axpy_f64(isa, &mut acc, f64::from(p), vj);
             }
             let lse_w = f64::from(m) + sum.ln();
@@ -673,15 +735,74 @@ mod tests {
         assert_merged(&got, &coded, &step);
         // Bad sizes name the argument.
         let short = Step {
-            fp_keys: &fk[1..],
+            window: FpTokens {
+                keys: &fk[1..],
+                ..step.window
+            },
             ..step
         };
         let err = attend(&store, &keys, None, &values, &short)
             .unwrap_err()
             .to_string();
-        assert!(err.starts_with("fp_keys"), "{err}");
+        assert!(err.starts_with("window"), "{err}");
+        let past = Step {
+            sinks: FpTokens {
+                start: 1,
+                ..step.window
+            },
+            ..step
+        };
+        let err = attend(&store, &keys, None, &values, &past)
+            .unwrap_err()
+            .to_string();
+        assert!(err.starts_with("sinks"), "{err}");
+        // Sinks and window read in place from buffers with spare room: the bits of the joined
+        // tokens, whichever token the window starts at.
+        for (ns, lo, spare) in [(1usize, 0usize, 3usize), (2, 5, 0), (3, 2, 9)] {
+            let (ks, vs) = split_rows(fk, &inputs.fv, (heads, w, d), ns, (lo, spare));
+            let split = Step {
+                sinks: FpTokens::joined(&ks.0, &vs.0, ns),
+                window: FpTokens {
+                    keys: &ks.1,
+                    values: &vs.1,
+                    room: lo + (w - ns) + spare,
+                    start: lo,
+                    len: w - ns,
+                },
+                ..step
+            };
+            let again = attend(&store, &keys, None, &values, &split).unwrap();
+            assert_eq!((&again.out, &again.lse), (&got.out, &got.lse), "{ns} {lo}");
+        }
         let far = RowSpec::Dense { values: 9 };
         assert!(attend(&store, &keys, None, &far, &step).is_err());
+    }
+
+    /// Heads x w x d keys and values split into the first `ns` tokens of each head (joined) and
+    /// the rest at token `lo` of rows with `lo + (w - ns) + spare` tokens of room (NaN
+    /// elsewhere: a read outside the span shows).
+    #[allow(clippy::type_complexity)]
+    fn split_rows(
+        k: &[f32],
+        v: &[f32],
+        (heads, w, d): (usize, usize, usize),
+        ns: usize,
+        (lo, spare): (usize, usize),
+    ) -> ((Vec<f32>, Vec<f32>), (Vec<f32>, Vec<f32>)) {
+        let room = lo + (w - ns) + spare;
+        let split = |x: &[f32]| {
+            let mut sinks = Vec::new();
+            let mut rest = vec![f32::NAN; heads * room * d];
+            for h in 0..heads {
+                let row = &x[h * w * d..(h + 1) * w * d];
+                sinks.extend_from_slice(&row[..ns * d]);
+                rest[(h * room + lo) * d..(h * room + lo + w - ns) * d]
+                    .copy_from_slice(&row[ns * d..]);
+            }
+            (sinks, rest)
+        };
+        let ((sk, wk), (sv, wv)) = (split(k), split(v));
+        ((sk, wk), (sv, wv))
     }
 
     /// Queries, full-precision tokens and a mask (query token 0 does not see the newest
@@ -713,9 +834,8 @@ mod tests {
                 q: &self.q,
                 layout: Layout::new(heads, rows, 0, d, scale),
                 tokens: rows,
-                fp_keys: &self.fk,
-                fp_values: &self.fv,
-                window: self.window,
+                sinks: FpTokens::NONE,
+                window: FpTokens::joined(&self.fk, &self.fv, self.window),
                 mask: Some(&self.mask),
                 batch: 1,
             }
@@ -732,7 +852,7 @@ mod tests {
             scale,
             ..
         } = step.layout;
-        let (w, fk, fv) = (step.window, step.fp_keys, step.fp_values);
+        let (w, fk, fv) = (step.window.len, step.window.keys, step.window.values);
         for h in 0..heads {
             for r in 0..rows {
                 let qr = &step.q[(h * rows + r) * d..][..d];

@@ -3,7 +3,7 @@
 //! `(dtype code, shape, flat uint8 view of the bytes)` per part (so bfloat16 tensors pass
 //! too); parts leave the same way. The GIL is released for every copy and for the step.
 
-use kvqrs_core::decode_step::{attend, RowSpec, RunSpec, SideSpec, Step};
+use kvqrs_core::decode_step::{attend, FpTokens, RowSpec, RunSpec, SideSpec, Step};
 use kvqrs_core::encoders::SideEncoder;
 use kvqrs_core::format::{Dtype, Section};
 use kvqrs_core::kernels::attention::Layout;
@@ -477,10 +477,12 @@ impl PyLayerStore {
     }
 
     /// One decode step: attention of `q` (heads x rows x head_dim float32, flat) over the
-    /// coded tokens and the full-precision ones (`fp_keys`, `fp_values`: heads x window x
-    /// head_dim float32), merged by log-sum-exp. Returns (out, lse) float32, flat.
+    /// coded tokens and the full-precision ones, merged by log-sum-exp: the attention sinks
+    /// (`sink_keys`, `sink_values`: heads x sinks x head_dim float32), then the window, read in
+    /// place from a buffer (`window_keys`, `window_values`: heads x room x head_dim float32,
+    /// tokens `start .. start + window` of each head). Returns (out, lse) float32, flat.
     #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (q, heads, rows, head_dim, scale, tokens, fp_keys, fp_values, window, mask, batch))]
+    #[pyo3(signature = (q, heads, rows, head_dim, scale, tokens, sink_keys, sink_values, sinks, window_keys, window_values, room, start, window, mask, batch))]
     fn attend<'py>(
         &self,
         py: Python<'py>,
@@ -490,8 +492,13 @@ impl PyLayerStore {
         head_dim: usize,
         scale: f32,
         tokens: usize,
-        fp_keys: PyReadonlyArray1<'py, f32>,
-        fp_values: PyReadonlyArray1<'py, f32>,
+        sink_keys: PyReadonlyArray1<'py, f32>,
+        sink_values: PyReadonlyArray1<'py, f32>,
+        sinks: usize,
+        window_keys: PyReadonlyArray1<'py, f32>,
+        window_values: PyReadonlyArray1<'py, f32>,
+        room: usize,
+        start: usize,
         window: usize,
         mask: Option<PyReadonlyArray1<'py, f32>>,
         batch: usize,
@@ -508,9 +515,18 @@ impl PyLayerStore {
             q: slice(&q, "q")?,
             layout: Layout::new(heads, rows, 0, head_dim, scale),
             tokens,
-            fp_keys: slice(&fp_keys, "fp_keys")?,
-            fp_values: slice(&fp_values, "fp_values")?,
-            window,
+            sinks: FpTokens::joined(
+                slice(&sink_keys, "sink_keys")?,
+                slice(&sink_values, "sink_values")?,
+                sinks,
+            ),
+            window: FpTokens {
+                keys: slice(&window_keys, "window_keys")?,
+                values: slice(&window_values, "window_values")?,
+                room,
+                start,
+                len: window,
+            },
             mask: m,
             batch,
         };
