@@ -12,6 +12,10 @@
 //!   4-bit MSE encode/decode (also with packing), into reused output buffers (`_into`) and
 //!   through the allocating API. `KVQRS_BENCH_ROWS_LOG2` sets the size (default 20).
 //!
+//! - `pack_paths/*`: pack and unpack (into reused buffers) of the same 2^12 x 128 codes at 2, 3
+//!   and 4 bits on every pack path this CPU runs (`scalar`, `shift`, `bmi2`), whatever the
+//!   dispatcher would pick; the dispatch summary is printed first.
+//!
 //! - `attention/*`: fused decode attention on one thread, 3 KV heads x 3 query rows
 //!   (9 query heads, GQA), head_dim 64, 4k and 32k tokens, the four 4-bit cache layouts of
 //!   `benches/bench_attention.py` (`kv`, `kqv` = 4-bit keys + 3-bit values with a QJL residual,
@@ -30,11 +34,13 @@ use kvqrs_core::kernels::hadamard::Rotation;
 use kvqrs_core::kernels::headq::HeadqCoder;
 use kvqrs_core::kernels::lloyd_max::codebook;
 use kvqrs_core::kernels::mse::MseQuantizer;
-use kvqrs_core::kernels::pack::{pack_into, pack_with, packed_len, unpack_into, unpack_with};
+use kvqrs_core::kernels::pack::{
+    pack_into, pack_path_into, pack_with, packed_len, unpack_into, unpack_path_into, unpack_with,
+};
 use kvqrs_core::kernels::qjl::QjlSketcher;
 use kvqrs_core::rng::{gaussians, random_orthonormal_basis};
 use kvqrs_core::scalars::ScalarView;
-use kvqrs_core::Isa;
+use kvqrs_core::{Isa, PackPath};
 use rayon::prelude::*;
 
 const D: usize = 128;
@@ -380,5 +386,36 @@ fn attention(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, cache, dram, attention);
+/// Pack and unpack on each pack path side by side, at the widths of the cache layouts.
+fn pack_paths(c: &mut Criterion) {
+    eprintln!("kvqrs simd: {}", kvqrs_core::simd::summary());
+    let n = 1usize << 12;
+    let one = pool(1);
+    let mut g = c.benchmark_group("pack_paths");
+    configure(&mut g, n);
+    for bits in [2u32, 3, 4] {
+        let codes: Vec<u8> = (0..n * D)
+            .map(|i| {
+                ((i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 61) as u8 & ((1 << bits) - 1)
+            })
+            .collect();
+        let mut packed = vec![0u8; n * packed_len(D, bits)];
+        let mut back = vec![0u8; codes.len()];
+        pack_path_into(PackPath::Scalar, &codes, D, bits, &mut packed).expect("packed");
+        for path in PackPath::available() {
+            let name = path.name();
+            g.bench_function(
+                format!("pack/{bits}b/{name}"),
+                timed(&one, || pack_path_into(path, &codes, D, bits, &mut packed)),
+            );
+            g.bench_function(
+                format!("unpack/{bits}b/{name}"),
+                timed(&one, || unpack_path_into(path, &packed, D, bits, &mut back)),
+            );
+        }
+    }
+    g.finish();
+}
+
+criterion_group!(benches, cache, dram, attention, pack_paths);
 criterion_main!(benches);

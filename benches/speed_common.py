@@ -35,7 +35,8 @@ def _l3() -> str:
 
 
 def machine(threads: int) -> str:
-    """One line: CPU model, cores, LLC, RAM, load average, thread counts, ISA, versions."""
+    """One line: CPU model, cores, LLC, RAM, load average, thread counts, kvqrs' dispatch summary
+    (each primitive's path and why), versions."""
     import kvqrs
     import kvqrs._native
     import numpy as np
@@ -48,7 +49,7 @@ def machine(threads: int) -> str:
     rayon = os.environ.get("RAYON_NUM_THREADS", f"default ({os.cpu_count()})")
     return (
         f"machine: {cpu}, {os.cpu_count()} logical CPUs, LLC {_l3()}, RAM {ram}, load average {load}; "
-        f"threads: torch {threads}, kvqrs rayon {rayon}; kvqrs {kvqrs.__version__} ({kvqrs._native.simd_level()}), "
+        f"threads: torch {threads}, kvqrs rayon {rayon}; kvqrs {kvqrs.__version__} ({kvqrs.simd_summary()}), "
         f"numpy {np.__version__}, torch {torch.__version__}, Python {platform.python_version()}"
     )
 

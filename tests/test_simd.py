@@ -1,6 +1,7 @@
 """Every kernel on every instruction-set path this CPU supports (``_native.simd_available()``)
 returns the scalar path's bytes exactly: codes, packed bytes, stored norms and scales (dtype
-included) and floats compared bit for bit. Plus the path controls themselves."""
+included) and floats compared bit for bit; every bit-packing path (``simd_info()["pack_paths"]``)
+gives the oracle's bytes. Plus the path controls and the dispatch report themselves."""
 
 from __future__ import annotations
 
@@ -12,14 +13,16 @@ import sys
 import kvqrs
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from kvqrs import _native
+from hypothesis.extra import numpy as hnp
+from kvqrs import _native, oracle
 
-from .strategies import HEAD_DIMS, bits, float_rows, head_dims, seeds
+from .strategies import HEAD_DIMS, bits, float_rows, head_dims, leading_shapes, seeds
 from .test_attention import matched_problems, problems
 
 SIMD = [i for i in _native.simd_available() if i != "scalar"]
+PACK_PATHS = _native.simd_info()["pack_paths"]
 
 
 @contextlib.contextmanager
@@ -188,3 +191,82 @@ def test_environment_variable_forces_scalar(value, forced):
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     level, best = out.stdout.split()
     assert level == ("scalar" if forced else best)
+
+
+@pytest.fixture
+def restore_pack_path():
+    """The default pack path back after the test, whatever it set."""
+    yield
+    _native.set_pack_path(None)
+
+
+# The fixture only restores the default after the whole test, so sharing it between
+# hypothesis examples is intended.
+@settings(suppress_health_check=[HealthCheck.function_scoped_fixture])
+@pytest.mark.parametrize("path", PACK_PATHS)
+@given(b=bits, lead=leading_shapes, m=st.integers(0, 200), data=st.data())
+def test_every_pack_path_gives_the_oracle_bytes(restore_pack_path, path, b, lead, m, data):
+    _native.set_pack_path(path)
+    assert _native.simd_info()["primitives"]["pack"]["path"] == path
+    codes = data.draw(hnp.arrays(np.uint8, (*lead, m), elements=st.integers(0, 2**b - 1)))
+    packed = kvqrs.pack_bits(codes, b)
+    assert same_bytes(packed, oracle.pack_bits(codes, b))
+    assert same_bytes(kvqrs.unpack_bits(packed, b, m), codes)
+    # Arbitrary bytes: the unused high bits of the last byte are ignored.
+    raw = data.draw(hnp.arrays(np.uint8, packed.shape))
+    assert same_bytes(kvqrs.unpack_bits(raw, b, m), oracle.unpack_bits(raw, b, m))
+
+
+def test_simd_info_reports_every_primitive():
+    info = kvqrs.simd_info()
+    assert {"vendor", "family", "model", "brand", "features", "isa", "isas", "pack_paths", "primitives"} <= set(info)
+    assert isinstance(info["vendor"], str) and isinstance(info["family"], int) and isinstance(info["model"], int)
+    assert info["isa"] == _native.simd_level() and info["isas"] == _native.simd_available()
+    assert all(isinstance(v, bool) for v in info["features"].values())
+    if info["vendor"] != "unknown":
+        assert {"avx2", "bmi2", "avx512f", "avx512bw", "avx512vl", "f16c", "fma"} <= set(info["features"])
+        assert ("bmi2" in info["pack_paths"]) == info["features"]["bmi2"]
+    assert set(info["primitives"]) == {"pack", "unpack", "float kernels"}
+    assert info["primitives"]["float kernels"]["path"] == info["isa"]
+    for name, entry in info["primitives"].items():
+        assert set(entry) == {"path", "reason"} and entry["reason"], name
+    pack = info["primitives"]["pack"]
+    assert pack["path"] in info["pack_paths"] and info["primitives"]["unpack"] == pack
+    line = kvqrs.simd_summary()
+    assert "\n" not in line
+    assert line.startswith(f"{info['vendor']} fam {info['family']:#x} model {info['model']:#x} | isa {info['isa']} | ")
+    assert f"| pack/unpack {pack['path']} ({pack['reason']}) | float kernels {info['isa']} (" in line
+
+
+def test_set_pack_path_refuses_bad_names_and_missing_instructions(restore_pack_path):
+    before = kvqrs.simd_info()["primitives"]["pack"]
+    with pytest.raises(ValueError, match='name: expected one of scalar, bmi2, shift or None, got "pext"'):
+        _native.set_pack_path("pext")
+    if "bmi2" not in PACK_PATHS:
+        with pytest.raises(ValueError, match=r"pack path: bmi2 is not supported here \(this CPU has no BMI2\); supported: scalar, shift"):
+            _native.set_pack_path("bmi2")
+    assert kvqrs.simd_info()["primitives"]["pack"] == before
+    _native.set_pack_path("SHIFT")
+    assert kvqrs.simd_info()["primitives"]["pack"] == {"path": "shift", "reason": "set_pack_path"}
+    _native.set_pack_path(None)
+    assert kvqrs.simd_info()["primitives"]["pack"] == before
+
+
+@pytest.mark.parametrize(
+    "env, path, reason",
+    [
+        ({"KVQRS_PACK_PATH": "shift"}, "shift", "KVQRS_PACK_PATH=shift"),
+        ({"KVQRS_PACK_PATH": "shift", "KVQRS_FORCE_SCALAR": "1"}, "scalar", "isa scalar: the scalar reference"),
+        ({"KVQRS_PACK_PATH": "pext"}, None, 'KVQRS_PACK_PATH="pext" ignored: expected one of scalar, bmi2, shift'),
+    ],
+)
+def test_environment_chooses_the_pack_path(env, path, reason):
+    # Read once per process, so each case runs in a fresh interpreter.
+    base = {k: v for k, v in os.environ.items() if k not in ("KVQRS_PACK_PATH", "KVQRS_FORCE_SCALAR")}
+    code = "import kvqrs; p = kvqrs.simd_info()['primitives']['pack']; print(p['path']); print(p['reason'])"
+    out = subprocess.run([sys.executable, "-c", code], env={**base, **env}, capture_output=True, text=True, check=True)
+    got_path, got_reason = out.stdout.splitlines()
+    if not SIMD:  # no SIMD isa: the default is the scalar reference whatever the variable says
+        path, reason = "scalar", "isa scalar"
+    assert (got_path == path) if path else (got_path in PACK_PATHS)  # None: the CPU default
+    assert reason in got_reason

@@ -7,7 +7,7 @@ their float64 NumPy references.
 """
 
 from . import oracle
-from ._native import KvqrsError, __version__
+from ._native import KvqrsError, __version__, simd_info, simd_summary
 from .kernels import (
     Codebook,
     HeadQCode,
@@ -69,6 +69,8 @@ __all__ = [
     "random_orthonormal_basis",
     "oracle",
     "rng",
+    "simd_info",
+    "simd_summary",
     "unpack_bits",
     "UniformCode",
     "uniform_decode",

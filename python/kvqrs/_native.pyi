@@ -42,8 +42,11 @@ __all__ = [
     "random_orthonormal_basis",
     "rotation_signs",
     "set_isa",
+    "set_pack_path",
     "simd_available",
+    "simd_info",
     "simd_level",
+    "simd_summary",
     "uniform_decode",
     "uniform_encode",
     "unpack_bits",
@@ -100,6 +103,28 @@ def set_isa(name: str | None = None) -> None:
     """Force a path for the whole process (``None``: back to the default, the fastest one, or
     scalar when ``KVQRS_FORCE_SCALAR=1`` was set at import). Every path gives identical bytes;
     this exists for tests and benchmarks."""
+
+def set_pack_path(name: str | None = None) -> None:
+    """Force the bit-packing path (``scalar``, ``bmi2`` or ``shift``) for the whole process
+    (``None``: back to the default chosen from the CPU, see ``simd_info``). Applies under a SIMD
+    isa; under ``scalar`` an unset path stays scalar. Every path gives identical bytes. Raises
+    ``KvqrsError`` (a ``ValueError``) for an unknown name or a path this CPU cannot run."""
+
+def simd_info() -> dict[str, Any]:
+    """The dispatch state now, as a dict:
+
+    - ``vendor`` (str, cpuid vendor or ``unknown``), ``family`` and ``model`` (int, display
+      values, 0 off x86_64), ``brand`` (str, may be empty);
+    - ``features``: ``{name: bool}`` for avx2, bmi2, avx512f, avx512bw, avx512vl, f16c, fma
+      (``neon`` on aarch64);
+    - ``isa`` (str, the active path), ``isas`` (list[str], supported), ``pack_paths``
+      (list[str], supported pack paths);
+    - ``primitives``: ``{"pack" | "unpack" | "float kernels": {"path": str, "reason": str}}``.
+    """
+
+def simd_summary() -> str:
+    """``simd_info`` on one line: ``vendor fam 0x.. model 0x.. | isa .. | pack/unpack ..
+    (reason) | float kernels .. (reason)`` (``pack .. | unpack ..`` when their paths differ)."""
 
 def philox4x32_10(counter: Sequence[int], key: Sequence[int]) -> Sequence[int]: ...
 def rotation_signs(seed: int, dim: int) -> _F32: ...

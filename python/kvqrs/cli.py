@@ -202,6 +202,7 @@ def _check_channel(args: argparse.Namespace) -> None:
 def _eval(args: argparse.Namespace) -> int:
     import time
 
+    from ._native import simd_summary
     from .evaluation import model as model_mod
     from .evaluation import model_report
     from .evaluation.model_eval import default_rows, run_eval
@@ -247,6 +248,7 @@ def _eval(args: argparse.Namespace) -> int:
         threads=threads,
     )
     seconds = time.perf_counter() - start
+    result["simd"] = simd_summary()  # which kernel paths ran, for the report header
     md = model_report.write(result, out, seconds)
     print(model_report.summary(result, seconds))
     print(f"report: {md}")

@@ -32,6 +32,7 @@ def summary(result: dict, seconds: float) -> str:
         f"Text: {result['source']}; {result['windows']} windows of {result['window']} tokens "
         f"({sum(1 for _ in result['rows'])} rows); HeadQ calibrated on {result['calibration_windows']} disjoint windows. {seconds:.0f} s.",
         "",
+        *([f"Kernels: {result['simd']}.", ""] if "simd" in result else []),
         f"Dense check: perplexity {c['ppl_kvqrs']:.4f} through kvqrs' attention function, {c['ppl_transformers_sdpa']:.4f} from "
         f"transformers' own loss with SDPA on the same windows (relative difference {c['relative_difference']:.1e}).",
         "",

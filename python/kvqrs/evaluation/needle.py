@@ -321,10 +321,13 @@ def check_grid(contexts, depths, trials: int) -> None:
 
 
 def machine_line() -> str:
-    """CPU model, logical CPUs, load average and torch threads, for the report."""
+    """CPU model, logical CPUs, load average, torch threads and kvqrs' dispatch summary, for the
+    report."""
     import os
     import pathlib
     import platform
+
+    from .._native import simd_summary
 
     info = pathlib.Path("/proc/cpuinfo")
     names = (
@@ -333,7 +336,8 @@ def machine_line() -> str:
     cpu = names[0] if names else platform.processor() or platform.machine()
     load = " ".join(f"{x:.1f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "n/a"
     return (
-        f"{cpu}, {os.cpu_count()} logical CPUs, load average {load}, torch {torch.get_num_threads()} thread(s), torch {torch.__version__}"
+        f"{cpu}, {os.cpu_count()} logical CPUs, load average {load}, torch {torch.get_num_threads()} thread(s), torch {torch.__version__}; "
+        f"kvqrs {simd_summary()}"
     )
 
 

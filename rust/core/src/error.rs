@@ -99,4 +99,12 @@ pub enum KvqError {
         requested: String,
         available: String,
     },
+
+    /// A bit-packing path this CPU cannot run.
+    #[error("pack path: {requested} is not supported here ({why}); supported: {available}")]
+    UnsupportedPackPath {
+        requested: String,
+        why: String,
+        available: String,
+    },
 }

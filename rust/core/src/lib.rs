@@ -19,4 +19,4 @@ pub mod store;
 pub mod window;
 
 pub use error::{KvqError, Result};
-pub use simd::Isa;
+pub use simd::{Isa, PackPath};

@@ -11,9 +11,10 @@ use kvqrs_core::kernels::pack;
 use kvqrs_core::kernels::qjl::QjlSketcher;
 use kvqrs_core::kernels::uniform::UniformQuantizer;
 use kvqrs_core::rng;
-use kvqrs_core::simd::{self, Isa};
+use kvqrs_core::simd::{self, Isa, PackPath};
 use numpy::{PyArray1, PyReadonlyArray1};
 use pyo3::prelude::*;
+use pyo3::types::PyDict;
 
 use crate::arrays::{plane_to_py, slice, Scalars};
 use crate::errors::{arg_error, py_result};
@@ -377,6 +378,61 @@ pub fn set_isa(name: Option<&str>) -> PyResult<()> {
         })?),
     };
     py_result(simd::set_active(isa))
+}
+
+/// Forces the bit-packing path (`scalar`, `bmi2`, `shift`) for the whole process (`None`
+/// restores the default). Raises for an unknown name or a path this CPU cannot run.
+#[pyfunction]
+#[pyo3(signature = (name=None))]
+pub fn set_pack_path(name: Option<&str>) -> PyResult<()> {
+    let path = match name {
+        None => None,
+        Some(n) => Some(PackPath::from_name(n).ok_or_else(|| {
+            arg_error(format!(
+                "name: expected one of scalar, bmi2, shift or None, got {n:?}"
+            ))
+        })?),
+    };
+    py_result(simd::set_pack_path(path))
+}
+
+/// The dispatch state now, as a dict: `vendor` (str), `family`, `model` (int), `brand` (str),
+/// `features` ({name: bool} for avx2, bmi2, avx512f/bw/vl, f16c, fma), `isa` (the active
+/// path), `isas` and `pack_paths` (supported, list[str]), and `primitives`: {"pack" |
+/// "unpack" | "float kernels": {"path": str, "reason": str}}.
+#[pyfunction]
+pub fn simd_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
+    let info = simd::info();
+    let d = PyDict::new(py);
+    d.set_item("vendor", &info.cpu.vendor)?;
+    d.set_item("family", info.cpu.family)?;
+    d.set_item("model", info.cpu.model)?;
+    d.set_item("brand", &info.cpu.brand)?;
+    let features = PyDict::new(py);
+    for &(name, on) in &info.cpu.features {
+        features.set_item(name, on)?;
+    }
+    d.set_item("features", features)?;
+    d.set_item("isa", info.isa.name())?;
+    let isas: Vec<&str> = info.isas.iter().map(|i| i.name()).collect();
+    d.set_item("isas", isas)?;
+    let paths: Vec<&str> = info.pack_paths.iter().map(|p| p.name()).collect();
+    d.set_item("pack_paths", paths)?;
+    let primitives = PyDict::new(py);
+    for p in &info.primitives {
+        let entry = PyDict::new(py);
+        entry.set_item("path", p.path)?;
+        entry.set_item("reason", &p.reason)?;
+        primitives.set_item(p.name, entry)?;
+    }
+    d.set_item("primitives", primitives)?;
+    Ok(d)
+}
+
+/// [`simd_info`] on one line (`vendor fam .. model .. | isa .. | pack/unpack .. (reason) | ...`).
+#[pyfunction]
+pub fn simd_summary() -> String {
+    simd::summary()
 }
 
 #[pyfunction]

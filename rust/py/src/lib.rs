@@ -42,6 +42,9 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(kernels::simd_level, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::simd_available, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::set_isa, m)?)?;
+    m.add_function(wrap_pyfunction!(kernels::set_pack_path, m)?)?;
+    m.add_function(wrap_pyfunction!(kernels::simd_info, m)?)?;
+    m.add_function(wrap_pyfunction!(kernels::simd_summary, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::philox4x32_10, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::rotation_signs, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::gaussians, m)?)?;

@@ -4,7 +4,7 @@
 use super::check_bits;
 use crate::error::{KvqError, Result};
 use crate::par;
-use crate::simd::{self, ops, Isa};
+use crate::simd::{self, ops, Isa, PackPath};
 
 /// Bytes needed for one row of `count` codes of `bits` bits.
 pub fn packed_len(count: usize, bits: u32) -> usize {
@@ -34,30 +34,33 @@ fn pack_isa(isa: Isa, codes: &[u8], count: usize, bits: u32) -> Result<Vec<u8>> 
 }
 
 /// [`pack`] on `isa` (pass [`crate::simd::active`] for the default) into a caller's buffer of
-/// `rows * packed_len(count, bits)` bytes.
+/// `rows * packed_len(count, bits)` bytes; the rows go through the pack path of `isa`
+/// ([`simd::pack_path_for`]).
 pub fn pack_into(isa: Isa, codes: &[u8], count: usize, bits: u32, out: &mut [u8]) -> Result<()> {
-    let isa = isa.checked()?;
+    pack_rows(simd::pack_path_for(isa.checked()?), codes, count, bits, out)
+}
+
+/// [`pack_into`] on a given pack path (errors if this CPU lacks it): benches and tests.
+pub fn pack_path_into(
+    path: PackPath,
+    codes: &[u8],
+    count: usize,
+    bits: u32,
+    out: &mut [u8],
+) -> Result<()> {
+    pack_rows(path.checked()?, codes, count, bits, out)
+}
+
+fn pack_rows(path: PackPath, codes: &[u8], count: usize, bits: u32, out: &mut [u8]) -> Result<()> {
     check_bits("bits", bits)?;
     check_count(count)?;
     let rows = rows_or_empty("codes", codes.len(), count)?;
     super::mse::check_codes("codes", codes, count.max(1), bits)?;
     let row_bytes = packed_len(count, bits);
     super::check_len("out", out.len(), rows * row_bytes, "rows x packed bytes")?;
-    if count > 0 {
-        let _ = par::rows1(
-            rows,
-            count / 4,
-            (codes, count),
-            (out, row_bytes),
-            || (),
-            |_, _, cs, os| {
-                for (src, dst) in cs.chunks_exact(count).zip(os.chunks_exact_mut(row_bytes)) {
-                    ops::pack_row(isa, src, bits, dst);
-                }
-                Ok(())
-            },
-        );
-    }
+    each_row(rows, count, (codes, count), (out, row_bytes), |src, dst| {
+        ops::pack_row_on(path, src, bits, dst)
+    });
     Ok(())
 }
 
@@ -82,30 +85,76 @@ fn unpack_isa(isa: Isa, packed: &[u8], count: usize, bits: u32) -> Result<Vec<u8
     Ok(out)
 }
 
-/// [`unpack`] on `isa` into a caller's buffer of `rows * count` codes.
+/// [`unpack`] on `isa` into a caller's buffer of `rows * count` codes (through the pack path
+/// of `isa`).
 pub fn unpack_into(isa: Isa, packed: &[u8], count: usize, bits: u32, out: &mut [u8]) -> Result<()> {
-    let isa = isa.checked()?;
+    unpack_rows(
+        simd::pack_path_for(isa.checked()?),
+        packed,
+        count,
+        bits,
+        out,
+    )
+}
+
+/// [`unpack_into`] on a given pack path (errors if this CPU lacks it): benches and tests.
+pub fn unpack_path_into(
+    path: PackPath,
+    packed: &[u8],
+    count: usize,
+    bits: u32,
+    out: &mut [u8],
+) -> Result<()> {
+    unpack_rows(path.checked()?, packed, count, bits, out)
+}
+
+fn unpack_rows(
+    path: PackPath,
+    packed: &[u8],
+    count: usize,
+    bits: u32,
+    out: &mut [u8],
+) -> Result<()> {
     check_bits("bits", bits)?;
     check_count(count)?;
     let row_bytes = packed_len(count, bits);
     let rows = rows_or_empty("packed", packed.len(), row_bytes)?;
     super::check_len("out", out.len(), rows * count, "rows x count")?;
-    if count > 0 {
-        let _ = par::rows1(
-            rows,
-            count / 4,
-            (packed, row_bytes),
-            (out, count),
-            || (),
-            |_, _, ps, os| {
-                for (src, dst) in ps.chunks_exact(row_bytes).zip(os.chunks_exact_mut(count)) {
-                    ops::unpack_row(isa, src, bits, dst);
-                }
-                Ok(())
-            },
-        );
-    }
+    each_row(
+        rows,
+        count,
+        (packed, row_bytes),
+        (out, count),
+        |src, dst| ops::unpack_row_on(path, src, bits, dst),
+    );
     Ok(())
+}
+
+/// `f(src row, dst row)` for the `rows` rows (of `count` codes) of `src` and `dst`, split over
+/// rayon tasks for large batches.
+fn each_row(
+    rows: usize,
+    count: usize,
+    (src, src_w): (&[u8], usize),
+    (dst, dst_w): (&mut [u8], usize),
+    f: impl Fn(&[u8], &mut [u8]) + Sync + Send,
+) {
+    if count == 0 {
+        return;
+    }
+    let _ = par::rows1(
+        rows,
+        count / 4,
+        (src, src_w),
+        (dst, dst_w),
+        || (),
+        |_, _, s, d| {
+            for (a, b) in s.chunks_exact(src_w).zip(d.chunks_exact_mut(dst_w)) {
+                f(a, b);
+            }
+            Ok(())
+        },
+    );
 }
 
 /// Zero codes per row is allowed (empty rows); otherwise the usual row-length limit.

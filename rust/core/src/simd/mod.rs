@@ -6,13 +6,27 @@
 //! path never changes a code, a byte or a float. The best path is detected once; the
 //! environment variable `KVQRS_FORCE_SCALAR=1` (read once, at first use) makes the scalar path
 //! the default, and [`set_active`] overrides the choice for the whole process (tests, benches).
+//!
+//! The bit-packing primitive has a path of its own ([`PackPath`], `pack_path.rs`), chosen from
+//! the CPU's vendor and family; [`info`] reports every primitive's path and why.
 
+mod cpu;
+mod info;
 #[cfg(target_arch = "aarch64")]
 mod neon;
 pub(crate) mod ops;
+mod pack_path;
 pub(crate) mod scalar;
+pub(crate) mod shift;
 #[cfg(target_arch = "x86_64")]
 mod x86;
+
+pub use cpu::{cpu, Cpu};
+pub use info::{info, summary, Primitive, SimdInfo};
+pub use pack_path::{
+    default_pack_choice, pack_choice_for, pack_path_for, pack_rule, set_pack_path, PackChoice,
+    PackFacts, PackPath, PackRule,
+};
 
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::OnceLock;
@@ -24,7 +38,8 @@ use crate::error::{KvqError, Result};
 pub enum Isa {
     /// Portable Rust, the reference every other path must match bit for bit.
     Scalar,
-    /// x86_64 AVX2 (with BMI2 for the bit packing and F16C for stored float16 scalars).
+    /// x86_64 AVX2 (with F16C for stored float16 scalars; the bit packing has its own
+    /// [`PackPath`]).
     Avx2,
     /// x86_64 AVX-512 F/BW/VL (plus the AVX2 requirements).
     Avx512,
@@ -99,9 +114,7 @@ fn detect() -> [bool; 4] {
     let mut s = [true, false, false, false];
     #[cfg(target_arch = "x86_64")]
     {
-        let avx2 = std::is_x86_feature_detected!("avx2")
-            && std::is_x86_feature_detected!("bmi2")
-            && std::is_x86_feature_detected!("f16c");
+        let avx2 = std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("f16c");
         s[1] = avx2;
         s[2] = avx2
             && std::is_x86_feature_detected!("avx512f")
@@ -119,10 +132,26 @@ fn detect() -> [bool; 4] {
 /// `0` or the empty string (read once).
 pub fn default_isa() -> Isa {
     static DEFAULT: OnceLock<Isa> = OnceLock::new();
-    *DEFAULT.get_or_init(|| match std::env::var("KVQRS_FORCE_SCALAR") {
-        Ok(v) if !v.is_empty() && v != "0" => Isa::Scalar,
-        _ => Isa::best(),
+    *DEFAULT.get_or_init(|| {
+        if force_scalar() {
+            Isa::Scalar
+        } else {
+            Isa::best()
+        }
     })
+}
+
+/// Whether `KVQRS_FORCE_SCALAR` is set to anything but `0` or the empty string (read once).
+pub fn force_scalar() -> bool {
+    static FORCED: OnceLock<bool> = OnceLock::new();
+    *FORCED.get_or_init(|| {
+        std::env::var("KVQRS_FORCE_SCALAR").is_ok_and(|v| !v.is_empty() && v != "0")
+    })
+}
+
+/// Whether [`set_active`] overrides the default path now.
+pub fn is_overridden() -> bool {
+    OVERRIDE.load(Ordering::Relaxed) != 0
 }
 
 /// 0 = no override, else `Isa::index() + 1`.
@@ -196,6 +225,23 @@ mod tests {
         assert_eq!(Isa::from_name("sse"), None);
         assert_eq!(Isa::available()[0], Isa::Scalar);
         assert!(Isa::available().contains(&Isa::best()));
+    }
+
+    #[test]
+    fn the_summary_names_the_cpu_and_every_primitive() {
+        let line = summary();
+        let c = cpu();
+        let head = format!(
+            "{} fam {:#x} model {:#x} | isa ",
+            c.vendor, c.family, c.model
+        );
+        assert!(line.starts_with(&head), "{line}");
+        assert!(
+            line.contains("| pack/unpack ") && line.contains("| float kernels "),
+            "{line}"
+        );
+        let names: Vec<_> = info().primitives.iter().map(|p| p.name).collect();
+        assert_eq!(names, ["pack", "unpack", "float kernels"]);
     }
 
     #[test]

@@ -7,8 +7,8 @@
 #[cfg(target_arch = "aarch64")]
 use super::neon;
 #[cfg(target_arch = "x86_64")]
-use super::x86::{avx2, avx512};
-use super::{scalar, Isa};
+use super::x86::{avx2, avx512, bmi2};
+use super::{scalar, shift, Isa, PackPath};
 
 /// Euclidean norm accumulated in float64 (`reduce::norm_f64`).
 #[inline]
@@ -259,22 +259,35 @@ pub(crate) fn mse_decode_row(
     false
 }
 
-/// Packs one row of codes (`pack::pack_row`).
+/// Packs one row of codes (`pack::pack_row`) on the pack path of `isa`
+/// ([`super::pack_path_for`]).
 pub(crate) fn pack_row(isa: Isa, codes: &[u8], bits: u32, out: &mut [u8]) {
-    match isa {
-        // SAFETY (all arms): `isa` is supported (BMI2 is part of the AVX2 path).
+    pack_row_on(super::pack_path_for(isa), codes, bits, out);
+}
+
+/// Unpacks one row of codes (`pack::unpack_row`) on the pack path of `isa`.
+pub(crate) fn unpack_row(isa: Isa, packed: &[u8], bits: u32, out: &mut [u8]) {
+    unpack_row_on(super::pack_path_for(isa), packed, bits, out);
+}
+
+/// Packs one row on `path`, which must be supported ([`PackPath::checked`]).
+pub(crate) fn pack_row_on(path: PackPath, codes: &[u8], bits: u32, out: &mut [u8]) {
+    match path {
+        // SAFETY: a supported `PackPath::Bmi2` means this CPU has BMI2.
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 | Isa::Avx512 => unsafe { avx2::pack_row(codes, bits, out) },
+        PackPath::Bmi2 => unsafe { bmi2::pack_row(codes, bits, out) },
+        PackPath::Shift => shift::pack_row(codes, bits, out),
         _ => scalar::pack_row(codes, bits, out),
     }
 }
 
-/// Unpacks one row of codes (`pack::unpack_row`).
-pub(crate) fn unpack_row(isa: Isa, packed: &[u8], bits: u32, out: &mut [u8]) {
-    match isa {
-        // SAFETY (all arms): `isa` is supported.
+/// Unpacks one row on `path`, which must be supported.
+pub(crate) fn unpack_row_on(path: PackPath, packed: &[u8], bits: u32, out: &mut [u8]) {
+    match path {
+        // SAFETY: a supported `PackPath::Bmi2` means this CPU has BMI2.
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 | Isa::Avx512 => unsafe { avx2::unpack_row(packed, bits, out) },
+        PackPath::Bmi2 => unsafe { bmi2::unpack_row(packed, bits, out) },
+        PackPath::Shift => shift::unpack_row(packed, bits, out),
         _ => scalar::unpack_row(packed, bits, out),
     }
 }
@@ -680,6 +693,48 @@ mod tests {
                 f16_to_f32(isa, &h, &mut a);
                 f16_to_f32(Isa::Scalar, &h, &mut b);
                 assert_eq!(bits(&a), bits(&b), "{isa:?} n={n}");
+            }
+        }
+    }
+
+    /// Every pack path this CPU runs (whatever the dispatcher picks), every width, lengths
+    /// with every tail of a group of 8 and past the 8-byte word reads at the row's end, codes
+    /// covering each width's range: the scalar bytes, and unpacking gives the codes back.
+    #[test]
+    fn every_pack_path_matches_the_scalar_bytes() {
+        let paths = PackPath::available();
+        assert!(paths.contains(&PackPath::Shift));
+        #[cfg(target_arch = "x86_64")]
+        assert_eq!(
+            paths.contains(&PackPath::Bmi2),
+            std::is_x86_feature_detected!("bmi2")
+        );
+        for bits in 1..=8u32 {
+            let mask = (1u64 << bits) - 1;
+            for count in (0..=72).chain([127, 128, 129, 1000, 1031]) {
+                let codes: Vec<u8> = (0..count as u64)
+                    .map(|i| ((i.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 29) & mask) as u8)
+                    .collect();
+                let len = (count * bits as usize).div_ceil(8);
+                let mut want = vec![0u8; len];
+                scalar::pack_row(&codes, bits, &mut want);
+                for &path in &paths {
+                    let mut got = vec![0xA5u8; len];
+                    pack_row_on(path, &codes, bits, &mut got);
+                    assert_eq!(got, want, "{path:?} bits={bits} count={count}");
+                    let mut back = vec![0xA5u8; count];
+                    unpack_row_on(path, &want, bits, &mut back);
+                    assert_eq!(back, codes, "{path:?} bits={bits} count={count}");
+                    // A short read of the codes of a longer row (the trailing bytes belong
+                    // to later codes and must not leak into these).
+                    let mut part = vec![0u8; count / 2];
+                    unpack_row_on(path, &want, bits, &mut part);
+                    assert_eq!(
+                        part,
+                        codes[..count / 2],
+                        "{path:?} bits={bits} count={count}"
+                    );
+                }
             }
         }
     }

@@ -5,7 +5,7 @@
 //! are finished by the scalar code on the same accumulators.
 //!
 //! Safety: every function here is `#[target_feature]`; `ops` only calls them for an [`Isa`]
-//! that [`Isa::is_supported`] confirmed. Pointer accesses stay inside the slices, as the
+//! that [`Isa::is_supported`] confirmed (the `bmi2` module: a supported `PackPath::Bmi2`). Pointer accesses stay inside the slices, as the
 //! comments at each `unsafe` block show.
 //!
 //! [`Isa`]: super::Isa
@@ -31,6 +31,33 @@ fn xor_sign(v: f32, bit: u32) -> f32 {
     f32::from_bits(v.to_bits() ^ bit)
 }
 
+/// The BMI2 pack path ([`super::PackPath::Bmi2`]): one `pext`/`pdep` per eight codes.
+pub(super) mod bmi2 {
+    use std::arch::x86_64::{_pdep_u64, _pext_u64};
+
+    use crate::simd::shift::{pack_groups, unpack_groups};
+
+    /// The mask of the low `bits` bits of each of eight bytes.
+    fn code_mask(bits: u32) -> u64 {
+        0x0101_0101_0101_0101u64 * ((1u64 << bits) - 1)
+    }
+
+    /// Packs with BMI2: `pext` gathers the low `bits` bits of eight code bytes into `8 * bits`
+    /// contiguous bits, which is the little-endian bit stream of the format.
+    #[target_feature(enable = "bmi2")]
+    pub(crate) fn pack_row(codes: &[u8], bits: u32, out: &mut [u8]) {
+        let mask = code_mask(bits);
+        pack_groups(codes, bits, out, |w| _pext_u64(w, mask));
+    }
+
+    /// Unpacks with BMI2 `pdep`, the inverse of [`pack_row`].
+    #[target_feature(enable = "bmi2")]
+    pub(crate) fn unpack_row(packed: &[u8], bits: u32, out: &mut [u8]) {
+        let mask = code_mask(bits);
+        unpack_groups(packed, bits, out, |w| _pdep_u64(w, mask));
+    }
+}
+
 pub(super) mod avx2 {
     use super::*;
 
@@ -43,7 +70,7 @@ pub(super) mod avx2 {
         out
     }
 
-    #[target_feature(enable = "avx2,bmi2")]
+    #[target_feature(enable = "avx2")]
     pub(crate) fn norm_f64(x: &[f32]) -> f64 {
         let n8 = x.len() / 8 * 8;
         let p = x.as_ptr();
@@ -71,7 +98,7 @@ pub(super) mod avx2 {
         combine_f64(&acc).sqrt()
     }
 
-    #[target_feature(enable = "avx2,bmi2")]
+    #[target_feature(enable = "avx2")]
     pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
         let n = a.len().min(b.len());
         let n8 = n / 8 * 8;
@@ -91,7 +118,7 @@ pub(super) mod avx2 {
 
     /// `out[r] = dot(mat[r*n..(r+1)*n], x)`, up to four rows at a time so each load of `x`
     /// serves every accumulator of the block (a GQA group of 3 query rows is one block).
-    #[target_feature(enable = "avx2,bmi2")]
+    #[target_feature(enable = "avx2")]
     pub(crate) fn dots(mat: &[f32], x: &[f32], out: &mut [f32]) {
         let n = x.len();
         debug_assert!(mat.len() >= out.len() * n);
@@ -108,7 +135,7 @@ pub(super) mod avx2 {
 
     /// [`dots`] for exactly `R` rows (`m` holds `R` rows of `x.len()`).
     #[inline]
-    #[target_feature(enable = "avx2,bmi2")]
+    #[target_feature(enable = "avx2")]
     fn dots_block<const R: usize>(m: &[f32], x: &[f32], out: &mut [f32]) {
         let n = x.len();
         let n8 = n / 8 * 8;
@@ -160,7 +187,7 @@ pub(super) mod avx2 {
     }
 
     /// `x *= mult` (when given) then the transform; `x.len()` is a power of two >= 8.
-    #[target_feature(enable = "avx2,bmi2")]
+    #[target_feature(enable = "avx2")]
     pub(crate) fn fwht(x: &mut [f32], mult: Option<&[f32]>) {
         let n = x.len();
         debug_assert!(n >= 8 && n.is_power_of_two() && mult.is_none_or(|m| m.len() >= n));
@@ -219,7 +246,7 @@ pub(super) mod avx2 {
     }
 
     /// `codes[i] = #{j : table[j] <= x[i] / div}` (`div = None`: no division).
-    #[target_feature(enable = "avx2,bmi2")]
+    #[target_feature(enable = "avx2")]
     pub(crate) fn encode(x: &[f32], div: Option<f32>, table: &[f32], bits: u32, codes: &mut [u8]) {
         let n = x.len().min(codes.len());
         let n8 = n / 8 * 8;
@@ -241,7 +268,7 @@ pub(super) mod avx2 {
     }
 
     /// `out[i] = table[codes[i]] * mul`; `table` has 256 entries.
-    #[target_feature(enable = "avx2,bmi2")]
+    #[target_feature(enable = "avx2")]
     pub(crate) fn decode(codes: &[u8], table: &[f32], bits: u32, mul: f32, out: &mut [f32]) {
         debug_assert!(table.len() >= 256);
         let n = codes.len().min(out.len());
@@ -281,7 +308,7 @@ pub(super) mod avx2 {
     }
 
     /// `out[i] = (y[i] * mul) ^ sign_bit[i]` for `i < out.len()`.
-    #[target_feature(enable = "avx2,bmi2")]
+    #[target_feature(enable = "avx2")]
     pub(crate) fn finish(y: &[f32], sign_bits: &[u32], mul: f32, out: &mut [f32]) {
         let n = out.len();
         debug_assert!(y.len() >= n && sign_bits.len() >= n);
@@ -303,49 +330,8 @@ pub(super) mod avx2 {
         }
     }
 
-    /// Packs with BMI2: `pext` gathers the low `bits` bits of eight code bytes into `8 * bits`
-    /// contiguous bits, which is the little-endian bit stream of the format.
-    #[target_feature(enable = "avx2,bmi2")]
-    pub(crate) fn pack_row(codes: &[u8], bits: u32, out: &mut [u8]) {
-        let b = bits as usize;
-        let mask = 0x0101_0101_0101_0101u64 * ((1u64 << bits) - 1);
-        let full = codes.len() / 8;
-        for k in 0..full {
-            let w = u64::from_le_bytes(codes[8 * k..8 * k + 8].try_into().unwrap_or([0; 8]));
-            let p = _pext_u64(w, mask).to_le_bytes();
-            let at = k * b;
-            if at + 8 <= out.len() {
-                // The bytes past `at + b` are zero and are overwritten by the next group.
-                out[at..at + 8].copy_from_slice(&p);
-            } else {
-                out[at..at + b].copy_from_slice(&p[..b]);
-            }
-        }
-        super::super::scalar::pack_row(&codes[full * 8..], bits, &mut out[full * b..]);
-    }
-
-    /// Unpacks with BMI2 `pdep`, the inverse of [`pack_row`].
-    #[target_feature(enable = "avx2,bmi2")]
-    pub(crate) fn unpack_row(packed: &[u8], bits: u32, out: &mut [u8]) {
-        let b = bits as usize;
-        let mask = 0x0101_0101_0101_0101u64 * ((1u64 << bits) - 1);
-        let full = out.len() / 8;
-        for k in 0..full {
-            let at = k * b;
-            let mut w = [0u8; 8];
-            if at + 8 <= packed.len() {
-                w.copy_from_slice(&packed[at..at + 8]);
-            } else {
-                w[..b].copy_from_slice(&packed[at..at + b]);
-            }
-            let codes = _pdep_u64(u64::from_le_bytes(w), mask).to_le_bytes();
-            out[8 * k..8 * k + 8].copy_from_slice(&codes);
-        }
-        super::super::scalar::unpack_row(&packed[full * b..], bits, &mut out[full * 8..]);
-    }
-
     /// Packed sign bits `t[i] < 0` (one byte per 8 values, little-endian bit order).
-    #[target_feature(enable = "avx2,bmi2")]
+    #[target_feature(enable = "avx2")]
     pub(crate) fn sign_bits(t: &[f32], out: &mut [u8]) {
         let n8 = t.len() / 8 * 8;
         let mut i = 0;
@@ -370,7 +356,7 @@ pub(super) mod avx2 {
 
     /// `sum_i y[i] * sigma_i` with `sigma_i = -1` where bit i of `packed` is set, in the fixed
     /// 8-lane order (multiplying by +-1 is exact, so it is a sign flip).
-    #[target_feature(enable = "avx2,bmi2")]
+    #[target_feature(enable = "avx2")]
     pub(crate) fn dot_signs(y: &[f32], packed: &[u8]) -> f32 {
         let n8 = y.len() / 8 * 8;
         let mut acc = _mm256_setzero_ps();
@@ -392,7 +378,7 @@ pub(super) mod avx2 {
     }
 
     /// `o += s` or `o -= s` elementwise.
-    #[target_feature(enable = "avx2,bmi2")]
+    #[target_feature(enable = "avx2")]
     pub(crate) fn add_signed(o: &mut [f32], s: &[f32], negative: bool) {
         let n = o.len().min(s.len());
         let n8 = n / 8 * 8;
@@ -417,7 +403,7 @@ pub(super) mod avx2 {
     /// `out[i] = table[code_i]` for a packed row of codes of at most 4 bits: eight codes span
     /// `bits` whole bytes, read as one little-endian word and split by variable shifts (code
     /// `l` sits at bit `l * bits`), then looked up by register permutes as in [`decode`].
-    #[target_feature(enable = "avx2,bmi2")]
+    #[target_feature(enable = "avx2")]
     pub(crate) fn decode_packed(packed: &[u8], bits: u32, table: &[f32], out: &mut [f32]) {
         debug_assert!(bits <= 4 && table.len() >= 256);
         let b = bits as usize;
@@ -470,7 +456,7 @@ pub(super) mod avx2 {
     }
 
     /// `acc[i] += w * f64(x[i])` for `i < acc.len()`: four f64 lanes per register.
-    #[target_feature(enable = "avx2,bmi2")]
+    #[target_feature(enable = "avx2")]
     pub(crate) fn axpy_f64(acc: &mut [f64], w: f64, x: &[f32]) {
         let n = acc.len().min(x.len());
         let n8 = n / 8 * 8;
@@ -495,7 +481,7 @@ pub(super) mod avx2 {
 
     /// `o[i] += sum_c w[c] * mat[c * stride + i]` in increasing `c`, eight lanes of `o` held
     /// in a register over every `c`.
-    #[target_feature(enable = "avx2,bmi2")]
+    #[target_feature(enable = "avx2")]
     pub(crate) fn axpy_rows_f32(o: &mut [f32], w: &[f32], mat: &[f32], stride: usize) {
         let n = o.len();
         let n8 = n / 8 * 8;
@@ -539,7 +525,7 @@ pub(super) mod avx2 {
     }
 
     /// `o *= k` elementwise.
-    #[target_feature(enable = "avx2,bmi2")]
+    #[target_feature(enable = "avx2")]
     pub(crate) fn scale(o: &mut [f32], k: f32) {
         let n8 = o.len() / 8 * 8;
         let kv = _mm256_set1_ps(k);
@@ -556,7 +542,7 @@ pub(super) mod avx2 {
     }
 
     /// `sum_i qu[i] * (s * (codes[i] - h))` in the fixed 8-lane order (HeadQ correction).
-    #[target_feature(enable = "avx2,bmi2")]
+    #[target_feature(enable = "avx2")]
     pub(crate) fn dot_side(qu: &[f32], codes: &[u8], s: f32, h: f32) -> f32 {
         let n = qu.len().min(codes.len());
         let n8 = n / 8 * 8;
@@ -582,7 +568,7 @@ pub(super) mod avx2 {
     }
 
     /// Whether every value is finite (exponent not all ones).
-    #[target_feature(enable = "avx2,bmi2")]
+    #[target_feature(enable = "avx2")]
     pub(crate) fn all_finite(x: &[f32]) -> bool {
         let n8 = x.len() / 8 * 8;
         let e = _mm256_set1_epi32(0x7f80_0000);
@@ -626,7 +612,7 @@ pub(super) mod avx2 {
     }
 
     /// `x[i] = exp(x[i] - m)`, returning their float64 sum over the fixed 8 lanes.
-    #[target_feature(enable = "avx2,bmi2")]
+    #[target_feature(enable = "avx2")]
     pub(crate) fn exp_sum(x: &mut [f32], m: f32) -> f64 {
         let n8 = x.len() / 8 * 8;
         let mv = _mm256_set1_ps(m);
@@ -654,7 +640,7 @@ pub(super) mod avx2 {
     }
 
     /// Float16 bit patterns to float32 (F16C), eight at a time.
-    #[target_feature(enable = "avx2,bmi2,f16c")]
+    #[target_feature(enable = "avx2,f16c")]
     pub(crate) fn f16_to_f32(src: &[u16], out: &mut [f32]) {
         let n = out.len().min(src.len());
         let n8 = n / 8 * 8;
@@ -674,7 +660,7 @@ pub(super) mod avx2 {
     /// and four rows of `x`, one 8-lane accumulator per (row, token); the four accumulators of
     /// a query row are combined in one transposed pass in the order of `combine_f32`.
     #[inline]
-    #[target_feature(enable = "avx2,bmi2")]
+    #[target_feature(enable = "avx2")]
     fn dots_tokens4<const R: usize>(
         q: &[f32],
         x: &[f32],
@@ -734,7 +720,7 @@ pub(super) mod avx2 {
     /// `out[r * stride + k] = dot(q row r, x row k)` (the order of `reduce::dot`) for the
     /// `q.len() / n` query rows and `x.len() / n` rows of `x`, `n` a multiple of 8: four
     /// tokens at a time, up to three query rows sharing each load.
-    #[target_feature(enable = "avx2,bmi2")]
+    #[target_feature(enable = "avx2")]
     pub(crate) fn dots_tokens(q: &[f32], x: &[f32], n: usize, out: &mut [f32], stride: usize) {
         let (rows, count) = (q.len() / n, x.len() / n);
         let mut r = 0;
@@ -762,7 +748,7 @@ pub(super) mod avx2 {
 
     /// [`super::super::ops::axpy_rows_grouped`] for `group` and `o.len()` multiples of 8: each
     /// register lies in one group; four registers per pass.
-    #[target_feature(enable = "avx2,bmi2")]
+    #[target_feature(enable = "avx2")]
     pub(crate) fn axpy_rows_grouped(
         o: &mut [f32],
         w: &[f32],
@@ -817,7 +803,7 @@ pub(super) mod avx512 {
         std::array::from_fn(|v| mask16(n.saturating_sub(i + 16 * v).min(16)))
     }
 
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,bmi2")]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
     pub(crate) fn norm_f64(x: &[f32]) -> f64 {
         let n8 = x.len() / 8 * 8;
         let mut acc = _mm512_setzero_pd();
@@ -840,7 +826,7 @@ pub(super) mod avx512 {
 
     /// Two matrix rows side by side in one 16-lane register: lanes 0..8 accumulate row `r`,
     /// lanes 8..16 row `r + 1`, each still an 8-lane accumulator in the reference order.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,bmi2")]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
     pub(crate) fn dots(mat: &[f32], x: &[f32], out: &mut [f32]) {
         let n = x.len();
         let n8 = n / 8 * 8;
@@ -918,7 +904,7 @@ pub(super) mod avx512 {
     }
 
     /// `x *= mult` (when given) then the transform; `x.len()` is a power of two >= 16.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,bmi2")]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
     pub(crate) fn fwht(x: &mut [f32], mult: Option<&[f32]>) {
         let n = x.len();
         debug_assert!(n >= 16 && n.is_power_of_two() && mult.is_none_or(|m| m.len() >= n));
@@ -962,7 +948,7 @@ pub(super) mod avx512 {
 
     /// `codes[i] = #{j : table[j] <= x[i] / div}` (`div = None`: no division); `table` is the
     /// boundary table padded with `+inf` to at least 16 entries.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,bmi2")]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
     pub(crate) fn encode(x: &[f32], div: Option<f32>, table: &[f32], bits: u32, codes: &mut [u8]) {
         debug_assert!(table.len() >= 16);
         let n = x.len().min(codes.len());
@@ -986,7 +972,7 @@ pub(super) mod avx512 {
     }
 
     /// `out[i] = table[codes[i]] * mul`; `table` has 256 entries.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,bmi2")]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
     pub(crate) fn decode(codes: &[u8], table: &[f32], bits: u32, mul: f32, out: &mut [f32]) {
         debug_assert!(table.len() >= 256);
         let n = codes.len().min(out.len());
@@ -1040,7 +1026,7 @@ pub(super) mod avx512 {
     /// the float64 norm (8 lanes, the reference order; masked-off lanes add `+0.0`), the sign
     /// and scale, all butterflies, the division by the norm and the code search, with no
     /// round trip through memory. Returns the norm (non-finite: the caller reports it).
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,bmi2")]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
     pub(crate) fn mse_encode_row<const K: usize>(
         x: &[f32],
         mult: &[f32],
@@ -1103,7 +1089,7 @@ pub(super) mod avx512 {
     /// The whole MSE decode of one row with the rotation, in registers, for `d' = 16 K`:
     /// lookup in the table of `centroid * scale`, all butterflies, then `+-(v * norm)` for the
     /// first `out.len()` coordinates.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,bmi2")]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
     pub(crate) fn mse_decode_row<const K: usize>(
         codes: &[u8],
         table: &[f32],
@@ -1152,7 +1138,7 @@ pub(super) mod avx512 {
     }
 
     /// `out[i] = (y[i] * mul) ^ sign_bit[i]` for `i < out.len()`.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,bmi2")]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
     pub(crate) fn finish(y: &[f32], sign_bits: &[u32], mul: f32, out: &mut [f32]) {
         let n = out.len();
         debug_assert!(y.len() >= n && sign_bits.len() >= n);
@@ -1172,7 +1158,7 @@ pub(super) mod avx512 {
     }
 
     /// `o += s` or `o -= s` elementwise.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,bmi2")]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
     pub(crate) fn add_signed(o: &mut [f32], s: &[f32], negative: bool) {
         let n = o.len().min(s.len());
         let mut i = 0;
@@ -1194,7 +1180,7 @@ pub(super) mod avx512 {
     }
 
     /// `acc[i] += w * f64(x[i])` for `i < acc.len()`: eight f64 lanes, masked tail.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,bmi2")]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
     pub(crate) fn axpy_f64(acc: &mut [f64], w: f64, x: &[f32]) {
         let n = acc.len().min(x.len());
         let wv = _mm512_set1_pd(w);
@@ -1214,7 +1200,7 @@ pub(super) mod avx512 {
 
     /// `o[i] += sum_c w[c] * mat[c * stride + i]` in increasing `c`, sixteen lanes of `o` held
     /// in a register over every `c`, masked tail.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,bmi2")]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
     pub(crate) fn axpy_rows_f32(o: &mut [f32], w: &[f32], mat: &[f32], stride: usize) {
         let n = o.len();
         let mut i = 0;
@@ -1245,7 +1231,7 @@ pub(super) mod avx512 {
 
     /// [`decode_packed`] of short rows `row_bytes` apart (`out` holds rows x `len`): the
     /// row decoder inlined into one loop, its constants loaded once.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,bmi2")]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
     pub(crate) fn decode_packed_rows(
         packed: &[u8],
         (row_bytes, len): (usize, usize),
@@ -1263,7 +1249,7 @@ pub(super) mod avx512 {
     /// `i * bits ..` as a 16-bit word (a byte shuffle), widened, shifted and masked, then one
     /// 16-entry permute. Four bits: [`decode_packed4`].
     #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,bmi2")]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
     pub(crate) fn decode_packed(packed: &[u8], bits: u32, table: &[f32], out: &mut [f32]) {
         debug_assert!((1..=4).contains(&bits) && table.len() >= 256);
         if bits == 4 {
@@ -1315,7 +1301,7 @@ pub(super) mod avx512 {
     /// per step, each byte duplicated, widened to 32-bit lanes and shifted by 0 or 4, then one
     /// 16-entry permute.
     #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,bmi2")]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
     pub(crate) fn decode_packed4(packed: &[u8], table: &[f32], out: &mut [f32]) {
         debug_assert!(table.len() >= 256);
         let n16 = out.len() / 16 * 16;
@@ -1343,7 +1329,7 @@ pub(super) mod avx512 {
     }
 
     /// Whether every value is finite (exponent not all ones).
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,bmi2")]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
     pub(crate) fn all_finite(x: &[f32]) -> bool {
         let e = _mm512_set1_epi32(0x7f80_0000);
         let mut bad: __mmask16 = 0;
@@ -1360,7 +1346,7 @@ pub(super) mod avx512 {
 
     /// Sixteen lanes of [`scalar::exp`](super::super::scalar::exp) (see `avx2::exp8`).
     #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,bmi2")]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
     fn exp16(x: __m512) -> __m512 {
         use super::super::scalar::{EXP_C1, EXP_C2, EXP_HI, EXP_LO, EXP_P, LOG2E};
         let keep = _mm512_cmp_ps_mask::<_CMP_NLT_UQ>(x, _mm512_set1_ps(EXP_LO));
@@ -1387,7 +1373,7 @@ pub(super) mod avx512 {
 
     /// `x[i] = exp(x[i] - m)`, returning their float64 sum over the fixed 8 lanes (the two
     /// halves of each 16 added in token order).
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,bmi2")]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
     pub(crate) fn exp_sum(x: &mut [f32], m: f32) -> f64 {
         let n16 = x.len() / 16 * 16;
         let mv = _mm512_set1_ps(m);
@@ -1415,7 +1401,7 @@ pub(super) mod avx512 {
     }
 
     /// Float16 bit patterns to float32, sixteen at a time, masked tail.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,bmi2")]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
     pub(crate) fn f16_to_f32(src: &[u16], out: &mut [f32]) {
         let n = out.len().min(src.len());
         let mut i = 0;
@@ -1434,7 +1420,7 @@ pub(super) mod avx512 {
     /// and eight rows of `x`: two tokens per register (lanes 0..8 and 8..16, each an 8-lane
     /// accumulator in the reference order), combined in one transposed pass.
     #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,bmi2")]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
     fn dots_tokens8<const R: usize>(
         q: &[f32],
         x: &[f32],
@@ -1500,7 +1486,7 @@ pub(super) mod avx512 {
     }
 
     /// [`super::avx2::dots_tokens`] eight tokens at a time.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,bmi2")]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
     pub(crate) fn dots_tokens(q: &[f32], x: &[f32], n: usize, out: &mut [f32], stride: usize) {
         let (rows, count) = (q.len() / n, x.len() / n);
         let k8 = count / 8 * 8;
@@ -1529,7 +1515,7 @@ pub(super) mod avx512 {
 
     /// [`super::super::ops::axpy_rows_grouped`] for `group` a multiple of 16: each register
     /// lies in one group; four registers per pass, the tail masked.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,bmi2")]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
     pub(crate) fn axpy_rows_grouped(
         o: &mut [f32],
         w: &[f32],
