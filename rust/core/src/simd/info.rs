@@ -66,8 +66,8 @@ fn isa_names(isas: &[Isa]) -> String {
     isas.iter().map(|i| i.name()).collect::<Vec<_>>().join(", ")
 }
 
-/// One line: `GenuineIntel fam 0x6 model 0xa7 | isa avx512 | pack/unpack bmi2 (Intel: BMI2
-/// pext/pdep native) | float kernels avx512 (...)` (pack and unpack named apart when their
+/// One line: `GenuineIntel fam 0x6 model 0xa7 | isa avx512 | pack/unpack shift (timed at first
+/// use: ...) | float kernels avx512 (...)` (pack and unpack named apart when their
 /// paths differ).
 pub fn summary() -> String {
     let i = info();
