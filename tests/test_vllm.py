@@ -207,7 +207,8 @@ def test_prefix_cache_reuses_coded_blocks(run):
 
 def test_preemption_recomputes_the_same_tokens(run):
     prompts = [PROMPTS[3]] * 6
-    spec = {"kvqrs": {"scheme": "block", "bits": 8}, "prompts": prompts, "max_tokens": 160, "ignore_eos": True, "max_model_len": 512}
+    # 53 prompt tokens + 80 generated: 2 blocks of 128 tokens per request
+    spec = {"kvqrs": {"scheme": "block", "bits": 8}, "prompts": prompts, "max_tokens": 80, "ignore_eos": True, "max_model_len": 512}
     slot = SlotLayout(config_from_env({"KVQRS_SCHEME": "block", "KVQRS_BITS": "8"}), 0, HEAD_DIM).slot_bytes
     small = run(**spec, kv_cache_bytes=LAYERS * KV_HEADS * slot * 128 * 5)  # 5 blocks for 6 x 2 blocks of demand
     large = run(**spec)
