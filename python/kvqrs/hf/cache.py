@@ -47,7 +47,7 @@ from ..torch import check_finite, check_storable, from_numpy, to_numpy
 from . import persist
 from .attention import _STATE, SDPA_MIN_QUERY, _softmax_out, blocked_sdpa, register, sdpa_prefill_active
 from .config import QuantConfig
-from .store import CodeStore
+from .store import CodeStore, WindowRows
 
 FUSED_MAX_QUERY = 4
 """Decode steps with at most this many new query tokens attend from the codes."""
@@ -63,6 +63,11 @@ def _tokens(t: torch.Tensor, lo: int, hi: int | None = None) -> torch.Tensor:
     hi = n if hi is None else min(hi, n)
     lo = min(lo, hi)
     return t.narrow(-2, lo, hi - lo)
+
+
+def _as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` in ``dtype`` (itself when it is already: no dispatch)."""
+    return t if t.dtype is dtype else t.to(dtype)
 
 
 def _join(head: torch.Tensor, tail: torch.Tensor) -> torch.Tensor:
@@ -150,6 +155,9 @@ class _View:
     # their first token there and their count (``fresh_k`` / ``fresh_v`` cut them only when read).
     first_query: int = 0
     flushed: tuple[torch.Tensor, torch.Tensor, int, int] | None = None
+    # The window where it lies in the layer's window buffer (None: not buffered), for the
+    # native decode step to read in place.
+    window_rows: WindowRows | None = None
 
     @functools.cached_property
     def fresh_k(self) -> torch.Tensor | None:
@@ -646,10 +654,14 @@ class QuantizedLayer(CacheLayerMixin):
         s_off = min(ns, max(0, start - self.start))
         w_off = max(0, start - self.window_start)
         coded = self.quantized > 0 and start < self.window_start
+        win = self._buffered()
+        if win is not None:
+            shown = max(0, win.hi - win.lo - w_off)
+            forward["window_rows"] = WindowRows(win.flat_k, win.flat_v, win.cap, min(win.lo + w_off, win.hi), shown)
         return _View(
             start,
-            _tokens(self.sink_k, s_off).to(self.dtype),  # stored in sink_dtype, read in the layer's
-            _tokens(self.sink_v, s_off).to(self.dtype),
+            _as_dtype(_tokens(self.sink_k, s_off), self.dtype),  # stored in sink_dtype, read in the layer's
+            _as_dtype(_tokens(self.sink_v, s_off), self.dtype),
             self.store if coded else None,
             self.quantized if coded else 0,
             self.q_start,
@@ -806,10 +818,11 @@ class QuantizedLayer(CacheLayerMixin):
             # One native call: the fused kernel over the store's buffers and the softmax over
             # the sinks and the window (read in place from its buffer), merged by log-sum-exp
             # (GIL released).
-            sinks, window = (view.sink_k, view.sink_v), (view.window_k, view.window_v)
+            sinks, window = (view.sink_k, view.sink_v), view.window_rows or (view.window_k, view.window_v)
             out = view.store.attend(query, sinks, window, mask, float(scaling))
-            # float32 sums cast to the model's dtype: an error, not inf, when they do not fit
-            return from_numpy(out.numpy(), query).transpose(1, 2).contiguous(), None
+            if query.dtype is not torch.float32 or query.device.type != "cpu":  # cast: an error, not inf, past the dtype
+                out = from_numpy(out.numpy(), query)
+            return out.transpose(1, 2).contiguous(), None
         fp_k, fp_v = _join(view.sink_k, view.window_k), _join(view.sink_v, view.window_v)
         codec = self.codec()
         q = to_numpy(query, "query")
@@ -831,8 +844,6 @@ class QuantizedLayer(CacheLayerMixin):
             return None
         check_finite(query, "query")  # the fused and decoded paths alike: an error, not NaN rows
         self._attended = True
-        from transformers.integrations.sdpa_attention import repeat_kv
-
         view, self._view = self._view, None  # read once: the view may hold tokens the layer has since dropped
         if self.awaits_calibration:  # the prefill: fit on its queries, then code what the schedule codes
             self._fit_on_prefill(query)
@@ -844,6 +855,8 @@ class QuantizedLayer(CacheLayerMixin):
             if self._codes_visible(view, attention_mask, query.shape[-2]):
                 return self._attend_fused(view, module, query, attention_mask, scaling)
             key, value = self.materialize(view)  # a mask hides some codes: the decoded path
+        from transformers.integrations.sdpa_attention import repeat_kv
+
         g = module.num_key_value_groups
         if sdpa_prefill_active() and query.shape[-2] >= SDPA_MIN_QUERY and (view.codes_k is None or self.codec().scheme != "headq"):
             out = self._attend_sdpa(view, query, key, value, attention_mask, scaling)

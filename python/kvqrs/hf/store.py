@@ -96,21 +96,53 @@ def _native_encoder(coder: Any) -> NativeEncoder | None:
     return None
 
 
-def _token_rows(t: torch.Tensor) -> tuple[np.ndarray, int, int]:
-    """A ``(batch, heads, n, d)`` tensor as ``(flat float32 buffer, room, start)``: each of its
-    batch x heads rows holds ``room`` tokens, of which ``start .. start + n - 1`` are ``t``'s.
-    In place when ``t`` is float32 on the CPU and a token span of one buffer's rows (the cache's
-    window, narrowed from its buffer: no copy per decode step), else a contiguous float32 copy
-    (room ``n``, start 0)."""
+class WindowRows(NamedTuple):
+    """Full-precision tokens read in place by :meth:`CodeStore.attend`: flat float32 buffers of
+    batch x kv_heads rows of ``room`` tokens (keys, values), of which ``start .. start +
+    tokens - 1`` are read."""
+
+    keys: np.ndarray
+    values: np.ndarray
+    room: int
+    start: int
+    tokens: int
+
+
+_NO_TOKENS = np.zeros(0, np.float32)
+
+
+def _flat_f32(t: torch.Tensor) -> np.ndarray:
+    """A tensor as flat float32 NumPy: itself when float32, contiguous and on the CPU."""
+    if t.dtype is torch.float32 and t.device.type == "cpu" and t.is_contiguous():
+        return t.detach().numpy().reshape(-1)
+    return t.detach().to(device="cpu", dtype=torch.float32).contiguous().reshape(-1).numpy()
+
+
+def token_rows(t: torch.Tensor) -> tuple[np.ndarray, int, int] | None:
+    """A ``(batch, heads, n, d)`` tensor as ``(flat float32 buffer, room, start)`` when it is a
+    float32 CPU token span of one buffer's rows (the cache's window, narrowed from its buffer:
+    each batch x heads row holds ``room`` tokens, ``start .. start + n - 1`` of them ``t``'s),
+    else None."""
     b, h, n, d = t.shape
-    if t.dtype is torch.float32 and t.device.type == "cpu" and n and d:
-        sb, sh, sn, sd = t.stride()
-        off = t.storage_offset()
-        if sd == 1 and sn == d and sh % d == 0 and (b == 1 or sb == h * sh) and off % d == 0:
-            room, start = sh // d, off // d
-            if start + n <= room and t.untyped_storage().nbytes() >= b * h * sh * 4:
-                return torch.as_strided(t.detach(), (b * h * sh,), (1,), 0).numpy(), room, start
-    return t.detach().to(device="cpu", dtype=torch.float32).contiguous().reshape(-1).numpy(), n, 0
+    if t.dtype is not torch.float32 or t.device.type != "cpu" or not n or not d:
+        return None
+    sb, sh, sn, sd = t.stride()
+    off = t.storage_offset()
+    if sd == 1 and sn == d and sh % d == 0 and (b == 1 or sb == h * sh) and off % d == 0:
+        room, start = sh // d, off // d
+        if start + n <= room and t.untyped_storage().nbytes() >= b * h * sh * 4:
+            return torch.as_strided(t.detach(), (b * h * sh,), (1,), 0).numpy(), room, start
+    return None
+
+
+def _window_rows(k: torch.Tensor, v: torch.Tensor) -> WindowRows:
+    """Keys and values ``(batch, kv_heads, n, d)`` as :class:`WindowRows`: in place when both
+    are spans of buffers of one shape, else contiguous float32 copies."""
+    n = k.shape[-2]
+    rk, rv = token_rows(k), token_rows(v)
+    if rk is not None and rv is not None and rk[1:] == rv[1:]:
+        return WindowRows(rk[0], rv[0], rk[1], rk[2], n)
+    return WindowRows(_flat_f32(k), _flat_f32(v), n, 0, n)
 
 
 def _window_f32(t: torch.Tensor | np.ndarray, start: int, tokens: int) -> tuple[np.ndarray, int]:
@@ -321,26 +353,25 @@ class CodeStore:
 
     def attend(self, query: torch.Tensor, sinks: tuple, window: tuple, mask: torch.Tensor | None, scale: float):
         """Attention of ``query`` ``(batch, q_heads, nq, d)`` over the coded tokens and the
-        full-precision ones, merged by log-sum-exp in one native call: ``sinks`` and
-        ``window``, each a ``(keys, values)`` pair of ``(batch, kv_heads, tokens, d)`` tensors,
-        read in that order (the window in place when it is a float32 span of a token buffer, as
-        the cache's window is). ``mask``: None, or a boolean or additive ``(batch, 1, nq,
-        sinks + window)`` mask of the full-precision columns. Returns float32 ``(batch,
-        q_heads, nq, d)``. Raises :class:`KvqrsError` on non-finite logits or shapes that do
-        not fit."""
+        full-precision ones, merged by log-sum-exp in one native call: ``sinks``, a ``(keys,
+        values)`` pair of ``(batch, kv_heads, tokens, d)`` tensors, then ``window``, such a pair
+        or, read in place, a :class:`WindowRows` (:func:`token_rows` finds one in a tensor that
+        is a float32 span of a token buffer, as the cache's window is). ``mask``: None, or a
+        boolean or additive ``(batch, 1, nq, sinks + window)`` mask of the full-precision
+        columns. Returns float32 ``(batch, q_heads, nq, d)``. Raises :class:`KvqrsError` on
+        non-finite logits or shapes that do not fit."""
         if not self._native.has_rows:
             self._declare_rows()
         b, hq, nq, d = query.shape
         g = hq // self.kv_heads
-        q = query.detach().to(torch.float32).contiguous().reshape(-1).numpy()
-        ns, w = sinks[0].shape[-2], window[0].shape[-2]
-        sk, sv = (t.detach().to(torch.float32).contiguous().reshape(-1).numpy() for t in sinks)
-        (wk, room, start), (wv, room_v, start_v) = _token_rows(window[0]), _token_rows(window[1])
-        if (room, start) != (room_v, start_v):  # keys and values from buffers of other shapes
-            (wk, room, start), (wv, _, _) = _token_rows(window[0].contiguous()), _token_rows(window[1].contiguous())
+        ns = sinks[0].shape[-2]
+        sk, sv = (_flat_f32(t) for t in sinks) if ns else (_NO_TOKENS, _NO_TOKENS)
+        rows = window if isinstance(window, WindowRows) else _window_rows(*window)
         m = None
-        if mask is not None and ns + w:
+        if mask is not None and ns + rows.tokens:
             mm = mask if mask.dtype != torch.bool else torch.zeros(mask.shape).masked_fill_(~mask, float("-inf"))
-            m = mm.to(torch.float32).expand(b, 1, nq, ns + w).contiguous().reshape(-1).numpy()
-        out, _ = self._native.attend(q, b * self.kv_heads, g * nq, d, float(scale), nq, sk, sv, ns, wk, wv, room, start, w, m, b)
+            m = mm.to(torch.float32).expand(b, 1, nq, ns + rows.tokens).contiguous().reshape(-1).numpy()
+        q = _flat_f32(query)
+        args = (sk, sv, ns, rows.keys, rows.values, rows.room, rows.start, rows.tokens, m, b)
+        out, _ = self._native.attend(q, b * self.kv_heads, g * nq, d, float(scale), nq, *args)
         return torch.from_numpy(out).view(b, hq, nq, d)

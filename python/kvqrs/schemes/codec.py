@@ -511,10 +511,13 @@ class KVCodec:
     def has_fused_path(self) -> bool:
         """Whether :meth:`fused_attention` can read this codec's keys and values (or keys with
         values kept in full precision): the ``"cpu"`` backend and every scheme but ``a2`` values."""
-        coder = self._key_coder()
-        keys = getattr(getattr(coder, "base", coder), "attention_rows", None) is not None
-        values = self.values is None or getattr(self.values, "attention_rows", None) is not None
-        return self.backend.name == "cpu" and keys and values
+        known = self.__dict__.get("_has_fused_path")  # fixed at construction: asked once per decode step
+        if known is None:
+            coder = self._key_coder()
+            keys = getattr(getattr(coder, "base", coder), "attention_rows", None) is not None
+            values = self.values is None or getattr(self.values, "attention_rows", None) is not None
+            known = self.__dict__["_has_fused_path"] = self.backend.name == "cpu" and keys and values
+        return known
 
     def fused_key_rows(self, ck: Encoded) -> tuple[Any, Any] | None:
         """``(key rows, HeadQ side rows or None)`` for :func:`kvqrs.kernels.decode_attention`,
