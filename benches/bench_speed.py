@@ -65,6 +65,16 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument("--new-tokens", type=int, default=None, help="greedy tokens timed per generation (default 32)")
     ap.add_argument("--residual", type=int, default=128, help="QuantizedKVCache full-precision window (step and generate)")
+    ap.add_argument(
+        "--isa",
+        choices=["scalar", "avx2", "avx512", "neon"],
+        help="run kvqrs' float kernels on this path instead of the dispatched one (kvqrs._native.set_isa; e.g. avx2 on an AVX-512 machine)",
+    )
+    ap.add_argument(
+        "--pack-path",
+        choices=["scalar", "shift", "bmi2"],
+        help="bit packing and unpacking on this path instead of the dispatched one (kvqrs._native.set_pack_path)",
+    )
     ap.add_argument("--peer-worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     q = args.quick
@@ -82,6 +92,20 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def _set_paths(isa: str | None, pack_path: str | None) -> None:
+    """Force kvqrs' float-kernel isa and pack path for this process (the machine line then
+    shows them); a path this CPU lacks exits with the binding's message."""
+    import kvqrs._native as native
+
+    try:
+        if isa is not None:
+            native.set_isa(isa)
+        if pack_path is not None:
+            native.set_pack_path(pack_path)
+    except Exception as e:  # the binding's KvqrsError: the CPU lacks the path
+        sys.exit(f"bench_speed: {e}")
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
     given_threads, args.threads = args.threads, args.threads or os.cpu_count()
@@ -91,6 +115,7 @@ def main(argv: list[str] | None = None) -> None:
 
         return peer_worker(args.peer_worker, args.peer_vectors, args.repeats, args.threads)
     start = time.perf_counter()
+    _set_paths(args.isa, args.pack_path)
     print(machine(args.threads), flush=True)
     if "kernels" in args.sections:
         from speed_kernels import codec_rows, kernel_table, rotation_rows

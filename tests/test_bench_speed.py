@@ -78,3 +78,21 @@ def test_butterflies_compute_the_kvqrs_rotation(bench_speed):
     want = kvqrs.hadamard(x, 1)
     np.testing.assert_allclose(numpy_butterfly(x, s, (np.empty_like(x), np.empty_like(x))), want, atol=1e-5)
     np.testing.assert_allclose(torch_butterfly(torch.from_numpy(x), torch.from_numpy(s)).numpy(), want, atol=1e-5)
+
+
+def test_forced_paths_show_in_the_machine_line(bench_speed, capsys):
+    import kvqrs._native as native
+
+    try:
+        bench_speed.main(["--quick", "--sections", "append", "--isa", "scalar", "--pack-path", "scalar", "--threads", "1"])
+    finally:
+        native.set_isa(None)
+        native.set_pack_path(None)
+    line = capsys.readouterr().out.splitlines()[0]
+    assert "isa scalar" in line and "float kernels scalar (set_isa)" in line, line
+
+
+def test_an_unknown_isa_is_refused_by_argparse(bench_speed):
+    with pytest.raises(SystemExit) as e:
+        bench_speed.parse(["--isa", "sse9"])
+    assert e.value.code == 2
