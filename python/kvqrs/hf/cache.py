@@ -33,7 +33,7 @@ import functools
 import os
 import weakref
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -209,6 +209,22 @@ class _View:
         return torch.cat([lead, torch.arange(ns + self.coded, ns + self.coded + self.window_k.shape[-2])])
 
 
+class _Steady(NamedTuple):
+    """A layer's steady decode state (:meth:`QuantizedLayer._steady_state`): the shapes of a
+    decode token's keys and values, and the last view (its sinks, store and code start are
+    those of every step until the general path runs again)."""
+
+    k_shape: tuple[int, int, int, int]
+    v_shape: tuple[int, int, int, int]
+    view: _View
+    # What the layer held after that update: a later update takes the steady path only while
+    # nothing else changed it.
+    seen: int
+    quantized: int
+    window: _Window
+    hi: int
+
+
 class QuantizedLayer(CacheLayerMixin):
     """One layer of :class:`QuantizedKVCache`: a full-attention layer, or, with
     ``sliding_window`` W, a sliding-window layer holding the newest W - 1 tokens as
@@ -258,6 +274,7 @@ class QuantizedLayer(CacheLayerMixin):
         # hand back the full-precision tokens alone (another attention function would miss the codes).
         self._attended = False
         self._fused = False
+        self._steady: _Steady | None = None
         # calibration="prefill": the layer's own matched calibration, fitted on the first
         # forward the kvqrs attention serves (its codec kept here), and how many tokens it saw.
         self.fitted = None
@@ -328,6 +345,11 @@ class QuantizedLayer(CacheLayerMixin):
         decoded codes between the full-precision tokens, or, on a fused decode step
         (``fused=True``, passed by :class:`QuantizedKVCache` when ``QuantConfig.fused``), the
         full-precision window alone, the sinks and codes being read by :meth:`attend`."""
+        if fused and self._steady is not None:
+            out = self._steady_update(key_states, value_states)
+            if out is not None:
+                return out
+        self._steady = None
         self._check_states(key_states, value_states)
         if self.awaits_calibration and self.seen:
             raise KvqrsError(
@@ -361,10 +383,67 @@ class QuantizedLayer(CacheLayerMixin):
         self._fused = fused and self._can_fuse(key_states.shape[-2])
         if self._fused:  # the window as it lies in its buffer; attend reads the sinks and codes
             k, v = self._view.window_k, self._view.window_v
+            self._steady = self._steady_state(key_states)
         else:
             k, v = self.materialize(self._view)
         self._returned = weakref.ref(k)
         return k, v
+
+    # -- the steady decode step -----------------------------------------------------------------
+    def _steady_state(self, key_states: torch.Tensor) -> _Steady | None:
+        """What a following one-token update may skip, after a fused update: the state of a
+        full-attention float32 layer whose window lies in its buffer, with no sinks still to
+        absorb, no calibration to fit and no past to record. None when a later update must take
+        the general path."""
+        win = self._buffered()
+        if win is None or self.is_sliding or self.record_past or self.awaits_calibration or self.seen < self.config.sink_tokens:
+            return None
+        if not (_plain_f32(key_states) and self.dtype is torch.float32):
+            return None
+        b, h, _, d = self.keys.shape
+        return _Steady((b, h, 1, d), (b, h, 1, self.values.shape[-1]), self._view, self.seen, self.quantized, win, win.hi)
+
+    def _steady_update(self, key_states: torch.Tensor, value_states: torch.Tensor):
+        """:meth:`update` of one decode token in the state :meth:`_steady_state` recorded, when
+        nothing else changed since: the token written into the window's buffer (one native call
+        that refuses a non-finite or unstorable value), a chunk that leaves the window encoded
+        natively straight from the buffer, and the window handed back. It leaves the layer and
+        its view as the general path does; None (nothing changed) when the general path must
+        run: another shape or dtype, no room in the buffer, a refused token, a codec without a
+        native encoder, a layer changed by anything but such updates since."""
+        st, win = self._steady, self._window
+        if not self._fused or self.record_past or self.keys is not win.k_view:
+            return None
+        if self.seen != st.seen or self.quantized != st.quantized or win is not st.window or win.hi != st.hi or not win.shown:
+            return None  # the layer changed since (a crop, a batch selection, a restore)
+        if tuple(key_states.shape) != st.k_shape or tuple(value_states.shape) != st.v_shape:
+            return None
+        if not win.hi + 1 <= win.cap <= 4 * (win.hi - win.lo + 1) + 64:  # the general path moves to a fresh buffer
+            return None
+        if not (_plain_f32(key_states) and _plain_f32(value_states)):
+            return None
+        if not _native.window_append(win.flat_k, win.flat_v, win.cap, win.hi, key_states.numpy(), value_states.numpy()):
+            return None  # the general path names the refused value
+        n = self.config.quantized_span(self.seen + 1)[1] - self.window_start
+        flushed = None
+        if n > 0:  # the oldest window tokens, already in the buffer, leave it as codes
+            if win.lo + n > win.hi or not self.store.encode_append(win.np_k, win.np_v, n, win.lo):
+                return None  # nothing stored: the general path encodes, or names the refused token
+            flushed = (win.keys, win.values, win.lo, n)
+            win.lo += n
+            self.quantized += n
+        win.hi += 1
+        self.seen += 1
+        self._show(win)
+        if n > 0:
+            self._compact()
+            win = self._window
+        last = st.view
+        rows = WindowRows(win.flat_k, win.flat_v, win.cap, win.lo, win.hi - win.lo)
+        self._view = _View(last.start, last.sink_k, last.sink_v, last.store, self.quantized, last.q_start, self.keys, self.values, self.seen - 1, flushed, rows)
+        self._steady = st._replace(view=self._view, seen=self.seen, quantized=self.quantized, window=win, hi=win.hi)
+        self._returned = weakref.ref(self.keys)
+        return self.keys, self.values
 
     def _undo_point(self) -> tuple:
         """What :meth:`_undo` restores: the state an append, a sink move or a flush changes
