@@ -440,7 +440,19 @@ class QuantizedLayer(CacheLayerMixin):
             win = self._window
         last = st.view
         rows = WindowRows(win.flat_k, win.flat_v, win.cap, win.lo, win.hi - win.lo)
-        self._view = _View(last.start, last.sink_k, last.sink_v, last.store, self.quantized, last.q_start, self.keys, self.values, self.seen - 1, flushed, rows)
+        self._view = _View(
+            last.start,
+            last.sink_k,
+            last.sink_v,
+            last.store,
+            self.quantized,
+            last.q_start,
+            self.keys,
+            self.values,
+            self.seen - 1,
+            flushed,
+            rows,
+        )
         self._steady = st._replace(view=self._view, seen=self.seen, quantized=self.quantized, window=win, hi=win.hi)
         self._returned = weakref.ref(self.keys)
         return self.keys, self.values
@@ -886,6 +898,8 @@ class QuantizedLayer(CacheLayerMixin):
         if attention_mask is None:
             return view.q_start + view.coded <= self.seen - nq
         m = attention_mask[..., ns : ns + view.coded]
+        if _hides_nothing(m) is None:  # one NumPy reduction where it can (a decode step's CPU mask)
+            return True
         return bool(m.all()) if m.dtype == torch.bool else bool((m == 0).all())
 
     def _attend_fused(self, view: _View, module, query, attention_mask, scaling):
@@ -932,7 +946,7 @@ class QuantizedLayer(CacheLayerMixin):
             key, value = self.materialize(view)
         if self._fused:
             if self._codes_visible(view, attention_mask, query.shape[-2]):
-                return self._attend_fused(view, module, query, attention_mask, scaling)
+                return self._attend_fused(view, module, query, _hides_nothing(attention_mask), scaling)
             key, value = self.materialize(view)  # a mask hides some codes: the decoded path
         from transformers.integrations.sdpa_attention import repeat_kv
 
@@ -1030,6 +1044,17 @@ class QuantizedLayer(CacheLayerMixin):
         pos = torch.arange(view.start, view.start + columns)
         m = (pos[None, :] < his[:, None]) | (pos[None, :] < lo) | (pos[None, :] >= q_end)
         return torch.arange(lo - view.start, q_end - view.start), m
+
+
+def _hides_nothing(mask: torch.Tensor | None) -> torch.Tensor | None:
+    """None for an explicit mask that hides nothing (an additive mask of zeros, a boolean mask
+    of all True: a decode step without padding), else the mask. One NumPy reduction over a CPU
+    mask costs a decode step less than the torch comparisons and column selections it saves.
+    (Not for a mask that may be None: transformers' None means causal, not "nothing hidden".)"""
+    if mask is None or mask.device.type != "cpu" or mask.requires_grad or mask.dtype not in (torch.float32, torch.bool):
+        return mask
+    m = mask.numpy()
+    return None if (m.all() if m.dtype == np.bool_ else not m.any()) else mask
 
 
 def _fp_part(query, keys, values, groups: int, mask, scaling) -> tuple[torch.Tensor, torch.Tensor]:
