@@ -5,7 +5,13 @@ a wrong result."""
 
 from __future__ import annotations
 
+import io
+import re
+
+import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from kvqrs import KvqrsError
 
 # -- the vLLM environment ------------------------------------------------------------------------
@@ -27,3 +33,148 @@ def test_vllm_bits_accept_only_ascii_digits(raw):
     with pytest.raises(KvqrsError, match=f"^KVQRS_BITS: expected an integer of ASCII digits, got {raw.strip()!r}"):
         config_from_env({"KVQRS_SCHEME": "kqv", "KVQRS_BITS": raw})
     assert config_from_env({"KVQRS_SCHEME": "kqv", "KVQRS_BITS": " 3 "}).key_bits == 3
+
+
+# -- calibration files and presets ---------------------------------------------------------------
+
+
+def _calibration(layers: int = 2, d: int = 16) -> dict:
+    from kvqrs.schemes.matched import random_calibration
+
+    return {i: random_calibration(d, 3, i) for i in range(layers)}
+
+
+def _preset_file(tmp_path, name: str, **meta):
+    from kvqrs.hf import save_matched
+
+    from .test_matched import preset_meta
+
+    return save_matched(tmp_path / f"{name}.npz", _calibration(), {**preset_meta(name), **meta})
+
+
+def test_preset_refuses_a_file_made_for_another_preset(tmp_path):
+    from kvqrs.hf import QuantConfig
+
+    f = _preset_file(tmp_path, "4bit")
+    assert QuantConfig.preset("4bit", f).key_bits == 4
+    with pytest.raises(KvqrsError, match=r"^calibration: '.*4bit.npz' was made for preset '4bit', not '3bit'; make it with"):
+        QuantConfig.preset("3bit", f)
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ({"group": 128}, "group '256' (the config's: '128')"),
+        ({"value_norms": "float"}, "value_norms 'log8' (the config's: 'float')"),
+        ({"sink_dtype": "bfloat16"}, "sink_dtype 'float16' (the config's: 'bfloat16')"),
+        ({"value_scale": "norm"}, "value_scale 'preserve_norm' (the config's: 'norm')"),
+        ({"sink_tokens": 2}, "sink_tokens '1' (the config's: '2')"),
+    ],
+)
+def test_preset_compares_overrides_against_the_file(tmp_path, override, message):
+    from kvqrs.hf import QuantConfig
+
+    f = _preset_file(tmp_path, "4bit")
+    with pytest.raises(KvqrsError, match=r"^calibration: '.*' was made with " + re.escape(message)):
+        QuantConfig.preset("4bit", f, **override)
+    assert QuantConfig.preset("4bit", f, residual_length=16, seed=3).residual_length == 16  # settings the widths do not depend on
+
+
+def test_preset_compares_a_budget_file_by_its_budget_and_widths(tmp_path):
+    """A --budget file without a preset name is the preset's when its budget and widths are;
+    one that records no budget or widths (older, or written by hand) is refused by name."""
+    from kvqrs.hf import QuantConfig, save_matched
+
+    from .test_matched import preset_meta
+
+    meta = preset_meta("3bit")
+    del meta["preset"]
+    assert QuantConfig.preset("3bit", save_matched(tmp_path / "a.npz", _calibration(), meta)).key_bits == 3
+    with pytest.raises(KvqrsError, match=r"was made with budget '3.25' \(the config's: '2.5'\), key_widths"):
+        QuantConfig.preset("2bit", save_matched(tmp_path / "b.npz", _calibration(), {**meta, "group": 128}))
+    old = {k: v for k, v in meta.items() if k not in ("key_widths", "value_widths")}
+    with pytest.raises(KvqrsError, match=r"does not record its key_widths, value_widths; make it with `kvqrs calibrate --preset 3bit`"):
+        QuantConfig.preset("3bit", save_matched(tmp_path / "c.npz", _calibration(), old))
+
+
+@pytest.mark.parametrize("override", ["key_scheme", "value_bits", "calibration", "no_such_field"])
+def test_preset_refuses_overrides_of_what_it_sets(override):
+    from kvqrs.hf import QuantConfig
+
+    with pytest.raises(KvqrsError, match=rf"^preset: overrides: expected QuantConfig fields other than .* got \['{override}'\]"):
+        QuantConfig.preset("4bit", _calibration(d=64), **{override: "kv"})
+
+
+def _damaged(tmp_path, blob: bytes):
+    f = tmp_path / "damaged.npz"
+    f.write_bytes(blob)
+    return f
+
+
+def test_damaged_calibration_file_raises_kvqrs_error(tmp_path, text_file, no_model, capsys):
+    from kvqrs.cli import main
+    from kvqrs.hf import QuantConfig, load_matched
+
+    blob = _preset_file(tmp_path, "4bit").read_bytes()
+    flipped = bytearray(blob)
+    flipped[100] ^= 1  # inside the first entry's data: a CRC mismatch
+    for damaged in (blob[: len(blob) // 2], blob[:-30], bytes(flipped)):
+        f = _damaged(tmp_path, damaged)
+        with pytest.raises(KvqrsError, match=r"^calibration: cannot read '.*damaged.npz': a damaged archive \("):
+            load_matched(f)
+        with pytest.raises(KvqrsError, match="a damaged archive"):
+            QuantConfig.preset("4bit", f)
+        with pytest.raises(SystemExit) as e:
+            main(["eval", "--protocol", "llama", "--data", text_file, "--threads", "1", "--calibration", str(f)])
+        assert e.value.code == 2 and "a damaged archive" in capsys.readouterr().err
+
+
+@given(st.data())
+def test_altered_calibration_bytes_load_or_raise_kvqrs_error(data):
+    from kvqrs.hf import load_matched, save_matched
+
+    blob = bytearray(save_matched(io.BytesIO(), _calibration(1, 8), {"preset": "4bit"}).getvalue())
+    for _ in range(data.draw(st.integers(1, 3))):
+        blob[data.draw(st.integers(0, len(blob) - 1))] ^= 1 << data.draw(st.integers(0, 7))
+    blob = blob[: data.draw(st.integers(1, len(blob)))]
+    try:
+        load_matched(io.BytesIO(bytes(blob)))
+    except KvqrsError:
+        pass
+
+
+def _archive(tmp_path, **replace):
+    """A calibration file with some entries replaced (None: removed)."""
+    from kvqrs.hf import save_matched
+
+    with np.load(save_matched(tmp_path / "ok.npz", _calibration())) as z:
+        entries = {k: z[k] for k in z.files}
+    entries.update(replace)
+    np.savez(tmp_path / "edited.npz", **{k: v for k, v in entries.items() if v is not None})
+    return tmp_path / "edited.npz"
+
+
+@pytest.mark.parametrize(
+    ("replace", "message"),
+    [
+        ({"vbits_1": np.array([3, 4], np.uint8)}, r"layer 1: entry 'vbits_1': expected a 0-dimensional numeric array, got shape \(2,\)"),
+        ({"mean_0": np.zeros((3, 16, 2), np.float32)}, r"layer 0: entry 'mean_0': expected a 2-dimensional"),
+        ({"vmean_1": None}, r"layer 1: entry 'vmean_1' is missing"),
+        ({"vbits_0": np.array(3.5)}, r"layer 0: value_bits: expected None or an integer width"),
+    ],
+)
+def test_calibration_entry_of_a_bad_shape_is_named(tmp_path, replace, message):
+    from kvqrs.hf import load_matched
+
+    with pytest.raises(KvqrsError, match=r"^calibration: '.*edited.npz', " + message):
+        load_matched(_archive(tmp_path, **replace))
+
+
+@pytest.mark.parametrize("layer", ["-1", "\u0661", "1_0", "x"])
+def test_calibration_layer_keys_must_be_ascii_digits(tmp_path, layer):
+    from kvqrs.hf import load_matched
+
+    cal = _calibration(1)[0]
+    f = _archive(tmp_path, **{f"widths_{layer}": cal.keys.widths, f"mean_{layer}": cal.keys.mean})
+    with pytest.raises(KvqrsError, match=rf"has entry '(widths|mean)_{layer}'; expected .*<layer> with a layer number of ASCII digits"):
+        load_matched(f)
