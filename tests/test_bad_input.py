@@ -178,3 +178,96 @@ def test_calibration_layer_keys_must_be_ascii_digits(tmp_path, layer):
     f = _archive(tmp_path, **{f"widths_{layer}": cal.keys.widths, f"mean_{layer}": cal.keys.mean})
     with pytest.raises(KvqrsError, match=rf"has entry '(widths|mean)_{layer}'; expected .*<layer> with a layer number of ASCII digits"):
         load_matched(f)
+
+
+# -- the command line: arguments checked before the work -----------------------------------------
+
+
+def _refused(argv, capsys) -> str:
+    from kvqrs.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    return capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--head-dims", "-4"], "--head-dims: expected head dimensions of at least 2, got -4"),
+        (["--bits", "0"], "--bits: expected bit widths in 1..8, got 0"),
+    ],
+)
+def test_selfcheck_refuses_bad_grid_values(capsys, argv, message):
+    assert message in _refused(["selfcheck", "--vectors", "10", *argv], capsys)
+
+
+@pytest.fixture
+def no_study(monkeypatch):
+    """Fail the test if the study starts."""
+    from kvqrs.evaluation import study
+
+    def refuse(*a, **k):
+        raise AssertionError("the study ran")
+
+    monkeypatch.setattr(study, "run_study", refuse)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--schemes", "kqv", "nope"], "--schemes: scheme: expected one of"),
+        (["--bits", "2", "9"], "--bits: expected bit widths in 1..8, got 9"),
+        (["--head-dims", "64", "-4"], "--head-dims: expected head dimensions of at least 2, got -4"),
+        (["--distributions", "cauchy"], "--distributions: distribution: expected one of"),
+    ],
+)
+def test_study_refuses_bad_grid_values_before_the_first_sample(no_study, capsys, tmp_path, argv, message):
+    assert message in _refused(["study", "--quick", "--no-progress", "--out", str(tmp_path / "r"), *argv], capsys)
+
+
+def test_study_refuses_an_unwritable_report_folder_before_the_study(no_study, capsys, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    err = _refused(["study", "--quick", "--no-progress", "--out", str(blocker / "r")], capsys)
+    assert "--out: cannot create the report folder" in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--ctx", "100000"], "--ctx: expected 4 .. 8192 tokens per chunk (the model's context), got 100000"),
+        (["--ctx", "2"], "--ctx: expected 4 .. 8192 tokens per chunk"),
+        (["--chunks", "-1"], "--chunks: expected a positive number of chunks to evaluate, got -1"),
+        (["--chunks", "0"], "--chunks: expected a positive number of chunks to evaluate, got 0"),
+        (["--calibration-windows", "0"], "--calibration-windows: expected a positive integer, got 0"),
+        (["--matched-bits", "0"], "--matched-bits: expected 0 < BITS <= 8 and GROUP a positive multiple of 8, got '0'"),
+        (["--matched-bits", "4@12"], "got '4@12'"),
+        (["--matched-bits", "9@256"], "got '9@256'"),
+    ],
+)
+def test_eval_llama_refuses_bad_counts_before_the_model_and_the_report_folder(text_file, no_model, capsys, tmp_path, argv, message):
+    out = tmp_path / "report"
+    assert message in _refused(["eval", "--protocol", "llama", "--data", text_file, "--threads", "1", "--out", str(out), *argv], capsys)
+    assert not out.exists()
+
+
+def test_eval_refuses_zero_calibration_windows(text_file, no_model, capsys, tmp_path):
+    err = _refused(["eval", "--data", text_file, "--threads", "1", "--out", str(tmp_path / "r"), "--calibration-windows", "0"], capsys)
+    assert "--calibration-windows: expected a positive integer, got 0" in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--ctx", "100000000"], "--ctx: expected at most the model's context of 8192 tokens, got 100000000"),
+        (["--out", "{blocker}/cal.npz"], "--out: the folder '{blocker}' of '{blocker}/cal.npz' does not exist"),
+        (["--out", "{tmp}"], "--out: cannot write '{tmp}' (a folder"),
+    ],
+)
+def test_calibrate_refuses_its_output_and_context_before_loading_the_model(text_file, no_model, capsys, tmp_path, argv, message):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    argv = [a.format(blocker=blocker, tmp=tmp_path) for a in argv]
+    assert message.format(blocker=blocker, tmp=tmp_path) in _refused(["calibrate", "--data", text_file, *argv], capsys)
