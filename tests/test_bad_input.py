@@ -10,7 +10,7 @@ import re
 
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from kvqrs import KvqrsError
 
@@ -271,3 +271,174 @@ def test_calibrate_refuses_its_output_and_context_before_loading_the_model(text_
     blocker.write_text("not a folder")
     argv = [a.format(blocker=blocker, tmp=tmp_path) for a in argv]
     assert message.format(blocker=blocker, tmp=tmp_path) in _refused(["calibrate", "--data", text_file, *argv], capsys)
+
+
+# -- saved caches: edited bytes behind valid checksums ----------------------------------------------
+
+
+def _saved_cache(config=None) -> bytes:
+    """A two-layer cache of 13 tokens (a sink, codes, a window, originals kept for a rollback)."""
+    import torch
+    from kvqrs.hf import QuantConfig, QuantizedKVCache
+    from kvqrs.hf.attention import active
+
+    cache = QuantizedKVCache(config or QuantConfig("kqv", 4, "kqv", 4, residual_length=4, sink_tokens=1), 2)
+    cache.activate_past_recording()
+    g = torch.Generator().manual_seed(0)
+    with active(None):
+        for layer in range(2):
+            cache.update(torch.randn(1, 2, 13, 16, generator=g), torch.randn(1, 2, 13, 16, generator=g), layer)
+    return cache.to_bytes()
+
+
+def _edited(blob: bytes, edit_meta=None, edit_sections=None) -> bytes:
+    """``blob`` with its meta JSON and sections edited, the checksums written anew."""
+    import json
+
+    from kvqrs import _native
+
+    sections = [list(s) for s in _native.container_read(blob)]
+    if edit_meta is not None:
+        meta = json.loads(sections[0][3])
+        edit_meta(meta)
+        text = json.dumps(meta).encode()
+        sections[0] = ["meta", 5, [len(text)], text]
+    if edit_sections is not None:
+        edit_sections({s[0]: s for s in sections[1:]})
+    return _native.container_write([tuple(s) for s in sections])
+
+
+def _set_layer(**fields):
+    return lambda meta: meta["layers"][0].update(fields)
+
+
+def _window_shape(sections):
+    sections["L0.window_keys"][2:] = [[1, 2**40, 0, 16], b""]
+
+
+@pytest.mark.parametrize(
+    ("edit_meta", "edit_sections", "message"),
+    [
+        (lambda m: m.pop("bases"), None, None),  # a clean load: no bases
+        (lambda m: m.update(bases=3), None, "meta's bases: expected a bases name or null, got 3"),
+        (lambda m: m.update(layers=[1, 2]), None, "layer 0's meta must be an object, got int"),
+        (_set_layer(quantized=-8), None, "layer 0's quantized: expected an integer in 0 .. 2^62 - 1, got -8"),
+        (_set_layer(quantized=2**40, seen=2**40 + 5), None, "tokens need"),
+        (_set_layer(dtype=5), None, "layer 0's dtype: expected one of"),
+        (_set_layer(fitted_tokens=-1), None, "fitted_tokens: expected 0 .. seen"),
+        (None, _window_shape, "section 'L0.window_keys' is not a (1, 2, tokens, 16) float32 tensor, got shape [1, 1099511627776, 0, 16]"),
+        (_set_layer(batch=2**61), None, "section 'L0.window_keys' is not a (2305843009213693952, 2, tokens, 16)"),
+    ],
+)
+def test_edited_cache_meta_raises_kvqrs_error(edit_meta, edit_sections, message):
+    from kvqrs.hf import QuantizedKVCache
+
+    data = _edited(_saved_cache(), edit_meta, edit_sections)
+    if message is None:
+        QuantizedKVCache.from_bytes(data)
+        return
+    with pytest.raises(KvqrsError, match="^compressed cache: .*" + re.escape(message)):
+        QuantizedKVCache.from_bytes(data)
+
+
+def _nan_at(name: str, dtype=np.float32):
+    def edit(sections):
+        a = np.frombuffer(sections[name][3], dtype).copy()
+        a[-1] = np.inf if name.endswith("values") else np.nan
+        sections[name][3] = a.tobytes()
+
+    return edit
+
+
+@pytest.mark.parametrize("section", ["L0.window_keys", "L1.sink_values", "L0.pending_keys", "L1.store.keys.norms"])
+def test_nan_or_inf_in_a_saved_cache_is_refused_naming_the_section(section):
+    from kvqrs.hf import QuantizedKVCache
+
+    blob = _saved_cache()
+    with pytest.raises(KvqrsError, match=f"^compressed cache: section '{re.escape(section)}' holds a NaN or an infinity"):
+        QuantizedKVCache.from_bytes(_edited(blob, edit_sections=_nan_at(section)))
+
+
+def test_nan_in_an_encoded_tensor_is_refused_naming_the_part():
+    from kvqrs import _native
+    from kvqrs import format as fmt
+    from kvqrs.schemes import KVCodec
+
+    enc = KVCodec("kqv", 4, 16).encode_keys(np.random.default_rng(0).standard_normal((2, 5, 16)).astype(np.float32))
+    sections = [list(s) for s in _native.container_read(fmt.dumps(enc))]
+    norms = next(s for s in sections if s[0] == "norms")
+    norms[3] = np.full(np.frombuffer(norms[3], enc.parts["norms"].dtype).shape, np.nan, enc.parts["norms"].dtype).tobytes()
+    with pytest.raises(KvqrsError, match="^compressed cache: part 'norms' holds a NaN or an infinity"):
+        fmt.loads(_native.container_write([tuple(s) for s in sections]))
+
+
+HOSTILE = [None, -1, 0, 2**40, 2**63, 1.5, "x", [], {}, True, [1, 2], float("nan")]
+
+
+def _json_paths(obj, prefix=()):
+    yield prefix
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list) else ()
+    for k, v in items:
+        yield from _json_paths(v, (*prefix, k))
+
+
+@st.composite
+def _cache_edits(draw):
+    """An edit of saved cache bytes: a meta value set to a hostile one or removed, or a section
+    reshaped, given a NaN, another dtype, random bytes, or removed."""
+
+    def edit_meta(meta):
+        path = draw(st.sampled_from(list(_json_paths(meta))[1:]))
+        parent = meta
+        for k in path[:-1]:
+            parent = parent[k]
+        if draw(st.booleans()) and isinstance(parent, dict):
+            del parent[path[-1]]
+        else:
+            parent[path[-1]] = draw(st.sampled_from(HOSTILE))
+
+    def edit_sections(sections):
+        name = draw(st.sampled_from(sorted(sections)))
+        _, code, shape, payload = sections[name]
+        how = draw(st.sampled_from(["reshape", "huge", "nan", "dtype", "bytes", "drop"]))
+        if how == "reshape":
+            shape = list(reversed(shape))
+        elif how == "huge" and shape:
+            shape, payload = [0] * (len(shape) - 1) + [2**40], b""
+        elif how == "nan" and code in (1, 2, 3, 6) and payload:
+            payload = (
+                payload[: -{1: 2, 2: 4, 3: 8, 6: 2}[code]]
+                + {1: b"\x00\x7e", 2: b"\x00\x00\xc0\x7f", 3: b"\x00" * 6 + b"\xf0\x7f", 6: b"\xc0\x7f"}[code]
+            )
+        elif how == "dtype":
+            code, shape = (0, [len(payload)]) if code else (1, [len(payload) // 2]) if len(payload) % 2 == 0 else (code, shape)
+        elif how == "bytes":
+            payload = draw(st.binary(min_size=len(payload), max_size=len(payload)))
+        elif how == "drop":
+            sections[name][0] = "dropped." + name
+        sections[name][1:] = [code, shape, payload]
+
+    return edit_meta if draw(st.booleans()) else None, edit_sections if draw(st.booleans()) else None
+
+
+_FUZZ_BLOBS: dict = {}
+
+
+@settings(max_examples=100)  # a few seconds
+@given(st.sampled_from(["kqv", "matched"]), _cache_edits())
+def test_cache_format_fuzzer_finds_only_kvqrs_errors(kind, edits):
+    """Saved cache bytes with their meta and sections edited and valid checksums written anew
+    either load or raise KvqrsError (beside tests/test_format.py's byte flips)."""
+    from kvqrs.hf import QuantConfig, QuantizedKVCache
+
+    if kind not in _FUZZ_BLOBS:
+        cfg = QuantConfig("matched", 3, "matched", 3, residual_length=2, group=8, calibration="random", sink_tokens=1)
+        _FUZZ_BLOBS[kind] = _saved_cache(None if kind == "kqv" else cfg)
+    try:
+        data = _edited(_FUZZ_BLOBS[kind], *edits)
+    except KvqrsError:
+        return  # the container refused the edit itself (a payload of the wrong length)
+    try:
+        QuantizedKVCache.from_bytes(data)
+    except KvqrsError:
+        pass
