@@ -442,3 +442,31 @@ def test_cache_format_fuzzer_finds_only_kvqrs_errors(kind, edits):
         QuantizedKVCache.from_bytes(data)
     except KvqrsError:
         pass
+
+
+# -- past recording without a crop ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("depth", [None, 6])
+def test_past_recording_keeps_only_the_originals_the_next_crop_can_need(depth):
+    """After activate_past_recording and no crop, 49 tokens fed one forward at a time keep the
+    originals of at most the latest forward (or ``recurrent_states_to_keep`` tokens) plus a
+    chunk, not of every token coded since; a crop that deep still restores the fresh state."""
+    import torch
+    from kvqrs.hf import QuantConfig, QuantizedKVCache
+
+    cfg = QuantConfig("kivi", 4, "kivi", 4, residual_length=4, group=8)
+    k = torch.randn(1, 2, 49, 16, generator=torch.Generator().manual_seed(0))
+    v = k.flip(-1)
+    qc = QuantizedKVCache(cfg, 1)
+    qc.activate_past_recording(**({} if depth is None else {"recurrent_states_to_keep": depth}))
+    qc.update(k[..., :9, :], v[..., :9, :], 0)
+    for t in range(9, 49):
+        qc.update(k[..., t : t + 1, :], v[..., t : t + 1, :], 0)
+    layer = qc.layers[0]
+    assert layer.pending_k.shape[-2] <= (depth or 1) + cfg.chunk - 1
+    qc.crop(-(depth or 1))
+    fresh = QuantizedKVCache(cfg, 1)
+    fresh.update(k[..., : 49 - (depth or 1), :], v[..., : 49 - (depth or 1), :], 0)
+    for a, b in zip(qc.layers[0].materialize(), fresh.layers[0].materialize()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
