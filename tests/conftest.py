@@ -69,3 +69,22 @@ def smollm2_installed():
         model_mod.model_dir()
     except KvqrsError as e:
         pytest.skip(f"SmolLM2 model not available: {e}")
+
+
+@pytest.fixture
+def text_file(tmp_path):
+    f = tmp_path / "text.txt"
+    f.write_text("The quick brown fox jumps over the lazy dog. " * 200)
+    return str(f)
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    """Fail the test if anything tries to load the model (checks that must come before it)."""
+    pytest.importorskip("torch")
+    from kvqrs.evaluation import model as model_mod
+
+    def refuse(*a, **k):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(model_mod, "load", refuse)

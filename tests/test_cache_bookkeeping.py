@@ -358,7 +358,7 @@ def test_crop_then_continue(model64, cfg):
     model, tok = model64
     ids = tok(TEXT, return_tensors="pt").input_ids[:, :40]
     qc, dc = QuantizedKVCache(cfg, model.config.num_hidden_layers), DynamicCache()
-    qc.activate_past_recording()
+    qc.activate_past_recording(recurrent_states_to_keep=12)  # crops reach back over several one-token forwards
     for cache in (qc, dc):
         _forward(model, ids[:, :24], cache)
         for t in range(24, 28):

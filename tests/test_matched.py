@@ -400,6 +400,19 @@ def test_preset_refuses_what_is_not_a_calibration_for_it(tmp_path):
         QuantConfig.preset("4bit", other)
 
 
+def preset_meta(name: str) -> dict:
+    """The metadata `kvqrs calibrate --preset NAME` records with its file."""
+    from kvqrs.hf.config import PRESETS
+
+    p = PRESETS[name]
+    meta = {k: p[k] for k in ("group", "sink_tokens", "value_norms", "budget")} | {"preset": name}
+    meta |= {k: " ".join(str(float(w) if k == "key_widths" else w) for w in p[k]) for k in ("key_widths", "value_widths")}
+    meta |= {k: p[k] for k in ("sink_dtype",) if p[k] is not None} | (
+        {"value_scale": p["value_scale"]} if p["value_scale"] != "norm" else {}
+    )
+    return meta
+
+
 def test_preset_refuses_a_file_calibrated_for_other_settings(tmp_path):
     """A preset's per-layer widths were allocated for its group, value norms, sink dtype and
     value scale: a
@@ -408,9 +421,7 @@ def test_preset_refuses_a_file_calibrated_for_other_settings(tmp_path):
 
     cal = {0: random_calibration(16, 3, 0)}
     p = PRESETS["3bit"]
-    same = {"group": p["group"], "value_norms": p["value_norms"], **({"sink_dtype": p["sink_dtype"]} if p["sink_dtype"] else {})}
-    if p["value_scale"] != "norm":
-        same["value_scale"] = p["value_scale"]
+    same = preset_meta("3bit")
     cfg = QuantConfig.preset("3bit", save_matched(tmp_path / "ok.npz", cal, same))
     assert (cfg.group, cfg.value_norms, cfg.sink_dtype, cfg.value_scale) == (
         p["group"],

@@ -49,25 +49,6 @@ def test_seed_free_schemes_still_decode_under_another_seed():
 # -- kvqrs eval options -------------------------------------------------------------------------
 
 
-@pytest.fixture
-def text_file(tmp_path):
-    f = tmp_path / "text.txt"
-    f.write_text("The quick brown fox jumps over the lazy dog. " * 200)
-    return str(f)
-
-
-@pytest.fixture
-def no_model(monkeypatch):
-    """Fail the test if anything tries to load the model."""
-    pytest.importorskip("torch")
-    from kvqrs.evaluation import model as model_mod
-
-    def refuse(*a, **k):
-        raise AssertionError("the model was loaded")
-
-    monkeypatch.setattr(model_mod, "load", refuse)
-
-
 def test_eval_refuses_unknown_rows_before_loading_the_model(text_file, no_model, capsys):
     with pytest.raises(SystemExit) as e:
         main(["eval", "--data", text_file, "--rows", "kqvv", "--threads", "1"])

@@ -76,6 +76,7 @@ def format_table(rows: list[dict]) -> str:
 def _selfcheck(args: argparse.Namespace) -> int:
     if args.vectors < 2:
         raise KvqrsError(f"--vectors: expected at least 2 vectors per cell, got {args.vectors}")
+    _check_grid(args)
     rows = selfcheck_rows(args.head_dims, args.bits, args.vectors, args.seed)
     print(f"kvqrs {__version__} self-check: norm-and-direction MSE on {args.vectors} random N(0, I) vectors per cell")
     print(format_table(rows))
@@ -113,6 +114,8 @@ def _study(args: argparse.Namespace) -> int:
     config = dataclasses.replace(config, **overrides)
     if args.from_model and config.tokens + config.n_queries > 8192:
         raise KvqrsError(f"--tokens/--queries: the model's context is 8192 tokens, got {config.tokens} + {config.n_queries} queries")
+    _check_grid(args)
+    _report_folder(args.out)  # before the study, not after it
     captured = _capture(args, config) if args.from_model else None
     if captured is not None and not args.head_dims:
         config = dataclasses.replace(config, head_dims=(captured.heads[0].keys.shape[-1],))  # the model's head_dim
@@ -133,6 +136,30 @@ def _study(args: argparse.Namespace) -> int:
     print(text[: text.index("## Per-cell means")] if args.brief else text)
     print(f"report: {summary} ({seconds:.1f} s for the samples)")
     return 0
+
+
+def _check_grid(args: argparse.Namespace) -> None:
+    """``--schemes``, ``--bits``, ``--head-dims``, ``--distributions`` given, each value checked
+    before any sample runs (a codec of each scheme and width, a distribution name parsed)."""
+    from .schemes import KVCodec
+    from .synthetic import parse
+
+    for d in args.head_dims or ():
+        if d < 2:
+            raise KvqrsError(f"--head-dims: expected head dimensions of at least 2, got {d}")
+    for b in args.bits or ():
+        if not 1 <= b <= 8:
+            raise KvqrsError(f"--bits: expected bit widths in 1..8, got {b}")
+    for scheme in getattr(args, "schemes", None) or ():
+        try:
+            KVCodec(scheme, 4, 64)
+        except KvqrsError as e:
+            raise KvqrsError(f"--schemes: {e}") from None
+    for name in getattr(args, "distributions", None) or ():
+        try:
+            parse(name)
+        except KvqrsError as e:
+            raise KvqrsError(f"--distributions: {e}") from None
 
 
 def _capture(args: argparse.Namespace, config):
@@ -193,6 +220,15 @@ def _report_folder(path: str) -> pathlib.Path:
     return out
 
 
+def _check_writable(path: str) -> None:
+    """``--out`` of a file written after the work: its folder must exist and take files now."""
+    folder = pathlib.Path(path).parent
+    if not folder.is_dir():
+        raise KvqrsError(f"--out: the folder {str(folder)!r} of {path!r} does not exist")
+    if not os.access(folder, os.W_OK) or pathlib.Path(path).is_dir():
+        raise KvqrsError(f"--out: cannot write {path!r} (a folder, or its folder is not writable)")
+
+
 def _check_channel(args: argparse.Namespace) -> None:
     """``--channel`` stands in for a ``--calibration`` file row's coders on the llama protocol only."""
     if args.channel and (args.protocol != "llama" or args.task == "needle" or not args.calibration):
@@ -211,7 +247,7 @@ def _eval(args: argparse.Namespace) -> int:
     if args.task == "needle":
         return _needle(args)
     texts = _texts(args)
-    for name, value in (("--window", args.window), ("--windows", args.windows), ("--calibration-windows", args.calibration_windows or 1)):
+    for name, value in (("--window", args.window), ("--windows", args.windows), ("--calibration-windows", args.calibration_windows)):
         if value is not None and value < 1:
             raise KvqrsError(f"{name}: expected a positive integer, got {value}")
     if args.window is not None and args.window < 2:
@@ -268,6 +304,7 @@ def _eval_llama(args: argparse.Namespace) -> int:
     texts = _texts(args)
     chunks = args.chunks if args.chunks is not None else (2 if args.quick else 40)
     budgets = [_matched_budget(spec) for spec in args.matched_bits]  # refused before the model loads
+    _check_llama_args(args, chunks)
     if args.calibration:  # the files read and the channel rows checked before the model loads
         rows = [r for r in lp.llama_rows() if r.config is None]
         for row in (lp.file_row(p, args.value_scale) for p in args.calibration):
@@ -290,13 +327,36 @@ def _eval_llama(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_llama_args(args: argparse.Namespace, chunks: int) -> None:
+    """``kvqrs eval --protocol llama``'s counts, checked before the model loads and before the
+    report folder is made."""
+    checks = [
+        (4 <= args.ctx <= MODEL_CONTEXT, f"--ctx: expected 4 .. {MODEL_CONTEXT} tokens per chunk (the model's context), got {args.ctx}"),
+        (chunks >= 1, f"--chunks: expected a positive number of chunks to evaluate, got {chunks}"),
+        (
+            args.calibration_windows is None or args.calibration_windows >= 1,
+            f"--calibration-windows: expected a positive integer, got {args.calibration_windows}",
+        ),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise KvqrsError(message)
+
+
+MODEL_CONTEXT = 8192
+"""SmolLM2-135M's context in tokens (the longest window or chunk the commands take)."""
+
+
 def _matched_budget(spec: str) -> tuple[float, int]:
     """``--matched-bits`` ``BITS`` or ``BITS@GROUP`` as ``(key bits, group)`` (group 128 by default)."""
     b, _, g = spec.partition("@")
     try:
-        return float(b), int(g or 128)
+        bits, group = float(b), int(g or 128)
     except ValueError:
         raise KvqrsError(f"--matched-bits: expected BITS or BITS@GROUP (e.g. 4 or 4@256), got {spec!r}") from None
+    if not (0 < bits <= 8 and group >= 8 and group % 8 == 0):  # what fit_matched and the matched packing take
+        raise KvqrsError(f"--matched-bits: expected 0 < BITS <= 8 and GROUP a positive multiple of 8, got {spec!r}")
+    return bits, group
 
 
 def _needle(args: argparse.Namespace) -> int:
@@ -384,6 +444,7 @@ def _check_calibrate_args(args: argparse.Namespace) -> None:
         ),
         (args.windows >= 1, f"--windows: expected at least 1, got {args.windows}"),
         (args.ctx >= args.sink_tokens + 2, f"--ctx: expected at least --sink-tokens + 2 = {args.sink_tokens + 2} tokens, got {args.ctx}"),
+        (args.ctx <= MODEL_CONTEXT, f"--ctx: expected at most the model's context of {MODEL_CONTEXT} tokens, got {args.ctx}"),
         (0 < args.bits <= 8, f"--bits: expected 0 < bits <= 8 average key code bits, got {args.bits}"),
         (all(0 < a <= 8 for a in args.key_widths), f"--key-widths: expected 0 < width <= 8 bits, got {args.key_widths}"),
         (args.budget is None or args.probe_windows >= 1, f"--probe-windows: expected at least 1 with --budget, got {args.probe_windows}"),
@@ -415,6 +476,7 @@ def _calibrate(args: argparse.Namespace) -> int:
     from .hf.calibration import allocate_matched, fit_value_classes
 
     _check_calibrate_args(args)
+    _check_writable(args.out)
     texts = _texts(args)
     torch_threads(1 if args.threads is None else args.threads)
     model, tok = model_mod.load(progress=not args.no_progress)

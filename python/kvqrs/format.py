@@ -120,6 +120,9 @@ def loads(data: bytes, codec: KVCodec | None = None) -> Encoded:
         if code not in codes:
             raise KvqrsError(f"compressed cache: part {name!r} has dtype code {code}")
         parts[name] = np.frombuffer(payload, dtype=_np_dtype(codes[code])).reshape(shape)
+        # Encoders store no NaN or infinity (norms, scales, zero points): such a part was altered.
+        if codes[code] in _TENSOR_DTYPES and not np.isfinite(parts[name].astype(np.float64)).all():
+            raise KvqrsError(f"compressed cache: part {name!r} holds a NaN or an infinity")
     seed = meta.get("codec_seed")
     seed = seed if isinstance(seed, int) and not isinstance(seed, bool) and 0 <= seed < 2**64 else None
     enc = Encoded(meta["scheme"], meta["kind"], tuple(meta["shape"]), _np_dtype(meta["dtype"]), parts, meta["params"], seed=seed)

@@ -248,7 +248,12 @@ class QuantizedLayer(CacheLayerMixin):
     transformers' assisted decoding and deferred stop checks call) the layer keeps the
     full-precision originals of the tokens it quantizes (``pending_k`` / ``pending_v``), and a
     sliding layer every token, until the next ``crop``, which restores what it needs, then
-    drops them. A crop that would need originals the layer no longer holds raises.
+    drops them. Only the originals a crop back to the start of the latest update can need are
+    kept, or back ``recurrent_states_to_keep`` tokens when that was given and reaches further:
+    transformers crops at most the tokens of its last forward (the rejected candidates of an
+    assisted step, a deferred stop's one token). That is at most the update's tokens (or
+    ``recurrent_states_to_keep``) plus ``QuantConfig.chunk - 1``, however long the layer records
+    without a crop. A crop that would need originals the layer no longer holds raises.
     """
 
     is_croppable = True
@@ -259,6 +264,7 @@ class QuantizedLayer(CacheLayerMixin):
             raise KvqrsError(f"sliding_window: expected a positive integer or None, got {sliding_window!r}")
         self.config, self.layer_idx, self.sliding_window = config, layer_idx, sliding_window
         self.record_past = False
+        self.record_depth = 0  # tokens a crop may reach back beyond the latest update
         self._clear()
 
     def _clear(self) -> None:
@@ -312,8 +318,12 @@ class QuantizedLayer(CacheLayerMixin):
     def activate_past_recording(self, **kwargs: Any) -> None:
         """Keep what a rollback needs until the next :meth:`crop` (see the class docstring).
         Keyword arguments (transformers >= 5.25 passes ``recurrent_states_to_keep``, for
-        linear-attention layers' recurrent states) do not concern a KV layer and are ignored."""
-        self.record_past = True
+        linear-attention layers' recurrent states): how many of the newest tokens a crop may remove
+        beyond the latest update's (default: none beyond them)."""
+        depth = kwargs.get("recurrent_states_to_keep")
+        if depth is not None and (isinstance(depth, bool) or not isinstance(depth, int) or depth < 0):
+            raise KvqrsError(f"recurrent_states_to_keep: expected None or an integer >= 0, got {depth!r}")
+        self.record_past, self.record_depth = True, depth or 0
 
     def codec(self):
         if self.fitted is not None:
@@ -374,6 +384,7 @@ class QuantizedLayer(CacheLayerMixin):
             self.seen += key_states.shape[-2]
             self._absorb_sinks()
             fresh = self._flush()
+            self._trim_pending(self.seen - key_states.shape[-2])
         except KvqrsError:  # e.g. a group's range beyond float32, found when the chunk is encoded
             self._undo(undo)
             raise
@@ -634,6 +645,17 @@ class QuantizedLayer(CacheLayerMixin):
         self._compact()
         self.quantized += n
         return {"flushed": flushed}
+
+    def _trim_pending(self, update_from: int) -> None:
+        """Drop the originals no crop back to ``update_from`` (the latest update's first
+        position) or back ``record_depth`` tokens needs: a fresh layer of that many tokens codes
+        every token before ``quantized_span(floor)[1]``, so their originals are never restored."""
+        if self.pending_k is None:
+            return
+        floor = max(0, min(update_from, self.seen - self.record_depth))
+        drop = self.config.quantized_span(floor)[1] - (self.window_start - self.pending_k.shape[-2])
+        if drop > 0:  # copies: a slice would keep the whole buffer alive
+            self.pending_k, self.pending_v = _tokens(self.pending_k, drop).clone(), _tokens(self.pending_v, drop).clone()
 
     def _compact(self) -> None:
         """Move the window to a buffer of its size when the current one is mostly flushed

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import pathlib
+import re
 from collections.abc import Iterable
 
 import numpy as np
@@ -464,23 +465,40 @@ def save_matched(path: str | pathlib.Path | io.BytesIO, calibration: dict, meta:
 
 def calibration_meta(path: str | pathlib.Path) -> dict[str, str]:
     """The metadata strings :func:`save_matched` wrote with a calibration (``kvqrs calibrate``
-    records ``group``, ``sink_tokens``, ``value_norms``, ``bits`` or ``budget``, and
-    ``sink_dtype``, ``value_scale``, ``preset`` when set)."""
+    records ``group``, ``sink_tokens``, ``value_norms``, ``bits`` or ``budget``, ``key_widths``
+    and ``value_widths``, and ``sink_dtype``, ``value_scale``, ``preset`` when set)."""
+    entries = _read_npz(path, str(path))
+    return {k[5:]: str(v) for k, v in entries.items() if k.startswith("meta_")}
+
+
+# Errors of reading a damaged archive: zipfile's (a truncated or altered file), zlib's, NumPy's
+# header parser, an unknown compression method (NotImplementedError) and an "encrypted" flag
+# (RuntimeError) among them.
+_ARCHIVE_ERRORS = (OSError, ValueError, KeyError, EOFError, TypeError, IndexError, OverflowError, NotImplementedError, RuntimeError)
+
+
+def _read_npz(path: str | pathlib.Path | io.BytesIO, name: str) -> dict[str, np.ndarray]:
+    """Every entry of a calibration archive, read at once (a file of a few MB), so that a damaged
+    archive is refused here as a whole rather than halfway through building a calibration."""
+    import struct
+    import zipfile
+    import zlib
+
     try:
-        with np.load(pathlib.Path(path), allow_pickle=False) as z:
-            return {k[5:]: str(z[k]) for k in z.files if k.startswith("meta_")}
-    except KvqrsError:
-        raise
-    except (OSError, ValueError, TypeError) as e:
-        raise KvqrsError(f"calibration: cannot read {str(path)!r}: {_npz_reason(e)}") from None
+        with np.load(path if isinstance(path, io.BytesIO) else pathlib.Path(path), allow_pickle=False) as z:
+            return {k: z[k] for k in z.files}
+    except (*_ARCHIVE_ERRORS, zipfile.BadZipFile, zlib.error, struct.error) as e:
+        raise KvqrsError(f"calibration: cannot read {name!r}: {_npz_reason(e)}") from None
+    except AttributeError:  # a .npy file: np.load gives one array, not an archive (no context manager)
+        raise KvqrsError(f"calibration: cannot read {name!r}: {_npz_reason(TypeError())}") from None
 
 
 def _npz_reason(e: Exception) -> str:
     """Why ``np.load`` refused a calibration file; NumPy reports a file that is neither ``.npy``
     nor ``.npz`` as pickled data, which ``allow_pickle=False`` refuses."""
-    if "pickled" in str(e) or isinstance(e, TypeError):  # TypeError: a .npy array is no archive
+    if "pickled" in str(e) or type(e) is TypeError:  # TypeError: a .npy array is no archive
         return "not a NumPy .npz archive (calibration files are written by `kvqrs calibrate` or save_matched)"
-    return str(e)
+    return f"a damaged archive ({type(e).__name__}: {e})"
 
 
 def _permutation_basis(perm: np.ndarray) -> np.ndarray:
@@ -496,24 +514,61 @@ def _permutation_basis(perm: np.ndarray) -> np.ndarray:
 
 def load_matched(path: str | pathlib.Path | io.BytesIO) -> dict:
     """Read a calibration written by :func:`save_matched` (a path or a binary file object);
-    raises :class:`KvqrsError` on another or a damaged file."""
+    raises :class:`KvqrsError` on another or a damaged file, naming the entry at fault."""
+    name = "<bytes>" if isinstance(path, io.BytesIO) else str(path)
+    z = _read_npz(path, name)
+    if "format" not in z or z["format"].shape != () or str(z["format"]) != MATCHED_FORMAT:
+        raise KvqrsError(f"calibration: {name!r} is not a kvqrs matched calibration file ({MATCHED_FORMAT})")
+    layers = []
+    for k in z:
+        kind, _, layer = k.partition("_")
+        if kind in _LAYER_ENTRIES and not re.fullmatch("[0-9]+", layer):  # "-1", "1_0" or non-ASCII digits name no layer
+            raise KvqrsError(f"calibration: {name!r} has entry {k!r}; expected {kind}_<layer> with a layer number of ASCII digits")
+        if kind == "widths":
+            layers.append(int(layer))
+    out = {}
+    for i in sorted(layers):
+        try:
+            out[i] = _layer_calibration(z, i)
+        except KvqrsError as e:
+            raise KvqrsError(f"calibration: {name!r}, layer {i}: {e}") from None
+    return out
+
+
+_LAYER_ENTRIES = ("mean", "widths", "vmean", "basis", "perm", "vbasis", "vwidths", "vbits", "vclasses")
+
+
+def _layer_calibration(z: dict, i: int):
+    """One layer's :class:`~kvqrs.schemes.matched.MatchedCalibration` from its archive entries,
+    each checked for presence and shape before use (the dataclasses check the rest)."""
     from ..schemes.matched import MatchedBasis, MatchedCalibration
 
-    name = "<bytes>" if isinstance(path, io.BytesIO) else str(path)
-    try:
-        with np.load(path if isinstance(path, io.BytesIO) else pathlib.Path(path), allow_pickle=False) as z:
-            if "format" not in z or str(z["format"]) != MATCHED_FORMAT:
-                raise KvqrsError(f"calibration: {name!r} is not a kvqrs matched calibration file ({MATCHED_FORMAT})")
-            layers = sorted(int(k[7:]) for k in z.files if k.startswith("widths_"))
-            out = {}
-            for i in layers:
-                basis = z[f"basis_{i}"] if f"basis_{i}" in z.files else _permutation_basis(z[f"perm_{i}"])
-                values = MatchedBasis(z[f"vmean_{i}"], z[f"vbasis_{i}"], z[f"vwidths_{i}"]) if f"vbasis_{i}" in z.files else None
-                vbits = int(z[f"vbits_{i}"]) if f"vbits_{i}" in z.files else None
-                classes = tuple(map(tuple, z[f"vclasses_{i}"].tolist())) if f"vclasses_{i}" in z.files else None
-                out[i] = MatchedCalibration(MatchedBasis(z[f"mean_{i}"], basis, z[f"widths_{i}"]), z[f"vmean_{i}"], values, vbits, classes)
-            return out
-    except KvqrsError:
-        raise
-    except (OSError, ValueError, KeyError, EOFError, TypeError) as e:
-        raise KvqrsError(f"calibration: cannot read {name!r}: {_npz_reason(e)}") from None
+    def entry(kind: str, ndim: int, optional: bool = False):
+        key = f"{kind}_{i}"
+        if key not in z:
+            if optional:
+                return None
+            raise KvqrsError(f"entry {key!r} is missing")
+        a = z[key]
+        if a.ndim != ndim or a.dtype.kind not in "uif":
+            raise KvqrsError(f"entry {key!r}: expected a {ndim}-dimensional numeric array, got shape {a.shape} dtype {a.dtype}")
+        return a
+
+    if f"basis_{i}" in z or f"perm_{i}" not in z:
+        basis = entry("basis", 3)
+    else:
+        try:
+            basis = _permutation_basis(entry("perm", 2))
+        except ValueError as e:
+            raise KvqrsError(f"entry 'perm_{i}': {e}") from None
+    vmean = entry("vmean", 2)
+    values = MatchedBasis(vmean, entry("vbasis", 3), entry("vwidths", 1)) if f"vbasis_{i}" in z else None
+    vbits = entry("vbits", 0, optional=True)
+    classes = entry("vclasses", 2, optional=True)
+    return MatchedCalibration(
+        MatchedBasis(entry("mean", 2), basis, entry("widths", 1)),
+        vmean,
+        values,
+        None if vbits is None else vbits[()],  # a float width is refused, not truncated
+        None if classes is None else tuple(map(tuple, classes.tolist())),
+    )

@@ -313,7 +313,7 @@ class QuantConfig:
         )
 
     @classmethod
-    def preset(cls, name: str, calibration: Any, **overrides: Any) -> QuantConfig:
+    def preset(cls, name: str, calibration: Any = None, /, **overrides: Any) -> QuantConfig:
         """A recommended configuration per budget (see :data:`PRESETS` and docs/schemes.md for
         the measurements they were chosen from).
 
@@ -325,21 +325,32 @@ class QuantConfig:
                 :func:`kvqrs.hf.calibration.allocate_matched` with the preset's ``budget``,
                 ``key_widths``, ``value_widths``, ``group``, ``sink_tokens``, ``value_norms``,
                 ``sink_dtype`` and ``value_scale``), or the path of that file.
-            overrides: other :class:`QuantConfig` fields (``residual_length``, ``seed``, ...);
-                ``sink_tokens=0`` without a ``sink_dtype`` also drops the preset's sink dtype
-                (there are no sinks to store in it).
+            overrides: other :class:`QuantConfig` fields (``residual_length``, ``seed``, ...;
+                not the schemes, bits or calibration the preset sets); ``sink_tokens=0`` without
+                a ``sink_dtype`` also drops the preset's sink dtype (there are no sinks to store
+                in it). Against a file, the settings its widths depend on (``group``,
+                ``sink_tokens``, ``sink_dtype``, ``value_norms``, ``value_scale``) must stay as
+                it records them.
 
         Returns:
             A ``matched`` config with the preset's ``group``, ``sink_tokens``, ``sink_dtype``,
             ``value_norms`` and ``value_scale``.
 
         Raises:
-            KvqrsError: an unknown name (the message lists them), no calibration (None, an
-                empty dict, ``"prefill"`` or ``"random"``), a file that is not a calibration, or a
-                calibration file recording another group, value norms, sink dtype or value scale.
+            KvqrsError: an unknown name (the message lists them), an override of a field the
+                preset sets or of no field, no calibration (None, an empty dict, ``"prefill"`` or
+                ``"random"``), a file that is not a calibration or is damaged, or a calibration
+                file made for another preset, recording another budget, key or value widths, or
+                settings other than the config's (the preset's with the overrides: group, sink
+                tokens, value norms, sink dtype, value scale), or not recording its group, sink
+                tokens, budget and widths (a file of an older version: make it again).
         """
         if name not in PRESETS:
             raise KvqrsError(f"preset: expected one of {sorted(PRESETS)}, got {name!r}")
+        # Positional-only, so that a second calibration (or a key_scheme) among the overrides is
+        # refused below by name instead of as Python's TypeError.
+        if calibration is None and "calibration" in overrides:
+            calibration = overrides.pop("calibration")
         if calibration is None:
             raise KvqrsError(f"preset: {name!r} uses the matched scheme and needs a calibration (`kvqrs calibrate --preset {name}`)")
         if isinstance(calibration, str) and calibration in ("prefill", "random"):
@@ -354,18 +365,25 @@ class QuantConfig:
             )
         if isinstance(calibration, dict) and not calibration:
             raise KvqrsError(f"preset: {name!r} got an empty calibration dict; expected {{layer: MatchedCalibration}} for every layer")
+        fields = {f.name for f in dataclasses.fields(cls)}
+        fixed = ("key_scheme", "key_bits", "value_scheme", "value_bits", "calibration")
+        if set(overrides) & set(fixed) or not set(overrides) <= fields:
+            bad = sorted(k for k in overrides if k in fixed or k not in fields)
+            raise KvqrsError(
+                f"preset: overrides: expected QuantConfig fields other than those the preset sets ({', '.join(fixed)}), got {bad}"
+            )
         p = PRESETS[name]
+        kw = {k: p[k] for k in ("group", "sink_tokens", "sink_dtype", "value_norms", "value_scale")}
+        if overrides.get("sink_tokens") == 0 and "sink_dtype" not in overrides:
+            kw["sink_dtype"] = None
+        kw.update(overrides)
         if not isinstance(calibration, dict):
             from .calibration import calibration_meta, load_matched
 
             loaded = load_matched(calibration)  # first: another file is refused as not a calibration
-            _check_preset_file(name, p, calibration_meta(calibration), calibration)
+            _check_preset_file(name, p, calibration_meta(calibration), calibration, kw)
             calibration = loaded
-        kw = {k: p[k] for k in ("group", "sink_tokens", "sink_dtype", "value_norms", "value_scale")}
-        if overrides.get("sink_tokens") == 0 and "sink_dtype" not in overrides:
-            kw["sink_dtype"] = None
-        kw.update(calibration=calibration, **overrides)
-        return cls("matched", p["value_bits"], "matched", p["value_bits"], **kw)
+        return cls("matched", p["value_bits"], "matched", p["value_bits"], calibration=calibration, **kw)
 
     def _matched_calibration(self, layer: int, head_dim: int):
         """The ``matched`` calibration of ``layer``: fitted (``calibration[layer]``) or the
@@ -450,22 +468,44 @@ class QuantConfig:
         return f"{k} k{self.key_bits}{v}{sinks}"
 
 
-def _check_preset_file(name: str, preset: dict, meta: dict, path: Any) -> None:
-    """Refuse a calibration file whose recorded settings differ from the preset's (its widths
-    were allocated for them: another group, value norms or sink dtype counts other bits,
+def _check_preset_file(name: str, preset: dict, meta: dict, path: Any, settings: dict) -> None:
+    """Refuse a calibration file made for another preset, or whose recorded settings differ from
+    the config's ``settings`` (the preset's, overrides applied): its widths were allocated for
+    them (another budget, widths, group, value norms, sinks or sink dtype count other bits,
     another value scale measured other sensitivities)."""
+    fix = f"make it with `kvqrs calibrate --preset {name}`"
+    if meta.get("preset", name) != name:
+        raise KvqrsError(f"calibration: {str(path)!r} was made for preset {meta['preset']!r}, not {name!r}; {fix}")
+    # A --budget file without a preset name is the preset's when the allocation's inputs are.
+    allocation = ("budget", "key_widths", "value_widths")
+    needed = ("group", "sink_tokens", *allocation)
+    missing = [k for k in needed if k not in meta]
+    if missing:  # a file of an older version or written by hand: what it was fitted for is unknown
+        raise KvqrsError(f"calibration: {str(path)!r} does not record its {', '.join(missing)}; {fix}")
     recorded = {
-        "group": meta.get("group"),
+        "group": meta["group"],
+        "sink_tokens": meta["sink_tokens"],
         "value_norms": meta.get("value_norms", "float"),
         "sink_dtype": meta.get("sink_dtype"),
         "value_scale": meta.get("value_scale", "norm"),
     }
-    wanted = {k: (None if preset[k] is None else str(preset[k])) for k in recorded}
-    if "group" not in meta:  # a file written without the calibrate command's metadata
-        recorded["group"] = wanted["group"]
-    differ = [f"{k} {recorded[k]!r} (the preset's: {wanted[k]!r})" for k in recorded if recorded[k] != wanted[k]]
+    wanted = {k: (None if settings[k] is None else str(settings[k])) for k in recorded}
+    recorded.update({k: _numbers(meta[k]) for k in allocation})
+    wanted.update({k: _numbers(preset[k]) for k in allocation})
+    differ = [f"{k} {recorded[k]!r} (the config's: {wanted[k]!r})" for k in recorded if recorded[k] != wanted[k]]
     if differ:
-        raise KvqrsError(f"calibration: {str(path)!r} was made with {', '.join(differ)}; make it with `kvqrs calibrate --preset {name}`")
+        raise KvqrsError(
+            f"calibration: {str(path)!r} was made with {', '.join(differ)}; {fix}, or leave those settings as the file has them"
+        )
+
+
+def _numbers(value: Any) -> str:
+    """A number or numbers (``4.25``, ``(3, 4)``, ``"3.0 4.0"``) as one comparable string."""
+    items = value if isinstance(value, (tuple, list)) else str(value).split()
+    try:
+        return " ".join(str(float(x)) for x in items)
+    except ValueError:
+        return str(value)
 
 
 SINK_DTYPES: dict[str | None, Any] = {None: None, "float16": torch.float16, "bfloat16": torch.bfloat16}

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -127,14 +128,70 @@ def dumps(cache) -> bytes:
     return _native.container_write([("meta", _UTF8, [len(text)], text), *_calibration_section(cache.config), *sections])
 
 
-def _tensor(sections: dict, name: str, dtype: str, head_dim: int) -> torch.Tensor:
+def _tensor(sections: dict, name: str, dtype: str, lead: tuple) -> torch.Tensor:
+    """Section ``name`` as a ``(batch, kv_heads, tokens, head_dim)`` tensor of ``dtype`` whose
+    batch, heads and head_dim are ``lead`` (the meta's; None: any), finite (a full-precision
+    tensor with a NaN or infinity was altered: the cache never stores one)."""
     if name not in sections:
         raise KvqrsError(f"compressed cache: section {name!r} is missing")
     code, shape, payload = sections[name]
-    want = getattr(torch, dtype, None)
-    if want not in _FLOAT or _FLOAT[want] != code or len(shape) != 4 or shape[-1] != head_dim:
-        raise KvqrsError(f"compressed cache: section {name!r} is not a (batch, heads, tokens, {head_dim}) {dtype} tensor")
-    return torch.frombuffer(bytearray(payload), dtype=want).reshape(shape) if payload else torch.zeros(shape, dtype=want)
+    want = getattr(torch, dtype, None) if dtype in _FLOAT_NAMES else None
+    dims = "({}, {}, tokens, {})".format(*("any" if n is None else n for n in lead))
+    if (
+        want not in _FLOAT
+        or _FLOAT[want] != code
+        or len(shape) != 4
+        or any(n is not None and n != m for n, m in zip(lead, (shape[0], shape[1], shape[3])))
+        # a token's row beyond 2^40 elements (terabytes) is no cache's; empty, it overflows torch's strides
+        or shape[0] * shape[1] * shape[3] > 2**40
+    ):
+        raise KvqrsError(f"compressed cache: section {name!r} is not a {dims} {dtype} tensor, got shape {shape}")
+    t = torch.frombuffer(bytearray(payload), dtype=want).reshape(shape) if payload else torch.zeros(shape, dtype=want)
+    if not torch.isfinite(t).all():
+        raise KvqrsError(f"compressed cache: section {name!r} holds a NaN or an infinity")
+    return t
+
+
+_FLOAT_NAMES = ("float16", "bfloat16", "float32", "float64")
+_FLOAT_CODES = (1, 2, 3, 6)  # container dtype codes of float payloads
+
+
+def _check_finite_sections(raw: list, prefix: str) -> None:
+    """Refuse a stored float (norms, scales, zero points, a key-only config's values) that is a
+    NaN or an infinity: encoders never write one, so the bytes were altered."""
+    from ..format import _np_dtype
+
+    names = {1: "float16", 2: "float32", 3: "float64", 6: "bfloat16"}
+    for name, code, _, payload in raw:
+        if name.startswith(prefix) and code in _FLOAT_CODES and payload:
+            a = np.frombuffer(payload, dtype=_np_dtype(names[code]))
+            if not np.isfinite(a.astype(np.float64)).all():
+                raise KvqrsError(f"compressed cache: section {name!r} holds a NaN or an infinity")
+
+
+def _layer_info(i: int, info: Any) -> dict:
+    """Layer ``i``'s meta entry, its types checked (an edited meta fails here, by name, not as
+    a KeyError or an OverflowError further on)."""
+    if not isinstance(info, dict):
+        raise KvqrsError(f"compressed cache: layer {i}'s meta must be an object, got {type(info).__name__}")
+    window = info.get("sliding_window")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise KvqrsError(f"compressed cache: layer {i} has sliding window {window!r}")
+    if not info.get("initialized"):
+        return info
+    counts = {"head_dim": 1, "batch": 1, "kv_heads": 1, "quantized": 0, **dict.fromkeys(_POSITIONS, 0)}
+    for name, low in counts.items():
+        if name in ("batch", "kv_heads") and name not in info:
+            continue  # kvqrs-cache-v2 did not record them: the window's shape gives them
+        v = info.get(name)
+        if isinstance(v, bool) or not isinstance(v, int) or not low <= v < 2**62:
+            raise KvqrsError(f"compressed cache: layer {i}'s {name}: expected an integer in {low} .. 2^62 - 1, got {v!r}")
+    if info.get("dtype") not in _FLOAT_NAMES:
+        raise KvqrsError(f"compressed cache: layer {i}'s dtype: expected one of {_FLOAT_NAMES}, got {info.get('dtype')!r}")
+    fitted = info.get("fitted_tokens", 0)
+    if isinstance(fitted, bool) or not isinstance(fitted, int) or not 0 <= fitted <= info["seen"]:
+        raise KvqrsError(f"compressed cache: layer {i}'s fitted_tokens: expected 0 .. seen ({info['seen']}), got {fitted!r}")
+    return info
 
 
 def loads(data: bytes, config: QuantConfig | None, make_cache: Callable[[QuantConfig, int], Any]):
@@ -152,14 +209,19 @@ def loads(data: bytes, config: QuantConfig | None, make_cache: Callable[[QuantCo
         assert meta["format"] in READABLE and isinstance(meta["layers"], list) and isinstance(meta["config"], dict)
     except (UnicodeDecodeError, ValueError, KeyError, TypeError, AssertionError):
         raise KvqrsError(f"compressed cache: not a {FORMAT} file (nor one of the earlier {', '.join(READABLE[1:])})") from None
+    if not (meta.get("bases") is None or isinstance(meta["bases"], str)):
+        raise KvqrsError(f"compressed cache: meta's bases: expected a bases name or null, got {meta['bases']!r}")
+    infos = [_layer_info(i, info) for i, info in enumerate(meta["layers"])]
     sections = {name: (code, shape, payload) for name, code, shape, payload in raw[1:]}
-    bases: Any = meta["bases"]
+    bases: Any = meta.get("bases")
     if bases is None:
         found = {
             int(n.split(".")[1]): np.frombuffer(p, np.float32).reshape(s)
             for n, (c, s, p) in sections.items()
-            if n.startswith("bases.") and c == 2
+            if n.startswith("bases.") and c == 2 and re.fullmatch("bases\\.[0-9]+", n)
         }
+        if not all(np.isfinite(b).all() for b in found.values()):
+            raise KvqrsError("compressed cache: a bases.<layer> section holds a NaN or an infinity")
         bases = found or None
     fields = meta["config"]
     # A sink_dtype without sinks (refused by QuantConfig since) stored only empty sink tensors,
@@ -175,12 +237,9 @@ def loads(data: bytes, config: QuantConfig | None, make_cache: Callable[[QuantCo
         raise KvqrsError(f"config: expected a QuantConfig or None, got {type(config).__name__}")
     if config is not None:
         _check_same(config, saved)
-    cache = make_cache(config or saved, len(meta["layers"]))
-    for i, (layer, info) in enumerate(zip(cache.layers, meta["layers"])):
-        window = info.get("sliding_window")
-        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
-            raise KvqrsError(f"compressed cache: layer {i} has sliding window {window!r}")
-        layer.sliding_window, layer.record_past = window, bool(info.get("record_past"))
+    cache = make_cache(config or saved, len(infos))
+    for i, (layer, info) in enumerate(zip(cache.layers, infos)):
+        layer.sliding_window, layer.record_past = info.get("sliding_window"), bool(info.get("record_past"))
         if info.get("initialized"):
             _load_layer(layer, i, info, sections, raw, meta["format"], unused_sink_dtype)
     return cache
@@ -221,14 +280,12 @@ def _load_calibration(layer, i: int, info: dict, sections: dict) -> None:
 
 
 def _load_layer(layer, i: int, info: dict, sections: dict, raw: list, version: str, unused_sink_dtype: str | None = None) -> None:
-    try:
-        dtype, d, quantized = info["dtype"], int(info["head_dim"]), int(info["quantized"])
-        seen, start, q_start = (int(info[name]) for name in _POSITIONS)
-    except (KeyError, TypeError, ValueError):
-        raise KvqrsError(f"compressed cache: layer {i} lacks its dtype, head_dim, quantized count or the positions it holds") from None
+    dtype, d, quantized = info["dtype"], info["head_dim"], info["quantized"]  # checked by _layer_info
+    seen, start, q_start = (info[name] for name in _POSITIONS)
+    lead = (info.get("batch"), info.get("kv_heads"), d)
     sink_dtype = layer.config.sink_dtype or dtype  # sinks stored in the config's sink_dtype when set
     fp = {
-        name: _tensor(sections, f"L{i}.{name}", (unused_sink_dtype or sink_dtype) if name.startswith("sink_") else dtype, d)
+        name: _tensor(sections, f"L{i}.{name}", (unused_sink_dtype or sink_dtype) if name.startswith("sink_") else dtype, lead)
         for name in (*_FP_ALWAYS, *_FP_OPTIONAL)
         if name in _FP_ALWAYS or info.get(name)
     }
@@ -240,9 +297,16 @@ def _load_layer(layer, i: int, info: dict, sections: dict, raw: list, version: s
     codec = layer.codec()
     b, h = keys.shape[0], keys.shape[1]
     store = None
+    n_sinks, n_window = fp["sink_keys"].shape[-2], keys.shape[-2]
+    if not (start + n_sinks == q_start and q_start + quantized + n_window == seen):  # before a store of that size is made
+        raise KvqrsError(
+            f"compressed cache: layer {i} positions (seen {seen}, start {start}, first coded {q_start}) do not match its "
+            f"{n_sinks} sink, {quantized} coded and {n_window} window tokens"
+        )
     if version == FORMAT:
         if info.get("store"):
             prefix = f"L{i}.store."
+            _check_finite_sections(raw[1:], prefix)
             mine = [s for s in raw[1:] if s[0].startswith(prefix)]
             store = CodeStore.from_sections(codec, (b, h, quantized, d), layer.dtype, mine, prefix)
     elif info.get("keys"):  # kvqrs-cache-v2: one nested kvqrs.format container per side
@@ -250,7 +314,7 @@ def _load_layer(layer, i: int, info: dict, sections: dict, raw: list, version: s
         if info.get("values"):
             cv = _nested(sections, f"L{i}.values", codec)
         elif info.get("fp_values"):
-            cv = _tensor(sections, f"L{i}.fp_values", dtype, d)
+            cv = _tensor(sections, f"L{i}.fp_values", dtype, lead)
         else:
             raise KvqrsError(f"compressed cache: layer {i} has quantized keys but no values for them")
         if ck.shape[-2] != quantized:

@@ -18,7 +18,9 @@ variable                  meaning                                               
 
 from __future__ import annotations
 
+import numbers
 import os
+import re
 from collections.abc import Mapping
 
 from .._arrays import KvqrsError
@@ -37,10 +39,10 @@ def _int(env: Mapping[str, str], name: str, default: int) -> int:
     raw = env.get(name, "").strip()
     if not raw:
         return default
-    try:
-        return int(raw)
-    except ValueError:
-        raise KvqrsError(f"{name}: expected an integer, got {raw!r}") from None
+    # int() also reads "4_0" as 40 and non-ASCII digits as numbers: only ASCII digits count.
+    if not re.fullmatch(r"-?[0-9]+", raw):
+        raise KvqrsError(f"{name}: expected an integer of ASCII digits, got {raw!r}")
+    return int(raw)
 
 
 def config_from_env(env: Mapping[str, str] | None = None) -> QuantConfig:
@@ -77,6 +79,12 @@ def environment(
 ) -> dict[str, str]:
     """The ``KVQRS_*`` variables for these settings (checked at once), to put in ``os.environ``
     before vLLM starts."""
+    for name, value in (("scheme", scheme), ("value_scheme", value_scheme)):
+        if not (isinstance(value, str) or (value is None and name == "value_scheme")):
+            raise KvqrsError(f"{name}: expected a scheme name (a string), got {value!r}")
+    for name, value in (("bits", bits), ("value_bits", value_bits), ("seed", seed), ("group", group)):
+        if not (isinstance(value, numbers.Integral) and not isinstance(value, bool) or (value is None and name == "value_bits")):
+            raise KvqrsError(f"{name}: expected an integer, got {value!r}")
     env = {
         "KVQRS_SCHEME": scheme,
         "KVQRS_BITS": str(bits),
