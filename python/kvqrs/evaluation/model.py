@@ -170,6 +170,8 @@ def check_config(config: Any) -> None:
             model = AutoModelForCausalLM.from_config(config)
     except (ValueError, KeyError) as e:
         raise KvqrsError(f"--model: {kind} is not a causal language model transformers knows ({str(e).splitlines()[0]})") from None
+    if getattr(config, "is_decoder", None) is False or not all(getattr(m, "is_causal", True) for m in model.modules()):
+        raise KvqrsError(f"--model: {kind} is not a causal decoder (its attention sees later tokens): it has no KV cache to quantize")
     if not model.is_backend_compatible():
         raise KvqrsError(f"--model: {kind}'s attention does not go through transformers' attention interface, so kvqrs cannot serve it")
     text = config.get_text_config(decoder=True)
@@ -183,8 +185,6 @@ def check_config(config: Any) -> None:
         raise KvqrsError(f"--model: {kind} has learned sink logits, which the kvqrs attention does not compute")
     if not attention:
         raise KvqrsError(f"--model: {kind}'s attention modules have no num_key_value_groups / layer_idx, which the kvqrs attention reads")
-    if not all(getattr(m, "is_causal", True) for m in attention):
-        raise KvqrsError(f"--model: {kind}'s attention is not causal (no KV cache to quantize)")
     if getattr(text, "use_cache", True) is False:
         raise KvqrsError(f"--model: {kind}'s config turns the KV cache off (use_cache=False)")
     try:
