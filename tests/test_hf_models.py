@@ -97,7 +97,7 @@ def _run(model, ids, cache, splits):
 
 
 def _qcache(cfg, model):
-    return QuantizedKVCache(cfg, model_config=model.config)
+    return QuantizedKVCache(cfg, model.config)
 
 
 # --- layer types ------------------------------------------------------------------------------
@@ -111,6 +111,33 @@ def test_layers_follow_the_model_config_as_dynamic_cache_does(models, kind):
     assert [layer.get_max_length() for layer in qc.layers] == [layer.get_max_length() for layer in dc.layers]
     if kind == "gemma3":
         assert qc.is_sliding == [True, False, True, False]
+
+
+def test_the_model_config_by_position_or_keyword(models):
+    model = _model(models, "gemma3")
+    cfg = QuantConfig("kqv", 3, residual_length=4)
+    by_keyword = QuantizedKVCache(cfg, model_config=model.config)
+    assert QuantizedKVCache(cfg, model.config).is_sliding == by_keyword.is_sliding == [True, False, True, False]
+    assert [layer.sliding_window for layer in by_keyword.layers] == [WINDOW, None, WINDOW, None]
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_a_layer_count_cache_warns_once_on_sliding_window_layers(models):
+    """Built with a layer count, every layer holds all tokens; on a model with sliding-window
+    layers the cache warns once (at its first forward), built with the config it does not."""
+    model = _model(models, "gemma3")
+    cfg = QuantConfig("kqv", 3, residual_length=4)
+    ids = _ids(WINDOW + 4)
+    for cache, expected in ((QuantizedKVCache(cfg, model.config.num_hidden_layers), 1), (_qcache(cfg, model), 0)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _run(model, ids, cache, [WINDOW, WINDOW + 2, WINDOW + 4])
+        caught = [w for w in caught if "QuantizedKVCache" in str(w.message)]
+        assert len(caught) == expected
+        assert all("layer 0" in str(w.message) and f"window of {WINDOW} tokens" in str(w.message) for w in caught)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # a model without sliding windows: no warning
+        _run(_model(models, "qwen3"), ids, QuantizedKVCache(cfg, 4), [WINDOW + 4])
 
 
 @pytest.mark.filterwarnings("ignore::FutureWarning")
@@ -354,8 +381,11 @@ def test_unsupported_layer_types_are_named():
     cfg.layer_types = ["full_attention", "linear_attention"]
     with pytest.raises(KvqrsError, match="linear_attention"):
         QuantizedKVCache(QuantConfig("kqv", 3), model_config=cfg)
-    with pytest.raises(KvqrsError, match="exactly one"):
-        QuantizedKVCache(QuantConfig("kqv", 3), 2, model_config=cfg)
+    with pytest.raises(KvqrsError, match="linear_attention"):
+        QuantizedKVCache(QuantConfig("kqv", 3), cfg)
+    for both in ((2,), (cfg,)):
+        with pytest.raises(KvqrsError, match="exactly one"):
+            QuantizedKVCache(QuantConfig("kqv", 3), *both, model_config=cfg)
 
 
 @pytest.mark.filterwarnings("ignore::FutureWarning")

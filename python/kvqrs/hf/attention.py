@@ -130,6 +130,8 @@ def kvqrs_attention(module, query, key, value, attention_mask, scaling, dropout=
     for logit soft-capping or learned sink logits, which it does not compute."""
     _check_supported(module, kwargs)
     state = _STATE.get()
+    if kwargs.get("sliding_window") is not None and hasattr(state, "note_sliding_window"):
+        state.note_sliding_window(module, kwargs["sliding_window"])  # a cache built with a layer count warns
     if state is not None:
         handled = state.attend(module, query, key, value, attention_mask, scaling)
         if handled is not None:

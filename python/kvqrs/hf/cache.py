@@ -6,8 +6,10 @@ Each layer holds full-precision sinks, the codes in a layer store (:class:`~kvqr
 one growable native buffer per stored part, appended in place) and a full-precision window. At
 each update the window grows; whole chunks beyond ``residual_length`` are encoded (chunks of
 one token, or of ``group`` tokens when KIVI keys need whole groups) and appended to the store.
-Built with ``model_config=``, the cache follows the model's layer types as
-``DynamicCache(config=...)`` does: sliding-window layers hold only their window.
+Built with the model's config (``QuantizedKVCache(config, model.config)``), the cache follows the
+model's layer types as ``DynamicCache(config=...)`` does: sliding-window layers hold only their
+window. A cache built with a layer count holds every token of every layer, and warns once when
+the model turns out to have sliding-window layers.
 
 A forward over several new tokens (prefill, drafted tokens) reads, for each query, the keys as
 one token at a time would: a code flushed by this forward is read in full precision by the
@@ -31,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import warnings
 import weakref
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -1127,15 +1130,18 @@ class QuantizedKVCache(Cache):
     Args:
         config: :class:`QuantConfig` (schemes, bits, ``residual_length``, ``sink_tokens``,
             HeadQ bases, seed).
-        num_layers: number of decoder layers, all full attention; or
-        model_config: the model's config (``model.config``): one layer per decoder layer,
-            sliding-window layers where the model has them (see :func:`layer_windows`).
-            Give exactly one of the two.
+        num_layers: the model's config (``model.config``, as ``DynamicCache(config=...)``
+            takes it): one layer per decoder layer, sliding-window layers where the model has
+            them (see :func:`layer_windows`); or a number of decoder layers, all full attention
+            (a cache that then meets a sliding-window layer of the model warns once, at its
+            first forward).
+        model_config: the model's config by keyword, in place of ``num_layers``. Give exactly
+            one of the two.
 
     Example::
 
         model = AutoModelForCausalLM.from_pretrained(..., attn_implementation="kvqrs")
-        cache = QuantizedKVCache(QuantConfig("kqv", 4, "kqv", 4, residual_length=32), model_config=model.config)
+        cache = QuantizedKVCache(QuantConfig("kqv", 4, "kqv", 4, residual_length=32), model.config)
         model.generate(ids, cache=cache, max_new_tokens=20)
         cache.nbytes()
     """
@@ -1144,6 +1150,10 @@ class QuantizedKVCache(Cache):
         register()
         if not isinstance(config, QuantConfig):
             raise KvqrsError(f"config: expected a QuantConfig, got {type(config).__name__}")
+        if hasattr(num_layers, "get_text_config"):  # a transformers config, as DynamicCache(config=...) takes
+            if model_config is not None:
+                raise KvqrsError("num_layers, model_config: give exactly one (model_config to follow the model's sliding-window layers)")
+            num_layers, model_config = None, num_layers
         if num_layers is not None:
             num_layers = check_positive_int(num_layers, "num_layers")
         if config.key_scheme is None:
@@ -1165,7 +1175,24 @@ class QuantizedKVCache(Cache):
         # The cache's own settings: the caller may go on changing its config (QuantConfig's
         # setters rebuild its codecs) without changing what this cache has coded or codes next.
         self.config = config = config.in_use_copy()
+        self._window_warned = False
         super().__init__(layers=[QuantizedLayer(config, i, w) for i, w in enumerate(windows)])
+
+    def note_sliding_window(self, module, sliding_window: int) -> None:
+        """Called by the ``kvqrs`` attention function for a layer the model runs with a sliding
+        window (its ``sliding_window`` argument): warns once when this cache holds that layer as
+        full attention (built with a layer count, not the model's config)."""
+        layer = getattr(module, "layer_idx", None)
+        if self._window_warned or not isinstance(layer, int) or not 0 <= layer < len(self.layers) or self.layers[layer].is_sliding:
+            return
+        self._window_warned = True
+        warnings.warn(
+            f"QuantizedKVCache: layer {layer} of the model attends over a sliding window of {sliding_window} tokens, but this "
+            "cache, built with a layer count, holds all its tokens as full attention (more memory than the model reads); "
+            "build it with QuantizedKVCache(config, model.config) to follow the model's layer types",
+            UserWarning,
+            stacklevel=2,
+        )
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         if not 0 <= layer_idx < len(self.layers):
