@@ -1510,7 +1510,7 @@ def _window_script(cfg: QuantConfig, window: int | None, buffered: bool) -> tupl
 
     for t in (9, 1, 1):
         step(t)
-    layer.activate_past_recording()
+    layer.activate_past_recording(recurrent_states_to_keep=3)  # the crop below reaches past the latest update
     step(3)
     step(1)
     layer.crop(-3)

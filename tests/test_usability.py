@@ -230,6 +230,7 @@ def test_calibrate_preset_measures_and_records_its_value_scale(text_file, tmp_pa
         return {0: dataclasses.replace(random_calibration(16, 3, 0), value_bits=3)}
 
     monkeypatch.setattr(model_mod, "load", lambda *a, **k: (object(), object()))
+    monkeypatch.setattr(model_mod, "describe", lambda *a, **k: {"summary": "a stub model"})
     monkeypatch.setattr(lp, "llama_chunks", lambda tok, text, ctx, n: [None] * n)
     monkeypatch.setattr(calibration, "allocate_matched", allocate)
     out = tmp_path / "c.npz"
