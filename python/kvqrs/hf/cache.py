@@ -217,8 +217,8 @@ class _Steady(NamedTuple):
     decode token's keys and values, and the last view (its sinks, store and code start are
     those of every step until the general path runs again)."""
 
-    k_shape: tuple[int, int, int, int]
-    v_shape: tuple[int, int, int, int]
+    k_shape: torch.Size
+    v_shape: torch.Size
     view: _View
     # What the layer held after that update: a later update takes the steady path only while
     # nothing else changed it.
@@ -226,6 +226,12 @@ class _Steady(NamedTuple):
     quantized: int
     window: _Window
     hi: int
+    # The largest buffer the general path keeps for the next token's window, and the schedule
+    # (QuantConfig.quantized_span's sinks, residual window and chunk).
+    max_cap: int
+    sinks: int
+    residual: int
+    chunk: int
 
 
 class QuantizedLayer(CacheLayerMixin):
@@ -415,7 +421,10 @@ class QuantizedLayer(CacheLayerMixin):
         if not (_plain_f32(key_states) and self.dtype is torch.float32):
             return None
         b, h, _, d = self.keys.shape
-        return _Steady((b, h, 1, d), (b, h, 1, self.values.shape[-1]), self._view, self.seen, self.quantized, win, win.hi)
+        cfg = self.config
+        shapes = torch.Size((b, h, 1, d)), torch.Size((b, h, 1, self.values.shape[-1]))
+        room = 4 * (win.hi - win.lo + 1) + 64
+        return _Steady(*shapes, self._view, self.seen, self.quantized, win, win.hi, room, cfg.sink_tokens, cfg.residual_length, cfg.chunk)
 
     def _steady_update(self, key_states: torch.Tensor, value_states: torch.Tensor):
         """:meth:`update` of one decode token in the state :meth:`_steady_state` recorded, when
@@ -426,19 +435,20 @@ class QuantizedLayer(CacheLayerMixin):
         run: another shape or dtype, no room in the buffer, a refused token, a codec without a
         native encoder, a layer changed by anything but such updates since."""
         st, win = self._steady, self._window
-        if not self._fused or self.record_past or self.keys is not win.k_view:
+        if not self._fused or self.record_past or self.keys is not win.k_view or not win.shown:
             return None
-        if self.seen != st.seen or self.quantized != st.quantized or win is not st.window or win.hi != st.hi or not win.shown:
+        if self.seen != st.seen or self.quantized != st.quantized or win is not st.window or win.hi != st.hi:
             return None  # the layer changed since (a crop, a batch selection, a restore)
-        if tuple(key_states.shape) != st.k_shape or tuple(value_states.shape) != st.v_shape:
+        if key_states.shape != st.k_shape or value_states.shape != st.v_shape or not win.hi + 1 <= win.cap <= st.max_cap:
+            return None  # the general path moves the window to a fresh buffer when it is mostly spare room
+        if key_states.dtype is not torch.float32 or value_states.dtype is not torch.float32:
             return None
-        if not win.hi + 1 <= win.cap <= 4 * (win.hi - win.lo + 1) + 64:  # the general path moves to a fresh buffer
-            return None
-        if not (_plain_f32(key_states) and _plain_f32(value_states)):
+        if not (key_states.is_cpu and value_states.is_cpu) or key_states.requires_grad or value_states.requires_grad:
             return None
         if not _native.window_append(win.flat_k, win.flat_v, win.cap, win.hi, key_states.numpy(), value_states.numpy()):
             return None  # the general path names the refused value
-        n = self.config.quantized_span(self.seen + 1)[1] - self.window_start
+        seen = self.seen + 1
+        n = st.sinks + max(0, (seen - st.sinks - st.residual) // st.chunk * st.chunk) - (self.q_start + self.quantized)
         flushed = None
         if n > 0:  # the oldest window tokens, already in the buffer, leave it as codes
             if win.lo + n > win.hi or not self.store.encode_append(win.np_k, win.np_v, n, win.lo):
@@ -447,7 +457,7 @@ class QuantizedLayer(CacheLayerMixin):
             win.lo += n
             self.quantized += n
         win.hi += 1
-        self.seen += 1
+        self.seen = seen
         self._show(win)
         if n > 0:
             self._compact()
@@ -455,19 +465,11 @@ class QuantizedLayer(CacheLayerMixin):
         last = st.view
         rows = WindowRows(win.flat_k, win.flat_v, win.cap, win.lo, win.hi - win.lo)
         self._view = _View(
-            last.start,
-            last.sink_k,
-            last.sink_v,
-            last.store,
-            self.quantized,
-            last.q_start,
-            self.keys,
-            self.values,
-            self.seen - 1,
-            flushed,
-            rows,
+            last.start, last.sink_k, last.sink_v, last.store, self.quantized, last.q_start, self.keys, self.values, seen - 1, flushed, rows
         )
-        self._steady = st._replace(view=self._view, seen=self.seen, quantized=self.quantized, window=win, hi=win.hi)
+        self._steady = st._replace(
+            view=self._view, seen=seen, quantized=self.quantized, window=win, hi=win.hi, max_cap=4 * (win.hi - win.lo + 1) + 64
+        )
         self._returned = weakref.ref(self.keys)
         return self.keys, self.values
 
@@ -1199,7 +1201,9 @@ class QuantizedKVCache(Cache):
             raise KvqrsError(f"num_layers: this cache has {len(self.layers)} layers, the model updated layer {layer_idx}")
         if _STATE.get() is not self:  # the kvqrs attention function of this layer consults this cache
             _STATE.set(self)  # (set only on a change: each set makes a token, a decode step's 0.5 us)
-        return super().update(key_states, value_states, layer_idx, *args, fused=self.config.fused, **kwargs)
+        # The layer's own update: transformers' Cache.update adds only offloading, which this
+        # cache never turns on.
+        return self.layers[layer_idx].update(key_states, value_states, *args, fused=self.config.fused, **kwargs)
 
     def attend(self, module, query, key, value, attention_mask, scaling):
         # This cache stays the attention state after its last update; another forward (another
