@@ -13,9 +13,10 @@ float32, torch threads as :func:`kvqrs.hf.fastest_threads` chooses them:
 - peak resident memory at the longest context: what grows during the row (the cache's keys and
   values and each step's temporaries, ``speed_generate``) <= 0.3x the dense row's.
 
-The ``4bit`` preset needs a calibration file (``kvqrs calibrate --preset 4bit``); speed does
-not depend on how well it was fitted, so when none is given the harness fits a small one (1
-window of 256 calibration tokens and 1 probe window) once and keeps it in ``~/.cache/kvqrs``.
+The ``4bit`` preset row uses a calibration file (``kvqrs calibrate --preset 4bit``: per-layer
+widths, as the preset is measured; without a file a preset is calibrated on the prompt); speed
+does not depend on how well it was fitted, so when none is given the harness fits a small one
+(1 window of 256 calibration tokens and 1 probe window) once and keeps it in ``~/.cache/kvqrs``.
 """
 
 from __future__ import annotations

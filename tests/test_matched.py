@@ -374,13 +374,15 @@ def test_channel_calibration_is_stored_as_a_permutation(tmp_path):
 
 
 def test_preset_refuses_what_is_not_a_calibration_for_it(tmp_path):
-    """An empty dict, the strings of other calibration modes and a file that is not a
-    calibration are refused by the preset, naming what it takes."""
+    """An empty dict, the random-basis control and a file that is not a calibration are refused
+    by the preset, naming what it takes."""
     with pytest.raises(KvqrsError, match="empty calibration dict"):
         QuantConfig.preset("4bit", {})
-    for mode in ("prefill", "random"):
-        with pytest.raises(KvqrsError, match=f"not calibration='{mode}'.*calibration='prefill'"):
-            QuantConfig.preset("4bit", mode)
+    control = r"calibrated on the prompt .* not calibration='random' \(the random-basis control: QuantConfig\('matched', 4, "
+    with pytest.raises(KvqrsError, match=control):
+        QuantConfig.preset("4bit", "random")
+    with pytest.raises(KvqrsError, match=control):
+        QuantConfig.preset("4bit", calibration="random")
     for bad in ([], 0, b"prefill"):
         with pytest.raises(KvqrsError, match="expected a .layer: MatchedCalibration. dict or a file path"):
             QuantConfig.preset("4bit", bad)
@@ -398,6 +400,90 @@ def test_preset_refuses_what_is_not_a_calibration_for_it(tmp_path):
     np.savez(other, a=np.zeros(3))
     with pytest.raises(KvqrsError, match=r"^calibration: '.*other.npz' is not a kvqrs matched calibration file"):
         QuantConfig.preset("4bit", other)
+
+
+@pytest.mark.parametrize("name", ["4bit", "3bit", "2bit"])
+def test_preset_without_a_file_is_calibrated_on_the_prompt(name):
+    """No calibration (or "prefill", the same): the preset's settings self-calibrated on the
+    prompt, keys and values at the preset's value bits (the per-layer widths need a file);
+    overrides apply and are validated as against a file."""
+    from kvqrs.hf.config import PRESETS
+
+    p = PRESETS[name]
+    settings = {k: p[k] for k in ("group", "sink_tokens", "sink_dtype", "value_norms", "value_scale")}
+    b = p["value_bits"]
+    cfg = QuantConfig.preset(name)
+    assert cfg == QuantConfig("matched", b, "matched", b, calibration="prefill", **settings)
+    assert QuantConfig.preset(name, "prefill") == cfg and QuantConfig.preset(name, calibration="prefill") == cfg
+    assert QuantConfig.preset(name, None, calibration="prefill") == cfg
+    longer = QuantConfig.preset(name, residual_length=16, seed=3)
+    assert (longer.residual_length, longer.seed, longer.calibration) == (16, 3, "prefill")
+    no_sinks = QuantConfig.preset(name, sink_tokens=0)
+    assert (no_sinks.sink_tokens, no_sinks.sink_dtype) == (0, None)
+    with pytest.raises(KvqrsError, match=r"^preset: overrides: expected QuantConfig fields other than .* got \['key_bits'\]"):
+        QuantConfig.preset(name, key_bits=8)
+    with pytest.raises(KvqrsError, match="group must be a multiple of 8"):
+        QuantConfig.preset(name, group=12)
+    with pytest.raises(KvqrsError, match="^value_scale: 'preserve_norm' applies to the MSE value stage"):  # so do log8 norms
+        QuantConfig.preset(name, value_transform=True)
+
+
+# Stored bits per element of a prompt-calibrated preset, below its budget by at most this much
+# (head_dim 64, as the presets were measured on; every token quantized but the sink): equal
+# widths at the preset's value bits spend the fixed costs (key scales, 8-bit value norms, the
+# float16 sink, the calibration fitted on the prompt) that per-layer widths from a file would
+# spend on wider layers; measured 4.17 / 3.17 / 2.29 against 4.25 / 3.25 / 2.5.
+PROMPT_PRESET_UNDER_BUDGET = 0.25
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+@pytest.mark.parametrize("name", ["4bit", "3bit", "2bit"])
+def test_prompt_calibrated_preset_generates_within_its_budget(name):
+    """``QuantConfig.preset(name)`` in a QuantizedKVCache on a tiny random Llama: ``generate``
+    fits every layer on the prompt, decodes with that calibration (the last group flushes
+    during decoding), and the cache's bits per element stay within the preset's budget."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from kvqrs.hf import QuantizedKVCache, register
+    from kvqrs.hf.attention import _STATE
+    from kvqrs.hf.config import PRESETS
+
+    register()
+    kv_heads, head_dim, layers, new = 2, 64, 2, 8
+    model_cfg = transformers.LlamaConfig(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=2 * kv_heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=2048,
+        attn_implementation="kvqrs",
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(model_cfg).eval()
+    cfg = QuantConfig.preset(name)
+    # Every token but the sink in whole groups once the new tokens are in (the last one
+    # generated is not fed back): nothing left in full precision at the end.
+    tokens = cfg.sink_tokens + 4 * cfg.group
+    prompt = tokens - (new - 1)
+    ids = torch.randint(0, 96, (1, prompt), generator=torch.Generator().manual_seed(1))
+    cache = QuantizedKVCache(cfg, model.config)
+    _STATE.set(None)
+    try:
+        with torch.no_grad():
+            out = model.generate(ids, cache=cache, max_new_tokens=new, min_new_tokens=new, do_sample=False)
+    finally:
+        _STATE.set(None)
+    assert out.shape == (1, prompt + new) and torch.equal(out[:, :prompt], ids)
+    assert cache.get_seq_length() == tokens
+    for layer in cache.layers:
+        assert layer.fitted is not None and layer.fitted_tokens == prompt  # fitted on the prompt only
+        assert layer.quantized == 4 * cfg.group
+    bits = cache.nbytes() * 8 / (2 * layers * kv_heads * tokens * head_dim)
+    budget = PRESETS[name]["budget"]
+    assert budget - PROMPT_PRESET_UNDER_BUDGET <= bits <= budget, bits
 
 
 def preset_meta(name: str) -> dict:

@@ -769,7 +769,8 @@ def build_parser() -> argparse.ArgumentParser:
     ca.add_argument(
         "--preset",
         help="the settings of QuantConfig.preset(NAME): 4bit, 3bit or 2bit (its --budget, --key-widths, --value-widths, --group, "
-        "--sink-tokens, --sink-dtype, --value-norms and --value-scale; default: none)",
+        "--sink-tokens, --sink-dtype, --value-norms and --value-scale; default: none). Without a file a preset is calibrated "
+        "on the prompt; this file refines it (per-layer widths fitted on the calibration text)",
     )
     ca.add_argument(
         "--key-widths",

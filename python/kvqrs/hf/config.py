@@ -317,10 +317,21 @@ class QuantConfig:
         """A recommended configuration per budget (see :data:`PRESETS` and docs/schemes.md for
         the measurements they were chosen from).
 
+        Without a calibration file the preset is calibrated on the prompt: every layer fits its
+        ``matched`` calibration on the first forward's queries, keys and values
+        (``calibration="prefill"``) at the preset's value bits for keys and values alike (the
+        per-layer widths need a file), with the preset's other settings; that is
+        ``QuantConfig("matched", b, "matched", b, calibration="prefill", group=..., sink_tokens=...,
+        sink_dtype=..., value_norms=..., value_scale=...)`` with ``PRESETS[name]``'s values (its
+        stored bits per element, the fitted calibration counted, measured 4.17 / 3.17 / 2.29 at
+        head_dim 64 on a long prompt). A file refines it: per-layer key and value widths fitted
+        on calibration text (measured in docs/evaluation.md).
+
         Args:
             name: ``"4bit"``, ``"3bit"`` or ``"2bit"``: the average stored bits per element of
                 keys and values, every byte counted (codes, scales, norms, sinks).
-            calibration: ``{layer: MatchedCalibration}`` with the preset's per-layer widths
+            calibration: None (or ``"prefill"``, the same): calibrated on the prompt, as above;
+                or ``{layer: MatchedCalibration}`` with the preset's per-layer widths
                 (``kvqrs calibrate --preset NAME``, or
                 :func:`kvqrs.hf.calibration.allocate_matched` with the preset's ``budget``,
                 ``key_widths``, ``value_widths``, ``group``, ``sink_tokens``, ``value_norms``,
@@ -334,16 +345,18 @@ class QuantConfig:
 
         Returns:
             A ``matched`` config with the preset's ``group``, ``sink_tokens``, ``sink_dtype``,
-            ``value_norms`` and ``value_scale``.
+            ``value_norms`` and ``value_scale``; its ``calibration`` is ``"prefill"`` without a
+            file, else the file's.
 
         Raises:
             KvqrsError: an unknown name (the message lists them), an override of a field the
-                preset sets or of no field, no calibration (None, an empty dict, ``"prefill"`` or
-                ``"random"``), a file that is not a calibration or is damaged, or a calibration
-                file made for another preset, recording another budget, key or value widths, or
-                settings other than the config's (the preset's with the overrides: group, sink
-                tokens, value norms, sink dtype, value scale), or not recording its group, sink
-                tokens, budget and widths (a file of an older version: make it again).
+                preset sets or of no field, ``calibration="random"`` (the random-basis control
+                is a plain ``QuantConfig``), an empty dict, a file that is not a calibration or
+                is damaged, or a calibration file made for another preset, recording another
+                budget, key or value widths, or settings other than the config's (the preset's
+                with the overrides: group, sink tokens, value norms, sink dtype, value scale),
+                or not recording its group, sink tokens, budget and widths (a file of an older
+                version: make it again).
         """
         if name not in PRESETS:
             raise KvqrsError(f"preset: expected one of {sorted(PRESETS)}, got {name!r}")
@@ -352,12 +365,13 @@ class QuantConfig:
         if calibration is None and "calibration" in overrides:
             calibration = overrides.pop("calibration")
         if calibration is None:
-            raise KvqrsError(f"preset: {name!r} uses the matched scheme and needs a calibration (`kvqrs calibrate --preset {name}`)")
-        if isinstance(calibration, str) and calibration in ("prefill", "random"):
-            b, g = PRESETS[name]["value_bits"], PRESETS[name]["group"]
+            calibration = "prefill"  # the same config, asked for by name
+        if isinstance(calibration, str) and calibration == "random":
+            p = PRESETS[name]
             raise KvqrsError(
-                f"preset: {name!r} takes a calibration file or dict fitted for it, not calibration={calibration!r} (without a file: "
-                f"QuantConfig('matched', {b}, 'matched', {b}, group={g}, sink_tokens=1, calibration='prefill'))"
+                f"preset: {name!r} is calibrated on the prompt (no calibration, or 'prefill') or by a file fitted for it "
+                f"(`kvqrs calibrate --preset {name}`), not calibration='random' (the random-basis control: "
+                f"QuantConfig('matched', {p['value_bits']}, 'matched', {p['value_bits']}, group={p['group']}, calibration='random'))"
             )
         if not isinstance(calibration, (dict, str, os.PathLike)):
             raise KvqrsError(
@@ -377,7 +391,7 @@ class QuantConfig:
         if overrides.get("sink_tokens") == 0 and "sink_dtype" not in overrides:
             kw["sink_dtype"] = None
         kw.update(overrides)
-        if not isinstance(calibration, dict):
+        if not isinstance(calibration, dict) and calibration != "prefill":  # a file ("prefill": fitted on the prompt)
             from .calibration import calibration_meta, load_matched
 
             loaded = load_matched(calibration)  # first: another file is refused as not a calibration
