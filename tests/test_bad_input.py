@@ -470,3 +470,14 @@ def test_past_recording_keeps_only_the_originals_the_next_crop_can_need(depth):
     fresh.update(k[..., : 49 - (depth or 1), :], v[..., : 49 - (depth or 1), :], 0)
     for a, b in zip(qc.layers[0].materialize(), fresh.layers[0].materialize()):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_missing_or_unreadable_files_are_named_not_called_damaged(tmp_path):
+    from kvqrs.hf import QuantConfig, QuantizedKVCache
+
+    with pytest.raises(KvqrsError, match=r"cannot read '.*nope\.npz': no such file$"):
+        QuantConfig.preset("4bit", str(tmp_path / "nope.npz"))
+    with pytest.raises(KvqrsError, match=r"cannot read '.*': Is a directory$"):
+        QuantConfig.preset("4bit", str(tmp_path))
+    with pytest.raises(KvqrsError, match=r"^path: cannot read the saved cache '.*missing\.kvqc': No such file"):
+        QuantizedKVCache.load(tmp_path / "missing.kvqc")

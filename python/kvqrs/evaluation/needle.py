@@ -305,15 +305,15 @@ def read_trials(paths) -> dict:
     return out
 
 
-def check_grid(contexts, depths, trials: int) -> None:
-    """Refuse a grid the model cannot run: contexts beyond its trained positions, depths outside
-    [0, 1], no trials."""
+def check_grid(contexts, depths, trials: int, positions: int = MAX_POSITIONS) -> None:
+    """Refuse a grid the model cannot run: contexts beyond its trained ``positions`` (less the
+    answer), depths outside [0, 1], no trials."""
     if trials < 1:
         raise KvqrsError(f"--trials: expected a positive integer, got {trials}")
     for c in contexts:
-        if not 1 <= c <= MAX_POSITIONS - MAX_NEW_TOKENS:
+        if not 1 <= c <= positions - MAX_NEW_TOKENS:
             raise KvqrsError(
-                f"--contexts: expected 1 .. {MAX_POSITIONS - MAX_NEW_TOKENS} tokens (the model's {MAX_POSITIONS} positions less the answer), got {c}"
+                f"--contexts: expected 1 .. {positions - MAX_NEW_TOKENS} tokens (the model's {positions} positions less the answer), got {c}"
             )
     for d in depths:
         if not 0.0 <= d <= 1.0:

@@ -1247,9 +1247,14 @@ class QuantizedKVCache(Cache):
 
     @classmethod
     def load(cls, path: str | os.PathLike, config: QuantConfig | None = None) -> QuantizedKVCache:
-        """Read a cache written by :meth:`save` (see :meth:`from_bytes`)."""
-        with open(path, "rb") as f:
-            return cls.from_bytes(f.read(), config)
+        """Read a cache written by :meth:`save` (see :meth:`from_bytes`); a file that cannot be
+        read raises :class:`KvqrsError` naming it."""
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+        except OSError as e:
+            raise KvqrsError(f"path: cannot read the saved cache {os.fspath(path)!r}: {e.strerror or type(e).__name__}") from None
+        return cls.from_bytes(data, config)
 
 
 def _cache_from_bytes(cls: type, data: bytes) -> QuantizedKVCache:

@@ -498,6 +498,10 @@ def _npz_reason(e: Exception) -> str:
     nor ``.npz`` as pickled data, which ``allow_pickle=False`` refuses."""
     if "pickled" in str(e) or type(e) is TypeError:  # TypeError: a .npy array is no archive
         return "not a NumPy .npz archive (calibration files are written by `kvqrs calibrate` or save_matched)"
+    if isinstance(e, FileNotFoundError):
+        return "no such file"
+    if isinstance(e, OSError) and not isinstance(e, EOFError):  # a folder, no permission, a failing disk
+        return f"{e.strerror or type(e).__name__}"
     return f"a damaged archive ({type(e).__name__}: {e})"
 
 
