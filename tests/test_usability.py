@@ -104,7 +104,9 @@ def test_eval_refuses_a_channel_without_calibration_files(text_file, no_model, c
         (["--group", "7"], "a multiple of 8 tokens, got 7"),
         (["--preset", "3bit", "--value-norms", "log8"], "--preset: sets --value-norms itself"),
         (["--preset", "2bit", "--value-scale", "norm"], "--preset: sets --value-scale itself"),
-        (["--ctx", "2"], "--ctx: expected at least --sink-tokens + 2 = 3 tokens"),
+        (["--ctx", "2"], "--ctx: expected at least 4 tokens (4, and --sink-tokens + 2), got 2"),
+        (["--ctx", "3"], "--ctx: expected at least 4 tokens (4, and --sink-tokens + 2), got 3"),  # refused after loading before
+        (["--ctx", "5", "--sink-tokens", "4"], "--ctx: expected at least 6 tokens (4, and --sink-tokens + 2), got 5"),
         (["--preset", "5bit"], "expected one of ['2bit', '3bit', '4bit']"),
     ],
 )

@@ -462,7 +462,11 @@ def _check_calibrate_args(args: argparse.Namespace) -> None:
             "give --sink-tokens 1 or more, or no --sink-dtype",
         ),
         (args.windows >= 1, f"--windows: expected at least 1, got {args.windows}"),
-        (args.ctx >= args.sink_tokens + 2, f"--ctx: expected at least --sink-tokens + 2 = {args.sink_tokens + 2} tokens, got {args.ctx}"),
+        # The calibration chunks take 4 tokens at least (llama_chunks), and the sinks leave 2 to fit on.
+        (
+            args.ctx >= max(4, args.sink_tokens + 2),
+            f"--ctx: expected at least {max(4, args.sink_tokens + 2)} tokens (4, and --sink-tokens + 2), got {args.ctx}",
+        ),
         (0 < args.bits <= 8, f"--bits: expected 0 < bits <= 8 average key code bits, got {args.bits}"),
         (all(0 < a <= 8 for a in args.key_widths), f"--key-widths: expected 0 < width <= 8 bits, got {args.key_widths}"),
         (args.budget is None or args.probe_windows >= 1, f"--probe-windows: expected at least 1 with --budget, got {args.probe_windows}"),
