@@ -88,3 +88,16 @@ def no_model(monkeypatch):
         raise AssertionError("the model was loaded")
 
     monkeypatch.setattr(model_mod, "load", refuse)
+
+
+@pytest.fixture
+def isolated_attention_state():
+    """No attention state around a test: ``QuantizedKVCache.update`` (and ``run_eval``'s real-cache
+    prefill) leave their cache installed as the state the kvqrs attention function consults, so
+    one test's cache could otherwise reach another test's forward. Modules that drive the kvqrs
+    attention use it for every test (``pytestmark``)."""
+    from kvqrs.hf.attention import _STATE
+
+    _STATE.set(None)
+    yield
+    _STATE.set(None)

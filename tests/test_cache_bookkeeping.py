@@ -51,11 +51,7 @@ EVERY_SCHEME = [
 ]
 
 
-@pytest.fixture(autouse=True)
-def _isolate_attention_state():
-    _STATE.set(None)
-    yield
-    _STATE.set(None)
+pytestmark = pytest.mark.usefixtures("isolated_attention_state")
 
 
 def _kv(batch=2, heads=3, tokens=70, seed=0, outliers=True):

@@ -14,7 +14,6 @@ pytest.importorskip("transformers")
 
 from kvqrs import KvqrsError  # noqa: E402
 from kvqrs.hf import QuantConfig, QuantizedKVCache, QuantizedLayer, register  # noqa: E402
-from kvqrs.hf.attention import _STATE  # noqa: E402
 
 from tests.cache_helpers import held_tensors, per_head_matched_calibration  # noqa: E402
 
@@ -22,11 +21,7 @@ KV_HEADS, GROUPS, HEAD_DIM, LAYERS = 2, 2, 32, 2
 PROMPT, NEW = 40, 48
 
 
-@pytest.fixture(autouse=True)
-def _isolate_attention_state():
-    _STATE.set(None)
-    yield
-    _STATE.set(None)
+pytestmark = pytest.mark.usefixtures("isolated_attention_state")
 
 
 @pytest.fixture(scope="module")

@@ -53,13 +53,7 @@ PARAGRAPHS = [
 ]
 
 
-@pytest.fixture(autouse=True)
-def _isolate_attention_state():
-    """run_eval's real-cache prefill leaves its QuantizedKVCache installed as the attention state
-    (a bug reported in test_hf_cache.py); keep it from reaching other tests."""
-    _STATE.set(None)
-    yield
-    _STATE.set(None)
+pytestmark = pytest.mark.usefixtures("isolated_attention_state")
 
 
 # --- texts ----------------------------------------------------------------------------------------
@@ -271,7 +265,7 @@ def result(model32, texts):
     assert [r.name for r in rows] == list(wanted)
     start = time.perf_counter()
     out = run_eval(model, tok, texts, rows, window=32, windows=1, calib_windows=1, progress=False)
-    _STATE.set(None)  # see _isolate_attention_state
+    _STATE.set(None)  # see the isolated_attention_state fixture
     return out, rows, time.perf_counter() - start
 
 

@@ -84,14 +84,7 @@ HEAD_DIM = 64
 # --- fixtures -------------------------------------------------------------------------------------
 
 
-@pytest.fixture(autouse=True)
-def _isolate_attention_state():
-    """QuantizedKVCache.update leaves itself installed as the attention state (see
-    test_cache_does_not_leak_into_later_forwards); clear it around every test so that one test's
-    cache cannot break another's forward."""
-    _STATE.set(None)
-    yield
-    _STATE.set(None)
+pytestmark = pytest.mark.usefixtures("isolated_attention_state")
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ transformers = pytest.importorskip("transformers")
 
 from kvqrs import KvqrsError  # noqa: E402
 from kvqrs.hf import QuantConfig, QuantizedKVCache, fake_quant, register  # noqa: E402
-from kvqrs.hf.attention import _STATE, sdpa_prefill  # noqa: E402
+from kvqrs.hf.attention import sdpa_prefill  # noqa: E402
 from transformers.cache_utils import DynamicCache  # noqa: E402
 
 from tests.cache_helpers import held_tensors  # noqa: E402
@@ -75,11 +75,7 @@ def _model(models, kind):
     return models[kind]
 
 
-@pytest.fixture(autouse=True)
-def _isolate_attention_state():
-    _STATE.set(None)
-    yield
-    _STATE.set(None)
+pytestmark = pytest.mark.usefixtures("isolated_attention_state")
 
 
 def _ids(n, seed=1):

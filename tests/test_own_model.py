@@ -15,7 +15,6 @@ transformers = pytest.importorskip("transformers")
 
 from kvqrs import KvqrsError  # noqa: E402
 from kvqrs.evaluation import model as model_mod  # noqa: E402
-from kvqrs.hf.attention import _STATE  # noqa: E402
 
 from tests.process_helpers import cli_refusal  # noqa: E402
 
@@ -25,11 +24,7 @@ SAME_MODEL_RTOL = 1e-6
 WORDS = "the a river stone city people north old light water year king song road field market winter house over under".split()
 
 
-@pytest.fixture(autouse=True)
-def _isolate_attention_state():
-    _STATE.set(None)
-    yield
-    _STATE.set(None)
+pytestmark = pytest.mark.usefixtures("isolated_attention_state")
 
 
 @pytest.fixture(scope="module")

@@ -925,8 +925,6 @@ class QuantizedLayer(CacheLayerMixin):
         if attention_mask is None:
             return view.q_start + view.coded <= self.seen - nq
         m = attention_mask[..., ns : ns + view.coded]
-        if _hides_nothing(m) is None:  # one NumPy reduction where it can (a decode step's CPU mask)
-            return True
         return bool(m.all()) if m.dtype == torch.bool else bool((m == 0).all())
 
     def _attend_fused(self, view: _View, module, query, attention_mask, scaling):
@@ -972,8 +970,12 @@ class QuantizedLayer(CacheLayerMixin):
             self._drop_unread(view)
             key, value = self.materialize(view)
         if self._fused:
+            # An explicit mask that hides nothing (one NumPy reduction: a decode step without
+            # padding) shows every code and is not passed on; None means causal, checked as such.
+            if attention_mask is not None and _hides_nothing(attention_mask) is None:
+                return self._attend_fused(view, module, query, None, scaling)
             if self._codes_visible(view, attention_mask, query.shape[-2]):
-                return self._attend_fused(view, module, query, _hides_nothing(attention_mask), scaling)
+                return self._attend_fused(view, module, query, attention_mask, scaling)
             key, value = self.materialize(view)  # a mask hides some codes: the decoded path
         from transformers.integrations.sdpa_attention import repeat_kv
 
