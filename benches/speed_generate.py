@@ -21,7 +21,6 @@ layers' tensors).
 
 from __future__ import annotations
 
-import ctypes
 import gc
 import os
 import threading
@@ -30,6 +29,7 @@ import time
 import numpy as np
 import torch
 from kvqrs.hf import QuantConfig, QuantizedKVCache
+from kvqrs.hf.heap import release_freed
 from speed_common import AttentionModule, row, table
 from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
 
@@ -45,14 +45,6 @@ class _Stamps(LogitsProcessor):
     def __call__(self, input_ids, scores):
         self.t.append(time.perf_counter())
         return scores
-
-
-def _trim() -> None:
-    """Return freed heap pages to the system (glibc), where the C library has the call."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 def _cache_bytes(cache) -> int:
@@ -82,7 +74,7 @@ class _PeakRss:
 
     def __enter__(self) -> _PeakRss:
         gc.collect()
-        _trim()
+        release_freed()  # freed heap back to the system first
         self.start, self._stop = self.rss(), threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()

@@ -426,3 +426,23 @@ def test_dropping_a_finished_row_of_a_left_padded_batch(model64):
     for a, b in zip(dropped, alone):
         a = a if a.shape[0] == 2 else a[keep]  # steps 0-1 ran with the third row present
         torch.testing.assert_close(a, b, rtol=0, atol=1e-8)
+
+
+def test_a_long_prompt_flush_hands_freed_heap_back(monkeypatch):
+    """A flush of a long prompt's tokens asks the allocator to return freed pages (glibc's
+    ``malloc_trim``); decode-step flushes, far below the threshold, do not."""
+    import sys
+
+    import kvqrs.hf.cache as cache_mod
+    from kvqrs.hf import heap
+
+    assert not heap.release_freed(heap.RELEASE_MIN_BYTES - 1)
+    if sys.platform.startswith("linux") and heap._malloc_trim() is not None:
+        assert heap.release_freed(heap.RELEASE_MIN_BYTES)
+    asked = []
+    monkeypatch.setattr(cache_mod, "release_freed", lambda n: asked.append(n))
+    cache = QuantizedKVCache(QuantConfig("kqv", 4, "kqv", 4, residual_length=16), 1)
+    prompt = torch.randn(1, 4, 4096, 64)  # 8 MiB of float32 keys and values
+    cache.update(prompt, prompt.clone(), 0)
+    cache.update(torch.randn(1, 4, 1, 64), torch.randn(1, 4, 1, 64), 0)
+    assert asked[0] >= heap.RELEASE_MIN_BYTES and all(n < heap.RELEASE_MIN_BYTES for n in asked[1:])

@@ -48,6 +48,9 @@ STEP_CONFIGS = {
     **CONFIGS,
     "matched-per-head": QuantConfig("matched", 3, "matched", 3, group=8, calibration={0: per_head_matched_calibration(2, D, 5)}),
     "matched-keyonly": QuantConfig("matched", 3, group=8, calibration="random"),
+    "matched-log8": QuantConfig(
+        "matched", 3, "matched", 3, group=8, calibration="random", value_norms="log8", value_scale="preserve_norm", sink_tokens=1
+    ),
 }
 
 
@@ -121,11 +124,11 @@ def test_store_operations_equal_joined_and_cut_codes(name, data):
     assert store.batch == len(idx) and store.nbytes() <= store.capacity_nbytes()
 
 
-NATIVE_ENCODED = ("kv", "kqv", "qkqv")
+NATIVE_ENCODED = ("kv", "kqv", "qkqv", "kivi", "matched", "matched-per-head", "matched-log8")
 """The configs whose both sides have a native encoder (``CodeStore.encode_append``)."""
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("name", list(STEP_CONFIGS))
 @settings(max_examples=6, deadline=None)
 @given(data=st.data())
 def test_encode_append_stores_the_bytes_of_the_codecs_encodes(name, data):
@@ -133,15 +136,16 @@ def test_encode_append_stores_the_bytes_of_the_codecs_encodes(name, data):
     codec's encodes of the same float32 tokens, chunk after chunk: the first tokens of float16 /
     bfloat16 and strided windows, norms widened past float16 included. Configs without a native encoder on
     both sides store nothing and return False (their caller encodes in Python)."""
-    cfg = CONFIGS[name]
+    cfg = STEP_CONFIGS[name]
     codec = cfg.codec(0, D)
-    native, ref = CodeStore(codec, 2, 3, D, torch.float32), CodeStore(codec, 2, 3, D, torch.float32)
+    heads = 2 if name == "matched-per-head" else 3
+    native, ref = CodeStore(codec, 2, heads, D, torch.float32), CodeStore(codec, 2, heads, D, torch.float32)
     dtype = data.draw(st.sampled_from([torch.float32, torch.float16, torch.bfloat16]), "dtype")
     for i in range(data.draw(st.integers(1, 4), "chunks")):
         n = cfg.chunk * data.draw(st.integers(1, 3), f"tokens {i}")
         scale = data.draw(st.sampled_from([1.0, 1e3 if dtype == torch.float16 else 1e6]), f"scale {i}")
         w = n + data.draw(st.integers(0, 3), f"window {i}")  # a window holding more tokens than flushed
-        k, v = (torch.from_numpy(_x(2, 3, 2 * w, 2 * i + j, scale)).to(dtype)[..., ::2, :] for j in (0, 1))
+        k, v = (torch.from_numpy(_x(2, heads, 2 * w, 2 * i + j, scale)).to(dtype)[..., ::2, :] for j in (0, 1))
         done = native.encode_append(k, v, n)
         assert done == (name in NATIVE_ENCODED)
         if not done:
@@ -171,16 +175,17 @@ def test_a_streamed_cache_holds_the_codes_of_the_python_encode(name, monkeypatch
     that encodes in Python (``_native_encoder`` disabled), and reads the same attention."""
     import kvqrs.hf.store as store_mod
 
-    cfg = dataclasses.replace(CONFIGS[name], residual_length=3)
+    cfg = dataclasses.replace(STEP_CONFIGS[name], residual_length=3)
+    heads = 2 if name == "matched-per-head" else 3
     caches = []
     for native in (True, False):
         if not native:
-            monkeypatch.setattr(store_mod, "_native_encoder", lambda coder: None)
+            monkeypatch.setattr(store_mod, "_native_encoder", lambda coder, kv_heads: None)
         cache = QuantizedKVCache(cfg, 1)
         rng = np.random.default_rng(7)
         outs = [
-            cache.update(*(torch.from_numpy(rng.standard_normal((1, 2, t, D)).astype(np.float32)) for _ in "kv"), 0)[0]
-            for t in (5, 1, 1, 2, 1)
+            cache.update(*(torch.from_numpy(rng.standard_normal((1, heads, t, D)).astype(np.float32)) for _ in "kv"), 0)[0]
+            for t in (5, 1, 1, 2, 1, 9, 8)
         ]
         caches.append((cache.layers[0], outs))
     (a, outs_a), (b, outs_b) = caches
@@ -430,13 +435,18 @@ def test_matched_decode_step_does_not_depend_on_the_thread_count():
     assert outs[0] == outs[1] and len(outs[0]) > 0
 
 
-def test_least_squares_values_encode_in_python_not_natively():
-    """The native encoders store norms: a codec storing the least-squares scale has none, so
-    ``encode_append`` declines and the cache appends the codec's own encode."""
+def test_which_coders_encode_natively():
+    """MSE stages of any stored scale (norms float or log8, around a mean or not), MSE + QJL
+    storing norms, KIVI and ``matched`` (a calibration of one head or of the store's heads)
+    encode natively; an MSE + QJL stage storing the least-squares scale encodes in Python."""
     from kvqrs.hf.store import NativeEncoder, _native_encoder
     from kvqrs.schemes import KVCodec
 
-    for scheme in ("kv", "kqv"):
-        codec = KVCodec(scheme, 3, 64, value_scheme=scheme, value_scale="least_squares")
-        assert _native_encoder(codec.values) is None
-        assert isinstance(_native_encoder(KVCodec(scheme, 3, 64, value_scheme=scheme).values), NativeEncoder)
+    native = lambda codec, heads=3: _native_encoder(codec.values, heads)  # noqa: E731
+    assert isinstance(native(KVCodec("kv", 3, 64, value_scheme="kv", value_scale="least_squares")), NativeEncoder)
+    assert native(KVCodec("kqv", 3, 64, value_scheme="kqv", value_scale="least_squares")) is None
+    assert native(KVCodec("kqv", 3, 64, value_scheme="kqv")).kind == "mse_qjl"
+    per_head = STEP_CONFIGS["matched-per-head"].codec(0, D)
+    assert native(per_head, 2).kind == "channels" and native(per_head, 3) is None
+    assert _native_encoder(CONFIGS["kivi"].codec(0, D)._key_coder(), 3).kind == "channels"
+    assert native(CONFIGS["kivi"].codec(0, D)).kind == "tokens"

@@ -50,6 +50,7 @@ from ..torch import check_finite, check_storable, from_numpy, to_numpy
 from . import persist
 from .attention import _STATE, SDPA_MIN_QUERY, _softmax_out, blocked_sdpa, register, sdpa_prefill_active
 from .config import QuantConfig
+from .heap import release_freed
 from .store import CodeStore, WindowRows
 
 FUSED_MAX_QUERY = 4
@@ -649,6 +650,8 @@ class QuantizedLayer(CacheLayerMixin):
         self._drop_window(n)
         self._compact()
         self.quantized += n
+        # A long prompt's temporaries (and the previous layer's prompt buffer, freed by now).
+        release_freed(2 * self.keys.shape[0] * self.keys.shape[1] * n * self.head_dim * 4)
         return {"flushed": flushed}
 
     def _trim_pending(self, update_from: int) -> None:

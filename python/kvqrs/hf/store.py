@@ -73,26 +73,64 @@ def _as_part(a: Any) -> tuple[int, list[int], np.ndarray]:
 
 
 class NativeEncoder(NamedTuple):
-    """One side's native encoder (``LayerStore.set_encoders``): the MSE stage of ``bits`` bits
-    (``seed`` None: no rotation), or with ``qjl_seed`` the MSE stage of ``bits - 1`` bits and
-    the 1-bit QJL sketch of its residual."""
+    """One side's native encoder (``LayerStore.set_encoders``), the kernel composition of a
+    Python coder on the Rust path, giving its bytes. ``kind``:
 
+    - ``"mse"``: the MSE stage of ``bits`` bits (``seed`` None: no rotation), storing the
+      ``scale`` mode's scalar, 8-bit log coded per ``norm_group`` tokens when that is set,
+      around the per-head ``mean`` when one is given (``matched`` values);
+    - ``"mse_qjl"``: the MSE stage of ``bits - 1`` bits and the 1-bit QJL sketch of its residual;
+    - ``"tokens"``: uniform groups of ``group`` coordinates per token (KIVI values);
+    - ``"channels"``: uniform groups of ``group`` tokens per coordinate, for each run ``(bits,
+      lo, hi, suffix)`` of coordinates ``lo .. hi - 1`` (parts ``codes<suffix>``, ...), of the
+      channels (KIVI keys) or of ``(x - mean) basis`` (``matched``).
+
+    ``mean`` (``kv_heads * d``) and ``basis`` (``kv_heads * d * d``, row-major) are flat
+    float32 lists."""
+
+    kind: str
     head_dim: int
-    bits: int
-    seed: int | None
+    bits: int = 0
+    seed: int | None = None
     qjl_seed: int | None = None
+    scale: str = "norm"
+    norm_group: int | None = None
+    mean: list[float] | None = None
+    basis: list[float] | None = None
+    runs: tuple[tuple[int, int, int, str], ...] = ()
+    group: int = 0
 
 
-def _native_encoder(coder: Any) -> NativeEncoder | None:
-    """The native encoder that gives a coder's bytes, or None: the Rust path of ``kv`` /
-    ``kqv`` keys and values (MSE) and of ``kqv`` values and ``qkqv`` (MSE + QJL sketch), when
-    they store norms; other schemes, scales and backends encode in Python."""
-    if getattr(coder, "k", None) is not CPU:
+def _flat(a: np.ndarray) -> list[float]:
+    return np.ascontiguousarray(a, dtype=np.float32).ravel().tolist()
+
+
+def _native_encoder(coder: Any, kv_heads: int) -> NativeEncoder | None:
+    """The native encoder that gives a coder's bytes, or None (the coder encodes in Python):
+    ``kv`` / ``kqv`` / ``qkqv`` (MSE, MSE + QJL with stored norms), KIVI, ``matched`` keys and
+    values on the Rust backend; a calibration must have one head or ``kv_heads``."""
+    from ..schemes.kivi import KIVICoder
+    from ..schemes.matched import MatchedCoder, MatchedValueCoder
+
+    if getattr(coder, "k", None) is not CPU and not isinstance(coder, MatchedValueCoder):
         return None
-    if type(coder) is MSECoder and coder.scale == "norm" and coder.norms == "float":
-        return NativeEncoder(coder.head_dim, coder.bits, coder.seed)
-    if type(coder) is MSEQJLCoder and coder.mse.scale == "norm":
-        return NativeEncoder(coder.head_dim, coder.bits, coder.seed, coder.qjl_seed)
+    kind = type(coder)
+    if kind is MSECoder:
+        return NativeEncoder("mse", coder.head_dim, coder.bits, coder.seed, scale=coder.scale, norm_group=coder.norm_group)
+    if kind is MSEQJLCoder and coder.mse.scale == "norm":
+        return NativeEncoder("mse_qjl", coder.head_dim, coder.bits, coder.seed, coder.qjl_seed)
+    if kind is KIVICoder and coder.per_channel:
+        return NativeEncoder("channels", coder.head_dim, runs=((coder.bits, 0, coder.head_dim, ""),), group=coder.group)
+    if kind is KIVICoder:
+        return NativeEncoder("tokens", coder.head_dim, coder.bits, group=coder.group)
+    if kind is MatchedValueCoder and coder.mse.k is CPU and coder.mean.shape[0] in (1, kv_heads):
+        m = coder.mse
+        return NativeEncoder("mse", m.head_dim, m.bits, m.seed, scale=m.scale, norm_group=m.norm_group, mean=_flat(coder.mean))
+    if kind is MatchedCoder and coder.cal.kv_heads in (1, kv_heads):
+        runs = tuple((b, lo, hi, str(b)) for b, lo, hi in coder.runs)
+        return NativeEncoder(
+            "channels", coder.head_dim, mean=_flat(coder.cal.mean), basis=_flat(coder.cal.basis), runs=runs, group=coder.group
+        )
     return None
 
 
@@ -248,7 +286,10 @@ class CodeStore:
         :func:`_native_encoder`) or the native encode refuses the tokens (a norm beyond
         float32): the caller then takes the Python path, whose error names the token."""
         if self._encodes is None:
-            sides = [_native_encoder(self.codec._key_coder()), None if self.key_only else _native_encoder(self.codec.values)]
+            sides = [
+                _native_encoder(self.codec._key_coder(), self.kv_heads),
+                None if self.key_only else _native_encoder(self.codec.values, self.kv_heads),
+            ]
             self._encodes = None not in sides
             if self._encodes:
                 self._native.set_encoders(*sides)

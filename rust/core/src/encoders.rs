@@ -1,62 +1,290 @@
 //! Native encoders of a layer store's two sides: a cache flushing tokens out of its
 //! full-precision window encodes them and appends the codes in one call
 //! ([`LayerStore::encode_append`]), with no per-part objects between the kernels and the
-//! store. Each encoder is the kernel composition its Python coder runs on the Rust path
-//! (`MSECoder`, `MSEQJLCoder` in python/kvqrs/schemes/mse.py), so the stored bytes are the same.
+//! store. Each encoder is the kernel composition its Python coder runs on the Rust path, so the
+//! stored bytes are the same: `MSECoder` and `MSEQJLCoder` (python/kvqrs/schemes/mse.py),
+//! `KIVICoder` (kivi.py), `MatchedCoder` and `MatchedValueCoder` (matched.py).
 
 use crate::error::{KvqError, Result};
 use crate::format::Dtype;
+use crate::kernels::log_scalars;
 use crate::kernels::mse::MseQuantizer;
 use crate::kernels::mse_qjl::MseQjlEncoder;
+use crate::kernels::pack::{pack_into, packed_len};
+use crate::kernels::uniform::UniformQuantizer;
 use crate::scalars::ScalarPlane;
+use crate::simd;
 use crate::store::{ChunkPart, LayerStore};
 
 /// The encoder of one side (keys or values) of a layer store.
 #[derive(Debug, Clone)]
 pub enum SideEncoder {
-    /// `kv` / `kqv`: packed MSE codes and norms (parts `codes`, `norms`).
-    Mse(MseQuantizer),
+    /// `kv` / `kqv`, `matched` values: packed MSE codes and norms (parts `codes`, `norms`;
+    /// `norm_exps` too with log-coded norms), optionally around a calibrated mean.
+    Mse(MseSide),
     /// `kqv` values, `qkqv`: the MSE stage and the QJL sketch of its residual (parts `codes`,
     /// `norms`, `qjl_signs`, `qjl_norms`).
     MseQjl(MseQjlEncoder),
+    /// KIVI values: uniform groups along each token's coordinates (parts `codes`, `scales`,
+    /// `zeros`).
+    Tokens(UniformQuantizer),
+    /// KIVI keys and `matched` transform codes: uniform groups along tokens, per coordinate.
+    Channels(ChannelSide),
 }
 
 /// One encoded part: its name within the side, dtype and C-order bytes.
-type EncodedPart = (&'static str, Dtype, Vec<u8>);
+type EncodedPart = (String, Dtype, Vec<u8>);
 
-fn plane_part(name: &'static str, plane: ScalarPlane) -> EncodedPart {
+fn plane_part(name: &str, plane: ScalarPlane) -> EncodedPart {
     match plane {
         ScalarPlane::F16(v) => (
-            name,
+            name.into(),
             Dtype::F16,
             v.iter().flat_map(|h| h.to_le_bytes()).collect(),
         ),
         ScalarPlane::F32(v) => (
-            name,
+            name.into(),
             Dtype::F32,
             v.iter().flat_map(|f| f.to_le_bytes()).collect(),
         ),
     }
 }
 
-impl SideEncoder {
-    /// Encodes rows of head_dim values; returns the side's parts, in its layout's order, each
-    /// holding one entry (row of bytes, or scalar) per input row. Errors as the kernels.
-    pub fn encode(&self, x: &[f32]) -> Result<Vec<EncodedPart>> {
-        Ok(match self {
-            SideEncoder::Mse(q) => {
-                let (packed, norms) = q.encode_packed(x)?;
-                vec![("codes", Dtype::U8, packed), plane_part("norms", norms)]
+/// A calibrated mean per KV head (`heads x d`, one head serving all when `heads` is 1),
+/// subtracted in float32 before coding, as the Python coders do.
+#[derive(Debug, Clone)]
+pub struct Centring {
+    mean: Vec<f32>,
+    head_dim: usize,
+}
+
+impl Centring {
+    /// Errors unless `mean` holds whole rows of `head_dim` finite values.
+    pub fn new(mean: Vec<f32>, head_dim: usize) -> Result<Self> {
+        if head_dim == 0 || mean.is_empty() || !mean.len().is_multiple_of(head_dim) {
+            return Err(KvqError::ShapeMismatch {
+                arg: "mean",
+                expected: format!("kv_heads x {head_dim} values"),
+                actual: format!("{} values", mean.len()),
+            });
+        }
+        crate::kernels::check_finite("mean", &mean, head_dim)?;
+        Ok(Self { mean, head_dim })
+    }
+
+    /// Calibrated heads.
+    pub fn heads(&self) -> usize {
+        self.mean.len() / self.head_dim
+    }
+
+    /// `x - mean` for rows in blocks of `tokens` (block `b` is KV head `b % heads` of a
+    /// `(batch, kv_heads)` layout whose kv_heads are the calibrated heads, or any with one).
+    fn centred(&self, x: &[f32], tokens: usize) -> Vec<f32> {
+        let d = self.head_dim;
+        let mut out = x.to_vec();
+        for (b, block) in out.chunks_mut(tokens.max(1) * d).enumerate() {
+            let h = b % self.heads();
+            let mu = &self.mean[h * d..(h + 1) * d];
+            for row in block.chunks_exact_mut(d) {
+                row.iter_mut().zip(mu).for_each(|(v, &m)| *v -= m);
             }
+        }
+        out
+    }
+}
+
+/// The MSE stage of a side, with an optional calibrated mean and optional 8-bit log norms
+/// (`norm_group` tokens per exponent byte).
+#[derive(Debug, Clone)]
+pub struct MseSide {
+    pub mse: MseQuantizer,
+    pub mean: Option<Centring>,
+    pub norm_group: Option<usize>,
+}
+
+impl MseSide {
+    fn encode(&self, x: &[f32], tokens: usize) -> Result<Vec<EncodedPart>> {
+        let centred = self.mean.as_ref().map(|m| m.centred(x, tokens));
+        let (packed, norms) = self.mse.encode_packed(centred.as_deref().unwrap_or(x))?;
+        let Some(group) = self.norm_group else {
+            return Ok(vec![
+                ("codes".into(), Dtype::U8, packed),
+                plane_part("norms", norms),
+            ]);
+        };
+        // The log code of the stored (rounded) norms, along each row's tokens.
+        let (codes, exps) = log_scalars::encode(&norms.to_f32(), tokens, group)?;
+        Ok(vec![
+            ("codes".into(), Dtype::U8, packed),
+            ("norms".into(), Dtype::U8, codes),
+            ("norm_exps".into(), Dtype::U8, exps),
+        ])
+    }
+}
+
+/// A run of coordinates `lo .. hi` coded at `bits` bits, stored as parts `codes<suffix>`,
+/// `scales<suffix>`, `zeros<suffix>`.
+#[derive(Debug, Clone)]
+pub struct ChannelRun {
+    pub bits: u32,
+    pub lo: usize,
+    pub hi: usize,
+    pub suffix: String,
+}
+
+/// Uniform groups of `group` tokens per coordinate: of the channels themselves (KIVI keys), or
+/// of `y = (x - mu) U` (`matched`: `basis` holds `U`, `heads x d x d`, row-major `U[c][i]`,
+/// with the mean in `centring`). Each run of coordinates is one uniform-kernel call over every
+/// (batch, head) block, so its scales take one storage (float16, or float32 for all).
+#[derive(Debug, Clone)]
+pub struct ChannelSide {
+    pub head_dim: usize,
+    pub transform: Option<(Centring, Vec<f64>)>,
+    pub runs: Vec<ChannelRun>,
+    pub group: usize,
+}
+
+impl ChannelSide {
+    /// Errors on a basis that is not `heads x d x d` for the mean's heads, or runs outside
+    /// `0 .. head_dim`.
+    pub fn new(
+        head_dim: usize,
+        transform: Option<(Centring, Vec<f32>)>,
+        runs: Vec<ChannelRun>,
+        group: usize,
+    ) -> Result<Self> {
+        let transform = match transform {
+            None => None,
+            Some((c, basis)) => {
+                let want = c.heads() * head_dim * head_dim;
+                if c.head_dim != head_dim || basis.len() != want {
+                    return Err(KvqError::ShapeMismatch {
+                        arg: "basis",
+                        expected: format!(
+                            "{want} values ({} heads x {head_dim} x {head_dim})",
+                            c.heads()
+                        ),
+                        actual: format!("{} values", basis.len()),
+                    });
+                }
+                crate::kernels::check_finite("basis", &basis, head_dim)?;
+                Some((c, basis.iter().map(|&v| f64::from(v)).collect()))
+            }
+        };
+        for r in &runs {
+            crate::kernels::check_bits("bits", r.bits)?;
+            if r.lo >= r.hi || r.hi > head_dim {
+                return Err(KvqError::ShapeMismatch {
+                    arg: "runs",
+                    expected: format!("coordinates lo < hi <= {head_dim}"),
+                    actual: format!("{} .. {}", r.lo, r.hi),
+                });
+            }
+        }
+        crate::kernels::check_row_len("group", group)?;
+        Ok(Self {
+            head_dim,
+            transform,
+            runs,
+            group,
+        })
+    }
+
+    /// The coordinates along tokens: `blocks x d x tokens`. With a transform, `y_i = sum_c
+    /// (x_c - mu_c) U[c][i]` in float64 over `c` in order, rounded once to float32 (the
+    /// Python coder's product; a float32 sum would round differently for 1 and many rows).
+    fn coordinates(&self, x: &[f32], tokens: usize) -> Vec<f32> {
+        let d = self.head_dim;
+        let blocks = x.len() / (d * tokens);
+        let mut y = vec![0.0f32; x.len()];
+        let centred = self.transform.as_ref().map(|(c, _)| c.centred(x, tokens));
+        let mut acc = vec![0.0f64; d];
+        for b in 0..blocks {
+            let (xb, yb) = (b * tokens * d, b * d * tokens);
+            for t in 0..tokens {
+                let row = xb + t * d;
+                match (&self.transform, &centred) {
+                    (Some((c, basis)), Some(xc)) => {
+                        let u = &basis[(b % c.heads()) * d * d..][..d * d];
+                        acc.fill(0.0);
+                        for (ch, &v) in xc[row..row + d].iter().enumerate() {
+                            let v = f64::from(v);
+                            acc.iter_mut()
+                                .zip(&u[ch * d..(ch + 1) * d])
+                                .for_each(|(a, &w)| *a += v * w);
+                        }
+                        for (i, &a) in acc.iter().enumerate() {
+                            y[yb + i * tokens + t] = a as f32;
+                        }
+                    }
+                    _ => {
+                        for i in 0..d {
+                            y[yb + i * tokens + t] = x[row + i];
+                        }
+                    }
+                }
+            }
+        }
+        y
+    }
+
+    fn encode(&self, x: &[f32], tokens: usize) -> Result<Vec<EncodedPart>> {
+        let d = self.head_dim;
+        if tokens == 0 || !x.len().is_multiple_of(d * tokens) {
+            return Err(KvqError::ShapeMismatch {
+                arg: "x",
+                expected: format!("blocks of {tokens} tokens x {d}"),
+                actual: format!("{} values", x.len()),
+            });
+        }
+        crate::kernels::check_finite("x", x, d)?;
+        let blocks = x.len() / (d * tokens);
+        let y = self.coordinates(x, tokens);
+        let mut parts = Vec::with_capacity(3 * self.runs.len());
+        for r in &self.runs {
+            let n = r.hi - r.lo;
+            let mut rows = Vec::with_capacity(blocks * n * tokens);
+            for b in 0..blocks {
+                rows.extend_from_slice(&y[(b * d + r.lo) * tokens..(b * d + r.hi) * tokens]);
+            }
+            let code = UniformQuantizer::new(tokens, self.group, r.bits)?.encode(&rows)?;
+            let mut packed = vec![0u8; blocks * n * packed_len(tokens, r.bits)];
+            pack_into(simd::active(), &code.codes, tokens, r.bits, &mut packed)?;
+            parts.push((format!("codes{}", r.suffix), Dtype::U8, packed));
+            parts.push(plane_part(&format!("scales{}", r.suffix), code.scales));
+            parts.push(plane_part(&format!("zeros{}", r.suffix), code.zeros));
+        }
+        Ok(parts)
+    }
+}
+
+impl SideEncoder {
+    /// Encodes rows of head_dim values, `(batch, kv_heads, tokens, head_dim)` in C order;
+    /// returns the side's parts, in its layout's order. Errors as the kernels.
+    pub fn encode(&self, x: &[f32], tokens: usize) -> Result<Vec<EncodedPart>> {
+        Ok(match self {
+            SideEncoder::Mse(m) => m.encode(x, tokens)?,
             SideEncoder::MseQjl(e) => {
                 let c = e.encode(x)?;
                 vec![
-                    ("codes", Dtype::U8, c.packed),
+                    ("codes".into(), Dtype::U8, c.packed),
                     plane_part("norms", c.norms),
-                    ("qjl_signs", Dtype::U8, c.sketch.signs),
+                    ("qjl_signs".into(), Dtype::U8, c.sketch.signs),
                     plane_part("qjl_norms", c.sketch.norms),
                 ]
             }
+            SideEncoder::Tokens(u) => {
+                let c = u.encode(x)?;
+                let (n, bits) = (u.row_len(), u.bits());
+                let mut packed = vec![0u8; c.codes.len() / n.max(1) * packed_len(n, bits)];
+                pack_into(simd::active(), &c.codes, n, bits, &mut packed)?;
+                vec![
+                    ("codes".into(), Dtype::U8, packed),
+                    plane_part("scales", c.scales),
+                    plane_part("zeros", c.zeros),
+                ]
+            }
+            SideEncoder::Channels(c) => c.encode(x, tokens)?,
         })
     }
 }
@@ -75,7 +303,7 @@ impl LayerStore {
     ) -> Result<()> {
         let mut named: Vec<(String, Dtype, Vec<u8>)> = Vec::new();
         for (side, (enc, x)) in [("keys", keys), ("values", values)] {
-            for (name, dtype, bytes) in enc.encode(x)? {
+            for (name, dtype, bytes) in enc.encode(x, tokens)? {
                 named.push((format!("{side}.{name}"), dtype, bytes));
             }
         }
@@ -167,8 +395,8 @@ mod tests {
         vx: &[f32],
         t: usize,
     ) {
-        let mut parts = k.encode(kx).unwrap();
-        parts.extend(v.encode(vx).unwrap());
+        let mut parts = k.encode(kx, t).unwrap();
+        parts.extend(v.encode(vx, t).unwrap());
         let shapes: Vec<Vec<usize>> = store.specs().map(|s| s.shape(t)).collect();
         let chunk: Vec<ChunkPart> = parts
             .iter()
@@ -185,7 +413,11 @@ mod tests {
     #[test]
     fn encode_append_equals_encoding_then_appending() {
         let d = 64;
-        let k = SideEncoder::Mse(MseQuantizer::new(d, 4, Some(5)).unwrap());
+        let k = SideEncoder::Mse(MseSide {
+            mse: MseQuantizer::new(d, 4, Some(5)).unwrap(),
+            mean: None,
+            norm_group: None,
+        });
         let v = SideEncoder::MseQjl(MseQjlEncoder::new(d, 4, 6, 7).unwrap());
         let (mut a, mut b) = (kqv_store(d, 4, 4), kqv_store(d, 4, 4));
         for (step, t) in [3usize, 1, 1, 4].into_iter().enumerate() {
@@ -205,7 +437,11 @@ mod tests {
     #[test]
     fn a_failed_encode_stores_nothing() {
         let d = 64;
-        let k = SideEncoder::Mse(MseQuantizer::new(d, 4, Some(5)).unwrap());
+        let k = SideEncoder::Mse(MseSide {
+            mse: MseQuantizer::new(d, 4, Some(5)).unwrap(),
+            mean: None,
+            norm_group: None,
+        });
         let v = SideEncoder::MseQjl(MseQjlEncoder::new(d, 4, 6, 7).unwrap());
         let mut store = kqv_store(d, 4, 4);
         let kx = rows(6 * d, 1);
@@ -216,5 +452,49 @@ mod tests {
         // Keys and values swapped: the parts do not match the store's.
         assert!(store.encode_append((&v, &kx), (&k, &kx), 1).is_err());
         assert_eq!(store.tokens(), 0);
+    }
+
+    fn run(bits: u32, lo: usize, hi: usize, suffix: &str) -> ChannelRun {
+        ChannelRun {
+            bits,
+            lo,
+            hi,
+            suffix: suffix.into(),
+        }
+    }
+
+    #[test]
+    fn channel_runs_under_the_identity_code_the_channels() {
+        // An identity basis around a zero mean: two runs of half the channels each hold, per
+        // (batch, head) block, the halves of the per-channel (KIVI key) codes.
+        let (d, t, blocks) = (8, 16, 3);
+        let x = rows(blocks * t * d, 3);
+        let kivi = ChannelSide::new(d, None, vec![run(4, 0, d, "")], 8).unwrap();
+        let mut eye = vec![0.0f32; d * d];
+        (0..d).for_each(|i| eye[i * d + i] = 1.0);
+        let mean = Centring::new(vec![0.0; d], d).unwrap();
+        let runs = vec![run(4, 0, 4, "a"), run(4, 4, d, "b")];
+        let ident = ChannelSide::new(d, Some((mean, eye)), runs, 8).unwrap();
+        let (whole, halves) = (kivi.encode(&x, t).unwrap(), ident.encode(&x, t).unwrap());
+        assert_eq!(
+            halves.iter().map(|p| p.0.as_str()).collect::<Vec<_>>(),
+            ["codesa", "scalesa", "zerosa", "codesb", "scalesb", "zerosb"]
+        );
+        for (part, per_row) in [(0, t / 2), (1, 2 * 2), (2, 2 * 2)] {
+            let (a, b) = (&halves[part].2, &halves[part + 3].2);
+            for blk in 0..blocks {
+                let row = &whole[part].2[blk * d * per_row..(blk + 1) * d * per_row];
+                let half = d / 2 * per_row;
+                assert_eq!(&row[..half], &a[blk * half..(blk + 1) * half]);
+                assert_eq!(&row[half..], &b[blk * half..(blk + 1) * half]);
+            }
+        }
+        // A basis of the wrong size and a run past head_dim are refused.
+        let mean = Centring::new(vec![0.0; d], d).unwrap();
+        assert!(
+            ChannelSide::new(d, Some((mean, vec![0.0; d])), vec![run(4, 0, d, "")], 8).is_err()
+        );
+        assert!(ChannelSide::new(d, None, vec![run(4, 0, d + 1, "")], 8).is_err());
+        assert!(kivi.encode(&x[..d * t - 1], t).is_err());
     }
 }

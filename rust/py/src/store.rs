@@ -4,11 +4,12 @@
 //! too); parts leave the same way. The GIL is released for every copy and for the step.
 
 use kvqrs_core::decode_step::{attend, FpTokens, RowSpec, RunSpec, SideSpec, Step};
-use kvqrs_core::encoders::SideEncoder;
+use kvqrs_core::encoders::{Centring, ChannelRun as EncoderRun, ChannelSide, MseSide, SideEncoder};
 use kvqrs_core::format::{Dtype, Section};
 use kvqrs_core::kernels::attention::Layout;
-use kvqrs_core::kernels::mse::MseQuantizer;
+use kvqrs_core::kernels::mse::{MseQuantizer, RowScale};
 use kvqrs_core::kernels::mse_qjl::MseQjlEncoder;
+use kvqrs_core::kernels::uniform::UniformQuantizer;
 use kvqrs_core::store::{ChunkPart, LayerStore, PartSpec};
 use kvqrs_core::window::{all_storable, append_tokens};
 use numpy::ndarray::s;
@@ -73,28 +74,77 @@ fn floats(a: &F32<'_>, what: &str) -> PyResult<Vec<f32>> {
     Ok(slice(a, what)?.to_vec())
 }
 
-/// One side's encoder as `kvqrs.hf.store.NativeEncoder` declares it (read by attribute): the
-/// MSE stage (`seed` None: no rotation), with the QJL sketch of its residual when `qjl_seed`
-/// is set (`bits` then counts the sketch's bit too).
+/// One side's encoder as `kvqrs.hf.store.NativeEncoder` declares it (read by attribute):
+/// `kind` names the composition (`"mse"`, `"mse_qjl"`, `"tokens"`, `"channels"`), the other
+/// fields its settings (see that class).
 #[derive(FromPyObject)]
 struct EncoderSpec {
+    kind: String,
     head_dim: usize,
     bits: u32,
     seed: Option<u64>,
     qjl_seed: Option<u64>,
+    scale: String,
+    norm_group: Option<usize>,
+    mean: Option<Vec<f32>>,
+    basis: Option<Vec<f32>>,
+    runs: Vec<(u32, usize, usize, String)>,
+    group: usize,
 }
 
 fn side_encoder(e: EncoderSpec, what: &str) -> PyResult<SideEncoder> {
-    Ok(match (e.qjl_seed, e.seed) {
-        (None, seed) => SideEncoder::Mse(py_result(MseQuantizer::new(e.head_dim, e.bits, seed))?),
-        (Some(qjl_seed), Some(seed)) => SideEncoder::MseQjl(py_result(MseQjlEncoder::new(
-            e.head_dim, e.bits, seed, qjl_seed,
-        ))?),
-        (Some(_), None) => {
-            return Err(arg_error(format!(
-                "{what}: an MSE + QJL encoder needs a rotation seed, got seed None"
-            )))
+    let mean = match e.mean {
+        Some(m) => Some(py_result(Centring::new(m, e.head_dim))?),
+        None => None,
+    };
+    Ok(match e.kind.as_str() {
+        "mse" => {
+            let scale = RowScale::from_name(&e.scale)
+                .ok_or_else(|| arg_error(format!("{what}: unknown scale {:?}", e.scale)))?;
+            SideEncoder::Mse(MseSide {
+                mse: py_result(MseQuantizer::new(e.head_dim, e.bits, e.seed))?.with_scale(scale),
+                mean,
+                norm_group: e.norm_group,
+            })
         }
+        "mse_qjl" => {
+            let (Some(seed), Some(qjl_seed)) = (e.seed, e.qjl_seed) else {
+                return Err(arg_error(format!(
+                    "{what}: an MSE + QJL encoder needs a rotation seed and a sketch seed"
+                )));
+            };
+            SideEncoder::MseQjl(py_result(MseQjlEncoder::new(
+                e.head_dim, e.bits, seed, qjl_seed,
+            ))?)
+        }
+        "tokens" => SideEncoder::Tokens(py_result(UniformQuantizer::new(
+            e.head_dim, e.group, e.bits,
+        ))?),
+        "channels" => {
+            let transform = match (mean, e.basis) {
+                (Some(m), Some(b)) => Some((m, b)),
+                (None, None) => None,
+                _ => {
+                    return Err(arg_error(format!(
+                        "{what}: a transform needs both a mean and a basis"
+                    )))
+                }
+            };
+            let runs = e
+                .runs
+                .into_iter()
+                .map(|(bits, lo, hi, suffix)| EncoderRun {
+                    bits,
+                    lo,
+                    hi,
+                    suffix,
+                })
+                .collect();
+            SideEncoder::Channels(py_result(ChannelSide::new(
+                e.head_dim, transform, runs, e.group,
+            ))?)
+        }
+        other => return Err(arg_error(format!("{what}: unknown encoder kind {other:?}"))),
     })
 }
 

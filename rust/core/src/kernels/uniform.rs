@@ -37,6 +37,16 @@ impl UniformQuantizer {
         Ok(Self { n, group, bits })
     }
 
+    /// Values per row.
+    pub fn row_len(&self) -> usize {
+        self.n
+    }
+
+    /// Code width in bits.
+    pub fn bits(&self) -> u32 {
+        self.bits
+    }
+
     /// Groups per row.
     pub fn groups(&self) -> usize {
         self.n.div_ceil(self.group)
