@@ -136,15 +136,21 @@ impl ValueRows for TokensPlan<'_> {
                     // Weights p_j s_(j,g), one per token and group; the zero points' sums in
                     // float64 (a float32 sum of zero points near its limit would overflow).
                     let w = &mut lanes.w;
-                    w.clear();
-                    for (&pj, (sk, zk)) in pr
-                        .iter()
-                        .zip(scb.chunks_exact(groups).zip(zeb.chunks_exact(groups)))
+                    w.resize(count * groups, 0.0);
+                    for ((wk, sk), &pj) in w
+                        .chunks_exact_mut(groups)
+                        .zip(scb.chunks_exact(groups))
+                        .zip(pr)
                     {
-                        w.extend(sk.iter().map(|&s| pj * s));
-                        for (z, &zg) in zacc.iter_mut().zip(zk) {
-                            *z += f64::from(pj) * f64::from(zg);
-                        }
+                        wk.iter_mut().zip(sk).for_each(|(x, &s)| *x = pj * s);
+                    }
+                    // Each group's zero-point sum in token order, held in a register (the
+                    // same sums as token by token).
+                    for (g, z) in zacc.iter_mut().enumerate() {
+                        *z = pr
+                            .iter()
+                            .zip(zeb[g..].iter().step_by(groups))
+                            .fold(*z, |a, (&pj, &zg)| a + f64::from(pj) * f64::from(zg));
                     }
                     ops::axpy_rows_grouped(isa, ar, w, (groups, group), block, cd);
                 }
@@ -292,7 +298,16 @@ impl KeyRows for ChannelsPlan<'_> {
         let mut w = vec![0.0f32; d];
         let mut part = vec![0.0f32; group];
         let (g0, g1) = (c0 / group, span.end.div_ceil(group));
+        let gw = g1 - g0;
         let (sc, ze) = self.planes(isa, h, (g0, g1));
+        // The zero points' share of every group at once, channels summed in order (a
+        // contiguous row of groups per channel: the loop vectorises over groups).
+        let mut zs_all = vec![0.0f32; s.len() / n * gw];
+        for (z, qr) in zs_all.chunks_exact_mut(gw).zip(q.chunks_exact(d)) {
+            for (&qc, zc) in qr.iter().zip(ze.chunks_exact(gw)) {
+                z.iter_mut().zip(zc).for_each(|(a, &b)| *a += qc * b);
+            }
+        }
         for g in g0..g1 {
             let (t0, t1) = (g * group, ((g + 1) * group).min(span.end));
             let len = t1 - t0;
@@ -300,11 +315,9 @@ impl KeyRows for ChannelsPlan<'_> {
             self.reader
                 .decode_rows(isa, self.codes, (h * d, t0, len), &mut scratch, levels);
             for (r, qr) in q.chunks_exact(d).enumerate() {
-                let mut zs = 0.0f32;
+                let zs = zs_all[r * gw + g - g0];
                 for (c, (wc, &qc)) in w.iter_mut().zip(qr).enumerate() {
-                    let at = c * (g1 - g0) + g - g0;
-                    zs += qc * ze[at];
-                    *wc = qc * sc[at];
+                    *wc = qc * sc[c * gw + g - g0];
                 }
                 let o = &mut part[..len];
                 o.fill(0.0);
