@@ -182,18 +182,46 @@ def test_models_the_cache_cannot_serve_are_refused_before_loading(tmp_path, monk
 
 
 @pytest.mark.parametrize(
-    "cfg",
+    "make",
     [
-        lambda: transformers.Gemma2Config(**SMALL, intermediate_size=64),
-        lambda: transformers.GptOssConfig(**SMALL, intermediate_size=64, num_local_experts=2, num_experts_per_tok=1),
+        lambda n: transformers.Gemma2Config(
+            **{**SMALL, "vocab_size": n}, intermediate_size=64, head_dim=32, num_key_value_heads=1, sliding_window=16
+        ),
+        lambda n: transformers.GptOssConfig(
+            **{**SMALL, "vocab_size": n},
+            intermediate_size=64,
+            head_dim=32,
+            num_key_value_heads=1,
+            sliding_window=16,
+            num_local_experts=2,
+            num_experts_per_tok=1,
+        ),
     ],
     ids=["gemma2-softcap", "gpt-oss-sinks"],
 )
-def test_models_with_softcap_or_learned_sinks_are_served(tmp_path, cfg):
+def test_cli_eval_and_calibrate_models_with_softcap_or_learned_sinks(tiny, tmp_path, monkeypatch, capsys, make):
     """The kvqrs attention computes Gemma-2's logit soft-capping and gpt-oss' learned sink
-    logits (tests/test_architectures.py), so these models pass the checks."""
-    src = model_mod.source(str(_save_config(tmp_path / "m", cfg())))
-    assert src.name == "m"
+    logits (tests/test_architectures.py): such a model folder is evaluated and calibrated; its
+    dense check runs transformers' eager attention (it has no SDPA path) and agrees."""
+    folder, _, text = tiny
+    tok = transformers.AutoTokenizer.from_pretrained(folder)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(make(len(tok)))
+    path = tmp_path / "m"
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    res, _ = _eval_quick(path, text, tmp_path / "eval", tmp_path, monkeypatch, capsys)
+    check = res["dense_check"]
+    assert check["transformers_attention"] == "eager" and check["relative_difference"] < 1e-6
+    _cli(
+        ["calibrate", "--model", str(path), "--data", str(text), "--ctx", "32", "--windows", "1", "--group", "8", "--out", "c.npz"],
+        tmp_path,
+        monkeypatch,
+        capsys,
+    )
+    from kvqrs.hf import load_matched
+
+    assert sorted(load_matched(tmp_path / "c.npz")) == [0, 1]
 
 
 def test_the_default_model_is_smollm2(tiny):
