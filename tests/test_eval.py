@@ -285,9 +285,8 @@ def test_run_eval_dense_row_and_check(model32, result):
     assert (res["windows"], res["window"], res["calibration_windows"]) == (1, 32, 1)
     check = res["dense_check"]
     assert check["relative_difference"] < DENSE_CHECK_RTOL
-    assert check["relative_difference"] == pytest.approx(
-        abs(check["ppl_kvqrs"] - check["ppl_transformers_sdpa"]) / check["ppl_transformers_sdpa"]
-    )
+    assert check["relative_difference"] == pytest.approx(abs(check["ppl_kvqrs"] - check["ppl_transformers"]) / check["ppl_transformers"])
+    assert check["transformers_attention"] == "sdpa"
     dense = res["rows"][0]
     assert dense["row"] == "dense" and dense["tokens"] == 31
     assert dense["ppl"] == pytest.approx(check["ppl_kvqrs"], rel=SAME_FORWARD_RTOL)

@@ -166,26 +166,62 @@ SMALL = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, vocab_s
         (lambda d: d, "has no config.json"),
         (lambda d: (d / "w.bin").write_bytes(b"x") and d / "w.bin", "not a .gguf file"),
         (lambda d: "nobody/no-such-model", "nor a hub id in the local Hugging Face cache"),
-        (lambda d: _save_config(d / "g2", transformers.Gemma2Config(**SMALL, intermediate_size=64)), "soft-capping"),
-        (
-            lambda d: _save_config(
-                d / "oss", transformers.GptOssConfig(**SMALL, intermediate_size=64, num_local_experts=2, num_experts_per_tok=1)
-            ),
-            "learned sink logits",
-        ),
         (lambda d: _save_config(d / "bert", transformers.BertConfig(**SMALL, intermediate_size=64)), "not a causal decoder"),
         (
             lambda d: _save_config(d / "mamba", transformers.MambaConfig(hidden_size=64, num_hidden_layers=2, vocab_size=100)),
             "attention interface",
         ),
     ],
-    ids=["missing", "no-config", "not-gguf", "hub-id", "gemma2-softcap", "gpt-oss-sinks", "bert", "mamba"],
+    ids=["missing", "no-config", "not-gguf", "hub-id", "bert", "mamba"],
 )
 @pytest.mark.parametrize("command", [["eval", "--quick"], ["eval", "--protocol", "llama"], ["eval", "--task", "needle"], ["calibrate"]])
 def test_models_the_cache_cannot_serve_are_refused_before_loading(tmp_path, monkeypatch, capsys, make, match, command):
     spec = make(tmp_path)
     err = cli_refusal([*command, "--model", str(spec), "--data", __file__, "--out", str(tmp_path / "o")], tmp_path, monkeypatch, capsys)
     assert f"kvqrs {command[0]}: error: --model:" in err and match in err
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda n: transformers.Gemma2Config(
+            **{**SMALL, "vocab_size": n}, intermediate_size=64, head_dim=32, num_key_value_heads=1, sliding_window=16
+        ),
+        lambda n: transformers.GptOssConfig(
+            **{**SMALL, "vocab_size": n},
+            intermediate_size=64,
+            head_dim=32,
+            num_key_value_heads=1,
+            sliding_window=16,
+            num_local_experts=2,
+            num_experts_per_tok=1,
+        ),
+    ],
+    ids=["gemma2-softcap", "gpt-oss-sinks"],
+)
+def test_cli_eval_and_calibrate_models_with_softcap_or_learned_sinks(tiny, tmp_path, monkeypatch, capsys, make):
+    """The kvqrs attention computes Gemma-2's logit soft-capping and gpt-oss' learned sink
+    logits (tests/test_architectures.py): such a model folder is evaluated and calibrated; its
+    dense check runs transformers' eager attention (it has no SDPA path) and agrees."""
+    folder, _, text = tiny
+    tok = transformers.AutoTokenizer.from_pretrained(folder)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(make(len(tok)))
+    path = tmp_path / "m"
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    res, _ = _eval_quick(path, text, tmp_path / "eval", tmp_path, monkeypatch, capsys)
+    check = res["dense_check"]
+    assert check["transformers_attention"] == "eager" and check["relative_difference"] < 1e-6
+    _cli(
+        ["calibrate", "--model", str(path), "--data", str(text), "--ctx", "32", "--windows", "1", "--group", "8", "--out", "c.npz"],
+        tmp_path,
+        monkeypatch,
+        capsys,
+    )
+    from kvqrs.hf import load_matched
+
+    assert sorted(load_matched(tmp_path / "c.npz")) == [0, 1]
 
 
 def test_the_default_model_is_smollm2(tiny):

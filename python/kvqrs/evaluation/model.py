@@ -164,9 +164,10 @@ def _config(spec: str) -> tuple[ModelSource, Any]:
 def check_config(config: Any) -> None:
     """Refuse, with the reason, a model whose KV cache kvqrs cannot serve: not a causal
     decoder, attention that does not go through transformers' attention interface (or whose
-    modules lack ``layer_idx`` / ``num_key_value_groups``), logit soft-capping, learned sink
-    logits, or layer types other than full and sliding-window attention. The model is built
-    on the meta device (no weights, no memory)."""
+    modules lack ``layer_idx`` / ``num_key_value_groups``), or layer types other than full and
+    sliding-window attention. (Logit soft-capping and learned sink logits are computed by the
+    kvqrs attention: :class:`kvqrs.hf.attention.LogitRule`.) The model is built on the meta
+    device (no weights, no memory)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -185,14 +186,7 @@ def check_config(config: Any) -> None:
     if not model.is_backend_compatible():
         raise KvqrsError(f"--model: {kind}'s attention does not go through transformers' attention interface, so kvqrs cannot serve it")
     text = config.get_text_config(decoder=True)
-    if getattr(text, "attn_logit_softcapping", None) is not None:
-        raise KvqrsError(
-            f"--model: {kind} uses attention logit soft-capping (attn_logit_softcapping={text.attn_logit_softcapping}), "
-            "which the kvqrs attention does not compute"
-        )
     attention = [m for m in model.modules() if hasattr(m, "num_key_value_groups") and hasattr(m, "layer_idx")]
-    if any(getattr(m, "sinks", None) is not None for m in model.modules()):
-        raise KvqrsError(f"--model: {kind} has learned sink logits, which the kvqrs attention does not compute")
     if not attention:
         raise KvqrsError(f"--model: {kind}'s attention modules have no num_key_value_groups / layer_idx, which the kvqrs attention reads")
     if getattr(text, "use_cache", True) is False:

@@ -249,10 +249,18 @@ class RowWorker:
 def dense_check(model, windows: list[torch.Tensor], log_probs: list[torch.Tensor]) -> dict:
     """Dense perplexity through kvqrs' attention function (``log_probs``: the dense row's
     log-probabilities of ``windows``) against transformers' own loss (``labels=``) with its
-    SDPA attention on the same windows."""
+    SDPA attention on the same windows, or its eager attention for a model that has no SDPA
+    path (logit soft-capping, learned sinks: Gemma-2, gpt-oss). Returns ``ppl_kvqrs``,
+    ``ppl_transformers``, ``transformers_attention`` (``"sdpa"`` or ``"eager"``) and
+    ``relative_difference``."""
     ours = [-lp.gather(1, ids[0, 1:, None]).mean().item() for ids, lp in zip(windows, log_probs)]
     theirs = []
-    model.set_attn_implementation("sdpa")
+    attention = "sdpa"
+    try:
+        model.set_attn_implementation(attention)
+    except ValueError:  # transformers refuses SDPA for attention it does not compute
+        attention = "eager"
+        model.set_attn_implementation(attention)
     try:
         with torch.no_grad():
             for ids in windows:
@@ -260,7 +268,7 @@ def dense_check(model, windows: list[torch.Tensor], log_probs: list[torch.Tensor
     finally:
         model.set_attn_implementation("kvqrs")
     a, b = math.exp(float(np.mean(ours))), math.exp(float(np.mean(theirs)))
-    return {"ppl_kvqrs": a, "ppl_transformers_sdpa": b, "relative_difference": abs(a - b) / b}
+    return {"ppl_kvqrs": a, "ppl_transformers": b, "transformers_attention": attention, "relative_difference": abs(a - b) / b}
 
 
 def headq_recovered(results: list[dict]) -> list[dict]:

@@ -40,8 +40,9 @@ def summary(result: dict, seconds: float) -> str:
         f"({sum(1 for _ in result['rows'])} rows); HeadQ calibrated on {result['calibration_windows']} disjoint windows. {seconds:.0f} s.",
         "",
         *([f"Kernels: {result['simd']}.", ""] if "simd" in result else []),
-        f"Dense check: perplexity {c['ppl_kvqrs']:.4f} through kvqrs' attention function, {c['ppl_transformers_sdpa']:.4f} from "
-        f"transformers' own loss with SDPA on the same windows (relative difference {c['relative_difference']:.1e}).",
+        f"Dense check: perplexity {c['ppl_kvqrs']:.4f} through kvqrs' attention function, {c['ppl_transformers']:.4f} from "
+        f"transformers' own loss with its {c['transformers_attention']} attention on the same windows "
+        f"(relative difference {c['relative_difference']:.1e}).",
         "",
         "KL is KL(dense || row) of next-token distributions, in nats per token; bits per element count every stored bit "
         "(32 = full precision); cache bytes are a real QuantizedKVCache holding one window of every layer (dense: float32).",

@@ -9,14 +9,18 @@ from kvqrs when a quantization state is active for the layer:
 - the fast evaluation path (:func:`fake_quant`): one forward pass per window in which query
   ``t`` sees key ``j`` quantized exactly when the cache would hold it quantized at step ``t``.
 
-With no state it is plain eager attention.
+With no state it is plain eager attention. Every path applies the layer's :class:`LogitRule`:
+logit soft-capping (Gemma 2) and learned sink logits (gpt-oss), as transformers' eager attention
+of those models does.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import math
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -33,6 +37,9 @@ from .config import QuantConfig
 NAME = "kvqrs"
 _STATE: contextvars.ContextVar[Any] = contextvars.ContextVar("kvqrs_attention_state", default=None)
 _SDPA_PREFILL: contextvars.ContextVar[bool] = contextvars.ContextVar("kvqrs_sdpa_prefill", default=False)
+# The logit rule of the layer whose attention a state is serving (None: plain softmax), set by
+# the attention function around the state's ``attend`` call only when the layer has one.
+_RULE: contextvars.ContextVar[LogitRule | None] = contextvars.ContextVar("kvqrs_logit_rule", default=None)
 
 SDPA_MIN_QUERY = 5
 """Forwards with at least this many queries take the SDPA path inside :func:`sdpa_prefill`
@@ -43,17 +50,98 @@ mask lets some query see (causal: up to its last query), so about half of the ma
 quadrant is never computed, and no ``heads x queries x keys`` logits tensor is built."""
 
 
-def _softmax_out(module, query, logits, attention_mask, value_parts):
-    """Softmax over logits (+ mask), then ``sum_parts (p * m_part) @ v_part``; returns the
-    layout transformers expects: ``(batch, q_len, heads, d)`` and the probabilities."""
-    # float32 accumulation, or float64 for a float64 model (so the two evaluation paths can be
-    # compared without float32 noise).
-    acc = torch.float64 if query.dtype == torch.float64 else torch.float32
-    logits = logits.to(acc)
+@dataclass(frozen=True)
+class LogitRule:
+    """What a layer's attention does beyond ``softmax(q k^T * scaling + mask) v``, as
+    transformers' eager attention of the model computes it:
+
+    - ``softcap`` (Gemma 2: ``config.attn_logit_softcapping``, passed as ``softcap=``): each
+      logit ``s`` becomes ``softcap * tanh(s / softcap)`` before the mask is added (Gemma Team,
+      "Gemma 2: Improving Open Language Models at a Practical Size", 2024, section 2);
+    - ``sinks`` (gpt-oss: ``module.sinks``, passed as ``s_aux=``): one learned logit per query
+      head, ``(q_heads,)``, that joins each query's softmax denominator and reads no value:
+      ``p_j = exp(s_j) / (exp(sink) + sum_i exp(s_i))`` (OpenAI, "gpt-oss-120b & gpt-oss-20b
+      model card", 2025; transformers' ``models/gpt_oss`` ``eager_attention_forward``). A
+      softmax part already normalised with log-sum-exp ``lse`` takes the sink exactly by
+      :meth:`rescale`: ``out * exp(lse - logaddexp(lse, sink))``.
+    """
+
+    softcap: float | None = None
+    sinks: torch.Tensor | None = None
+
+    def cap(self, logits: torch.Tensor) -> torch.Tensor:
+        """``softcap * tanh(logits / softcap)`` (a new tensor), or ``logits`` without a cap."""
+        if self.softcap is None:
+            return logits
+        return torch.tanh(logits / self.softcap) * self.softcap
+
+    def sink_logits(self, like: torch.Tensor) -> torch.Tensor | None:
+        """The sinks as ``(1, q_heads, 1, 1)`` in ``like``'s dtype and device, or None."""
+        return None if self.sinks is None else self.sinks.detach().to(like.device, like.dtype).view(1, -1, 1, 1)
+
+    def rescale(self, out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+        """Add the sinks to an attention output normalised without them: ``out`` ``(b, q_heads,
+        nq, d)``, ``lse`` its log-sum-exp ``(b, q_heads, nq, 1)`` (-inf: no token read, output
+        0). Returns ``out * exp(lse - logaddexp(lse, sink))`` (``out`` itself without sinks)."""
+        sink = self.sink_logits(lse)
+        if sink is None:
+            return out
+        return out * (lse - torch.logaddexp(lse, sink)).exp().to(out.dtype)
+
+
+def layer_rule(module, kwargs: dict) -> LogitRule | None:
+    """The :class:`LogitRule` of one attention call from the arguments transformers passes
+    (``softcap=``, ``s_aux=``; a module's ``sinks`` tensor when ``s_aux`` is absent, as
+    transformers' gpt-oss eager attention reads it), or None for plain softmax attention.
+    Raises :class:`KvqrsError` for a cap that is not a positive finite number or sinks that
+    are not one finite logit per query head."""
+    softcap, sinks = kwargs.get("softcap"), kwargs.get("s_aux")
+    if sinks is None and isinstance(getattr(module, "sinks", None), torch.Tensor):
+        sinks = module.sinks
+    if softcap is None and sinks is None:
+        return None
+    if softcap is not None:
+        if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not (math.isfinite(softcap) and softcap > 0):
+            raise KvqrsError(f"softcap: expected a positive finite logit cap, got {softcap!r}")
+        softcap = float(softcap)
+    if sinks is not None:
+        heads = getattr(getattr(module, "config", None), "num_attention_heads", None)
+        if not isinstance(sinks, torch.Tensor) or sinks.dim() != 1 or (heads is not None and sinks.numel() != heads):
+            got = f"shape {tuple(sinks.shape)}" if isinstance(sinks, torch.Tensor) else type(sinks).__name__
+            raise KvqrsError(f"s_aux: expected one learned sink logit per query head ({heads}), got {got}")
+        check_finite(sinks.detach(), "s_aux")
+    return LogitRule(softcap, sinks)
+
+
+def current_rule() -> LogitRule | None:
+    """The :class:`LogitRule` of the layer a state's ``attend`` is serving (None: plain
+    softmax attention); states that compute attention themselves read it."""
+    return _RULE.get()
+
+
+def _probabilities(logits, attention_mask, rule: LogitRule | None) -> torch.Tensor:
+    """Softmax weights of raw logits ``(b, heads, q_len, keys)`` under ``rule`` (soft-capped
+    before the mask, as Gemma 2's eager attention; sinks in the denominator, their column
+    dropped) and ``attention_mask`` (boolean or additive, None: nothing hidden)."""
+    if rule is not None:
+        logits = rule.cap(logits)
     if attention_mask is not None:
         mask = attention_mask[..., : logits.shape[-1]]
         logits = logits.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else logits + mask
-    p = torch.softmax(logits, dim=-1)
+    sink = None if rule is None else rule.sink_logits(logits)
+    if sink is None:
+        return torch.softmax(logits, dim=-1)
+    return torch.softmax(torch.cat([logits, sink.expand(*logits.shape[:-1], 1)], dim=-1), dim=-1)[..., :-1]
+
+
+def _softmax_out(module, query, logits, attention_mask, value_parts, rule: LogitRule | None = None):
+    """Softmax over raw logits (+ mask, under ``rule``), then ``sum_parts (p * m_part) @
+    v_part``; returns the layout transformers expects: ``(batch, q_len, heads, d)`` and the
+    probabilities."""
+    # float32 accumulation, or float64 for a float64 model (so the two evaluation paths can be
+    # compared without float32 noise).
+    acc = torch.float64 if query.dtype == torch.float64 else torch.float32
+    p = _probabilities(logits.to(acc), attention_mask, rule)
     out = sum((p * m.to(acc) if m is not None else p) @ repeat_kv(v, module.num_key_value_groups).to(acc) for m, v in value_parts)
     return out.to(query.dtype).transpose(1, 2).contiguous(), p.to(query.dtype)
 
@@ -71,8 +159,9 @@ def sdpa_prefill(enabled: bool = True) -> Iterator[None]:
     values and mask (a dense cache's, or what :class:`kvqrs.hf.QuantizedKVCache` hands back,
     with the same per-query schedule of quantized and full-precision tokens), without the
     logits tensor and most of the masked work. Results differ from the eager path only by
-    float rounding (none in float64 on CPU). HeadQ side codes (a logit correction) keep the
-    eager path."""
+    float rounding (none in float64 on CPU). HeadQ side codes (a logit correction) and layers
+    with logit soft-capping or learned sinks (:class:`LogitRule`, which SDPA does not compute)
+    keep the eager path."""
     token = _SDPA_PREFILL.set(bool(enabled))
     try:
         yield
@@ -116,32 +205,36 @@ def blocked_sdpa(query, key, value, attention_mask, scaling, rows: tuple[int, in
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-2)
 
 
-def _check_supported(module, kwargs) -> None:
-    """Refuse attention variants this function does not compute (it would silently return
-    plain softmax attention): logit soft-capping (Gemma-2) and learned sink logits (gpt-oss)."""
-    if kwargs.get("softcap") is not None:
-        raise KvqrsError(f"attention: logit soft-capping (softcap={kwargs['softcap']}, Gemma-2) is not supported by the kvqrs attention")
-    if kwargs.get("s_aux") is not None or getattr(module, "sinks", None) is not None:
-        raise KvqrsError("attention: learned sink logits (gpt-oss s_aux) are not supported by the kvqrs attention")
+def _serve(state, rule: LogitRule | None, args: tuple):
+    """``state.attend(*args)`` with ``rule`` as :func:`current_rule` (set only when there is one)."""
+    if rule is None:
+        return state.attend(*args)
+    token = _RULE.set(rule)
+    try:
+        return state.attend(*args)
+    finally:
+        _RULE.reset(token)
 
 
 def kvqrs_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
-    """Attention interface function (registered as ``"kvqrs"``). Raises :class:`KvqrsError`
-    for logit soft-capping or learned sink logits, which it does not compute."""
-    _check_supported(module, kwargs)
+    """Attention interface function (registered as ``"kvqrs"``): eager attention, or the
+    attention the active state (a cache, the fast path) computes, with the layer's logit
+    soft-capping and learned sink logits (:func:`layer_rule`). Returns ``(out, probs)``:
+    ``(batch, q_len, heads, d)`` in the query's dtype, and the probabilities or None."""
+    rule = layer_rule(module, kwargs)
     state = _STATE.get()
     if kwargs.get("sliding_window") is not None and hasattr(state, "note_sliding_window"):
         state.note_sliding_window(module, kwargs["sliding_window"])  # a cache built with a layer count warns
     if state is not None:
-        handled = state.attend(module, query, key, value, attention_mask, scaling)
+        handled = _serve(state, rule, (module, query, key, value, attention_mask, scaling))
         if handled is not None:
             return handled
-    if _SDPA_PREFILL.get() and query.shape[-2] >= SDPA_MIN_QUERY:
+    if rule is None and _SDPA_PREFILL.get() and query.shape[-2] >= SDPA_MIN_QUERY:
         out = blocked_sdpa(query, key, value, attention_mask, scaling)
         return out.transpose(1, 2).contiguous(), None
     k = repeat_kv(key, module.num_key_value_groups)
     logits = (query @ k.transpose(2, 3)) * scaling
-    return _softmax_out(module, query, logits, attention_mask, [(None, value)])
+    return _softmax_out(module, query, logits, attention_mask, [(None, value)], rule)
 
 
 def register() -> str:
@@ -192,7 +285,7 @@ class FakeQuant:
 
     def attend(self, module, query, key, value, attention_mask, scaling):
         self.calls += 1
-        cfg = self.config
+        cfg, rule = self.config, _RULE.get()
         fitted = None
         if cfg.calibration == "prefill":  # self-calibration: this window is the prefill
             from .calibration import prefill_calibration
@@ -229,26 +322,28 @@ class FakeQuant:
             m = held.to(s_q.dtype)
             logits = s_q if all_held else m * s_q + (1 - m) * s_fp
         if codec.values is None:
-            return _softmax_out(module, query, logits, attention_mask, [(None, value)])
+            return _softmax_out(module, query, logits, attention_mask, [(None, value)], rule)
         weights = None
         if cfg.value_scheme == "a2" and not cfg.a2_uniform:
-            weights = _a2_importance(module, s_fp, attention_mask, cfg.a2_lookahead)[..., sink:]
+            weights = _a2_importance(module, s_fp, attention_mask, cfg.a2_lookahead, rule)[..., sink:]
         elif local_a2:
-            weights = causal_importance(s_fp, sink, module.num_key_value_groups)[..., sink:]
+            capped = s_fp if rule is None else rule.cap(s_fp)
+            weights = causal_importance(capped, sink, module.num_key_value_groups)[..., sink:]
         v_hat = from_numpy(codec.decode_values(codec.encode_values(to_numpy(value[..., sink:, :], "values"), weights)), value)
         v_hat = torch.cat([value[..., :sink, :], v_hat], dim=-2)
         if all_held:
-            return _softmax_out(module, query, logits, attention_mask, [(None, v_hat)])
+            return _softmax_out(module, query, logits, attention_mask, [(None, v_hat)], rule)
         m = held.to(logits.dtype)
-        return _softmax_out(module, query, logits, attention_mask, [(m, v_hat), (1 - m, value)])
+        return _softmax_out(module, query, logits, attention_mask, [(m, v_hat), (1 - m, value)], rule)
 
 
-def _a2_importance(module, s_fp, attention_mask, lookahead):
+def _a2_importance(module, s_fp, attention_mask, lookahead, rule: LogitRule | None = None):
     """A^2 importance of each key ``(batch, kv_heads, len)``: sum over queries t (all heads of
-    the GQA group) of ``p_tj^2`` under dense attention (HeadQ's A^2 weighting). ``lookahead``
-    None: every query (future ones too: an oracle); else only ``j <= t < j + lookahead``."""
+    the GQA group) of ``p_tj^2`` under dense attention (HeadQ's A^2 weighting; soft-capping and
+    sinks of ``rule`` applied). ``lookahead`` None: every query (future ones too: an oracle);
+    else only ``j <= t < j + lookahead``."""
     length = s_fp.shape[-1]
-    p = torch.softmax(s_fp + (attention_mask[..., :length] if attention_mask is not None else 0), dim=-1).double() ** 2
+    p = _probabilities(s_fp, attention_mask, rule).double() ** 2
     if lookahead is not None:
         lag = torch.arange(length)[:, None] - torch.arange(length)[None, :]  # t - j
         p = p * ((lag >= 0) & (lag < lookahead))

@@ -24,7 +24,9 @@ attention function, with the live query. Decode steps attend straight from the c
 fused kernel of ``KVCodec.fused_attention``: no key or value is decoded) and merge the
 full-precision tokens' softmax part by log-sum-exp, exactly, in one native call per layer over
 the store's buffers (:meth:`~kvqrs.hf.store.CodeStore.attend`, the GIL released); see
-``QuantConfig.fused`` for when. Use the model with
+``QuantConfig.fused`` for when. Learned sink logits (gpt-oss) join that softmax exactly through
+its log-sum-exp; a layer with logit soft-capping (Gemma 2), which caps each logit before the
+softmax, attends over the decoded keys instead. Use the model with
 ``attn_implementation="kvqrs"``.
 """
 
@@ -48,7 +50,7 @@ from ..kernels.attention import DenseRows
 from ..schemes import Encoded
 from ..torch import check_finite, check_storable, from_numpy, to_numpy
 from . import persist
-from .attention import _STATE, SDPA_MIN_QUERY, _softmax_out, blocked_sdpa, register, sdpa_prefill_active
+from .attention import _STATE, SDPA_MIN_QUERY, LogitRule, _softmax_out, blocked_sdpa, current_rule, register, sdpa_prefill_active
 from .config import QuantConfig
 from .heap import release_freed
 from .store import CodeStore, WindowRows
@@ -375,6 +377,13 @@ class QuantizedLayer(CacheLayerMixin):
             raise KvqrsError(
                 f"calibration='prefill': layer {self.layer_idx} saw a forward that the kvqrs attention did not serve, so it could "
                 "not fit its calibration; load the model with attn_implementation='kvqrs' (after kvqrs.hf.register())"
+            )
+        if self.awaits_calibration and self.record_past:
+            raise KvqrsError(
+                f"calibration='prefill': layer {self.layer_idx} would fit its calibration on a first forward that a crop may "
+                "partly roll back (past recording is on before the prompt, as in assisted decoding, whose first forward holds "
+                "the prompt and draft tokens together); for assisted decoding give the config a calibration (a `kvqrs "
+                "calibrate` file: QuantConfig.preset(name, file)) or use a scheme that needs none"
             )
         if self.seen == 0 and key_states.shape[-2] < self.config.sink_tokens:
             raise KvqrsError(
@@ -930,17 +939,35 @@ class QuantizedLayer(CacheLayerMixin):
         m = attention_mask[..., ns : ns + view.coded]
         return bool(m.all()) if m.dtype == torch.bool else bool((m == 0).all())
 
-    def _attend_fused(self, view: _View, module, query, attention_mask, scaling):
+    def _attend_codes(self, view: _View, module, query, attention_mask, scaling, rule: LogitRule | None):
+        """A fused decode step's attention straight from the codes (:meth:`_attend_fused`), or
+        None when it must read the decoded keys: a mask hides some codes, or the layer caps its
+        logits (the fused kernel's softmax reads uncapped logits)."""
+        if rule is not None and rule.softcap is not None:
+            return None
+        # An explicit mask that hides nothing (one NumPy reduction: a decode step without
+        # padding) shows every code and is not passed on; None means causal, checked as such.
+        if attention_mask is not None and _hides_nothing(attention_mask) is None:
+            return self._attend_fused(view, module, query, None, scaling, rule)
+        if self._codes_visible(view, attention_mask, query.shape[-2]):
+            return self._attend_fused(view, module, query, attention_mask, scaling, rule)
+        return None
+
+    def _attend_fused(self, view: _View, module, query, attention_mask, scaling, rule: LogitRule | None = None):
         """Softmax over the codes (fused kernel) and over the full-precision tokens, merged by
         log-sum-exp: ``out = e^(lse_q - lse) out_q + e^(lse_w - lse) out_w``,
-        ``lse = logaddexp(lse_q, lse_w)``."""
+        ``lse = logaddexp(lse_q, lse_w)``; learned sinks of ``rule`` then join the denominator
+        (:meth:`~kvqrs.hf.attention.LogitRule.rescale`)."""
         mask = None if attention_mask is None else attention_mask.index_select(-1, view.fp_columns().to(attention_mask.device))
         if view.live and (mask is None or mask.shape[1] == 1) and view.store.can_attend():
             # One native call: the fused kernel over the store's buffers and the softmax over
             # the sinks and the window (read in place from its buffer), merged by log-sum-exp
             # (GIL released).
             sinks, window = (view.sink_k, view.sink_v), view.window_rows or (view.window_k, view.window_v)
-            out = view.store.attend(query, sinks, window, mask, float(scaling))
+            if rule is None:
+                out = view.store.attend(query, sinks, window, mask, float(scaling))
+            else:
+                out = rule.rescale(*view.store.attend(query, sinks, window, mask, float(scaling), with_lse=True))
             if query.dtype is not torch.float32 or query.device.type != "cpu":  # cast: an error, not inf, past the dtype
                 out = from_numpy(out.numpy(), query)
             return out.transpose(1, 2).contiguous(), None
@@ -950,14 +977,16 @@ class QuantizedLayer(CacheLayerMixin):
         cv = view.codes_v
         cv = DenseRows(to_numpy(cv, "values")) if isinstance(cv, torch.Tensor) else cv
         res = codec.fused_attention(q, view.codes_k, cv, scale=float(scaling))
-        out = torch.from_numpy(res.out)
+        out, lse = torch.from_numpy(res.out), torch.from_numpy(res.lse)[..., None]
         if fp_k.shape[-2]:
-            lse_q = torch.from_numpy(res.lse)[..., None]
+            lse_q = lse
             out_w, lse_w = _fp_part(query, fp_k, fp_v, module.num_key_value_groups, mask, scaling)
             lse = torch.logaddexp(lse_q, lse_w)
             w_w = (lse_w - lse).exp_()
             # A fully masked full-precision part has lse_w = -inf and NaN probabilities: its weight is 0.
             out = out.mul_((lse_q - lse).exp_()).add_(torch.where(w_w > 0, out_w.mul_(w_w), 0.0))
+        if rule is not None:
+            out = rule.rescale(out, lse)
         return from_numpy(out.numpy(), query).transpose(1, 2).contiguous(), None
 
     def attend(self, module, query, key, value, attention_mask, scaling):
@@ -972,18 +1001,17 @@ class QuantizedLayer(CacheLayerMixin):
             view = self.view(view.start, first_query=view.first_query, **fresh)
             self._drop_unread(view)
             key, value = self.materialize(view)
+        rule = current_rule()
         if self._fused:
-            # An explicit mask that hides nothing (one NumPy reduction: a decode step without
-            # padding) shows every code and is not passed on; None means causal, checked as such.
-            if attention_mask is not None and _hides_nothing(attention_mask) is None:
-                return self._attend_fused(view, module, query, None, scaling)
-            if self._codes_visible(view, attention_mask, query.shape[-2]):
-                return self._attend_fused(view, module, query, attention_mask, scaling)
-            key, value = self.materialize(view)  # a mask hides some codes: the decoded path
+            out = self._attend_codes(view, module, query, attention_mask, scaling, rule)
+            if out is not None:
+                return out
+            key, value = self.materialize(view)  # a mask hides some codes, or capped logits: the decoded path
         from transformers.integrations.sdpa_attention import repeat_kv
 
         g = module.num_key_value_groups
-        if sdpa_prefill_active() and query.shape[-2] >= SDPA_MIN_QUERY and (view.codes_k is None or self.codec().scheme != "headq"):
+        sdpa = rule is None and sdpa_prefill_active() and query.shape[-2] >= SDPA_MIN_QUERY
+        if sdpa and (view.codes_k is None or self.codec().scheme != "headq"):
             out = self._attend_sdpa(view, query, key, value, attention_mask, scaling)
             if out is not None:
                 return out.transpose(1, 2).contiguous(), None
@@ -994,7 +1022,7 @@ class QuantizedLayer(CacheLayerMixin):
             logits[..., ns : ns + corr.shape[-1]] += corr.to(logits.dtype)
         held = self._fresh_held(view, query.shape[-2], key.shape[-2])
         if held is None:
-            return _softmax_out(module, query, logits, attention_mask, [(None, value)])
+            return _softmax_out(module, query, logits, attention_mask, [(None, value)], rule)
         # Queries that precede a new code's step read its original: the fast path's mixing.
         cols, m = held
         key_fp, value_fp = key.clone(), value.clone()
@@ -1002,7 +1030,7 @@ class QuantizedLayer(CacheLayerMixin):
         s_fp = (query @ repeat_kv(key_fp, g).transpose(2, 3)) * scaling
         mf = m.to(logits.dtype)
         logits = mf * logits + (1 - mf) * s_fp
-        return _softmax_out(module, query, logits, attention_mask, [(mf, value), (1 - mf, value_fp)])
+        return _softmax_out(module, query, logits, attention_mask, [(mf, value), (1 - mf, value_fp)], rule)
 
     def _attend_sdpa(self, view: _View, query, key, value, attention_mask, scaling) -> torch.Tensor | None:
         """The prefill path of :func:`kvqrs.hf.sdpa_prefill`: the same reads as the eager path

@@ -392,15 +392,17 @@ class CodeStore:
         side = None if rows[2] is None else binding_side(rows[2], lead, d, part)
         self._native.set_rows(binding_rows(rows[0], "keys", lead, d, part), binding_rows(rows[1], "values", lead, d, part), side)
 
-    def attend(self, query: torch.Tensor, sinks: tuple, window: tuple, mask: torch.Tensor | None, scale: float):
+    def attend(self, query: torch.Tensor, sinks: tuple, window: tuple, mask: torch.Tensor | None, scale: float, with_lse: bool = False):
         """Attention of ``query`` ``(batch, q_heads, nq, d)`` over the coded tokens and the
         full-precision ones, merged by log-sum-exp in one native call: ``sinks``, a ``(keys,
         values)`` pair of ``(batch, kv_heads, tokens, d)`` tensors, then ``window``, such a pair
         or, read in place, a :class:`WindowRows` (:func:`token_rows` finds one in a tensor that
         is a float32 span of a token buffer, as the cache's window is). ``mask``: None, or a
         boolean or additive ``(batch, 1, nq, sinks + window)`` mask of the full-precision
-        columns. Returns float32 ``(batch, q_heads, nq, d)``. Raises :class:`KvqrsError` on
-        non-finite logits or shapes that do not fit."""
+        columns. Returns float32 ``(batch, q_heads, nq, d)``, and with ``with_lse`` also the
+        log-sum-exp of the whole softmax's logits, float32 ``(batch, q_heads, nq, 1)`` (to merge
+        another softmax term exactly). Raises :class:`KvqrsError` on non-finite logits or shapes
+        that do not fit."""
         if not self._native.has_rows:
             self._declare_rows()
         b, hq, nq, d = query.shape
@@ -414,5 +416,6 @@ class CodeStore:
             m = mm.to(torch.float32).expand(b, 1, nq, ns + rows.tokens).contiguous().reshape(-1).numpy()
         q = _flat_f32(query)
         args = (sk, sv, ns, rows.keys, rows.values, rows.room, rows.start, rows.tokens, m, b)
-        out, _ = self._native.attend(q, b * self.kv_heads, g * nq, d, float(scale), nq, *args)
-        return torch.from_numpy(out).view(b, hq, nq, d)
+        out, lse = self._native.attend(q, b * self.kv_heads, g * nq, d, float(scale), nq, *args)
+        out = torch.from_numpy(out).view(b, hq, nq, d)
+        return (out, torch.from_numpy(lse).view(b, hq, nq, 1)) if with_lse else out
