@@ -158,10 +158,12 @@ def test_fisher_sensitivity_estimates_the_measured_kl(model32, texts):
 
     model, tok = model32
     ch = lp.llama_chunks(tok, texts.calibration, 2 * CTX, 3)
-    fit = fit_matched(record_matched(model, ch[:2], 1), 2, 32)
+    # The presets' regime, where one layer's coding is a small change (at 2-bit keys the KL of
+    # one layer reaches 0.05 and the expansion overstates it).
+    fit = fit_matched(record_matched(model, ch[:2], 1), 3, 32)
     configs = [
-        QuantConfig("matched", 2, None, group=32, sink_tokens=1, calibration=fit),
-        QuantConfig(None, 2, "matched", 2, group=32, sink_tokens=1, calibration=fit, value_scale="preserve_norm"),
+        QuantConfig("matched", 3, None, group=32, sink_tokens=1, calibration=fit),
+        QuantConfig(None, 3, "matched", 3, group=32, sink_tokens=1, calibration=fit, value_scale="preserve_norm"),
     ]
     est = fisher_sensitivity(model, ch[2:], configs, samples=8)
     measured = layer_sensitivity(model, ch[2:], configs)

@@ -81,6 +81,17 @@ def test_eval_refuses_a_channel_without_calibration_files(text_file, no_model, c
     assert e.value.code == 2 and "--channel: applies to --protocol llama with --calibration files" in capsys.readouterr().err
 
 
+def test_eval_refuses_a_calibration_file_of_no_preset_before_loading_the_model(text_file, tmp_path, no_model, capsys):
+    """The default rows take `kvqrs calibrate --preset NAME` files, each adding its preset's row."""
+    from kvqrs.hf import save_matched
+    from kvqrs.schemes.matched import random_calibration
+
+    path = save_matched(tmp_path / "c.npz", {0: random_calibration(16, 3, 0)}, {"group": 16})
+    with pytest.raises(SystemExit) as e:
+        main(["eval", "--data", text_file, "--threads", "1", "--calibration", str(path)])
+    assert e.value.code == 2 and "was not fitted for a preset" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
