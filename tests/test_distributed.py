@@ -162,5 +162,5 @@ def test_eval_on_ray_equals_serial(cluster, model32, eval_inputs):
         )
     finally:
         _STATE.set(None)  # run_eval's cache bytes leave the cache installed (see test_eval.py)
-    assert [r["row"] for r in serial["rows"]] == list(wanted)
+    assert [r["row"] for r in serial["rows"]] == ["dense", "headq(kqv) k2", "kqv k2", "kqv k2 v2"]  # by budget
     assert distributed == serial  # every row's perplexity, KL, top-1 and bytes, bit for bit

@@ -241,6 +241,56 @@ def test_default_rows_contain_the_named_rows(quick, residual):
         assert (cfg.residual_length, cfg.a2_uniform, cfg.a2_lookahead) == (window, uniform, lookahead), name
 
 
+def test_default_rows_end_with_the_presets():
+    """The three presets calibrated on the prompt, and each refined by a file where one is given."""
+    from kvqrs.hf.config import PRESETS
+    from kvqrs.schemes.matched import random_calibration
+
+    names = [r.name for r in default_rows()]
+    assert names[-3:] == ["matched 4bit (prompt)", "matched 3bit (prompt)", "matched 2bit (prompt)"]
+    cal = {layer: random_calibration(64, 3, layer) for layer in range(2)}
+    rows = default_rows(residual_length=16, calibrations={"3bit": cal})
+    by = {r.name: r for r in rows}
+    for name, p in PRESETS.items():
+        cfg = by[f"matched {name} (prompt)"].config
+        assert (cfg.key_scheme, cfg.value_scheme, cfg.calibration, cfg.group, cfg.value_norms) == (
+            "matched",
+            "matched",
+            "prefill",
+            p["group"],
+            p["value_norms"],
+        )
+        assert cfg.residual_length == 16 and by[f"matched {name} (prompt)"].group == "full KV"
+    assert by["matched 3bit (file)"].config.calibration is cal and "matched 4bit (file)" not in by
+
+
+def test_results_read_by_budget():
+    from kvqrs.evaluation.model_eval import by_budget
+
+    rows = [{"row": n, "bpe_k": k, "bpe_v": v} for n, k, v in [("a", 4.0, 4.0), ("dense", 32, 32), ("b", 2.0, 32), ("c", 5.0, 3.0)]]
+    assert [r["row"] for r in by_budget(rows)] == ["dense", "b", "a", "c"]  # 32, 17, then 4 and 4 in their given order
+
+
+def test_matched_prompt_row_counts_its_calibration(model32):
+    """A preset calibrated on the window counts every layer's codes, its float16 sink and the
+    calibration each layer fits (as the cache that fits it on its prompt holds it)."""
+    from kvqrs.evaluation.capture import record
+    from kvqrs.evaluation.model_eval import storage
+    from kvqrs.hf import QuantConfig
+
+    model, tok = model32
+    ids = tok(" ".join(PARAGRAPHS), return_tensors="pt").input_ids[:, :64]
+    qkv = record(model, ids)
+    kv, queries = {layer: t[1:] for layer, t in qkv.items()}, {layer: t[0] for layer, t in qkv.items()}
+    cfg = QuantConfig.preset("4bit", group=16)  # 63 tokens after the sink: 3 groups coded, 15 tokens in full precision
+    got = storage(cfg, kv, queries)
+    assert 4.0 < got["bpe_k"] < 8.0 and 4.0 < got["bpe_v"] < 8.0  # codes, sink and the fitted calibration, on 64 tokens
+    dense = 2 * sum(k.nbytes for k, _ in kv.values())
+    assert dense / 4 < got["cache_bytes"] < dense / 2
+    with pytest.raises(KvqrsError, match="needs the window's queries"):
+        storage(cfg, kv)
+
+
 def test_default_rows_are_fresh_objects():
     # run_eval writes calibrated bases into headq rows: two calls must not share configs
     a, b = default_rows(), default_rows()
@@ -344,7 +394,7 @@ def test_report_files(tmp_path, result):
     assert {p.name for p in out.iterdir()} == {"eval.md", "eval.csv", "eval.json", "quality_vs_bits.png"}
     with open(out / "eval.csv", newline="") as f:
         table = list(csv.DictReader(f))
-    assert [r["row"] for r in table] == ["dense", "kqv k2", "headq(kqv) k2"]
+    assert [r["row"] for r in table] == ["dense", "headq(kqv) k2", "kqv k2"]  # by budget: 17.25 then 17.125 bits per element
     assert set(model_report.COLUMNS) <= set(table[0])
     for got, want in zip(table, res["rows"]):
         assert float(got["ppl"]) == pytest.approx(want["ppl"], rel=1e-12)
@@ -403,7 +453,7 @@ def test_cli_eval_quick(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert {p.name for p in out.iterdir()} == {"eval.md", "eval.csv", "eval.json", "quality_vs_bits.png"}
     res = json.loads((out / "eval.json").read_text())
-    assert [r["row"] for r in res["rows"]] == ["dense", "kqv k2", "kqv k2 v2", "kqv k4", "kqv k4 v4"]
+    assert [r["row"] for r in res["rows"]] == ["dense", "kqv k4", "kqv k2", "kqv k4 v4", "kqv k2 v2"]  # by budget
     assert (res["window"], res["windows"], res["calibration_windows"]) == (32, 1, 1)
     assert "gensim" in res["source"]
     assert res["dense_check"]["relative_difference"] < DENSE_CHECK_RTOL

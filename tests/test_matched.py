@@ -18,6 +18,7 @@ from kvqrs.schemes.matched import (
     MatchedBasis,
     MatchedCalibration,
     bits_per_element,
+    fit_bases,
     fit_basis,
     random_calibration,
     uniform_distortion,
@@ -73,6 +74,20 @@ def test_fit_basis_is_orthonormal_ordered_and_spends_the_budget():
     for h in range(x.shape[0]):
         np.testing.assert_allclose(cal.basis[h].T @ cal.basis[h], np.eye(d), atol=1e-5)
     np.testing.assert_allclose(cal.mean, x.mean(axis=1), rtol=1e-5, atol=1e-5)
+
+
+def test_fit_bases_equal_one_fit_per_width():
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((2, 300, 16)) * np.linspace(0.2, 3, 16)
+    w = np.stack([np.eye(16) * np.linspace(2, 0.5, 16)] * 2)
+    widths = (2, 3.5, 5)
+    for b, got in zip(widths, fit_bases(x, widths, 32, w)):
+        want = fit_basis(x, b, 32, w)
+        np.testing.assert_array_equal(got.widths, want.widths)
+        np.testing.assert_array_equal(got.basis, want.basis)
+        np.testing.assert_array_equal(got.mean, want.mean)
+    with pytest.raises(KvqrsError, match="bits: expected 0 < bits"):
+        fit_bases(x, (3, 9), 32, w)
 
 
 def test_fit_basis_weights_by_the_queries():

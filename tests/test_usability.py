@@ -81,6 +81,17 @@ def test_eval_refuses_a_channel_without_calibration_files(text_file, no_model, c
     assert e.value.code == 2 and "--channel: applies to --protocol llama with --calibration files" in capsys.readouterr().err
 
 
+def test_eval_refuses_a_calibration_file_of_no_preset_before_loading_the_model(text_file, tmp_path, no_model, capsys):
+    """The default rows take `kvqrs calibrate --preset NAME` files, each adding its preset's row."""
+    from kvqrs.hf import save_matched
+    from kvqrs.schemes.matched import random_calibration
+
+    path = save_matched(tmp_path / "c.npz", {0: random_calibration(16, 3, 0)}, {"group": 16})
+    with pytest.raises(SystemExit) as e:
+        main(["eval", "--data", text_file, "--threads", "1", "--calibration", str(path)])
+    assert e.value.code == 2 and "was not fitted for a preset" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -108,6 +119,7 @@ def test_eval_refuses_a_channel_without_calibration_files(text_file, no_model, c
         (["--ctx", "3"], "--ctx: expected at least 4 tokens (4, and --sink-tokens + 2), got 3"),  # refused after loading before
         (["--ctx", "5", "--sink-tokens", "4"], "--ctx: expected at least 6 tokens (4, and --sink-tokens + 2), got 5"),
         (["--preset", "5bit"], "expected one of ['2bit', '3bit', '4bit']"),
+        (["--preset", "4bit", "--samples", "0"], "--samples: expected at least 1, got 0"),
     ],
 )
 def test_calibrate_refuses_impossible_budgets_before_loading_the_model(text_file, no_model, capsys, args, message):
@@ -233,8 +245,8 @@ def test_calibrate_preset_measures_and_records_its_value_scale(text_file, tmp_pa
 
     seen = {}
 
-    def allocate(model, fit, probe, budget, kw, vw, group, sinks, norms, sink_dtype, scale, classes):
-        seen.update(budget=budget, norms=norms, scale=scale, classes=classes)
+    def allocate(model, fit, probe, budget, kw, vw, group, sinks, norms, sink_dtype, scale, classes, sensitivity, samples, progress):
+        seen.update(budget=budget, norms=norms, scale=scale, classes=classes, sensitivity=sensitivity, samples=samples)
         return {0: dataclasses.replace(random_calibration(16, 3, 0), value_bits=3)}
 
     monkeypatch.setattr(model_mod, "load", lambda *a, **k: (object(), object()))
@@ -244,7 +256,8 @@ def test_calibrate_preset_measures_and_records_its_value_scale(text_file, tmp_pa
     out = tmp_path / "c.npz"
     assert main(["calibrate", "--data", text_file, "--preset", "3bit", "--no-progress", "--out", str(out)]) == 0
     p = PRESETS["3bit"]
-    assert seen == {"budget": p["budget"], "norms": p["value_norms"], "scale": p["value_scale"], "classes": False}
+    expect = {"budget": p["budget"], "norms": p["value_norms"], "scale": p["value_scale"], "classes": False}
+    assert seen == {**expect, "sensitivity": "fisher", "samples": 8}  # the second-order estimate by default
     meta = calibration_meta(out)
     assert meta["value_scale"] == p["value_scale"] and meta["preset"] == "3bit"
     assert lp.file_row(out).config.value_scale == p["value_scale"]

@@ -275,7 +275,10 @@ def _eval(args: argparse.Namespace) -> int:
         raise KvqrsError(f"--window: expected at most the model's context of {src.context} tokens, got {args.window}")
     window = args.window if args.window is not None else (256 if args.quick else 512)
     windows = args.windows if args.windows is not None else (1 if args.quick else 3)
-    rows = select_rows(default_rows(quick=args.quick, residual_length=args.residual_length), args.rows)  # before the model loads
+    from .evaluation.needle import preset_calibrations
+
+    calibrations = preset_calibrations(args.calibration or [])  # files read before the model loads
+    rows = select_rows(default_rows(quick=args.quick, residual_length=args.residual_length, calibrations=calibrations), args.rows)
     out = _report_folder(args.out if args.out is not None else ("reports/eval-quick" if args.quick else "reports/eval"))
     threads = 1 if args.threads is None else args.threads
     torch_threads(threads)
@@ -470,6 +473,7 @@ def _check_calibrate_args(args: argparse.Namespace) -> None:
         (0 < args.bits <= 8, f"--bits: expected 0 < bits <= 8 average key code bits, got {args.bits}"),
         (all(0 < a <= 8 for a in args.key_widths), f"--key-widths: expected 0 < width <= 8 bits, got {args.key_widths}"),
         (args.budget is None or args.probe_windows >= 1, f"--probe-windows: expected at least 1 with --budget, got {args.probe_windows}"),
+        (args.samples >= 1, f"--samples: expected at least 1, got {args.samples}"),
     ]
     for ok, message in checks:
         if not ok:
@@ -540,6 +544,9 @@ def _calibrate(args: argparse.Namespace) -> int:
             args.sink_dtype,
             args.value_scale,
             args.value_classes,
+            args.sensitivity,
+            args.samples,
+            progress=not args.no_progress,
         )
         widths = {"key_widths": " ".join(map(str, kw)), "value_widths": " ".join(map(str, vw))}
         path = save_matched(args.out, cal, {**meta, "budget": args.budget, **widths})
@@ -672,7 +679,7 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="+",
         default=None,
         help="llama protocol: `kvqrs calibrate` files, one matched row each beside dense (default: fit on the calibration "
-        "text); needle: one or more such files, each adding the matched preset row it was fitted for "
+        "text); default rows and needle: one or more such files, each adding the matched preset row it was fitted for "
         "(files written by `kvqrs calibrate --preset NAME`: 4bit, 3bit or 2bit)",
     )
     ev.add_argument(
@@ -791,6 +798,20 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=2,
         help="with --budget: further calibration windows the sensitivities are measured on (default: %(default)s)",
+    )
+    ca.add_argument(
+        "--sensitivity",
+        choices=("fisher", "measured"),
+        default="fisher",
+        help="with --budget: how each layer's KL under each option is found: fisher, its second-order estimate from one forward "
+        "and --samples backward passes per probe window (time linear in layers x tokens); measured, a forward per layer, "
+        "option and probe window (docs/evaluation.md; default: %(default)s)",
+    )
+    ca.add_argument(
+        "--samples",
+        type=int,
+        default=8,
+        help="with --sensitivity fisher: sampled output vectors (backward passes) per probe window (default: %(default)s)",
     )
     ca.add_argument("--ctx", type=int, default=512, help="tokens per calibration window (default: %(default)s)")
     ca.add_argument("--windows", type=int, default=8, help="calibration windows (default: %(default)s)")

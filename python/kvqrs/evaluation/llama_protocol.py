@@ -176,7 +176,9 @@ def _scored_log_probs(model, ids: torch.Tensor) -> torch.Tensor:
         return torch.log_softmax(model(ids).logits[0, ctx // 2 : ctx - 1].double(), dim=-1)
 
 
-def chunk_bits(cfg: QuantConfig, qkv: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]], dtype_bits: int = 32) -> tuple[float, float]:
+def chunk_bits(
+    cfg: QuantConfig, qkv: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]], dtype_bits: int = 32, fitted: dict | None = None
+) -> tuple[float, float]:
     """Bits per element of keys and of values of one chunk of every layer, every stored byte
     counted: the codes of the tokens after the sinks, plus the sinks at ``dtype_bits`` (their
     ``sink_dtype``'s when set), plus,
@@ -184,7 +186,8 @@ def chunk_bits(cfg: QuantConfig, qkv: dict[int, tuple[np.ndarray, np.ndarray, np
     on the chunk (its key side to the keys, its value side to the values).
 
     ``qkv``: per layer the chunk's queries ``(1, q_heads, n, d)``, keys and values ``(1,
-    kv_heads, n, d)``."""
+    kv_heads, n, d)``; ``fitted``: the self-calibrated layers' calibrations already fitted on
+    this chunk ``{layer: MatchedCalibration}`` (default: fitted here)."""
     from ..hf.calibration import prefill_calibration
 
     sink = cfg.sink_tokens
@@ -192,13 +195,14 @@ def chunk_bits(cfg: QuantConfig, qkv: dict[int, tuple[np.ndarray, np.ndarray, np
     numel = 0
     for layer, (q, k, v) in sorted(qkv.items()):
         fitted = None
+        fit = None
         if cfg.calibration == "prefill":
             t = [torch.from_numpy(x) for x in (q, k[..., sink:, :], v[..., sink:, :])]
-            fitted = prefill_calibration(cfg, *t)
-            side_v = fitted.value_mean.nbytes if fitted.values is None else fitted.values.nbytes
-            bits["k"] += 8 * (fitted.nbytes - side_v)
+            fit = prefill_calibration(cfg, *t) if fitted is None else fitted[layer]
+            side_v = fit.value_mean.nbytes if fit.values is None else fit.values.nbytes
+            bits["k"] += 8 * (fit.nbytes - side_v)
             bits["v"] += 8 * side_v
-        codec = cfg.codec(layer, k.shape[-1], fitted)
+        codec = cfg.codec(layer, k.shape[-1], fit)
         numel += k.size
         sink_bits = k[..., :sink, :].size * cfg.sink_bits(dtype_bits)
         bits["k"] += sink_bits + (

@@ -34,10 +34,16 @@ class Row:
     group: str
 
 
-def default_rows(quick: bool = False, residual_length: int = 0) -> list[Row]:
+def default_rows(quick: bool = False, residual_length: int = 0, calibrations: dict | None = None) -> list[Row]:
     """The default rows: dense; kv / kqv / qkqv at n in {2, 3, 4}; kivi at 2 and 4; the
     llama.cpp-style blockwise 4 and 8 bits with rotation; HeadQ keys at 2 bits, rank 4 on the
-    kivi and kqv bases with wrong-sign and random-basis controls. Key-only and full KV."""
+    kivi and kqv bases with wrong-sign and random-basis controls. Key-only and full KV. Then the
+    ``matched`` presets (:meth:`QuantConfig.preset`: ``4bit``, ``3bit``, ``2bit``) calibrated on
+    each window as on a prompt (``matched 4bit (prompt)``), and, per entry of ``calibrations``
+    (``{preset name: {layer: MatchedCalibration}}``, :func:`.needle.preset_calibrations`), the
+    preset refined by that file (``matched 4bit (file)``)."""
+    from ..hf.config import PRESETS
+
     r = residual_length
     rows = [Row("dense", None, "dense")]
     bits = (2, 4) if quick else (2, 3, 4)
@@ -64,7 +70,17 @@ def default_rows(quick: bool = False, residual_length: int = 0) -> list[Row]:
         for label, sign, bases in (("", 1, None), (" wrong-sign", -1, None), (" random-basis", 1, "random")):
             cfg = QuantConfig("headq", 2, residual_length=r, headq_base=base, rank=4, side_bits=4, sign=sign, bases=bases)
             rows.append(Row(f"headq({base}) k2{label}", cfg, "key-only"))
+    for name in sorted(PRESETS, key=lambda n: -PRESETS[n]["budget"]):
+        rows.append(Row(f"matched {name} (prompt)", QuantConfig.preset(name, residual_length=r), "full KV"))
+        if name in (calibrations or {}):
+            rows.append(Row(f"matched {name} (file)", QuantConfig.preset(name, calibrations[name], residual_length=r), "full KV"))
     return rows
+
+
+def by_budget(results: list[dict]) -> list[dict]:
+    """Result rows ordered as a choice by budget: most stored bits per element first (the mean
+    of the key and value bits; dense, at 32, leads), ties in their given order."""
+    return sorted(results, key=lambda r: -(r["bpe_k"] + r["bpe_v"]) / 2)
 
 
 def token_windows(tokenizer, text: str, window: int, count: int) -> list[torch.Tensor]:
@@ -88,11 +104,16 @@ def score_row(lp: torch.Tensor, lp_dense: torch.Tensor, ids: torch.Tensor) -> di
     return {"nll": nll.sum().item(), "kl_sum": kl.sum().item(), "kl_max": kl.max().item(), "agree": agree.sum().item(), "n": len(target)}
 
 
-def storage(cfg: QuantConfig, kv: dict[int, tuple[np.ndarray, np.ndarray]]) -> dict:
+def storage(cfg: QuantConfig, kv: dict[int, tuple[np.ndarray, np.ndarray]], queries: dict | None = None, dtype_bits: int = 32) -> dict:
     """Bits per element of keys and values (encoding a real window's layer-0 K and V) and the
     real bytes of a QuantizedKVCache holding that window's keys and values of every layer
     ``{layer: (kv_heads, window, d)}``, beside the dense cache. Rows the cache cannot hold
-    (value-only, A^2) report no cache bytes (-1)."""
+    (value-only, A^2) report no cache bytes (-1). ``matched`` rows, whose widths differ per
+    layer, count every layer, their sinks (at ``dtype_bits`` or their ``sink_dtype``'s) and,
+    calibrated on the window (``calibration="prefill"``), the calibration each layer fits on it
+    from ``queries`` ``{layer: (q_heads, window, d)}``."""
+    if cfg.key_scheme == "matched":
+        return _matched_storage(cfg, kv, queries, dtype_bits)
     k0, v0 = kv[0]
     codec = cfg.codec(0, k0.shape[-1])
     bpe_k = codec.encode_keys(k0).bits_per_element if cfg.quantizes_keys else 32.0
@@ -106,6 +127,38 @@ def storage(cfg: QuantConfig, kv: dict[int, tuple[np.ndarray, np.ndarray]]) -> d
     return {"bpe_k": bpe_k, "bpe_v": bpe_v, "cache_bytes": cache.nbytes()}
 
 
+def _matched_storage(cfg: QuantConfig, kv: dict, queries: dict | None, dtype_bits: int) -> dict:
+    """:func:`storage` of a ``matched`` row: bits by :func:`.llama_protocol.chunk_bits` over every
+    layer, cache bytes of a cache holding the window (a self-calibrated layer's calibration,
+    fitted on the window as on a prompt, counted as the cache counts it)."""
+    import dataclasses
+
+    from ..hf.calibration import prefill_calibration
+    from .llama_protocol import chunk_bits
+
+    if cfg.calibration == "prefill" and queries is None:
+        raise KvqrsError("storage: a row calibrated on the window needs the window's queries")
+    zeros = lambda k: np.zeros((k.shape[0], 2, k.shape[-1]), np.float32)  # noqa: E731  (unused when not self-calibrated)
+    qkv = {layer: ((queries or {}).get(layer, zeros(k))[None], k[None], v[None]) for layer, (k, v) in kv.items()}
+    fitted = None
+    if cfg.calibration == "prefill":
+        s = cfg.sink_tokens
+        fitted = {
+            layer: prefill_calibration(cfg, *(torch.from_numpy(x) for x in (q, k[..., s:, :], v[..., s:, :])))
+            for layer, (q, k, v) in qkv.items()
+        }
+    bpe_k, bpe_v = chunk_bits(cfg, qkv, dtype_bits, fitted)
+    side = 0
+    if fitted is not None:
+        side = sum(c.nbytes for c in fitted.values())
+        cfg = dataclasses.replace(cfg, calibration=fitted)
+    cache = QuantizedKVCache(cfg, len(kv))
+    with active(None):  # update() installs the cache as the attention state; do not leave it there
+        for layer, (k, v) in sorted(kv.items()):
+            cache.update(torch.from_numpy(k)[None], torch.from_numpy(v)[None], layer)
+    return {"bpe_k": bpe_k, "bpe_v": bpe_v, "cache_bytes": cache.nbytes() + side}
+
+
 @dataclass
 class EvalInputs:
     """What every row is scored against: the evaluation windows, dense log-probabilities of each
@@ -116,6 +169,7 @@ class EvalInputs:
     dense_log_probs: list[torch.Tensor]
     kv: dict[int, tuple[np.ndarray, np.ndarray]]
     calibration_windows: int
+    queries: dict[int, np.ndarray] | None = None
 
 
 def prepare(
@@ -145,7 +199,7 @@ def prepare(
         with active(rec):
             dense_lp.append(_log_probs(model, ids))
     kv = {layer: t[1:] for layer, t in rec.tensors.items()}  # the last window's keys and values, every layer
-    return EvalInputs(ev, dense_lp, kv, len(cal))
+    return EvalInputs(ev, dense_lp, kv, len(cal), {layer: t[0] for layer, t in rec.tensors.items()})
 
 
 def evaluate_row(model, inputs: EvalInputs, row: Row) -> dict:
@@ -180,7 +234,7 @@ def evaluate_row(model, inputs: EvalInputs, row: Row) -> dict:
             bpe_k=32.0, bpe_v=32.0, cache_bytes=2 * model.config.num_hidden_layers * model.config.num_key_value_heads * window * d * 4
         )
     else:
-        out.update(storage(cfg, inputs.kv))
+        out.update(storage(cfg, inputs.kv, inputs.queries, torch.finfo(model.dtype).bits))
     return out
 
 
@@ -221,7 +275,7 @@ def run_eval(
     for r in results:
         r["excess_ppl"] = r["ppl"] - dense_ppl
     return {
-        "rows": results,
+        "rows": by_budget(results),
         "dense_check": check,
         "windows": len(inputs.windows),
         "window": window,

@@ -313,8 +313,7 @@ class FakeQuant:
         # The sinks are never quantized: codes (and KIVI key groups) start after them, as in the cache.
         sink = cfg.sink_tokens
         if cfg.quantizes_keys:
-            ck = codec.encode_keys(to_numpy(key[..., sink:, :], "keys"))
-            k_hat = torch.cat([key[..., :sink, :], from_numpy(codec.decode_keys(ck, base_only=True), key)], dim=-2)
+            ck, k_hat = decoded_keys(codec, key, sink)
             s_q = (query @ repeat_kv(k_hat, g).transpose(2, 3)) * scaling
             corr = codec.score_correction(to_numpy(query, "query"), ck)
             if corr is not None:
@@ -329,12 +328,27 @@ class FakeQuant:
         elif local_a2:
             capped = s_fp if rule is None else rule.cap(s_fp)
             weights = causal_importance(capped, sink, module.num_key_value_groups)[..., sink:]
-        v_hat = from_numpy(codec.decode_values(codec.encode_values(to_numpy(value[..., sink:, :], "values"), weights)), value)
-        v_hat = torch.cat([value[..., :sink, :], v_hat], dim=-2)
+        v_hat = decoded_values(codec, value, sink, weights)
         if all_held:
             return _softmax_out(module, query, logits, attention_mask, [(None, v_hat)], rule)
         m = held.to(logits.dtype)
         return _softmax_out(module, query, logits, attention_mask, [(m, v_hat), (1 - m, value)], rule)
+
+
+def decoded_keys(codec, key: torch.Tensor, sink: int):
+    """``(codes, k_hat)``: ``key`` ``(batch, kv_heads, len, d)`` coded by ``codec`` after its
+    first ``sink`` positions and decoded (HeadQ's base keys; its correction is the codes'), the
+    sinks kept as given; ``k_hat`` has ``key``'s shape, dtype and device."""
+    ck = codec.encode_keys(to_numpy(key[..., sink:, :], "keys"))
+    return ck, torch.cat([key[..., :sink, :], from_numpy(codec.decode_keys(ck, base_only=True), key)], dim=-2)
+
+
+def decoded_values(codec, value: torch.Tensor, sink: int, weights: np.ndarray | None = None) -> torch.Tensor:
+    """``value`` ``(batch, kv_heads, len, d)`` coded by ``codec`` after its first ``sink``
+    positions and decoded, the sinks kept as given (``weights``: the coded tokens' importances
+    ``(batch, kv_heads, len - sink)`` where the values need them)."""
+    v_hat = from_numpy(codec.decode_values(codec.encode_values(to_numpy(value[..., sink:, :], "values"), weights)), value)
+    return torch.cat([value[..., :sink, :], v_hat], dim=-2)
 
 
 def _a2_importance(module, s_fp, attention_mask, lookahead, rule: LogitRule | None = None):

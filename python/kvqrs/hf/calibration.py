@@ -93,25 +93,30 @@ class _KVQRecorder:
         return None
 
 
-def record_matched(model, windows: Iterable[torch.Tensor], skip: int = 0) -> dict:
+def record_matched(model, windows: Iterable[torch.Tensor], skip: int = 0, progress: bool = False) -> dict:
     """Run ``model`` over calibration windows and collect what the ``matched`` calibration
     needs, per layer: ``(query second moment (kv_heads, d, d), keys (kv_heads, n, d), values
     (kv_heads, n, d))``, positions ``skip..`` of each window (the sink tokens a cache keeps in
-    full precision are never coded, so they are left out of the statistics)."""
+    full precision are never coded, so they are left out of the statistics). ``progress``: a
+    progress bar (tqdm) over the windows."""
+    from tqdm import tqdm
+
     register()
     rec = _KVQRecorder(int(skip))
     with torch.no_grad(), active(rec):
-        for ids in windows:
+        for ids in tqdm(list(windows), desc="statistics", unit="window", disable=not progress):
             if ids.shape[-1] < skip + 2:
                 raise KvqrsError(f"windows: expected windows of at least skip + 2 = {skip + 2} tokens, got {ids.shape[-1]}")
             model(ids)
     if not rec.k:
         raise KvqrsError("calibration: no attention call was recorded (is the model using attn_implementation='kvqrs'?)")
+    from ..schemes.matched import second_moment
+
     out = {}
     for layer in sorted(rec.k):
         q = np.concatenate(rec.q[layer], axis=1).astype(np.float64)
         out[layer] = (
-            np.einsum("hnd,hne->hde", q, q) / q.shape[1],
+            second_moment(q),
             np.concatenate(rec.k[layer], axis=1),
             np.concatenate(rec.v[layer], axis=1),
         )
@@ -126,6 +131,22 @@ def fit_matched(stats: dict, key_bits: float, group: int) -> dict:
     from ..schemes.matched import MatchedCalibration, fit_basis
 
     return {layer: MatchedCalibration(fit_basis(k, key_bits, group, w), v.mean(axis=1)) for layer, (w, k, v) in stats.items()}
+
+
+def fit_matched_widths(stats: dict, widths: Iterable[float], group: int, progress: bool = False) -> dict:
+    """``{a: fit_matched(stats, a, group)}`` for every average key width ``a`` of ``widths``, each
+    layer's transform and distortions fitted once (:func:`kvqrs.schemes.matched.fit_bases`);
+    ``progress``: a progress bar (tqdm) over the layers."""
+    from tqdm import tqdm
+
+    from ..schemes.matched import MatchedCalibration, fit_bases
+
+    widths = tuple(widths)
+    out: dict = {a: {} for a in widths}
+    for layer, (w, k, v) in tqdm(stats.items(), desc="fit", unit="layer", disable=not progress):
+        for a, basis in zip(widths, fit_bases(k, widths, group, w)):
+            out[a][layer] = MatchedCalibration(basis, v.mean(axis=1))
+    return out
 
 
 def calibrate_matched(model, windows: Iterable[torch.Tensor], key_bits: float, group: int = 128, skip: int = 0) -> dict:
@@ -158,7 +179,7 @@ class _OnlyLayer:
         return self.plan.attend(module, *args) if module.layer_idx == self.layer else None
 
 
-def layer_sensitivity(model, windows: list[torch.Tensor], configs: list) -> np.ndarray:
+def layer_sensitivity(model, windows: list[torch.Tensor], configs: list, progress: bool = False) -> np.ndarray:
     """KL of the next-token distribution (mean over the second half of each window, as the
     llama.cpp protocol scores) when one layer alone is coded, for every layer and config.
 
@@ -167,6 +188,7 @@ def layer_sensitivity(model, windows: list[torch.Tensor], configs: list) -> np.n
         windows: ``(1, len)`` token tensors from the calibration text.
         configs: :class:`~kvqrs.hf.QuantConfig` options (every key and value read quantized
             after the sinks, as in a prefilled cache).
+        progress: a progress bar (tqdm) over the layers x configs forwards.
 
     Returns:
         float64 ``(layers, len(configs))``.
@@ -185,11 +207,132 @@ def layer_sensitivity(model, windows: list[torch.Tensor], configs: list) -> np.n
     dense = log_probs(None)
     layers = model.config.num_hidden_layers
     kl = np.zeros((layers, len(configs)))
+    bar = _progress(layers * len(configs), "sensitivity", progress)
     for j, cfg in enumerate(configs):
         for layer in range(layers):
             lp = log_probs(_OnlyLayer(FakeQuant(cfg, one_shot=True), layer))
             kl[layer, j] = float((dense.exp() * (dense - lp)).sum(-1).clamp_min(0).mean())
+            bar.update(1)
+    bar.close()
     return kl
+
+
+class _StateRecorder:
+    """Attention state that keeps each layer's query, keys and values as attention reads them
+    (tensors in the autograd graph) and lets attention run unchanged."""
+
+    def __init__(self) -> None:
+        self.states: dict[int, tuple] = {}
+
+    def attend(self, module, query, key, value, attention_mask, scaling):
+        self.states[module.layer_idx] = (query, key, value, scaling, module.num_key_value_groups)
+        return None
+
+
+def _coding_errors(cfg, layer: int, query, key, value, scaling, groups) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(k_used - k, v_used - v)`` of one layer under ``cfg`` in a prefilled cache (every token
+    after the sinks read quantized, the sinks rounded to ``sink_dtype``): float32
+    ``(batch, kv_heads, len, d)`` each, zero where a side stays in full precision."""
+    from .attention import causal_importance, decoded_keys, decoded_values
+
+    with torch.no_grad():
+        query, key, value = query.detach(), key.detach(), value.detach()
+        if cfg.key_scheme == "headq":
+            raise KvqrsError("configs: the sensitivity proxy reads coded keys and values; HeadQ's score-space correction is neither")
+        codec = cfg.codec(layer, query.shape[-1])
+        k_used, v_used = cfg.round_sinks(key), cfg.round_sinks(value)
+        sink = cfg.sink_tokens
+        if cfg.quantizes_keys:
+            k_used = decoded_keys(codec, k_used, sink)[1]
+        if codec.values is not None:
+            weights = None
+            if codec.needs_weights:
+                from transformers.integrations.sdpa_attention import repeat_kv
+
+                logits = (query @ repeat_kv(key, groups).transpose(2, 3)) * scaling
+                weights = causal_importance(logits, sink, groups)[..., sink:]
+            v_used = decoded_values(codec, v_used, sink, weights)
+        return (k_used - key).float(), (v_used - value).float()
+
+
+def fisher_sensitivity(
+    model, windows: list[torch.Tensor], configs: list, samples: int = 8, seed: int = 0, progress: bool = False
+) -> np.ndarray:
+    """The KL of :func:`layer_sensitivity` (the next-token distribution's, mean over the second
+    half of each window, one layer coded alone) by its second-order expansion, for every layer
+    and config from one forward and ``samples`` backward passes per window: time linear in
+    layers x tokens (the measured one re-runs the model for each layer and config).
+
+    For a small change ``delta`` of a layer's keys and values, ``KL(p || p_hat) = 1/2 delta^T
+    G delta + O(delta^3)`` with ``G = E_y[g g^T]`` the Fisher information of the model's output
+    distribution, ``g = grad log p(y)`` (``y`` drawn from the model) taken at the keys and values
+    attention reads. Each sample draws every scored position's next token from the dense model,
+    back-propagates their summed log-probability once, and scores every option of every layer
+    from its coding error ``delta`` (each option coded once, in a prefilled cache's schedule).
+    The errors of different tokens are taken as uncorrelated (the expansion's cross terms between
+    token positions, whose mean over the codes' rounding is zero, are left out), so the estimate
+    is ``1/2 mean_samples sum_(head, token) (g . delta)^2`` per scored position: measured against
+    :func:`layer_sensitivity` in docs/evaluation.md.
+
+    Args:
+        model: a transformers model loaded with ``attn_implementation="kvqrs"``.
+        windows: ``(1, len)`` token tensors from the calibration text (len >= 4).
+        configs: :class:`~kvqrs.hf.QuantConfig` options without score-space corrections (every
+            key and value read quantized after the sinks, as in a prefilled cache).
+        samples: sampled output vectors per window (the estimate's noise falls as
+            ``1 / sqrt(samples x tokens)``); seed: the sampling generator's seed.
+        progress: show a progress bar (tqdm) over windows and samples.
+
+    Returns:
+        float64 ``(layers, len(configs))``.
+
+    Raises:
+        KvqrsError: samples < 1, a window shorter than 4 tokens, a HeadQ config, or no attention
+            call was recorded.
+    """
+    from .attention import sdpa_prefill
+
+    samples = check_positive_int(samples, "samples")
+    register()
+    layers = model.config.num_hidden_layers
+    acc = np.zeros((layers, len(configs)))
+    positions = 0
+    gen = torch.Generator().manual_seed(int(seed))
+    bar = _progress(len(windows) * (samples + 1), "sensitivity", progress)
+    for ids in windows:
+        n = ids.shape[-1]
+        if n < 4:
+            raise KvqrsError(f"windows: expected windows of at least 4 tokens, got {n}")
+        rec = _StateRecorder()
+        with torch.enable_grad(), active(rec), sdpa_prefill():
+            embeds = model.get_input_embeddings()(ids).detach().requires_grad_(True)
+            lp = torch.log_softmax(model(inputs_embeds=embeds, use_cache=False).logits[0, n // 2 : n - 1].float(), dim=-1)
+        if len(rec.states) != layers:
+            raise KvqrsError("calibration: not every layer's attention was recorded (is the model using attn_implementation='kvqrs'?)")
+        order = sorted(rec.states)
+        errors = [[_coding_errors(cfg, layer, *rec.states[layer]) for cfg in configs] for layer in order]
+        inputs = [t for layer in order for t in rec.states[layer][1:3]]
+        draws = torch.multinomial(lp.detach().exp(), samples, replacement=True, generator=gen)  # (scored, samples)
+        bar.update(1)
+        for m in range(samples):
+            picked = lp.gather(1, draws[:, m : m + 1]).sum()
+            grads = torch.autograd.grad(picked, inputs, retain_graph=m < samples - 1)
+            with torch.no_grad():
+                for i in range(layers):
+                    gk, gv = grads[2 * i].float(), grads[2 * i + 1].float()
+                    for j, (dk, dv) in enumerate(errors[i]):
+                        acc[i, j] += float((((gk * dk).sum(-1) + (gv * dv).sum(-1)) ** 2).sum())
+            bar.update(1)
+        positions += lp.shape[0]
+    bar.close()
+    return acc / (2 * samples * positions)
+
+
+def _progress(total: int, desc: str, enabled: bool):
+    """A tqdm bar over ``total`` steps (disabled: counts silently)."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="step", disable=not enabled)
 
 
 def allocate_matched(
@@ -205,14 +348,19 @@ def allocate_matched(
     sink_dtype: str | None = None,
     value_scale: str = "norm",
     value_classes: bool = False,
+    sensitivity: str = "fisher",
+    samples: int = 8,
+    progress: bool = False,
 ) -> dict:
     """A ``matched`` calibration whose per-layer key and value widths come from measured
     sensitivity.
 
     The layers are fitted at every key width ``a`` of ``key_widths`` (average key code bits,
     key scale groups of ``group`` tokens). The KL of coding each layer's keys alone at each
-    key width, and its values alone at each value width, is measured on the ``probe`` windows
-    (:func:`layer_sensitivity`); the bits per element of each side's choice are counted on the
+    key width, and its values alone at each value width, is estimated on the ``probe`` windows
+    by its second-order expansion (:func:`fisher_sensitivity`, ``sensitivity="fisher"``: one
+    forward and ``samples`` backward passes per window) or measured
+    (:func:`layer_sensitivity`, ``"measured"``: a forward per layer, option and window); the bits per element of each side's choice are counted on the
     calibration keys and values of one window (codes, scales, norms, and the sinks in the
     model's dtype). Small distortions add up, so a layer's option ``(a, b)`` costs
     ``KL_keys(a) + KL_values(b)`` at the mean of the two sides' bits, and
@@ -234,13 +382,16 @@ def allocate_matched(
             measured so; value_classes: values in per-token width classes
             (:func:`fit_value_classes`, fitted on ``windows`` at each value width), measured
             and counted so.
+        sensitivity: ``"fisher"`` or ``"measured"`` (above); samples: the Fisher estimate's
+            sampled outputs per probe window; progress: show progress bars (tqdm).
 
     Returns:
         ``{layer: MatchedCalibration}`` with ``value_bits`` set per layer.
 
     Raises:
         KvqrsError: no candidate widths, a value width that is not an integer in 1..8, the
-            budget below the narrowest widths, or no attention call was recorded.
+            budget below the narrowest widths, an unknown ``sensitivity``, or no attention
+            call was recorded.
     """
     import dataclasses
     import itertools
@@ -254,8 +405,10 @@ def allocate_matched(
         raise KvqrsError(f"widths: expected candidate key and value widths, got keys {key_widths} and values {value_widths}")
     if any(isinstance(b, float) and b != int(b) or not 1 <= b <= 8 for b in vw):
         raise KvqrsError(f"value_widths: expected integer bits in 1..8, got {vw}")
-    stats = record_matched(model, windows, sink_tokens)
-    fits = {a: fit_matched(stats, a, group) for a in kw}
+    if sensitivity not in ("fisher", "measured"):
+        raise KvqrsError(f"sensitivity: expected 'fisher' or 'measured', got {sensitivity!r}")
+    stats = record_matched(model, windows, sink_tokens, progress=progress)
+    fits = fit_matched_widths(stats, kw, group, progress)
     common = {"group": group, "sink_tokens": sink_tokens, "sink_dtype": sink_dtype}
     key_cfgs = [QuantConfig("matched", 4, None, **common, calibration=fits[a]) for a in kw]
     # Values alone read only the value mean of a calibration (the same in every fit) and its width.
@@ -269,7 +422,11 @@ def allocate_matched(
         )
         for b in vw
     ]
-    kl_k, kl_v = layer_sensitivity(model, probe, key_cfgs), layer_sensitivity(model, probe, value_cfgs)
+    if sensitivity == "fisher":
+        kl = fisher_sensitivity(model, probe, key_cfgs + value_cfgs, samples, progress=progress)
+    else:
+        kl = layer_sensitivity(model, probe, key_cfgs + value_cfgs, progress=progress)
+    kl_k, kl_v = kl[:, : len(kw)], kl[:, len(kw) :]
     tokens, dtype_bits = windows[0].shape[-1], torch.finfo(model.dtype).bits
     bits_k = option_bits(stats, key_cfgs, tokens, dtype_bits, side="keys")
     bits_v = option_bits(stats, value_cfgs, tokens, dtype_bits, side="values")

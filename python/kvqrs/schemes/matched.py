@@ -25,6 +25,7 @@ measured statistics and the bit budget.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -241,17 +242,27 @@ def fit_basis(samples: Any, bits: float, group: int, weight: Any = None, backend
     Raises:
         KvqrsError: bad shapes, too few samples (``n < 2``), NaN/Inf, or ``bits`` out of range.
     """
+    return fit_bases(samples, (bits,), group, weight, backend, transform)[0]
+
+
+def fit_bases(
+    samples: Any, bits: Sequence[float], group: int, weight: Any = None, backend: Backend = CPU, transform: str = "eigen"
+) -> list[MatchedBasis]:
+    """:func:`fit_basis` at each average width of ``bits`` (one :class:`MatchedBasis` each, in
+    order), from one transform and one measurement of the distortions: each equals
+    ``fit_basis(samples, b, ...)``. Raises as :func:`fit_basis` does, for any width of ``bits``."""
     x = np.asarray(as_float_array(samples, "samples"), dtype=np.float64)
     if x.ndim != 3 or x.shape[1] < 2:
         raise KvqrsError(f"samples: expected (kv_heads, n >= 2, d), got shape {x.shape}")
     if not np.isfinite(x).all():
         raise KvqrsError("samples: calibration vectors must be finite")
-    if not 0 < float(bits) <= MAX_WIDTH:
-        raise KvqrsError(f"bits: expected 0 < bits <= {MAX_WIDTH} average code bits, got {bits}")
+    for b in bits:
+        if not 0 < float(b) <= MAX_WIDTH:
+            raise KvqrsError(f"bits: expected 0 < bits <= {MAX_WIDTH} average code bits, got {b}")
     h, n, d = x.shape
     mean = x.mean(axis=1)
     xc = x - mean[:, None]
-    cov = np.einsum("hnd,hne->hde", xc, xc) / n
+    cov = second_moment(xc)
     bases, cost = [], np.zeros((d, MAX_WIDTH + 1))
     if transform not in ("eigen", "channels"):
         raise KvqrsError(f"transform: expected 'eigen' or 'channels', got {transform!r}")
@@ -275,12 +286,15 @@ def fit_basis(samples: Any, bits: float, group: int, weight: Any = None, backend
         bases.append(u)
         y = (xc[i] @ u).T.astype(np.float32)  # (d, n): each coordinate along tokens
         cost += lam[:, None] * uniform_distortion(y, group, backend)
-    widths = water_fill(cost, int(round(float(bits) * d)))
-    # Ties in importance across heads can leave the pooled widths out of order: sort them with
-    # their columns (every head's column i keeps width i's rank).
-    perm = np.argsort(-widths, kind="stable")
-    basis = np.stack(bases)[:, :, perm]
-    return MatchedBasis(mean.astype(np.float32), basis.astype(np.float32), widths[perm].astype(np.uint8))
+    out = []
+    for b in bits:
+        widths = water_fill(cost, int(round(float(b) * d)))
+        # Ties in importance across heads can leave the pooled widths out of order: sort them with
+        # their columns (every head's column i keeps width i's rank).
+        perm = np.argsort(-widths, kind="stable")
+        basis = np.stack(bases)[:, :, perm]
+        out.append(MatchedBasis(mean.astype(np.float32), basis.astype(np.float32), widths[perm].astype(np.uint8)))
+    return out
 
 
 def query_moment(query: Any, kv_heads: int) -> np.ndarray:
@@ -301,7 +315,14 @@ def query_moment(query: Any, kv_heads: int) -> np.ndarray:
         raise KvqrsError(f"query: expected (batch, q_heads, n, d) with q_heads a multiple of {kv_heads} kv_heads, got shape {q.shape}")
     b, qh, n, d = q.shape
     g = q.reshape(b, kv_heads, qh // kv_heads, n, d).transpose(1, 0, 2, 3, 4).reshape(kv_heads, -1, d)
-    return np.einsum("hnd,hne->hde", g, g) / max(g.shape[1], 1)
+    return second_moment(g)
+
+
+def second_moment(x: np.ndarray) -> np.ndarray:
+    """``(1 / n) sum_t x_t x_t^T`` per leading index: float64 ``(h, d, d)`` from ``(h, n, d)``
+    (zeros when ``n = 0``), one BLAS product per head."""
+    x = np.asarray(x, dtype=np.float64)
+    return np.matmul(x.transpose(0, 2, 1), x) / max(x.shape[1], 1)
 
 
 def fit_layer(
