@@ -75,6 +75,9 @@ def llama_rows(calibration: dict | None = None) -> list[LlamaRow]:
             "matched k4 g256 v4 sinks:1 self-calibrated",
             QuantConfig("matched", 4, "matched", 4, group=256, sink_tokens=1, calibration="prefill"),
         ),
+        # The presets as QuantConfig.preset(name) gives them without a file: calibrated on
+        # each chunk's prefill, equal widths (a file adds per-layer widths).
+        *(LlamaRow(f"{name} preset, prompt-calibrated", QuantConfig.preset(name)) for name in ("4bit", "3bit", "2bit")),
     ]
     if calibration is not None:
         rows += matched_rows(calibration)
