@@ -272,19 +272,23 @@ def test_results_read_by_budget():
 
 
 def test_matched_prompt_row_counts_its_calibration(model32):
-    """A preset calibrated on the window counts every layer's codes, its float16 sink and the
-    calibration each layer fits (as the cache that fits it on its prompt holds it)."""
+    """A preset calibrated on the window counts every layer's codes, its float16 sink, the
+    calibration each layer fits (as the cache that fits it on its prompt holds it) and the tokens
+    of a group not yet full, which the cache holds in full precision."""
     from kvqrs.evaluation.capture import record
     from kvqrs.evaluation.model_eval import storage
     from kvqrs.hf import QuantConfig
 
     model, tok = model32
-    ids = tok(" ".join(PARAGRAPHS), return_tensors="pt").input_ids[:, :64]
+    ids = tok(" ".join(PARAGRAPHS), return_tensors="pt").input_ids[:, :65]
     qkv = record(model, ids)
     kv, queries = {layer: t[1:] for layer, t in qkv.items()}, {layer: t[0] for layer, t in qkv.items()}
-    cfg = QuantConfig.preset("4bit", group=16)  # 63 tokens after the sink: 3 groups coded, 15 tokens in full precision
+    whole = storage(QuantConfig.preset("4bit", group=16), kv, queries)  # 64 tokens after the sink: 4 groups, all coded
+    assert 4.0 < whole["bpe_k"] < 8.0 and 4.0 < whole["bpe_v"] < 8.0  # codes, sink and the fitted calibration, on 65 tokens
+    cfg = QuantConfig.preset("4bit", group=24)  # 2 groups coded, 16 tokens in full precision (float32: 32 bits)
     got = storage(cfg, kv, queries)
-    assert 4.0 < got["bpe_k"] < 8.0 and 4.0 < got["bpe_v"] < 8.0  # codes, sink and the fitted calibration, on 64 tokens
+    for side in ("bpe_k", "bpe_v"):
+        assert 16 * 32 / 65 + 2.0 < got[side] < 16 * 32 / 65 + 8.0
     dense = 2 * sum(k.nbytes for k, _ in kv.values())
     assert dense / 4 < got["cache_bytes"] < dense / 2
     with pytest.raises(KvqrsError, match="needs the window's queries"):

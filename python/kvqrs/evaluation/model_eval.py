@@ -109,9 +109,10 @@ def storage(cfg: QuantConfig, kv: dict[int, tuple[np.ndarray, np.ndarray]], quer
     real bytes of a QuantizedKVCache holding that window's keys and values of every layer
     ``{layer: (kv_heads, window, d)}``, beside the dense cache. Rows the cache cannot hold
     (value-only, A^2) report no cache bytes (-1). ``matched`` rows, whose widths differ per
-    layer, count every layer, their sinks (at ``dtype_bits`` or their ``sink_dtype``'s) and,
-    calibrated on the window (``calibration="prefill"``), the calibration each layer fits on it
-    from ``queries`` ``{layer: (q_heads, window, d)}``."""
+    layer, count what the cache holds in every layer: the codes, the tokens of a scale group not
+    yet full (in full precision, at ``dtype_bits``), their sinks (at ``dtype_bits`` or their
+    ``sink_dtype``'s) and, calibrated on the window (``calibration="prefill"``), the calibration
+    each layer fits on it from ``queries`` ``{layer: (q_heads, window, d)}``."""
     if cfg.key_scheme == "matched":
         return _matched_storage(cfg, kv, queries, dtype_bits)
     k0, v0 = kv[0]
@@ -128,35 +129,59 @@ def storage(cfg: QuantConfig, kv: dict[int, tuple[np.ndarray, np.ndarray]], quer
 
 
 def _matched_storage(cfg: QuantConfig, kv: dict, queries: dict | None, dtype_bits: int) -> dict:
-    """:func:`storage` of a ``matched`` row: bits by :func:`.llama_protocol.chunk_bits` over every
-    layer, cache bytes of a cache holding the window (a self-calibrated layer's calibration,
-    fitted on the window as on a prompt, counted as the cache counts it)."""
+    """:func:`storage` of a ``matched`` row: the bits and bytes of a cache holding the window
+    (a self-calibrated layer's calibration, fitted on the window as on a prompt, counted as the
+    cache counts it). The bits are what the cache holds (:func:`_held_bits`): a scale group not
+    yet full stays in full precision and is counted so."""
     import dataclasses
 
     from ..hf.calibration import prefill_calibration
-    from .llama_protocol import chunk_bits
 
     if cfg.calibration == "prefill" and queries is None:
         raise KvqrsError("storage: a row calibrated on the window needs the window's queries")
-    zeros = lambda k: np.zeros((k.shape[0], 2, k.shape[-1]), np.float32)  # noqa: E731  (unused when not self-calibrated)
-    qkv = {layer: ((queries or {}).get(layer, zeros(k))[None], k[None], v[None]) for layer, (k, v) in kv.items()}
     fitted = None
     if cfg.calibration == "prefill":
         s = cfg.sink_tokens
         fitted = {
-            layer: prefill_calibration(cfg, *(torch.from_numpy(x) for x in (q, k[..., s:, :], v[..., s:, :])))
-            for layer, (q, k, v) in qkv.items()
+            layer: prefill_calibration(cfg, *(torch.from_numpy(x) for x in (queries[layer][None], k[None, :, s:], v[None, :, s:])))
+            for layer, (k, v) in kv.items()
         }
-    bpe_k, bpe_v = chunk_bits(cfg, qkv, dtype_bits, fitted)
     side = 0
+    held = cfg
     if fitted is not None:
         side = sum(c.nbytes for c in fitted.values())
-        cfg = dataclasses.replace(cfg, calibration=fitted)
-    cache = QuantizedKVCache(cfg, len(kv))
+        held = dataclasses.replace(cfg, calibration=fitted)
+    cache = QuantizedKVCache(held, len(kv))
     with active(None):  # update() installs the cache as the attention state; do not leave it there
         for layer, (k, v) in sorted(kv.items()):
             cache.update(torch.from_numpy(k)[None], torch.from_numpy(v)[None], layer)
+    bpe_k, bpe_v = _held_bits(cache, cfg, fitted, dtype_bits)
     return {"bpe_k": bpe_k, "bpe_v": bpe_v, "cache_bytes": cache.nbytes() + side}
+
+
+def _held_bits(cache: QuantizedKVCache, cfg: QuantConfig, fitted: dict | None, dtype_bits: int) -> tuple[float, float]:
+    """Bits per element of keys and of values as ``cache`` holds them, every stored byte counted:
+    the codes, the tokens still in full precision (at ``dtype_bits``, the model's), the sinks
+    (at the config's sink bits) and, for layers calibrated on the window (``fitted``
+    ``{layer: MatchedCalibration}``), each calibration (its key side to the keys)."""
+    bits = {"k": 0.0, "v": 0.0}
+    numel = 0
+    for i, layer in enumerate(cache.layers):
+        b, h, _, d = layer.keys.shape
+        numel += b * h * layer.get_seq_length() * d
+        for side, window, sink in (("k", layer.keys, layer.sink_k), ("v", layer.values, layer.sink_v)):
+            bits[side] += window.numel() * dtype_bits + sink.numel() * cfg.sink_bits(dtype_bits)
+        if layer.store is not None:
+            bits["k"] += 8 * sum(np.asarray(p).nbytes for p in layer.store.keys().parts.values())
+            vals = layer.store.values()
+            held = [vals] if isinstance(vals, torch.Tensor) else [torch.from_numpy(np.asarray(p)) for p in vals.parts.values()]
+            bits["v"] += 8 * sum(t.numel() * t.element_size() for t in held)
+        if fitted is not None:
+            fit = fitted[i]
+            side_v = fit.value_mean.nbytes if fit.values is None else fit.values.nbytes
+            bits["k"] += 8 * (fit.nbytes - side_v)
+            bits["v"] += 8 * side_v
+    return bits["k"] / numel, bits["v"] / numel
 
 
 @dataclass
