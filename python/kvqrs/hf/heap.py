@@ -12,7 +12,6 @@ so that a compressed cache also costs less resident memory, not only fewer bytes
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import functools
 from typing import Callable
 
@@ -23,11 +22,11 @@ freed heap afterwards; a decode step's flushes stay far below it."""
 
 @functools.cache
 def _malloc_trim() -> Callable[[int], int] | None:
-    """glibc's ``malloc_trim``, or None where the C library has none (musl, macOS, Windows)."""
-    name = ctypes.util.find_library("c")
+    """glibc's ``malloc_trim`` from the C library already loaded in this process (no library
+    search, which would run ``ldconfig``), or None where it has none (musl, macOS, Windows)."""
     try:
-        return ctypes.CDLL(name).malloc_trim if name else None
-    except (OSError, AttributeError):
+        return ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError, TypeError):
         return None
 
 
