@@ -123,16 +123,30 @@ def _decoding_layer() -> tuple[QuantizedLayer, object]:
     return cache, kv
 
 
-def test_a_non_finite_token_is_refused_by_name_and_stores_nothing():
+@pytest.mark.parametrize("then", ["attend", "update", "to_bytes"])
+def test_a_non_finite_token_is_refused_by_name_and_stores_nothing(then):
+    """A steady step's writes are made by the native call that attends (or, when no attention
+    follows, by whatever reads the layer next): a refused token is named there, and the layer
+    is left as before its update."""
     cache, kv = _decoding_layer()
     layer = cache.layers[0]
     assert layer._steady is not None
     before = (layer.seen, layer.quantized, cache.to_bytes())
     bad = kv(1)
     bad[0, 1, 0, 3] = float("nan")
-    with pytest.raises(KvqrsError, match="key_states"):
-        cache.update(bad, kv(1), 0)
+    k, v = cache.update(bad, kv(1), 0)
+    q = torch.ones(1, KV_HEADS * GROUPS, 1, HEAD_DIM)
+    with pytest.raises(KvqrsError, match=r"key_states: .*nan.* at index \(0, 1, 0, 3\)"):
+        if then == "attend":
+            cache.attend(_Module(), q, k, v, None, HEAD_DIM**-0.5)
+        elif then == "update":
+            cache.update(kv(1), kv(1), 0)
+        else:
+            cache.to_bytes()
     assert (layer.seen, layer.quantized, cache.to_bytes()) == before
+    k, v = cache.update(kv(1), kv(1), 0)  # and goes on
+    cache.attend(_Module(), q, k, v, None, HEAD_DIM**-0.5)
+    assert layer.seen == before[0] + 1
 
 
 @pytest.mark.parametrize("change", ["batch_select_indices", "reset"])
@@ -149,3 +163,18 @@ def test_a_changed_layer_sends_the_next_update_down_the_general_path(monkeypatch
     monkeypatch.setattr(QuantizedLayer, "_steady_update", lambda s, k, v: calls.append(out := steady(s, k, v)) or out)
     cache.update(kv(1), kv(1), 0)
     assert all(out is None for out in calls), "the steady path served a changed layer"
+
+
+def test_steady_steps_without_attention_are_written_by_the_next_reader():
+    """A steady update defers its writes (the token into the window buffer, a flushed chunk
+    into the store) to the native call that attends; with no attention, the layer's next
+    update or read makes them: the cache then holds the bytes of one that attended."""
+    (attended, kv_a), (alone, kv_b) = _decoding_layer(), _decoding_layer()
+    q = torch.ones(1, KV_HEADS * GROUPS, 1, HEAD_DIM)
+    for _ in range(12):  # kqv, window 8: a token leaves the window at every step
+        k, v = attended.update(kv_a(1), kv_a(1), 0)
+        attended.attend(_Module(), q, k, v, None, HEAD_DIM**-0.5)
+        alone.update(kv_b(1), kv_b(1), 0)
+        assert alone.layers[0]._deferred is not None
+    assert alone.to_bytes() == attended.to_bytes()
+    assert alone.layers[0].nbytes() == attended.layers[0].nbytes()

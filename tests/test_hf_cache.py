@@ -30,6 +30,7 @@ from kvqrs.hf import (  # noqa: E402
     save_bases,
 )
 from kvqrs.hf.attention import _STATE  # noqa: E402
+from kvqrs.hf.store import CodeStore  # noqa: E402
 from kvqrs.schemes import KVCodec  # noqa: E402
 from transformers.cache_utils import DynamicCache  # noqa: E402
 
@@ -1033,13 +1034,13 @@ def test_fused_matched_step_streaming_equals_one_shot(cfg):
     ],
 )
 @pytest.mark.parametrize("nq", [1, 2])
-def test_native_matched_step_equals_the_python_fused_path(cfg, nq, monkeypatch):
+def test_native_matched_step_equals_the_decoded_path(cfg, nq, monkeypatch):
     """A matched layer's decode step in one native call (``CodeStore.attend``: runs, means,
-    window and sinks, log-sum-exp merge in Rust) equals the Python fused path
-    (``codec.fused_attention``, a torch softmax over the full-precision tokens, the merge in
-    torch) to float32 rounding: 2e-6 of the largest |v| (measured 2e-7; the two merge the coded part in
-    float64 and float32 respectively; a wrong run, basis, mean or merge moves outputs by 1e-3
-    or more). GQA 3, a causal mask over the window, several width runs, width-0 columns."""
+    window and sinks, log-sum-exp merge in Rust) equals the decoded path (the codes decoded,
+    then eager attention in torch, as a row kind the native step does not read takes) to
+    float32 rounding: 2e-6 of the largest |v| (measured up to 5e-7; a wrong run, basis, mean or merge moves outputs
+    by 1e-3 or more). GQA 3, a causal mask over the window, several width runs, width-0
+    columns."""
     from kvqrs.hf.store import CodeStore
 
     k, v = _kv(tokens=45, seed=4)
@@ -1059,11 +1060,11 @@ def test_native_matched_step_equals_the_python_fused_path(cfg, nq, monkeypatch):
         layer.attend(module, q[..., :1, :], *layer.update(k, v, fused=True), None, scaling)
         rk, rv = layer.update(k2, v2, fused=True)
         assert layer._fused
-        if not native:  # the Python path, as for a row kind the native step does not read
+        if not native:  # the decoded path, as for a row kind the native step does not read
             monkeypatch.setattr(CodeStore, "can_attend", lambda self: False)
         n = len(calls)
         outs.append(layer.attend(module, q, rk, rv, _causal_mask(2, nq, 45 + nq), scaling)[0])
-        assert len(calls) == n + native  # one native call per step, none on the Python path
+        assert len(calls) == n + native  # one native call per step, none on the decoded path
     assert torch.allclose(outs[0], outs[1], rtol=0, atol=2e-6 * v.abs().max().item())
 
 
@@ -1091,18 +1092,19 @@ def test_generation_with_fused_steps_matches_the_decoded_cache(model32, cfg, mon
     model, tok = model32
     prompt = tok(TEXT, return_tensors="pt").input_ids[:, :40]
     calls = {"fused": 0, "materialize": 0}
-    fused_fn, materialize_fn = QuantizedLayer._attend_fused, QuantizedLayer.materialize
 
-    def spy_fused(self, *a, **kw):
-        calls["fused"] += 1
-        return fused_fn(self, *a, **kw)
+    def spy(cls, name: str, counter: str) -> None:
+        method = getattr(cls, name)
 
-    def spy_materialize(self, *a):
-        calls["materialize"] += 1
-        return materialize_fn(self, *a)
+        def counted(self, *a, **kw):
+            calls[counter] += 1
+            return method(self, *a, **kw)
 
-    monkeypatch.setattr(QuantizedLayer, "_attend_fused", spy_fused)
-    monkeypatch.setattr(QuantizedLayer, "materialize", spy_materialize)
+        monkeypatch.setattr(cls, name, counted)
+
+    spy(CodeStore, "attend", "fused")  # native reads from the codes: a general step's
+    spy(CodeStore, "step", "fused")  # and a steady step's, with its writes
+    spy(QuantizedLayer, "materialize", "materialize")
     runs = {}
     new = 8
     for fused in (False, True):

@@ -23,7 +23,7 @@ from kvqrs import KvqrsError, _native  # noqa: E402
 from kvqrs import format as fmt  # noqa: E402
 from kvqrs.hf import QuantConfig, QuantizedKVCache  # noqa: E402
 from kvqrs.hf.attention import _STATE  # noqa: E402
-from kvqrs.hf.store import CodeStore  # noqa: E402
+from kvqrs.hf.store import CodeStore, WindowRows  # noqa: E402
 from kvqrs.kernels.attention import CentredRows, ChannelRun, ChannelRunRows, DenseRows, MSERows, UniformRows, binding_rows  # noqa: E402
 
 from tests.cache_helpers import per_head_matched_calibration  # noqa: E402
@@ -450,3 +450,46 @@ def test_which_coders_encode_natively():
     assert native(per_head, 2).kind == "channels" and native(per_head, 3) is None
     assert _native_encoder(CONFIGS["kivi"].codec(0, D)._key_coder(), 3).kind == "channels"
     assert native(CONFIGS["kivi"].codec(0, D)).kind == "tokens"
+
+
+@pytest.mark.parametrize("name", ["kqv", "kivi", "qkqv", "matched", "matched-per-head", "matched-log8"])
+@pytest.mark.parametrize("flush", [0, 1])
+def test_step_equals_append_encode_then_attend(name, flush):
+    """``CodeStore.step`` (one native call: the new tokens written into the window buffer, the
+    window's oldest chunk encoded into the store, attention over codes, sinks and window) gives
+    the bits of the three calls it replaces: ``_native.window_append``, ``encode_append`` from
+    the buffer, ``attend`` over the window after the flush. A refused token (NaN) writes
+    nothing: None, and the store and the buffer as before."""
+    cfg = STEP_CONFIGS[name]
+    codec = cfg.codec(0, D)
+    b, h, g, cap, lo, w = 2, 2, 3, 3 * cfg.chunk + 8, 2, cfg.chunk + 3
+    n = flush * cfg.chunk
+    stores, buffers = [], []
+    for _ in range(2):
+        store = CodeStore(codec, b, h, D, torch.float32)
+        store.append(*_encode(codec, _x(b, h, cfg.chunk * 2, 40), _x(b, h, cfg.chunk * 2, 41)))
+        assert store.encodes_natively() and store.can_attend()
+        buf = [torch.from_numpy(_x(b, h, cap, 42 + i)) for i in range(2)]
+        stores.append(store)
+        buffers.append(buf)
+    q = torch.from_numpy(_x(b, h * g, 1, 44))
+    sinks = (torch.from_numpy(_x(b, h, 1, 45)), torch.from_numpy(_x(b, h, 1, 46)))
+    new = (torch.from_numpy(_x(b, h, 1, 47)), torch.from_numpy(_x(b, h, 1, 48)))
+    flat = lambda buf: (buf[0].numpy().reshape(-1), buf[1].numpy().reshape(-1))  # noqa: E731
+    rows = WindowRows(*flat(buffers[0]), cap, lo, w)
+    got = stores[0].step(q, sinks, rows, new, n, None, 0.2, with_lse=True)
+    (fk, fv), (ak, av) = flat(buffers[1]), buffers[1]
+    assert _native.window_append(fk, fv, cap, lo + w, new[0].numpy(), new[1].numpy())
+    if n:
+        assert stores[1].encode_append(ak.numpy(), av.numpy(), n, lo)
+    want = stores[1].attend(q, sinks, WindowRows(fk, fv, cap, lo + n, w + 1 - n), None, 0.2, with_lse=True)
+    for a, e in zip(got, want):
+        assert a.numpy().tobytes() == e.numpy().tobytes()
+    assert stores[0].sections("x") == stores[1].sections("x")
+    assert all(torch.equal(x, y) for x, y in zip(buffers[0], buffers[1]))
+    bad = (new[0].clone(), new[1])
+    bad[0][1, 0, 0, 5] = float("nan")
+    before = (stores[0].sections("x"), [t.clone() for t in buffers[0]])
+    rows = WindowRows(*flat(buffers[0]), cap, lo + n, w + 1 - n)
+    assert stores[0].step(q, sinks, rows, bad, n, None, 0.2) is None
+    assert stores[0].sections("x") == before[0] and all(torch.equal(x, y) for x, y in zip(buffers[0], before[1]))

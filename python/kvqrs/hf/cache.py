@@ -46,7 +46,6 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .. import _native
 from .._arrays import KvqrsError, check_positive_int
-from ..kernels.attention import DenseRows
 from ..schemes import Encoded
 from ..torch import check_finite, check_storable, from_numpy, to_numpy
 from . import persist
@@ -74,11 +73,6 @@ def _tokens(t: torch.Tensor, lo: int, hi: int | None = None) -> torch.Tensor:
 def _as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``t`` in ``dtype`` (itself when it is already: no dispatch)."""
     return t if t.dtype is dtype else t.to(dtype)
-
-
-def _join(head: torch.Tensor, tail: torch.Tensor) -> torch.Tensor:
-    """``head`` then ``tail`` along the tokens (no copy when ``head`` is empty)."""
-    return tail if not head.shape[-2] else torch.cat([head, tail], dim=-2)
 
 
 @dataclass
@@ -237,6 +231,21 @@ class _Steady(NamedTuple):
     chunk: int
 
 
+class _Deferred(NamedTuple):
+    """A steady decode step's writes, made by the native call that attends
+    (:meth:`QuantizedLayer._attend_step`) or, when no attention follows, by
+    :meth:`QuantizedLayer._catch_up`: the new tokens go into the window buffer at ``hi``, and
+    the window's ``flush`` oldest tokens, from ``lo``, into the store. ``undo``: the layer
+    before the update, restored when the writes are refused."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    lo: int
+    hi: int
+    flush: int
+    undo: tuple
+
+
 class QuantizedLayer(CacheLayerMixin):
     """One layer of :class:`QuantizedKVCache`: a full-attention layer, or, with
     ``sliding_window`` W, a sliding-window layer holding the newest W - 1 tokens as
@@ -293,6 +302,10 @@ class QuantizedLayer(CacheLayerMixin):
         self._attended = False
         self._fused = False
         self._steady: _Steady | None = None
+        # A steady update's writes not made yet (made with its attention, in one native call),
+        # and a sliding layer's eviction, made once the forward has read its codes.
+        self._deferred: _Deferred | None = None
+        self._evict_due = False
         # calibration="prefill": the layer's own matched calibration, fitted on the first
         # forward the kvqrs attention serves (its codec kept here), and how many tokens it saw.
         self.fitted = None
@@ -306,17 +319,20 @@ class QuantizedLayer(CacheLayerMixin):
     @property
     def chunks_k(self) -> list[Encoded]:
         """The keys' codes as one :class:`~kvqrs.schemes.Encoded` (a copy), or ``[]`` when none."""
+        self._catch_up()
         return [self.store.keys()] if self.quantized else []
 
     @property
     def chunks_v(self) -> list[Encoded]:
         """The values' codes as one :class:`~kvqrs.schemes.Encoded` (a copy); ``[]`` when none
         or when values are kept in full precision (``fp_values_quantized``)."""
+        self._catch_up()
         return [self.store.values()] if self.quantized and not self.store.key_only else []
 
     @property
     def fp_values_quantized(self) -> torch.Tensor | None:
         """A key-only config's full-precision values of the quantized tokens (a copy), else None."""
+        self._catch_up()
         return self.store.values() if self.quantized and self.store.key_only else None
 
     # -- transformers' layer protocol -------------------------------------------------------
@@ -332,6 +348,7 @@ class QuantizedLayer(CacheLayerMixin):
         Keyword arguments (transformers >= 5.25 passes ``recurrent_states_to_keep``, for
         linear-attention layers' recurrent states): how many of the newest tokens a crop may remove
         beyond the latest update's (default: none beyond them)."""
+        self._catch_up()
         depth = kwargs.get("recurrent_states_to_keep")
         if depth is not None and (isinstance(depth, bool) or not isinstance(depth, int) or depth < 0):
             raise KvqrsError(f"recurrent_states_to_keep: expected None or an integer >= 0, got {depth!r}")
@@ -367,6 +384,7 @@ class QuantizedLayer(CacheLayerMixin):
         decoded codes between the full-precision tokens, or, on a fused decode step
         (``fused=True``, passed by :class:`QuantizedKVCache` when ``QuantConfig.fused``), the
         full-precision window alone, the sinks and codes being read by :meth:`attend`."""
+        self._catch_up()
         if fused and self._steady is not None:
             out = self._steady_update(key_states, value_states)
             if out is not None:
@@ -455,23 +473,22 @@ class QuantizedLayer(CacheLayerMixin):
             return None
         if not (key_states.is_cpu and value_states.is_cpu) or key_states.requires_grad or value_states.requires_grad:
             return None
-        if not _native.window_append(win.flat_k, win.flat_v, win.cap, win.hi, key_states.numpy(), value_states.numpy()):
-            return None  # the general path names the refused value
         seen = self.seen + 1
         n = st.sinks + max(0, (seen - st.sinks - st.residual) // st.chunk * st.chunk) - (self.q_start + self.quantized)
+        if n > 0 and (win.lo + n > win.hi or not self.store.encodes_natively()):
+            return None  # the general path encodes in Python
+        # The writes are deferred to the attention's native call: the layer's positions move
+        # now, and the window's view shows the new token's slot, written before anything reads it.
+        undo = (self._undo_point(), self._view, st, self._returned)
+        self._deferred = _Deferred(key_states, value_states, win.lo, win.hi, max(n, 0), undo)
         flushed = None
-        if n > 0:  # the oldest window tokens, already in the buffer, leave it as codes
-            if win.lo + n > win.hi or not self.store.encode_append(win.np_k, win.np_v, n, win.lo):
-                return None  # nothing stored: the general path encodes, or names the refused token
+        if n > 0:  # the oldest window tokens leave it as codes
             flushed = (win.keys, win.values, win.lo, n)
             win.lo += n
             self.quantized += n
         win.hi += 1
         self.seen = seen
         self._show(win)
-        if n > 0:
-            self._compact()
-            win = self._window
         last = st.view
         rows = WindowRows(win.flat_k, win.flat_v, win.cap, win.lo, win.hi - win.lo)
         self._view = _View(
@@ -482,6 +499,45 @@ class QuantizedLayer(CacheLayerMixin):
         )
         self._returned = weakref.ref(self.keys)
         return self.keys, self.values
+
+    def _catch_up(self) -> None:
+        """Make the writes and the eviction a forward left for its attention (when none came):
+        every method that reads or changes the layer's state calls this first."""
+        if self._deferred is not None:
+            self._write_deferred()
+        if self._evict_due:
+            self._evict_due = False
+            self._evict()
+
+    def _write_deferred(self) -> None:
+        """The deferred step's writes without attention (two native calls)."""
+        d, self._deferred = self._deferred, None
+        win = self._window
+        ok = _native.window_append(win.flat_k, win.flat_v, win.cap, d.hi, d.keys.numpy(), d.values.numpy())
+        if ok and d.flush:
+            ok = self.store.encode_append(win.np_k, win.np_v, d.flush, d.lo)
+        if not ok:
+            self._refuse_deferred(d)
+        self._after_write(d)
+
+    def _refuse_deferred(self, d: _Deferred) -> None:
+        """A deferred step whose writes were refused: the layer goes back to its state before
+        that update, which then takes the general path (it names the refused value, or codes
+        the tokens in Python where the native encode refused them)."""
+        point, self._view, self._steady, self._returned = d.undo
+        self._undo(point)
+        self._steady = None
+        self.update(d.keys, d.values)
+
+    def _after_write(self, d: _Deferred) -> None:
+        """After a deferred step's writes: the window moves to a buffer of its size when a
+        flush left the current one mostly spare room (as the general path's flush does)."""
+        if d.flush and self._steady is not None:
+            win = self._window
+            self._compact()
+            if self._window is not win:
+                win = self._window
+                self._steady = self._steady._replace(window=win, hi=win.hi, max_cap=4 * (win.hi - win.lo + 1) + 64)
 
     def _undo_point(self) -> tuple:
         """What :meth:`_undo` restores: the state an append, a sink move or a flush changes
@@ -501,11 +557,11 @@ class QuantizedLayer(CacheLayerMixin):
             win.lo, win.hi, win.k_view, win.v_view, win.shown = bounds
 
     def _drop_unread(self, view: _View) -> None:
-        """A sliding layer without past recording: read the codes of ``view`` (the forward's),
-        then drop the tokens no later forward reads."""
+        """A sliding layer without past recording: drop the tokens no later forward reads, once
+        the forward has read ``view`` (the codes stay in the store until then, so that the
+        native step reads them in place)."""
         if not self.record_past and self.is_sliding:
-            view.snapshot()
-            self._evict()
+            self._evict_due = True
 
     def _check_states(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Refuse states that cannot join this layer, before anything is stored: keys and values
@@ -598,6 +654,8 @@ class QuantizedLayer(CacheLayerMixin):
     def _settle(self) -> None:
         """Show the window appended to the buffer (see :attr:`_Window.shown`): every method
         that reads ``keys`` / ``values`` during an update calls this first."""
+        if self._deferred is not None:
+            self._write_deferred()
         win = self._buffered()
         if win is not None and not win.shown:
             self._show(win)
@@ -754,6 +812,7 @@ class QuantizedLayer(CacheLayerMixin):
         :class:`KvqrsError` when asked to drop more tokens than the layer has seen, or when the
         kept state needs originals it no longer holds (see the class docstring: with past
         recording, a crop may reach back to the previous crop, as in assisted generation)."""
+        self._catch_up()
         if tokens_to_remove > 0:
             raise ValueError(f"crop: expected a negative number of tokens to remove, got {tokens_to_remove}")
         if not self.is_initialized:
@@ -844,6 +903,7 @@ class QuantizedLayer(CacheLayerMixin):
     def positions(self) -> dict[str, int]:
         """Positions held: ``seen`` (tokens fed), ``start`` (first held), ``q_start`` (first
         coded) and ``quantized`` (coded tokens)."""
+        self._catch_up()
         return {"seen": self.seen, "start": self.start, "q_start": self.q_start, "quantized": self.quantized}
 
     def fp_tensors(self) -> dict[str, torch.Tensor]:
@@ -851,6 +911,7 @@ class QuantizedLayer(CacheLayerMixin):
         layer's dtype (the sinks in ``QuantConfig.sink_dtype`` when set): ``window_keys``,
         ``window_values``, ``sink_keys``, ``sink_values``, and
         ``pending_keys``, ``pending_values`` (originals kept for a rollback) while recording."""
+        self._catch_up()
         out = {"window_keys": self.keys, "window_values": self.values, "sink_keys": self.sink_k, "sink_values": self.sink_v}
         if self.pending_k is not None:
             out.update(pending_keys=self.pending_k, pending_values=self.pending_v)
@@ -861,6 +922,7 @@ class QuantizedLayer(CacheLayerMixin):
         gives it, ``store`` the codes (None: none), ``positions`` as :meth:`positions` gives
         them. Raises :class:`KvqrsError` (the layer unchanged) unless the store holds
         ``quantized`` tokens and sinks, codes and window are consecutive positions."""
+        self._catch_up()
         seen, start, q_start, quantized = (int(positions[k]) for k in ("seen", "start", "q_start", "quantized"))
         held = 0 if store is None else store.tokens
         keys, values = fp["window_keys"], fp["window_values"]
@@ -891,6 +953,7 @@ class QuantizedLayer(CacheLayerMixin):
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if not self.is_initialized:
             return
+        self._catch_up()
         idx = torch.as_tensor(indices).to(self.keys.device)
         batch = self.keys.shape[0]
         if idx.dtype == torch.bool and idx.shape == (batch,):
@@ -923,6 +986,7 @@ class QuantizedLayer(CacheLayerMixin):
         key-only values, originals kept for a rollback) and a self-calibrated layer's calibration.
         The window counts its tokens, not the spare room of its buffer (:class:`_Window`: at
         most three times the window plus 64 tokens), as the store's room is not counted either."""
+        self._catch_up()
         if not self.is_initialized:
             return 0
         total = 0 if self.store is None else self.store.nbytes()
@@ -939,61 +1003,88 @@ class QuantizedLayer(CacheLayerMixin):
         m = attention_mask[..., ns : ns + view.coded]
         return bool(m.all()) if m.dtype == torch.bool else bool((m == 0).all())
 
-    def _attend_codes(self, view: _View, module, query, attention_mask, scaling, rule: LogitRule | None):
-        """A fused decode step's attention straight from the codes (:meth:`_attend_fused`), or
-        None when it must read the decoded keys: a mask hides some codes, or the layer caps its
-        logits (the fused kernel's softmax reads uncapped logits)."""
+    def _native_mask(self, view: _View, attention_mask, nq: int, rule: LogitRule | None) -> tuple[bool, torch.Tensor | None]:
+        """Whether a fused step's attention can be read from the codes in the native call, and
+        the mask of its full-precision columns it then takes. It cannot when a mask hides some
+        codes, a mask differs between heads, the layer caps its logits (the fused kernel's
+        softmax reads uncapped logits) or the store's rows are not read natively: attention
+        then reads the decoded keys."""
         if rule is not None and rule.softcap is not None:
-            return None
+            return False, None
+        if not (view.store is not None and view.store.can_attend()):
+            return False, None
         # An explicit mask that hides nothing (one NumPy reduction: a decode step without
         # padding) shows every code and is not passed on; None means causal, checked as such.
-        if attention_mask is not None and _hides_nothing(attention_mask) is None:
-            return self._attend_fused(view, module, query, None, scaling, rule)
-        if self._codes_visible(view, attention_mask, query.shape[-2]):
-            return self._attend_fused(view, module, query, attention_mask, scaling, rule)
-        return None
+        if attention_mask is None or _hides_nothing(attention_mask) is None:
+            return True, None
+        if attention_mask.shape[1] != 1 or not self._codes_visible(view, attention_mask, nq):
+            return False, None
+        return True, attention_mask.index_select(-1, view.fp_columns().to(attention_mask.device))
 
-    def _attend_fused(self, view: _View, module, query, attention_mask, scaling, rule: LogitRule | None = None):
-        """Softmax over the codes (fused kernel) and over the full-precision tokens, merged by
-        log-sum-exp: ``out = e^(lse_q - lse) out_q + e^(lse_w - lse) out_w``,
-        ``lse = logaddexp(lse_q, lse_w)``; learned sinks of ``rule`` then join the denominator
-        (:meth:`~kvqrs.hf.attention.LogitRule.rescale`)."""
-        mask = None if attention_mask is None else attention_mask.index_select(-1, view.fp_columns().to(attention_mask.device))
-        if view.live and (mask is None or mask.shape[1] == 1) and view.store.can_attend():
-            # One native call: the fused kernel over the store's buffers and the softmax over
-            # the sinks and the window (read in place from its buffer), merged by log-sum-exp
-            # (GIL released).
-            sinks, window = (view.sink_k, view.sink_v), view.window_rows or (view.window_k, view.window_v)
-            if rule is None:
-                out = view.store.attend(query, sinks, window, mask, float(scaling))
-            else:
-                out = rule.rescale(*view.store.attend(query, sinks, window, mask, float(scaling), with_lse=True))
-            if query.dtype is not torch.float32 or query.device.type != "cpu":  # cast: an error, not inf, past the dtype
-                out = from_numpy(out.numpy(), query)
-            return out.transpose(1, 2).contiguous(), None
-        fp_k, fp_v = _join(view.sink_k, view.window_k), _join(view.sink_v, view.window_v)
-        codec = self.codec()
-        q = to_numpy(query, "query")
-        cv = view.codes_v
-        cv = DenseRows(to_numpy(cv, "values")) if isinstance(cv, torch.Tensor) else cv
-        res = codec.fused_attention(q, view.codes_k, cv, scale=float(scaling))
-        out, lse = torch.from_numpy(res.out), torch.from_numpy(res.lse)[..., None]
-        if fp_k.shape[-2]:
-            lse_q = lse
-            out_w, lse_w = _fp_part(query, fp_k, fp_v, module.num_key_value_groups, mask, scaling)
-            lse = torch.logaddexp(lse_q, lse_w)
-            w_w = (lse_w - lse).exp_()
-            # A fully masked full-precision part has lse_w = -inf and NaN probabilities: its weight is 0.
-            out = out.mul_((lse_q - lse).exp_()).add_(torch.where(w_w > 0, out_w.mul_(w_w), 0.0))
-        if rule is not None:
-            out = rule.rescale(out, lse)
-        return from_numpy(out.numpy(), query).transpose(1, 2).contiguous(), None
+    @staticmethod
+    def _fused_out(out: torch.Tensor, query: torch.Tensor, rule: LogitRule | None):
+        """The native step's ``out`` (or ``(out, lse)`` with ``rule``: learned sinks join its
+        denominator, :meth:`~kvqrs.hf.attention.LogitRule.rescale`) as the attention returns it."""
+        out = out if rule is None else rule.rescale(*out)
+        if query.dtype is not torch.float32 or query.device.type != "cpu":  # cast: an error, not inf, past the dtype
+            out = from_numpy(out.numpy(), query)
+        return out.transpose(1, 2).contiguous(), None
+
+    def _attend_codes(self, view: _View, query, attention_mask, scaling, rule: LogitRule | None):
+        """A fused decode step's attention straight from the codes in one native call (GIL
+        released): the fused kernel over the store's buffers and the softmax over the sinks
+        and the window (read in place from its buffer), merged by log-sum-exp. None when it
+        must read the decoded keys (:meth:`_native_mask`), or the store no longer holds
+        exactly the view's codes."""
+        native, mask = self._native_mask(view, attention_mask, query.shape[-2], rule)
+        if not (native and view.live):
+            return None
+        sinks, window = (view.sink_k, view.sink_v), view.window_rows or (view.window_k, view.window_v)
+        out = view.store.attend(query, sinks, window, mask, float(scaling), with_lse=rule is not None)
+        return self._fused_out(out, query, rule)
+
+    def _attend_step(self, query, attention_mask, scaling, rule: LogitRule | None):
+        """A steady decode step (:meth:`_steady_update`) in one native call: its deferred
+        writes (the new token into the window buffer, a chunk leaving the window into the
+        store), then :meth:`_attend_codes`' attention. None when the attention must take
+        another path: the writes are then made (or refused, and the update redone by the
+        general path) and ``self._view`` is the forward's."""
+        d, view = self._deferred, self._view
+        native, mask = self._native_mask(view, attention_mask, query.shape[-2], rule)
+        if not native:
+            self._write_deferred()
+            return None
+        self._deferred = None
+        win = self._window
+        rows = WindowRows(win.flat_k, win.flat_v, win.cap, d.lo, d.hi - d.lo)
+        sinks = (view.sink_k, view.sink_v)
+        out = view.store.step(query, sinks, rows, (d.keys, d.values), d.flush, mask, float(scaling), with_lse=rule is not None)
+        if out is None:  # a refused value: named by the general path
+            self._refuse_deferred(d)
+            return None
+        self._after_write(d)
+        return self._fused_out(out, query, rule)
 
     def attend(self, module, query, key, value, attention_mask, scaling):
         if self._returned is None or key is not self._returned() or self._view is None:
             return None
+        try:
+            return self._attend(module, query, key, value, attention_mask, scaling)
+        finally:
+            if self._evict_due:  # the forward has read its codes
+                self._evict_due = False
+                self._evict()
+
+    def _attend(self, module, query, key, value, attention_mask, scaling):
         check_finite(query, "query")  # the fused and decoded paths alike: an error, not NaN rows
         self._attended = True
+        rule = current_rule()
+        redone = False
+        if self._deferred is not None:
+            out = self._attend_step(query, attention_mask, scaling, rule)
+            if out is not None:
+                return out
+            redone = self._returned is None or key is not self._returned()  # refused writes: the update was redone
         view, self._view = self._view, None  # read once: the view may hold tokens the layer has since dropped
         if self.awaits_calibration:  # the prefill: fit on its queries, then code what the schedule codes
             self._fit_on_prefill(query)
@@ -1001,12 +1092,13 @@ class QuantizedLayer(CacheLayerMixin):
             view = self.view(view.start, first_query=view.first_query, **fresh)
             self._drop_unread(view)
             key, value = self.materialize(view)
-        rule = current_rule()
         if self._fused:
-            out = self._attend_codes(view, module, query, attention_mask, scaling, rule)
+            out = self._attend_codes(view, query, attention_mask, scaling, rule)
             if out is not None:
                 return out
-            key, value = self.materialize(view)  # a mask hides some codes, or capped logits: the decoded path
+            key, value = self.materialize(view)  # the decoded path: the codes are not read natively
+        elif redone:
+            key, value = self.materialize(view)
         from transformers.integrations.sdpa_attention import repeat_kv
 
         g = module.num_key_value_groups
@@ -1115,25 +1207,6 @@ def _hides_nothing(mask: torch.Tensor | None) -> torch.Tensor | None:
         return mask
     m = mask.numpy()
     return None if (m.all() if m.dtype == np.bool_ else not m.any()) else mask
-
-
-def _fp_part(query, keys, values, groups: int, mask, scaling) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax attention over full-precision tokens in float32: ``(out, lse)``,
-    ``(b, q_heads, nq, d)`` and ``(b, q_heads, nq, 1)``; ``mask`` holds those tokens' columns.
-    The query heads of a GQA group are stacked against their KV head (no key repeated), and the
-    few tensor operations run in place: a decode step pays this once per layer."""
-    b, heads, nq, d = query.shape
-    kv_heads = heads // groups
-    qg = query.float().reshape(b, kv_heads, groups * nq, d)
-    logits = torch.matmul(qg, keys.float().transpose(2, 3)).mul_(scaling)
-    if mask is not None:
-        mask = mask.unsqueeze(2)  # (b, 1, 1, nq, w)
-        logits = logits.view(b, kv_heads, groups, nq, -1)
-        logits = logits.masked_fill_(~mask, float("-inf")) if mask.dtype == torch.bool else logits.add_(mask.float())
-        logits = logits.view(b, kv_heads, groups * nq, -1)
-    lse = torch.logsumexp(logits, dim=-1, keepdim=True)
-    out = torch.matmul(logits.sub_(lse).exp_(), values.float())
-    return out.view(b, heads, nq, d), lse.view(b, heads, nq, 1)
 
 
 SLIDING_LAYER_TYPES = ("sliding_attention", "chunked_attention")

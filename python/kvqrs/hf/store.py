@@ -183,6 +183,15 @@ def _window_rows(k: torch.Tensor, v: torch.Tensor) -> WindowRows:
     return WindowRows(_flat_f32(k), _flat_f32(v), n, 0, n)
 
 
+def _additive_mask(mask: torch.Tensor | None, batch: int, nq: int, columns: int) -> np.ndarray | None:
+    """A boolean or additive ``(batch, 1, nq, columns)`` mask (broadcastable) as flat float32
+    additive NumPy, or None (no mask, or no columns)."""
+    if mask is None or not columns:
+        return None
+    mm = mask if mask.dtype != torch.bool else torch.zeros(mask.shape).masked_fill_(~mask, float("-inf"))
+    return mm.to(torch.float32).expand(batch, 1, nq, columns).contiguous().reshape(-1).numpy()
+
+
 def _window_f32(t: torch.Tensor | np.ndarray, start: int, tokens: int) -> tuple[np.ndarray, int]:
     """Tokens ``start .. start + tokens - 1`` of a ``(batch, heads, window, d)`` tensor as
     float32 NumPy and their first token there: the tensor itself, strides and all, when it is
@@ -277,14 +286,9 @@ class CodeStore:
             ordered[self._order[n]] = c
         self._native.append(ordered, int(ck.shape[-2]))
 
-    def encode_append(self, k: torch.Tensor | np.ndarray, v: torch.Tensor | np.ndarray, tokens: int | None = None, start: int = 0) -> bool:
-        """Encode tokens ``start .. start + tokens - 1`` (default: all) of keys ``k`` and values
-        ``v`` ``(batch, kv_heads, window, head_dim)`` (tensors or NumPy arrays of any float
-        dtype, as float32; any strides) and append their codes in one native call: the bytes
-        :meth:`append` stores for ``codec.encode_keys``, ``codec.encode_values`` of those tokens.
-        Returns False, nothing stored, when the codec has no native encoder (see
-        :func:`_native_encoder`) or the native encode refuses the tokens (a norm beyond
-        float32): the caller then takes the Python path, whose error names the token."""
+    def encodes_natively(self) -> bool:
+        """Whether the codec's keys and values have native encoders (:func:`_native_encoder`),
+        declared to the native store on the first call."""
         if self._encodes is None:
             sides = [
                 _native_encoder(self.codec._key_coder(), self.kv_heads),
@@ -293,7 +297,17 @@ class CodeStore:
             self._encodes = None not in sides
             if self._encodes:
                 self._native.set_encoders(*sides)
-        if not self._encodes:
+        return self._encodes
+
+    def encode_append(self, k: torch.Tensor | np.ndarray, v: torch.Tensor | np.ndarray, tokens: int | None = None, start: int = 0) -> bool:
+        """Encode tokens ``start .. start + tokens - 1`` (default: all) of keys ``k`` and values
+        ``v`` ``(batch, kv_heads, window, head_dim)`` (tensors or NumPy arrays of any float
+        dtype, as float32; any strides) and append their codes in one native call: the bytes
+        :meth:`append` stores for ``codec.encode_keys``, ``codec.encode_values`` of those tokens.
+        Returns False, nothing stored, when the codec has no native encoder (see
+        :func:`_native_encoder`) or the native encode refuses the tokens (a norm beyond
+        float32): the caller then takes the Python path, whose error names the token."""
+        if not self.encodes_natively():
             return False
         try:
             n = int(k.shape[-2]) - start if tokens is None else int(tokens)
@@ -403,19 +417,51 @@ class CodeStore:
         log-sum-exp of the whole softmax's logits, float32 ``(batch, q_heads, nq, 1)`` (to merge
         another softmax term exactly). Raises :class:`KvqrsError` on non-finite logits or shapes
         that do not fit."""
+        rows = window if isinstance(window, WindowRows) else _window_rows(*window)
+        head, (sk, sv, ns) = self._query_args(query, scale), self._sink_args(sinks)
+        m = _additive_mask(mask, query.shape[0], query.shape[2], ns + rows.tokens)
+        args = (sk, sv, ns, rows.keys, rows.values, rows.room, rows.start, rows.tokens, m, query.shape[0])
+        return self._shaped(self._native.attend(*head, *args), query, with_lse)
+
+    def _query_args(self, query: torch.Tensor, scale: float) -> tuple:
+        """The native step's query arguments (declaring the rows on the first step):
+        ``(flat query, batch x kv_heads, groups x nq, head_dim, scale, nq)``."""
         if not self._native.has_rows:
             self._declare_rows()
         b, hq, nq, d = query.shape
-        g = hq // self.kv_heads
+        return (_flat_f32(query), b * self.kv_heads, hq // self.kv_heads * nq, d, float(scale), nq)
+
+    @staticmethod
+    def _sink_args(sinks: tuple) -> tuple:
+        """The sinks ``(keys, values)`` as the native step reads them: ``(flat keys, flat values, tokens)``."""
         ns = sinks[0].shape[-2]
-        sk, sv = (_flat_f32(t) for t in sinks) if ns else (_NO_TOKENS, _NO_TOKENS)
-        rows = window if isinstance(window, WindowRows) else _window_rows(*window)
-        m = None
-        if mask is not None and ns + rows.tokens:
-            mm = mask if mask.dtype != torch.bool else torch.zeros(mask.shape).masked_fill_(~mask, float("-inf"))
-            m = mm.to(torch.float32).expand(b, 1, nq, ns + rows.tokens).contiguous().reshape(-1).numpy()
-        q = _flat_f32(query)
-        args = (sk, sv, ns, rows.keys, rows.values, rows.room, rows.start, rows.tokens, m, b)
-        out, lse = self._native.attend(q, b * self.kv_heads, g * nq, d, float(scale), nq, *args)
-        out = torch.from_numpy(out).view(b, hq, nq, d)
-        return (out, torch.from_numpy(lse).view(b, hq, nq, 1)) if with_lse else out
+        return (*((_flat_f32(t) for t in sinks) if ns else (_NO_TOKENS, _NO_TOKENS)), ns)
+
+    @staticmethod
+    def _shaped(res: tuple, query: torch.Tensor, with_lse: bool):
+        """The native step's flat ``(out, lse)`` as ``(batch, q_heads, nq, d)`` (and ``(batch,
+        q_heads, nq, 1)`` with ``with_lse``)."""
+        b, hq, nq, d = query.shape
+        out = torch.from_numpy(res[0]).view(b, hq, nq, d)
+        return (out, torch.from_numpy(res[1]).view(b, hq, nq, 1)) if with_lse else out
+
+    def step(
+        self, query: torch.Tensor, sinks: tuple, window: WindowRows, new: tuple, flush: int, mask, scale: float, with_lse: bool = False
+    ):
+        """A whole decode step in one native call: the new tokens ``new`` (keys, values:
+        float32 CPU ``(batch, kv_heads, n, d)``) written into the window buffer after its
+        tokens (at ``window.start + window.tokens``), the window's ``flush`` oldest tokens
+        encoded and appended to the store (:meth:`encode_append`; the codec must
+        :meth:`encodes_natively`), then :meth:`attend` over the codes, ``sinks`` and the window's
+        tokens from ``window.start + flush`` on, the new ones included. ``mask``: None, or a
+        boolean or additive ``(batch, 1, nq, sinks + window after the step)`` mask. Returns
+        :meth:`attend`'s result, or None, nothing written, when a new value is not finite or
+        beyond the storable range (the caller names it). Raises :class:`KvqrsError`, the store
+        unchanged, when the encode refuses the flushed tokens (a norm beyond float32)."""
+        head, (sk, sv, ns) = self._query_args(query, scale), self._sink_args(sinks)
+        k, v = new
+        m = _additive_mask(mask, query.shape[0], query.shape[2], ns + window.tokens + k.shape[-2] - flush)
+        hi = window.start + window.tokens
+        args = (sk, sv, ns, window.keys, window.values, window.room, window.start, hi, k.numpy(), v.numpy(), flush, m, query.shape[0])
+        res = self._native.step(*head, *args)
+        return None if res is None else self._shaped(res, query, with_lse)

@@ -45,6 +45,32 @@ pub fn append_tokens(
     Ok(())
 }
 
+/// Tokens `lo .. lo + n` of each of the `rows` rows of `src` (`rows` x `cap` x `d` float32),
+/// contiguous in C order (`rows` x `n` x `d`): the window tokens a flush encodes. Errors when
+/// the span does not fit.
+pub fn gather_tokens(
+    src: &[f32],
+    (cap, lo, n): (usize, usize, usize),
+    (rows, d): (usize, usize),
+) -> Result<Vec<f32>> {
+    let fits = lo.checked_add(n).is_some_and(|end| end <= cap)
+        && rows.checked_mul(cap).and_then(|x| x.checked_mul(d)) == Some(src.len());
+    if !fits {
+        return Err(KvqError::ShapeMismatch {
+            arg: "window",
+            expected: format!(
+                "{rows} rows of {cap} tokens of {d} values holding tokens {lo} .. {lo} + {n}"
+            ),
+            actual: format!("a buffer of {}", src.len()),
+        });
+    }
+    let mut out = Vec::with_capacity(rows * n * d);
+    for r in 0..rows {
+        out.extend_from_slice(&src[(r * cap + lo) * d..(r * cap + lo + n) * d]);
+    }
+    Ok(out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -61,6 +87,21 @@ mod tests {
             assert_eq!(&row[d..3 * d], &src[r * 2 * d..(r + 1) * 2 * d]);
             assert!(row[3 * d..].iter().all(|&v| v == 0.0));
         }
+    }
+
+    #[test]
+    fn gathers_each_rows_span() {
+        let (rows, cap, d) = (2, 4, 3);
+        let src: Vec<f32> = (0..rows * cap * d).map(|i| i as f32).collect();
+        let got = gather_tokens(&src, (cap, 1, 2), (rows, d)).unwrap();
+        let want: Vec<f32> = [3..9, 15..21]
+            .into_iter()
+            .flatten()
+            .map(|i| i as f32)
+            .collect();
+        assert_eq!(got, want);
+        assert!(gather_tokens(&src, (cap, 3, 2), (rows, d)).is_err());
+        assert!(gather_tokens(&src[1..], (cap, 0, 1), (rows, d)).is_err());
     }
 
     #[test]

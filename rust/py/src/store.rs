@@ -11,7 +11,7 @@ use kvqrs_core::kernels::mse::{MseQuantizer, RowScale};
 use kvqrs_core::kernels::mse_qjl::MseQjlEncoder;
 use kvqrs_core::kernels::uniform::UniformQuantizer;
 use kvqrs_core::store::{ChunkPart, LayerStore, PartSpec};
-use kvqrs_core::window::{all_storable, append_tokens};
+use kvqrs_core::window::{all_storable, append_tokens, gather_tokens};
 use numpy::ndarray::s;
 use numpy::{PyArray1, PyArray4, PyArrayMethods, PyReadonlyArray1, PyUntypedArrayMethods};
 use pyo3::prelude::*;
@@ -589,5 +589,110 @@ impl PyLayerStore {
             PyArray1::from_vec(py, res.out),
             PyArray1::from_vec(py, res.lse),
         ))
+    }
+
+    /// A whole decode step of one layer in one call (GIL released): the step's new keys and
+    /// values (`new_keys`, `new_values`: float32 batch x kv_heads x n x head_dim, any strides)
+    /// written into the window buffers at token `hi` (as `window_append`); the window's
+    /// `flush` oldest tokens, from token `lo`, encoded into the store (as `encode_append`);
+    /// then `attend` over the codes, the sinks and the window tokens `lo + flush .. hi + n`.
+    /// Returns None, nothing changed, when some new value is not finite or beyond
+    /// `MAX_STATE` (the caller names it). Raises, the store unchanged, when the encode
+    /// refuses the flushed tokens or the shapes do not fit.
+    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (q, heads, rows, head_dim, scale, tokens, sink_keys, sink_values, sinks, window_keys, window_values, room, lo, hi, new_keys, new_values, flush, mask, batch))]
+    fn step<'py>(
+        &mut self,
+        py: Python<'py>,
+        q: PyReadonlyArray1<'py, f32>,
+        heads: usize,
+        rows: usize,
+        head_dim: usize,
+        scale: f32,
+        tokens: usize,
+        sink_keys: PyReadonlyArray1<'py, f32>,
+        sink_values: PyReadonlyArray1<'py, f32>,
+        sinks: usize,
+        window_keys: &Bound<'py, PyArray1<f32>>,
+        window_values: &Bound<'py, PyArray1<f32>>,
+        room: usize,
+        lo: usize,
+        hi: usize,
+        new_keys: &Bound<'py, PyArray4<f32>>,
+        new_values: &Bound<'py, PyArray4<f32>>,
+        flush: usize,
+        mask: Option<PyReadonlyArray1<'py, f32>>,
+        batch: usize,
+    ) -> PyResult<Option<(F32Out<'py>, F32Out<'py>)>> {
+        let spec = self
+            .rows
+            .as_ref()
+            .ok_or_else(|| arg_error("rows: call set_rows before a decode step".into()))?;
+        let encoders = match (flush, &self.encoders) {
+            (0, _) => None,
+            (_, Some(e)) => Some(e),
+            (_, None) => return Err(arg_error("encoders: call set_encoders first".into())),
+        };
+        let shape = new_keys.shape().to_vec();
+        if new_values.shape() != shape.as_slice() {
+            return Err(arg_error(format!(
+                "new_values: expected the shape of new_keys {shape:?}, got {:?}",
+                new_values.shape()
+            )));
+        }
+        let busy = |what: &str| arg_error(format!("{what}: the array is borrowed elsewhere"));
+        let kx = c_order(new_keys).ok_or_else(|| busy("new_keys"))?;
+        let vx = c_order(new_values).ok_or_else(|| busy("new_values"))?;
+        let mut wk = window_keys
+            .try_readwrite()
+            .map_err(|_| busy("window_keys"))?;
+        let mut wv = window_values
+            .try_readwrite()
+            .map_err(|_| busy("window_values"))?;
+        let strided =
+            || arg_error("window_keys, window_values: expected C-contiguous buffers".into());
+        let dk = wk.as_slice_mut().map_err(|_| strided())?;
+        let dv = wv.as_slice_mut().map_err(|_| strided())?;
+        let m = match &mask {
+            Some(a) => Some(slice(a, "mask")?),
+            None => None,
+        };
+        let (sk, sv) = (
+            slice(&sink_keys, "sink_keys")?,
+            slice(&sink_values, "sink_values")?,
+        );
+        let q = slice(&q, "q")?;
+        let inner = &mut self.inner;
+        let (kv_rows, n, d) = (shape[0] * shape[1], shape[2], shape[3]);
+        let res = py_result(py.allow_threads(|| {
+            if !(all_storable(&kx) && all_storable(&vx)) {
+                return Ok(None);
+            }
+            append_tokens(dk, (room, hi), &kx, (kv_rows, n, d))?;
+            append_tokens(dv, (room, hi), &vx, (kv_rows, n, d))?;
+            if let Some((ke, ve)) = encoders {
+                let fk = gather_tokens(dk, (room, lo, flush), (kv_rows, d))?;
+                let fv = gather_tokens(dv, (room, lo, flush), (kv_rows, d))?;
+                inner.encode_append((ke, &fk), (ve, &fv), flush)?;
+            }
+            let start = lo + flush;
+            let step = Step {
+                q,
+                layout: Layout::new(heads, rows, 0, head_dim, scale),
+                tokens,
+                sinks: FpTokens::joined(sk, sv, sinks),
+                window: FpTokens {
+                    keys: dk,
+                    values: dv,
+                    room,
+                    start,
+                    len: (hi + n).saturating_sub(start),
+                },
+                mask: m,
+                batch,
+            };
+            attend(inner, &spec.keys, spec.side.as_ref(), &spec.values, &step).map(Some)
+        }))?;
+        Ok(res.map(|r| (PyArray1::from_vec(py, r.out), PyArray1::from_vec(py, r.lse))))
     }
 }
