@@ -29,7 +29,7 @@ use std::time::{Duration, Instant};
 
 use criterion::measurement::WallTime;
 use criterion::{criterion_group, criterion_main, Bencher, BenchmarkGroup, Criterion, Throughput};
-use kvqrs_core::kernels::attention::{decode_attention_with, CodedRows, Layout, QjlRows};
+use kvqrs_core::kernels::attention::{decode_attention_with, AttentionShape, CodedRows, QjlRows};
 use kvqrs_core::kernels::hadamard::Rotation;
 use kvqrs_core::kernels::headq::HeadqCoder;
 use kvqrs_core::kernels::lloyd_max::codebook;
@@ -337,7 +337,7 @@ fn attention(c: &mut Criterion) {
     for t in [4096usize, 32768] {
         g.throughput(Throughput::Bytes((t * HEADS * 2 * HD * 4) as u64));
         let v = HEADS * t;
-        let lay = Layout::new(HEADS, ROWS, t, HD, 0.125);
+        let lay = AttentionShape::new(HEADS, ROWS, t, HD, 0.125);
         let (m4, m3) = (packed_len(HD, 4), packed_len(HD, 3));
         let (k4, k3) = (Side::new(1, v, m4, v, HD), Side::new(11, v, m3, v, HD));
         let v4 = Side::new(21, v, m4, v, HD);

@@ -19,7 +19,7 @@ use rayon::prelude::*;
 use crate::error::{KvqError, Result};
 use crate::format::Dtype;
 use crate::kernels::attention::{
-    decode_attention, Attention, ChannelRun, CodedRows, Layout, QjlRows, SideRows,
+    decode_attention, Attention, AttentionShape, ChannelRun, CodedRows, QjlRows, SideRows,
 };
 use crate::par;
 use crate::scalars::{LogView, ScalarView};
@@ -411,7 +411,7 @@ pub struct Step<'a> {
     /// tokens, stacked per KV head: row `r` is query token `r % tokens`).
     pub q: &'a [f32],
     /// KV heads (batch x kv_heads), query rows per head, head_dim, logit scale.
-    pub layout: Layout,
+    pub layout: AttentionShape,
     /// Query tokens per row group (`rows` is a multiple).
     pub tokens: usize,
     /// The full-precision tokens, read in this order: the attention sinks, then the window.
@@ -490,7 +490,7 @@ pub fn attend(
     if top >= n {
         return Err(arg("rows", format!("part indices below {n}"), top));
     }
-    let lay = Layout {
+    let lay = AttentionShape {
         tokens: store.tokens(),
         stride: store.room(),
         ..step.layout
@@ -865,7 +865,7 @@ mod tests {
         fn step(&self, heads: usize, rows: usize, d: usize, scale: f32) -> Step<'_> {
             Step {
                 q: &self.q,
-                layout: Layout::new(heads, rows, 0, d, scale),
+                layout: AttentionShape::new(heads, rows, 0, d, scale),
                 tokens: rows,
                 sinks: FpTokens::NONE,
                 window: FpTokens::joined(&self.fk, &self.fv, self.window),
@@ -878,7 +878,7 @@ mod tests {
     /// `got` equals `coded` merged by log-sum-exp with a float64 softmax over the
     /// full-precision tokens of `step` (one batch row), to 1e-5.
     fn assert_merged(got: &Attention, coded: &Attention, step: &Step) {
-        let Layout {
+        let AttentionShape {
             heads,
             rows,
             head_dim: d,

@@ -3,7 +3,7 @@
 //! the same errors. Also: results do not depend on the rayon thread count.
 
 use kvqrs_core::kernels::attention::{
-    decode_attention_with, Attention, ChannelRun, CodedRows, Layout, QjlRows, SideRows,
+    decode_attention_with, Attention, AttentionShape, ChannelRun, CodedRows, QjlRows, SideRows,
 };
 use kvqrs_core::kernels::hadamard::{padded_dim, Rotation};
 use kvqrs_core::kernels::headq::HeadqCoder;
@@ -431,7 +431,7 @@ fn fused_attention_is_bit_identical_on_every_isa_and_thread_count() {
             .map(|v| v * 0.1)
             .collect();
         let q: Vec<f32> = q.iter().map(|v| v.clamp(-1e3, 1e3)).collect();
-        let lay = Layout::new(heads, rows, t, d, 1.0 / (d as f32).sqrt());
+        let lay = AttentionShape::new(heads, rows, t, d, 1.0 / (d as f32).sqrt());
         let rank = d.min(4);
         let basis = random_orthonormal_basis(5, d, rank).unwrap();
         let side_codes = bytes(11, heads * t * packed_len(rank, 2));
@@ -538,7 +538,7 @@ fn fused_matched_runs_are_bit_identical_on_every_isa_and_thread_count() {
             .iter()
             .map(|v| (v * 0.1).clamp(-1e3, 1e3))
             .collect();
-        let lay = Layout::new(heads, rows, t, d, 1.0 / (d as f32).sqrt());
+        let lay = AttentionShape::new(heads, rows, t, d, 1.0 / (d as f32).sqrt());
         for (vi, v) in [centred, inner, mse_centred].iter().enumerate() {
             for k in [&centred, &inner] {
                 let run = |isa: Isa| {

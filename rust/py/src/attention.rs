@@ -6,7 +6,7 @@
 //! the GIL is released for the kernel.
 
 use kvqrs_core::kernels::attention::{
-    decode_attention as core_attention, ChannelRun, CodedRows, Layout, QjlRows,
+    decode_attention as core_attention, AttentionShape, ChannelRun, CodedRows, QjlRows,
     SideRows as CoreSide,
 };
 use kvqrs_core::scalars::{LogView, ScalarView};
@@ -189,7 +189,7 @@ pub fn decode_attention<'py>(
     let (kr, vr) = (wrap(&keys, "keys", &kin)?, wrap(&values, "values", &vin)?);
     let side: Option<ArraySide<'py>> = side.map(|s| read(&s, "SideRows")).transpose()?;
     let sr = side.as_ref().map(side_rows).transpose()?;
-    let layout = Layout::new(heads, rows, tokens, head_dim, scale);
+    let layout = AttentionShape::new(heads, rows, tokens, head_dim, scale);
     let res =
         py_result(py.allow_threads(|| core_attention(qs, &layout, &kr, sr.as_ref(), &vr, probs)))?;
     Ok((

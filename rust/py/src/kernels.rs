@@ -124,7 +124,7 @@ pub fn lloyd_max_decode<'py>(
     let out = py_result(py.allow_threads(|| {
         let b = bits_u32(bits);
         let cb = codebook(dim, b)?;
-        kvqrs_core::kernels::mse::check_codes("codes", cs, dim, b)?;
+        kvqrs_core::kernels::check_codes("codes", cs, dim, b)?;
         let mut out = vec![0.0f32; cs.len()];
         cb.decode_into(cs, &mut out);
         Ok(out)

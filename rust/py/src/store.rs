@@ -6,7 +6,7 @@
 use kvqrs_core::decode_step::{attend, FpTokens, RowSpec, RunSpec, SideSpec, Step};
 use kvqrs_core::encoders::{Centring, ChannelRun as EncoderRun, ChannelSide, MseSide, SideEncoder};
 use kvqrs_core::format::{Dtype, Section};
-use kvqrs_core::kernels::attention::Layout;
+use kvqrs_core::kernels::attention::AttentionShape;
 use kvqrs_core::kernels::mse::{MseQuantizer, RowScale};
 use kvqrs_core::kernels::mse_qjl::MseQjlEncoder;
 use kvqrs_core::kernels::uniform::UniformQuantizer;
@@ -563,7 +563,7 @@ impl PyLayerStore {
         };
         let step = Step {
             q: slice(&q, "q")?,
-            layout: Layout::new(heads, rows, 0, head_dim, scale),
+            layout: AttentionShape::new(heads, rows, 0, head_dim, scale),
             tokens,
             sinks: FpTokens::joined(
                 slice(&sink_keys, "sink_keys")?,

@@ -154,7 +154,7 @@ impl HeadqCoder {
     fn check(&self, codes: &[u8], scales: ScalarView<'_>) -> Result<usize> {
         let rows = rows_of("codes", codes.len(), self.rank)?;
         scales.validate("scales", rows)?;
-        super::mse::check_codes("codes", codes, self.rank, self.bits)?;
+        super::check_codes("codes", codes, self.rank, self.bits)?;
         Ok(rows)
     }
 

@@ -98,6 +98,26 @@ pub fn check_len(arg: &'static str, len: usize, expected: usize, what: &str) -> 
     }
 }
 
+/// Rejects codes >= 2^bits, naming the first position.
+pub fn check_codes(arg: &'static str, codes: &[u8], width: usize, bits: u32) -> Result<()> {
+    let limit = 1u32 << bits;
+    // The maximum vectorises; the position is searched only on error.
+    if u32::from(codes.iter().fold(0u8, |m, &c| m.max(c))) < limit {
+        return Ok(());
+    }
+    match codes.iter().position(|&c| u32::from(c) >= limit) {
+        None => Ok(()),
+        Some(i) => Err(KvqError::CodeOutOfRange {
+            arg,
+            row: i / width,
+            col: i % width,
+            value: u32::from(codes[i]),
+            bits,
+            limit,
+        }),
+    }
+}
+
 /// Rejects NaN and infinities, naming the first offending position.
 pub fn check_finite(arg: &'static str, data: &[f32], dim: usize) -> Result<()> {
     check_finite_from(arg, data, dim, 0)

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use super::hadamard::Rotation;
 use super::lloyd_max::{codebook, Codebook};
 use super::pack::packed_len;
-use super::{check_bits, check_finite, check_head_dim, check_len, rows_of};
+use super::{check_bits, check_codes, check_finite, check_head_dim, check_len, rows_of};
 use crate::alloc::output_vec;
 use crate::error::{KvqError, Result};
 use crate::par;
@@ -450,26 +450,6 @@ impl MseQuantizer {
             None => out.copy_from_slice(buf),
         }
         out.iter_mut().for_each(|v| *v *= norm);
-    }
-}
-
-/// Rejects codes >= 2^bits, naming the first position.
-pub fn check_codes(arg: &'static str, codes: &[u8], width: usize, bits: u32) -> Result<()> {
-    let limit = 1u32 << bits;
-    // The maximum vectorises; the position is searched only on error.
-    if u32::from(codes.iter().fold(0u8, |m, &c| m.max(c))) < limit {
-        return Ok(());
-    }
-    match codes.iter().position(|&c| u32::from(c) >= limit) {
-        None => Ok(()),
-        Some(i) => Err(KvqError::CodeOutOfRange {
-            arg,
-            row: i / width,
-            col: i % width,
-            value: u32::from(codes[i]),
-            bits,
-            limit,
-        }),
     }
 }
 

@@ -55,7 +55,7 @@ fn pack_rows(path: PackPath, codes: &[u8], count: usize, bits: u32, out: &mut [u
     check_bits("bits", bits)?;
     check_count(count)?;
     let rows = rows_or_empty("codes", codes.len(), count)?;
-    super::mse::check_codes("codes", codes, count.max(1), bits)?;
+    super::check_codes("codes", codes, count.max(1), bits)?;
     let row_bytes = packed_len(count, bits);
     super::check_len("out", out.len(), rows * row_bytes, "rows x packed bytes")?;
     each_row(rows, count, (codes, count), (out, row_bytes), |src, dst| {

@@ -18,7 +18,7 @@
 
 use half::f16;
 
-use super::attention::{decode_attention_with, CodedRows, Layout, QjlRows};
+use super::attention::{decode_attention_with, AttentionShape, CodedRows, QjlRows};
 use super::{check_head_dim, check_len};
 use crate::error::{KvqError, Result};
 use crate::par;
@@ -481,7 +481,7 @@ fn token_head(
             PageSide::new(*keys, page, n),
             PageSide::new(*values, page, n),
         );
-        let layout = Layout::new(1, g, n, d, qs.scale);
+        let layout = AttentionShape::new(1, g, n, d, qs.scale);
         let part = decode_attention_with(isa, q, &layout, &ks.coded(), None, &vs.coded(), false)?;
         for r in 0..g {
             let l = f64::from(part.lse[r]);
@@ -678,7 +678,7 @@ mod tests {
                 let (kns, vns) = (&kn[h * t..h * t + n], &vn[h * t..h * t + n]);
                 let want = decode_attention(
                     &q[(ti * heads + h) * g * D..(ti * heads + h + 1) * g * D],
-                    &Layout::new(1, g, n, D, 0.125),
+                    &AttentionShape::new(1, g, n, D, 0.125),
                     &CodedRows::Mse {
                         codes: &kcs,
                         norms: ScalarView::F32(kns),

@@ -148,7 +148,7 @@ impl UniformQuantizer {
         let g = self.groups();
         scales.validate("scales", rows * g)?;
         zeros.validate_signed("zeros", rows * g)?;
-        super::mse::check_codes("codes", codes, self.n, self.bits)?;
+        super::check_codes("codes", codes, self.n, self.bits)?;
         let mut out = output_vec(codes.len());
         for (r, (cr, orow)) in codes
             .chunks_exact(self.n)

@@ -1,6 +1,6 @@
 //! aarch64 Advanced SIMD versions of the simplest row primitives (norm, dot, transform, Lloyd-Max
 //! encode up to 4 bits, the inverse-rotation finish); the others run the scalar reference on
-//! this path. Same bit-exactness rules as `x86.rs`: no fused multiply-add (`vmulq` then
+//! this path. Same bit-exactness rules as `x86/mod.rs`: no fused multiply-add (`vmulq` then
 //! `vaddq`), 8-lane accumulators as two 4-lane registers, scalar tails on the same accumulators.
 //!
 //! Safety: `ops` only calls these when NEON was detected; pointer accesses stay inside the

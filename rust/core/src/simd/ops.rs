@@ -154,7 +154,19 @@ pub(crate) fn decode_packed(isa: Isa, packed: &[u8], bits: u32, table: &[f32], o
         Isa::Avx2 | Isa::Avx512 if bits <= 4 => unsafe {
             avx2::decode_packed(packed, bits, table, out)
         },
-        _ => scalar::decode_packed(isa, packed, bits, table, out),
+        _ => unpack_then_decode(isa, packed, bits, table, out),
+    }
+}
+
+/// [`decode_packed`] through the row primitives of `isa`, 64 codes (a whole number of bytes)
+/// at a time: [`unpack_row`] then [`decode`]. Kept here, not in `scalar`, because it dispatches
+/// on `isa` (so `scalar` never depends on `ops`).
+fn unpack_then_decode(isa: Isa, packed: &[u8], bits: u32, table: &[f32], out: &mut [f32]) {
+    let mut codes = [0u8; 64];
+    for (k, o) in out.chunks_mut(64).enumerate() {
+        let c = &mut codes[..o.len()];
+        unpack_row(isa, &packed[8 * k * bits as usize..], bits, c);
+        decode(isa, c, table, bits, 1.0, o);
     }
 }
 

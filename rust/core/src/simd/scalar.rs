@@ -1,6 +1,6 @@
-//! The scalar reference of every row primitive in [`super::ops`], in one place: the bits every
-//! SIMD path must reproduce. The kernels in `kernels/` call these (through `ops`, or directly
-//! where they define a reference), never the other way round.
+//! The scalar reference of every row primitive in `ops`, in one place: the bits every SIMD
+//! path must reproduce. The kernels in `kernels/` call these (through `ops`, or directly where
+//! they define a reference), never the other way round; nothing here calls back into `ops`.
 
 use half::f16;
 
@@ -33,23 +33,6 @@ pub(crate) fn sign_bits_from(t: &[f32], first: usize, out: &mut [u8]) {
             .iter()
             .enumerate()
             .fold(0u8, |b, (l, &v)| b | (u8::from(v < 0.0) << l));
-    }
-}
-
-/// [`super::ops::decode_packed`] through the row primitives of `isa`, 64 codes (a whole
-/// number of bytes) at a time.
-pub(crate) fn decode_packed(
-    isa: super::Isa,
-    packed: &[u8],
-    bits: u32,
-    table: &[f32],
-    out: &mut [f32],
-) {
-    let mut codes = [0u8; 64];
-    for (k, o) in out.chunks_mut(64).enumerate() {
-        let c = &mut codes[..o.len()];
-        super::ops::unpack_row(isa, &packed[8 * k * bits as usize..], bits, c);
-        super::ops::decode(isa, c, table, bits, 1.0, o);
     }
 }
 

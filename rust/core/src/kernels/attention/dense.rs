@@ -5,7 +5,7 @@ use std::ops::Range;
 
 use super::super::{check_finite_from, check_len};
 use super::reader::{mul, unrotate, Lanes, BLOCK};
-use super::{KeyRows, Layout, Names, ValueRows};
+use super::{AttentionShape, KeyRows, Names, ValueRows};
 use crate::error::Result;
 use crate::simd::{ops, Isa};
 
@@ -18,7 +18,7 @@ pub(super) struct DensePlan<'a> {
 }
 
 impl<'a> DensePlan<'a> {
-    pub(super) fn new(x: &'a [f32], names: &Names, lay: &Layout) -> Result<Self> {
+    pub(super) fn new(x: &'a [f32], names: &Names, lay: &AttentionShape) -> Result<Self> {
         let d = lay.head_dim;
         let vectors = mul(names.dense, lay.heads, lay.stride)?;
         check_len(
@@ -47,7 +47,7 @@ impl<'a> DensePlan<'a> {
 }
 
 impl KeyRows for DensePlan<'_> {
-    fn queries(&self, _isa: Isa, q: &[f32], _h: usize, _lay: &Layout) -> Vec<f32> {
+    fn queries(&self, _isa: Isa, q: &[f32], _h: usize, _lay: &AttentionShape) -> Vec<f32> {
         q.to_vec()
     }
 

@@ -55,8 +55,9 @@ pub struct QjlRows<'a> {
 }
 
 /// Stored rows of one side of the cache (keys or values), `heads x tokens` vectors of head_dim.
-/// The sizes below are those of compact arrays; with room per head ([`Layout::stride`]) every
-/// `tokens` along a token axis reads `stride` (the first `tokens` of each head's rows held).
+/// The sizes below are those of compact arrays; with room per head
+/// ([`AttentionShape::stride`]) every `tokens` along a token axis reads `stride` (the first
+/// `tokens` of each head's rows held).
 #[derive(Debug, Clone, Copy)]
 pub enum CodedRows<'a> {
     /// Norm-and-direction codes (docs/kernels.md section 5): `kv` (no rotation) and the MSE
@@ -170,9 +171,10 @@ pub struct SideRows<'a> {
     pub sign: f32,
 }
 
-/// Sizes of one call.
+/// The shape of one decode-attention call: KV heads, query rows per head, cached tokens (and
+/// their room per head), head_dim, and the logit scale.
 #[derive(Debug, Clone, Copy)]
-pub struct Layout {
+pub struct AttentionShape {
     /// KV heads (every leading index flattened).
     pub heads: usize,
     /// Query rows per KV head (GQA group size x query tokens).
@@ -189,7 +191,7 @@ pub struct Layout {
     pub scale: f32,
 }
 
-impl Layout {
+impl AttentionShape {
     /// Sizes of compact arrays (`stride == tokens`).
     pub fn new(heads: usize, rows: usize, tokens: usize, head_dim: usize, scale: f32) -> Self {
         Self {
@@ -307,7 +309,7 @@ pub const CHUNK: usize = 256;
 trait KeyRows: Sync {
     /// The query rows of head `h` (rows x head_dim) prepared for this layout (rotated into the
     /// code domain, projected on a basis, ...), once per call.
-    fn queries(&self, isa: Isa, q: &[f32], h: usize, lay: &Layout) -> Vec<f32>;
+    fn queries(&self, isa: Isa, q: &[f32], h: usize, lay: &AttentionShape) -> Vec<f32>;
     /// Adds the raw scores `q . k_hat_j` of the prepared rows `qp` for the tokens `span` of
     /// head `h` to `s` (rows x span.len()).
     fn add_scores(&self, isa: Isa, qp: &[f32], h: usize, span: Range<usize>, s: &mut [f32]);
@@ -318,7 +320,13 @@ trait KeyRows: Sync {
     /// A per-query-row term `c_r` of every token's logit that is left out of the scores (it
     /// is the same for every token, so the softmax ignores it) but belongs to the log-sum-exp:
     /// the driver adds `scale * c_r` to it. None when the layout has none.
-    fn lse_shift(&self, _isa: Isa, _q: &[f32], _h: usize, _lay: &Layout) -> Option<Vec<f32>> {
+    fn lse_shift(
+        &self,
+        _isa: Isa,
+        _q: &[f32],
+        _h: usize,
+        _lay: &AttentionShape,
+    ) -> Option<Vec<f32>> {
         None
     }
 }
@@ -346,7 +354,7 @@ enum Plan<'a> {
 }
 
 impl<'a> Plan<'a> {
-    fn new(rows: &CodedRows<'a>, names: &Names, lay: &Layout) -> Result<Self> {
+    fn new(rows: &CodedRows<'a>, names: &Names, lay: &AttentionShape) -> Result<Self> {
         Ok(match *rows {
             CodedRows::Mse {
                 codes,
@@ -450,7 +458,7 @@ fn chunk(
     values: &dyn ValueRows,
     h: usize,
     span: Range<usize>,
-    lay: &Layout,
+    lay: &AttentionShape,
     want_probs: bool,
 ) -> std::result::Result<Part, Bad> {
     let (rows, n) = (lay.rows, span.len());
@@ -485,7 +493,7 @@ fn merge(
     isa: Isa,
     values: &dyn ValueRows,
     (h, parts, shift): (usize, &[&Part], &[f64]),
-    lay: &Layout,
+    lay: &AttentionShape,
     want_probs: bool,
 ) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
     let (rows, t, w) = (lay.rows, lay.tokens, values.acc_dim());
@@ -532,7 +540,12 @@ fn merge(
 /// heads x rows: the logit terms the key layouts left out of the scores (`KeyRows::lse_shift`),
 /// summed in term order in float64; an error naming the first query row whose term (or its
 /// scaled value) is not finite.
-fn lse_shifts(isa: Isa, terms: &[&dyn KeyRows], q: &[f32], lay: &Layout) -> Result<Vec<f64>> {
+fn lse_shifts(
+    isa: Isa,
+    terms: &[&dyn KeyRows],
+    q: &[f32],
+    lay: &AttentionShape,
+) -> Result<Vec<f64>> {
     let (rows, d) = (lay.rows, lay.head_dim);
     let mut shifts = vec![0.0f64; lay.heads * rows];
     for (h, sh) in shifts.chunks_exact_mut(rows).enumerate() {
@@ -583,7 +596,7 @@ fn channel_values() -> KvqError {
 /// bits.
 pub fn decode_attention(
     q: &[f32],
-    layout: &Layout,
+    layout: &AttentionShape,
     keys: &CodedRows,
     side: Option<&SideRows>,
     values: &CodedRows,
@@ -597,7 +610,7 @@ pub fn decode_attention(
 pub fn decode_attention_with(
     isa: Isa,
     q: &[f32],
-    layout: &Layout,
+    layout: &AttentionShape,
     keys: &CodedRows,
     side: Option<&SideRows>,
     values: &CodedRows,
@@ -781,7 +794,7 @@ mod tests {
                 seed: Some(11),
                 qjl: None,
             };
-            let lay = Layout::new(1, rows, t, d, 1.0 / (d as f32).sqrt());
+            let lay = AttentionShape::new(1, rows, t, d, 1.0 / (d as f32).sqrt());
             let got = decode_attention(&q, &lay, &keys, None, &values, true).unwrap();
             let want = reference(
                 &q,
@@ -843,7 +856,7 @@ mod tests {
                 group: 32,
                 seed: None,
             };
-            let lay = Layout::new(1, rows, t, d, 1.0 / (d as f32).sqrt());
+            let lay = AttentionShape::new(1, rows, t, d, 1.0 / (d as f32).sqrt());
             let got = decode_attention(&q, &lay, &keys, None, &values, false).unwrap();
             let want = reference(&q, &kdec, &vq.decode(&vc).unwrap(), rows, t, d);
             close(&got.out, &want, 1e-5);
@@ -891,7 +904,7 @@ mod tests {
             seed: Some(5),
             qjl: None,
         };
-        let lay = Layout::new(1, rows, t, d, 1.0 / (d as f32).sqrt());
+        let lay = AttentionShape::new(1, rows, t, d, 1.0 / (d as f32).sqrt());
         let got = decode_attention(&q, &lay, &keys, None, &values, true).unwrap();
         let want = reference(&q, &kdec, &quant.decode(&vc).unwrap(), rows, t, d);
         close(&got.out, &want, 1e-5);
@@ -914,7 +927,7 @@ mod tests {
     #[test]
     fn overflowing_value_sums_are_an_error() {
         let (d, t, rows) = (8usize, 64usize, 1usize);
-        let lay = Layout::new(1, rows, t, d, 0.125);
+        let lay = AttentionShape::new(1, rows, t, d, 0.125);
         let q = vec![0.0f32; rows * d];
         let keys = vec![0.5f32; t * d];
         let huge = vec![3.0e38f32; t * d];
@@ -941,7 +954,7 @@ mod tests {
 
     #[test]
     fn bad_sizes_name_the_argument() {
-        let lay = Layout::new(1, 1, 2, 4, 0.5);
+        let lay = AttentionShape::new(1, 1, 2, 4, 0.5);
         let q = [0.0f32; 4];
         let n = [0u16; 2];
         let keys = CodedRows::Mse {
@@ -959,7 +972,7 @@ mod tests {
             .unwrap_err()
             .to_string()
             .starts_with("tokens"));
-        let short = Layout { stride: 1, ..lay };
+        let short = AttentionShape { stride: 1, ..lay };
         assert!(decode_attention(&q, &short, &keys, None, &values, false)
             .unwrap_err()
             .to_string()
@@ -1032,8 +1045,8 @@ mod tests {
         let (scw, ssw) = (wide(&sc, 2), wide_f(&ss, 1));
         let (u2, rb2) = (&kc[..heads * t * packed_len(d, 2)], packed_len(d, 2));
         let u2w = wide(u2, rb2);
-        let lay = Layout::new(heads, rows, t, d, 0.125);
-        let strided = Layout {
+        let lay = AttentionShape::new(heads, rows, t, d, 0.125);
+        let strided = AttentionShape {
             stride: room,
             ..lay
         };

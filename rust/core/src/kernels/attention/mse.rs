@@ -15,7 +15,7 @@ use super::super::lloyd_max::codebook;
 use super::super::qjl::QjlSketcher;
 use super::super::{check_bits, check_len};
 use super::reader::{code_domain, code_queries, mul, unrotate, Lanes, RowReader, BLOCK};
-use super::{KeyRows, Layout, Names, QjlRows, ValueRows};
+use super::{AttentionShape, KeyRows, Names, QjlRows, ValueRows};
 use crate::error::{KvqError, Result};
 use crate::scalars::ScalarView;
 use crate::simd::{ops, Isa};
@@ -47,7 +47,7 @@ impl<'a> MsePlan<'a> {
         (codes, norms, bits, seed): (&'a [u8], ScalarView<'a>, u32, Option<u64>),
         qjl: Option<QjlRows<'a>>,
         names: &Names,
-        lay: &Layout,
+        lay: &AttentionShape,
     ) -> Result<Self> {
         let d = lay.head_dim;
         let vectors = mul(names.codes, lay.heads, lay.stride)?;
@@ -111,7 +111,7 @@ impl<'a> MsePlan<'a> {
 
 impl KeyRows for MsePlan<'_> {
     /// `R q` (rows x d'), then `S R q` (rows x d') with a QJL residual.
-    fn queries(&self, isa: Isa, q: &[f32], _h: usize, lay: &Layout) -> Vec<f32> {
+    fn queries(&self, isa: Isa, q: &[f32], _h: usize, lay: &AttentionShape) -> Vec<f32> {
         let cd = self.cd();
         let mut qr = code_queries(isa, &self.rot, q, lay.head_dim, cd);
         if let Some(p) = &self.qjl {

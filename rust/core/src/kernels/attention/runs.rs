@@ -21,7 +21,7 @@ use std::ops::Range;
 use super::super::{check_finite, check_len, check_row_len};
 use super::reader::mul;
 use super::uniform::ChannelsPlan;
-use super::{ChannelRun, KeyRows, Layout, Names, Plan, ValueRows};
+use super::{AttentionShape, ChannelRun, KeyRows, Names, Plan, ValueRows};
 use crate::error::{KvqError, Result};
 use crate::simd::{ops, Isa};
 
@@ -31,7 +31,7 @@ fn check_heads(
     data: &[f32],
     count: usize,
     per: usize,
-    lay: &Layout,
+    lay: &AttentionShape,
 ) -> Result<()> {
     if count == 0 || !lay.heads.is_multiple_of(count) {
         return Err(KvqError::InvalidDimension {
@@ -66,7 +66,7 @@ impl<'a> RunsPlan<'a> {
         runs: &[ChannelRun<'a>],
         (group, basis, basis_heads): (usize, &'a [f32], usize),
         (names, run_names): (&Names, &Names),
-        lay: &Layout,
+        lay: &AttentionShape,
     ) -> Result<Self> {
         let d = lay.head_dim;
         check_row_len(names.group, group)?;
@@ -90,7 +90,7 @@ impl<'a> RunsPlan<'a> {
                 });
             }
             next = run.stop;
-            let width = Layout {
+            let width = AttentionShape {
                 head_dim: run.stop - run.start,
                 ..*lay
             };
@@ -134,7 +134,7 @@ impl<'a> RunsPlan<'a> {
 impl KeyRows for RunsPlan<'_> {
     /// `q' = q U` per row, then each run's columns of every row (run after run: rows x width
     /// each), the layout [`ChannelsPlan`] reads.
-    fn queries(&self, isa: Isa, q: &[f32], h: usize, lay: &Layout) -> Vec<f32> {
+    fn queries(&self, isa: Isa, q: &[f32], h: usize, lay: &AttentionShape) -> Vec<f32> {
         let d = lay.head_dim;
         let ut = self.of(&self.basis_t, h);
         let mut qu = vec![0.0f32; q.len()];
@@ -206,7 +206,7 @@ impl<'a> CentredPlan<'a> {
         inner: Box<Plan<'a>>,
         (mean, mean_heads): (&'a [f32], usize),
         names: &Names,
-        lay: &Layout,
+        lay: &AttentionShape,
     ) -> Result<Self> {
         check_heads(names.mean, mean, mean_heads, lay.head_dim, lay)?;
         Ok(Self {
@@ -230,7 +230,7 @@ impl<'a> CentredPlan<'a> {
 }
 
 impl KeyRows for CentredPlan<'_> {
-    fn queries(&self, isa: Isa, q: &[f32], h: usize, lay: &Layout) -> Vec<f32> {
+    fn queries(&self, isa: Isa, q: &[f32], h: usize, lay: &AttentionShape) -> Vec<f32> {
         self.inner.keys().queries(isa, q, h, lay)
     }
 
@@ -243,7 +243,7 @@ impl KeyRows for CentredPlan<'_> {
     }
 
     /// `q . mu` per row (section 8 dot), plus the inner layout's own term.
-    fn lse_shift(&self, isa: Isa, q: &[f32], h: usize, lay: &Layout) -> Option<Vec<f32>> {
+    fn lse_shift(&self, isa: Isa, q: &[f32], h: usize, lay: &AttentionShape) -> Option<Vec<f32>> {
         let mu = self.mean_of(h);
         let mut c: Vec<f32> = q
             .chunks_exact(lay.head_dim)
@@ -281,7 +281,7 @@ impl ValueRows for CentredPlan<'_> {
 
 #[cfg(test)]
 mod tests {
-    use super::super::{decode_attention, decode_attention_with, CodedRows, Layout, CHUNK};
+    use super::super::{decode_attention, decode_attention_with, AttentionShape, CodedRows, CHUNK};
     use super::*;
     use crate::kernels::mse::MseQuantizer;
     use crate::kernels::pack::pack;
@@ -400,7 +400,12 @@ mod tests {
     }
 
     /// (out, lse, probs) of softmax attention over decoded rows in float64.
-    fn reference(q: &[f32], k: &[f64], v: &[f64], lay: &Layout) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
+    fn reference(
+        q: &[f32],
+        k: &[f64],
+        v: &[f64],
+        lay: &AttentionShape,
+    ) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
         let (heads, rows, t, d) = (lay.heads, lay.rows, lay.tokens, lay.head_dim);
         let (mut out, mut lse, mut probs) = (vec![0.0; heads * rows * d], vec![], vec![]);
         for h in 0..heads {
@@ -454,7 +459,7 @@ mod tests {
             let kc = code(10, (heads, t, d), &RUNS, group);
             let vc = code(20, (heads, t, d), &RUNS, group);
             let q = gaussians(30, 9, heads * rows * d);
-            let lay = Layout::new(heads, rows, t, d, 1.0 / (d as f32).sqrt());
+            let lay = AttentionShape::new(heads, rows, t, d, 1.0 / (d as f32).sqrt());
             let (kruns, vruns) = (kc.runs(), vc.runs());
             let (kin, vin) = (kc.rows(&kruns, group), vc.rows(&vruns, group));
             let (keys, values) = (kc.centred(&kin), vc.centred(&vin));
@@ -523,7 +528,7 @@ mod tests {
         let runs = kc.runs();
         let q = gaussians(52, 9, heads * rows * d);
         let v = gaussians(53, 9, heads * t * d);
-        let lay = Layout::new(heads, rows, t, d, 0.3);
+        let lay = AttentionShape::new(heads, rows, t, d, 0.3);
         let per_head = CodedRows::ChannelRuns {
             runs: &runs,
             group,
@@ -561,7 +566,7 @@ mod tests {
         let runs = kc.runs();
         let q = vec![0.5f32; heads * d];
         let v = vec![0.0f32; heads * t * d];
-        let lay = Layout::new(heads, 1, t, d, 0.5);
+        let lay = AttentionShape::new(heads, 1, t, d, 0.5);
         let values = CodedRows::Dense(&v);
         let err = |k: CodedRows| {
             decode_attention(&q, &lay, &k, None, &values, false)
@@ -634,7 +639,7 @@ mod tests {
         let (kruns, vruns) = (kc.runs(), vc.runs());
         let (kin, vin) = (kc.rows(&kruns, group), vc.rows(&vruns, group));
         let (keys, values) = (kc.centred(&kin), vc.centred(&vin));
-        let lay = Layout::new(heads, rows, t, d, 0.25);
+        let lay = AttentionShape::new(heads, rows, t, d, 0.25);
         let want =
             decode_attention_with(Isa::Scalar, &q, &lay, &keys, None, &values, true).unwrap();
         for isa in Isa::available() {

@@ -6,7 +6,7 @@ use std::ops::Range;
 use super::super::headq::HeadqCoder;
 use super::super::{check_bits, check_len, check_row_len};
 use super::reader::{mul, RowReader};
-use super::{KeyRows, Layout, SideRows};
+use super::{AttentionShape, KeyRows, SideRows};
 use crate::error::{KvqError, Result};
 use crate::scalars::ScalarView;
 use crate::simd::{ops, Isa};
@@ -23,7 +23,7 @@ pub(super) struct SidePlan<'a> {
 }
 
 impl<'a> SidePlan<'a> {
-    pub(super) fn new(s: &SideRows<'a>, layout: &Layout, isa: Isa) -> Result<Self> {
+    pub(super) fn new(s: &SideRows<'a>, layout: &AttentionShape, isa: Isa) -> Result<Self> {
         check_bits("side.bits", s.bits)?;
         check_row_len("side.rank", s.rank)?;
         if s.sign != 1.0 && s.sign != -1.0 {
@@ -81,7 +81,7 @@ impl<'a> SidePlan<'a> {
 
 impl KeyRows for SidePlan<'_> {
     /// `U^T q` (rows x rank) with head `h`'s basis.
-    fn queries(&self, _isa: Isa, q: &[f32], h: usize, lay: &Layout) -> Vec<f32> {
+    fn queries(&self, _isa: Isa, q: &[f32], h: usize, lay: &AttentionShape) -> Vec<f32> {
         let coder = &self.coders[h % self.coders.len()];
         let rank = self.reader.n;
         let mut qu = vec![0.0f32; q.len() / lay.head_dim * rank];

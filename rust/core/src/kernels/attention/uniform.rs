@@ -11,7 +11,7 @@ use std::ops::Range;
 use super::super::hadamard::Rotation;
 use super::super::{check_bits, check_len, check_row_len};
 use super::reader::{code_domain, code_queries, levels, mul, unrotate, RowReader};
-use super::{KeyRows, Layout, Names, ValueRows};
+use super::{AttentionShape, KeyRows, Names, ValueRows};
 use crate::error::Result;
 use crate::scalars::ScalarView;
 use crate::simd::{ops, Isa};
@@ -37,7 +37,7 @@ impl<'a> TokensPlan<'a> {
         (codes, scales, zeros): Groups<'a>,
         (bits, group, seed): (u32, usize, Option<u64>),
         names: &Names,
-        lay: &Layout,
+        lay: &AttentionShape,
     ) -> Result<Self> {
         let d = lay.head_dim;
         let vectors = mul(names.codes, lay.heads, lay.stride)?;
@@ -81,7 +81,7 @@ impl<'a> TokensPlan<'a> {
 
 impl KeyRows for TokensPlan<'_> {
     /// `w = R q` (rows x d'), then `sum_(i in g) w_i` (rows x groups): the zero point's share.
-    fn queries(&self, isa: Isa, q: &[f32], _h: usize, lay: &Layout) -> Vec<f32> {
+    fn queries(&self, isa: Isa, q: &[f32], _h: usize, lay: &AttentionShape) -> Vec<f32> {
         let cd = self.reader.n;
         let mut qr = code_queries(isa, &self.rot, q, lay.head_dim, cd);
         let sums: Vec<f32> = qr
@@ -190,7 +190,7 @@ impl<'a> ChannelsPlan<'a> {
         (codes, scales, zeros): Groups<'a>,
         (bits, group): (u32, usize),
         names: &Names,
-        lay: &Layout,
+        lay: &AttentionShape,
     ) -> Result<Self> {
         let (h, d) = (lay.heads, lay.head_dim);
         check_bits(names.bits, bits)?;
@@ -284,7 +284,7 @@ impl ChannelsPlan<'_> {
 }
 
 impl KeyRows for ChannelsPlan<'_> {
-    fn queries(&self, _isa: Isa, q: &[f32], _h: usize, _lay: &Layout) -> Vec<f32> {
+    fn queries(&self, _isa: Isa, q: &[f32], _h: usize, _lay: &AttentionShape) -> Vec<f32> {
         q.to_vec()
     }
 

@@ -1,0 +1,730 @@
+use std::arch::x86_64::*;
+
+use super::finish_dot;
+use crate::reduce::{combine_f32, combine_f64, LANES};
+
+/// Sign flip of a float by xor-ing its sign bit: exactly `v * -1.0` for non-NaN `v`.
+#[inline]
+fn xor_sign(v: f32, bit: u32) -> f32 {
+    f32::from_bits(v.to_bits() ^ bit)
+}
+
+#[inline]
+#[target_feature(enable = "avx2")]
+fn store8(acc: __m256) -> [f32; 8] {
+    let mut out = [0.0f32; 8];
+    // SAFETY: `out` holds 8 floats.
+    unsafe { _mm256_storeu_ps(out.as_mut_ptr(), acc) };
+    out
+}
+
+#[target_feature(enable = "avx2")]
+pub(crate) fn norm_f64(x: &[f32]) -> f64 {
+    let n8 = x.len() / 8 * 8;
+    let p = x.as_ptr();
+    let (mut lo, mut hi) = (_mm256_setzero_pd(), _mm256_setzero_pd());
+    let mut i = 0;
+    while i < n8 {
+        // SAFETY: i + 8 <= x.len().
+        let v = unsafe { _mm256_loadu_ps(p.add(i)) };
+        let a = _mm256_cvtps_pd(_mm256_castps256_ps128(v));
+        let b = _mm256_cvtps_pd(_mm256_extractf128_ps::<1>(v));
+        lo = _mm256_add_pd(lo, _mm256_mul_pd(a, a));
+        hi = _mm256_add_pd(hi, _mm256_mul_pd(b, b));
+        i += 8;
+    }
+    let mut acc = [0.0f64; 8];
+    // SAFETY: `acc` holds 8 doubles.
+    unsafe {
+        _mm256_storeu_pd(acc.as_mut_ptr(), lo);
+        _mm256_storeu_pd(acc.as_mut_ptr().add(4), hi);
+    }
+    for (j, &v) in x[n8..].iter().enumerate() {
+        let v = f64::from(v);
+        acc[j] += v * v;
+    }
+    combine_f64(&acc).sqrt()
+}
+
+#[target_feature(enable = "avx2")]
+pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let n = a.len().min(b.len());
+    let n8 = n / 8 * 8;
+    let mut acc = _mm256_setzero_ps();
+    let mut i = 0;
+    while i < n8 {
+        // SAFETY: i + 8 <= n for both slices.
+        unsafe {
+            let x = _mm256_loadu_ps(a.as_ptr().add(i));
+            let y = _mm256_loadu_ps(b.as_ptr().add(i));
+            acc = _mm256_add_ps(acc, _mm256_mul_ps(x, y));
+        }
+        i += 8;
+    }
+    finish_dot(store8(acc), &a[n8..n], &b[n8..n])
+}
+
+/// `out[r] = dot(mat[r*n..(r+1)*n], x)`, up to four rows at a time so each load of `x`
+/// serves every accumulator of the block (a GQA group of 3 query rows is one block).
+#[target_feature(enable = "avx2")]
+pub(crate) fn dots(mat: &[f32], x: &[f32], out: &mut [f32]) {
+    let n = x.len();
+    debug_assert!(mat.len() >= out.len() * n);
+    for (k, o) in out.chunks_mut(4).enumerate() {
+        let m = &mat[4 * k * n..(4 * k + o.len()) * n];
+        match o.len() {
+            4 => dots_block::<4>(m, x, o),
+            3 => dots_block::<3>(m, x, o),
+            2 => dots_block::<2>(m, x, o),
+            _ => dots_block::<1>(m, x, o),
+        }
+    }
+}
+
+/// [`dots`] for exactly `R` rows (`m` holds `R` rows of `x.len()`).
+#[inline]
+#[target_feature(enable = "avx2")]
+fn dots_block<const R: usize>(m: &[f32], x: &[f32], out: &mut [f32]) {
+    let n = x.len();
+    let n8 = n / 8 * 8;
+    let mut acc = [_mm256_setzero_ps(); R];
+    let mut i = 0;
+    while i < n8 {
+        // SAFETY: row q of the block spans m[q*n..(q+1)*n] and i + 8 <= n.
+        unsafe {
+            let xv = _mm256_loadu_ps(x.as_ptr().add(i));
+            for (q, a) in acc.iter_mut().enumerate() {
+                let v = _mm256_loadu_ps(m.as_ptr().add(q * n + i));
+                *a = _mm256_add_ps(*a, _mm256_mul_ps(v, xv));
+            }
+        }
+        i += 8;
+    }
+    for (q, a) in acc.iter().enumerate() {
+        out[q] = finish_dot(store8(*a), &m[q * n + n8..(q + 1) * n], &x[n8..]);
+    }
+}
+
+/// Butterflies of strides 1, 2, 4 inside one 8-float vector. Lane `k` with the partner
+/// `s = v[k ^ h]`: the low lane of a pair takes `v + s` (= `a + b`), the high lane `s - v`
+/// (= `a - b`), exactly the scalar `(a, b) -> (a + b, a - b)`.
+#[inline]
+#[target_feature(enable = "avx2")]
+pub(super) fn fwht8(v: __m256) -> __m256 {
+    let s = _mm256_permute_ps::<0b10_11_00_01>(v);
+    let v = _mm256_blend_ps::<0b1010_1010>(_mm256_add_ps(v, s), _mm256_sub_ps(s, v));
+    let s = _mm256_permute_ps::<0b01_00_11_10>(v);
+    let v = _mm256_blend_ps::<0b1100_1100>(_mm256_add_ps(v, s), _mm256_sub_ps(s, v));
+    let s = _mm256_permute2f128_ps::<1>(v, v);
+    _mm256_blend_ps::<0b1111_0000>(_mm256_add_ps(v, s), _mm256_sub_ps(s, v))
+}
+
+/// Butterfly stages of stride `h0, 2 h0, ...` across vectors (`h0 >= 8`).
+#[target_feature(enable = "avx2")]
+pub(super) fn cross_stages(x: &mut [f32], h0: usize) {
+    let p = x.as_mut_ptr();
+    super::super::butterfly_pairs(x.len(), h0, 8, |j, h| {
+        // SAFETY: j + h + 8 <= n (the pairs stay inside the row).
+        unsafe {
+            let a = _mm256_loadu_ps(p.add(j));
+            let b = _mm256_loadu_ps(p.add(j + h));
+            _mm256_storeu_ps(p.add(j), _mm256_add_ps(a, b));
+            _mm256_storeu_ps(p.add(j + h), _mm256_sub_ps(a, b));
+        }
+    });
+}
+
+/// `x *= mult` (when given) then the transform; `x.len()` is a power of two >= 8.
+#[target_feature(enable = "avx2")]
+pub(crate) fn fwht(x: &mut [f32], mult: Option<&[f32]>) {
+    let n = x.len();
+    debug_assert!(n >= 8 && n.is_power_of_two() && mult.is_none_or(|m| m.len() >= n));
+    let p = x.as_mut_ptr();
+    let mut i = 0;
+    while i < n {
+        // SAFETY: i + 8 <= n <= mult.len().
+        unsafe {
+            let mut v = _mm256_loadu_ps(p.add(i));
+            if let Some(m) = mult {
+                v = _mm256_mul_ps(v, _mm256_loadu_ps(m.as_ptr().add(i)));
+            }
+            _mm256_storeu_ps(p.add(i), fwht8(v));
+        }
+        i += 8;
+    }
+    cross_stages(x, 8);
+}
+
+/// Codes of 8 values as 32-bit counts `#{j : table[j] <= v}` over the `2^bits - 1` real
+/// boundaries: a linear count for up to 4 bits, a branch-free binary search (gathers over
+/// the `+inf`-padded table) above.
+#[inline]
+#[target_feature(enable = "avx2")]
+fn codes8(v: __m256, table: &[f32], bits: u32) -> __m256i {
+    if bits <= 4 {
+        let mut cnt = _mm256_setzero_si256();
+        for &b in &table[..(1usize << bits) - 1] {
+            let m = _mm256_cmp_ps::<_CMP_LE_OQ>(_mm256_set1_ps(b), v);
+            cnt = _mm256_sub_epi32(cnt, _mm256_castps_si256(m));
+        }
+        cnt
+    } else {
+        let mut pos = _mm256_setzero_si256();
+        let mut step = 1i32 << (bits - 1);
+        while step > 0 {
+            let idx = _mm256_add_epi32(pos, _mm256_set1_epi32(step - 1));
+            // SAFETY: idx <= 2^bits - 1 < table.len() (binary-search invariant).
+            let t = unsafe { _mm256_i32gather_ps::<4>(table.as_ptr(), idx) };
+            let m = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_LE_OQ>(t, v));
+            pos = _mm256_add_epi32(pos, _mm256_and_si256(m, _mm256_set1_epi32(step)));
+            step >>= 1;
+        }
+        pos
+    }
+}
+
+/// Eight 32-bit counts (< 256) as eight bytes.
+#[inline]
+#[target_feature(enable = "avx2")]
+fn bytes8(c: __m256i) -> i64 {
+    let w = _mm256_packus_epi32(c, c);
+    let b = _mm256_packus_epi16(w, w);
+    let b = _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4));
+    _mm_cvtsi128_si64(_mm256_castsi256_si128(b))
+}
+
+/// `codes[i] = #{j : table[j] <= x[i] / div}` (`div = None`: no division).
+#[target_feature(enable = "avx2")]
+pub(crate) fn encode(x: &[f32], div: Option<f32>, table: &[f32], bits: u32, codes: &mut [u8]) {
+    let n = x.len().min(codes.len());
+    let n8 = n / 8 * 8;
+    let dv = _mm256_set1_ps(div.unwrap_or(1.0));
+    let mut i = 0;
+    while i < n8 {
+        // SAFETY: i + 8 <= n for x and codes.
+        unsafe {
+            let mut v = _mm256_loadu_ps(x.as_ptr().add(i));
+            if div.is_some() {
+                v = _mm256_div_ps(v, dv);
+            }
+            let c = bytes8(codes8(v, table, bits));
+            codes.as_mut_ptr().add(i).cast::<i64>().write_unaligned(c);
+        }
+        i += 8;
+    }
+    super::super::scalar::encode(&x[n8..n], div, table, bits, &mut codes[n8..n]);
+}
+
+/// `out[i] = table[codes[i]] * mul`; `table` has 256 entries.
+#[target_feature(enable = "avx2")]
+pub(crate) fn decode(codes: &[u8], table: &[f32], bits: u32, mul: f32, out: &mut [f32]) {
+    debug_assert!(table.len() >= 256);
+    let n = codes.len().min(out.len());
+    let n8 = n / 8 * 8;
+    let mv = _mm256_set1_ps(mul);
+    // SAFETY: table has 256 >= 16 entries.
+    let (lo, hi) = unsafe {
+        (
+            _mm256_loadu_ps(table.as_ptr()),
+            _mm256_loadu_ps(table.as_ptr().add(8)),
+        )
+    };
+    let mut i = 0;
+    while i < n8 {
+        // SAFETY: i + 8 <= n for codes and out; gather indices are bytes < 256.
+        unsafe {
+            let idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64(codes.as_ptr().add(i).cast()));
+            let v = if bits <= 3 {
+                _mm256_permutevar8x32_ps(lo, idx)
+            } else if bits == 4 {
+                let sel = _mm256_castsi256_ps(_mm256_slli_epi32::<28>(idx));
+                _mm256_blendv_ps(
+                    _mm256_permutevar8x32_ps(lo, idx),
+                    _mm256_permutevar8x32_ps(hi, idx),
+                    sel,
+                )
+            } else {
+                _mm256_i32gather_ps::<4>(table.as_ptr(), idx)
+            };
+            _mm256_storeu_ps(out.as_mut_ptr().add(i), _mm256_mul_ps(v, mv));
+        }
+        i += 8;
+    }
+    for (o, &c) in out[n8..n].iter_mut().zip(&codes[n8..n]) {
+        *o = table[usize::from(c)] * mul;
+    }
+}
+
+/// `out[i] = (y[i] * mul) ^ sign_bit[i]` for `i < out.len()`.
+#[target_feature(enable = "avx2")]
+pub(crate) fn finish(y: &[f32], sign_bits: &[u32], mul: f32, out: &mut [f32]) {
+    let n = out.len();
+    debug_assert!(y.len() >= n && sign_bits.len() >= n);
+    let n8 = n / 8 * 8;
+    let mv = _mm256_set1_ps(mul);
+    let mut i = 0;
+    while i < n8 {
+        // SAFETY: i + 8 <= n for all three slices.
+        unsafe {
+            let v = _mm256_mul_ps(_mm256_loadu_ps(y.as_ptr().add(i)), mv);
+            let s = _mm256_loadu_si256(sign_bits.as_ptr().add(i).cast());
+            let v = _mm256_castsi256_ps(_mm256_xor_si256(_mm256_castps_si256(v), s));
+            _mm256_storeu_ps(out.as_mut_ptr().add(i), v);
+        }
+        i += 8;
+    }
+    for i in n8..n {
+        out[i] = xor_sign(y[i] * mul, sign_bits[i]);
+    }
+}
+
+/// Packed sign bits `t[i] < 0` (one byte per 8 values, little-endian bit order).
+#[target_feature(enable = "avx2")]
+pub(crate) fn sign_bits(t: &[f32], out: &mut [u8]) {
+    let n8 = t.len() / 8 * 8;
+    let mut i = 0;
+    while i < n8 {
+        // SAFETY: i + 8 <= t.len().
+        let v = unsafe { _mm256_loadu_ps(t.as_ptr().add(i)) };
+        let m = _mm256_movemask_ps(_mm256_cmp_ps::<_CMP_LT_OQ>(v, _mm256_setzero_ps()));
+        out[i / 8] = m as u8;
+        i += 8;
+    }
+    super::super::scalar::sign_bits_from(&t[n8..], n8, out);
+}
+
+/// Bit `l` of a byte as an all-ones / zero 32-bit lane `l`, shifted into the sign bit.
+#[inline]
+#[target_feature(enable = "avx2")]
+fn sign_mask8(byte: u8) -> __m256i {
+    let sel = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    let b = _mm256_and_si256(_mm256_set1_epi32(i32::from(byte)), sel);
+    _mm256_slli_epi32::<31>(_mm256_cmpeq_epi32(b, sel))
+}
+
+/// `sum_i y[i] * sigma_i` with `sigma_i = -1` where bit i of `packed` is set, in the fixed
+/// 8-lane order (multiplying by +-1 is exact, so it is a sign flip).
+#[target_feature(enable = "avx2")]
+pub(crate) fn dot_signs(y: &[f32], packed: &[u8]) -> f32 {
+    let n8 = y.len() / 8 * 8;
+    let mut acc = _mm256_setzero_ps();
+    let mut i = 0;
+    while i < n8 {
+        // SAFETY: i + 8 <= y.len().
+        let v = unsafe { _mm256_loadu_ps(y.as_ptr().add(i)) };
+        let v = _mm256_xor_ps(v, _mm256_castsi256_ps(sign_mask8(packed[i / 8])));
+        acc = _mm256_add_ps(acc, v);
+        i += 8;
+    }
+    let mut acc = store8(acc);
+    for (j, &v) in y[n8..].iter().enumerate() {
+        let i = n8 + j;
+        let sigma = 1.0 - 2.0 * f32::from((packed[i / 8] >> (i % 8)) & 1);
+        acc[j] += v * sigma;
+    }
+    combine_f32(&acc)
+}
+
+/// `o += s` or `o -= s` elementwise.
+#[target_feature(enable = "avx2")]
+pub(crate) fn add_signed(o: &mut [f32], s: &[f32], negative: bool) {
+    let n = o.len().min(s.len());
+    let n8 = n / 8 * 8;
+    let mut i = 0;
+    while i < n8 {
+        // SAFETY: i + 8 <= n for both slices.
+        unsafe {
+            let a = _mm256_loadu_ps(o.as_ptr().add(i));
+            let b = _mm256_loadu_ps(s.as_ptr().add(i));
+            let r = if negative {
+                _mm256_sub_ps(a, b)
+            } else {
+                _mm256_add_ps(a, b)
+            };
+            _mm256_storeu_ps(o.as_mut_ptr().add(i), r);
+        }
+        i += 8;
+    }
+    super::super::scalar::add_signed(&mut o[n8..n], &s[n8..n], negative);
+}
+
+/// `out[i] = table[code_i]` for a packed row of codes of at most 4 bits: eight codes span
+/// `bits` whole bytes, read as one little-endian word and split by variable shifts (code
+/// `l` sits at bit `l * bits`), then looked up by register permutes as in [`decode`].
+#[target_feature(enable = "avx2")]
+pub(crate) fn decode_packed(packed: &[u8], bits: u32, table: &[f32], out: &mut [f32]) {
+    debug_assert!(bits <= 4 && table.len() >= 256);
+    let b = bits as usize;
+    let n8 = out.len() / 8 * 8;
+    let bv = bits as i32;
+    let shifts = _mm256_setr_epi32(0, bv, 2 * bv, 3 * bv, 4 * bv, 5 * bv, 6 * bv, 7 * bv);
+    let mask = _mm256_set1_epi32((1 << bits) - 1);
+    // SAFETY: table has 256 >= 16 entries.
+    let (lo, hi) = unsafe {
+        (
+            _mm256_loadu_ps(table.as_ptr()),
+            _mm256_loadu_ps(table.as_ptr().add(8)),
+        )
+    };
+    let mut i = 0;
+    while i < n8 {
+        let at = i / 8 * b;
+        let w = if at + 4 <= packed.len() {
+            // SAFETY: at + 4 <= packed.len().
+            unsafe { packed.as_ptr().add(at).cast::<i32>().read_unaligned() }
+        } else {
+            let mut w = [0u8; 4];
+            w[..b].copy_from_slice(&packed[at..at + b]);
+            i32::from_le_bytes(w)
+        };
+        let idx = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(w), shifts), mask);
+        let v = if bits <= 3 {
+            _mm256_permutevar8x32_ps(lo, idx)
+        } else {
+            let sel = _mm256_castsi256_ps(_mm256_slli_epi32::<28>(idx));
+            _mm256_blendv_ps(
+                _mm256_permutevar8x32_ps(lo, idx),
+                _mm256_permutevar8x32_ps(hi, idx),
+                sel,
+            )
+        };
+        // SAFETY: i + 8 <= out.len().
+        unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(i), v) };
+        i += 8;
+    }
+    if n8 == out.len() {
+        return; // no tail: a block decode calls this once per row
+    }
+    let mut codes = [0u8; 8];
+    let rest = &mut codes[..out.len() - n8];
+    super::super::scalar::unpack_row(&packed[n8 / 8 * b..], bits, rest);
+    for (o, &c) in out[n8..].iter_mut().zip(rest.iter()) {
+        *o = table[usize::from(c)];
+    }
+}
+
+/// `acc[i] += w * f64(x[i])` for `i < acc.len()`: four f64 lanes per register.
+#[target_feature(enable = "avx2")]
+pub(crate) fn axpy_f64(acc: &mut [f64], w: f64, x: &[f32]) {
+    let n = acc.len().min(x.len());
+    let n8 = n / 8 * 8;
+    let wv = _mm256_set1_pd(w);
+    let (a, xp) = (acc.as_mut_ptr(), x.as_ptr());
+    let mut i = 0;
+    while i < n8 {
+        // SAFETY: i + 8 <= n for acc and x.
+        unsafe {
+            let v = _mm256_loadu_ps(xp.add(i));
+            let lo = _mm256_cvtps_pd(_mm256_castps256_ps128(v));
+            let hi = _mm256_cvtps_pd(_mm256_extractf128_ps::<1>(v));
+            let s0 = _mm256_add_pd(_mm256_loadu_pd(a.add(i)), _mm256_mul_pd(wv, lo));
+            let s1 = _mm256_add_pd(_mm256_loadu_pd(a.add(i + 4)), _mm256_mul_pd(wv, hi));
+            _mm256_storeu_pd(a.add(i), s0);
+            _mm256_storeu_pd(a.add(i + 4), s1);
+        }
+        i += 8;
+    }
+    super::super::scalar::axpy_f64(&mut acc[n8..n], w, &x[n8..n]);
+}
+
+/// `o[i] += sum_c w[c] * mat[c * stride + i]` in increasing `c`, eight lanes of `o` held
+/// in a register over every `c`.
+#[target_feature(enable = "avx2")]
+pub(crate) fn axpy_rows_f32(o: &mut [f32], w: &[f32], mat: &[f32], stride: usize) {
+    let n = o.len();
+    let n8 = n / 8 * 8;
+    let mut i = 0;
+    // Four registers (32 values) per pass: four independent addition chains in flight.
+    while i + 32 <= n8 {
+        // SAFETY: i + 32 <= n; row c spans mat[c*stride..c*stride+n] (the caller's bound).
+        unsafe {
+            let mut acc: [__m256; 4] =
+                std::array::from_fn(|v| _mm256_loadu_ps(o.as_ptr().add(i + 8 * v)));
+            for (c, &wc) in w.iter().enumerate() {
+                let wv = _mm256_set1_ps(wc);
+                let row = mat.as_ptr().add(c * stride + i);
+                for (v, a) in acc.iter_mut().enumerate() {
+                    *a = _mm256_add_ps(*a, _mm256_mul_ps(wv, _mm256_loadu_ps(row.add(8 * v))));
+                }
+            }
+            for (v, a) in acc.iter().enumerate() {
+                _mm256_storeu_ps(o.as_mut_ptr().add(i + 8 * v), *a);
+            }
+        }
+        i += 32;
+    }
+    while i < n8 {
+        // SAFETY: i + 8 <= n; row c spans mat[c*stride..c*stride+n] (the caller's bound).
+        unsafe {
+            let mut acc = _mm256_loadu_ps(o.as_ptr().add(i));
+            for (c, &wc) in w.iter().enumerate() {
+                let v = _mm256_loadu_ps(mat.as_ptr().add(c * stride + i));
+                acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_set1_ps(wc), v));
+            }
+            _mm256_storeu_ps(o.as_mut_ptr().add(i), acc);
+        }
+        i += 8;
+    }
+    for (j, oj) in o.iter_mut().enumerate().skip(n8) {
+        for (c, &wc) in w.iter().enumerate() {
+            *oj += wc * mat[c * stride + j];
+        }
+    }
+}
+
+/// `o *= k` elementwise.
+#[target_feature(enable = "avx2")]
+pub(crate) fn scale(o: &mut [f32], k: f32) {
+    let n8 = o.len() / 8 * 8;
+    let kv = _mm256_set1_ps(k);
+    let mut i = 0;
+    while i < n8 {
+        // SAFETY: i + 8 <= o.len().
+        unsafe {
+            let p = o.as_mut_ptr().add(i);
+            _mm256_storeu_ps(p, _mm256_mul_ps(_mm256_loadu_ps(p), kv));
+        }
+        i += 8;
+    }
+    o[n8..].iter_mut().for_each(|v| *v *= k);
+}
+
+/// `sum_i qu[i] * (s * (codes[i] - h))` in the fixed 8-lane order (HeadQ correction).
+#[target_feature(enable = "avx2")]
+pub(crate) fn dot_side(qu: &[f32], codes: &[u8], s: f32, h: f32) -> f32 {
+    let n = qu.len().min(codes.len());
+    let n8 = n / 8 * 8;
+    let (sv, hv) = (_mm256_set1_ps(s), _mm256_set1_ps(h));
+    let mut acc = _mm256_setzero_ps();
+    let mut i = 0;
+    while i < n8 {
+        // SAFETY: i + 8 <= n for qu and codes.
+        unsafe {
+            let c = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(
+                codes.as_ptr().add(i).cast(),
+            )));
+            let z = _mm256_mul_ps(sv, _mm256_sub_ps(c, hv));
+            acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_loadu_ps(qu.as_ptr().add(i)), z));
+        }
+        i += 8;
+    }
+    let mut acc = store8(acc);
+    for (j, (&q, &c)) in qu[n8..n].iter().zip(&codes[n8..n]).enumerate() {
+        acc[j] += q * (s * (f32::from(c) - h));
+    }
+    combine_f32(&acc)
+}
+
+/// Whether every value is finite (exponent not all ones).
+#[target_feature(enable = "avx2")]
+pub(crate) fn all_finite(x: &[f32]) -> bool {
+    let n8 = x.len() / 8 * 8;
+    let e = _mm256_set1_epi32(0x7f80_0000);
+    let mut bad = _mm256_setzero_si256();
+    let mut i = 0;
+    while i < n8 {
+        // SAFETY: i + 8 <= x.len().
+        let v = unsafe { _mm256_loadu_si256(x.as_ptr().add(i).cast()) };
+        bad = _mm256_or_si256(bad, _mm256_cmpeq_epi32(_mm256_and_si256(v, e), e));
+        i += 8;
+    }
+    _mm256_testz_si256(bad, bad) == 1 && x[n8..].iter().all(|v| v.is_finite())
+}
+
+/// Eight lanes of [`scalar::exp`](super::super::scalar::exp): the same multiplies and adds in
+/// the same order, round-to-nearest-even for `n`, 0 below `EXP_LO`.
+#[inline]
+#[target_feature(enable = "avx2")]
+fn exp8(x: __m256) -> __m256 {
+    use super::super::scalar::{EXP_C1, EXP_C2, EXP_HI, EXP_LO, EXP_P, LOG2E};
+    let low = _mm256_cmp_ps::<_CMP_LT_OQ>(x, _mm256_set1_ps(EXP_LO));
+    let x = _mm256_min_ps(x, _mm256_set1_ps(EXP_HI));
+    let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(
+        x,
+        _mm256_set1_ps(LOG2E),
+    ));
+    let r = _mm256_sub_ps(
+        _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(EXP_C1))),
+        _mm256_mul_ps(n, _mm256_set1_ps(EXP_C2)),
+    );
+    let z = _mm256_mul_ps(r, r);
+    let mut p = _mm256_set1_ps(EXP_P[0]);
+    for &c in &EXP_P[1..] {
+        p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(c));
+    }
+    let y = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(p, z), r), _mm256_set1_ps(1.0));
+    let e = _mm256_slli_epi32::<23>(_mm256_add_epi32(
+        _mm256_cvtps_epi32(n),
+        _mm256_set1_epi32(127),
+    ));
+    _mm256_andnot_ps(low, _mm256_mul_ps(y, _mm256_castsi256_ps(e)))
+}
+
+/// `x[i] = exp(x[i] - m)`, returning their float64 sum over the fixed 8 lanes.
+#[target_feature(enable = "avx2")]
+pub(crate) fn exp_sum(x: &mut [f32], m: f32) -> f64 {
+    let n8 = x.len() / 8 * 8;
+    let mv = _mm256_set1_ps(m);
+    let (mut lo, mut hi) = (_mm256_setzero_pd(), _mm256_setzero_pd());
+    let mut i = 0;
+    while i < n8 {
+        // SAFETY: i + 8 <= x.len().
+        unsafe {
+            let p = x.as_mut_ptr().add(i);
+            let e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p), mv));
+            _mm256_storeu_ps(p, e);
+            lo = _mm256_add_pd(lo, _mm256_cvtps_pd(_mm256_castps256_ps128(e)));
+            hi = _mm256_add_pd(hi, _mm256_cvtps_pd(_mm256_extractf128_ps::<1>(e)));
+        }
+        i += 8;
+    }
+    let mut acc = [0.0f64; LANES];
+    // SAFETY: acc holds 8 doubles.
+    unsafe {
+        _mm256_storeu_pd(acc.as_mut_ptr(), lo);
+        _mm256_storeu_pd(acc.as_mut_ptr().add(4), hi);
+    }
+    super::super::scalar::exp_sum_tail(&mut x[n8..], m, &mut acc);
+    combine_f64(&acc)
+}
+
+/// Float16 bit patterns to float32 (F16C), eight at a time.
+#[target_feature(enable = "avx2,f16c")]
+pub(crate) fn f16_to_f32(src: &[u16], out: &mut [f32]) {
+    let n = out.len().min(src.len());
+    let n8 = n / 8 * 8;
+    let mut i = 0;
+    while i < n8 {
+        // SAFETY: i + 8 <= n for src and out.
+        unsafe {
+            let h = _mm_loadu_si128(src.as_ptr().add(i).cast());
+            _mm256_storeu_ps(out.as_mut_ptr().add(i), _mm256_cvtph_ps(h));
+        }
+        i += 8;
+    }
+    super::super::scalar::f16_to_f32(&src[n8..n], &mut out[n8..n]);
+}
+
+/// `out[r * stride + k] = dot(q row r, x row k)` for `R` query rows of `n` (a multiple of 8)
+/// and four rows of `x`, one 8-lane accumulator per (row, token); the four accumulators of
+/// a query row are combined in one transposed pass in the order of `combine_f32`.
+#[inline]
+#[target_feature(enable = "avx2")]
+fn dots_tokens4<const R: usize>(q: &[f32], x: &[f32], n: usize, out: &mut [f32], stride: usize) {
+    debug_assert!(q.len() >= R * n && x.len() >= 4 * n && n.is_multiple_of(8));
+    let mut acc = [[_mm256_setzero_ps(); 4]; R];
+    let mut i = 0;
+    while i < n {
+        // SAFETY: rows r < R of q and k < 4 of x hold n floats each, and i + 8 <= n.
+        unsafe {
+            let t: [__m256; 4] =
+                std::array::from_fn(|k| _mm256_loadu_ps(x.as_ptr().add(k * n + i)));
+            for (r, a) in acc.iter_mut().enumerate() {
+                let qv = _mm256_loadu_ps(q.as_ptr().add(r * n + i));
+                for (ak, &tk) in a.iter_mut().zip(&t) {
+                    *ak = _mm256_add_ps(*ak, _mm256_mul_ps(tk, qv));
+                }
+            }
+        }
+        i += 8;
+    }
+    for (r, a) in acc.iter().enumerate() {
+        let v = combine4(a);
+        // SAFETY: out holds row r's four results at r * stride.
+        unsafe { _mm_storeu_ps(out.as_mut_ptr().add(r * stride), v) };
+    }
+}
+
+/// The `combine_f32` of four 8-lane accumulators at once: lane `j` plus lane `j + 4`, then
+/// lanes `0 + 2` and `1 + 3` of those, then their sum; returns the four results in order.
+#[inline]
+#[target_feature(enable = "avx2")]
+fn combine4(a: &[__m256; 4]) -> __m128 {
+    // [t0 lanes 0..4 + 4..8 | t1 ...], [t2 | t3]
+    let s01 = _mm256_add_ps(
+        _mm256_permute2f128_ps::<0x20>(a[0], a[1]),
+        _mm256_permute2f128_ps::<0x31>(a[0], a[1]),
+    );
+    let s23 = _mm256_add_ps(
+        _mm256_permute2f128_ps::<0x20>(a[2], a[3]),
+        _mm256_permute2f128_ps::<0x31>(a[2], a[3]),
+    );
+    // [t0: b0 + b2, b1 + b3, t2: .., .. | t1: .., .., t3: .., ..]
+    let t = _mm256_add_ps(
+        _mm256_shuffle_ps::<0x44>(s01, s23),
+        _mm256_shuffle_ps::<0xEE>(s01, s23),
+    );
+    // lanes 0, 2, 4, 6: t0, t2, t1, t3
+    let u = _mm256_add_ps(t, _mm256_shuffle_ps::<0xB1>(t, t));
+    let u = _mm256_permutevar8x32_ps(u, _mm256_setr_epi32(0, 4, 2, 6, 1, 3, 5, 7));
+    _mm256_castps256_ps128(u)
+}
+
+/// `out[r * stride + k] = dot(q row r, x row k)` (the order of `reduce::dot`) for the
+/// `q.len() / n` query rows and `x.len() / n` rows of `x`, `n` a multiple of 8: four
+/// tokens at a time, up to three query rows sharing each load.
+#[target_feature(enable = "avx2")]
+pub(crate) fn dots_tokens(q: &[f32], x: &[f32], n: usize, out: &mut [f32], stride: usize) {
+    let (rows, count) = (q.len() / n, x.len() / n);
+    let mut r = 0;
+    while r < rows {
+        let rb = (rows - r).min(3);
+        let (qb, ob) = (&q[r * n..(r + rb) * n], &mut out[r * stride..]);
+        let mut k = 0;
+        while k + 4 <= count {
+            let (xk, ok) = (&x[k * n..(k + 4) * n], &mut ob[k..]);
+            match rb {
+                3 => dots_tokens4::<3>(qb, xk, n, ok, stride),
+                2 => dots_tokens4::<2>(qb, xk, n, ok, stride),
+                _ => dots_tokens4::<1>(qb, xk, n, ok, stride),
+            }
+            k += 4;
+        }
+        for k in k..count {
+            for j in 0..rb {
+                ob[j * stride + k] = dot(&qb[j * n..(j + 1) * n], &x[k * n..(k + 1) * n]);
+            }
+        }
+        r += rb;
+    }
+}
+
+/// [`super::super::ops::axpy_rows_grouped`] for `group` and `o.len()` multiples of 8: each
+/// register lies in one group; four registers per pass.
+#[target_feature(enable = "avx2")]
+pub(crate) fn axpy_rows_grouped(
+    o: &mut [f32],
+    w: &[f32],
+    (groups, group): (usize, usize),
+    mat: &[f32],
+    stride: usize,
+) {
+    let n = o.len();
+    debug_assert!(n.is_multiple_of(8));
+    let rows = w.len() / groups;
+    let mut i = 0;
+    while i < n {
+        let regs = ((n - i) / 8).min(4);
+        // SAFETY: i + 8 * regs <= n; row c spans mat[c*stride..c*stride+n].
+        unsafe {
+            let mut acc: [__m256; 4] = std::array::from_fn(|v| {
+                if v < regs {
+                    _mm256_loadu_ps(o.as_ptr().add(i + 8 * v))
+                } else {
+                    _mm256_setzero_ps()
+                }
+            });
+            for c in 0..rows {
+                let row = mat.as_ptr().add(c * stride + i);
+                for (v, a) in acc.iter_mut().enumerate().take(regs) {
+                    let wv = _mm256_set1_ps(w[c * groups + (i + 8 * v) / group]);
+                    *a = _mm256_add_ps(*a, _mm256_mul_ps(wv, _mm256_loadu_ps(row.add(8 * v))));
+                }
+            }
+            for (v, a) in acc.iter().enumerate().take(regs) {
+                _mm256_storeu_ps(o.as_mut_ptr().add(i + 8 * v), *a);
+            }
+        }
+        i += 8 * regs;
+    }
+}

@@ -1,0 +1,756 @@
+use std::arch::x86_64::*;
+
+use super::finish_dot;
+use crate::reduce::{combine_f64, LANES};
+
+/// Tail mask of the first `n` lanes (n <= 16).
+#[inline]
+fn mask16(n: usize) -> __mmask16 {
+    ((1u32 << n) - 1) as __mmask16
+}
+
+/// The lane masks of four 16-lane registers from index `i` of a row of `n` values (0 for a
+/// register wholly past the end).
+#[inline]
+fn masks4(n: usize, i: usize) -> [__mmask16; 4] {
+    std::array::from_fn(|v| mask16(n.saturating_sub(i + 16 * v).min(16)))
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
+pub(crate) fn norm_f64(x: &[f32]) -> f64 {
+    let n8 = x.len() / 8 * 8;
+    let mut acc = _mm512_setzero_pd();
+    let mut i = 0;
+    while i < n8 {
+        // SAFETY: i + 8 <= x.len().
+        let v = _mm512_cvtps_pd(unsafe { _mm256_loadu_ps(x.as_ptr().add(i)) });
+        acc = _mm512_add_pd(acc, _mm512_mul_pd(v, v));
+        i += 8;
+    }
+    let mut a = [0.0f64; 8];
+    // SAFETY: `a` holds 8 doubles.
+    unsafe { _mm512_storeu_pd(a.as_mut_ptr(), acc) };
+    for (j, &v) in x[n8..].iter().enumerate() {
+        let v = f64::from(v);
+        a[j] += v * v;
+    }
+    combine_f64(&a).sqrt()
+}
+
+/// Two matrix rows side by side in one 16-lane register: lanes 0..8 accumulate row `r`,
+/// lanes 8..16 row `r + 1`, each still an 8-lane accumulator in the reference order.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
+pub(crate) fn dots(mat: &[f32], x: &[f32], out: &mut [f32]) {
+    let n = x.len();
+    let n8 = n / 8 * 8;
+    let rows = out.len();
+    debug_assert!(mat.len() >= rows * n);
+    let mut r = 0;
+    while r + 4 <= rows {
+        let m = &mat[r * n..(r + 4) * n];
+        let (mut a01, mut a23) = (_mm512_setzero_ps(), _mm512_setzero_ps());
+        let mut i = 0;
+        while i < n8 {
+            // SAFETY: row q of the block spans m[q*n..(q+1)*n] and i + 8 <= n.
+            unsafe {
+                let xv = _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(
+                    _mm256_loadu_ps(x.as_ptr().add(i)),
+                )));
+                let row = |q: usize| _mm256_castps_pd(_mm256_loadu_ps(m.as_ptr().add(q * n + i)));
+                let v01 = _mm512_castpd_ps(_mm512_insertf64x4::<1>(
+                    _mm512_castpd256_pd512(row(0)),
+                    row(1),
+                ));
+                let v23 = _mm512_castpd_ps(_mm512_insertf64x4::<1>(
+                    _mm512_castpd256_pd512(row(2)),
+                    row(3),
+                ));
+                a01 = _mm512_add_ps(a01, _mm512_mul_ps(v01, xv));
+                a23 = _mm512_add_ps(a23, _mm512_mul_ps(v23, xv));
+            }
+            i += 8;
+        }
+        let mut acc = [[0.0f32; 8]; 4];
+        // SAFETY: each pair of `acc` rows is 16 contiguous floats.
+        unsafe {
+            _mm512_storeu_ps(acc.as_mut_ptr().cast(), a01);
+            _mm512_storeu_ps(acc.as_mut_ptr().add(2).cast(), a23);
+        }
+        for (q, a) in acc.into_iter().enumerate() {
+            out[r + q] = finish_dot(a, &m[q * n + n8..(q + 1) * n], &x[n8..]);
+        }
+        r += 4;
+    }
+    // The last 1..3 rows as one block; AVX2 is part of this path's features, so the call
+    // needs no `unsafe`.
+    super::avx2::dots(&mat[r * n..], x, &mut out[r..]);
+}
+
+/// Butterflies of strides 1, 2, 4, 8 inside one 16-float vector (see `avx2::fwht8`).
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn fwht16(v: __m512) -> __m512 {
+    let s = _mm512_permute_ps::<0b10_11_00_01>(v);
+    let v = _mm512_mask_sub_ps(_mm512_add_ps(v, s), 0xAAAA, s, v);
+    let s = _mm512_permute_ps::<0b01_00_11_10>(v);
+    let v = _mm512_mask_sub_ps(_mm512_add_ps(v, s), 0xCCCC, s, v);
+    let s = _mm512_shuffle_f32x4::<0b10_11_00_01>(v, v);
+    let v = _mm512_mask_sub_ps(_mm512_add_ps(v, s), 0xF0F0, s, v);
+    let s = _mm512_shuffle_f32x4::<0b01_00_11_10>(v, v);
+    _mm512_mask_sub_ps(_mm512_add_ps(v, s), 0xFF00, s, v)
+}
+
+/// Butterfly stages of stride `h0, 2 h0, ...` across vectors (`h0 >= 16`).
+#[target_feature(enable = "avx512f")]
+fn cross_stages(x: &mut [f32], h0: usize) {
+    let p = x.as_mut_ptr();
+    super::super::butterfly_pairs(x.len(), h0, 16, |j, h| {
+        // SAFETY: j + h + 16 <= n (the pairs stay inside the row).
+        unsafe {
+            let a = _mm512_loadu_ps(p.add(j));
+            let b = _mm512_loadu_ps(p.add(j + h));
+            _mm512_storeu_ps(p.add(j), _mm512_add_ps(a, b));
+            _mm512_storeu_ps(p.add(j + h), _mm512_sub_ps(a, b));
+        }
+    });
+}
+
+/// `x *= mult` (when given) then the transform; `x.len()` is a power of two >= 16.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
+pub(crate) fn fwht(x: &mut [f32], mult: Option<&[f32]>) {
+    let n = x.len();
+    debug_assert!(n >= 16 && n.is_power_of_two() && mult.is_none_or(|m| m.len() >= n));
+    let p = x.as_mut_ptr();
+    let mut i = 0;
+    while i < n {
+        // SAFETY: i + 16 <= n <= mult.len().
+        unsafe {
+            let mut v = _mm512_loadu_ps(p.add(i));
+            if let Some(m) = mult {
+                v = _mm512_mul_ps(v, _mm512_loadu_ps(m.as_ptr().add(i)));
+            }
+            _mm512_storeu_ps(p.add(i), fwht16(v));
+        }
+        i += 16;
+    }
+    cross_stages(x, 16);
+}
+
+/// Codes of 16 values: a branch-free binary search over the `+inf`-padded boundary table,
+/// held in a register for up to 4 bits (16 entries), gathered above.
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn codes16(v: __m512, t16: __m512, table: &[f32], bits: u32) -> __m512i {
+    let mut pos = _mm512_setzero_si512();
+    let mut step = 1i32 << (bits - 1);
+    while step > 0 {
+        let idx = _mm512_add_epi32(pos, _mm512_set1_epi32(step - 1));
+        let t = if bits <= 4 {
+            _mm512_permutexvar_ps(idx, t16)
+        } else {
+            // SAFETY: idx <= 2^bits - 1 < table.len() (binary-search invariant).
+            unsafe { _mm512_i32gather_ps::<4>(idx, table.as_ptr()) }
+        };
+        let m = _mm512_cmp_ps_mask::<_CMP_LE_OQ>(t, v);
+        pos = _mm512_mask_add_epi32(pos, m, pos, _mm512_set1_epi32(step));
+        step >>= 1;
+    }
+    pos
+}
+
+/// `codes[i] = #{j : table[j] <= x[i] / div}` (`div = None`: no division); `table` is the
+/// boundary table padded with `+inf` to at least 16 entries.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
+pub(crate) fn encode(x: &[f32], div: Option<f32>, table: &[f32], bits: u32, codes: &mut [u8]) {
+    debug_assert!(table.len() >= 16);
+    let n = x.len().min(codes.len());
+    let dv = _mm512_set1_ps(div.unwrap_or(1.0));
+    // SAFETY: table has at least 16 entries.
+    let t16 = unsafe { _mm512_loadu_ps(table.as_ptr()) };
+    let mut i = 0;
+    while i < n {
+        let k = mask16((n - i).min(16));
+        // SAFETY: the masked lanes stay below n for x and codes.
+        unsafe {
+            let mut v = _mm512_maskz_loadu_ps(k, x.as_ptr().add(i));
+            if div.is_some() {
+                v = _mm512_div_ps(v, dv);
+            }
+            let c = codes16(v, t16, table, bits);
+            _mm512_mask_cvtepi32_storeu_epi8(codes.as_mut_ptr().add(i).cast(), k, c);
+        }
+        i += 16;
+    }
+}
+
+/// `out[i] = table[codes[i]] * mul`; `table` has 256 entries.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
+pub(crate) fn decode(codes: &[u8], table: &[f32], bits: u32, mul: f32, out: &mut [f32]) {
+    debug_assert!(table.len() >= 256);
+    let n = codes.len().min(out.len());
+    let mv = _mm512_set1_ps(mul);
+    // SAFETY: table has 256 >= 32 entries.
+    let (t0, t1) = unsafe {
+        (
+            _mm512_loadu_ps(table.as_ptr()),
+            _mm512_loadu_ps(table.as_ptr().add(16)),
+        )
+    };
+    let mut i = 0;
+    while i < n {
+        let k = mask16((n - i).min(16));
+        // SAFETY: the masked lanes stay below n; gather indices are bytes < 256.
+        unsafe {
+            let idx = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(k, codes.as_ptr().add(i).cast()));
+            let v = if bits <= 4 {
+                _mm512_permutexvar_ps(idx, t0)
+            } else if bits == 5 {
+                _mm512_permutex2var_ps(t0, idx, t1)
+            } else {
+                _mm512_i32gather_ps::<4>(idx, table.as_ptr())
+            };
+            _mm512_mask_storeu_ps(out.as_mut_ptr().add(i), k, _mm512_mul_ps(v, mv));
+        }
+        i += 16;
+    }
+}
+
+/// The butterfly stages across the `K` registers of a row held in registers (strides of
+/// 16, 32, ... floats), after `fwht16` did the strides inside each register.
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn cross_stages_regs<const K: usize>(v: &mut [__m512; K]) {
+    let mut h = 1;
+    while h < K {
+        for block in (0..K).step_by(2 * h) {
+            for j in block..block + h {
+                let (a, b) = (v[j], v[j + h]);
+                v[j] = _mm512_add_ps(a, b);
+                v[j + h] = _mm512_sub_ps(a, b);
+            }
+        }
+        h *= 2;
+    }
+}
+
+/// The whole MSE encode of one row with the rotation, in registers, for `d' = 16 K`:
+/// the float64 norm (8 lanes, the reference order; masked-off lanes add `+0.0`), the sign
+/// and scale, all butterflies, the division by the norm and the code search, with no
+/// round trip through memory. Returns the norm (non-finite: the caller reports it).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
+pub(crate) fn mse_encode_row<const K: usize>(
+    x: &[f32],
+    mult: &[f32],
+    table: &[f32],
+    bits: u32,
+    zero_code: u8,
+    codes: &mut [u8],
+) -> f32 {
+    let d = x.len();
+    debug_assert!(
+        d <= 16 * K && mult.len() >= 16 * K && codes.len() >= 16 * K && table.len() >= 16
+    );
+    let mut v = [_mm512_setzero_ps(); K];
+    let mut acc = _mm512_setzero_pd();
+    for (k, vk) in v.iter_mut().enumerate() {
+        let m = mask16(d.saturating_sub(16 * k).min(16));
+        // SAFETY: the masked load reads only lanes below d; mult has 16 K entries.
+        let (xv, mv) = unsafe {
+            (
+                _mm512_maskz_loadu_ps(m, x.as_ptr().add(16 * k)),
+                _mm512_loadu_ps(mult.as_ptr().add(16 * k)),
+            )
+        };
+        let lo = _mm512_cvtps_pd(_mm512_castps512_ps256(xv));
+        let hi = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(
+            _mm512_castps_pd(xv),
+        )));
+        acc = _mm512_add_pd(acc, _mm512_mul_pd(lo, lo));
+        acc = _mm512_add_pd(acc, _mm512_mul_pd(hi, hi));
+        *vk = fwht16(_mm512_mul_ps(xv, mv));
+    }
+    let mut a = [0.0f64; 8];
+    // SAFETY: `a` holds 8 doubles.
+    unsafe { _mm512_storeu_pd(a.as_mut_ptr(), acc) };
+    let norm = combine_f64(&a).sqrt() as f32;
+    if !norm.is_finite() {
+        return norm;
+    }
+    if norm == 0.0 {
+        codes[..16 * K].fill(zero_code);
+        return norm;
+    }
+    cross_stages_regs(&mut v);
+    // SAFETY: table has at least 16 entries.
+    let t16 = unsafe { _mm512_loadu_ps(table.as_ptr()) };
+    let nv = _mm512_set1_ps(norm);
+    for (k, vk) in v.iter().enumerate() {
+        let c = codes16(_mm512_div_ps(*vk, nv), t16, table, bits);
+        // SAFETY: codes has 16 K bytes.
+        unsafe {
+            _mm_storeu_si128(
+                codes.as_mut_ptr().add(16 * k).cast(),
+                _mm512_cvtepi32_epi8(c),
+            )
+        };
+    }
+    norm
+}
+
+/// The whole MSE decode of one row with the rotation, in registers, for `d' = 16 K`:
+/// lookup in the table of `centroid * scale`, all butterflies, then `+-(v * norm)` for the
+/// first `out.len()` coordinates.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
+pub(crate) fn mse_decode_row<const K: usize>(
+    codes: &[u8],
+    table: &[f32],
+    bits: u32,
+    sign_bits: &[u32],
+    norm: f32,
+    out: &mut [f32],
+) {
+    let d = out.len();
+    debug_assert!(
+        d <= 16 * K && codes.len() >= 16 * K && sign_bits.len() >= 16 * K && table.len() >= 256
+    );
+    // SAFETY: table has 256 >= 32 entries.
+    let (t0, t1) = unsafe {
+        (
+            _mm512_loadu_ps(table.as_ptr()),
+            _mm512_loadu_ps(table.as_ptr().add(16)),
+        )
+    };
+    let mut v = [_mm512_setzero_ps(); K];
+    for (k, vk) in v.iter_mut().enumerate() {
+        // SAFETY: codes has 16 K bytes; gather indices are bytes < 256.
+        unsafe {
+            let idx = _mm512_cvtepu8_epi32(_mm_loadu_si128(codes.as_ptr().add(16 * k).cast()));
+            let t = if bits <= 4 {
+                _mm512_permutexvar_ps(idx, t0)
+            } else if bits == 5 {
+                _mm512_permutex2var_ps(t0, idx, t1)
+            } else {
+                _mm512_i32gather_ps::<4>(idx, table.as_ptr())
+            };
+            *vk = fwht16(t);
+        }
+    }
+    cross_stages_regs(&mut v);
+    let nv = _mm512_set1_ps(norm);
+    for (k, vk) in v.iter().enumerate() {
+        let m = mask16(d.saturating_sub(16 * k).min(16));
+        // SAFETY: sign_bits has 16 K entries; the masked store writes lanes below d only.
+        unsafe {
+            let s = _mm512_loadu_si512(sign_bits.as_ptr().add(16 * k).cast());
+            let r = _mm512_xor_si512(_mm512_castps_si512(_mm512_mul_ps(*vk, nv)), s);
+            _mm512_mask_storeu_ps(out.as_mut_ptr().add(16 * k), m, _mm512_castsi512_ps(r));
+        }
+    }
+}
+
+/// `out[i] = (y[i] * mul) ^ sign_bit[i]` for `i < out.len()`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
+pub(crate) fn finish(y: &[f32], sign_bits: &[u32], mul: f32, out: &mut [f32]) {
+    let n = out.len();
+    debug_assert!(y.len() >= n && sign_bits.len() >= n);
+    let mv = _mm512_set1_ps(mul);
+    let mut i = 0;
+    while i < n {
+        let k = mask16((n - i).min(16));
+        // SAFETY: the masked lanes stay below n for all three slices.
+        unsafe {
+            let v = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, y.as_ptr().add(i)), mv);
+            let s = _mm512_maskz_loadu_epi32(k, sign_bits.as_ptr().add(i).cast());
+            let v = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(v), s));
+            _mm512_mask_storeu_ps(out.as_mut_ptr().add(i), k, v);
+        }
+        i += 16;
+    }
+}
+
+/// `o += s` or `o -= s` elementwise.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
+pub(crate) fn add_signed(o: &mut [f32], s: &[f32], negative: bool) {
+    let n = o.len().min(s.len());
+    let mut i = 0;
+    while i < n {
+        let k = mask16((n - i).min(16));
+        // SAFETY: the masked lanes stay below n for both slices.
+        unsafe {
+            let a = _mm512_maskz_loadu_ps(k, o.as_ptr().add(i));
+            let b = _mm512_maskz_loadu_ps(k, s.as_ptr().add(i));
+            let r = if negative {
+                _mm512_sub_ps(a, b)
+            } else {
+                _mm512_add_ps(a, b)
+            };
+            _mm512_mask_storeu_ps(o.as_mut_ptr().add(i), k, r);
+        }
+        i += 16;
+    }
+}
+
+/// `acc[i] += w * f64(x[i])` for `i < acc.len()`: eight f64 lanes, masked tail.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
+pub(crate) fn axpy_f64(acc: &mut [f64], w: f64, x: &[f32]) {
+    let n = acc.len().min(x.len());
+    let wv = _mm512_set1_pd(w);
+    let mut i = 0;
+    while i < n {
+        let k = ((1u32 << (n - i).min(8)) - 1) as __mmask8;
+        // SAFETY: the masked lanes stay below n for acc and x.
+        unsafe {
+            let v = _mm512_cvtps_pd(_mm256_maskz_loadu_ps(k, x.as_ptr().add(i)));
+            let a = _mm512_maskz_loadu_pd(k, acc.as_ptr().add(i));
+            let r = _mm512_add_pd(a, _mm512_mul_pd(wv, v));
+            _mm512_mask_storeu_pd(acc.as_mut_ptr().add(i), k, r);
+        }
+        i += 8;
+    }
+}
+
+/// `o[i] += sum_c w[c] * mat[c * stride + i]` in increasing `c`, sixteen lanes of `o` held
+/// in a register over every `c`, masked tail.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
+pub(crate) fn axpy_rows_f32(o: &mut [f32], w: &[f32], mat: &[f32], stride: usize) {
+    let n = o.len();
+    let mut i = 0;
+    // Up to four registers (64 values) per pass: independent addition chains in flight.
+    while i < n {
+        let regs = (n - i).div_ceil(16).min(4);
+        let k = masks4(n, i);
+        // SAFETY: the masked lanes stay below n in o and in each row c of mat (at c*stride).
+        unsafe {
+            let mut acc: [__m512; 4] = std::array::from_fn(|v| {
+                _mm512_maskz_loadu_ps(k[v], o.as_ptr().add(i + 16 * v.min(regs - 1)))
+            });
+            for (c, &wc) in w.iter().enumerate() {
+                let wv = _mm512_set1_ps(wc);
+                let row = mat.as_ptr().add(c * stride + i);
+                for (v, a) in acc.iter_mut().enumerate().take(regs) {
+                    let x = _mm512_maskz_loadu_ps(k[v], row.add(16 * v));
+                    *a = _mm512_add_ps(*a, _mm512_mul_ps(wv, x));
+                }
+            }
+            for (v, a) in acc.iter().enumerate().take(regs) {
+                _mm512_mask_storeu_ps(o.as_mut_ptr().add(i + 16 * v), k[v], *a);
+            }
+        }
+        i += 16 * regs;
+    }
+}
+
+/// [`decode_packed`] of short rows `row_bytes` apart (`out` holds rows x `len`): the
+/// row decoder inlined into one loop, its constants loaded once.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
+pub(crate) fn decode_packed_rows(
+    packed: &[u8],
+    (row_bytes, len): (usize, usize),
+    bits: u32,
+    table: &[f32],
+    out: &mut [f32],
+) {
+    for (r, o) in out.chunks_exact_mut(len).enumerate() {
+        decode_packed(&packed[r * row_bytes..], bits, table, o);
+    }
+}
+
+/// `out[i] = table[code_i]` for a packed row of `bits`-bit codes (`bits <= 3`): sixteen
+/// codes per step from one 8-byte read; lane `i` takes the two bytes holding bits
+/// `i * bits ..` as a 16-bit word (a byte shuffle), widened, shifted and masked, then one
+/// 16-entry permute. Four bits: [`decode_packed4`].
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
+pub(crate) fn decode_packed(packed: &[u8], bits: u32, table: &[f32], out: &mut [f32]) {
+    debug_assert!((1..=4).contains(&bits) && table.len() >= 256);
+    if bits == 4 {
+        return decode_packed4(packed, table, out);
+    }
+    let b = bits as usize;
+    let (mut pat, mut sh) = ([0i8; 32], [0i32; 16]);
+    for i in 0..16 {
+        let bit = i * b;
+        // Byte indices within a 128-bit half: both halves hold the same 8 bytes.
+        pat[2 * i] = (bit / 8) as i8;
+        pat[2 * i + 1] = pat[2 * i] + 1;
+        sh[i] = (bit % 8) as i32;
+    }
+    // SAFETY: pat holds 32 bytes, sh 16 lanes, table 256 >= 16 entries.
+    let (pat, shifts, lut) = unsafe {
+        (
+            _mm256_loadu_si256(pat.as_ptr().cast()),
+            _mm512_loadu_si512(sh.as_ptr().cast()),
+            _mm512_loadu_ps(table.as_ptr()),
+        )
+    };
+    let mask = _mm512_set1_epi32((1 << bits) - 1);
+    // Steps whose 8-byte read stays inside `packed` (16 codes take 2 * bits bytes).
+    let steps = (out.len() / 16).min((packed.len() + 2 * b).saturating_sub(8) / (2 * b));
+    for k in 0..steps {
+        // SAFETY: 2 b k + 8 <= packed.len() (the bound of `steps`); 16k + 16 <= out.len().
+        unsafe {
+            let x = _mm_loadl_epi64(packed.as_ptr().add(2 * b * k).cast());
+            let words = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(x), pat);
+            let idx = _mm512_and_si512(
+                _mm512_srlv_epi32(_mm512_cvtepu16_epi32(words), shifts),
+                mask,
+            );
+            _mm512_storeu_ps(
+                out.as_mut_ptr().add(16 * k),
+                _mm512_permutexvar_ps(idx, lut),
+            );
+        }
+    }
+    let done = 16 * steps;
+    // AVX2 is part of this path's features, so the call needs no `unsafe`.
+    if done < out.len() {
+        super::avx2::decode_packed(&packed[done * b / 8..], bits, table, &mut out[done..]);
+    }
+}
+
+/// `out[i] = table[code_i]` for a packed row of 4-bit codes: sixteen codes (eight bytes)
+/// per step, each byte duplicated, widened to 32-bit lanes and shifted by 0 or 4, then one
+/// 16-entry permute.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
+pub(crate) fn decode_packed4(packed: &[u8], table: &[f32], out: &mut [f32]) {
+    debug_assert!(table.len() >= 256);
+    let n16 = out.len() / 16 * 16;
+    let dup = _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+    let shifts = _mm512_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4);
+    let mask = _mm512_set1_epi32(15);
+    // SAFETY: table has 256 >= 16 entries.
+    let lut = unsafe { _mm512_loadu_ps(table.as_ptr()) };
+    let mut i = 0;
+    while i < n16 {
+        // SAFETY: the 8 bytes of codes i .. i + 16 are in the row (i + 16 <= out.len());
+        // i + 16 <= out.len() for the store.
+        unsafe {
+            let b = _mm_loadl_epi64(packed.as_ptr().add(i / 2).cast());
+            let idx = _mm512_cvtepu8_epi32(_mm_shuffle_epi8(b, dup));
+            let idx = _mm512_and_si512(_mm512_srlv_epi32(idx, shifts), mask);
+            _mm512_storeu_ps(out.as_mut_ptr().add(i), _mm512_permutexvar_ps(idx, lut));
+        }
+        i += 16;
+    }
+    // AVX2 is part of this path's features, so the call needs no `unsafe`.
+    if n16 < out.len() {
+        super::avx2::decode_packed(&packed[n16 / 2..], 4, table, &mut out[n16..]);
+    }
+}
+
+/// Whether every value is finite (exponent not all ones).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
+pub(crate) fn all_finite(x: &[f32]) -> bool {
+    let e = _mm512_set1_epi32(0x7f80_0000);
+    let mut bad: __mmask16 = 0;
+    let mut i = 0;
+    while i < x.len() {
+        let k = mask16((x.len() - i).min(16));
+        // SAFETY: the masked lanes stay below x.len().
+        let v = unsafe { _mm512_maskz_loadu_epi32(k, x.as_ptr().add(i).cast()) };
+        bad |= _mm512_cmpeq_epi32_mask(_mm512_and_si512(v, e), e);
+        i += 16;
+    }
+    bad == 0
+}
+
+/// Sixteen lanes of [`scalar::exp`](super::super::scalar::exp) (see `avx2::exp8`).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
+fn exp16(x: __m512) -> __m512 {
+    use super::super::scalar::{EXP_C1, EXP_C2, EXP_HI, EXP_LO, EXP_P, LOG2E};
+    let keep = _mm512_cmp_ps_mask::<_CMP_NLT_UQ>(x, _mm512_set1_ps(EXP_LO));
+    let x = _mm512_min_ps(x, _mm512_set1_ps(EXP_HI));
+    let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+        _mm512_mul_ps(x, _mm512_set1_ps(LOG2E)),
+    );
+    let r = _mm512_sub_ps(
+        _mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(EXP_C1))),
+        _mm512_mul_ps(n, _mm512_set1_ps(EXP_C2)),
+    );
+    let z = _mm512_mul_ps(r, r);
+    let mut p = _mm512_set1_ps(EXP_P[0]);
+    for &c in &EXP_P[1..] {
+        p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(c));
+    }
+    let y = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(p, z), r), _mm512_set1_ps(1.0));
+    let e = _mm512_slli_epi32::<23>(_mm512_add_epi32(
+        _mm512_cvtps_epi32(n),
+        _mm512_set1_epi32(127),
+    ));
+    _mm512_maskz_mul_ps(keep, y, _mm512_castsi512_ps(e))
+}
+
+/// `x[i] = exp(x[i] - m)`, returning their float64 sum over the fixed 8 lanes (the two
+/// halves of each 16 added in token order).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
+pub(crate) fn exp_sum(x: &mut [f32], m: f32) -> f64 {
+    let n16 = x.len() / 16 * 16;
+    let mv = _mm512_set1_ps(m);
+    let mut acc8 = _mm512_setzero_pd();
+    let mut i = 0;
+    while i < n16 {
+        // SAFETY: i + 16 <= x.len().
+        unsafe {
+            let p = x.as_mut_ptr().add(i);
+            let e = exp16(_mm512_sub_ps(_mm512_loadu_ps(p), mv));
+            _mm512_storeu_ps(p, e);
+            let lo = _mm512_cvtps_pd(_mm512_castps512_ps256(e));
+            let hi = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(
+                _mm512_castps_pd(e),
+            )));
+            acc8 = _mm512_add_pd(_mm512_add_pd(acc8, lo), hi);
+        }
+        i += 16;
+    }
+    let mut acc = [0.0f64; LANES];
+    // SAFETY: acc holds 8 doubles.
+    unsafe { _mm512_storeu_pd(acc.as_mut_ptr(), acc8) };
+    super::super::scalar::exp_sum_tail(&mut x[n16..], m, &mut acc);
+    combine_f64(&acc)
+}
+
+/// Float16 bit patterns to float32, sixteen at a time, masked tail.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
+pub(crate) fn f16_to_f32(src: &[u16], out: &mut [f32]) {
+    let n = out.len().min(src.len());
+    let mut i = 0;
+    while i < n {
+        let k = mask16((n - i).min(16));
+        // SAFETY: the masked lanes stay below n for src and out.
+        unsafe {
+            let h = _mm256_maskz_loadu_epi16(k, src.as_ptr().add(i).cast());
+            _mm512_mask_storeu_ps(out.as_mut_ptr().add(i), k, _mm512_cvtph_ps(h));
+        }
+        i += 16;
+    }
+}
+
+/// `out[r * stride + k] = dot(q row r, x row k)` for `R` query rows of `n` (a multiple of 8)
+/// and eight rows of `x`: two tokens per register (lanes 0..8 and 8..16, each an 8-lane
+/// accumulator in the reference order), combined in one transposed pass.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
+fn dots_tokens8<const R: usize>(q: &[f32], x: &[f32], n: usize, out: &mut [f32], stride: usize) {
+    debug_assert!(q.len() >= R * n && x.len() >= 8 * n && n.is_multiple_of(8));
+    let mut acc = [[_mm512_setzero_ps(); 4]; R];
+    let mut i = 0;
+    while i < n {
+        // SAFETY: rows r < R of q and k < 8 of x hold n floats each, and i + 8 <= n.
+        unsafe {
+            let row = |k: usize| _mm256_castps_pd(_mm256_loadu_ps(x.as_ptr().add(k * n + i)));
+            let t: [__m512; 4] = std::array::from_fn(|p| {
+                _mm512_castpd_ps(_mm512_insertf64x4::<1>(
+                    _mm512_castpd256_pd512(row(2 * p)),
+                    row(2 * p + 1),
+                ))
+            });
+            for (r, a) in acc.iter_mut().enumerate() {
+                let qv = _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(
+                    _mm256_loadu_ps(q.as_ptr().add(r * n + i)),
+                )));
+                for (ap, &tp) in a.iter_mut().zip(&t) {
+                    *ap = _mm512_add_ps(*ap, _mm512_mul_ps(tp, qv));
+                }
+            }
+        }
+        i += 8;
+    }
+    for (r, a) in acc.iter().enumerate() {
+        let v = combine8(a);
+        // SAFETY: out holds row r's eight results at r * stride.
+        unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(r * stride), v) };
+    }
+}
+
+/// The `combine_f32` of eight 8-lane accumulators (two per register) at once: lane `j`
+/// plus lane `j + 4`, then lanes `0 + 2` and `1 + 3` of those, then their sum; returns
+/// the eight results in token order.
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn combine8(a: &[__m512; 4]) -> __m256 {
+    // 128-bit blocks: token k's lanes j + (j + 4), tokens 0..4 and 4..8.
+    let s01 = _mm512_add_ps(
+        _mm512_shuffle_f32x4::<0x88>(a[0], a[1]),
+        _mm512_shuffle_f32x4::<0xDD>(a[0], a[1]),
+    );
+    let s23 = _mm512_add_ps(
+        _mm512_shuffle_f32x4::<0x88>(a[2], a[3]),
+        _mm512_shuffle_f32x4::<0xDD>(a[2], a[3]),
+    );
+    // block k: [token k: b0 + b2, b1 + b3, token k + 4: b0 + b2, b1 + b3]
+    let t = _mm512_add_ps(
+        _mm512_shuffle_ps::<0x44>(s01, s23),
+        _mm512_shuffle_ps::<0xEE>(s01, s23),
+    );
+    // lane 4k: token k, lane 4k + 2: token k + 4
+    let u = _mm512_add_ps(t, _mm512_shuffle_ps::<0xB1>(t, t));
+    let idx = _mm512_setr_epi32(0, 4, 8, 12, 2, 6, 10, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+    _mm512_castps512_ps256(_mm512_permutexvar_ps(idx, u))
+}
+
+/// [`super::avx2::dots_tokens`] eight tokens at a time.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
+pub(crate) fn dots_tokens(q: &[f32], x: &[f32], n: usize, out: &mut [f32], stride: usize) {
+    let (rows, count) = (q.len() / n, x.len() / n);
+    let k8 = count / 8 * 8;
+    let mut r = 0;
+    while r < rows {
+        let rb = (rows - r).min(4);
+        let (qb, ob) = (&q[r * n..(r + rb) * n], &mut out[r * stride..]);
+        let mut k = 0;
+        while k < k8 {
+            let (xk, ok) = (&x[k * n..(k + 8) * n], &mut ob[k..]);
+            match rb {
+                4 => dots_tokens8::<4>(qb, xk, n, ok, stride),
+                3 => dots_tokens8::<3>(qb, xk, n, ok, stride),
+                2 => dots_tokens8::<2>(qb, xk, n, ok, stride),
+                _ => dots_tokens8::<1>(qb, xk, n, ok, stride),
+            }
+            k += 8;
+        }
+        r += rb;
+    }
+    // The last 1..7 tokens; AVX2 is part of this path's features.
+    if k8 < count {
+        super::avx2::dots_tokens(q, &x[k8 * n..], n, &mut out[k8..], stride);
+    }
+}
+
+/// [`super::super::ops::axpy_rows_grouped`] for `group` a multiple of 16: each register
+/// lies in one group; four registers per pass, the tail masked.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
+pub(crate) fn axpy_rows_grouped(
+    o: &mut [f32],
+    w: &[f32],
+    (groups, group): (usize, usize),
+    mat: &[f32],
+    stride: usize,
+) {
+    let n = o.len();
+    let rows = w.len() / groups;
+    let mut i = 0;
+    while i < n {
+        let regs = (n - i).div_ceil(16).min(4);
+        let k = masks4(n, i);
+        // SAFETY: the masked lanes stay below n in o and in each row c of mat (at c*stride).
+        unsafe {
+            let mut acc: [__m512; 4] = std::array::from_fn(|v| {
+                _mm512_maskz_loadu_ps(k[v], o.as_ptr().add(i + 16 * v.min(regs - 1)))
+            });
+            for c in 0..rows {
+                let row = mat.as_ptr().add(c * stride + i);
+                for (v, a) in acc.iter_mut().enumerate().take(regs) {
+                    let wv = _mm512_set1_ps(w[c * groups + (i + 16 * v) / group]);
+                    let x = _mm512_maskz_loadu_ps(k[v], row.add(16 * v));
+                    *a = _mm512_add_ps(*a, _mm512_mul_ps(wv, x));
+                }
+            }
+            for (v, a) in acc.iter().enumerate().take(regs) {
+                _mm512_mask_storeu_ps(o.as_mut_ptr().add(i + 16 * v), k[v], *a);
+            }
+        }
+        i += 16 * regs;
+    }
+}
