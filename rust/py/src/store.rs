@@ -678,7 +678,7 @@ impl PyLayerStore {
             let start = lo + flush;
             let step = Step {
                 q,
-                layout: Layout::new(heads, rows, 0, head_dim, scale),
+                layout: AttentionShape::new(heads, rows, 0, head_dim, scale),
                 tokens,
                 sinks: FpTokens::joined(sk, sv, sinks),
                 window: FpTokens {
