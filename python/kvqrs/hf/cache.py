@@ -456,12 +456,13 @@ class QuantizedLayer(CacheLayerMixin):
 
     def _steady_update(self, key_states: torch.Tensor, value_states: torch.Tensor):
         """:meth:`update` of one decode token in the state :meth:`_steady_state` recorded, when
-        nothing else changed since: the token written into the window's buffer (one native call
-        that refuses a non-finite or unstorable value), a chunk that leaves the window encoded
-        natively straight from the buffer, and the window handed back. It leaves the layer and
-        its view as the general path does; None (nothing changed) when the general path must
-        run: another shape or dtype, no room in the buffer, a refused token, a codec without a
-        native encoder, a layer changed by anything but such updates since."""
+        nothing else changed since: the layer's positions and view move as the general path
+        moves them, and the window (its new token's slot included) is handed back; the writes
+        (the token into the window's buffer, a chunk that leaves the window encoded natively
+        from the buffer) wait for the attention's one native call (:class:`_Deferred`). None
+        (nothing changed) when the general path must run: another shape or dtype, no room in
+        the buffer, a codec without a native encoder, a layer changed by anything but such
+        updates since."""
         st, win = self._steady, self._window
         if not self._fused or self.record_past or self.keys is not win.k_view or not win.shown:
             return None
