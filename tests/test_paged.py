@@ -179,3 +179,34 @@ def test_the_paged_binding_takes_typed_per_token_rows():
         attend(keys._replace(codes="codes"), values)
     with pytest.raises(TypeError, match="argument 'values': expected a row object"):
         attend(keys, {"kind": "mse"})
+
+
+@pytest.mark.parametrize("scheme, bits", [("kqv", 4), ("kv", 8), ("qkqv", 3)])
+def test_the_native_slot_writer_stores_the_python_encodes_bytes(scheme, bits):
+    """Schemes whose coders encode natively write their slots in one native call (encode and
+    scatter, GIL released): the same bytes as encoding in Python and scattering with NumPy,
+    padding slots skipped, a prefill and a decode token alike."""
+    native = SlotLayout(QuantConfig(scheme, bits, scheme, bits), layer=2, head_dim=D)
+    python = SlotLayout(QuantConfig(scheme, bits, scheme, bits), layer=2, head_dim=D)
+    assert native._writer is not None
+    python._writer = None
+    rng = np.random.default_rng(5)
+    caches = [_cache(native, 4), _cache(native, 4)]
+    for n, scale in ((13, 1.0), (1, 3e3), (6, 1e-3)):
+        keys, values = (rng.standard_normal((n, KV_HEADS, D)).astype(np.float32) * scale for _ in range(2))
+        slots = rng.choice(4 * BLOCK, n, replace=False)
+        slots[::4] = -1
+        for layout, cache in zip((native, python), caches):
+            layout.write(cache, keys, values, slots)
+    assert caches[0].any() and caches[0].tobytes() == caches[1].tobytes()
+
+
+def test_the_native_slot_writer_refuses_what_its_slot_cannot_hold():
+    layout = SlotLayout(QuantConfig("kqv", 4, "kqv", 4), layer=0, head_dim=D)
+    cache = _cache(layout, 2)
+    x = np.ones((2, KV_HEADS, D), np.float32)
+    with pytest.raises(KvqrsError, match="norms"):  # norms beyond float16: the slot stores float16
+        layout.write(cache, x * 1e5, x, np.array([0, 1]))
+    with pytest.raises(KvqrsError, match="finite"):
+        layout.write(cache, x, np.where(np.arange(D) == 3, np.nan, x), np.array([0, 1]))
+    assert not cache.any()  # nothing written

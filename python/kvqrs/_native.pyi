@@ -34,6 +34,7 @@ __all__ = [
     "pack_bits",
     "paged_decode_attention",
     "LayerStore",
+    "SlotWriter",
     "philox4x32_10",
     "qjl_inner_product",
     "qjl_matrix",
@@ -175,6 +176,26 @@ def paged_decode_attention(
 
 _PartSpec = tuple[str, int, bool, Sequence[int], Sequence[int], int, int]
 _Part = tuple[int, Sequence[int], _U8]
+
+@final
+class SlotWriter:
+    """A paged cache layer's slot writer (kvqrs.vllm.layout.SlotLayout)."""
+
+    def __new__(cls, keys: Any, values: Any, parts: Sequence[tuple[int, str, int, int, int]], head_dim: int) -> SlotWriter: ...
+    def write(
+        self,
+        cache: _U8,
+        blocks: int,
+        kv_heads: int,
+        block_size: int,
+        block_stride: int,
+        head_stride: int,
+        keys: _F32,
+        values: _F32,
+        slots: npt.NDArray[np.int64],
+    ) -> None: ...
+    @property
+    def slot_bytes(self) -> int: ...
 
 @final
 class LayerStore:

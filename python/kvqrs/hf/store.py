@@ -31,8 +31,8 @@ from ..schemes import Encoded
 from ..schemes.backend import CPU
 from ..schemes.mse import MSECoder, MSEQJLCoder
 
-_NP_CODES = {np.dtype(np.uint8): 0, np.dtype(np.float16): 1, np.dtype(np.float32): 2, np.dtype(np.float64): 3}
-_NP_DTYPES = {v: k for k, v in _NP_CODES.items()}
+NP_CODES = {np.dtype(np.uint8): 0, np.dtype(np.float16): 1, np.dtype(np.float32): 2, np.dtype(np.float64): 3}
+_NP_DTYPES = {v: k for k, v in NP_CODES.items()}
 TORCH_CODES = {torch.float32: 2, torch.float16: 1, torch.float64: 3, torch.bfloat16: 6}
 """Container dtype codes of full-precision tensors (docs/format.md)."""
 _TORCH_DTYPES = {v: k for k, v in TORCH_CODES.items()}
@@ -67,9 +67,9 @@ def _as_part(a: Any) -> tuple[int, list[int], np.ndarray]:
         t = a.detach().contiguous()
         return TORCH_CODES[t.dtype], list(t.shape), t.reshape(-1).view(torch.uint8).numpy()
     arr = np.ascontiguousarray(a)
-    if arr.dtype not in _NP_CODES:
+    if arr.dtype not in NP_CODES:
         raise KvqrsError(f"chunk: parts of dtype uint8, float16, float32 or float64, got {arr.dtype}")
-    return _NP_CODES[arr.dtype], list(arr.shape), arr.reshape(-1).view(np.uint8)
+    return NP_CODES[arr.dtype], list(arr.shape), arr.reshape(-1).view(np.uint8)
 
 
 class NativeEncoder(NamedTuple):

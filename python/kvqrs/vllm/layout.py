@@ -19,6 +19,7 @@ import numpy as np
 from .. import _native
 from .._arrays import KvqrsError
 from ..hf.config import QuantConfig
+from ..hf.store import NP_CODES, _native_encoder
 from ..kernels.attention import MSERows, UniformRows, binding_rows
 from ..schemes import KVCodec
 
@@ -91,6 +92,17 @@ class SlotLayout:
         self.parts: list[Part] = []
         self.rows = {"keys": self._side("keys", ck, krows), "values": self._side("values", cv, vrows)}
         self.slot_bytes = sum(p.row_bytes for p in self.parts)
+        self._writer = self._native_writer()
+
+    def _native_writer(self) -> _native.SlotWriter | None:
+        """The native slot writer (encode and scatter in one call, GIL released) when both
+        coders have native encoders giving their bytes (:func:`~kvqrs.hf.store._native_encoder`),
+        else None: :meth:`write` then encodes in Python."""
+        sides = [_native_encoder(self.codec._key_coder(), 1), _native_encoder(self.codec.values, 1)]
+        if None in sides:
+            return None
+        parts = [(("keys", "values").index(p.side), p.name, p.offset, p.row_bytes, NP_CODES[np.dtype(p.dtype)]) for p in self.parts]
+        return _native.SlotWriter(*sides, parts, self.head_dim)
 
     def _side(self, side: str, enc, rows) -> Any:
         """Append this side's parts; return its rows for the Rust entry point with each array
@@ -154,12 +166,16 @@ class SlotLayout:
             raise KvqrsError(
                 f"keys, values: expected (tokens={slots.shape[0]}, kv_heads={h}, head_dim={self.head_dim}), got {keys.shape} and {values.shape}"
             )
+        if slots.size and slots.max() >= b * n:
+            raise KvqrsError(f"slots: expected slots below {b * n} ({b} blocks of {n}), got {int(slots.max())}")
+        if self._writer is not None:
+            flat = [np.ascontiguousarray(x, dtype=np.float32).reshape(-1) for x in (keys, values)]
+            self._writer.write(self._span(cache), b, h, n, cache.strides[0], cache.strides[1], *flat, slots.astype(np.int64))
+            return
         if not keep.all():
             keys, values, slots = keys[keep], values[keep], slots[keep]
         if slots.size == 0:
             return
-        if slots.max() >= b * n:
-            raise KvqrsError(f"slots: expected slots below {b * n} ({b} blocks of {n}), got {int(slots.max())}")
         encoded = {
             "keys": self.codec.encode_keys(np.ascontiguousarray(keys, dtype=np.float32)),
             "values": self.codec.encode_values(np.ascontiguousarray(values, dtype=np.float32)),

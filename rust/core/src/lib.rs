@@ -10,6 +10,7 @@ pub mod encoders;
 pub mod error;
 pub mod format;
 pub mod kernels;
+pub mod paged_write;
 mod par;
 pub mod reduce;
 pub mod rng;

@@ -3,16 +3,19 @@
 //! `MSERows` or per-token `UniformRows`) with `(offset, row_bytes[, dtype])` tuples in place of
 //! arrays (built and checked by `kvqrs.vllm.layout`); the GIL is released for the kernel.
 
+use kvqrs_core::format::Dtype;
 use kvqrs_core::kernels::paged::{
     paged_decode_attention as core_paged, PagedCache, PagedQjl, PagedQueries, PagedRows, Part,
     Scalar, ScalarPart,
 };
-use numpy::{PyArray1, PyReadonlyArray1};
+use kvqrs_core::paged_write::{PageGeometry, SlotPart, SlotWriter};
+use numpy::{PyArray1, PyArrayMethods, PyReadonlyArray1};
 use pyo3::prelude::*;
 
 use crate::arrays::slice;
 use crate::errors::{arg_error, py_result};
 use crate::rows::{BaseRows, Norms, Rows};
+use crate::store::{side_encoder, EncoderSpec};
 
 /// A part of a slot as `(offset, row_bytes)` in a page.
 type PyPart = (usize, usize);
@@ -136,4 +139,91 @@ pub fn paged_decode_attention<'py>(
     };
     let out = py_result(py.allow_threads(|| core_paged(&c, &kr, &vr, &qs)))?;
     Ok(PyArray1::from_vec(py, out))
+}
+
+/// `(side: 0 keys / 1 values, part name, offset, row_bytes, dtype code)`: one part of a slot.
+type PySlotPart = (usize, String, usize, usize, u8);
+
+/// A layer's slot writer (`kvqrs_core::paged_write`): its native key and value encoders
+/// (`kvqrs.hf.store.NativeEncoder`) and its slot's parts, declared once.
+#[pyclass(name = "SlotWriter", module = "kvqrs._native")]
+pub struct PySlotWriter {
+    inner: SlotWriter,
+}
+
+#[pymethods]
+impl PySlotWriter {
+    #[new]
+    fn new(
+        keys: EncoderSpec,
+        values: EncoderSpec,
+        parts: Vec<PySlotPart>,
+        head_dim: usize,
+    ) -> PyResult<Self> {
+        let (ke, ve) = (side_encoder(keys, "keys")?, side_encoder(values, "values")?);
+        let parts = parts
+            .into_iter()
+            .map(|(side, name, offset, row_bytes, code)| {
+                let dtype = Dtype::from_code(code)
+                    .ok_or_else(|| arg_error(format!("parts: unknown dtype code {code}")))?;
+                Ok(SlotPart {
+                    side,
+                    name,
+                    offset,
+                    row_bytes,
+                    dtype,
+                })
+            })
+            .collect::<PyResult<Vec<_>>>()?;
+        Ok(Self {
+            inner: py_result(SlotWriter::new(ke, ve, parts, head_dim))?,
+        })
+    }
+
+    /// Encodes `keys` and `values` (tokens x kv_heads x head_dim float32, flat) and writes
+    /// token `i` into slot `slots[i]` of the pages in `cache` (flat uint8, from the first page
+    /// to the end of the last, written in place; negative slots are padding), GIL released.
+    /// Raises, nothing written, for shapes that do not match, a slot beyond the cache,
+    /// non-finite values or a part that does not fit its slot.
+    #[allow(clippy::too_many_arguments)]
+    fn write(
+        &self,
+        py: Python<'_>,
+        cache: &Bound<'_, PyArray1<u8>>,
+        blocks: usize,
+        kv_heads: usize,
+        block_size: usize,
+        block_stride: usize,
+        head_stride: usize,
+        keys: PyReadonlyArray1<'_, f32>,
+        values: PyReadonlyArray1<'_, f32>,
+        slots: PyReadonlyArray1<'_, i64>,
+    ) -> PyResult<()> {
+        let mut rw = cache
+            .try_readwrite()
+            .map_err(|e| arg_error(format!("cache: cannot write the array ({e})")))?;
+        let data = rw
+            .as_slice_mut()
+            .map_err(|_| arg_error("cache: expected a contiguous byte view".into()))?;
+        let geom = PageGeometry {
+            blocks,
+            kv_heads,
+            block_size,
+            block_stride,
+            head_stride,
+        };
+        let (k, v, s) = (
+            slice(&keys, "keys")?,
+            slice(&values, "values")?,
+            slice(&slots, "slots")?,
+        );
+        let inner = &self.inner;
+        py_result(py.allow_threads(|| inner.write(data, &geom, k, v, s)))
+    }
+
+    /// Bytes of one slot.
+    #[getter]
+    fn slot_bytes(&self) -> usize {
+        self.inner.slot_bytes()
+    }
 }

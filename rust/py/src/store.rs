@@ -78,7 +78,7 @@ fn floats(a: &F32<'_>, what: &str) -> PyResult<Vec<f32>> {
 /// `kind` names the composition (`"mse"`, `"mse_qjl"`, `"tokens"`, `"channels"`), the other
 /// fields its settings (see that class).
 #[derive(FromPyObject)]
-struct EncoderSpec {
+pub(crate) struct EncoderSpec {
     kind: String,
     head_dim: usize,
     bits: u32,
@@ -92,7 +92,7 @@ struct EncoderSpec {
     group: usize,
 }
 
-fn side_encoder(e: EncoderSpec, what: &str) -> PyResult<SideEncoder> {
+pub(crate) fn side_encoder(e: EncoderSpec, what: &str) -> PyResult<SideEncoder> {
     let mean = match e.mean {
         Some(m) => Some(py_result(Centring::new(m, e.head_dim))?),
         None => None,
