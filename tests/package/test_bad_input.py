@@ -47,7 +47,7 @@ def _calibration(layers: int = 2, d: int = 16) -> dict:
 def _preset_file(tmp_path, name: str, **meta):
     from kvqrs.hf import save_matched
 
-    from .test_matched import preset_meta
+    from tests.schemes.test_matched import preset_meta
 
     return save_matched(tmp_path / f"{name}.npz", _calibration(), {**preset_meta(name), **meta})
 
@@ -85,7 +85,7 @@ def test_preset_compares_a_budget_file_by_its_budget_and_widths(tmp_path):
     one that records no budget or widths (older, or written by hand) is refused by name."""
     from kvqrs.hf import QuantConfig, save_matched
 
-    from .test_matched import preset_meta
+    from tests.schemes.test_matched import preset_meta
 
     meta = preset_meta("3bit")
     del meta["preset"]
@@ -428,7 +428,7 @@ _FUZZ_BLOBS: dict = {}
 @given(st.sampled_from(["kqv", "matched"]), _cache_edits())
 def test_cache_format_fuzzer_finds_only_kvqrs_errors(kind, edits):
     """Saved cache bytes with their meta and sections edited and valid checksums written anew
-    either load or raise KvqrsError (beside tests/test_format.py's byte flips)."""
+    either load or raise KvqrsError (beside tests/schemes/test_format.py's byte flips)."""
     from kvqrs.hf import QuantConfig, QuantizedKVCache
 
     if kind not in _FUZZ_BLOBS:

@@ -431,7 +431,7 @@ def _no_sinks(like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def test_matched_decode_step_does_not_depend_on_the_thread_count():
     """The native matched step (runs and means; window heads split above the work minimum,
     here reached) gives the same bytes on one rayon thread as on four."""
-    outs = stdout_per_thread_count("import sys; from tests.test_store import _matched_step_bytes as f; sys.stdout.buffer.write(f())")
+    outs = stdout_per_thread_count("import sys; from tests.hf.test_store import _matched_step_bytes as f; sys.stdout.buffer.write(f())")
     assert outs[0] == outs[1] and len(outs[0]) > 0
 
 

@@ -16,8 +16,8 @@ from kvqrs import gpu
 from kvqrs.gpu import _device
 from kvqrs.schemes import KVCodec
 
-from tests.gpu_helpers import FLUSH_ATOL, requires_adapter
-from tests.test_gpu_schemes import assert_parts_close
+from tests.gpu.gpu_helpers import FLUSH_ATOL, requires_adapter
+from tests.gpu.test_gpu_schemes import assert_parts_close
 
 pytestmark = requires_adapter
 

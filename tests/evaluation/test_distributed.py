@@ -138,7 +138,7 @@ def eval_inputs(tmp_path_factory):
         model_mod.model_dir()
     except KvqrsError as e:
         pytest.skip(f"SmolLM2 model not available: {e}")
-    from tests.test_eval import PARAGRAPHS
+    from tests.evaluation.test_eval import PARAGRAPHS
 
     p = tmp_path_factory.mktemp("text") / "text.txt"
     p.write_text("\n".join(PARAGRAPHS * 2) + "\n", encoding="utf-8")

@@ -13,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from kvqrs import gpu
 
-from tests.gpu_helpers import FLUSH_ATOL, requires_adapter, same_error
+from tests.gpu.gpu_helpers import FLUSH_ATOL, requires_adapter, same_error
 from tests.strategies import EDGE_DIMS, HEAD_DIMS, float_rows, leading_shapes, seeds
 
 pytestmark = requires_adapter

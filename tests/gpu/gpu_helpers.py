@@ -1,4 +1,4 @@
-"""Shared by the tests/test_gpu_*.py modules: the one-time adapter check behind their module
+"""Shared by the tests/gpu/test_gpu_*.py modules: the one-time adapter check behind their module
 skip, the WGSL path's stated tolerances, and helpers comparing it with the Rust path."""
 
 from __future__ import annotations

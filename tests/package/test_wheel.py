@@ -17,20 +17,20 @@ import zipfile
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 SUITES = [
-    "test_rng.py",
-    "test_pack.py",
-    "test_hadamard.py",
-    "test_lloyd_max.py",
-    "test_mse.py",
-    "test_qjl.py",
-    "test_headq.py",
-    "test_uniform.py",
-    "test_schemes.py",
-    "test_format.py",
-    "test_determinism.py",
-    "test_api.py",
+    "kernels/test_rng.py",
+    "kernels/test_pack.py",
+    "kernels/test_hadamard.py",
+    "kernels/test_lloyd_max.py",
+    "kernels/test_mse.py",
+    "kernels/test_qjl.py",
+    "kernels/test_headq.py",
+    "kernels/test_uniform.py",
+    "schemes/test_schemes.py",
+    "schemes/test_format.py",
+    "package/test_determinism.py",
+    "package/test_api.py",
 ]
 BUILD_TIMEOUT_S = 1800  # a cold release build on two cores
 

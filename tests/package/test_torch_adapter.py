@@ -24,7 +24,7 @@ NON_FLOAT = (torch.int8, torch.uint8, torch.int32, torch.int64, torch.bool, torc
 
 # The Walsh-Hadamard transform computed in float32 vs the float64 oracle, per element relative to
 # the row norm: log2(d') butterfly stages round once each (<= ~12 * 2^-24); 2e-6 (as in
-# test_hadamard.py).
+# tests/kernels/test_hadamard.py).
 F32_TOL = 2e-6
 # Results rounded to the caller's half-precision dtype: |y_i| <= ||x||, so rounding moves an
 # element by at most half an ulp of the norm (2^-11 float16, 2^-8 bfloat16); twice that. The input

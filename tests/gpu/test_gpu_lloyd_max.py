@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 from kvqrs import gpu
 
-from tests.gpu_helpers import requires_adapter, same_error
+from tests.gpu.gpu_helpers import requires_adapter, same_error
 from tests.strategies import bits, head_dims, leading_shapes
 
 pytestmark = requires_adapter

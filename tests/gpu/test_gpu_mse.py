@@ -15,7 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from kvqrs import gpu
 
-from tests.gpu_helpers import (
+from tests.gpu.gpu_helpers import (
     FLUSH_ATOL,
     GPU_BOUNDARY_TOL,
     assert_stored_close,
@@ -144,7 +144,7 @@ def test_rows_beyond_the_loop_limit_raise():
 def test_least_squares_scale_matches_oracle(case):
     """scale="least_squares" on the device: the norm mode's codes, and scales equal to the
     oracle's from the device's codes (the same float32 dot products as the Rust path, one WGSL
-    division) within tests/test_mse.py's tolerance; zero rows store 0."""
+    division) within tests/kernels/test_mse.py's tolerance; zero rows store 0."""
     x, b, seed = case
     got = gpu.mse_encode(x, b, seed, scale="least_squares")
     np.testing.assert_array_equal(got.codes, gpu.mse_encode(x, b, seed).codes)
@@ -155,7 +155,7 @@ def test_least_squares_scale_matches_oracle(case):
 def test_preserve_norm_scale_matches_oracle(case):
     """scale="preserve_norm" on the device: the norm mode's codes, and scales equal to the
     oracle's from the device's codes (the device's norm, the Rust path's float32 dot, one WGSL
-    square root and division) within tests/test_mse.py's tolerance; zero rows store 0."""
+    square root and division) within tests/kernels/test_mse.py's tolerance; zero rows store 0."""
     x, b, seed = case
     got = gpu.mse_encode(x, b, seed, scale="preserve_norm")
     np.testing.assert_array_equal(got.codes, gpu.mse_encode(x, b, seed).codes)

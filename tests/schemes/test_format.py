@@ -16,7 +16,7 @@ from kvqrs import _native
 from kvqrs import format as fmt
 from kvqrs.schemes import KVCodec
 
-CORPUS = pathlib.Path(__file__).parent / "corpus" / "format"
+CORPUS = pathlib.Path(__file__).resolve().parents[1] / "corpus" / "format"
 SCHEMES = ("kv", "kqv", "qkqv", "kivi", "block", "headq")
 
 

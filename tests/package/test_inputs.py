@@ -37,22 +37,22 @@ from kvqrs._arrays import torch_to_numpy
 from kvqrs.kernels import DenseRows, decode_attention
 from kvqrs.schemes import Encoded, KVCodec
 
-from .test_attention import check as check_attention
-from .test_schemes import (
+from tests.kernels.test_attention import check as check_attention
+from tests.schemes.test_schemes import (
     assert_uniform_codes_close,
     oracle_derive_seed,
 )
-from .test_schemes import (
+from tests.schemes.test_schemes import (
     test_keys_decode_matches_oracle_composition as keys_match_oracle,
 )
-from .test_schemes import (
+from tests.schemes.test_schemes import (
     test_values_decode_matches_oracle_composition as values_match_oracle,
 )
 
 torch = pytest.importorskip("torch")
 from kvqrs import torch as kt  # noqa: E402
 
-# Tensors that require grad are accepted and detached with a warning (tests/test_torch_io.py
+# Tensors that require grad are accepted and detached with a warning (tests/package/test_torch_io.py
 # checks the warning); here they only have to give the values of their detached copy.
 pytestmark = pytest.mark.filterwarnings("ignore:.*requires grad:UserWarning")
 

@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from kvqrs import gpu
 
-from tests.gpu_helpers import ROUND_TIE_TOL, SUM_RTOL, assert_stored_close, codes_equal_except_ties, requires_adapter, same_error
+from tests.gpu.gpu_helpers import ROUND_TIE_TOL, SUM_RTOL, assert_stored_close, codes_equal_except_ties, requires_adapter, same_error
 from tests.strategies import bits, finite_rows, leading_shapes, seeds
 
 pytestmark = requires_adapter

@@ -16,9 +16,9 @@ from kvqrs import gpu
 from kvqrs.gpu import _device
 from kvqrs.schemes import KVCodec, get_backend
 
-from tests.gpu_helpers import requires_adapter
+from tests.gpu.gpu_helpers import requires_adapter
 
-REPO_SHADERS = Path(__file__).resolve().parents[1] / "shaders"
+REPO_SHADERS = Path(__file__).resolve().parents[2] / "shaders"
 PIECES = ["common.wgsl", "philox.wgsl"]
 
 

@@ -14,9 +14,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 from kvqrs import gpu
 
-from tests.gpu_helpers import SUM_RTOL, assert_stored_close, requires_adapter, same_error
+from tests.gpu.gpu_helpers import SUM_RTOL, assert_stored_close, requires_adapter, same_error
+from tests.kernels.test_qjl import SIGN_TOL
 from tests.strategies import finite_rows, head_dims, leading_shapes, seeds
-from tests.test_qjl import SIGN_TOL
 
 pytestmark = requires_adapter
 

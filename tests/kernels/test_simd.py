@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 from kvqrs import _native, oracle
 
-from .strategies import HEAD_DIMS, bits, float_rows, head_dims, leading_shapes, seeds
-from .test_attention import matched_problems, problems
+from tests.kernels.test_attention import matched_problems, problems
+from tests.strategies import HEAD_DIMS, bits, float_rows, head_dims, leading_shapes, seeds
 
 SIMD = [i for i in _native.simd_available() if i != "scalar"]
 PACK_PATHS = _native.simd_info()["pack_paths"]
@@ -130,7 +130,7 @@ def test_qjl_and_headq_are_identical_on_every_path(x, seed, extra, data):
 
 @given(data=st.data())
 def test_fused_attention_is_identical_on_every_path(data):
-    # Every key and value layout of the fused kernel (tests/test_attention.py draws them):
+    # Every key and value layout of the fused kernel (tests/kernels/test_attention.py draws them):
     # outputs, log-sum-exp and probabilities bit for bit.
     codec, q, ck, cv = data.draw(problems())
     assert_identical(lambda: tuple(codec.fused_attention(q, ck, cv, probs=True)))

@@ -21,7 +21,7 @@ from kvqrs.evaluation.sample import Cell, run_sample
 from kvqrs.evaluation.study import STUDY_SCHEMES, StudyConfig, run_study
 from kvqrs.metrics import SIX_D_NAMES
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 # QJL inflation with few sketch seeds: the sample variance over T trials has relative standard
 # error sqrt(2 / (T - 1)) (0.1 at T = 200); 0.35 is 3.5 standard errors.

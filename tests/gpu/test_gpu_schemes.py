@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from kvqrs.schemes import KVCodec
 
-from tests.gpu_helpers import F16_RTOL, requires_adapter
+from tests.gpu.gpu_helpers import F16_RTOL, requires_adapter
 
 pytestmark = requires_adapter
 

@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-BENCHES = pathlib.Path(__file__).resolve().parent.parent / "benches"
+BENCHES = pathlib.Path(__file__).resolve().parents[2] / "benches"
 
 
 @pytest.fixture

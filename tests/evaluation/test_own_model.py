@@ -201,7 +201,7 @@ def test_models_the_cache_cannot_serve_are_refused_before_loading(tmp_path, monk
 )
 def test_cli_eval_and_calibrate_models_with_softcap_or_learned_sinks(tiny, tmp_path, monkeypatch, capsys, make):
     """The kvqrs attention computes Gemma-2's logit soft-capping and gpt-oss' learned sink
-    logits (tests/test_architectures.py): such a model folder is evaluated and calibrated; its
+    logits (tests/hf/test_architectures.py): such a model folder is evaluated and calibrated; its
     dense check runs transformers' eager attention (it has no SDPA path) and agrees."""
     folder, _, text = tiny
     tok = transformers.AutoTokenizer.from_pretrained(folder)

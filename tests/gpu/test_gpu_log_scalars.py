@@ -15,9 +15,9 @@ from kvqrs import KvqrsError, gpu, kernels, oracle
 from kvqrs.gpu._host import MAX_LOOP_ROW
 from kvqrs.kernels import LogScalars
 
-from tests.gpu_helpers import requires_adapter, same_error
+from tests.gpu.gpu_helpers import requires_adapter, same_error
+from tests.kernels.test_log_scalars import EXP_MAX, EXP_MIN, ZERO, all_codes, assert_bits_equal, exact_decode, log_values, threshold_pairs
 from tests.strategies import leading_shapes
-from tests.test_log_scalars import EXP_MAX, EXP_MIN, ZERO, all_codes, assert_bits_equal, exact_decode, log_values, threshold_pairs
 
 pytestmark = requires_adapter
 

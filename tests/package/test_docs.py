@@ -13,7 +13,7 @@ import subprocess
 import pytest
 from kvqrs.schemes.codec import KEY_SCHEMES, VALUE_SCHEMES
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 
 

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given
 from kvqrs import gpu
 
-from tests.gpu_helpers import requires_adapter, same_error
-from tests.test_pack import code_arrays
+from tests.gpu.gpu_helpers import requires_adapter, same_error
+from tests.kernels.test_pack import code_arrays
 
 pytestmark = requires_adapter
 

@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from kvqrs import gpu, oracle
 
-from tests.gpu_helpers import requires_adapter, same_error
+from tests.gpu.gpu_helpers import requires_adapter, same_error
 from tests.strategies import seeds
 
 pytestmark = requires_adapter
