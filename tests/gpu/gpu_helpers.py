@@ -3,9 +3,18 @@ skip, the WGSL path's stated tolerances, and helpers comparing it with the Rust 
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 from kvqrs.gpu import unavailable_reason
+
+# Mesa's lavapipe (the adapter of a machine without a GPU) loads its LLVM into the process, and
+# triton's library, which importing transformers loads (through torch._dynamo), then crashes the
+# process as it loads. Loaded before the adapter, both work: the WGSL tests can share a run with
+# tests of the transformers integration in any order (``pytest tests/gpu tests/hf``).
+with contextlib.suppress(ImportError):
+    import triton  # noqa: F401
 
 # Computed once per session: None when a WebGPU adapter exists (lavapipe counts), else why not.
 NO_ADAPTER = unavailable_reason()
