@@ -4,7 +4,7 @@ deletions, truncations, spliced headers, random bytes) and require that each inp
 or raises ``KvqrsError``; anything else (another exception, a crash) is a finding.
 
 One input per distinct error message (numbers stripped) is kept as the corpus that seeds the
-regression test ``tests/test_format.py::test_fuzz_corpus``:
+regression test ``tests/schemes/test_format.py::test_fuzz_corpus``:
 
     python benches/fuzz_format.py --seconds 120 --corpus tests/corpus/format
 """

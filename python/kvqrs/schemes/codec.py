@@ -601,7 +601,7 @@ class KVCodec:
             fused: True: compute from the codes (:meth:`fused_attention`; raises where there is
                 no fused path); False: the decode-based reference (decode keys and values, then
                 softmax in float64); None (default): fused wherever :meth:`fused_rows` has a path,
-                else the reference. The two agree to float32 rounding (tests/test_attention.py).
+                else the reference. The two agree to float32 rounding (tests/kernels/test_attention.py).
 
         Returns:
             output float32 ``(..., q_heads, nq, d)`` and probabilities float64

@@ -6,7 +6,7 @@
 //! that `read` never panics and either errors with `CorruptData` or returns sections that
 //! `write` turns back into exactly the input bytes. One input per new distinct error message
 //! (numbers and names stripped) is saved into the corpus, which
-//! `rust/core/tests/format_corpus.rs` and `tests/test_format.py` replay.
+//! `rust/core/tests/format_corpus.rs` and `tests/schemes/test_format.py` replay.
 //!
 //! ```text
 //! cargo run --release -p kvqrs-core --example fuzz_format -- --seconds 120 [--seed 0] [--save]

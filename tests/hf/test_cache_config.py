@@ -1,0 +1,245 @@
+"""``QuantConfig``: every setting checked when the config is made and when it is set, naming it;
+codecs rebuilt for a replaced or changed config; equality by value, pickles and copies; the
+value-stage, log-norm and sink-dtype settings refused as the codec refuses them, before anything
+is stored; a cache's settings are its own, and generation leaves a shared config unchanged."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from kvqrs import KvqrsError  # noqa: E402
+from kvqrs.hf import QuantConfig, QuantizedKVCache  # noqa: E402
+from kvqrs.schemes import KVCodec  # noqa: E402
+
+from tests.hf.cache_cases import TEXT, _layers  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("isolated_attention_state")
+
+
+@pytest.mark.parametrize("field, value", [("residual_length", 2.5), ("seed", "1"), ("group", True), ("rank", 4.0)])
+def test_quant_config_integer_fields(field, value):
+    with pytest.raises(KvqrsError, match=field):
+        QuantConfig("kqv", 3, **{field: value})
+
+
+def test_replaced_config_builds_its_own_codecs():
+    import dataclasses
+
+    cfg = QuantConfig("kqv", 4, "kqv", 4)
+    assert cfg.codec(0, 64).bits == 4
+    # A config made by dataclasses.replace must not inherit the original's cached codecs.
+    other = dataclasses.replace(cfg, key_bits=2, value_bits=2)
+    assert other.codec(0, 64).bits == 2
+    assert other.codec(0, 64).value_bits == 2
+    assert cfg.codec(0, 64).bits == 4
+    # The codecs are no field: a config rebuilt from its fields is the same config.
+    assert QuantConfig(**dataclasses.asdict(cfg)) == cfg
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("group", 0),
+        ("group", -32),
+        ("rank", 0),
+        ("seed", -1),
+        ("seed", 2**70),
+        ("side_bits", 9),
+        ("sign", 5),
+        ("sign", True),
+        ("headq_base", "nope"),
+        ("fused", "yes"),
+        ("a2_uniform", "no"),
+        ("value_transform", 1),
+    ],
+)
+def test_configs_refuse_settings_no_codec_can_use(field, value):
+    """Every setting is checked when the config is made (and when it is set), naming it, not
+    at the first codec build or never."""
+    with pytest.raises(KvqrsError, match=f"^{field}: expected"):
+        QuantConfig("kivi", 4, "kivi", 4, **{field: value})
+    cfg = QuantConfig("kivi", 4, "kivi", 4)
+    with pytest.raises(KvqrsError, match=f"^{field}: expected"):
+        setattr(cfg, field, value)
+
+
+def test_configs_holding_arrays_compare_by_value():
+    """HeadQ bases and matched calibrations hold NumPy arrays: `==` compares them by value (it
+    raised on the ambiguous truth value of an array)."""
+    import dataclasses
+
+    from kvqrs.schemes.matched import random_calibration
+
+    basis = np.eye(64, 4, dtype=np.float32)
+    a = QuantConfig("headq", 4, "kqv", 4, bases={0: basis})
+    assert a == QuantConfig("headq", 4, "kqv", 4, bases={0: basis.copy()})
+    assert a != dataclasses.replace(a, bases={0: 2 * basis}) and a != dataclasses.replace(a, bases={0: basis.astype(np.float64)})
+    m = QuantConfig("matched", 3, "matched", 3, calibration={0: random_calibration(64, 3, 1)})
+    assert m == QuantConfig("matched", 3, "matched", 3, calibration={0: random_calibration(64, 3, 1)})
+    assert m != dataclasses.replace(m, calibration={0: random_calibration(64, 3, 2)}) and m != "matched"
+
+
+def test_setting_a_field_validates_it_and_drops_the_built_codecs():
+    """A field set on a config whose codecs were built takes effect (the codecs are rebuilt
+    from the new settings); a setting the config refuses raises and leaves the old one."""
+    cfg = QuantConfig("kqv", 4, "kqv", 4)
+    before = cfg.codec(0, 64)
+    cfg.key_bits = 2
+    after = cfg.codec(0, 64)
+    assert after is not before and after.encode_keys(np.zeros((1, 3, 64), np.float32)).params["bits"] == 2
+    with pytest.raises(KvqrsError, match="key_bits"):
+        cfg.key_bits = 99
+    assert cfg.key_bits == 2 and cfg.codec(0, 64) is after
+    with pytest.raises(KvqrsError, match="sink_dtype"):
+        cfg.sink_dtype = "float16"  # no sinks to store in it
+    assert cfg.sink_dtype is None
+
+
+def test_configs_with_built_codecs_pickle_and_copy():
+    import copy
+    import pickle
+
+    cfg = QuantConfig("kqv", 4, "kqv", 3, residual_length=8)
+    codec = cfg.codec(0, 64)
+    for other in (pickle.loads(pickle.dumps(cfg)), copy.deepcopy(cfg), copy.copy(cfg)):
+        assert other == cfg
+        built = other.codec(0, 64)
+        assert built is not codec and (built.bits, built.value_bits) == (4, 3)
+    assert cfg.codec(0, 64) is codec
+
+
+def test_generate_does_not_mutate_a_shared_config(model32):
+    import dataclasses
+
+    model, tok = model32
+    ids = tok(TEXT, return_tensors="pt").input_ids[:, :12]
+    cfg = QuantConfig("kqv", 3, "kqv", 3, residual_length=4)
+    before = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name != "_codecs"}
+    outs = []
+    for _ in range(2):  # two caches share one config, one after the other
+        cache = QuantizedKVCache(cfg, _layers(model))
+        with torch.no_grad():
+            outs.append(model.generate(ids, cache=cache, max_new_tokens=6, do_sample=False))
+        assert cache.layers[0].quantized > 0  # the generation really went through this cache
+    assert {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name != "_codecs"} == before
+    assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize(
+    "kwargs, pattern",
+    [
+        ({"value_scale": "lsq"}, r"value_scale: expected one of \('norm', 'least_squares', 'preserve_norm'\)"),
+        ({"value_scheme": "kivi", "value_scale": "least_squares"}, "not to value_scheme='kivi'"),
+        ({"value_scheme": None, "value_scale": "least_squares"}, "not to value_scheme=None"),
+        (
+            {"value_scheme": "matched", "calibration": "prefill", "value_transform": True, "value_scale": "least_squares"},
+            "not to value_transform=True",
+        ),
+    ],
+)
+def test_value_scale_config_is_validated(kwargs, pattern):
+    with pytest.raises(KvqrsError, match=pattern):
+        QuantConfig(kwargs.pop("key_scheme", "matched" if kwargs.get("value_scheme") == "matched" else "kqv"), 3, **kwargs)
+
+
+def test_a_cache_keeps_its_settings_when_the_callers_config_changes():
+    """The cache codes with a copy of the config it was given: setting a field of the caller's
+    config afterwards changes new caches only; the cache's own config refuses changes."""
+    cfg = QuantConfig("kv", 4, "kv", 4)
+    changed, kept = QuantizedKVCache(cfg, 1), QuantizedKVCache(QuantConfig("kv", 4, "kv", 4), 1)
+    gen = torch.Generator().manual_seed(3)
+    steps = [(torch.randn(1, 2, n, 64, generator=gen), torch.randn(1, 2, n, 64, generator=gen)) for n in (10, 1, 1)]
+    changed.update(*steps[0], 0)
+    cfg.key_bits = 2
+    kept.update(*steps[0], 0)
+    for k, v in steps[1:]:
+        changed.update(k, v, 0)
+        kept.update(k, v, 0)
+    assert changed.to_bytes() == kept.to_bytes() and changed.config.key_bits == 4
+    with pytest.raises(KvqrsError, match="belongs to a QuantizedKVCache"):
+        changed.config.key_bits = 2
+    assert QuantizedKVCache(cfg, 1).config.key_bits == 2
+
+
+def test_configs_the_codec_refuses_raise_before_anything_is_stored():
+    """A QJL stage needs 2 bits (refused when the config is built); a calibration fitted for
+    another head_dim is refused by the first update before it stores a token."""
+    from kvqrs.schemes.matched import random_calibration
+
+    with pytest.raises(KvqrsError, match="value_bits: expected >= 2 for kqv values"):
+        QuantConfig("kqv", 4, "kqv", 1)
+    with pytest.raises(KvqrsError, match="key_bits: expected >= 2 for qkqv keys"):
+        QuantConfig("qkqv", 1)
+    # Per-channel codes join a cache a group at a time: a group must fill whole bytes.
+    with pytest.raises(KvqrsError, match="group x key_bits must be a multiple of 8"):
+        QuantConfig("kivi", 3, "kivi", 3, group=4)
+    with pytest.raises(KvqrsError, match="group x key_bits must be a multiple of 8"):
+        QuantConfig("headq", 3, "kivi", 3, group=12, bases="random")
+    with pytest.raises(KvqrsError, match="group must be a multiple of 8"):
+        QuantConfig("matched", 3, "matched", 3, group=12, calibration="random")
+    cfg = QuantConfig("matched", 3, "matched", 3, group=8, residual_length=2, calibration={0: random_calibration(8, 3, 0)})
+    cache = QuantizedKVCache(cfg, 1)
+    with pytest.raises(KvqrsError, match="fitted for head_dim 8, codec head_dim is 16"):
+        cache.update(torch.randn(1, 1, 20, 16), torch.randn(1, 1, 20, 16), 0)
+    assert cache.get_seq_length() == 0 and cache.nbytes() == 0
+
+
+@pytest.mark.parametrize(
+    "args, kwargs, pattern",
+    [
+        (("kivi", 2, "kqv", 3), {}, "not to value_scheme='kqv'"),
+        (("matched", 3, "matched", 3), {"calibration": "prefill", "value_transform": True}, "not to value_transform=True"),
+        (("kivi", 2, "kv", 3), {"value_norms": "log"}, r"value_norms: expected one of \('float', 'log8'\)"),
+    ],
+)
+def test_log8_value_norms_replace_a_plain_mse_norm_only(args, kwargs, pattern):
+    with pytest.raises(KvqrsError, match=pattern):
+        QuantConfig(*args, group=8, value_norms=kwargs.pop("value_norms", "log8"), **kwargs)
+
+
+def test_log8_value_norms_need_a_group_the_log_code_takes():
+    """The log code takes groups of up to 2^20 values: a config (and a codec) with a larger
+    group is refused when made, not at its first encode."""
+    QuantConfig("kqv", 3, "kv", 3, group=2**20, value_norms="log8")
+    with pytest.raises(KvqrsError, match=r"^group: log8 norms .* expected a group in 1\.\.1048576, got 1048577$"):
+        QuantConfig("kqv", 3, "kv", 3, group=2**20 + 1, value_norms="log8")
+    with pytest.raises(KvqrsError, match=r"^group: expected >= 1, got 0$"):  # no config takes it
+        QuantConfig("kqv", 3, "kv", 3, group=0, value_norms="log8")
+    with pytest.raises(KvqrsError, match=r"^group: log8 norms"):
+        KVCodec("kqv", 3, 64, value_scheme="kv", group=2**20 + 1, value_norms="log8")
+    # Float norms have no exponent groups: the group bounds only what uses it.
+    QuantConfig("kqv", 3, "kv", 3, group=2**20 + 1)
+
+
+def test_config_and_codec_refuse_value_stage_settings_alike():
+    """QuantConfig refuses, before any codec exists, what its codecs would refuse: the same
+    check names the setting and the values it does not apply to."""
+    for kwargs in ({"value_scale": "least_squares"}, {"value_norms": "log8"}):
+        with pytest.raises(KvqrsError) as config_error:
+            QuantConfig("kqv", 3, "kivi", 3, group=8, **kwargs)
+        with pytest.raises(KvqrsError) as codec_error:
+            KVCodec("kqv", 3, 64, value_scheme="kivi", group=8, **kwargs)
+        config_msg, codec_msg = str(config_error.value), str(codec_error.value)
+        assert config_msg.endswith("not to value_scheme='kivi'") and codec_msg.endswith("not to 'kivi' values")
+        assert config_msg.removesuffix("value_scheme='kivi'") == codec_msg.removesuffix("'kivi' values")
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"sink_tokens": 0}])
+def test_sink_dtype_needs_sinks(kwargs):
+    """A sink dtype with no sink tokens would store nothing: refused, naming both settings."""
+    with pytest.raises(KvqrsError, match=r"^sink_dtype: 'float16' sets how sink tokens are stored, but sink_tokens is 0"):
+        QuantConfig("kqv", 4, "kqv", 4, sink_dtype="float16", **kwargs)
+    QuantConfig("kqv", 4, "kqv", 4, sink_dtype="float16", sink_tokens=1)
+    QuantConfig("kqv", 4, "kqv", 4, sink_dtype=None, **kwargs)
+    # A preset's sink dtype goes with its sinks: overriding them away drops it too.
+    from kvqrs.schemes.matched import random_calibration
+
+    cal = {0: random_calibration(64, 4, 0)}
+    assert QuantConfig.preset("4bit", cal).sink_dtype == "float16"
+    assert QuantConfig.preset("4bit", cal, sink_tokens=0).sink_dtype is None
+    with pytest.raises(KvqrsError, match="but sink_tokens is 0"):
+        QuantConfig.preset("4bit", cal, sink_tokens=0, sink_dtype="bfloat16")
