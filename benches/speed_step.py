@@ -7,8 +7,8 @@ token's query rows) of SmolLM2-135M's shape (3 KV heads x 3 query heads each, he
 ways: back to back, and with 64 MiB of other memory written before each call (the caches cold,
 the workers asleep). The dense row is ``DynamicCache.update`` plus torch SDPA on its float32
 cache; the quantized rows are ``QuantizedKVCache`` (window ``--residual``, default 128) through
-the kvqrs attention function's call (``cache.attend``: one native call over the codes and the
-window).
+the kvqrs attention function's call (``cache.attend``: one native call that writes the step's
+token, encodes a chunk leaving the window and attends over the codes, sinks and window).
 """
 
 from __future__ import annotations

@@ -50,10 +50,12 @@ def test_quick_step(bench_speed, capsys, monkeypatch):
     import torch
     from kvqrs.hf.store import CodeStore
 
-    # The quantized rows must time the native decode step over the codes, not the window alone.
+    # The quantized rows must time the native decode step over the codes, not the window alone
+    # (a steady step's one call, or a general step's attend).
     reads = []
-    attend = CodeStore.attend
-    monkeypatch.setattr(CodeStore, "attend", lambda self, *a, **k: reads.append(1) or attend(self, *a, **k))
+    for name in ("attend", "step"):
+        method = getattr(CodeStore, name)
+        monkeypatch.setattr(CodeStore, name, lambda self, *a, _m=method, **k: reads.append(1) or _m(self, *a, **k))
     threads = torch.get_num_threads()
     try:
         bench_speed.main(["--quick", "--sections", "step", "--threads", "1", "--residual", "16"])
