@@ -216,6 +216,18 @@ def _model_source(args: argparse.Namespace):
     return model_mod.source(args.model)
 
 
+def _check_calibrations(rows, model) -> None:
+    """Refuse, before any work, a ``--calibration`` file made for another model than the one
+    loaded (:func:`kvqrs.hf.cache.check_calibration_fits`)."""
+    from .hf.cache import check_calibration_fits
+    from .hf.config import QuantConfig
+
+    for row in rows:
+        config = getattr(row, "config", None)
+        if isinstance(config, QuantConfig):
+            check_calibration_fits(config, model.config)
+
+
 def _load_model(args: argparse.Namespace, src) -> tuple:
     """``(model, tokenizer, description)`` of ``src`` at ``--dtype``; prints the description."""
     from .evaluation import model as model_mod
@@ -285,6 +297,7 @@ def _eval(args: argparse.Namespace) -> int:
     ray = _ray(args)
     start = time.perf_counter()
     model, tok, info = _load_model(args, src)
+    _check_calibrations(rows, model)
     if args.threads is None:
         threads, probe = model_mod.fastest_threads(model, tok(texts.evaluation[:20000], return_tensors="pt").input_ids[:, :window])
         print(
@@ -337,6 +350,7 @@ def _eval_llama(args: argparse.Namespace) -> int:
     torch_threads(1 if args.threads is None else args.threads)
     start = time.perf_counter()
     model, tok, info = _load_model(args, src)
+    _check_calibrations(rows, model)
     if not args.calibration:
         windows = lp.llama_chunks(tok, texts.calibration, args.ctx, args.calibration_windows or 8)
         stats = record_matched(model, windows, skip=1)
@@ -402,6 +416,7 @@ def _needle(args: argparse.Namespace) -> int:
     torch_threads(1 if args.threads is None else args.threads)
     start = time.perf_counter()
     model, tok, info = _load_model(args, src)
+    _check_calibrations(rows, model)
     if args.threads is None:
         n, probe = model_mod.fastest_threads(model, tok(texts.evaluation[:20000], return_tensors="pt").input_ids[:, :512])
         print(f"torch threads: {n} (one forward of 512 tokens: " + ", ".join(f"{k} thread(s) {t:.2f} s" for k, t in probe.items()) + ")")

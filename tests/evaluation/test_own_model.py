@@ -148,6 +148,15 @@ def test_cli_calibrate_a_model_folder(tiny, tmp_path, monkeypatch, capsys):
     assert "model: tiny-llama (bfloat16); 2 layers, all full_attention" in stdout
     assert sorted(load_matched(tmp_path / "cal.npz")) == [0, 1]
     assert calibration_meta(tmp_path / "cal.npz")["model"] == "tiny-llama (bfloat16); 2 layers, all full_attention"
+    # The file on another model (SmolLM2: 30 layers, head_dim 64) is refused once it loads, by name.
+    from kvqrs import cli
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["eval", "--protocol", "llama", "--quick", "--calibration", "cal.npz", "--no-progress", "--threads", "1"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "calibration: made for a model of 2 layers (indices 0..1), head_dim 32" in err and "has 30 layers, head_dim 64" in err
 
 
 def _save_config(folder, cfg):

@@ -185,3 +185,27 @@ def test_codes_of_float16_extremes_decode_saturated_not_refused():
     kk, _ = cache.update(k, torch.randn(1, 2, 16, 64, dtype=torch.float16), 0)
     assert torch.isfinite(kk).all() and kk[0, 1, 2, 5] == 65504 and kk[0, 1, 5, 5] == -65504
     assert cache.update(torch.randn(1, 2, 8, 64, dtype=torch.float16), torch.randn(1, 2, 8, 64, dtype=torch.float16), 0)[0].shape[-2] == 24
+
+
+def test_a_calibration_made_for_another_model_is_refused_before_any_work():
+    """``QuantizedKVCache(config, model.config)`` compares a ``matched`` calibration (a
+    ``kvqrs calibrate`` file's) with the model: the same decoder layers, head_dim, and one
+    calibrated head or the model's KV heads; otherwise the error names both."""
+    from transformers import LlamaConfig
+
+    from tests.cache_helpers import per_head_matched_calibration
+
+    cal = {i: per_head_matched_calibration(2, 16, i) for i in range(2)}
+    cfg = QuantConfig("matched", 4, "matched", 4, group=8, calibration=cal)
+    shape = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    assert len(QuantizedKVCache(cfg, LlamaConfig(**shape)).layers) == 2
+    for change, has in (
+        ({"num_hidden_layers": 3}, "has 3 layers, head_dim 16 and 2 KV heads"),
+        ({"head_dim": 32}, "has 2 layers, head_dim 32 and 2 KV heads"),
+        ({"num_key_value_heads": 4}, "has 2 layers, head_dim 16 and 4 KV heads"),
+    ):
+        with pytest.raises(
+            KvqrsError,
+            match=rf"calibration: made for a model of 2 layers \(indices 0..1\), head_dim 16 and 2 calibrated KV heads; this model \(.*\) {has}",
+        ):
+            QuantizedKVCache(cfg, LlamaConfig(**{**shape, **change}))

@@ -1210,6 +1210,33 @@ def _hides_nothing(mask: torch.Tensor | None) -> torch.Tensor | None:
     return None if (m.all() if m.dtype == np.bool_ else not m.any()) else mask
 
 
+def check_calibration_fits(config: QuantConfig, model_config) -> None:
+    """Refuse a ``matched`` calibration (``{layer: MatchedCalibration}``, as a file gives it)
+    made for another model, before any work: the model's decoder layers must be exactly the
+    calibration's, with its head_dim and either one calibrated head or the model's KV heads.
+
+    Raises:
+        KvqrsError: naming what differs (layers, head_dim or KV heads) between the two.
+    """
+    cal = config.calibration
+    if not isinstance(cal, dict) or not cal:
+        return
+    text = model_config.get_text_config(decoder=True)
+    layers = int(text.num_hidden_layers)
+    heads = int(text.num_attention_heads)
+    kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    first = cal[min(cal)]
+    got = (len(cal), first.keys.basis.shape[-1], first.keys.kv_heads)
+    if sorted(cal) != list(range(layers)) or got[1] != head_dim or got[2] not in (1, kv_heads):
+        name = getattr(model_config, "_name_or_path", "") or type(model_config).__name__
+        raise KvqrsError(
+            f"calibration: made for a model of {got[0]} layers (indices {min(cal)}..{max(cal)}), head_dim {got[1]} and "
+            f"{got[2]} calibrated KV heads; this model ({name}) has {layers} layers, head_dim {head_dim} and {kv_heads} KV "
+            "heads. Fit one for it: kvqrs calibrate --model ... (or QuantConfig.preset(name) without a file, calibrated on the prompt)"
+        )
+
+
 SLIDING_LAYER_TYPES = ("sliding_attention", "chunked_attention")
 """Layer types held with a window: transformers' caches treat chunked attention as a sliding
 window too (only the mask differs)."""
@@ -1279,6 +1306,8 @@ class QuantizedKVCache(Cache):
         if (num_layers is None) == (model_config is None):
             raise KvqrsError("num_layers, model_config: give exactly one (model_config to follow the model's sliding-window layers)")
         windows = [None] * max(num_layers, 0) if model_config is None else layer_windows(model_config)
+        if model_config is not None:
+            check_calibration_fits(config, model_config)
         if len(windows) < 1:
             raise KvqrsError(f"num_layers: expected >= 1, got {num_layers if model_config is None else 0}")
         # The cache's own settings: the caller may go on changing its config (QuantConfig's
