@@ -194,6 +194,28 @@ class SlotWriter:
         values: _F32,
         slots: npt.NDArray[np.int64],
     ) -> None: ...
+    def step(
+        self,
+        cache: _U8,
+        blocks: int,
+        kv_heads: int,
+        block_size: int,
+        block_stride: int,
+        head_stride: int,
+        new_keys: _F32,
+        new_values: _F32,
+        slots: npt.NDArray[np.int64],
+        keys: _Rows,
+        values: _Rows,
+        q: _F32,
+        q_heads: int,
+        head_dim: int,
+        scale: float,
+        seq: _I32,
+        lengths: _I32,
+        block_table: _I32,
+        table_width: int,
+    ) -> _F32: ...
     @property
     def slot_bytes(self) -> int: ...
 

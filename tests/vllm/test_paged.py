@@ -210,3 +210,33 @@ def test_the_native_slot_writer_refuses_what_its_slot_cannot_hold():
     with pytest.raises(KvqrsError, match="finite"):
         layout.write(cache, x, np.where(np.arange(D) == 3, np.nan, x), np.array([0, 1]))
     assert not cache.any()  # nothing written
+
+
+@pytest.mark.parametrize("scheme, bits", [("kqv", 4), ("qkqv", 3), ("block", 4)])
+def test_a_step_writes_then_attends_as_the_two_calls(scheme, bits):
+    """``SlotLayout.step`` (one native call where the coders encode natively: the step's slots
+    written, then the batch's attention through the block table, prefill and decode tokens
+    alike) gives the bytes and outputs of ``write`` then ``attend``; a refused token writes
+    nothing."""
+    layout = SlotLayout(QuantConfig(scheme, bits, scheme, bits), layer=1, head_dim=D)
+    assert (layout._writer is not None) == (scheme != "block")
+    lengths = [37, 20, 1]
+    cache, table, keys, values = _fill(layout, lengths)
+    twin = cache.copy()
+    rng = np.random.default_rng(3)
+    # the step's new tokens: a decode token of sequence 0 (its 38th), 4 prefill tokens of sequence 1
+    new_k, new_v = (rng.standard_normal((5, KV_HEADS, D)).astype(np.float32) for _ in range(2))
+    pos = np.array([37, 20, 21, 22, 23])
+    rows = np.array([0, 1, 1, 1, 1])
+    slots = table[rows, pos // BLOCK] * BLOCK + pos % BLOCK
+    seq, lens = rows.astype(np.int32), (pos + 1).astype(np.int32)
+    q = rng.standard_normal((5, Q_HEADS, D)).astype(np.float32)
+    got = layout.step(cache, new_k, new_v, slots, q, seq, lens, table, D**-0.5)
+    layout.write(twin, new_k, new_v, slots)
+    want = layout.attend(twin, q, seq, lens, table, D**-0.5)
+    assert cache.tobytes() == twin.tobytes() and got.tobytes() == want.tobytes()
+    bad = new_k.copy()
+    bad[2, 1, 7] = np.inf
+    with pytest.raises(KvqrsError, match="finite"):
+        layout.step(cache, bad, new_v, slots, q, seq, lens, table, D**-0.5)
+    assert cache.tobytes() == twin.tobytes()

@@ -135,6 +135,9 @@ class KvqrsAttentionImpl(AttentionImpl[KvqrsMetadata]):
         self.kv_sharing_target_layer_name = None
         self.config = config_from_env()
         self._layouts: dict[str, SlotLayout] = {}
+        # Per layer, the step's new tokens: written by the forward's one native call with the
+        # step's attention (SlotLayout.step).
+        self._pending: dict[str, tuple] = {}
 
     def _layout(self, layer) -> SlotLayout:
         """The layer's slot layout (its codec is seeded per layer index, as in QuantizedKVCache)."""
@@ -144,15 +147,20 @@ class KvqrsAttentionImpl(AttentionImpl[KvqrsMetadata]):
         return self._layouts[name]
 
     def do_kv_cache_update(self, layer, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Keep the step's new tokens for the layer's forward, which writes them and attends in
+        one native call (a step whose forward never came is written first)."""
+        self._write_pending(layer)
         n = slot_mapping.shape[0]
         if n == 0:
             return
-        self._layout(layer).write(
-            kv_cache.numpy(),
-            key[:n].float().numpy(),
-            value[:n].float().numpy(),
-            slot_mapping.cpu().numpy(),
-        )
+        new = (key[:n].float().numpy(), value[:n].float().numpy(), slot_mapping.cpu().numpy())
+        self._pending[layer.layer_name] = (kv_cache.numpy(), *new)
+
+    def _write_pending(self, layer) -> None:
+        """Write the layer's kept tokens alone (no attention of them follows)."""
+        pending = self._pending.pop(layer.layer_name, None)
+        if pending is not None:
+            self._layout(layer).write(*pending)
 
     def forward(
         self,
@@ -171,13 +179,20 @@ class KvqrsAttentionImpl(AttentionImpl[KvqrsMetadata]):
         if output is None:
             output = torch.empty_like(query)
         if attn_metadata is None:  # profiling / warm-up run: no cache yet
+            self._write_pending(layer)
             return output.zero_()
         n = attn_metadata.num_actual_tokens
         if n == 0:
+            self._write_pending(layer)
             return output
         q = query[:n].view(n, self.num_heads, self.head_size).float().numpy()
-        out = self._layout(layer).attend(
-            kv_cache.numpy(), q, attn_metadata.seq, attn_metadata.lengths, attn_metadata.block_table, self.scale
-        )
+        m = attn_metadata
+        pending = self._pending.pop(layer.layer_name, None)
+        if pending is not None and pending[0].ctypes.data == kv_cache.data_ptr():  # the same cache
+            out = self._layout(layer).step(*pending, q, m.seq, m.lengths, m.block_table, self.scale)
+        else:
+            if pending is not None:
+                self._layout(layer).write(*pending)
+            out = self._layout(layer).attend(kv_cache.numpy(), q, m.seq, m.lengths, m.block_table, self.scale)
         output[:n] = torch.from_numpy(out).view(output[:n].shape).to(output.dtype)
         return output

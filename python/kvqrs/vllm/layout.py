@@ -160,18 +160,12 @@ class SlotLayout:
             KvqrsError: shapes that do not match the cache, a slot beyond it, NaN/Inf inputs.
         """
         b, h, n = self.check_cache(cache)
-        slots = np.asarray(slots).reshape(-1)
-        keep = slots >= 0
-        if keys.shape != values.shape or keys.shape[1:] != (h, self.head_dim) or keys.shape[0] != slots.shape[0]:
-            raise KvqrsError(
-                f"keys, values: expected (tokens={slots.shape[0]}, kv_heads={h}, head_dim={self.head_dim}), got {keys.shape} and {values.shape}"
-            )
-        if slots.size and slots.max() >= b * n:
-            raise KvqrsError(f"slots: expected slots below {b * n} ({b} blocks of {n}), got {int(slots.max())}")
         if self._writer is not None:
-            flat = [np.ascontiguousarray(x, dtype=np.float32).reshape(-1) for x in (keys, values)]
-            self._writer.write(self._span(cache), b, h, n, cache.strides[0], cache.strides[1], *flat, slots.astype(np.int64))
+            new, slots = self._new_tokens(keys, values, slots, b, h, n)
+            self._writer.write(self._span(cache), b, h, n, cache.strides[0], cache.strides[1], *new, slots)
             return
+        _, slots = self._new_tokens(keys, values, slots, b, h, n, flat=False)
+        keep = slots >= 0
         if not keep.all():
             keys, values, slots = keys[keep], values[keep], slots[keep]
         if slots.size == 0:
@@ -191,6 +185,18 @@ class SlotLayout:
             )
             data = np.ascontiguousarray(encoded[p.side].parts[p.name]).view(np.uint8).reshape(len(slots), h, p.row_bytes)
             region[blocks, :, pos, :] = data
+
+    def _new_tokens(self, keys, values, slots, blocks: int, heads: int, n: int, flat: bool = True) -> tuple[list, np.ndarray]:
+        """The checked new tokens (flat float32 keys and values when ``flat``) and their int64
+        slots. Raises :class:`KvqrsError` for shapes that do not match or a slot beyond the cache."""
+        slots = np.asarray(slots).reshape(-1).astype(np.int64)
+        if keys.shape != values.shape or keys.shape[1:] != (heads, self.head_dim) or keys.shape[0] != slots.shape[0]:
+            raise KvqrsError(
+                f"keys, values: expected (tokens={slots.shape[0]}, kv_heads={heads}, head_dim={self.head_dim}), got {keys.shape} and {values.shape}"
+            )
+        if slots.size and slots.max() >= blocks * n:
+            raise KvqrsError(f"slots: expected slots below {blocks * n} ({blocks} blocks of {n}), got {int(slots.max())}")
+        return ([np.ascontiguousarray(x, dtype=np.float32).reshape(-1) for x in (keys, values)] if flat else []), slots
 
     def attend(
         self,
@@ -220,31 +226,57 @@ class SlotLayout:
             KvqrsError: shapes or indices out of range (named), non-finite queries or logits.
         """
         b, h, n = self.check_cache(cache)
+        q, reads = self._reads(cache, queries, seq, lengths, block_table, scale)
+        out = _native.paged_decode_attention(self._span(cache), b, h, n, n * self.slot_bytes, cache.strides[0], cache.strides[1], *reads)
+        return out.reshape(q.shape)
+
+    def _reads(self, cache: np.ndarray, queries, seq, lengths, block_table, scale: float) -> tuple[np.ndarray, tuple]:
+        """The checked queries and the arguments of the paged attention after the cache's
+        geometry: ``(keys rows, values rows, flat queries, q_heads, head_dim, scale, seq,
+        lengths, flat block table, its width)``."""
+        n = cache.shape[2]
         q = np.ascontiguousarray(queries, dtype=np.float32)
         if q.ndim != 3 or q.shape[2] != self.head_dim:
             raise KvqrsError(f"queries: expected (tokens, q_heads, {self.head_dim}), got {q.shape}")
         table = np.ascontiguousarray(block_table, dtype=np.int32)
         if table.ndim != 2 or table.shape[1] == 0:
             raise KvqrsError(f"block_table: expected (sequences, width >= 1), got {table.shape}")
-        out = _native.paged_decode_attention(
-            self._span(cache),
-            b,
-            h,
-            n,
-            n * self.slot_bytes,
-            cache.strides[0],
-            cache.strides[1],
-            self._page_rows("keys", n),
-            self._page_rows("values", n),
+        as_i32 = lambda a: np.ascontiguousarray(a, dtype=np.int32).reshape(-1)  # noqa: E731
+        rows = (self._page_rows("keys", n), self._page_rows("values", n))
+        return q, (
+            *rows,
             q.reshape(-1),
             q.shape[1],
             self.head_dim,
             float(scale),
-            np.ascontiguousarray(seq, dtype=np.int32).reshape(-1),
-            np.ascontiguousarray(lengths, dtype=np.int32).reshape(-1),
+            as_i32(seq),
+            as_i32(lengths),
             table.reshape(-1),
             table.shape[1],
         )
+
+    def step(
+        self,
+        cache: np.ndarray,
+        keys: np.ndarray,
+        values: np.ndarray,
+        slots: np.ndarray,
+        queries: np.ndarray,
+        seq: np.ndarray,
+        lengths: np.ndarray,
+        block_table: np.ndarray,
+        scale: float,
+    ) -> np.ndarray:
+        """:meth:`write` of a step's new ``keys``, ``values`` into ``slots``, then :meth:`attend`
+        of its ``queries`` (the new tokens included): one native call (GIL released) where the
+        coders encode natively, else the two. Arguments, result and errors as theirs."""
+        if self._writer is None:
+            self.write(cache, keys, values, slots)
+            return self.attend(cache, queries, seq, lengths, block_table, scale)
+        b, h, n = self.check_cache(cache)
+        new, slots = self._new_tokens(keys, values, slots, b, h, n)
+        q, reads = self._reads(cache, queries, seq, lengths, block_table, scale)
+        out = self._writer.step(self._span(cache), b, h, n, cache.strides[0], cache.strides[1], *new, slots, *reads)
         return out.reshape(q.shape)
 
 

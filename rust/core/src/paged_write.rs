@@ -94,6 +94,11 @@ impl SlotWriter {
         self.slot_bytes
     }
 
+    /// head_dim d of the tokens it writes.
+    pub fn head_dim(&self) -> usize {
+        self.head_dim
+    }
+
     /// Encodes `keys` and `values` (tokens x kv_heads x head_dim float32, C order) and writes
     /// token `i` into slot `slots[i]` of `cache` (a negative slot is padding: skipped). Errors,
     /// nothing written, for shapes that do not match, a slot beyond the cache, non-finite

@@ -221,6 +221,87 @@ impl PySlotWriter {
         py_result(py.allow_threads(|| inner.write(data, &geom, k, v, s)))
     }
 
+    /// A whole step of the layer in one call (GIL released): `write` of the step's new keys
+    /// and values into their slots, then `paged_decode_attention` of `q` over the pages (the
+    /// new tokens included). Raises, nothing written, when the write refuses its input; the
+    /// attention's errors after the write leave the new tokens written.
+    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (cache, blocks, kv_heads, block_size, block_stride, head_stride, new_keys, new_values, slots, keys, values, q, q_heads, head_dim, scale, seq, lengths, block_table, table_width))]
+    fn step<'py>(
+        &self,
+        py: Python<'py>,
+        cache: &Bound<'py, PyArray1<u8>>,
+        blocks: usize,
+        kv_heads: usize,
+        block_size: usize,
+        block_stride: usize,
+        head_stride: usize,
+        new_keys: PyReadonlyArray1<'py, f32>,
+        new_values: PyReadonlyArray1<'py, f32>,
+        slots: PyReadonlyArray1<'py, i64>,
+        keys: PagedPyRows<'py>,
+        values: PagedPyRows<'py>,
+        q: PyReadonlyArray1<'py, f32>,
+        q_heads: usize,
+        head_dim: usize,
+        scale: f32,
+        seq: PyReadonlyArray1<'py, i32>,
+        lengths: PyReadonlyArray1<'py, i32>,
+        block_table: PyReadonlyArray1<'py, i32>,
+        table_width: usize,
+    ) -> PyResult<Bound<'py, PyArray1<f32>>> {
+        if head_dim != self.inner.head_dim() {
+            return Err(arg_error(format!(
+                "head_dim: expected the writer's {}, got {head_dim}",
+                self.inner.head_dim()
+            )));
+        }
+        let (kr, vr) = (rows(&keys, "keys")?, rows(&values, "values")?);
+        let mut rw = cache
+            .try_readwrite()
+            .map_err(|e| arg_error(format!("cache: cannot write the array ({e})")))?;
+        let data = rw
+            .as_slice_mut()
+            .map_err(|_| arg_error("cache: expected a contiguous byte view".into()))?;
+        let geom = PageGeometry {
+            blocks,
+            kv_heads,
+            block_size,
+            block_stride,
+            head_stride,
+        };
+        let (nk, nv, s) = (
+            slice(&new_keys, "new_keys")?,
+            slice(&new_values, "new_values")?,
+            slice(&slots, "slots")?,
+        );
+        let qs = PagedQueries {
+            q: slice(&q, "q")?,
+            q_heads,
+            head_dim,
+            scale,
+            seq: slice(&seq, "seq")?,
+            lengths: slice(&lengths, "lengths")?,
+            block_table: slice(&block_table, "block_table")?,
+            table_width,
+        };
+        let inner = &self.inner;
+        let out = py_result(py.allow_threads(|| {
+            inner.write(data, &geom, nk, nv, s)?;
+            let c = PagedCache {
+                data,
+                blocks,
+                kv_heads,
+                block_size,
+                page_bytes: block_size * inner.slot_bytes(),
+                block_stride,
+                head_stride,
+            };
+            core_paged(&c, &kr, &vr, &qs)
+        }))?;
+        Ok(PyArray1::from_vec(py, out))
+    }
+
     /// Bytes of one slot.
     #[getter]
     fn slot_bytes(&self) -> usize {
