@@ -46,6 +46,49 @@ class Part(NamedTuple):
 Layout = dict[str, Part]
 
 
+class PartRef:
+    """A stored part named in place of its array: what an ``Encoded`` holds when a coder's
+    ``attention_rows`` is asked which parts its rows read (the layer store and the paged
+    layout bind the rows by part name, :func:`kvqrs.kernels.attention.by_name`).
+
+    It has the array's ``shape``, ``dtype`` and ``ndim``, so that checks of an ``Encoded``'s
+    shapes still work, and nothing else of an array: converting it (``np.asarray``,
+    ``np.ascontiguousarray``, a ufunc), indexing it or doing arithmetic with it raises
+    ``TypeError`` and an array method (``view``, ``astype``) ``AttributeError``. A coder's
+    ``attention_rows`` may therefore only place its parts in row objects, never copy or
+    compute on them.
+
+    Attributes:
+        name: the part's name in its ``Encoded`` (``codes``, ``qjl_signs``, ``base_norms``).
+        shape: the part's shape.
+        dtype: the part's dtype (a NumPy dtype; a torch dtype for a part held as a tensor).
+    """
+
+    __slots__ = ("name", "shape", "dtype")
+    __array_ufunc__ = None  # NumPy ufuncs and ndarray operators refuse it (TypeError)
+
+    def __init__(self, name: str, shape: tuple[int, ...], dtype: Any):
+        self.name, self.shape, self.dtype = str(name), tuple(int(n) for n in shape), dtype
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def __array__(self, *args: Any, **kwargs: Any) -> np.ndarray:
+        raise TypeError(
+            f"part {self.name!r}: a PartRef names a stored part, it holds no data; attention_rows may place it in row "
+            "objects but not copy, convert or compute on it"
+        )
+
+    def __repr__(self) -> str:
+        return f"PartRef({self.name!r}, {self.shape}, {self.dtype})"
+
+
+def part_refs(parts: Mapping[str, Any]) -> dict[str, PartRef]:
+    """``{name: PartRef(name, shape, dtype)}`` of stored arrays (NumPy arrays or tensors)."""
+    return {n: PartRef(n, a.shape, a.dtype) for n, a in parts.items()}
+
+
 def mse(lead: tuple[int, ...], t: int, code_dim: int, bits: int) -> Layout:
     """Norm-and-direction rows: packed codes ``(..., T, packed(d', b))`` and norms ``(..., T)``."""
     return {

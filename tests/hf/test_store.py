@@ -24,7 +24,20 @@ from kvqrs import format as fmt  # noqa: E402
 from kvqrs.hf import QuantConfig, QuantizedKVCache  # noqa: E402
 from kvqrs.hf.attention import _STATE  # noqa: E402
 from kvqrs.hf.store import CodeStore, WindowRows  # noqa: E402
-from kvqrs.kernels.attention import CentredRows, ChannelRun, ChannelRunRows, DenseRows, MSERows, UniformRows, binding_rows  # noqa: E402
+from kvqrs.kernels.attention import (  # noqa: E402
+    CentredRows,
+    ChannelRun,
+    ChannelRunRows,
+    DenseRows,
+    MSERows,
+    UniformRows,
+    binding_rows,
+    by_name,
+    decode_attention,
+    map_parts,
+)
+from kvqrs.layout import PartRef  # noqa: E402
+from kvqrs.schemes.matched import MatchedCalibration, random_calibration  # noqa: E402
 
 from tests.cache_helpers import per_head_matched_calibration  # noqa: E402
 from tests.process_helpers import stdout_per_thread_count  # noqa: E402
@@ -402,10 +415,106 @@ def test_a_row_kind_the_native_step_does_not_know_keeps_the_other_path(monkeypat
 
     monkeypatch.setattr(codec, "fused_rows", lambda ck, cv: (Composite(), Composite(), None))
     assert not store.can_attend()
+    with pytest.raises(KvqrsError, match="no native decode step for kqv keys"):
+        store.attend(torch.zeros(1, 2, 1, D), _no_sinks(torch.zeros(1, 2, 1, D)), _no_sinks(torch.zeros(1, 2, 1, D)), None, 0.2)
+    monkeypatch.setattr(codec, "fused_rows", lambda ck, cv: None)  # no fused rows at all (another backend)
+    assert not _kqv_store(codec).can_attend()
     monkeypatch.undo()
-    fresh = CodeStore(codec, 1, 2, D, torch.float32)
-    fresh.append(*_encode(codec, _x(1, 2, 4, 0), _x(1, 2, 4, 1)))
-    assert fresh.can_attend()
+    assert _kqv_store(codec).can_attend()
+    # Values in width classes have no fused rows (and need the A^2 weights to encode).
+    cal = random_calibration(D, 3, 0)
+    cal = MatchedCalibration(cal.keys, cal.value_mean, value_bits=3, value_classes=((4, 4), (2, 4)))
+    classes = QuantConfig("matched", 3, "matched", 3, group=8, calibration={0: cal}).codec(0, D)
+    store = CodeStore(classes, 1, 1, D, torch.float32)
+    x = _x(1, 1, 8, 2)
+    ck, cv = classes.encode_keys(x), classes.encode_values(x, np.ones((1, 1, 8), np.float32))
+    store.append(ck, cv)
+    assert classes.fused_rows(ck, cv) is None and not store.can_attend()
+
+
+def _kqv_store(codec) -> CodeStore:
+    """A store of ``codec`` (1 batch row, 2 KV heads) holding 4 tokens."""
+    store = CodeStore(codec, 1, 2, D, torch.float32)
+    store.append(*_encode(codec, _x(1, 2, 4, 0), _x(1, 2, 4, 1)))
+    return store
+
+
+def _names_read(bound) -> list[str]:
+    """Every part name in rows bound for ``LayerStore.set_rows`` (the strings among their fields)."""
+    if isinstance(bound, str):
+        return [bound]
+    if isinstance(bound, (tuple, list)):
+        return [n for x in bound for n in _names_read(x)]
+    return []
+
+
+@pytest.mark.parametrize("name", list(STEP_CONFIGS))
+def test_rows_bind_each_stored_part_by_name_and_read_the_bits_of_the_arrays(name):
+    """The coders' ``attention_rows``, given ``Encoded`` s of ``PartRef`` s (the store's
+    layouts), name every part the store holds exactly once: the names ``set_rows`` gets are the
+    store's. The same rows with each ref resolved by name to the store's array give the fused
+    kernel the bits of the rows the codec builds from those arrays."""
+    cfg = STEP_CONFIGS[name]
+    codec = cfg.codec(0, D)
+    b, h = 2, 2
+    store = CodeStore(codec, b, h, D, torch.float32)
+    for i in range(2):
+        store.append(*_encode(codec, _x(b, h, cfg.chunk * 2, 50 + i), _x(b, h, cfg.chunk * 2, 60 + i)))
+    kparts, vparts, rows = store._named_rows()
+    assert sorted(_names_read(store._bound_rows(kparts, vparts, rows))) == sorted(store._native.names())
+    assert store.can_attend()
+    ck, cv = store.keys(), store.values()
+    varrays = {"fp": cv.numpy()} if isinstance(cv, torch.Tensor) else cv.parts
+    resolved = (
+        map_parts(rows[0], by_name(kparts, "keys", ck.parts.__getitem__)),
+        map_parts(rows[1], by_name(vparts, "values", varrays.__getitem__)),
+        None if rows[2] is None else map_parts(rows[2], by_name(kparts, "side", ck.parts.__getitem__)),
+    )
+    direct = codec.fused_rows(ck, DenseRows(varrays["fp"]) if isinstance(cv, torch.Tensor) else cv)
+    q = _x(b, h, 6, 70)
+    got = decode_attention(q, resolved[0], resolved[1], side=resolved[2], scale=0.2, probs=True)
+    want = decode_attention(q, direct[0], direct[1], side=direct[2], scale=0.2, probs=True)
+    for a, e in zip(got, want):
+        assert a.tobytes() == e.tobytes()
+
+
+def test_a_coder_that_copies_or_replaces_a_part_in_its_rows_is_an_error_not_the_decoded_path(monkeypatch):
+    """Rows bound by part name: a coder's ``attention_rows`` that copies a part raises a
+    ``TypeError`` from ``can_attend`` (a ``PartRef`` holds no data), one that puts an array
+    or another part in a part's place a ``KvqrsError`` naming the field; neither is remembered
+    as "no native step" (the decoded path)."""
+    codec = CONFIGS["kqv"].codec(0, D)
+    keys_of, values_of = codec.keys.attention_rows, codec.values.attention_rows
+    monkeypatch.setattr(codec.keys, "attention_rows", lambda enc: keys_of(enc)._replace(codes=np.ascontiguousarray(keys_of(enc).codes)))
+    store = _kqv_store(codec)
+    for _ in range(2):  # decided again on the next call, not remembered as False
+        with pytest.raises(TypeError, match="part 'codes': a PartRef names a stored part, it holds no data"):
+            store.can_attend()
+    assert not store._native.has_rows
+    held = store.keys().parts["codes"]
+    monkeypatch.setattr(codec.keys, "attention_rows", lambda enc: keys_of(enc)._replace(codes=held))
+    with pytest.raises(KvqrsError, match=r"keys.codes: expected a stored part \(a PartRef .*\), got ndarray"):
+        _kqv_store(codec).can_attend()
+    monkeypatch.undo()
+    monkeypatch.setattr(codec.values, "attention_rows", lambda enc: values_of(enc)._replace(norms=PartRef("nope", (1, 2, 4), np.float16)))
+    with pytest.raises(
+        KvqrsError, match=r"values.norms: reads part 'nope', which is not among the parts held \(codes, norms, qjl_signs, qjl_norms\)"
+    ):
+        _kqv_store(codec).can_attend()
+    monkeypatch.undo()
+    assert _kqv_store(codec).can_attend()
+
+
+def test_a_part_ref_is_no_array():
+    """``PartRef``: shape, dtype and ndim of its part; converting, indexing or computing on it
+    raises ``TypeError``."""
+    ref = PartRef("codes", (2, 3, 4), np.uint8)
+    assert (ref.name, ref.shape, ref.dtype, ref.ndim) == ("codes", (2, 3, 4), np.uint8, 3)
+    for op in (np.asarray, np.ascontiguousarray, lambda r: r + 1, lambda r: np.zeros(4) * r, lambda r: r[0], lambda r: np.add(r, 1)):
+        with pytest.raises(TypeError):
+            op(ref)
+    with pytest.raises(AttributeError):
+        ref.view(np.uint8)
 
 
 def _matched_step_bytes() -> bytes:

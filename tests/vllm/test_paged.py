@@ -240,3 +240,33 @@ def test_a_step_writes_then_attends_as_the_two_calls(scheme, bits):
     with pytest.raises(KvqrsError, match="finite"):
         layout.step(cache, bad, new_v, slots, q, seq, lens, table, D**-0.5)
     assert cache.tobytes() == twin.tobytes()
+
+
+def test_slots_are_bound_by_part_name_and_a_copied_part_is_an_error(monkeypatch):
+    """The layout places each part a side's rows read by its name in the codec's ``Encoded``
+    (the rows built over ``PartRef`` s): every part once. A
+    coder whose ``attention_rows`` copies a part raises ``TypeError``; one that puts an array
+    in a part's place a ``KvqrsError`` naming the field."""
+    from kvqrs.schemes.mse import MSECoder, MSEQJLCoder
+
+    layout = SlotLayout(QuantConfig("qkqv", 3, "kv", 4), layer=0, head_dim=D)
+    assert sorted((p.side, p.name) for p in layout.parts) == [
+        ("keys", "codes"),
+        ("keys", "norms"),
+        ("keys", "qjl_norms"),
+        ("keys", "qjl_signs"),
+        ("values", "codes"),
+        ("values", "norms"),
+    ]
+    rows_of = MSECoder.rows_unchecked
+    monkeypatch.setattr(MSECoder, "rows_unchecked", lambda self, enc: rows_of(self, enc)._replace(codes=np.array(rows_of(self, enc).codes)))
+    with pytest.raises(TypeError, match="part 'codes': a PartRef names a stored part"):
+        SlotLayout(QuantConfig("kqv", 4, "kqv", 4), layer=0, head_dim=D)
+    monkeypatch.undo()
+    keys_of = MSEQJLCoder.attention_rows
+    signs = np.zeros((1, 1, 8), np.uint8)
+    monkeypatch.setattr(
+        MSEQJLCoder, "attention_rows", lambda self, enc: keys_of(self, enc)._replace(qjl=keys_of(self, enc).qjl._replace(signs=signs))
+    )
+    with pytest.raises(KvqrsError, match=r"keys.qjl.signs: expected a stored part \(a PartRef .*\), got ndarray"):
+        SlotLayout(QuantConfig("qkqv", 3, "kv", 4), layer=0, head_dim=D)

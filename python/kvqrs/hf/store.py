@@ -26,7 +26,8 @@ import torch
 
 from .. import _native
 from .._arrays import KvqrsError
-from ..kernels.attention import DenseRows, binding_rows, binding_side
+from ..kernels.attention import DenseRows, SideRows, binding_rows, binding_side, by_name, reads_natively
+from ..layout import PartRef
 from ..schemes import Encoded
 from ..schemes.backend import CPU
 from ..schemes.mse import MSECoder, MSEQJLCoder
@@ -370,41 +371,82 @@ class CodeStore:
 
     # -- the decode step ------------------------------------------------------------------------
     def can_attend(self) -> bool:
-        """Whether :meth:`attend` can read this codec's rows from the store (every row kind of
-        the native decode step; a row kind it does not know keeps the caller's other path).
-        Decided once, on a store that holds tokens."""
+        """Whether :meth:`attend` can read this codec's rows from the store, decided once and
+        from the row classes alone: False when the codec has no fused rows
+        (``codec.fused_rows`` is None: another backend, ``a2`` or width-class values) or a row
+        class the native step does not read (:func:`~kvqrs.kernels.attention.reads_natively`);
+        the caller then takes its other path. Otherwise True, the rows declared to the native
+        store: each part a field reads named by the store's name for it (``keys.codes``), never
+        found by what array it is (:meth:`_named_rows`, :meth:`_bound_rows`).
+
+        Raises:
+            KvqrsError: rows that do not bind to the store's parts (a field holding something
+                other than a part, a part the store does not hold, a bad basis or mean).
+            TypeError: a coder's ``attention_rows`` that computes on or copies a part
+                (:class:`~kvqrs.layout.PartRef`), or rows the binding cannot read.
+        """
         if self._attends is None:
-            try:
-                self._declare_rows()
-                self._attends = True
-            except KvqrsError:
-                self._attends = False
+            kparts, vparts, rows = self._named_rows()
+            known = rows is not None and self._known(rows)
+            if known:
+                self._native.set_rows(*self._bound_rows(kparts, vparts, rows))
+            self._attends = known
         return self._attends
 
-    def _declare_rows(self) -> None:
-        """Tell the native store which parts the fused kernel reads as which rows: the codec's
-        row objects for the parts held (:func:`~kvqrs.kernels.attention.binding_rows`), each
-        array replaced by its part's name. Raises :class:`KvqrsError` for rows the native step
-        does not read or rows reading an array the store does not hold."""
-        ck = self.keys()
-        cv = DenseRows(np.zeros((self.batch, self.kv_heads, self.tokens, self.head_dim), np.float32)) if self.key_only else self.values()
-        rows = self.codec.fused_rows(ck, cv)
-        if rows is None:
-            raise KvqrsError(f"fused: no fused attention for {self.codec.scheme} keys with {self.codec.value_scheme} values")
-        names = {id(a): f"keys.{n}" for n, a in ck.parts.items()}
-        if not self.key_only:
-            names.update({id(a): f"values.{n}" for n, a in cv.parts.items()})
+    def _named_rows(self) -> tuple[dict[str, PartRef], dict[str, PartRef], tuple[Any, Any, Any] | None]:
+        """``codec.fused_rows`` over the store's parts by name. Returns ``(key refs, value
+        refs, rows)``: the refs (:class:`~kvqrs.layout.PartRef`) of the codec's layouts of
+        ``(batch, kv_heads, tokens, head_dim)`` by part name (each ref's dtype as the store
+        declares the part: scalars float16, widened to float32 when a chunk needs it; a
+        key-only codec's values the one ref ``fp``, ``values.fp``, read as :class:`DenseRows`),
+        and ``(key rows, value rows, side rows or None)`` that the codec's coders built from
+        :class:`~kvqrs.schemes.Encoded` s of those refs, or None when the codec has no fused
+        rows."""
+        ck = self._refs("keys")
+        if self.key_only:
+            fp = PartRef("fp", self._shape(), self.fp_dtype)
+            cv, vparts = DenseRows(fp), {"fp": fp}
         else:
-            names[id(cv.values)] = "values.fp"
+            cv = self._refs("values")
+            vparts = cv.parts
+        return ck.parts, vparts, self.codec.fused_rows(ck, cv)
 
-        def part(a: Any, name: str) -> str:
-            if id(a) not in names:
-                raise KvqrsError(f"rows: part {name!r} reads an array the store does not hold")
-            return names[id(a)]
+    def _refs(self, kind: str) -> Encoded:
+        """The store's ``kind`` parts as an :class:`~kvqrs.schemes.Encoded` of refs (see
+        :meth:`_named_rows`), with the scheme and parameters of the codec's coder, which its
+        ``attention_rows`` checks (nothing is encoded: a coder that needs more than the tokens to
+        encode, such as width-class values, is asked too)."""
+        shape = self._shape()
+        refs = {n: PartRef(n, p.shape, _NP_DTYPES[_LAYOUT_CODES[p.dtype][0]]) for n, p in self.codec.layout(kind, shape).items()}
+        coder = self.codec._key_coder() if kind == "keys" else self.codec.values
+        return Encoded(coder.scheme, kind, shape, np.dtype(np.float32), refs, coder.params)
 
+    @staticmethod
+    def _known(rows: tuple[Any, Any, Any]) -> bool:
+        """Whether the native step has a row type for each of ``(keys, values, side)``."""
+        return reads_natively(rows[0]) and reads_natively(rows[1]) and (rows[2] is None or isinstance(rows[2], SideRows))
+
+    def _bound_rows(self, kparts: dict[str, PartRef], vparts: dict[str, PartRef], rows: tuple[Any, Any, Any]) -> tuple[Any, Any, Any]:
+        """``rows`` of :meth:`_named_rows` as ``LayerStore.set_rows`` takes them: each ref
+        replaced by the store's name of its part, ``keys.`` or ``values.`` and the ref's name
+        (:func:`~kvqrs.kernels.attention.by_name`; the side reads key parts). Raises as
+        :meth:`can_attend`."""
         lead, d = (self.batch, self.kv_heads), self.head_dim
-        side = None if rows[2] is None else binding_side(rows[2], lead, d, part)
-        self._native.set_rows(binding_rows(rows[0], "keys", lead, d, part), binding_rows(rows[1], "values", lead, d, part), side)
+        keys = binding_rows(rows[0], "keys", lead, d, by_name(kparts, "keys", lambda n: f"keys.{n}"))
+        values = binding_rows(rows[1], "values", lead, d, by_name(vparts, "values", lambda n: f"values.{n}"))
+        side = None if rows[2] is None else binding_side(rows[2], lead, d, by_name(kparts, "side", lambda n: f"keys.{n}"))
+        return keys, values, side
+
+    def _declare_rows(self) -> None:
+        """Declare the rows to the native store for :meth:`attend` and :meth:`step` (as
+        :meth:`can_attend`, on its first call). Raises :class:`KvqrsError` when the native step
+        cannot read this codec's rows (:meth:`can_attend` is False), and what
+        :meth:`can_attend` raises."""
+        if not self.can_attend():
+            raise KvqrsError(
+                f"fused: no native decode step for {self.codec.scheme} keys with {self.codec.value_scheme} values "
+                "(no fused rows, or rows of a class the native step does not read)"
+            )
 
     def attend(self, query: torch.Tensor, sinks: tuple, window: tuple, mask: torch.Tensor | None, scale: float, with_lse: bool = False):
         """Attention of ``query`` ``(batch, q_heads, nq, d)`` over the coded tokens and the

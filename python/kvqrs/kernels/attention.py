@@ -21,6 +21,7 @@ float64 reference is :func:`kvqrs.oracle.decode_attention`, which takes the ``sp
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any, Callable, NamedTuple, Union
 
 import numpy as np
@@ -345,39 +346,50 @@ def per_head_table(x: Any, arg: str, lead: tuple[int, ...], shape: tuple[int, ..
     return as_float_rows(a.reshape(-1, shape[-1]), arg)[0].reshape(-1), count
 
 
+NATIVE_ROWS = (MSERows, UniformRows, DenseRows, ChannelRunRows)
+"""The row classes the native binding reads (``rust/py/src/rows.rs``), alone or in one
+:class:`CentredRows`."""
+
+
+def reads_natively(rows: Any) -> bool:
+    """Whether the native binding has a row type for ``rows``: one of :data:`NATIVE_ROWS`, alone
+    or in a :class:`CentredRows`. Decided from the classes alone (the fields are checked when
+    the rows are bound, :func:`binding_rows`)."""
+    return isinstance(rows.rows if isinstance(rows, CentredRows) else rows, NATIVE_ROWS)
+
+
 def _base(rows: Rows, arg: str) -> Any:
     """The rows of ``rows`` without a mean (raising for rows the kernel does not read)."""
     inner = rows.rows if isinstance(rows, CentredRows) else rows
     if isinstance(inner, CentredRows):
         raise KvqrsError(f"{arg}.rows: expected rows around one mean, got CentredRows in CentredRows")
-    if not isinstance(inner, (MSERows, UniformRows, DenseRows, ChannelRunRows)):
+    if not isinstance(inner, NATIVE_ROWS):
         raise KvqrsError(f"{arg}: expected MSERows, UniformRows, DenseRows, ChannelRunRows or CentredRows, got {type(inner).__name__}")
     return inner
 
 
-def binding_rows(rows: Rows, arg: str, lead: tuple[int, ...], d: int, part: Callable[[Any, str], Any]) -> Any:
-    """``rows`` as the native binding reads them (the typed objects of ``rust/py/src/rows.rs``):
-    each stored array replaced by ``part(array, name)``, ``name`` its part in ``rows.layout``
-    (``codes``, ``qjl.signs``, ``runs[1].scales``): the fused kernel passes the checked flat
-    array, the layer store the part's name in the store, the paged cache the part's place in a
-    page. A ``ChannelRunRows`` basis and a ``CentredRows`` mean go flat float32 with their
-    per-head count (``lead``: the leading shape, ``d``: head_dim).
+def map_parts(rows: Any, part: Callable[[Any, str], Any], arg: str = "rows") -> Any:
+    """``rows`` (any row class of this module, :class:`SideRows` included) with each stored part
+    replaced by ``part(x, name)``, ``name`` its part in the rows' layout (``codes``,
+    ``qjl.signs``, ``norm_exps``, ``runs[1].scales``): the same classes, a basis or mean as it
+    is. :func:`binding_rows` builds on it; over rows of :meth:`~kvqrs.schemes.Encoded.named`
+    parts, ``part`` resolves the names (:func:`by_name`).
 
     Raises:
-        KvqrsError: an unknown row class, nested ``CentredRows``, a basis or mean of another
-            shape or not finite, or what ``part`` raises.
+        KvqrsError: an unknown row class or nested ``CentredRows`` (named ``arg``), or what
+            ``part`` raises.
     """
+    if isinstance(rows, SideRows):
+        return rows._replace(codes=part(rows.codes, "codes"), scales=part(rows.scales, "scales"))
     inner = _base(rows, arg)
     if isinstance(rows, CentredRows):
-        mean, count = per_head_table(rows.mean, f"{arg}.mean", lead, (d,))
-        return _FlatCentred(binding_rows(inner, arg, lead, d, part), mean, count)
+        return rows._replace(rows=map_parts(inner, part, arg))
     if isinstance(rows, ChannelRunRows):
-        basis, count = per_head_table(rows.basis, f"{arg}.basis", lead, (d, d))
-        runs = [
+        runs = tuple(
             run._replace(**{k: part(getattr(run, k), f"runs[{i}].{k}") for k in ("codes", "scales", "zeros")})
             for i, run in enumerate(rows.runs)
-        ]
-        return _FlatRuns(runs, int(rows.group), basis, count)
+        )
+        return rows._replace(runs=runs)
     if isinstance(rows, MSERows):
         q = rows.qjl
         qjl = None if q is None else q._replace(signs=part(q.signs, "qjl.signs"), norms=part(q.norms, "qjl.norms"))
@@ -389,6 +401,52 @@ def binding_rows(rows: Rows, arg: str, lead: tuple[int, ...], d: int, part: Call
     if isinstance(rows, UniformRows):
         return rows._replace(**{k: part(getattr(rows, k), k) for k in ("codes", "scales", "zeros")})
     return DenseRows(part(rows.values, "values"))
+
+
+def by_name(parts: Mapping[str, Any], arg: str, to: Callable[[str], Any]) -> Callable[[Any, str], Any]:
+    """The ``part`` callback of :func:`binding_rows`, :func:`binding_side` and
+    :func:`map_parts` for rows that a coder's ``attention_rows`` built from an ``Encoded`` of
+    :class:`~kvqrs.layout.PartRef` s (:meth:`~kvqrs.schemes.Encoded.named`): each ref replaced
+    by ``to(ref.name)`` (the layer store's part name, a place in a page, an array).
+
+    The callback raises :class:`KvqrsError` naming the field (``arg.field``) for anything else:
+    an array or other object in a part's place (the coder put something there that is not one
+    of its parts), or a ref whose name is not in ``parts``."""
+
+    def part(x: Any, field: str) -> Any:
+        if not isinstance(x, lay.PartRef):
+            raise KvqrsError(
+                f"{arg}.{field}: expected a stored part (a PartRef of the Encoded given to attention_rows), got "
+                f"{type(x).__name__}; attention_rows must place the Encoded's parts in its rows as they are"
+            )
+        if x.name not in parts:
+            raise KvqrsError(f"{arg}.{field}: reads part {x.name!r}, which is not among the parts held ({', '.join(parts)})")
+        return to(x.name)
+
+    return part
+
+
+def binding_rows(rows: Rows, arg: str, lead: tuple[int, ...], d: int, part: Callable[[Any, str], Any]) -> Any:
+    """``rows`` as the native binding reads them (the typed objects of ``rust/py/src/rows.rs``):
+    each stored part replaced by ``part(x, name)`` as :func:`map_parts` does: the fused kernel
+    passes the checked flat array, the layer store the part's name in the store, the paged
+    cache the part's place in a page (both resolve the names of
+    :class:`~kvqrs.layout.PartRef` s, :func:`by_name`). A ``ChannelRunRows`` basis and a
+    ``CentredRows`` mean go flat float32 with their per-head count (``lead``: the leading
+    shape, ``d``: head_dim).
+
+    Raises:
+        KvqrsError: an unknown row class, nested ``CentredRows``, a basis or mean of another
+            shape or not finite, or what ``part`` raises.
+    """
+    inner = _base(rows, arg)
+    if isinstance(rows, CentredRows):
+        mean, count = per_head_table(rows.mean, f"{arg}.mean", lead, (d,))
+        return _FlatCentred(binding_rows(inner, arg, lead, d, part), mean, count)
+    if isinstance(rows, ChannelRunRows):
+        basis, count = per_head_table(rows.basis, f"{arg}.basis", lead, (d, d))
+        return _FlatRuns(list(map_parts(rows, part, arg).runs), int(rows.group), basis, count)
+    return map_parts(rows, part, arg)
 
 
 def _flat_rows(rows: Rows, arg: str, lead: tuple[int, ...], t: int, d: int) -> Any:
@@ -416,11 +474,12 @@ class _FlatSide(NamedTuple):
 
 def binding_side(side: SideRows, lead: tuple[int, ...], d: int, part: Callable[[Any, str], Any]) -> _FlatSide:
     """HeadQ's ``side`` as the native binding reads it (as :func:`binding_rows`): ``codes`` and
-    ``scales`` replaced by ``part(array, name)``, the basis flat float32 with its rank and count.
+    ``scales`` replaced by ``part(x, name)`` (:func:`map_parts`), the basis flat float32 with
+    its rank and count.
 
     Raises:
         KvqrsError: not :class:`SideRows`, a basis other than ``(d, rank)`` or ``(kv_heads, d,
-            rank)``, bad bits.
+            rank)``, bad bits, or what ``part`` raises.
     """
     if not isinstance(side, SideRows):
         raise KvqrsError(f"side: expected SideRows, got {type(side).__name__}")
@@ -432,7 +491,8 @@ def binding_side(side: SideRows, lead: tuple[int, ...], d: int, part: Callable[[
     bits = check_bits(side.bits, "side.bits")
     heads = 1 if basis.ndim == 2 else basis.shape[0]
     flat = np.ascontiguousarray(basis).reshape(-1)
-    return _FlatSide(part(side.codes, "codes"), part(side.scales, "scales"), flat, bits, float(side.sign), basis.shape[-1], heads)
+    parts = map_parts(side, part)
+    return _FlatSide(parts.codes, parts.scales, flat, bits, float(side.sign), basis.shape[-1], heads)
 
 
 def decode_attention(

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -27,7 +27,9 @@ class Encoded:
         kind: ``"keys"`` or ``"values"``.
         shape: shape of the original tensor ``(..., tokens, head_dim)``.
         dtype: numpy dtype of the original tensor (decoding returns it).
-        parts: name -> stored array (packed codes, norms, scales, sketches, side codes, ...).
+        parts: name -> stored array (packed codes, norms, scales, sketches, side codes, ...),
+            or :class:`~kvqrs.layout.PartRef` stand-ins (:meth:`named`): the parts by name,
+            no data.
         params: scheme parameters needed to decode (bits, seeds, group sizes); not counted as
             storage, since they are per-codec constants, not per-token data.
         device: the torch device (``"cpu"``, ``"cuda:0"``, ...) of the tensor it was encoded
@@ -68,6 +70,12 @@ class Encoded:
         """Bits per element contributed by each part."""
         n = max(self.numel, 1)
         return {k: 8.0 * np.asarray(v).nbytes / n for k, v in self.parts.items()}
+
+    def named(self) -> Encoded:
+        """This tensor with each part replaced by a :class:`~kvqrs.layout.PartRef` of its name,
+        shape and dtype (scheme, parameters and shape kept): what a coder's ``attention_rows``
+        is given to say which part each field of its rows reads, by name."""
+        return replace(self, parts=lay.part_refs(self.parts))
 
 
 def concat_tokens(encs: list[Encoded], layout: Callable[[tuple[int, ...]], lay.Layout]) -> Encoded:

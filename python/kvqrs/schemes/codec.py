@@ -534,7 +534,11 @@ class KVCodec:
         """``(key rows, value rows, HeadQ side rows or None)`` for
         :func:`kvqrs.kernels.decode_attention`, or None when this codec has no fused read path:
         a backend other than ``"cpu"``, or ``a2`` values (per-token widths). ``cv`` may also be
-        :class:`~kvqrs.kernels.attention.DenseRows` (values kept in full precision)."""
+        :class:`~kvqrs.kernels.attention.DenseRows` (values kept in full precision). The coders
+        place the parts of ``ck`` and ``cv`` in the rows as they are, so over
+        :meth:`Encoded.named <kvqrs.schemes.Encoded.named>` tensors the rows hold the
+        :class:`~kvqrs.layout.PartRef` of each part they read (how the layer store and the
+        paged cache bind them by name)."""
         keys = self.fused_key_rows(ck)
         if keys is None:
             return None

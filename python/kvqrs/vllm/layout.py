@@ -20,7 +20,7 @@ from .. import _native
 from .._arrays import KvqrsError
 from ..hf.config import QuantConfig
 from ..hf.store import NP_CODES, _native_encoder
-from ..kernels.attention import MSERows, UniformRows, binding_rows
+from ..kernels.attention import MSERows, UniformRows, binding_rows, by_name
 from ..schemes import KVCodec
 
 PAGED_SCHEMES = ("kv", "kqv", "qkqv", "block")
@@ -86,7 +86,7 @@ class SlotLayout:
         self.codec: KVCodec = config.codec(layer, head_dim)
         probe = np.random.default_rng(0).standard_normal((1, 1, head_dim)).astype(np.float32)
         ck, cv = self.codec.encode_keys(probe), self.codec.encode_values(probe)
-        krows, vrows, side = self.codec.fused_rows(ck, cv)
+        krows, vrows, side = self.codec.fused_rows(ck.named(), cv.named())
         if side is not None:
             raise KvqrsError("kvqrs paged cache: HeadQ side codes are not stored in paged slots")
         self.parts: list[Part] = []
@@ -105,24 +105,22 @@ class SlotLayout:
         return _native.SlotWriter(*sides, parts, self.head_dim)
 
     def _side(self, side: str, enc, rows) -> Any:
-        """Append this side's parts; return its rows for the Rust entry point with each array
-        replaced by ``(offset, row_bytes[, dtype])`` within a slot (:meth:`_page_rows` scales
-        them to a page)."""
+        """Append this side's parts; return its rows for the Rust entry point with each part
+        (a :class:`~kvqrs.layout.PartRef` of ``enc``'s, resolved by name) replaced by
+        ``(offset, row_bytes[, dtype])`` within a slot (:meth:`_page_rows` scales them to a
+        page), its size and dtype those of the probe token's array ``enc.parts[name]``."""
         if not (isinstance(rows, MSERows) or (isinstance(rows, UniformRows) and not rows.per_channel)):
             raise KvqrsError(f"kvqrs paged cache: {side} as {type(rows).__name__} have no fixed per-token layout")
-        names = {id(a): n for n, a in enc.parts.items()}
 
-        def place(a: Any, name: str) -> tuple:
-            if id(a) not in names:
-                raise KvqrsError(f"kvqrs paged cache: {side}.{name} is not a stored part")
-            arr = np.asarray(a)
+        def place(name: str) -> tuple:
+            arr = np.asarray(enc.parts[name])
             offset = sum(p.row_bytes for p in self.parts)
-            self.parts.append(Part(side, names[id(a)], offset, arr.nbytes, arr.dtype, arr.shape[2:]))
+            self.parts.append(Part(side, name, offset, arr.nbytes, arr.dtype, arr.shape[2:]))
             return (offset, arr.nbytes) if arr.dtype == np.uint8 else (offset, arr.nbytes, arr.dtype.name)
 
-        out = binding_rows(rows, side, (), self.head_dim, place)
-        if {p.name for p in self.parts if p.side == side} != set(enc.parts):
-            raise KvqrsError(f"kvqrs paged cache: {side} rows do not read every stored part")
+        out = binding_rows(rows, side, (), self.head_dim, by_name(enc.parts, side, place))
+        if sorted(p.name for p in self.parts if p.side == side) != sorted(enc.parts):
+            raise KvqrsError(f"kvqrs paged cache: {side} rows do not read every stored part once")
         return out
 
     def _page_rows(self, side: str, block_size: int) -> Any:
