@@ -4,11 +4,12 @@ through the block table by the Rust paged kernel, for decode and prefill tokens 
 
 - ``customize_spec`` turns the layer's cache into uint8 pages of ``slot_bytes`` per (token,
   KV head), head-major (``LBHNC``), so a page is one block of one KV head;
-- ``do_kv_cache_update`` encodes the new keys and values (the layer's codec, the same bytes as
-  :class:`~kvqrs.hf.QuantizedKVCache`) and writes them through ``slot_mapping``;
-- ``forward`` attends every query token causally over its sequence's codes: decode tokens,
-  prefill chunks and tokens after a cached prefix are one call. Prefill therefore sees its own
-  tokens quantized, as ``QuantizedKVCache`` does with ``residual_length=0``.
+- ``forward`` is a layer's whole step in one native call (:meth:`.layout.SlotLayout.step`, GIL
+  released): it encodes the new keys and values (the layer's codec, the same bytes as
+  :class:`~kvqrs.hf.QuantizedKVCache`), writes them through the batch's ``slot_mapping``, then
+  attends every query token causally over its sequence's codes: decode tokens, prefill chunks
+  and tokens after a cached prefix alike. Prefill therefore sees its own tokens quantized, as
+  ``QuantizedKVCache`` does with ``residual_length=0``.
 
 Imported by vLLM only (it imports vllm); selected by :func:`kvqrs.vllm.register`.
 """
@@ -43,7 +44,7 @@ class KvqrsAttentionBackend(AttentionBackend):
     """Paged attention over kvqrs codes (registered in place of ``CPU_ATTN``)."""
 
     accept_output_buffer: bool = True
-    forward_includes_kv_cache_update: bool = False
+    forward_includes_kv_cache_update: bool = True  # the write and the attention are one native call
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
     supported_kv_cache_dtypes: ClassVar[list] = ["auto"]
 
@@ -80,13 +81,14 @@ class KvqrsAttentionBackend(AttentionBackend):
 
 @dataclass
 class KvqrsMetadata:
-    """Per-batch inputs of the paged kernel: each query token's sequence (block-table row) and
-    the number of tokens it attends to."""
+    """Per-batch inputs of the paged kernel: each query token's sequence (block-table row), the
+    number of tokens it attends to, and the slot its key and value go to."""
 
     num_actual_tokens: int
     seq: np.ndarray
     lengths: np.ndarray
     block_table: np.ndarray
+    slot_mapping: np.ndarray
 
 
 class KvqrsMetadataBuilder(AttentionMetadataBuilder[KvqrsMetadata]):
@@ -99,7 +101,8 @@ class KvqrsMetadataBuilder(AttentionMetadataBuilder[KvqrsMetadata]):
             raise KvqrsError("kvqrs vLLM backend: only causal decoder attention is supported")
         n = m.num_reqs
         seq, lengths = query_positions(m.query_start_loc_cpu[: n + 1].numpy(), m.seq_lens[:n].cpu().numpy())
-        return KvqrsMetadata(m.num_actual_tokens, seq, lengths, m.block_table_tensor[:n].cpu().numpy())
+        slots = m.slot_mapping[: m.num_actual_tokens].cpu().numpy()
+        return KvqrsMetadata(m.num_actual_tokens, seq, lengths, m.block_table_tensor[:n].cpu().numpy(), slots)
 
 
 class KvqrsAttentionImpl(AttentionImpl[KvqrsMetadata]):
@@ -135,9 +138,6 @@ class KvqrsAttentionImpl(AttentionImpl[KvqrsMetadata]):
         self.kv_sharing_target_layer_name = None
         self.config = config_from_env()
         self._layouts: dict[str, SlotLayout] = {}
-        # Per layer, the step's new tokens: written by the forward's one native call with the
-        # step's attention (SlotLayout.step).
-        self._pending: dict[str, tuple] = {}
 
     def _layout(self, layer) -> SlotLayout:
         """The layer's slot layout (its codec is seeded per layer index, as in QuantizedKVCache)."""
@@ -145,22 +145,6 @@ class KvqrsAttentionImpl(AttentionImpl[KvqrsMetadata]):
         if name not in self._layouts:
             self._layouts[name] = SlotLayout(self.config, extract_layer_index(name), self.head_size)
         return self._layouts[name]
-
-    def do_kv_cache_update(self, layer, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        """Keep the step's new tokens for the layer's forward, which writes them and attends in
-        one native call (a step whose forward never came is written first)."""
-        self._write_pending(layer)
-        n = slot_mapping.shape[0]
-        if n == 0:
-            return
-        new = (key[:n].float().numpy(), value[:n].float().numpy(), slot_mapping.cpu().numpy())
-        self._pending[layer.layer_name] = (kv_cache.numpy(), *new)
-
-    def _write_pending(self, layer) -> None:
-        """Write the layer's kept tokens alone (no attention of them follows)."""
-        pending = self._pending.pop(layer.layer_name, None)
-        if pending is not None:
-            self._layout(layer).write(*pending)
 
     def forward(
         self,
@@ -179,20 +163,16 @@ class KvqrsAttentionImpl(AttentionImpl[KvqrsMetadata]):
         if output is None:
             output = torch.empty_like(query)
         if attn_metadata is None:  # profiling / warm-up run: no cache yet
-            self._write_pending(layer)
             return output.zero_()
-        n = attn_metadata.num_actual_tokens
+        m = attn_metadata
+        n = m.num_actual_tokens
         if n == 0:
-            self._write_pending(layer)
             return output
         q = query[:n].view(n, self.num_heads, self.head_size).float().numpy()
-        m = attn_metadata
-        pending = self._pending.pop(layer.layer_name, None)
-        if pending is not None and pending[0].ctypes.data == kv_cache.data_ptr():  # the same cache
-            out = self._layout(layer).step(*pending, q, m.seq, m.lengths, m.block_table, self.scale)
-        else:
-            if pending is not None:
-                self._layout(layer).write(*pending)
+        if key is None or value is None:  # nothing new to store (not a layer kvqrs serves today)
             out = self._layout(layer).attend(kv_cache.numpy(), q, m.seq, m.lengths, m.block_table, self.scale)
+        else:
+            k, v = (t[:n].view(n, self.num_kv_heads, self.head_size).float().numpy() for t in (key, value))
+            out = self._layout(layer).step(kv_cache.numpy(), k, v, m.slot_mapping, q, m.seq, m.lengths, m.block_table, self.scale)
         output[:n] = torch.from_numpy(out).view(output[:n].shape).to(output.dtype)
         return output

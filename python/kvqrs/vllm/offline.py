@@ -101,21 +101,19 @@ def _checked() -> dict:
 
     worst = {"calls": 0, "max": 0.0}
     shadow: dict = {}
-    write, forward = backend.KvqrsAttentionImpl.do_kv_cache_update, backend.KvqrsAttentionImpl.forward
-
-    def update(self, layer, key, value, kv_cache, slot_mapping):
-        write(self, layer, key, value, kv_cache, slot_mapping)
-        n = slot_mapping.shape[0]
-        store = shadow.setdefault(layer.layer_name, {})
-        for s, k, v in zip(slot_mapping.tolist(), key[:n].float().numpy(), value[:n].float().numpy()):
-            if s >= 0:
-                store[s] = (k.copy(), v.copy())
+    forward = backend.KvqrsAttentionImpl.forward
 
     def attend(self, layer, query, key, value, kv_cache, md, output=None, *args, **kwargs):
         out = forward(self, layer, query, key, value, kv_cache, md, output, *args, **kwargs)
         if md is None or md.num_actual_tokens == 0:
             return out
-        codec, store = self._layout(layer).codec, shadow[layer.layer_name]
+        n = md.num_actual_tokens
+        store = shadow.setdefault(layer.layer_name, {})
+        new = (t[:n].float().numpy().reshape(n, self.num_kv_heads, self.head_size) for t in (key, value))
+        for s, k, v in zip(md.slot_mapping.tolist(), *new):  # the step's writes, as the forward made them
+            if s >= 0:
+                store[s] = (k.copy(), v.copy())
+        codec = self._layout(layer).codec
         block = kv_cache.shape[2]
         got = out[: md.num_actual_tokens].float().numpy().reshape(md.num_actual_tokens, self.num_heads, self.head_size)
         q = query[: md.num_actual_tokens].float().numpy().reshape(got.shape)
@@ -133,7 +131,6 @@ def _checked() -> dict:
         worst["calls"] += 1
         return out
 
-    backend.KvqrsAttentionImpl.do_kv_cache_update = update
     backend.KvqrsAttentionImpl.forward = attend
     return worst
 
