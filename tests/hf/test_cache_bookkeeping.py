@@ -20,7 +20,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from kvqrs.hf import QuantConfig, QuantizedKVCache, QuantizedLayer, fake_quant  # noqa: E402
+from kvqrs.hf import CompressedLayer, QuantConfig, QuantizedKVCache, fake_quant  # noqa: E402
 from kvqrs.hf.attention import _STATE, FakeQuant, active  # noqa: E402
 from transformers.cache_utils import DynamicCache  # noqa: E402
 
@@ -118,13 +118,13 @@ def test_streaming_one_token_at_a_time_equals_one_shot(cfg):
     """Fails when scalar storage (float16 vs float32) is chosen per encode call: the first
     chunks then keep float16-rounded scales while one call over all tokens keeps float32."""
     k, v = _kv()
-    stream = QuantizedLayer(cfg, 0)
+    stream = CompressedLayer(cfg, 0)
     for t in range(k.shape[-2]):
         stream.update(k[..., t : t + 1, :], v[..., t : t + 1, :])
         assert stream.quantized == cfg.quantized_count(t + 1)
     assert stream.quantized > 48  # both outlier runs were quantized
     _check_holds_one_shot(stream, cfg, k, v)
-    one = QuantizedLayer(cfg, 0)
+    one = CompressedLayer(cfg, 0)
     one.update(k, v)
     for x, y in zip(one.materialize(), stream.materialize()):
         assert torch.equal(x, y)
@@ -139,7 +139,7 @@ def test_fast_path_encoding_agrees_with_the_cache(cfg):
     window_k = codec.decode_keys(codec.encode_keys(k.numpy()), base_only=True)
     window_v = None if codec.values is None else codec.decode_values(codec.encode_values(v.numpy()))
     for seen in (20, 45, 70):
-        layer = QuantizedLayer(cfg, 0)
+        layer = CompressedLayer(cfg, 0)
         for lo in range(0, seen, 7):  # uneven steps: prefill-sized and decode-sized updates
             layer.update(k[..., lo : min(lo + 7, seen), :], v[..., lo : min(lo + 7, seen), :])
         n = layer.quantized
@@ -156,10 +156,10 @@ def test_rows_encode_independently(cfg):
     k, v = _kv(batch=3, tokens=40, outliers=False)
     k[1] *= 1e5  # row 1 alone beyond float16
     v[1] *= 1e-7
-    both = QuantizedLayer(cfg, 0)
+    both = CompressedLayer(cfg, 0)
     both.update(k, v)
     both.batch_select_indices(torch.tensor([0, 2]))
-    alone = QuantizedLayer(cfg, 0)
+    alone = CompressedLayer(cfg, 0)
     alone.update(k[[0, 2]], v[[0, 2]])
     for x, y in zip(both.materialize(), alone.materialize()):
         assert torch.equal(x, y)
@@ -272,8 +272,8 @@ def test_beam_search_equals_dynamic_cache(model64, monkeypatch):
     model, tok = model64
     prompt = tok(PROMPTS[0], return_tensors="pt").input_ids
     calls = []
-    reorder = QuantizedLayer.reorder_cache
-    monkeypatch.setattr(QuantizedLayer, "reorder_cache", lambda self, idx: calls.append(idx.clone()) or reorder(self, idx))
+    reorder = CompressedLayer.reorder_cache
+    monkeypatch.setattr(CompressedLayer, "reorder_cache", lambda self, idx: calls.append(idx.clone()) or reorder(self, idx))
     kw = dict(max_new_tokens=6, num_beams=3, num_return_sequences=3, do_sample=False, output_scores=True, return_dict_in_generate=True)
     before = _fields(UNQUANTIZED)
     with torch.no_grad():
@@ -295,7 +295,7 @@ def test_beam_search_reorders_quantized_rows(model64, monkeypatch):
     prompt = tok(PROMPTS[0], return_tensors="pt").input_ids
     history = []  # the token history of every cache row, updated as the cache is
     distinct = []  # at each check: did the rows hold different histories?
-    reorder = QuantizedLayer.reorder_cache
+    reorder = CompressedLayer.reorder_cache
 
     def check(layer):
         rows = history[0]
@@ -326,7 +326,7 @@ def test_beam_search_reorders_quantized_rows(model64, monkeypatch):
         hook = model.get_input_embeddings().register_forward_pre_hook(feed)
 
     hook = None
-    monkeypatch.setattr(QuantizedLayer, "reorder_cache", spy)
+    monkeypatch.setattr(CompressedLayer, "reorder_cache", spy)
     hook_on()
     cache = QuantizedKVCache(cfg, model.config.num_hidden_layers)
     try:
@@ -433,14 +433,14 @@ def test_a_long_prompt_flush_hands_freed_heap_back(monkeypatch):
     ``malloc_trim``); decode-step flushes, far below the threshold, do not."""
     import sys
 
-    import kvqrs.hf.cache as cache_mod
+    import kvqrs.hf.layer as layer_mod
     from kvqrs.hf import heap
 
     assert not heap.release_freed(heap.RELEASE_MIN_BYTES - 1)
     if sys.platform.startswith("linux") and heap._malloc_trim() is not None:
         assert heap.release_freed(heap.RELEASE_MIN_BYTES)
     asked = []
-    monkeypatch.setattr(cache_mod, "release_freed", lambda n: asked.append(n))
+    monkeypatch.setattr(layer_mod, "release_freed", lambda n: asked.append(n))
     cache = QuantizedKVCache(QuantConfig("kqv", 4, "kqv", 4, residual_length=16), 1)
     prompt = torch.randn(1, 4, 4096, 64)  # 8 MiB of float32 keys and values
     cache.update(prompt, prompt.clone(), 0)

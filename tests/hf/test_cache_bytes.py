@@ -14,7 +14,7 @@ pytest.importorskip("transformers")
 
 from kvqrs import KvqrsError  # noqa: E402
 from kvqrs import format as fmt  # noqa: E402
-from kvqrs.hf import QuantConfig, QuantizedKVCache, QuantizedLayer  # noqa: E402
+from kvqrs.hf import CompressedLayer, QuantConfig, QuantizedKVCache  # noqa: E402
 from kvqrs.hf.attention import _STATE  # noqa: E402
 from kvqrs.schemes import KVCodec  # noqa: E402
 
@@ -55,7 +55,7 @@ def test_nbytes_by_hand_kqv3():
     # kqv 3-bit keys: 64 codes x 3 bits = 24 bytes + a float16 norm; qkqv-style 3-bit values:
     # 64 x 2-bit codes = 16 bytes + float16 norm + 64 QJL sign bits = 8 bytes + float16 QJL norm.
     cfg = QuantConfig("kqv", 3, "kqv", 3, residual_length=4)
-    layer = QuantizedLayer(cfg, 0)
+    layer = CompressedLayer(cfg, 0)
     layer.update(*_kv(batch=2, tokens=75))
     rows = 2 * 3
     assert layer.nbytes() == rows * 71 * ((24 + 2) + (16 + 2 + 8 + 2)) + rows * 4 * HEAD_DIM * 4 * 2
@@ -87,7 +87,7 @@ def test_nbytes_smaller_than_dense(scheme, bits):
 
 
 def test_layer_does_not_keep_the_decoded_keys_alive():
-    layer = QuantizedLayer(QuantConfig("kqv", 3, "kqv", 3, residual_length=2), 0)
+    layer = CompressedLayer(QuantConfig("kqv", 3, "kqv", 3, residual_length=2), 0)
     k, v = _kv(tokens=20)
     rk, _ = layer.update(k, v)
     assert layer._returned() is rk
@@ -148,7 +148,7 @@ def test_cache_with_calibrated_bases_and_an_empty_layer():
     bases = {i: np.stack([np.linalg.qr(rng.standard_normal((HEAD_DIM, 4)))[0] for _ in range(3)]).astype(np.float32) for i in range(3)}
     cfg = QuantConfig("headq", 2, residual_length=3, headq_base="kqv", bases=bases)
     cache = _filled_cache(cfg, layers=2)
-    cache.layers.append(QuantizedLayer(cfg, 2))  # a layer the model never reached
+    cache.layers.append(CompressedLayer(cfg, 2))  # a layer the model never reached
     back = QuantizedKVCache.from_bytes(cache.to_bytes(), cfg)
     assert not back.layers[2].is_initialized
     _layers_equal(cache, back)

@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from kvqrs import KvqrsError  # noqa: E402
-from kvqrs.hf import QuantConfig, QuantizedKVCache, QuantizedLayer  # noqa: E402
+from kvqrs.hf import CompressedLayer, QuantConfig, QuantizedKVCache  # noqa: E402
 from kvqrs.hf.attention import _STATE  # noqa: E402
 
 from tests.hf.cache_cases import CROP_SCHEMES, HEAD_DIM, _kv, _pair  # noqa: E402
@@ -119,7 +119,7 @@ def test_crop_without_past_recording_refuses_what_it_cannot_restore(cfg):
 def test_crop_keeps_the_headq_correction_of_kept_groups():
     cfg = QuantConfig("headq", 2, residual_length=0, headq_base="kivi", group=8, bases="random")
     k, v = _kv(batch=1, tokens=32)
-    layer = QuantizedLayer(cfg, 0)
+    layer = CompressedLayer(cfg, 0)
     layer.activate_past_recording()
     layer.update(k, v)
     q = torch.randn(1, 9, 2, HEAD_DIM, generator=torch.Generator().manual_seed(4))
@@ -150,14 +150,14 @@ def test_crop_everything_and_restart(cfg):
 def test_crop_conventions():
     cfg = QuantConfig("kqv", 3, "kqv", 3, residual_length=2)
     k, v = _kv(tokens=10)
-    layer = QuantizedLayer(cfg, 0)
+    layer = CompressedLayer(cfg, 0)
     layer.update(k, v)
     before = [t.clone() for t in layer.materialize()]
     layer.crop(0)
     assert all(torch.equal(a, b) for a, b in zip(layer.materialize(), before))
     with pytest.raises(ValueError, match="negative"):
         layer.crop(5)  # transformers' layers refuse the legacy absolute length too
-    QuantizedLayer(cfg, 0).crop(-3)  # uninitialized: nothing to do
+    CompressedLayer(cfg, 0).crop(-3)  # uninitialized: nothing to do
 
 
 BATCH_OPS = [
@@ -195,7 +195,7 @@ def test_batch_operations_against_dynamic_cache(cfg, op, arg):
     "bad", [torch.tensor([5]), torch.tensor([-3]), torch.tensor([[0]]), torch.tensor([True, False, True]), torch.tensor([0.0])]
 )
 def test_batch_select_rejects_bad_indices(bad):
-    layer = QuantizedLayer(QuantConfig("kqv", 3, "kqv", 3), 0)
+    layer = CompressedLayer(QuantConfig("kqv", 3, "kqv", 3), 0)
     k, v = _kv(batch=2, tokens=5)
     layer.update(k, v)
     with pytest.raises(KvqrsError, match="indices"):

@@ -1,4 +1,4 @@
-"""Fused decode steps of ``QuantizedLayer``: attention straight from the codes against the decoded
+"""Fused decode steps of ``CompressedLayer``: attention straight from the codes against the decoded
 layer (every scheme, GQA, masks), the ``matched`` step streamed and one-shot, its native step
 against the Python fused path, the fallback where a mask hides codes, generation on SmolLM2 in
 float32 with fused steps against the decoded cache, and a float16 output that does not fit."""
@@ -11,7 +11,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from kvqrs import KvqrsError  # noqa: E402
-from kvqrs.hf import QuantConfig, QuantizedKVCache, QuantizedLayer  # noqa: E402
+from kvqrs.hf import CompressedLayer, QuantConfig, QuantizedKVCache  # noqa: E402
 from kvqrs.hf.store import CodeStore  # noqa: E402
 
 from tests.cache_helpers import per_head_matched_calibration  # noqa: E402
@@ -104,7 +104,7 @@ def test_fused_decode_step_matches_decoded_layer(cfg, nq):
     module, scaling = _Module(3), HEAD_DIM**-0.5
     outs = []
     for fused in (True, False):
-        layer = QuantizedLayer(cfg, 0)
+        layer = CompressedLayer(cfg, 0)
         rk, rv = layer.update(k, v, fused=fused)  # prefill: never fused
         assert rk.shape[-2] == 45
         layer.attend(module, q[..., :1, :], rk, rv, None, scaling)
@@ -138,7 +138,7 @@ def test_fused_matched_step_streaming_equals_one_shot(cfg):
     module, scaling = _Module(3), HEAD_DIM**-0.5
     outs = []
     for step in (45, 1):
-        layer = QuantizedLayer(cfg, 0)
+        layer = CompressedLayer(cfg, 0)
         for i in range(0, 45, step):
             rk, rv = layer.update(k[..., i : i + step, :], v[..., i : i + step, :], fused=True)
             layer.attend(
@@ -198,7 +198,7 @@ def test_native_matched_step_equals_the_decoded_path(cfg, nq, monkeypatch):
     monkeypatch.setattr(CodeStore, "attend", spy)
     outs = []
     for native in (True, False):
-        layer = QuantizedLayer(cfg, 0)
+        layer = CompressedLayer(cfg, 0)
         layer.attend(module, q[..., :1, :], *layer.update(k, v, fused=True), None, scaling)
         rk, rv = layer.update(k2, v2, fused=True)
         assert layer._fused
@@ -219,7 +219,7 @@ def test_fused_step_falls_back_where_a_mask_hides_codes():
     mask[0, ..., 3] = torch.finfo(torch.float32).min  # padding hides one quantized position
     outs = []
     for fused in (True, False):
-        layer = QuantizedLayer(cfg, 0)
+        layer = CompressedLayer(cfg, 0)
         layer.attend(module, q, *layer.update(k, v, fused=fused), None, scaling)
         rk, rv = layer.update(k[..., :1, :], v[..., :1, :], fused=fused)
         outs.append(layer.attend(module, q, rk, rv, mask, scaling)[0])
@@ -246,7 +246,7 @@ def test_generation_with_fused_steps_matches_the_decoded_cache(model32, cfg, mon
 
     spy(CodeStore, "attend", "fused")  # native reads from the codes: a general step's
     spy(CodeStore, "step", "fused")  # and a steady step's, with its writes
-    spy(QuantizedLayer, "materialize", "materialize")
+    spy(CompressedLayer, "materialize", "materialize")
     runs = {}
     new = 8
     for fused in (False, True):
@@ -274,7 +274,7 @@ def test_a_fused_step_whose_output_does_not_fit_float16_raises(scheme):
     is an error naming it, never an infinite output."""
     torch.manual_seed(0)
     d, heads, dt = 20, 2, torch.float16
-    layer = QuantizedLayer(QuantConfig(scheme, 4, scheme, 4, residual_length=4, group=8), 0)
+    layer = CompressedLayer(QuantConfig(scheme, 4, scheme, 4, residual_length=4, group=8), 0)
     mod = _Module(1)
     k, v = torch.randn(1, heads, 16, d), torch.randn(1, heads, 16, d)
     rk, rv = layer.update(k.to(dt), v.to(dt), fused=True)

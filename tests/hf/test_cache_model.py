@@ -18,7 +18,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from kvqrs import KvqrsError  # noqa: E402
-from kvqrs.hf import QuantConfig, QuantizedKVCache, QuantizedLayer, active, calibrate, fake_quant, load_bases, save_bases  # noqa: E402
+from kvqrs.hf import CompressedLayer, QuantConfig, QuantizedKVCache, active, calibrate, fake_quant, load_bases, save_bases  # noqa: E402
 from transformers.cache_utils import DynamicCache  # noqa: E402
 
 from tests.hf.cache_cases import HEAD_DIM, TEXT, _dense_bytes, _kv, _layers  # noqa: E402
@@ -344,7 +344,7 @@ def test_headq_without_bases_raises_on_use(model64, ids):
     cfg = QuantConfig("headq", 2)  # constructing is fine, using is not
     with pytest.raises(KvqrsError, match="basis"):
         cfg.codec(0, HEAD_DIM)
-    layer = QuantizedLayer(QuantConfig("headq", 2), 0)
+    layer = CompressedLayer(QuantConfig("headq", 2), 0)
     with pytest.raises(KvqrsError, match="basis"):
         layer.update(*_kv(tokens=40))
     partial = QuantConfig("headq", 2, bases={0: np.eye(HEAD_DIM, 4)[None].repeat(3, 0)})

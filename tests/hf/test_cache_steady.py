@@ -1,4 +1,4 @@
-"""The steady decode step of ``QuantizedLayer.update`` (one token written into the window's
+"""The steady decode step of ``CompressedLayer.update`` (one token written into the window's
 buffer, a chunk leaving the window encoded natively, the general path's bookkeeping skipped)
 against the general path it shortcuts: the same tokens, the same logits and the same cache
 bytes, on a tiny random Llama in float32, for each scheme with a native encoder. Also: the
@@ -13,7 +13,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from kvqrs import KvqrsError  # noqa: E402
-from kvqrs.hf import QuantConfig, QuantizedKVCache, QuantizedLayer, register  # noqa: E402
+from kvqrs.hf import CompressedLayer, QuantConfig, QuantizedKVCache, register  # noqa: E402
 
 from tests.cache_helpers import held_tensors, per_head_matched_calibration  # noqa: E402
 
@@ -61,7 +61,7 @@ class _Counting:
 
     def __init__(self, monkeypatch, off: bool):
         self.taken = self.declined = 0
-        steady = QuantizedLayer._steady_update
+        steady = CompressedLayer._steady_update
 
         def counted(layer, k, v):
             out = None if off else steady(layer, k, v)
@@ -71,7 +71,7 @@ class _Counting:
                 self.taken += 1
             return out
 
-        monkeypatch.setattr(QuantizedLayer, "_steady_update", counted)
+        monkeypatch.setattr(CompressedLayer, "_steady_update", counted)
 
 
 def _generate(model, config, monkeypatch, off: bool):
@@ -107,7 +107,7 @@ class _Module:
     layer_idx, num_key_value_groups = 0, GROUPS
 
 
-def _decoding_layer() -> tuple[QuantizedLayer, object]:
+def _decoding_layer() -> tuple[CompressedLayer, object]:
     """A one-layer cache in its steady decode state (kqv, window 8), and a decode token maker."""
     rng = np.random.default_rng(0)
 
@@ -159,8 +159,8 @@ def test_a_changed_layer_sends_the_next_update_down_the_general_path(monkeypatch
     else:
         layer.batch_select_indices(torch.tensor([0]))
     calls = []
-    steady = QuantizedLayer._steady_update
-    monkeypatch.setattr(QuantizedLayer, "_steady_update", lambda s, k, v: calls.append(out := steady(s, k, v)) or out)
+    steady = CompressedLayer._steady_update
+    monkeypatch.setattr(CompressedLayer, "_steady_update", lambda s, k, v: calls.append(out := steady(s, k, v)) or out)
     cache.update(kv(1), kv(1), 0)
     assert all(out is None for out in calls), "the steady path served a changed layer"
 

@@ -1,4 +1,4 @@
-"""``QuantizedLayer``'s schedule and full-precision window, on synthetic keys and values: which
+"""``CompressedLayer``'s schedule and full-precision window, on synthetic keys and values: which
 tokens are quantized, the window after a prefill, streaming one token at a time = one update,
 what an update returns, dtypes, reset; the in-place window buffer against joining the window
 at every step (full and sliding layers, rollback, batch selection), KIVI groups of whole bytes
@@ -13,7 +13,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from kvqrs import KvqrsError  # noqa: E402
-from kvqrs.hf import QuantConfig, QuantizedKVCache, QuantizedLayer  # noqa: E402
+from kvqrs.hf import CompressedLayer, QuantConfig, QuantizedKVCache  # noqa: E402
 
 from tests.hf.cache_cases import GROUPED, HEAD_DIM, PER_TOKEN, _kv  # noqa: E402
 
@@ -56,7 +56,7 @@ def test_prefill_window(scheme, residual, tokens):
     chunk = 32 if scheme == "kivi" else 1
     expected = max(0, (tokens - residual) // chunk * chunk)
     k, v = _kv(tokens=tokens)
-    layer = QuantizedLayer(cfg, 0)
+    layer = CompressedLayer(cfg, 0)
     rk, rv = layer.update(k, v)
     assert layer.quantized == cfg.quantized_count(tokens) == expected
     assert layer.keys.shape[-2] == layer.values.shape[-2] == tokens - expected
@@ -71,9 +71,9 @@ def test_prefill_window(scheme, residual, tokens):
 def test_streaming_equals_one_shot_prefill(cfg):
     tokens = 70
     k, v = _kv(tokens=tokens, seed=1)
-    one = QuantizedLayer(cfg, 0)
+    one = CompressedLayer(cfg, 0)
     one.update(k, v)
-    stream = QuantizedLayer(cfg, 0)
+    stream = CompressedLayer(cfg, 0)
     for t in range(tokens):
         rk, rv = stream.update(k[..., t : t + 1, :], v[..., t : t + 1, :])
         assert stream.quantized == cfg.quantized_count(t + 1)
@@ -94,7 +94,7 @@ def test_streaming_equals_one_shot_prefill(cfg):
 @pytest.mark.parametrize("cfg", PER_TOKEN + GROUPED)
 def test_update_returns_window_exact_and_quantized_part_decoded(cfg):
     k, v = _kv(tokens=45, seed=2)
-    layer = QuantizedLayer(cfg, 0)
+    layer = CompressedLayer(cfg, 0)
     rk, rv = layer.update(k, v)
     n = layer.quantized
     assert n > 0
@@ -114,7 +114,7 @@ def test_update_returns_window_exact_and_quantized_part_decoded(cfg):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
 def test_update_keeps_dtype(dtype):
     k, v = _kv(tokens=12, dtype=dtype)
-    layer = QuantizedLayer(QuantConfig("kqv", 4, "kqv", 4, residual_length=3), 0)
+    layer = CompressedLayer(QuantConfig("kqv", 4, "kqv", 4, residual_length=3), 0)
     rk, rv = layer.update(k, v)
     assert rk.dtype == rv.dtype == dtype
     assert torch.equal(rk[..., 9:, :], k[..., 9:, :])
@@ -123,12 +123,12 @@ def test_update_keeps_dtype(dtype):
 def test_reset_then_reuse_equals_fresh_layer():
     cfg = QuantConfig("kqv", 3, "kqv", 3, residual_length=2)
     k, v = _kv(tokens=10)
-    layer = QuantizedLayer(cfg, 0)
+    layer = CompressedLayer(cfg, 0)
     layer.update(*_kv(tokens=20, seed=9))
     layer.reset()
     assert layer.get_seq_length() == 0 and layer.nbytes() == 0
     a = layer.update(k, v)
-    b = QuantizedLayer(cfg, 0).update(k, v)
+    b = CompressedLayer(cfg, 0).update(k, v)
     assert all(torch.equal(x, y) for x, y in zip(a, b))
 
 
@@ -141,12 +141,12 @@ WINDOW_CASES = [
 ]
 
 
-def _window_script(cfg: QuantConfig, window: int | None, buffered: bool) -> tuple[list, QuantizedLayer]:
+def _window_script(cfg: QuantConfig, window: int | None, buffered: bool) -> tuple[list, CompressedLayer]:
     """A layer fed a prompt, decode steps, a rollback under past recording, a batch selection
     and a long prompt after them; returns what each update returned (copies) and the layer.
     Checks that every tensor handed out kept its values (the buffer never writes below the
     window's end) and that a long prompt's buffer did not outlive the next step."""
-    layer = QuantizedLayer(cfg, 0, window)
+    layer = CompressedLayer(cfg, 0, window)
     rng = np.random.default_rng(3)
     returned, handed = [], []
 
@@ -179,10 +179,10 @@ def test_the_window_buffer_holds_what_joining_the_window_holds(cfg, window, monk
     """A float32 CPU layer writes new tokens in place into its window's buffer; a layer that
     joins the window at every step (the path of other dtypes) returns and holds the same
     tensors, bit for bit, through :func:`_window_script`."""
-    import kvqrs.hf.cache as cache_mod
+    import kvqrs.hf.layer as layer_mod
 
     ret_a, a = _window_script(cfg, window, True)
-    monkeypatch.setattr(cache_mod, "_plain_f32", lambda *ts: False)
+    monkeypatch.setattr(layer_mod, "_plain_f32", lambda *ts: False)
     ret_b, b = _window_script(cfg, window, False)
     for (ka, va), (kb, vb) in zip(ret_a, ret_b):
         assert torch.equal(ka, kb) and torch.equal(va, vb)
@@ -194,7 +194,7 @@ def test_the_window_buffer_holds_what_joining_the_window_holds(cfg, window, monk
 
 
 def test_a_non_finite_token_leaves_the_window_buffer_as_it_was():
-    layer = QuantizedLayer(QuantConfig("kqv", 4, "kqv", 4, residual_length=4), 0)
+    layer = CompressedLayer(QuantConfig("kqv", 4, "kqv", 4, residual_length=4), 0)
     k = torch.randn(2, 3, 6, 16)
     layer.update(k, k)
     before = layer.keys.clone()
@@ -210,7 +210,7 @@ def test_a_non_finite_token_leaves_the_window_buffer_as_it_was():
 def test_new_tokens_that_share_the_window_buffer_append_as_copies():
     """States that are views of the layer's own window (its buffer) are read before the
     buffer is written: the window is what joining copies of them gives."""
-    layer = QuantizedLayer(QuantConfig("kivi", 2, "kivi", 2, residual_length=8, group=4), 0)
+    layer = CompressedLayer(QuantConfig("kivi", 2, "kivi", 2, residual_length=8, group=4), 0)
     k = torch.randn(1, 2, 5, 16)
     layer.update(k, k)
     own_k, own_v = layer.keys[..., 1:3, :], layer.values[..., 2:4, :]

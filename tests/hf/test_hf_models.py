@@ -337,10 +337,10 @@ def test_assisted_generation_equals_greedy_generation(models, kind, cfg):
 def test_assisted_generation_crops_into_quantized_tokens(models, monkeypatch):
     """The drafts above are rolled back across quantized tokens: without the originals that past
     recording keeps, the first such crop is refused (instead of silently diverging)."""
-    from kvqrs.hf import QuantizedLayer
+    from kvqrs.hf import CompressedLayer
 
     model = _model(models, "llama128")
-    monkeypatch.setattr(QuantizedLayer, "activate_past_recording", lambda self, **kwargs: None)
+    monkeypatch.setattr(CompressedLayer, "activate_past_recording", lambda self, **kwargs: None)
     with pytest.raises(KvqrsError, match="activate_past_recording"):
         _greedy(model, _ids(12, seed=5), QuantConfig("kqv", 3, "kqv", 3, residual_length=4), assistant=_model(models, "qwen3"))
 

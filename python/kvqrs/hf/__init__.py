@@ -3,15 +3,16 @@ path, :class:`QuantizedKVCache`, HeadQ calibration and the torch thread count
 (:func:`fastest_threads`)."""
 
 from .attention import active, fake_quant, kvqrs_attention, register
-from .cache import QuantizedKVCache, QuantizedLayer
+from .cache import QuantizedKVCache
 from .calibration import calibrate, calibrate_matched, fit_matched, load_bases, load_matched, record_matched, save_bases, save_matched
 from .config import QuantConfig
+from .layer import CompressedLayer
 from .threads import fastest_threads, set_num_threads
 
 __all__ = [
     "QuantConfig",
     "QuantizedKVCache",
-    "QuantizedLayer",
+    "CompressedLayer",
     "active",
     "calibrate",
     "calibrate_matched",

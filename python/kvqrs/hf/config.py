@@ -81,7 +81,7 @@ class QuantConfig:
             random-basis control.
         a2_uniform: with ``value_scheme="a2"``, give every token the same width (the uniform
             baseline of the A^2 allocation).
-        fused: decode steps (at most ``kvqrs.hf.cache.FUSED_MAX_QUERY`` new tokens) attend
+        fused: decode steps (at most ``kvqrs.hf.layer.FUSED_MAX_QUERY`` new tokens) attend
             straight from the stored codes (``KVCodec.fused_attention``) and merge the
             full-precision window by log-sum-exp, instead of decoding the whole cache each step.
             Used where the codec has a fused read path, for float32 / float16 / bfloat16 models

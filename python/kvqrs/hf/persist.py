@@ -83,7 +83,7 @@ def _tensor_section(name: str, t: torch.Tensor) -> tuple:
     return (name, _FLOAT[t.dtype], list(t.shape), t.view(torch.uint8).numpy().tobytes())
 
 
-# Full-precision tensors of a layer (QuantizedLayer.fp_tensors): always present, optional.
+# Full-precision tensors of a layer (CompressedLayer.fp_tensors): always present, optional.
 _FP_ALWAYS = ("window_keys", "window_values", "sink_keys", "sink_values")
 _FP_OPTIONAL = ("pending_keys", "pending_values")
 _POSITIONS = ("seen", "start", "q_start")
