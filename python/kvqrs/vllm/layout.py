@@ -206,8 +206,9 @@ class SlotLayout:
         scale: float,
     ) -> np.ndarray:
         """Attention of each query token over the first ``lengths[t]`` tokens of sequence
-        ``seq[t]`` (its block-table row), computed from the codes in place (docs/kernels.md
-        section 11; the pages' softmax parts merged by log-sum-exp).
+        ``seq[t]`` (its block-table row), computed from the codes (docs/kernels.md section 11):
+        the sequence's slots gathered from its pages and read in one fused-kernel call per
+        query token and KV head.
 
         Args:
             cache: the uint8 cache of :meth:`check_cache`.

@@ -456,7 +456,90 @@ fn check_queries(cache: &PagedCache, qs: &PagedQueries) -> Result<()> {
     Ok(())
 }
 
-/// Attention of one query token's `g` query heads over one KV head's pages, merged.
+impl PagedRows {
+    /// The same rows with part `i` (in [`PageSide::parts`]' order) at `offsets[i]`.
+    fn relocated(&self, offsets: &[usize]) -> PagedRows {
+        let at = |i: usize, p: Part| Part {
+            offset: offsets[i],
+            row_bytes: p.row_bytes,
+        };
+        match *self {
+            PagedRows::Mse {
+                codes,
+                norms,
+                bits,
+                seed,
+                qjl,
+            } => PagedRows::Mse {
+                codes: at(0, codes),
+                norms: ScalarPart {
+                    part: at(1, norms.part),
+                    kind: norms.kind,
+                },
+                bits,
+                seed,
+                qjl: qjl.map(|q| PagedQjl {
+                    signs: at(2, q.signs),
+                    norms: ScalarPart {
+                        part: at(3, q.norms.part),
+                        kind: q.norms.kind,
+                    },
+                    seed: q.seed,
+                }),
+            },
+            PagedRows::UniformTokens {
+                codes,
+                scales,
+                zeros,
+                kind,
+                bits,
+                group,
+                seed,
+            } => PagedRows::UniformTokens {
+                codes: at(0, codes),
+                scales: at(1, scales),
+                zeros: at(2, zeros),
+                kind,
+                bits,
+                group,
+                seed,
+            },
+        }
+    }
+}
+
+/// One side's first `len` rows of KV head `h`, gathered from the pages of `blocks` into one
+/// page of `len` slots (each part's rows contiguous): the rows the fused kernel reads in one
+/// call. Copying a slot's few bytes costs less than a kernel call per page (its query
+/// rotation, tables and read-out rotation).
+fn gather_side(
+    cache: &PagedCache,
+    rows: &PagedRows,
+    blocks: &[i32],
+    h: usize,
+    len: usize,
+) -> (PagedRows, Vec<u8>) {
+    let parts = PageSide::parts(rows);
+    let bs = cache.block_size;
+    let mut buf = vec![0u8; parts.iter().map(|(_, p, _)| p.row_bytes * len).sum()];
+    let mut offsets = Vec::with_capacity(parts.len());
+    let mut at = 0;
+    for (_, p, _) in &parts {
+        for (i, &b) in blocks.iter().enumerate() {
+            let n = (len - i * bs).min(bs);
+            let src = b as usize * cache.block_stride + h * cache.head_stride + p.offset;
+            let dst = at + i * bs * p.row_bytes;
+            buf[dst..dst + n * p.row_bytes]
+                .copy_from_slice(&cache.data[src..src + n * p.row_bytes]);
+        }
+        offsets.push(at);
+        at += len * p.row_bytes;
+    }
+    (rows.relocated(&offsets), buf)
+}
+
+/// Attention of one query token's `g` query heads over one KV head's first `length` tokens:
+/// their rows gathered from the pages, then one fused-kernel call.
 fn token_head(
     isa: Isa,
     cache: &PagedCache,
@@ -470,47 +553,19 @@ fn token_head(
     let q = &qs.q[(t * qs.q_heads + h * g) * d..(t * qs.q_heads + (h + 1) * g) * d];
     let len = qs.lengths[t] as usize;
     let row = &qs.block_table[qs.seq[t] as usize * qs.table_width..];
-    let mut acc = vec![0.0f64; g * d];
-    let mut den = vec![0.0f64; g];
-    let mut top = vec![f64::NEG_INFINITY; g];
-    for (i, &b) in row[..len.div_ceil(cache.block_size)].iter().enumerate() {
-        let start = b as usize * cache.block_stride + h * cache.head_stride;
-        let page = &cache.data[start..start + cache.page_bytes];
-        let n = (len - i * cache.block_size).min(cache.block_size);
-        let (ks, vs) = (
-            PageSide::new(*keys, page, n),
-            PageSide::new(*values, page, n),
-        );
-        let layout = AttentionShape::new(1, g, n, d, qs.scale);
-        let part = decode_attention_with(isa, q, &layout, &ks.coded(), None, &vs.coded(), false)?;
-        for r in 0..g {
-            let l = f64::from(part.lse[r]);
-            if l > top[r] {
-                let shrink = (top[r] - l).exp(); // 0 for the first page
-                den[r] *= shrink;
-                acc[r * d..(r + 1) * d]
-                    .iter_mut()
-                    .for_each(|a| *a *= shrink);
-                top[r] = l;
-            }
-            let w = (l - top[r]).exp();
-            den[r] += w;
-            for (a, &o) in acc[r * d..(r + 1) * d].iter_mut().zip(&part.out[r * d..]) {
-                *a += w * f64::from(o);
-            }
-        }
-    }
-    Ok(acc
-        .chunks_exact(d)
-        .zip(&den)
-        .flat_map(|(a, &s)| a.iter().map(move |&v| (v / s) as f32))
-        .collect())
+    let blocks = &row[..len.div_ceil(cache.block_size)];
+    let (kr, kbuf) = gather_side(cache, keys, blocks, h, len);
+    let (vr, vbuf) = gather_side(cache, values, blocks, h, len);
+    let (ks, vs) = (PageSide::new(kr, &kbuf, len), PageSide::new(vr, &vbuf, len));
+    let layout = AttentionShape::new(1, g, len, d, qs.scale);
+    Ok(decode_attention_with(isa, q, &layout, &ks.coded(), None, &vs.coded(), false)?.out)
 }
 
 /// Decode attention of every query token over its sequence's first `length` tokens in the
 /// paged `cache`, read through the block table: `out[t, i, :] = softmax_j(scale * q_(t,i) .
 /// k_hat_j) @ v_hat` with the keys and values of KV head `i / (q_heads / kv_heads)`, computed
-/// from the codes (docs/kernels.md section 11) page by page.
+/// from the codes (docs/kernels.md section 11): each (token, KV head) gathers its rows from the
+/// pages and reads them in one fused-kernel call.
 ///
 /// Returns tokens x q_heads x head_dim float32.
 ///
