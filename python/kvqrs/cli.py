@@ -222,10 +222,13 @@ def _check_calibrations(rows, model) -> None:
     from .hf.cache import check_calibration_fits
     from .hf.config import QuantConfig
 
+    model_config = getattr(model, "config", None)
+    if not hasattr(model_config, "get_text_config"):  # not a transformers model: nothing to compare
+        return
     for row in rows:
         config = getattr(row, "config", None)
         if isinstance(config, QuantConfig):
-            check_calibration_fits(config, model.config)
+            check_calibration_fits(config, model_config)
 
 
 def _load_model(args: argparse.Namespace, src) -> tuple:
@@ -350,8 +353,9 @@ def _eval_llama(args: argparse.Namespace) -> int:
     torch_threads(1 if args.threads is None else args.threads)
     start = time.perf_counter()
     model, tok, info = _load_model(args, src)
-    _check_calibrations(rows, model)
-    if not args.calibration:
+    if args.calibration:
+        _check_calibrations(rows, model)
+    else:
         windows = lp.llama_chunks(tok, texts.calibration, args.ctx, args.calibration_windows or 8)
         stats = record_matched(model, windows, skip=1)
         rows = lp.llama_rows({key: fit_matched(stats, *key) for key in budgets})
