@@ -144,10 +144,9 @@ def check_belongs(enc: Encoded, codec: KVCodec) -> None:
     check_encoded(enc, coder.scheme, enc.kind, coder.params)
     if len(enc.shape) < 2 or enc.shape[-1] != codec.head_dim:
         raise KvqrsError(f"compressed cache: shape {enc.shape}, the codec expects (..., tokens, {codec.head_dim})")
-    layout = getattr(coder, "layout", None)
-    if layout is None:
+    if not coder.has_layout:
         return  # a2: its parts follow the per-token widths it stored; decode checks them
-    check_parts(enc.parts, layout(enc.shape), "compressed cache")
+    check_parts(enc.parts, coder.layout(enc.shape), "compressed cache")
 
 
 def save(path: str | os.PathLike, enc: Encoded) -> None:

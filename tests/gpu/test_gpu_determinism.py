@@ -15,23 +15,27 @@ from kvqrs import format as fmt
 from kvqrs import gpu
 from kvqrs.gpu import _device
 from kvqrs.schemes import KVCodec
+from kvqrs.schemes.registry import KEY_SCHEMES
 
 from tests.gpu.gpu_helpers import FLUSH_ATOL, requires_adapter
 from tests.gpu.test_gpu_schemes import assert_parts_close
+from tests.scheme_helpers import scheme_codec
 
 pytestmark = requires_adapter
 
 ONE_DIM_LIMIT = _device.MAX_GROUPS_PER_DIM * _device.WORKGROUP  # invocations of a 1-D grid
-SCHEMES = [("kv", {}), ("kqv", {}), ("qkqv", {}), ("kivi", {}), ("block", {}), ("headq", {"basis": "random"})]
+SCHEMES = KEY_SCHEMES  # each with its seeded control where it needs a calibration
 # Every stored byte of every scheme's keys and values on the WGSL path, as one digest.
 SCRIPT = """
 import hashlib, numpy as np
 from kvqrs import format as fmt
 from kvqrs.schemes import KVCodec
+from kvqrs.schemes.registry import REGISTRY
 x = np.random.default_rng(7).standard_normal((2, 3, 150, 64)).astype(np.float32)
 h = hashlib.sha256()
-for s, kw in {schemes!r}:
-    c = KVCodec(s, 3, 64, seed=11, backend="wgpu", **kw)
+for s in {schemes!r}:
+    b = REGISTRY[s].keys.bits(3)
+    c = KVCodec(s, b, 64, seed=11, backend="wgpu", **REGISTRY[s].control_kwargs(64, b, 11))
     h.update(fmt.dumps(c.encode_keys(x)))
     h.update(fmt.dumps(c.encode_values(x)))
 print(h.hexdigest())
@@ -87,8 +91,8 @@ def test_same_bytes_in_another_process():
 
 def test_repeated_dispatches_are_identical_and_agree_with_cpu():
     x = np.random.default_rng(2).standard_normal((2, 2, 96, 64)).astype(np.float32)
-    for scheme, kw in SCHEMES:
-        wg, cpu = KVCodec(scheme, 2, 64, seed=3, backend="wgpu", **kw), KVCodec(scheme, 2, 64, seed=3, **kw)
+    for scheme in SCHEMES:
+        wg, cpu = scheme_codec(scheme, 2, 64, seed=3, backend="wgpu"), scheme_codec(scheme, 2, 64, seed=3)
         for encode, ref in ((wg.encode_keys, cpu.encode_keys), (wg.encode_values, cpu.encode_values)):
             first = encode(x)
             assert all(fmt.dumps(encode(x)) == fmt.dumps(first) for _ in range(3)), scheme

@@ -16,6 +16,7 @@ from kvqrs import KvqrsError, oracle, random_orthonormal_basis
 from kvqrs.kernels import CentredRows, ChannelRunRows, DenseRows, LogScalars, MSERows, SideRows, UniformRows, decode_attention
 from kvqrs.schemes import KVCodec
 from kvqrs.schemes.matched import MatchedBasis, MatchedCalibration, MatchedCoder
+from kvqrs.schemes.registry import HEADQ_BASES, REGISTRY
 
 from tests.process_helpers import stdout_per_thread_count
 
@@ -41,14 +42,25 @@ TOL = 1e-5
 # Probabilities below float32's normal range may flush to zero in the float32 kernel.
 PROB_ATOL = 1e-30
 
-KEY_SCHEMES = ["kv", "kqv", "qkqv", "kivi", "block", "headq:kivi", "headq:kqv", "headq:kv", "headq:block"]
+# Every scheme with a fused read path that needs no calibration (matched: its own strategy below,
+# with drawn bases) and HeadQ over each of its bases; values that are coded ("none" values: the
+# DenseRows tests below).
+_FUSED = {
+    kind: [n for n, s in REGISTRY.items() if s.side(kind) and s.side(kind).fused and not s.needs_calibration] for kind in ("keys", "values")
+}
+KEY_SCHEMES = _FUSED["keys"] + [f"headq:{base}" for base in HEADQ_BASES]
 # "kv:log8": kv values whose norms are 8-bit log codes (docs/kernels.md section 13).
-VALUE_SCHEMES = ["kv", "kqv", "qkqv", "kivi", "block", "kv:log8"]
+VALUE_SCHEMES = [n for n in _FUSED["values"] if REGISTRY[n].values.coded] + ["kv:log8"]
 # 64 and 128 are powers of two; 96 and 40 are padded to 128 and 64 by the rotation schemes.
 HEAD_DIMS = [64, 96, 128, 40]
 GQA_RATIOS = [1, 3, 7]
-QJL = {"qkqv"}  # key schemes whose budget includes a 1-bit QJL residual
-QJL_VALUES = {"kqv", "qkqv"}  # value schemes with a QJL residual (kqv/qkqv values)
+
+
+def bit_range(scheme: str, kind: str) -> tuple[int, int]:
+    """The bits ``scheme`` (``"headq:<base>"``: its base; ``"kv:log8"``: kv) takes for ``kind``:
+    2 at the fewest where a QJL residual takes one."""
+    side = REGISTRY[scheme.split(":")[-1 if scheme.startswith("headq") else 0]].side(kind)
+    return side.min_bits, side.max_bits
 
 
 # --------------------------------------------------------------------------------------------
@@ -63,8 +75,8 @@ def problems(draw, key_scheme=None, value_scheme=None):
     ks = key_scheme or draw(st.sampled_from(KEY_SCHEMES))
     vs = value_scheme or draw(st.sampled_from(VALUE_SCHEMES))
     d = draw(st.sampled_from(HEAD_DIMS))
-    bits = draw(st.integers(2 if ks in QJL else 1, 8))
-    value_bits = draw(st.integers(2 if vs in QJL_VALUES else 1, 8))
+    bits = draw(st.integers(*bit_range(ks, "keys")))
+    value_bits = draw(st.integers(*bit_range(vs, "values")))
     g = draw(st.sampled_from(GQA_RATIOS))
     kv_heads = draw(st.integers(1, 2))
     batch = draw(st.sampled_from([(), (2,)]))

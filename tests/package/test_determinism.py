@@ -13,18 +13,22 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 from kvqrs import format as fmt
-from kvqrs.schemes import KVCodec
+from kvqrs.schemes.registry import KEY_SCHEMES
 
-SCHEMES = ("kv", "kqv", "qkqv", "kivi", "block", "headq")
+from tests.scheme_helpers import scheme_codec
+
+SCHEMES = KEY_SCHEMES  # each with its seeded control where it needs a calibration
 # Every stored byte of every scheme's keys and values for a fixed input, as one digest.
 SCRIPT = """
 import hashlib, numpy as np
 from kvqrs import format as fmt
 from kvqrs.schemes import KVCodec
+from kvqrs.schemes.registry import REGISTRY
 x = np.random.default_rng(7).standard_normal((2, 3, 300, 96)).astype(np.float32)
 h = hashlib.sha256()
 for s in {schemes!r}:
-    c = KVCodec(s, 3, 96, seed=11, basis="random" if s == "headq" else None)
+    b = REGISTRY[s].keys.bits(3)
+    c = KVCodec(s, b, 96, seed=11, **REGISTRY[s].control_kwargs(96, b, 11))
     h.update(fmt.dumps(c.encode_keys(x)))
     h.update(fmt.dumps(c.encode_values(x)))
 print(h.hexdigest())
@@ -58,14 +62,14 @@ def test_same_bytes_in_another_process(env):
 def test_repeated_calls_are_identical():
     x = np.random.default_rng(1).standard_normal((4, 200, 64)).astype(np.float32)
     for s in SCHEMES:
-        c = KVCodec(s, 2, 64, seed=3, basis="random" if s == "headq" else None)
+        c = scheme_codec(s, 2, 64, seed=3)
         first = fmt.dumps(c.encode_keys(x))
         assert all(fmt.dumps(c.encode_keys(x)) == first for _ in range(3)), s
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_concurrent_threads_on_a_shared_codec(scheme):
-    c = KVCodec(scheme, 3, 64, seed=5, basis="random" if scheme == "headq" else None)
+    c = scheme_codec(scheme, 3, 64, seed=5)
     rng = np.random.default_rng(2)
     inputs = [rng.standard_normal((2, 96, 64)).astype(np.float32) for _ in range(16)]
     q = rng.standard_normal((2, 4, 64)).astype(np.float32)

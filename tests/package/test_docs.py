@@ -11,7 +11,7 @@ import re
 import subprocess
 
 import pytest
-from kvqrs.schemes.codec import KEY_SCHEMES, VALUE_SCHEMES
+from kvqrs.schemes.registry import REGISTRY
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
@@ -28,7 +28,7 @@ def test_readme_is_a_short_front_page():
 def test_readme_scheme_table_lists_every_scheme():
     text = README.read_text()
     table = text[text.index("## Schemes") :]
-    for name in {*KEY_SCHEMES, *VALUE_SCHEMES}:
+    for name in REGISTRY:
         assert f"| `{name}`" in table, name
 
 

@@ -15,13 +15,16 @@ from hypothesis import strategies as st
 from kvqrs import _native
 from kvqrs import format as fmt
 from kvqrs.schemes import KVCodec
+from kvqrs.schemes.registry import KEY_SCHEMES
+
+from tests.scheme_helpers import scheme_codec
 
 CORPUS = pathlib.Path(__file__).resolve().parents[1] / "corpus" / "format"
-SCHEMES = ("kv", "kqv", "qkqv", "kivi", "block", "headq")
+SCHEMES = KEY_SCHEMES  # each with its seeded control where it needs a calibration
 
 
 def codec(scheme, bits=3, d=40, seed=1, **kw):
-    return KVCodec(scheme, bits, d, seed=seed, basis="random" if scheme == "headq" else None, **kw)
+    return scheme_codec(scheme, bits, d, seed, **kw)
 
 
 def tensor(shape=(1, 2, 33, 40), seed=0, dtype=np.float32):

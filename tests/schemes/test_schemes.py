@@ -17,7 +17,9 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 from kvqrs import oracle
 from kvqrs.schemes import Encoded, KVCodec, allocate_bits, derive_seed
+from kvqrs.schemes.registry import KEY_SCHEMES, REGISTRY, VALUE_SCHEMES
 
+from tests.scheme_helpers import scheme_codec
 from tests.strategies import codes_match_except_near_boundaries, finite_rows, head_dims, leading_shapes
 
 # --------------------------------------------------------------------------------------------
@@ -839,26 +841,27 @@ def relative_error(x, x_hat):
     return float(np.sum((x - x_hat) ** 2) / np.sum(x**2))
 
 
-@pytest.mark.parametrize("scheme", ["kv", "kqv", "qkqv", "kivi", "headq"])
+@pytest.mark.parametrize("scheme", KEY_SCHEMES)
 def test_more_key_bits_lower_error(scheme):
     d = 64
     k = gaussian(60, (256, d))
-    lo = 2 if scheme == "qkqv" else 1
     errs = []
-    for n in range(lo, 6):
-        codec = KVCodec(scheme, n, d, seed=SEED, value_bits=max(n, 2), basis="random" if scheme == "headq" else None)
+    side = REGISTRY[scheme].keys
+    for n in range(side.min_bits, min(side.max_bits, 5) + 1):
+        codec = scheme_codec(scheme, n, d, SEED, value_scheme="kv")
         errs.append(relative_error(k, codec.decode_keys(codec.encode_keys(k))))
     assert all(b < a for a, b in zip(errs, errs[1:])), errs
 
 
-@pytest.mark.parametrize("scheme", ["kv", "kqv", "qkqv", "kivi", "a2"])
+@pytest.mark.parametrize("scheme", [n for n in VALUE_SCHEMES if REGISTRY[n].values.coded])
 def test_more_value_bits_lower_error(scheme):
     d = 64
     v = gaussian(61, (256, d))
-    lo = 2 if scheme in ("kqv", "qkqv") else 1
     errs = []
-    for n in range(lo, 6):
-        codec = KVCodec("kv", 2, d, seed=SEED, value_scheme=scheme, value_bits=n)
+    side = REGISTRY[scheme].values
+    for n in range(side.min_bits, min(side.max_bits, 5) + 1):
+        kw = REGISTRY[scheme].control_kwargs(d, n, SEED)
+        codec = KVCodec("kv", 2, d, seed=SEED, value_scheme=scheme, value_bits=n, **kw)
         w = a2_weights(3, (), 256) if scheme == "a2" else None
         errs.append(relative_error(v, codec.decode_values(codec.encode_values(v, w))))
     assert all(b < a for a, b in zip(errs, errs[1:])), errs
@@ -978,10 +981,10 @@ def test_bad_key_shape_and_dtype_raise():
         codec.encode_values(gaussian(0, (64,)))
 
 
-@pytest.mark.parametrize("scheme", ["kv", "kqv", "qkqv", "kivi", "block", "headq"])
+@pytest.mark.parametrize("scheme", KEY_SCHEMES)
 def test_empty_token_axis(scheme):
     # A cache with no tokens yet: encode, decode and score without errors, shapes kept.
-    c = KVCodec(scheme, 3, 40, seed=1, basis="random" if scheme == "headq" else None)
+    c = scheme_codec(scheme, 3, 40, seed=1)
     x = np.zeros((2, 0, 40), np.float32)
     ck, cv = c.encode_keys(x), c.encode_values(x)
     assert ck.nbytes == cv.nbytes == 0

@@ -113,7 +113,7 @@ def _native_encoder(coder: Any, kv_heads: int) -> NativeEncoder | None:
     from ..schemes.kivi import KIVICoder
     from ..schemes.matched import MatchedCoder, MatchedValueCoder
 
-    if getattr(coder, "k", None) is not CPU and not isinstance(coder, MatchedValueCoder):
+    if coder is None or coder.k is not CPU:
         return None
     kind = type(coder)
     if kind is MSECoder:
@@ -124,7 +124,7 @@ def _native_encoder(coder: Any, kv_heads: int) -> NativeEncoder | None:
         return NativeEncoder("channels", coder.head_dim, runs=((coder.bits, 0, coder.head_dim, ""),), group=coder.group)
     if kind is KIVICoder:
         return NativeEncoder("tokens", coder.head_dim, coder.bits, group=coder.group)
-    if kind is MatchedValueCoder and coder.mse.k is CPU and coder.mean.shape[0] in (1, kv_heads):
+    if kind is MatchedValueCoder and coder.mean.shape[0] in (1, kv_heads):
         m = coder.mse
         return NativeEncoder("mse", m.head_dim, m.bits, m.seed, scale=m.scale, norm_group=m.norm_group, mean=_flat(coder.mean))
     if kind is MatchedCoder and coder.cal.kv_heads in (1, kv_heads):

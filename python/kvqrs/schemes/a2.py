@@ -15,7 +15,7 @@ import numpy as np
 from .._arrays import KvqrsError
 from ..kernels import lloyd_max_codebook, padded_dim
 from .backend import CPU, Backend
-from .base import Encoded, as_float_array, check_encoded, check_head_dim
+from .base import Coder, Encoded, as_float_array, check_encoded, check_head_dim
 
 MIN_BITS, MAX_BITS = 1, 8
 
@@ -74,12 +74,14 @@ def check_weights(weights: Any, shape: tuple[int, ...]) -> np.ndarray:
     return w
 
 
-class A2ValueCoder:
+class A2ValueCoder(Coder):
     """Rotated MSE values with per-token widths from :func:`allocate_bits`.
 
     ``encode(v, weights)`` takes the importances ``w_j = sum_q p_qj^2`` (``(..., T)``); with
     ``weights=None`` every token gets ``bits`` (the uniform allocation).
     """
+
+    has_layout, takes_weights = False, True  # parts follow the stored widths; encode(v, weights) (Coder)
 
     def __init__(self, head_dim: int, bits: int, seed: int, scheme: str = "a2", backend: Backend = CPU):
         if not MIN_BITS <= bits <= MAX_BITS:

@@ -10,12 +10,15 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 from .. import layout as lay
 from .._arrays import KvqrsError, as_array, first_nonfinite
+
+if TYPE_CHECKING:
+    from .backend import Backend
 
 
 @dataclass(frozen=True)
@@ -76,6 +79,67 @@ class Encoded:
         shape and dtype (scheme, parameters and shape kept): what a coder's ``attention_rows``
         is given to say which part each field of its rows reads, by name."""
         return replace(self, parts=lay.part_refs(self.parts))
+
+
+class Coder(Protocol):
+    """What every coder of one side of the cache has; the scheme registry
+    (:mod:`kvqrs.schemes.registry`) builds them. The coders of :mod:`kvqrs.schemes`
+    (``MSECoder``, ``MSEQJLCoder``, ``KIVICoder``, ``BlockCoder``, ``HeadQCoder``,
+    ``MatchedCoder``, ``MatchedValueCoder``, ``A2ValueCoder``, ``WidthClassCoder``) subclass it
+    and set the capabilities that differ from the defaults below.
+
+    Capabilities (class attributes; HeadQ's ``fused`` is its base coder's), each with what it
+    promises:
+
+    - ``fused`` (default False): ``attention_rows(enc)`` gives the rows
+      :func:`kvqrs.kernels.decode_attention` reads, codes still packed (HeadQ's: ``(base rows,
+      side rows)``); ``KVCodec.fused_attention`` reads them on the ``"cpu"`` backend. Without
+      it, attention decodes first.
+    - ``has_layout`` (default True): ``layout(shape) -> {part: kvqrs.layout.Part}`` declares
+      the stored parts of a ``(..., T, d)`` tensor (what joining, cutting and the file format
+      check). False for ``a2``, whose parts follow the widths it stored.
+    - ``takes_weights`` (default False): ``encode(x, weights)`` takes each token's A^2
+      importance ``(..., T)`` (``a2``: None gives every token ``bits``).
+    - ``needs_weights`` (default False): ``encode`` raises without them (width classes).
+
+    Key coders also have ``scores(q, enc)``: logits ``q . k_hat / sqrt(d)``, float32 ``(..., nq,
+    T)``, for queries ``(..., nq, d)`` with the keys' leading dims.
+
+    Attributes:
+        scheme: the name recorded in every tensor it encodes.
+        kind: ``"keys"`` or ``"values"``.
+        head_dim: d.
+        params: what decoding needs besides the parts (bits, seeds, group, calibration
+            digests): a tensor decodes only under equal ``params``.
+        k: the kernels' backend (:mod:`kvqrs.schemes.backend`).
+    """
+
+    scheme: str
+    kind: str
+    head_dim: int
+    params: Mapping[str, Any]
+    k: Backend
+    fused: bool = False
+    has_layout: bool = True
+    takes_weights: bool = False
+    needs_weights: bool = False
+
+    def encode(self, x: Any) -> Encoded:
+        """``x`` ``(..., T, d)`` (a float NumPy array or torch tensor) encoded.
+
+        Raises:
+            KvqrsError: a NaN or infinity, another head_dim, a row whose norm or range
+                overflows float32.
+        """
+        raise NotImplementedError
+
+    def decode(self, enc: Encoded) -> np.ndarray:
+        """The reconstruction, float32 of ``enc.shape``.
+
+        Raises:
+            KvqrsError: ``enc`` not encoded by a coder of this scheme, side and ``params``.
+        """
+        raise NotImplementedError
 
 
 def concat_tokens(encs: list[Encoded], layout: Callable[[tuple[int, ...]], lay.Layout]) -> Encoded:

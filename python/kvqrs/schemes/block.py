@@ -11,12 +11,14 @@ from ..kernels import padded_dim
 from ..kernels.attention import UniformRows
 from ..kernels.uniform import UniformCode
 from .backend import CPU, Backend
-from .base import Encoded, as_float_array, check_encoded, check_head_dim, split_shape
+from .base import Coder, Encoded, as_float_array, check_encoded, check_head_dim, split_shape
 from .mse import decoded_scores
 
 
-class BlockCoder:
+class BlockCoder(Coder):
     """Rotation + asymmetric uniform blocks of ``group`` rotated coordinates."""
+
+    fused = True  # attention_rows below (Coder.fused)
 
     def __init__(self, head_dim: int, bits: int, seed: int, group: int, scheme: str, kind: str, backend: Backend = CPU):
         self.head_dim, self.bits, self.seed, self.group = head_dim, bits, seed, group

@@ -21,130 +21,36 @@ from .._arrays import (
 )
 from ..kernels.attention import AttentionResult, DenseRows, decode_attention
 from ..kernels.headq import headq_basis
-from ..kernels.mse import check_scale
-from ..kernels.rng import philox4x32_10, random_orthonormal_basis
-from .a2 import A2ValueCoder
-from .backend import Backend, get_backend
-from .base import Encoded, as_float_array, concat_tokens, name_nonfinite, slice_rows
-from .block import BlockCoder
-from .headq import HeadQCoder
-from .kivi import KIVICoder
-from .matched import MatchedCalibration, MatchedCoder, MatchedValueCoder
-from .mse import MSECoder, MSEQJLCoder, norm_params
-from .width_classes import WidthClassCoder
+from ..kernels.rng import random_orthonormal_basis
+from .backend import get_backend
+from .base import Coder, Encoded, as_float_array, concat_tokens, name_nonfinite, slice_rows
+from .matched import MatchedCalibration
+from .registry import (
+    _RANDOM_BASIS,
+    HEADQ_BASES,
+    KEY_SCHEMES,
+    LOG_NORM_VALUE_SCHEMES,
+    MSE_VALUE_SCHEMES,
+    REGISTRY,
+    VALUE_SCHEMES,
+    CoderSettings,
+    build_coder,
+    check_value_stage,
+    derive_seed,
+)
 
-KEY_SCHEMES = ("kv", "kqv", "qkqv", "kivi", "block", "headq", "matched")
-VALUE_SCHEMES = ("kv", "kqv", "qkqv", "kivi", "block", "a2", "matched", "none")
-MSE_VALUE_SCHEMES = ("kv", "kqv", "qkqv", "matched")
-"""Value schemes whose values go through the MSE stage (the ones ``value_scale`` applies to)."""
-LOG_NORM_VALUE_SCHEMES = ("kv", "matched")
-"""Value schemes whose MSE stage may store log-coded norms (``value_norms="log8"``)."""
 SCHEMES = KEY_SCHEMES
-HEADQ_BASES = ("kivi", "kqv", "kv", "block")
-
-# Sub-seed tags: every random object of a codec comes from its one seed (docs/kernels.md 1).
-_KEY_ROTATION, _KEY_QJL, _VALUE_ROTATION, _VALUE_QJL, _RANDOM_BASIS = range(1, 6)
-
-
-def derive_seed(seed: int, tag: int) -> int:
-    """Sub-seed ``tag`` of ``seed``: the first two words of Philox4x32-10 at counter
-    ``(tag, 0, 0xFFFFFFFF, 0)`` under key ``seed`` (a stream no kernel uses)."""
-    w = philox4x32_10([tag, 0, 0xFFFFFFFF, 0], [seed & 0xFFFFFFFF, seed >> 32])
-    return int(w[0]) | (int(w[1]) << 32)
-
-
-def _matched_calibration(calibration: Any, side: str) -> MatchedCalibration:
-    if not isinstance(calibration, MatchedCalibration):
-        raise KvqrsError(
-            f"calibration: the matched {side} need a MatchedCalibration (kvqrs.hf.calibrate_matched or "
-            f"kvqrs.schemes.matched.fit_basis), got {type(calibration).__name__}"
-        )
-    return calibration
-
-
-def _key_coder(scheme: str, bits: int, head_dim: int, seed: int, group: int, backend: Backend, calibration: Any = None):
-    if scheme == "matched":
-        return MatchedCoder(head_dim, _matched_calibration(calibration, "keys").keys, group, scheme, "keys", backend)
-    rot, qjl = derive_seed(seed, _KEY_ROTATION), derive_seed(seed, _KEY_QJL)
-    if scheme == "kv":
-        return MSECoder(head_dim, bits, None, scheme, "keys", backend)
-    if scheme == "kqv":
-        return MSECoder(head_dim, bits, rot, scheme, "keys", backend)
-    if scheme == "qkqv":
-        return MSEQJLCoder(head_dim, bits, rot, qjl, scheme, "keys", backend)
-    if scheme == "kivi":
-        return KIVICoder(head_dim, bits, group, True, scheme, "keys", backend)
-    if scheme == "block":
-        return BlockCoder(head_dim, bits, rot, group, scheme, "keys", backend)
-    raise KvqrsError(f"scheme: expected one of {KEY_SCHEMES} for keys, got {scheme!r}")
-
-
-def check_value_stage(scheme: str | None, scale: Any, norms: Any, group: Any, transform_coded: bool, what: str) -> None:
-    """The value stage's settings, checked alike by :class:`KVCodec` and, before any codec is
-    built, by ``QuantConfig``: ``value_scale`` and ``value_norms`` known, log8 norms with a
-    ``group`` the log code takes, and either setting other than its default only for value
-    schemes with that stage and not for transform-coded ``matched`` values (``what`` names
-    the caller's values in the error).
-
-    Raises:
-        KvqrsError: an unknown setting, a group out of range, or a setting its values lack.
-    """
-    check_scale(scale, "value_scale")
-    norm_params(norms, group, ("value_norms", "group"))
-    for option, value, default, schemes, stage in (
-        ("value_scale", scale, "norm", MSE_VALUE_SCHEMES, "the MSE value stage"),
-        # A QJL residual is computed against the float norm.
-        ("value_norms", norms, "float", LOG_NORM_VALUE_SCHEMES, "the MSE value stage without a QJL residual"),
-    ):
-        if value != default and (scheme not in schemes or transform_coded):
-            raise KvqrsError(
-                f"{option}: {value!r} applies to {stage} (value schemes {schemes}, matched without transform-coded values), not to {what}"
-            )
-
-
-def _value_coder(
-    scheme: str,
-    bits: int,
-    head_dim: int,
-    seed: int,
-    group: int,
-    backend: Backend,
-    calibration: Any = None,
-    scale: str = "norm",
-    norms: str = "float",
-):
-    rot, qjl = derive_seed(seed, _VALUE_ROTATION), derive_seed(seed, _VALUE_QJL)
-    if scheme in VALUE_SCHEMES:
-        transform_coded = scheme == "matched" and getattr(calibration, "values", None) is not None
-        check_value_stage(
-            scheme, scale, norms, group, transform_coded, "transform-coded matched values" if transform_coded else f"{scheme!r} values"
-        )
-    stored = {"norms": norms, "norm_group": group}
-    if scheme == "matched":
-        cal = _matched_calibration(calibration, "values")
-        if cal.values is not None:  # transform-coded values: the calibrated widths, not ``bits``
-            return MatchedCoder(head_dim, cal.values, group, scheme, "values", backend)
-        if cal.value_classes is not None:
-            chunk = sum(c for _, c in cal.value_classes)
-            if chunk != group:
-                raise KvqrsError(f"value_classes: the calibration's classes fill chunks of {chunk} tokens, the config's group is {group}")
-            stage = lambda b: MSECoder(head_dim, b, rot, scheme, "values", backend, scale, **stored)  # noqa: E731
-            return WidthClassCoder(cal.value_classes, group, cal.value_mean, stage)
-        width = bits if cal.value_bits is None else cal.value_bits  # a per-layer allocation overrides the config
-        return MatchedValueCoder(head_dim, width, rot, cal.value_mean, scheme, "values", backend, scale, **stored)
-    if scheme == "kv":
-        return MSECoder(head_dim, bits, None, scheme, "values", backend, scale, **stored)
-    if scheme in ("kqv", "qkqv"):
-        return MSEQJLCoder(head_dim, bits, rot, qjl, scheme, "values", backend, scale)
-    if scheme == "kivi":
-        return KIVICoder(head_dim, bits, group, False, scheme, "values", backend)
-    if scheme == "a2":
-        return A2ValueCoder(head_dim, bits, rot, backend=backend)
-    if scheme == "block":
-        return BlockCoder(head_dim, bits, rot, group, scheme, "values", backend)
-    if scheme == "none":
-        return None
-    raise KvqrsError(f"value_scheme: expected one of {VALUE_SCHEMES}, got {scheme!r}")
+__all__ = [
+    "HEADQ_BASES",
+    "KEY_SCHEMES",
+    "LOG_NORM_VALUE_SCHEMES",
+    "MSE_VALUE_SCHEMES",
+    "SCHEMES",
+    "VALUE_SCHEMES",
+    "KVCodec",
+    "check_value_stage",
+    "derive_seed",
+]
 
 
 if TYPE_CHECKING:
@@ -274,21 +180,35 @@ class KVCodec:
         self.head_dim = check_positive_int(head_dim, "head_dim", minimum=2)
         self.seed = check_seed(seed, optional=False)
         self.group = check_positive_int(group, "group")
-        if scheme not in KEY_SCHEMES:
+        spec = REGISTRY.get(scheme)
+        if spec is None or spec.keys is None:
             raise KvqrsError(f"scheme: expected one of {KEY_SCHEMES}, got {scheme!r}")
-        self.value_scheme = value_scheme or ("kivi" if scheme == "headq" else scheme)
+        # A scheme that codes keys only (headq) takes kivi values unless told otherwise.
+        self.value_scheme = value_scheme or (scheme if spec.values is not None else "kivi")
         self.calibration = calibration
         self.value_scale, self.value_norms = value_scale, value_norms
-        self.values = _value_coder(
-            self.value_scheme, self.value_bits, self.head_dim, self.seed, self.group, self.backend, calibration, value_scale, value_norms
+        self.values: Coder | None = build_coder(
+            CoderSettings(
+                self.value_scheme,
+                "values",
+                self.value_bits,
+                self.head_dim,
+                self.seed,
+                self.group,
+                self.backend,
+                calibration,
+                value_scale,
+                value_norms,
+            )
         )
         self.rank, self.side_bits, self.sign, self.headq_base = rank, side_bits, sign, headq_base
+        self.keys: Coder | None
         if scheme == "headq":
             if headq_base not in HEADQ_BASES:
                 raise KvqrsError(f"headq_base: expected one of {HEADQ_BASES}, got {headq_base!r}")
             self.rank = check_positive_int(rank, "rank")
             self.side_bits = check_bits(side_bits, "side_bits")
-            self._base = _key_coder(headq_base, self.bits, self.head_dim, self.seed, self.group, self.backend)
+            self._base = build_coder(self._key_settings(headq_base))
             self.keys = None
             if isinstance(basis, str):
                 if basis != "random":
@@ -297,12 +217,18 @@ class KVCodec:
             if basis is not None:
                 self.set_basis(basis)
         else:
-            self.keys = _key_coder(scheme, self.bits, self.head_dim, self.seed, self.group, self.backend, calibration)
+            self.keys = build_coder(self._key_settings(scheme, calibration))
+
+    def _key_settings(self, scheme: str, calibration: Any = None, **headq: Any) -> CoderSettings:
+        """What the registry builds ``scheme``'s key coder from (``headq``: ``base``,
+        ``side_bits``, ``sign``)."""
+        return CoderSettings(scheme, "keys", self.bits, self.head_dim, self.seed, self.group, self.backend, calibration, **headq)
 
     # -- HeadQ calibration ------------------------------------------------------------------
     def set_basis(self, basis: Array) -> None:
         """Use ``basis`` (``(d, r)`` or ``(kv_heads, d, r)``) for the HeadQ side code."""
-        self.keys = HeadQCoder(self._base, as_float_array(basis, "basis"), self.side_bits, self.sign, "headq")
+        basis = as_float_array(basis, "basis")
+        self.keys = build_coder(self._key_settings("headq", basis, base=self._base, side_bits=self.side_bits, sign=self.sign))
         self.rank = self.keys.rank
 
     def calibrate(self, queries: Array) -> Array:
@@ -332,9 +258,9 @@ class KVCodec:
         if not isinstance(enc, Encoded):
             return
         coder = self.keys if enc.kind == "keys" else self.values
-        params = getattr(coder, "params", None)
-        if params is None or enc.scheme != coder.scheme:
+        if coder is None or enc.scheme != coder.scheme:
             return
+        params = coder.params
         diff = [k for k in set(params) | set(enc.params) if params.get(k) != enc.params.get(k)]
         if not diff or not all("seed" in k for k in diff):
             return
@@ -453,12 +379,11 @@ class KVCodec:
     def _layout_of(self, kind: str):
         """The ``layout(shape)`` of this codec's keys or values (:mod:`kvqrs.layout`)."""
         coder = self._key_coder() if kind == "keys" else self.values
-        layout = getattr(coder, "layout", None)
-        if layout is None:
+        if coder is None or not coder.has_layout:
             raise KvqrsError(
                 f"encoded: {self.value_scheme if kind == 'values' else self.scheme} {kind} have no per-token layout to join or cut"
             )
-        return layout
+        return coder.layout
 
     # -- values --------------------------------------------------------------------------------
     def encode_values(self, v: Array, weights: Array | None = None) -> Encoded:
@@ -467,7 +392,7 @@ class KVCodec:
         ``sum_q p_qj^2``) is used by the ``a2`` value scheme only."""
         if self.values is None:
             raise KvqrsError("value_scheme: this codec keeps values in full precision ('none'); nothing to encode")
-        if self.value_scheme == "a2" or self.needs_weights:
+        if self.needs_weights:
             return _with_source(name_nonfinite(self.values.encode, v, "values", weights), v, self.seed)
         if weights is not None:
             raise KvqrsError(
@@ -506,29 +431,29 @@ class KVCodec:
     def needs_weights(self) -> bool:
         """Whether :meth:`encode_values` needs each token's A^2 importance (``a2`` values, or
         ``matched`` values in width classes): only the fast evaluation path has the queries."""
-        return self.value_scheme == "a2" or bool(getattr(self.values, "needs_weights", False))
+        return self.values is not None and self.values.takes_weights
 
     def has_fused_path(self) -> bool:
         """Whether :meth:`fused_attention` can read this codec's keys and values (or keys with
-        values kept in full precision): the ``"cpu"`` backend and every scheme but ``a2`` values."""
+        values kept in full precision): the ``"cpu"`` backend and coders that declare a fused read
+        path (``Coder.fused``: all but ``a2`` values and ``matched`` values in width classes).
+
+        Raises:
+            KvqrsError: ``headq`` keys without a basis yet.
+        """
         known = self.__dict__.get("_has_fused_path")  # fixed at construction: asked once per decode step
         if known is None:
-            coder = self._key_coder()
-            keys = getattr(getattr(coder, "base", coder), "attention_rows", None) is not None
-            values = self.values is None or getattr(self.values, "attention_rows", None) is not None
+            keys, values = self._key_coder().fused, self.values is None or self.values.fused
             known = self.__dict__["_has_fused_path"] = self.backend.name == "cpu" and keys and values
         return known
 
     def fused_key_rows(self, ck: Encoded) -> tuple[Any, Any] | None:
         """``(key rows, HeadQ side rows or None)`` for :func:`kvqrs.kernels.decode_attention`,
         or None when the keys have no fused read path (a backend other than ``"cpu"``)."""
-        if self.backend.name != "cpu":
+        if self.backend.name != "cpu" or not self._key_coder().fused:
             return None
-        krows = getattr(self._key_coder(), "attention_rows", None)
-        k = None if krows is None else krows(ck)
-        if self.scheme != "headq" or k is None:
-            return None if k is None else (k, None)
-        return k
+        k = self._key_coder().attention_rows(ck)
+        return k if self.scheme == "headq" else (k, None)
 
     def fused_rows(self, ck: Encoded, cv: Encoded | DenseRows) -> tuple[Any, Any, Any] | None:
         """``(key rows, value rows, HeadQ side rows or None)`` for
@@ -544,10 +469,9 @@ class KVCodec:
             return None
         if isinstance(cv, DenseRows):
             return keys[0], cv, keys[1]
-        vrows = getattr(self.values, "attention_rows", None)
-        if vrows is None:
+        if self.values is None or not self.values.fused:
             return None
-        return keys[0], vrows(cv), keys[1]
+        return keys[0], self.values.attention_rows(cv), keys[1]
 
     def fused_attention(
         self, q: Array, ck: Encoded, cv: Encoded | DenseRows, probs: bool = False, scale: float | None = None

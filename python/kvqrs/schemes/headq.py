@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-from typing import Any
 
 import numpy as np
 
@@ -17,11 +16,11 @@ from .. import layout as lay
 from .._arrays import KvqrsError, first_nonfinite
 from ..kernels.attention import SideRows
 from ..kernels.headq import HeadQCode
-from .base import Encoded, as_float_array, check_encoded, flat_rows, split_shape
+from .base import Coder, Encoded, as_float_array, check_encoded, flat_rows, split_shape
 from .mse import blockwise
 
 
-class HeadQCoder:
+class HeadQCoder(Coder):
     """Base key coder + side code ``z = Q_side(U^T (k - k_base))``.
 
     Args:
@@ -34,7 +33,7 @@ class HeadQCoder:
     The side code runs on the base coder's compute backend (its ``k`` attribute).
     """
 
-    def __init__(self, base: Any, basis: np.ndarray, side_bits: int, sign: int, scheme: str):
+    def __init__(self, base: Coder, basis: np.ndarray, side_bits: int, sign: int, scheme: str):
         if sign not in (1, -1):
             raise KvqrsError(f"sign: expected +1 or -1, got {sign}")
         b = np.asarray(basis, dtype=np.float32)
@@ -53,6 +52,11 @@ class HeadQCoder:
             "sign": sign,
             "basis_sha256": hashlib.sha256(np.ascontiguousarray(b).tobytes()).hexdigest()[:16],
         }
+
+    @property
+    def fused(self) -> bool:
+        """A fused read path wherever the base coder has one (the side code always has)."""
+        return self.base.fused
 
     def layout(self, shape: tuple[int, ...]) -> lay.Layout:
         """The base coder's parts prefixed ``base_``, then the side code: ``side_codes``

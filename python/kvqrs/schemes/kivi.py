@@ -10,11 +10,11 @@ from .. import layout as lay
 from ..kernels.attention import UniformRows
 from ..kernels.uniform import UniformCode
 from .backend import CPU, Backend
-from .base import Encoded, as_float_array, check_encoded, check_head_dim, split_shape
+from .base import Coder, Encoded, as_float_array, check_encoded, check_head_dim, split_shape
 from .mse import decoded_scores
 
 
-class KIVICoder:
+class KIVICoder(Coder):
     """Per-channel (keys) or per-token (values) asymmetric uniform quantizer.
 
     Args:
@@ -24,6 +24,8 @@ class KIVICoder:
         per_channel: True for keys (groups run along tokens), False for values.
         backend: the kernels' compute path, the Rust one by default.
     """
+
+    fused = True  # attention_rows below (Coder.fused)
 
     def __init__(self, head_dim: int, bits: int, group: int, per_channel: bool, scheme: str, kind: str, backend: Backend = CPU):
         self.head_dim, self.bits, self.group, self.per_channel = head_dim, bits, group, per_channel

@@ -36,7 +36,7 @@ from .._arrays import KvqrsError, contiguous_float32
 from ..kernels.attention import CentredRows, ChannelRun, ChannelRunRows, MSERows
 from ..kernels.uniform import UniformCode
 from .backend import CPU, Backend
-from .base import Encoded, as_float_array, check_encoded, check_head_dim, split_shape
+from .base import Coder, Encoded, as_float_array, check_encoded, check_head_dim, split_shape
 from .mse import decoded_scores
 
 MAX_WIDTH = 8
@@ -367,7 +367,7 @@ def _rows_times(x: np.ndarray, m: np.ndarray) -> np.ndarray:
     return np.matmul(x.astype(np.float64), m.astype(np.float64)).astype(np.float32)
 
 
-class MatchedCoder:
+class MatchedCoder(Coder):
     """Transform coder of one layer and side (see the module docstring).
 
     Args:
@@ -381,6 +381,8 @@ class MatchedCoder:
     Stored per coded coordinate (width ``b > 0``) and ``T`` tokens: ``ceil(T * b / 8)`` code
     bytes and a 16-bit scale and zero point per group; coordinates of width 0 store nothing.
     """
+
+    fused = True  # attention_rows below (Coder.fused)
 
     def __init__(self, head_dim: int, calibration: MatchedBasis, group: int, scheme: str, kind: str, backend: Backend = CPU):
         if not isinstance(calibration, MatchedBasis):
@@ -606,12 +608,14 @@ def head_mean(mean: np.ndarray, x: np.ndarray, kind: str) -> np.ndarray:
     raise KvqrsError(f"{kind}: expected shape (..., {h} kv_heads, tokens, {mean.shape[-1]}) for this calibration, got {x.shape}")
 
 
-class MatchedValueCoder:
+class MatchedValueCoder(Coder):
     """Values of the ``matched`` scheme: the calibrated value mean removed (it is added back once
     to the output, since the probabilities sum to one), then the rotated Lloyd-Max MSE stage
     (``||x - mu||`` + b-bit codes per token): per-token codes, since the read-out weights
     tokens, and a shared mean is the one structure every token repeats. ``scale``, ``norms``,
     ``norm_group``: what each token stores and how, as :class:`~kvqrs.schemes.mse.MSECoder`."""
+
+    fused = True  # attention_rows below (Coder.fused)
 
     def __init__(
         self,
@@ -628,7 +632,7 @@ class MatchedValueCoder:
     ):
         from .mse import MSECoder
 
-        self.head_dim, self.bits, self.scheme, self.kind = head_dim, bits, scheme, kind
+        self.head_dim, self.bits, self.scheme, self.kind, self.k = head_dim, bits, scheme, kind, backend
         self.mean = np.asarray(mean, dtype=np.float32)
         self.mse = MSECoder(head_dim, bits, seed, scheme, kind, backend, scale, norms, norm_group)
         digest = __import__("hashlib").blake2b(self.mean.tobytes(), digest_size=8).hexdigest()

@@ -21,7 +21,7 @@ from ..kernels.log_scalars import MAX_ROW_LEN, LogScalars
 from ..kernels.mse import check_scale
 from ..kernels.qjl import QJLSketch
 from .backend import CPU, Backend
-from .base import Encoded, as_float_array, check_encoded, check_head_dim, flat_rows, split_shape
+from .base import Coder, Encoded, as_float_array, check_encoded, check_head_dim, flat_rows, split_shape
 
 
 def decoded_scores(q: np.ndarray, k_hat: np.ndarray) -> np.ndarray:
@@ -81,7 +81,7 @@ def _native_rows(x: np.ndarray) -> tuple[np.ndarray, tuple[int, ...]]:
     return flat, lead
 
 
-class MSECoder:
+class MSECoder(Coder):
     """``||x||`` (16 or 32 bits) + ``bits``-bit codes of every code coordinate.
 
     Args:
@@ -102,6 +102,8 @@ class MSECoder:
     Raises:
         KvqrsError: an unknown ``scale`` or ``norms``, ``"log8"`` without a group.
     """
+
+    fused = True  # attention_rows below (Coder.fused)
 
     def __init__(
         self,
@@ -205,13 +207,15 @@ class MSECoder:
         return decoded_scores(q, self.decode(enc))
 
 
-class MSEQJLCoder:
+class MSEQJLCoder(Coder):
     """(n-1)-bit rotated MSE stage + 1-bit QJL sketch of the rotated residual (n >= 2).
 
     Stored per token: ``(n-1) * d'`` code bits, the norm (or, with ``scale="least_squares"``,
     the MSE stage's least-squares scale; the residual is then ``R x - s c``), ``d'`` sign bits
     and ``||r||``.
     """
+
+    fused = True  # attention_rows below (Coder.fused)
 
     def __init__(
         self, head_dim: int, bits: int, seed: int, qjl_seed: int, scheme: str, kind: str, backend: Backend = CPU, scale: str = "norm"

@@ -25,7 +25,7 @@ import numpy as np
 from .. import layout as lay
 from .._arrays import KvqrsError, check_bits, check_positive_int
 from .a2 import check_weights
-from .base import Encoded, as_float_array, check_encoded, check_head_dim, split_shape
+from .base import Coder, Encoded, as_float_array, check_encoded, check_head_dim, split_shape
 from .matched import head_mean
 from .mse import MSECoder
 
@@ -125,7 +125,7 @@ def slots(cls: np.ndarray, index: int, count: int, chunk: int) -> tuple[np.ndarr
     return tokens, valid
 
 
-class WidthClassCoder:
+class WidthClassCoder(Coder):
     """MSE value rows (rotated Lloyd-Max, around an optional mean) whose widths follow fixed
     per-chunk classes chosen by token weight (module docstring).
 
@@ -147,7 +147,7 @@ class WidthClassCoder:
             rotation seed, scale and norms; the same for every width).
     """
 
-    needs_weights = True
+    takes_weights = needs_weights = True  # encode(x, weights) (Coder)
 
     def __init__(self, classes: Any, chunk: int, mean: np.ndarray, stage: Callable[[int], MSECoder]):
         self.classes = check_classes(classes, int(chunk))
@@ -227,5 +227,4 @@ class WidthClassCoder:
 def unit_weights(codec: Any, v: np.ndarray) -> np.ndarray | None:
     """Equal importances ``(..., T)`` for values ``v`` when ``codec``'s values are in width
     classes (their stored size depends on the shape only: what counting bits needs), else None."""
-    values = getattr(codec, "values", None)
-    return np.ones(v.shape[:-1]) if getattr(values, "needs_weights", False) else None
+    return np.ones(v.shape[:-1]) if codec.values is not None and codec.values.needs_weights else None

@@ -22,10 +22,7 @@ from ..hf.config import QuantConfig
 from ..hf.store import NP_CODES, _native_encoder
 from ..kernels.attention import MSERows, UniformRows, binding_rows, by_name
 from ..schemes import KVCodec
-
-PAGED_SCHEMES = ("kv", "kqv", "qkqv", "block")
-"""Schemes whose every token has a fixed stored size (KIVI keys group tokens per channel; HeadQ
-needs calibrated bases; A^2 values give each token its own width)."""
+from ..schemes.registry import PAGED_SCHEMES, REGISTRY
 
 
 @dataclass(frozen=True)
@@ -41,22 +38,24 @@ class Part:
     per_token: tuple[int, ...]
 
 
+def _unpaged(scheme: str | None, kind: str) -> str | None:
+    """Why ``scheme``'s ``kind`` cannot be stored in fixed-size slots (its registry entry's
+    words), or None when it can."""
+    if scheme is None:
+        return "the keys must be quantized" if kind == "keys" else "values kept in full precision"
+    spec = REGISTRY.get(scheme)
+    side = None if spec is None else spec.side(kind)
+    return "an unknown scheme" if side is None else side.unpaged
+
+
 def refuse_reason(config: QuantConfig) -> str | None:
-    """Why ``config`` cannot be stored in fixed-size slots, or None when it can."""
-    if config.key_scheme not in PAGED_SCHEMES:
-        why = {
-            "kivi": "KIVI keys share per-channel statistics over groups of tokens",
-            "headq": "HeadQ needs calibrated bases per layer",
-            None: "the keys must be quantized",
-        }.get(config.key_scheme, "an unknown scheme")
+    """Why ``config`` cannot be stored in fixed-size slots, or None when it can (the schemes of
+    :data:`PAGED_SCHEMES`, every token coded, float norms)."""
+    why = _unpaged(config.key_scheme, "keys")
+    if why is not None:
         return f"key scheme {config.key_scheme!r}: {why}; a paged cache needs a fixed size per token ({', '.join(PAGED_SCHEMES)})"
-    if config.value_scheme not in PAGED_SCHEMES:
-        why = {
-            "kivi": "KIVI values are per-token groups, but kvqrs pairs them with per-channel keys only",
-            "a2": "A^2 gives every token its own width",
-            "none": "values kept in full precision",
-            None: "values kept in full precision",
-        }.get(config.value_scheme, "an unknown scheme")
+    why = _unpaged(config.value_scheme, "values")
+    if why is not None:
         return f"value scheme {config.value_scheme!r}: {why}; choose one of {', '.join(PAGED_SCHEMES)}"
     if config.residual_length:
         return f"residual_length {config.residual_length}: a paged cache stores every token as codes (use 0)"
