@@ -131,7 +131,7 @@ class Coder(Protocol):
             KvqrsError: a NaN or infinity, another head_dim, a row whose norm or range
                 overflows float32.
         """
-        raise NotImplementedError
+        ...
 
     def decode(self, enc: Encoded) -> np.ndarray:
         """The reconstruction, float32 of ``enc.shape``.
@@ -139,7 +139,7 @@ class Coder(Protocol):
         Raises:
             KvqrsError: ``enc`` not encoded by a coder of this scheme, side and ``params``.
         """
-        raise NotImplementedError
+        ...
 
 
 def concat_tokens(encs: list[Encoded], layout: Callable[[tuple[int, ...]], lay.Layout]) -> Encoded:
