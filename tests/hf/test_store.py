@@ -209,14 +209,14 @@ def test_a_streamed_cache_holds_the_codes_of_the_python_encode(name, monkeypatch
         assert torch.equal(x, y)
 
 
-def test_appends_grow_by_doubling_not_per_token():
+def test_appends_grow_geometrically_not_per_token():
     codec = CONFIGS["kqv"].codec(0, D)
     store = CodeStore(codec, 1, 2, D, torch.float32)
     caps = []
     for i in range(300):
         store.append(*_encode(codec, _x(1, 2, 1, i), _x(1, 2, 1, i + 1000)))
         caps.append(store.capacity_nbytes())
-    assert len(set(caps)) <= 8  # 8, 16, ..., 512 tokens of room: a handful of growths
+    assert len(set(caps)) <= 10  # 8, 12, 18, ..., 303 tokens of room (1.5x each): a handful of growths
     assert store.nbytes() == sum(np.asarray(p).nbytes for p in store.keys().parts.values()) + sum(
         np.asarray(p).nbytes for p in store.values().parts.values()
     )

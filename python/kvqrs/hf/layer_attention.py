@@ -22,6 +22,7 @@ import torch
 
 from ..torch import check_finite, from_numpy
 from .attention import SDPA_MIN_QUERY, LogitRule, _softmax_out, blocked_sdpa, current_rule, sdpa_prefill_active
+from .heap import release_freed
 from .store import WindowRows
 
 if TYPE_CHECKING:
@@ -106,12 +107,26 @@ class LayerAttention:
     def attend(self, module, query, key, value, attention_mask, scaling):
         if self._returned is None or key is not self._returned() or self._view is None:
             return None
+        freed = self._freed_by_read()
         try:
             return self._attend(module, query, key, value, attention_mask, scaling)
         finally:
             if self._evict_due:  # the forward has read its codes
                 self._evict_due = False
                 self._evict()
+            if freed:
+                release_freed(freed)
+
+    def _freed_by_read(self) -> int:
+        """Bytes of the originals a general update flushed from a buffer the window has left
+        (a long prompt's): they are freed once this forward has read them."""
+        flushed = self._view.flushed
+        if flushed is None or self._deferred is not None:
+            return 0
+        win = self._window
+        if win is not None and flushed[0] is win.keys:
+            return 0
+        return flushed[0].untyped_storage().nbytes() + flushed[1].untyped_storage().nbytes()
 
     def _attend(self, module, query, key, value, attention_mask, scaling):
         check_finite(query, "query")  # the fused and decoded paths alike: an error, not NaN rows

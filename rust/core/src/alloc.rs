@@ -3,6 +3,8 @@
 //! kernel itself (about 1 GB/s here). Asking for transparent huge pages on such buffers makes
 //! the first touch about 2x cheaper (512x fewer faults); memory use is unchanged.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
+
 /// Outputs at least this large are advised for huge pages (smaller ones gain nothing).
 const HUGE_MIN_BYTES: usize = 8 << 20;
 const HUGE_PAGE: usize = 2 << 20;
@@ -35,6 +37,34 @@ fn advise_huge<T>(v: &mut [T]) {
 
 #[cfg(not(target_os = "linux"))]
 fn advise_huge<T>(_v: &mut [T]) {}
+
+/// Freed bytes at which the allocator is asked to hand free pages back to the system.
+const RELEASE_MIN_BYTES: usize = 4 << 20;
+static FREED: AtomicUsize = AtomicUsize::new(0);
+
+/// Notes `bytes` just freed; once at least [`RELEASE_MIN_BYTES`] are noted since the last
+/// release, glibc's `malloc_trim` hands free heap pages back to the system. glibc raises its
+/// mmap threshold after the first large free, so later buffers come from the heap, and a store
+/// that grows (every part moved to a larger buffer) would otherwise leave its old buffers
+/// resident: about 100 MiB for 30 layers of a 16k-token `kqv` cache on SmolLM2-135M. Python's
+/// `kvqrs.hf.heap.release_freed` does the same for the temporaries of a long prompt.
+pub fn note_freed(bytes: usize) {
+    let total = FREED.fetch_add(bytes, Ordering::Relaxed) + bytes;
+    if total >= RELEASE_MIN_BYTES && FREED.swap(0, Ordering::Relaxed) > 0 {
+        release();
+    }
+}
+
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+fn release() {
+    // SAFETY: malloc_trim only returns free pages to the system; live allocations are untouched.
+    unsafe {
+        libc::malloc_trim(0);
+    }
+}
+
+#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+fn release() {}
 
 #[cfg(test)]
 mod tests {

@@ -952,6 +952,7 @@ mod tests {
         // Random codes and nonnegative scalars in chunks of two groups; `joined` keeps each part's outer
         // rows joined along tokens (the kernel's layout of the whole).
         let (chunks, per) = (3usize, 2 * group);
+        store.reserve(chunks * per + 5); // rows `room` tokens apart, past the tokens held
         let mut joined: Vec<Vec<Vec<u8>>> = specs
             .iter()
             .map(|p| vec![Vec::new(); p.outer.iter().product()])

@@ -15,6 +15,7 @@ use crate::kernels::uniform::UniformQuantizer;
 use crate::scalars::ScalarPlane;
 use crate::simd;
 use crate::store::{ChunkPart, LayerStore};
+use crate::window::gather_tokens;
 
 /// The encoder of one side (keys or values) of a layer store.
 #[derive(Debug, Clone)]
@@ -289,7 +290,71 @@ impl SideEncoder {
     }
 }
 
+/// Tokens encoded per call of a long flush (rounded to whole groups of every part): a long
+/// prompt's temporaries (float32 copies, centred and rotated rows, unpacked codes) then stay
+/// a few MiB, where encoding 16k tokens of one layer at once made about 100 MiB of them.
+const ENCODE_CHUNK: usize = 1024;
+
+/// Tokens `lo .. lo + n` of every (batch, head) row of a token buffer `src`: rows of `cap`
+/// tokens of `d` values (a cache's full-precision window, read in place).
+#[derive(Debug, Clone, Copy)]
+pub struct TokenRows<'a> {
+    pub src: &'a [f32],
+    pub cap: usize,
+    pub lo: usize,
+    pub d: usize,
+}
+
+impl TokenRows<'_> {
+    /// Tokens `lo + from .. lo + from + n` of every row, contiguous.
+    fn gather(&self, from: usize, n: usize) -> Result<Vec<f32>> {
+        let rows = self.src.len() / (self.cap * self.d).max(1);
+        gather_tokens(self.src, (self.cap, self.lo + from, n), (rows, self.d))
+    }
+}
+
 impl LayerStore {
+    /// [`LayerStore::encode_append`] of `tokens` tokens read from token buffers: encoded in
+    /// chunks of about [`ENCODE_CHUNK`] tokens (whole groups of every part), so a long prompt
+    /// makes no temporaries of its own size. An error leaves the store as it was (the chunks
+    /// already appended are cut off again).
+    pub fn encode_append_rows(
+        &mut self,
+        (ke, k): (&SideEncoder, TokenRows),
+        (ve, v): (&SideEncoder, TokenRows),
+        tokens: usize,
+    ) -> Result<()> {
+        let held = self.tokens();
+        let align = (1..=tokens.max(1))
+            .find(|&a| self.specs().all(|s| s.aligned(a)))
+            .unwrap_or(tokens.max(1));
+        // Chunks only where a cut after them is possible (else, one call).
+        let step = if self.specs().all(|s| s.aligned(held)) {
+            ENCODE_CHUNK.div_ceil(align) * align
+        } else {
+            tokens.max(1)
+        };
+        if step < tokens {
+            self.reserve(tokens);
+        }
+        let mut done = 0;
+        while done < tokens {
+            let n = step.min(tokens - done);
+            let res = k.gather(done, n).and_then(|kx| {
+                let vx = v.gather(done, n)?;
+                self.encode_append((ke, &kx), (ve, &vx), n)
+            });
+            if let Err(e) = res {
+                if done > 0 {
+                    self.keep(0, held)?;
+                }
+                return Err(e);
+            }
+            done += n;
+        }
+        Ok(())
+    }
+
     /// Encodes `tokens` new tokens of every (batch, head) row, keys `k` and values `v`
     /// (`(batch, kv_heads, tokens, head_dim)` float32, C order), and appends their codes: the
     /// store's parts must be `keys.<part>` and `values.<part>` of the two encoders, one entry
@@ -452,6 +517,54 @@ mod tests {
         // Keys and values swapped: the parts do not match the store's.
         assert!(store.encode_append((&v, &kx), (&k, &kx), 1).is_err());
         assert_eq!(store.tokens(), 0);
+    }
+
+    /// A key side of 8-bit log norms, one exponent byte per `group` tokens.
+    fn log_norm_store(d: usize, group: usize) -> (LayerStore, SideEncoder, SideEncoder) {
+        let k = SideEncoder::Mse(MseSide {
+            mse: MseQuantizer::new(d, 4, Some(5)).unwrap(),
+            mean: None,
+            norm_group: Some(group),
+        });
+        let v = SideEncoder::MseQjl(MseQjlEncoder::new(d, 4, 6, 7).unwrap());
+        let cd = padded_dim(d);
+        let mut specs = vec![
+            spec("keys.codes", Dtype::U8, false, vec![cd / 2]),
+            spec("keys.norms", Dtype::U8, false, vec![]),
+            spec("keys.norm_exps", Dtype::U8, false, vec![]),
+        ];
+        specs[2].den = group;
+        specs.extend(kqv_store(d, 4, 4).specs().skip(2).cloned());
+        (LayerStore::new(specs).unwrap(), k, v)
+    }
+
+    #[test]
+    fn a_long_window_is_encoded_in_chunks_as_in_one_call() {
+        // 2,560 tokens read from buffers of 2,600 tokens per row from token 17: three chunks
+        // of whole exponent groups, the same bytes as one encode of the gathered tokens.
+        let (d, t, cap, lo, group) = (64, 2560, 2600, 17, 256);
+        let (mut a, k, v) = log_norm_store(d, group);
+        let (mut b, _, _) = log_norm_store(d, group);
+        let (kb, vb) = (rows(6 * cap * d, 1), rows(6 * cap * d, 2));
+        let window = |src| TokenRows { src, cap, lo, d };
+        a.encode_append_rows((&k, window(&kb)), (&v, window(&vb)), t)
+            .unwrap();
+        let gather = |src: &[f32]| gather_tokens(src, (cap, lo, t), (6, d)).unwrap();
+        b.encode_append((&k, &gather(&kb)), (&v, &gather(&vb)), t)
+            .unwrap();
+        assert_eq!(a.tokens(), t);
+        for i in 0..a.specs().count() {
+            assert_eq!(a.part(i), b.part(i), "part {i}");
+        }
+        // A value the last chunk refuses leaves the store as it was.
+        let mut bad = vb.clone();
+        bad[(5 * cap + lo + t - 3) * d] = f32::NAN;
+        let err = a.encode_append_rows((&k, window(&kb)), (&v, window(&bad)), t);
+        assert!(err.is_err());
+        assert_eq!(a.tokens(), t);
+        for i in 0..a.specs().count() {
+            assert_eq!(a.part(i), b.part(i), "part {i} after the refused append");
+        }
     }
 
     fn run(bits: u32, lo: usize, hi: usize, suffix: &str) -> ChannelRun {

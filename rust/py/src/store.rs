@@ -4,7 +4,9 @@
 //! too); parts leave the same way. The GIL is released for every copy and for the step.
 
 use kvqrs_core::decode_step::{attend, FpTokens, RowSpec, RunSpec, SideSpec, Step};
-use kvqrs_core::encoders::{Centring, ChannelRun as EncoderRun, ChannelSide, MseSide, SideEncoder};
+use kvqrs_core::encoders::{
+    Centring, ChannelRun as EncoderRun, ChannelSide, MseSide, SideEncoder, TokenRows,
+};
 use kvqrs_core::format::{Dtype, Section};
 use kvqrs_core::kernels::attention::AttentionShape;
 use kvqrs_core::kernels::mse::{MseQuantizer, RowScale};
@@ -13,9 +15,12 @@ use kvqrs_core::kernels::uniform::UniformQuantizer;
 use kvqrs_core::store::{ChunkPart, LayerStore, PartSpec};
 use kvqrs_core::window::{all_storable, append_tokens, gather_tokens};
 use numpy::ndarray::s;
-use numpy::{PyArray1, PyArray4, PyArrayMethods, PyReadonlyArray1, PyUntypedArrayMethods};
+use numpy::{
+    PyArray1, PyArray4, PyArrayMethods, PyReadonlyArray1, PyReadonlyArray4, PyUntypedArrayMethods,
+};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
+use std::borrow::Cow;
 
 use crate::arrays::slice;
 use crate::errors::{arg_error, py_result};
@@ -150,28 +155,59 @@ pub(crate) fn side_encoder(e: EncoderSpec, what: &str) -> PyResult<SideEncoder> 
 
 /// Tokens `start .. start + tokens` of a `(batch, heads, window, d)` array of any strides, as
 /// C-order rows (the one copy a flush makes: the caller's window is a strided view).
-fn window_tokens(
-    a: &Bound<'_, PyArray4<f32>>,
-    start: usize,
-    tokens: usize,
-    what: &str,
-) -> PyResult<Vec<f32>> {
-    let r = a
-        .try_readonly()
-        .map_err(|e| arg_error(format!("{what}: cannot read the array ({e})")))?;
-    let view = r.as_array();
-    let end = start.checked_add(tokens).filter(|&e| e <= view.shape()[2]);
-    let Some(end) = end else {
-        return Err(arg_error(format!(
-            "{what}: expected a window holding tokens {start} .. {start} + {tokens}, got shape {:?}",
-            view.shape()
-        )));
-    };
-    Ok(view
-        .slice(s![.., .., start..end, ..])
-        .iter()
-        .copied()
-        .collect())
+/// A window's tokens as the encoders read them: the C-contiguous buffer in place (rows of
+/// `cap` tokens), else a copy of tokens `start .. start + tokens` of every row.
+enum TokenWindow<'py> {
+    InPlace(PyReadonlyArray4<'py, f32>, usize, usize, usize),
+    Copied(Vec<f32>, usize, usize),
+}
+
+impl<'py> TokenWindow<'py> {
+    fn read(
+        a: &Bound<'py, PyArray4<f32>>,
+        start: usize,
+        tokens: usize,
+        what: &str,
+    ) -> PyResult<Self> {
+        let r = a
+            .try_readonly()
+            .map_err(|e| arg_error(format!("{what}: cannot read the array ({e})")))?;
+        let shape = r.shape().to_vec();
+        let end = start.checked_add(tokens).filter(|&e| e <= shape[2]);
+        let Some(end) = end else {
+            return Err(arg_error(format!(
+                "{what}: expected a window holding tokens {start} .. {start} + {tokens}, got shape {shape:?}"
+            )));
+        };
+        if r.is_c_contiguous() {
+            return Ok(Self::InPlace(r, shape[2], start, shape[3]));
+        }
+        let view = r.as_array();
+        let rows = view
+            .slice(s![.., .., start..end, ..])
+            .iter()
+            .copied()
+            .collect();
+        Ok(Self::Copied(rows, tokens, shape[3]))
+    }
+
+    fn rows(&self) -> TokenRows<'_> {
+        match self {
+            // C-contiguous (checked by `read`), so the slice exists.
+            Self::InPlace(r, cap, lo, d) => TokenRows {
+                src: r.as_slice().unwrap_or(&[]),
+                cap: *cap,
+                lo: *lo,
+                d: *d,
+            },
+            Self::Copied(v, tokens, d) => TokenRows {
+                src: v,
+                cap: *tokens,
+                lo: 0,
+                d: *d,
+            },
+        }
+    }
 }
 
 /// A float32 array's values in C order (a copy, so that the borrow ends here), or None when
@@ -202,8 +238,25 @@ pub fn window_append(
     v: &Bound<'_, PyArray4<f32>>,
 ) -> PyResult<bool> {
     let (ks, vs) = (k.shape().to_vec(), v.shape().to_vec());
-    let (Some(kx), Some(vx)) = (c_order(k), c_order(v)) else {
-        return Ok(false);
+    // A long prompt's tokens are read in place (no copy of their size); new tokens that
+    // alias the buffers cannot be borrowed beside them, and are copied first.
+    let (rk, rv) = (k.try_readonly(), v.try_readonly());
+    let in_place =
+        |r: &Result<PyReadonlyArray4<'_, f32>, _>| r.as_ref().is_ok_and(|a| a.is_c_contiguous());
+    let (kx, vx): (Cow<[f32]>, Cow<[f32]>) = if in_place(&rk) && in_place(&rv) {
+        match (&rk, &rv) {
+            (Ok(a), Ok(b)) => (
+                Cow::Borrowed(a.as_slice().unwrap_or(&[])),
+                Cow::Borrowed(b.as_slice().unwrap_or(&[])),
+            ),
+            _ => return Ok(false),
+        }
+    } else {
+        drop((rk, rv));
+        let (Some(a), Some(b)) = (c_order(k), c_order(v)) else {
+            return Ok(false);
+        };
+        (Cow::Owned(a), Cow::Owned(b))
     };
     let (Ok(mut wk), Ok(mut wv)) = (dst_k.try_readwrite(), dst_v.try_readwrite()) else {
         return Ok(false);
@@ -509,15 +562,16 @@ impl PyLayerStore {
         k_start: usize,
         v_start: usize,
     ) -> PyResult<()> {
-        let (ks, vs) = (
-            window_tokens(k, k_start, tokens, "k")?,
-            window_tokens(v, v_start, tokens, "v")?,
+        let (kr, vr) = (
+            TokenWindow::read(k, k_start, tokens, "k")?,
+            TokenWindow::read(v, v_start, tokens, "v")?,
         );
         let (inner, encoders) = (&mut self.inner, &self.encoders);
         let (ke, ve) = encoders
             .as_ref()
             .ok_or_else(|| arg_error("encoders: call set_encoders first".into()))?;
-        py_result(py.allow_threads(|| inner.encode_append((ke, &ks), (ve, &vs), tokens)))
+        let (kt, vt) = (kr.rows(), vr.rows());
+        py_result(py.allow_threads(|| inner.encode_append_rows((ke, kt), (ve, vt), tokens)))
     }
 
     /// Whether `set_rows` has declared the rows.

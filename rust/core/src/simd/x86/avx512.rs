@@ -463,8 +463,10 @@ pub(crate) fn decode_packed_rows(
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
 pub(crate) fn decode_packed(packed: &[u8], bits: u32, table: &[f32], out: &mut [f32]) {
     debug_assert!((1..=4).contains(&bits) && table.len() >= 256);
-    if bits == 4 {
-        return decode_packed4(packed, table, out);
+    match bits {
+        1 => return decode_packed1(packed, table, out),
+        4 => return decode_packed4(packed, table, out),
+        _ => {}
     }
     let b = bits as usize;
     let (mut pat, mut sh) = ([0i8; 32], [0i32; 16]);
@@ -505,6 +507,29 @@ pub(crate) fn decode_packed(packed: &[u8], bits: u32, table: &[f32], out: &mut [
     // AVX2 is part of this path's features, so the call needs no `unsafe`.
     if done < out.len() {
         super::avx2::decode_packed(&packed[done * b / 8..], bits, table, &mut out[done..]);
+    }
+}
+
+/// `out[i] = table[code_i]` for a packed row of 1-bit codes (QJL signs): sixteen codes
+/// (two bytes, code `i` at bit `i`) are the mask of one blend of `table[0]` and `table[1]`.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
+pub(crate) fn decode_packed1(packed: &[u8], table: &[f32], out: &mut [f32]) {
+    let n16 = out.len() / 16 * 16;
+    let (zero, one) = (_mm512_set1_ps(table[0]), _mm512_set1_ps(table[1]));
+    for (i, pair) in packed[..n16 / 8].chunks_exact(2).enumerate() {
+        let mask = u16::from_le_bytes([pair[0], pair[1]]);
+        // SAFETY: 16 i + 16 <= n16 <= out.len().
+        unsafe {
+            _mm512_storeu_ps(
+                out.as_mut_ptr().add(16 * i),
+                _mm512_mask_blend_ps(mask, zero, one),
+            );
+        }
+    }
+    // AVX2 is part of this path's features, so the call needs no `unsafe`.
+    if n16 < out.len() {
+        super::avx2::decode_packed(&packed[n16 / 8..], 1, table, &mut out[n16..]);
     }
 }
 
