@@ -52,6 +52,24 @@ def check_calibration_fits(config: QuantConfig, model_config) -> None:
         )
 
 
+def check_calibration_layers(config: QuantConfig, num_layers: int) -> None:
+    """Refuse, before any work, a ``matched`` calibration that lacks some of the layers
+    ``0 .. num_layers - 1`` of a cache sized by its layer count alone (its first layers may
+    stand for a smaller model's, as the speed harness's one-layer caches use them; head_dim
+    and KV heads are compared at each layer's first update).
+
+    Raises:
+        KvqrsError: naming both layer counts.
+    """
+    cal = config.calibration
+    if isinstance(cal, dict) and cal and not set(range(num_layers)) <= set(cal):
+        raise KvqrsError(
+            f"calibration: made for a model of {len(cal)} layers (indices {min(cal)}..{max(cal)}); this cache has "
+            f"{num_layers} layers. Fit one for the model: kvqrs calibrate --model ... (or QuantConfig.preset(name) "
+            "without a file, calibrated on the prompt)"
+        )
+
+
 SLIDING_LAYER_TYPES = ("sliding_attention", "chunked_attention")
 """Layer types held with a window: transformers' caches treat chunked attention as a sliding
 window too (only the mask differs)."""
@@ -123,6 +141,8 @@ class QuantizedKVCache(Cache):
         windows = [None] * max(num_layers, 0) if model_config is None else layer_windows(model_config)
         if model_config is not None:
             check_calibration_fits(config, model_config)
+        else:
+            check_calibration_layers(config, num_layers)
         if len(windows) < 1:
             raise KvqrsError(f"num_layers: expected >= 1, got {num_layers if model_config is None else 0}")
         # The cache's own settings: the caller may go on changing its config (QuantConfig's
