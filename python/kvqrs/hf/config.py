@@ -262,25 +262,21 @@ class QuantConfig:
         return chunk
 
     def _layout_codec(self) -> KVCodec:
-        """A codec of these settings for the layouts alone: a calibration not given (or not yet
-        fitted) stands in as the scheme's seeded control (its registry entry's), shaped like
-        the real one (transform-coded values when ``value_transform``; a given calibration's
-        value width classes); the token alignment of every layout is the same at any head_dim."""
+        """A codec of these settings for the layouts alone: a given calibration's first layer
+        (its value width classes, if any), or, not given or not yet fitted, the scheme's seeded
+        control (its registry entry's) with transform-coded values when ``value_transform``;
+        the token alignment of every layout is the same at any head_dim and layer."""
         from ..schemes.registry import REGISTRY
 
-        head_dim = max(64, self.rank)  # a HeadQ basis of rank columns
+        given = next(iter(self.calibration.values())) if isinstance(self.calibration, dict) and self.calibration else None
+        head_dim = max(64, self.rank) if given is None else given.keys.basis.shape[-1]  # a HeadQ basis of rank columns
         kw: dict[str, Any] = {}
         for scheme, bits in ((self.key_scheme, self.key_bits), (self.value_scheme, self.value_bits or self.key_bits)):
             if scheme is not None:
                 kw.update(REGISTRY[scheme].control_kwargs(head_dim, bits, self.seed))
-        if "calibration" in kw:
-            cal = kw["calibration"]
-            if isinstance(self.calibration, dict) and self.calibration:
-                classes = next(iter(self.calibration.values())).value_classes
-                cal = dataclasses.replace(cal, value_classes=classes) if classes else cal
-            if self.value_transform:
-                cal = dataclasses.replace(cal, values=cal.keys)
-            kw["calibration"] = cal
+        if "calibration" in kw:  # a layer's own (its value classes, if any), or the control shaped as one fitted
+            cal = given if given is not None else kw["calibration"]
+            kw["calibration"] = dataclasses.replace(cal, values=cal.keys) if self.value_transform and given is None else cal
         return self._new_codec(head_dim, **kw)
 
     def _new_codec(self, head_dim: int, **kw: Any) -> KVCodec:
