@@ -42,3 +42,34 @@ def per_head_matched_calibration(heads: int, d: int, seed: int):
     keys = side([5] * e + [3] * (2 * e) + [2] * (2 * e) + [1] * e, key_mean)
     values = side([4] * (2 * e) + [2] * (3 * e), value_mean)
     return MatchedCalibration(keys, value_mean, values=values)
+
+
+def tiny_llama(
+    kv_heads: int,
+    groups: int,
+    head_dim: int,
+    layers: int = 2,
+    vocab: int = 96,
+    hidden: int = 64,
+    intermediate: int = 64,
+    positions: int = 256,
+):
+    """A seeded random Llama of ``layers`` layers, ``kv_heads`` KV heads of ``groups`` query
+    heads each, on the ``kvqrs`` attention (registered)."""
+    from kvqrs.hf import register
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    register()
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=kv_heads * groups,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=positions,
+        attn_implementation="kvqrs",
+    )
+    torch.manual_seed(0)
+    return LlamaForCausalLM(cfg).eval()

@@ -92,12 +92,14 @@ def no_model(monkeypatch):
 
 @pytest.fixture
 def isolated_attention_state():
-    """No attention state around a test: ``QuantizedKVCache.update`` (and ``run_eval``'s real-cache
-    prefill) leave their cache installed as the state the kvqrs attention function consults, so
-    one test's cache could otherwise reach another test's forward. Modules that drive the kvqrs
-    attention use it for every test (``pytestmark``)."""
-    from kvqrs.hf.attention import _STATE
+    """No attention state around a test, and no cache handed over by an ``update`` that no
+    attention call took (a test that calls ``update`` directly), so that one test's state
+    cannot reach another test's forward. Modules that drive the kvqrs attention use it for
+    every test (``pytestmark``)."""
+    from kvqrs.hf.attention import _HANDED, _STATE
 
     _STATE.set(None)
+    _HANDED.set(None)
     yield
     _STATE.set(None)
+    _HANDED.set(None)

@@ -1,18 +1,22 @@
 """Stored layouts: the parts a compressed tensor of ``(..., T, head_dim)`` holds, each with its
-shape, dtype and token axis, declared once per row format.
+shape, dtype by name, token axis, token rate and alignment, declared once per row format.
 
 Every coder of :mod:`kvqrs.schemes` declares ``layout(shape) -> {part: Part}`` by composing the
 row formats below (and the fused attention rows of :mod:`kvqrs.kernels.attention` declare theirs
 with the same functions), and everything that depends on a layout is derived from it:
 joining chunks of tokens (:func:`concat`), keeping the first tokens (:func:`take`), the
-format's checks of a loaded tensor (:func:`check_parts`) and the attention kernel's checks of
-its rows (:func:`flat`).
+format's checks of a loaded tensor (:func:`check_parts`), the attention kernel's checks of
+its rows (:func:`flat`), the bytes a shape stores (:func:`nbytes`), the token multiple a cache
+flushes and cuts at (:func:`align`), whether every token stores its own parts of one size
+(:func:`fixed_per_token`: vLLM's paged slots), and the layer store's per-part token rates.
+Nothing is learned by encoding a probe.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from math import gcd
+from fractions import Fraction
+from math import gcd, lcm, prod
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -20,27 +24,50 @@ import numpy as np
 from ._arrays import KvqrsError, as_array, as_float_rows
 from .kernels.pack import packed_size
 
-DTYPES = ("uint8", "scalar", "float32")
-"""``uint8`` packed codes; ``scalar`` stored norms, scales or zero points (float16, or float32
-when some value leaves float16's range: docs/kernels.md, stored scalars); ``float32`` full-precision values."""
+DTYPES: Mapping[str, np.dtype] = {"uint8": np.dtype(np.uint8), "scalar": np.dtype(np.float16), "float32": np.dtype(np.float32)}
+"""Each declared dtype name and the NumPy dtype a part of it is stored as: ``uint8`` packed
+codes (and log codes); ``scalar`` stored norms, scales or zero points, float16, widened to
+float32 when some value leaves float16's range (docs/kernels.md, stored scalars; :data:`WIDENED`);
+``float32`` full-precision values."""
+WIDENED = np.dtype(np.float32)
+"""What a ``scalar`` part is stored as when a value leaves float16's range."""
 
 
 class Part(NamedTuple):
     """One stored array.
 
     Attributes:
-        shape: its shape for the tensor's shape.
-        dtype: one of :data:`DTYPES`.
+        shape: its shape for the tensor's shape; along ``token_axis``, ``ceil(T * rate)``
+            entries (:func:`entries`).
+        dtype: a name of :data:`DTYPES`.
         token_axis: the (negative) axis along which tokens are stored.
         align: chunks of tokens join, and a prefix is kept, only at multiples of this many
             tokens (``1`` for one entry per token; a packed token axis needs whole bytes, and
             per-channel groups whole groups).
+        rate: entries along ``token_axis`` per token: ``1`` (a row per token), ``bits / 8``
+            (a channel's codes packed along tokens), ``1 / group`` (a scale per group of tokens).
     """
 
     shape: tuple[int, ...]
     dtype: str
     token_axis: int
     align: int = 1
+    rate: Fraction = Fraction(1)
+
+    @property
+    def outer(self) -> tuple[int, ...]:
+        """The axes before the token axis."""
+        return self.shape[: len(self.shape) + self.token_axis]
+
+    @property
+    def inner(self) -> tuple[int, ...]:
+        """The axes after the token axis."""
+        return self.shape[len(self.shape) + self.token_axis + 1 :]
+
+    @property
+    def stored_dtype(self) -> np.dtype:
+        """The NumPy dtype it is stored as (:data:`DTYPES`; a ``scalar`` part may widen to :data:`WIDENED`)."""
+        return DTYPES[self.dtype]
 
 
 Layout = dict[str, Part]
@@ -89,12 +116,31 @@ def part_refs(parts: Mapping[str, Any]) -> dict[str, PartRef]:
     return {n: PartRef(n, a.shape, a.dtype) for n, a in parts.items()}
 
 
+def layout_refs(layout: Layout) -> dict[str, PartRef]:
+    """``{name: PartRef(name, shape, stored dtype)}`` of a declared layout: the parts by name,
+    as an encode of that shape stores them (scalars float16), without encoding anything."""
+    return {n: PartRef(n, p.shape, p.stored_dtype) for n, p in layout.items()}
+
+
+def entries(t: int, rate: Fraction) -> int:
+    """Entries along a part's token axis for ``t`` tokens at ``rate`` entries per token: ``ceil(t * rate)``."""
+    return -(-t * rate.numerator // rate.denominator)
+
+
+def per_token(lead: tuple[int, ...], t: int, inner: tuple[int, ...], dtype: str) -> Part:
+    """A part of one entry ``inner`` per token: ``(..., T, *inner)``."""
+    return Part((*lead, t, *inner), dtype, -1 - len(inner))
+
+
+def along_tokens(lead: tuple[int, ...], t: int, rate: Fraction, align: int, dtype: str) -> Part:
+    """A part stored along the tokens at ``rate`` entries per token, cut at multiples of
+    ``align`` tokens: ``(..., ceil(T * rate))``."""
+    return Part((*lead, entries(t, rate)), dtype, -1, align, rate)
+
+
 def mse(lead: tuple[int, ...], t: int, code_dim: int, bits: int) -> Layout:
     """Norm-and-direction rows: packed codes ``(..., T, packed(d', b))`` and norms ``(..., T)``."""
-    return {
-        "codes": Part((*lead, t, packed_size(code_dim, bits)), "uint8", -2),
-        "norms": Part((*lead, t), "scalar", -1),
-    }
+    return {"codes": per_token(lead, t, (packed_size(code_dim, bits),), "uint8"), "norms": per_token(lead, t, (), "scalar")}
 
 
 def log_norms(lead: tuple[int, ...], t: int, group: int) -> Layout:
@@ -102,46 +148,64 @@ def log_norms(lead: tuple[int, ...], t: int, group: int) -> Layout:
     exponent byte per group of ``group`` tokens ``(..., ceil(T / group))``; codes are relative
     to their group's exponent, so chunks join at whole groups."""
     return {
-        "norms": Part((*lead, t), "uint8", -1, group),
-        "norm_exps": Part((*lead, -(-t // group)), "uint8", -1, group),
+        "norms": along_tokens(lead, t, Fraction(1), group, "uint8"),
+        "norm_exps": along_tokens(lead, t, Fraction(1, group), group, "uint8"),
     }
 
 
 def qjl(lead: tuple[int, ...], t: int, code_dim: int) -> Layout:
     """The QJL sketch of a rotated residual (m = d'): sign bits and ``||r||`` per token."""
-    return {"signs": Part((*lead, t, packed_size(code_dim, 1)), "uint8", -2), "norms": Part((*lead, t), "scalar", -1)}
+    return {"signs": per_token(lead, t, (packed_size(code_dim, 1),), "uint8"), "norms": per_token(lead, t, (), "scalar")}
 
 
 def uniform_tokens(lead: tuple[int, ...], t: int, n: int, bits: int, group: int) -> Layout:
     """Uniform groups of ``group`` of a token's ``n`` coordinates: codes, scales, zero points."""
     groups = -(-n // group)
     return {
-        "codes": Part((*lead, t, packed_size(n, bits)), "uint8", -2),
-        "scales": Part((*lead, t, groups), "scalar", -2),
-        "zeros": Part((*lead, t, groups), "scalar", -2),
+        "codes": per_token(lead, t, (packed_size(n, bits),), "uint8"),
+        "scales": per_token(lead, t, (groups,), "scalar"),
+        "zeros": per_token(lead, t, (groups,), "scalar"),
     }
 
 
 def uniform_channels(lead: tuple[int, ...], t: int, d: int, bits: int, group: int) -> Layout:
     """Uniform groups of ``group`` tokens per channel (KIVI keys): each channel's tokens packed
-    along the last axis (whole bytes at multiples of ``8 / gcd(8, bits)`` tokens), one scale and
-    zero point per group."""
-    groups = -(-t // group)
+    along the last axis (``bits / 8`` bytes per token, whole bytes at multiples of ``8 / gcd(8,
+    bits)`` tokens), one scale and zero point per group."""
+    per_group = Fraction(1, group)
     return {
-        "codes": Part((*lead, d, packed_size(t, bits)), "uint8", -1, 8 // gcd(8, bits)),
-        "scales": Part((*lead, d, groups), "scalar", -1, group),
-        "zeros": Part((*lead, d, groups), "scalar", -1, group),
+        "codes": along_tokens((*lead, d), t, Fraction(bits, 8), 8 // gcd(8, bits), "uint8"),
+        "scales": along_tokens((*lead, d), t, per_group, group, "scalar"),
+        "zeros": along_tokens((*lead, d), t, per_group, group, "scalar"),
     }
 
 
 def dense(lead: tuple[int, ...], t: int, d: int) -> Layout:
     """Full-precision rows ``(..., T, d)``."""
-    return {"values": Part((*lead, t, d), "float32", -2)}
+    return {"values": per_token(lead, t, (d,), "float32")}
 
 
 def side(lead: tuple[int, ...], t: int, rank: int, bits: int) -> Layout:
     """HeadQ's side code: packed ``rank``-dimensional codes and a scale per token."""
-    return {"codes": Part((*lead, t, packed_size(rank, bits)), "uint8", -2), "scales": Part((*lead, t), "scalar", -1)}
+    return {"codes": per_token(lead, t, (packed_size(rank, bits),), "uint8"), "scales": per_token(lead, t, (), "scalar")}
+
+
+def nbytes(layout: Layout) -> int:
+    """Bytes the parts of ``layout`` store (scalars as float16: an encode stores this many
+    unless a value leaves float16's range and its scalars widen to float32)."""
+    return sum(prod(p.shape) * p.stored_dtype.itemsize for p in layout.values())
+
+
+def align(layout: Layout) -> int:
+    """The fewest tokens at whose multiples every part of ``layout`` can be cut and joined (the
+    least common multiple of their :attr:`Part.align`; 1 for an empty layout)."""
+    return lcm(1, *(p.align for p in layout.values()))
+
+
+def fixed_per_token(layout: Layout) -> bool:
+    """Whether every token stores its own parts of one size: each part one entry per token,
+    cut anywhere (what vLLM's paged slots hold)."""
+    return all(p.rate == 1 and p.align == 1 for p in layout.values())
 
 
 def prefixed(prefix: str, layout: Layout) -> Layout:
@@ -150,11 +214,11 @@ def prefixed(prefix: str, layout: Layout) -> Layout:
 
 
 def _dtype_ok(a: np.ndarray, dtype: str) -> bool:
-    if dtype == "uint8":
-        return a.dtype == np.uint8
     if dtype == "scalar":
-        return a.dtype in (np.float16, np.float32)
-    return a.dtype.kind == "f"
+        return a.dtype in (DTYPES[dtype], WIDENED)
+    if dtype == "float32":
+        return a.dtype.kind == "f"
+    return a.dtype == DTYPES[dtype]
 
 
 def check_parts(parts: Mapping[str, Any], layout: Layout, what: str) -> None:

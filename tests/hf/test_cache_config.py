@@ -243,3 +243,35 @@ def test_sink_dtype_needs_sinks(kwargs):
     assert QuantConfig.preset("4bit", cal, sink_tokens=0).sink_dtype is None
     with pytest.raises(KvqrsError, match="but sink_tokens is 0"):
         QuantConfig.preset("4bit", cal, sink_tokens=0, sink_dtype="bfloat16")
+
+
+def _classes_calibration():
+    import dataclasses
+
+    from kvqrs.schemes.matched import random_calibration
+
+    return {0: dataclasses.replace(random_calibration(32, 3, 1), value_bits=2, value_classes=((3, 4), (2, 8), (1, 4)))}
+
+
+@pytest.mark.parametrize(
+    "make,chunk",
+    [
+        (lambda: QuantConfig("kqv", 4, "kqv", 4), 1),
+        (lambda: QuantConfig("kivi", 4, "kivi", 4, group=16), 16),  # per-channel key groups
+        (lambda: QuantConfig("headq", 4, "kv", 4, headq_base="kivi", bases="random", group=8), 8),
+        (lambda: QuantConfig("kv", 4, "kv", 4, value_norms="log8", group=32), 32),  # an exponent per group
+        (lambda: QuantConfig("matched", 3, "matched", 3, calibration="prefill", group=24), 24),
+        (lambda: QuantConfig("kv", 3, "matched", 3, calibration="prefill", value_transform=True, group=32), 32),
+        (lambda: QuantConfig("kv", 3, "matched", 3, calibration=_classes_calibration(), group=16), 16),  # width classes
+        (lambda: QuantConfig("kv", 4, "a2", 4), 1),
+        (lambda: QuantConfig("kv", 4, None), 1),
+    ],
+)
+def test_chunk_is_the_declared_layouts_alignment(make, chunk):
+    """QuantConfig.chunk reads the codec's declared layouts (KVCodec.align): the parts shared by a
+    group of tokens, on either side, set it; transform-coded values and width classes too."""
+    config = make()
+    assert config.chunk == chunk
+    if not config.has_value_classes:  # (whose classes fill the group they were fitted for)
+        config.group = 2 * config.group  # a changed setting is read again
+        assert config.chunk == (1 if chunk == 1 else 2 * chunk)

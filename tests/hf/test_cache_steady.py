@@ -13,9 +13,9 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from kvqrs import KvqrsError  # noqa: E402
-from kvqrs.hf import CompressedLayer, QuantConfig, QuantizedKVCache, register  # noqa: E402
+from kvqrs.hf import CompressedLayer, QuantConfig, QuantizedKVCache  # noqa: E402
 
-from tests.cache_helpers import held_tensors, per_head_matched_calibration  # noqa: E402
+from tests.cache_helpers import held_tensors, per_head_matched_calibration, tiny_llama  # noqa: E402
 
 KV_HEADS, GROUPS, HEAD_DIM, LAYERS = 2, 2, 32, 2
 PROMPT, NEW = 40, 48
@@ -26,22 +26,7 @@ pytestmark = pytest.mark.usefixtures("isolated_attention_state")
 
 @pytest.fixture(scope="module")
 def model():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    register()
-    cfg = LlamaConfig(
-        vocab_size=96,
-        hidden_size=64,
-        intermediate_size=64,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=KV_HEADS * GROUPS,
-        num_key_value_heads=KV_HEADS,
-        head_dim=HEAD_DIM,
-        max_position_embeddings=256,
-        attn_implementation="kvqrs",
-    )
-    torch.manual_seed(0)
-    return LlamaForCausalLM(cfg).eval()
+    return tiny_llama(KV_HEADS, GROUPS, HEAD_DIM, LAYERS)
 
 
 def _configs() -> list:

@@ -545,21 +545,9 @@ def test_gqa_ratios_through_kvcodec(scheme, g, kv_heads):
 
 
 def tiny_llama(kv_heads, g, d):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from tests.cache_helpers import tiny_llama as llama
 
-    cfg = LlamaConfig(
-        vocab_size=64,
-        hidden_size=8 * kv_heads * g,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=kv_heads * g,
-        num_key_value_heads=kv_heads,
-        head_dim=d,
-        max_position_embeddings=64,
-        attn_implementation="kvqrs",
-    )
-    torch.manual_seed(0)
-    return LlamaForCausalLM(cfg).eval()
+    return llama(kv_heads, g, d, vocab=64, hidden=8 * kv_heads * g, intermediate=32, positions=64)
 
 
 def decode_logits(model, cache, ids, steps=3):

@@ -1,8 +1,11 @@
 """The scheme registry (kvqrs.schemes.registry): every registered scheme, on every side it
-declares, is built into a KVCodec and checked against what its entry declares: the round trip,
-the stored bits against its declared layout and the file format, fixed size per token (joined
-chunks and vLLM's paged slots), the fused read path, the fewest and most bits, the calibration,
-the MSE value stage and the HeadQ base. A new entry is tested here by being registered."""
+declares, is built into a KVCodec and checked against what its entry and its coder's layout
+declare: the round trip, the stored bits against its declared layout and the file format, each
+part's declared token rate, alignment and dtype against what encodes store, ``nbytes(T)``
+against the bytes stored, fixed size per token (joined chunks and vLLM's paged slots), the
+fused read path, the fewest and most bits, the calibration, the MSE value stage and the HeadQ
+base. A new entry is tested here by being registered (tests/schemes/test_added_scheme.py runs
+these checks on a scheme registered at run time)."""
 
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ import dataclasses
 import inspect
 import math
 import types
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -17,12 +21,12 @@ from kvqrs import KvqrsError
 from kvqrs import format as fmt
 from kvqrs.hf import QuantConfig
 from kvqrs.kernels import DenseRows
-from kvqrs.layout import check_parts
-from kvqrs.schemes import KVCodec
+from kvqrs.layout import DTYPES, WIDENED, check_parts
+from kvqrs.schemes import KVCodec, registry
 from kvqrs.schemes.base import Coder
-from kvqrs.schemes.codec import HEADQ_BASES, KEY_SCHEMES, LOG_NORM_VALUE_SCHEMES, MSE_VALUE_SCHEMES, VALUE_SCHEMES
+from kvqrs.schemes.codec import KEY_SCHEMES, VALUE_SCHEMES
 from kvqrs.schemes.matched import random_calibration
-from kvqrs.schemes.registry import PAGED_SCHEMES, REGISTRY
+from kvqrs.schemes.registry import REGISTRY, names
 from kvqrs.vllm.layout import SlotLayout, refuse_reason
 
 D = 40  # padded to 64 by the rotation schemes
@@ -86,25 +90,30 @@ def test_entries_are_named_described_and_consistent():
         for side in (spec.keys, spec.values):
             if side is not None:
                 assert side.unpaged is None or side.unpaged.strip(), name
-                assert side.unpaged is not None or side.fixed_size, f"{name}: paged sides have a fixed size per token"
                 assert 1 <= side.min_bits <= side.max_bits <= 8
-                assert side.coded or (side is spec.values and side.fused and not side.fixed_size), name
+                assert side.coded or (side is spec.values and side.fused and side.unpaged), name
         assert not (spec.mse_values or spec.log_norms) or spec.values, name
         assert not spec.log_norms or spec.mse_values, name
         assert spec.headq_base is None or spec.keys, name
 
 
 def test_name_lists_follow_the_registry():
-    assert KEY_SCHEMES == tuple(n for n, s in REGISTRY.items() if s.keys)
-    assert VALUE_SCHEMES == tuple(n for n, s in REGISTRY.items() if s.values)
-    assert MSE_VALUE_SCHEMES == tuple(n for n, s in REGISTRY.items() if s.mse_values)
-    assert LOG_NORM_VALUE_SCHEMES == tuple(n for n, s in REGISTRY.items() if s.log_norms)
-    assert PAGED_SCHEMES == tuple(n for n, s in REGISTRY.items() if s.paged)
-    ranks = [REGISTRY[n].headq_base for n in HEADQ_BASES]
-    assert ranks == list(range(len(HEADQ_BASES))) and set(HEADQ_BASES) == {n for n, s in REGISTRY.items() if s.headq_base is not None}
+    """The lists as read now (module attributes; a ``from`` import keeps those of its time)."""
+    import kvqrs.schemes.codec as lists
+    import kvqrs.vllm
+
+    for which in ("KEY_SCHEMES", "VALUE_SCHEMES", "MSE_VALUE_SCHEMES", "LOG_NORM_VALUE_SCHEMES", "HEADQ_BASES", "PAGED_SCHEMES"):
+        assert names(which) == getattr(registry, which)
+    assert lists.KEY_SCHEMES == lists.SCHEMES == tuple(n for n, s in REGISTRY.items() if s.keys)
+    assert lists.VALUE_SCHEMES == tuple(n for n, s in REGISTRY.items() if s.values)
+    assert lists.MSE_VALUE_SCHEMES == tuple(n for n, s in REGISTRY.items() if s.mse_values)
+    assert lists.LOG_NORM_VALUE_SCHEMES == tuple(n for n, s in REGISTRY.items() if s.log_norms)
+    assert kvqrs.vllm.PAGED_SCHEMES == tuple(n for n, s in REGISTRY.items() if s.paged)
+    ranks = [REGISTRY[n].headq_base for n in lists.HEADQ_BASES]
+    assert ranks == list(range(len(ranks))) and set(lists.HEADQ_BASES) == {n for n, s in REGISTRY.items() if s.headq_base is not None}
     # The default base is the first.
-    assert inspect.signature(KVCodec).parameters["headq_base"].default == HEADQ_BASES[0]
-    assert QuantConfig("kv", 4).headq_base == HEADQ_BASES[0]
+    assert inspect.signature(KVCodec).parameters["headq_base"].default == lists.HEADQ_BASES[0]
+    assert QuantConfig("kv", 4).headq_base == lists.HEADQ_BASES[0]
 
 
 def test_unknown_schemes_are_refused_with_the_lists():
@@ -170,22 +179,70 @@ def test_round_trip_bits_and_format(name, kind):
     np.testing.assert_array_equal(decode(fmt.loads(fmt.dumps(enc), codec)), back)
 
 
+TOKENS = (0, 1, 2, 5, 8, 31, 32, 33, 64, 100)
+
+
+@pytest.mark.parametrize("name,kind", SIDES)
+def test_declared_rates_alignment_and_dtypes_are_what_encodes_store(name, kind):
+    """Each part's declared token rate, alignment and dtype against actual encodes: the token
+    axis holds ceil(T * rate) entries at every T, the other axes stay, the stored dtype is the
+    declared one's (float16 scalars, float32 when a value leaves float16's range); a part cuts
+    at whole entries at multiples of its align, and the first ``align`` tokens encode to the
+    whole tensor's first entries; ``nbytes(T)`` is the bytes an encode of T tokens stores."""
+    codec = codec_for(name, kind)
+    if not codec.has_layout(kind):
+        assert REGISTRY[name].side(kind).unpaged, "a side without a layout is not paged"
+        return
+    x = gaussian((2, 2, max(TOKENS), D), 13)
+    declared = codec.layout(kind, (2, 2, 0, D))
+    for t in TOKENS:
+        enc = encode(codec, kind, x[..., :t, :])
+        assert set(enc.parts) == set(declared), t
+        widened = 0  # scalars that left float16's range (a tiny HeadQ residual of one token) store float32
+        for part_name, p in declared.items():
+            a = np.asarray(enc.parts[part_name])
+            ax = a.ndim + p.token_axis
+            assert (a.shape[:ax], a.shape[ax + 1 :]) == (p.outer, p.inner), (part_name, t)
+            assert a.shape[ax] == math.ceil(t * p.rate), (part_name, t, p.rate)
+            if p.dtype == "scalar" and a.dtype == WIDENED:
+                widened += a.nbytes - a.size * DTYPES["scalar"].itemsize
+            else:
+                assert a.dtype == DTYPES[p.dtype], (part_name, a.dtype, p.dtype)
+        assert codec.nbytes(kind, enc.shape) + widened == enc.nbytes, t
+    # Alignment: every part cuts at whole entries at multiples of its align, and a chunk of
+    # the side's alignment (their least common multiple) encodes to a prefix of every part.
+    side_align = math.lcm(*(p.align for p in declared.values()))
+    assert side_align <= codec.align() and codec.align() % side_align == 0
+    whole = encode(codec, kind, x)
+    head = encode(codec, kind, x[..., :side_align, :])
+    for part_name, p in declared.items():
+        assert Fraction(p.rate * p.align).denominator == 1, f"{part_name}: {p.align} tokens end mid-entry"
+        a = np.asarray(head.parts[part_name])
+        kept = np.take(np.asarray(whole.parts[part_name]), np.arange(a.shape[p.token_axis]), axis=p.token_axis)
+        np.testing.assert_array_equal(a, kept, err_msg=f"{part_name}: the first {side_align} tokens")
+    # Gaussian tokens store float16 scalars, as declared: nbytes(T) is exact.
+    assert codec.nbytes(kind, whole.shape) == whole.nbytes
+
+
 @pytest.mark.parametrize("name,kind", SIDES)
 def test_fixed_size_per_token_as_declared(name, kind):
     side = REGISTRY[name].side(kind)
     codec = codec_for(name, kind)
-    coder = coder_of(codec, kind)
-    if coder is None or not coder.has_layout:
-        assert not side.fixed_size
+    if not codec.has_layout(kind):
+        assert not codec.fixed_per_token(kind) and side.unpaged
         return
-    assert per_token(lambda shape: codec.layout(kind, shape)) == side.fixed_size
-    if side.fixed_size:  # chunks cut anywhere join to the bytes of one encode
+    assert per_token(lambda shape: codec.layout(kind, shape)) == codec.fixed_per_token(kind)
+    assert side.unpaged is not None or codec.fixed_per_token(kind), f"{name}: paged sides have a fixed size per token"
+    if codec.fixed_per_token(kind):  # chunks cut anywhere join to the bytes of one encode
         x = gaussian(SHAPE, 2)
         whole = encode(codec, kind, x)
         joined = codec.concat([encode(codec, kind, x[..., :5, :]), encode(codec, kind, x[..., 5:, :])])
         assert set(joined.parts) == set(whole.parts)
         for n, p in whole.parts.items():
             np.testing.assert_array_equal(joined.parts[n], p, err_msg=n)
+        assert codec.nbytes(kind, (1, D)) * SHAPE[-2] * math.prod(SHAPE[:-2]) == whole.nbytes
+    else:  # some part is shared by a group of tokens: cut at its multiples only
+        assert codec.align() > 1
 
 
 @pytest.mark.parametrize("name", list(REGISTRY))
@@ -203,11 +260,14 @@ def test_paged_as_declared(name):
         )
         reason = refuse_reason(config)
         assert reason is None if side.unpaged is None else side.unpaged in reason, (kind, reason)
-    if spec.paged:  # a slot holds one token's parts of both sides
+    if spec.paged:  # a slot holds one token's parts of both sides, as declared and as encoded
         slots = SlotLayout(QuantConfig(name, spec.keys.bits(BITS), name, spec.values.bits(BITS)), 0, D)
         x = gaussian((1, D), 12)
         one = [slots.codec.encode_keys(x), slots.codec.encode_values(x)]
-        assert slots.slot_bytes == sum(e.nbytes for e in one)
+        assert slots.slot_bytes == sum(e.nbytes for e in one) == sum(slots.codec.nbytes(k, (1, D)) for k in ("keys", "values"))
+        for p in slots.parts:
+            stored = np.asarray(one[("keys", "values").index(p.side)].parts[p.name])
+            assert (p.dtype, p.row_bytes) == (stored.dtype, stored.nbytes), (p.side, p.name)
 
 
 @pytest.mark.parametrize("name,kind", SIDES)

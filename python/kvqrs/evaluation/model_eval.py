@@ -122,9 +122,8 @@ def storage(cfg: QuantConfig, kv: dict[int, tuple[np.ndarray, np.ndarray]], quer
     if not cfg.quantizes_keys or cfg.value_scheme == "a2":
         return {"bpe_k": bpe_k, "bpe_v": bpe_v, "cache_bytes": -1}
     cache = QuantizedKVCache(cfg, len(kv))
-    with active(None):  # update() installs the cache as the attention state; do not leave it there
-        for layer, (k, v) in sorted(kv.items()):
-            cache.update(torch.from_numpy(k)[None], torch.from_numpy(v)[None], layer)
+    for layer, (k, v) in sorted(kv.items()):
+        cache.update(torch.from_numpy(k)[None], torch.from_numpy(v)[None], layer)
     return {"bpe_k": bpe_k, "bpe_v": bpe_v, "cache_bytes": cache.nbytes()}
 
 
@@ -152,9 +151,8 @@ def _matched_storage(cfg: QuantConfig, kv: dict, queries: dict | None, dtype_bit
         side = sum(c.nbytes for c in fitted.values())
         held = dataclasses.replace(cfg, calibration=fitted)
     cache = QuantizedKVCache(held, len(kv))
-    with active(None):  # update() installs the cache as the attention state; do not leave it there
-        for layer, (k, v) in sorted(kv.items()):
-            cache.update(torch.from_numpy(k)[None], torch.from_numpy(v)[None], layer)
+    for layer, (k, v) in sorted(kv.items()):
+        cache.update(torch.from_numpy(k)[None], torch.from_numpy(v)[None], layer)
     bpe_k, bpe_v = _held_bits(cache, cfg, fitted, dtype_bits)
     return {"bpe_k": bpe_k, "bpe_v": bpe_v, "cache_bytes": cache.nbytes() + side}
 

@@ -254,7 +254,7 @@ def retrieve(model, tokenizer, prompt: NeedlePrompt, config: QuantConfig | None,
         raise KvqrsError(f"prefill: expected one of {PREFILLS}, got {prefill!r}")
     cache = make_cache(model, config) if cache is None else cache
     start = time.perf_counter()
-    # the cache installs itself as attention state; do not leave it there
+    # no outer attention state serves a layer the cache declines
     with torch.no_grad(), active(None), sdpa_prefill(prefill == "sdpa"):
         out = model.generate(
             prompt.ids,

@@ -9,6 +9,9 @@ from kvqrs when a quantization state is active for the layer:
 - the fast evaluation path (:func:`fake_quant`): one forward pass per window in which query
   ``t`` sees key ``j`` quantized exactly when the cache would hold it quantized at step ``t``.
 
+A state is an :class:`AttentionState`. It is in effect for a scope only: inside ``with
+active(state):`` (reset on exit, an exception included), or, for a cache, the one attention
+call that follows its ``update`` (:func:`hand_over`, by weak reference: nothing stays installed).
 With no state it is plain eager attention. Every path applies the layer's :class:`LogitRule`:
 logit soft-capping (Gemma 2) and learned sink logits (gpt-oss), as transformers' eager attention
 of those models does.
@@ -19,9 +22,10 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -35,7 +39,31 @@ from ..torch import check_finite, from_numpy, to_numpy
 from .config import QuantConfig
 
 NAME = "kvqrs"
-_STATE: contextvars.ContextVar[Any] = contextvars.ContextVar("kvqrs_attention_state", default=None)
+
+
+@runtime_checkable
+class AttentionState(Protocol):
+    """What the ``kvqrs`` attention function consults for a layer's attention (a
+    :class:`~kvqrs.hf.QuantizedKVCache`, the fast path's :class:`FakeQuant`, the calibration and
+    capture recorders): :func:`active` makes one the state for a scope, and a cache hands
+    itself to the attention call after its ``update`` (:func:`hand_over`)."""
+
+    def attend(
+        self, module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any, scaling: float
+    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """The attention of ``module`` (its ``layer_idx``) for ``query`` ``(batch, heads, q_len,
+        d)`` over ``key`` / ``value`` ``(batch, kv_heads, kv_len, d)`` under ``attention_mask``
+        (additive or boolean, or None) and logit scale ``scaling``: ``(out (batch, q_len,
+        heads, d), probs or None)`` as transformers' attention functions return, or None to
+        leave the layer to the next state or eager attention (a recorder that only records,
+        a cache whose layer did not return these keys)."""
+        ...
+
+
+_STATE: contextvars.ContextVar[AttentionState | None] = contextvars.ContextVar("kvqrs_attention_state", default=None)
+# The cache whose update ran last, by weak reference, for the attention call that follows it
+# (taken by that call: hand_over).
+_HANDED: contextvars.ContextVar[weakref.ref | None] = contextvars.ContextVar("kvqrs_handed_state", default=None)
 _SDPA_PREFILL: contextvars.ContextVar[bool] = contextvars.ContextVar("kvqrs_sdpa_prefill", default=False)
 # The logit rule of the layer whose attention a state is serving (None: plain softmax), set by
 # the attention function around the state's ``attend`` call only when the layer has one.
@@ -222,11 +250,17 @@ def kvqrs_attention(module, query, key, value, attention_mask, scaling, dropout=
     soft-capping and learned sink logits (:func:`layer_rule`). Returns ``(out, probs)``:
     ``(batch, q_len, heads, d)`` in the query's dtype, and the probabilities or None."""
     rule = layer_rule(module, kwargs)
+    args = (module, query, key, value, attention_mask, scaling)
+    handed = _take_handed()
+    if handed is not None:  # the cache whose update this layer just called
+        if kwargs.get("sliding_window") is not None and hasattr(handed, "note_sliding_window"):
+            handed.note_sliding_window(module, kwargs["sliding_window"])  # a cache built with a layer count warns
+        handled = _serve(handed, rule, args)
+        if handled is not None:
+            return handled
     state = _STATE.get()
-    if kwargs.get("sliding_window") is not None and hasattr(state, "note_sliding_window"):
-        state.note_sliding_window(module, kwargs["sliding_window"])  # a cache built with a layer count warns
     if state is not None:
-        handled = _serve(state, rule, (module, query, key, value, attention_mask, scaling))
+        handled = _serve(state, rule, args)
         if handled is not None:
             return handled
     if rule is None and _SDPA_PREFILL.get() and query.shape[-2] >= SDPA_MIN_QUERY:
@@ -246,8 +280,10 @@ def register() -> str:
 
 
 @contextlib.contextmanager
-def active(state: Any) -> Iterator[Any]:
-    """Make ``state`` (a cache or a fake-quant plan) the one the attention function consults."""
+def active(state: AttentionState | None) -> Iterator[AttentionState | None]:
+    """Make ``state`` (a fake-quant plan, a recorder, a cache; None: no state) the one the
+    attention function consults inside the ``with`` block; the state before it is back on exit,
+    an exception included."""
     token = _STATE.set(state)
     try:
         yield state
@@ -255,7 +291,30 @@ def active(state: Any) -> Iterator[Any]:
         _STATE.reset(token)
 
 
-class FakeQuant:
+def current() -> AttentionState | None:
+    """The state :func:`active` put in effect here (None outside any)."""
+    return _STATE.get()
+
+
+def hand_over(state: AttentionState) -> None:
+    """Hand ``state`` to the next call of the attention function in this context, which takes
+    it (transformers calls the attention right after the layer's cache ``update``): it is
+    served first, then the :func:`active` state if it declines the layer. Held by weak
+    reference, so a cache no one holds is not kept alive, and a state handed but never taken
+    (an ``update`` outside a forward) is replaced by the next hand-over."""
+    _HANDED.set(weakref.ref(state))
+
+
+def _take_handed() -> AttentionState | None:
+    """The state handed over for this call, taken (None when there is none, or it is gone)."""
+    ref = _HANDED.get()
+    if ref is None:
+        return None
+    _HANDED.set(None)
+    return ref()
+
+
+class FakeQuant(AttentionState):
     """The fast path: quantize-dequantize inside one forward pass over a window that starts at
     position 0, with the cache's schedule (``QuantConfig.quantized_span``) applied per query."""
 

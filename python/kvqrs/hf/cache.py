@@ -20,7 +20,7 @@ from transformers.cache_utils import Cache
 
 from .._arrays import KvqrsError, check_positive_int
 from . import persist
-from .attention import _STATE, register
+from .attention import AttentionState, hand_over, register
 from .config import QuantConfig
 from .layer import CompressedLayer
 
@@ -93,7 +93,7 @@ def layer_windows(model_config) -> list[int | None]:
     return [kw["sliding_window"] if t in SLIDING_LAYER_TYPES else None for t, kw in zip(types, kwargs)]
 
 
-class QuantizedKVCache(Cache):
+class QuantizedKVCache(Cache, AttentionState):
     """A transformers cache holding keys and values compressed by kvqrs.
 
     Args:
@@ -170,15 +170,14 @@ class QuantizedKVCache(Cache):
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         if not 0 <= layer_idx < len(self.layers):
             raise KvqrsError(f"num_layers: this cache has {len(self.layers)} layers, the model updated layer {layer_idx}")
-        if _STATE.get() is not self:  # the kvqrs attention function of this layer consults this cache
-            _STATE.set(self)  # (set only on a change: each set makes a token, a decode step's 0.5 us)
+        hand_over(self)  # the kvqrs attention call of this layer, next, consults this cache
         # The layer's own update: transformers' Cache.update adds only offloading, which this
         # cache never turns on.
         return self.layers[layer_idx].update(key_states, value_states, *args, fused=self.config.fused, **kwargs)
 
     def attend(self, module, query, key, value, attention_mask, scaling):
-        # This cache stays the attention state after its last update; another forward (another
-        # cache, or none) is recognised because its keys are not the ones this layer returned.
+        # Handed to the attention call after each update (hand_over); keys other than the ones
+        # this layer returned (a stale hand-over, another forward) are declined.
         if not 0 <= module.layer_idx < len(self.layers):
             return None
         return self.layers[module.layer_idx].attend(module, query, key, value, attention_mask, scaling)

@@ -16,12 +16,12 @@ from .._arrays import KvqrsError, check_bits, check_positive_int
 from ..kernels import headq_basis
 from ..schemes.width_classes import unit_weights
 from ..torch import to_numpy
-from .attention import active, register
+from .attention import AttentionState, active, register
 
 FORMAT = "kvqrs-headq-bases-v1"
 
 
-class _QueryRecorder:
+class _QueryRecorder(AttentionState):
     """Attention state that records queries and lets attention run unchanged."""
 
     def __init__(self) -> None:
@@ -72,7 +72,7 @@ def load_bases(path: str | pathlib.Path) -> dict[int, np.ndarray]:
         raise KvqrsError(f"bases: cannot read {str(path)!r}: {e}") from None
 
 
-class _KVQRecorder:
+class _KVQRecorder(AttentionState):
     """Attention state that records per layer the queries grouped per KV head, the keys and the
     values of every window (positions ``skip..``), and lets attention run unchanged."""
 
@@ -169,7 +169,7 @@ def calibrate_matched(model, windows: Iterable[torch.Tensor], key_bits: float, g
     return fit_matched(record_matched(model, windows, skip), key_bits, group)
 
 
-class _OnlyLayer:
+class _OnlyLayer(AttentionState):
     """Attention state that lets one fake-quant plan serve a single layer (the others dense)."""
 
     def __init__(self, plan, layer: int) -> None:
@@ -217,7 +217,7 @@ def layer_sensitivity(model, windows: list[torch.Tensor], configs: list, progres
     return kl
 
 
-class _StateRecorder:
+class _StateRecorder(AttentionState):
     """Attention state that keeps each layer's query, keys and values as attention reads them
     (tensors in the autograd graph) and lets attention run unchanged."""
 
@@ -441,7 +441,7 @@ def allocate_matched(
     return out
 
 
-class _ClassRecorder:
+class _ClassRecorder(AttentionState):
     """Attention state that, per layer, allocates each calibration window's value widths freely
     by causal A^2 importance (:func:`~kvqrs.schemes.a2.allocate_bits` per chunk of ``group``
     tokens after the sinks, at the layer's value width) and counts the widths; attention runs

@@ -118,7 +118,7 @@ class QuantConfig:
     def __getstate__(self) -> dict:
         # The per-layer codecs are a cache built from the settings (and hold kernel functions
         # that do not pickle): copies and pickles carry the settings only and build their own.
-        return {**self.__dict__, "_codecs": {}, "_validating": False, "_in_use": False}
+        return {**self.__dict__, "_codecs": {}, "_chunk": None, "_validating": False, "_in_use": False}
 
     def __eq__(self, other: object) -> bool:
         # Field by field, arrays by value (the generated __eq__ raised on NumPy HeadQ bases).
@@ -160,16 +160,17 @@ class QuantConfig:
             object.__setattr__(self, "_validating", False)
 
     def __post_init__(self) -> None:
-        # Per-layer codecs built from the settings: a cache, not a field (replace, asdict and
-        # copies carry the settings only).
+        # Per-layer codecs built from the settings, and the chunk read off their layouts: caches,
+        # not fields (replace, asdict and copies carry the settings only).
         self._codecs: dict = {}
+        self._chunk: int | None = None
         from .._arrays import check_bits, check_seed
-        from ..schemes.codec import HEADQ_BASES, KEY_SCHEMES, VALUE_SCHEMES, check_value_stage
+        from ..schemes.registry import check_value_stage, names
 
-        if self.key_scheme is not None and self.key_scheme not in KEY_SCHEMES:
-            raise KvqrsError(f"key_scheme: expected one of {KEY_SCHEMES} or None, got {self.key_scheme!r}")
-        if self.value_scheme is not None and self.value_scheme not in VALUE_SCHEMES:
-            raise KvqrsError(f"value_scheme: expected one of {VALUE_SCHEMES} or None, got {self.value_scheme!r}")
+        if self.key_scheme is not None and self.key_scheme not in names("KEY_SCHEMES"):
+            raise KvqrsError(f"key_scheme: expected one of {names('KEY_SCHEMES')} or None, got {self.key_scheme!r}")
+        if self.value_scheme is not None and self.value_scheme not in names("VALUE_SCHEMES"):
+            raise KvqrsError(f"value_scheme: expected one of {names('VALUE_SCHEMES')} or None, got {self.value_scheme!r}")
         check_bits(self.key_bits, "key_bits")
         if self.value_bits is not None:
             check_bits(self.value_bits, "value_bits")
@@ -195,8 +196,8 @@ class QuantConfig:
             raise KvqrsError(f"side_bits: expected HeadQ side-code bits in 1..8, got {self.side_bits}")
         if isinstance(self.sign, bool) or self.sign not in (1, -1):
             raise KvqrsError(f"sign: expected 1 or -1 (the wrong-sign HeadQ control), got {self.sign!r}")
-        if self.headq_base not in HEADQ_BASES:
-            raise KvqrsError(f"headq_base: expected one of {HEADQ_BASES}, got {self.headq_base!r}")
+        if self.headq_base not in names("HEADQ_BASES"):
+            raise KvqrsError(f"headq_base: expected one of {names('HEADQ_BASES')}, got {self.headq_base!r}")
         for name in ("a2_uniform", "fused", "value_transform"):
             if not isinstance(getattr(self, name), (bool, np.bool_)):
                 raise KvqrsError(f"{name}: expected True or False, got {getattr(self, name)!r}")
@@ -249,9 +250,53 @@ class QuantConfig:
 
     @property
     def chunk(self) -> int:
-        """Tokens per flush: KIVI and matched keys are quantized per channel over whole groups
-        of tokens, and log-coded value norms share an exponent per group."""
-        return self.group if self._kivi_keys or self.key_scheme == "matched" or self.value_norms == "log8" else 1
+        """Tokens per flush: the fewest tokens at whose multiples every stored part of the keys
+        and values can be cut, as the codec's declared layouts state it
+        (:meth:`KVCodec.align <kvqrs.schemes.KVCodec.align>`): ``group`` where a part is shared
+        by a group of tokens (KIVI and ``matched`` keys per channel, log-coded value norms'
+        exponents, width classes), 1 where every token stores its own."""
+        chunk = self.__dict__.get("_chunk")
+        if chunk is None:
+            chunk = self._layout_codec().align()
+            object.__setattr__(self, "_chunk", chunk)
+        return chunk
+
+    def _layout_codec(self) -> KVCodec:
+        """A codec of these settings for the layouts alone: a given calibration's first layer
+        (its value width classes, if any), or, not given or not yet fitted, the scheme's seeded
+        control (its registry entry's) with transform-coded values when ``value_transform``;
+        the token alignment of every layout is the same at any head_dim and layer."""
+        from ..schemes.registry import REGISTRY
+
+        given = next(iter(self.calibration.values())) if isinstance(self.calibration, dict) and self.calibration else None
+        head_dim = max(64, self.rank) if given is None else given.keys.basis.shape[-1]  # a HeadQ basis of rank columns
+        kw: dict[str, Any] = {}
+        for scheme, bits in ((self.key_scheme, self.key_bits), (self.value_scheme, self.value_bits or self.key_bits)):
+            if scheme is not None:
+                kw.update(REGISTRY[scheme].control_kwargs(head_dim, bits, self.seed))
+        if "calibration" in kw:  # a layer's own (its value classes, if any), or the control shaped as one fitted
+            cal = given if given is not None else kw["calibration"]
+            kw["calibration"] = dataclasses.replace(cal, values=cal.keys) if self.value_transform and given is None else cal
+        return self._new_codec(head_dim, **kw)
+
+    def _new_codec(self, head_dim: int, **kw: Any) -> KVCodec:
+        """A codec of these settings at ``head_dim``; ``kw``: its calibration or HeadQ basis."""
+        return KVCodec(
+            self.key_scheme or "kv",
+            self.key_bits,
+            head_dim,
+            seed=self.seed,
+            value_bits=self.value_bits,
+            value_scheme=self.value_scheme or "none",
+            group=self.group,
+            headq_base=self.headq_base,
+            rank=self.rank,
+            side_bits=self.side_bits,
+            sign=self.sign,
+            value_scale=self.value_scale,
+            value_norms=self.value_norms,
+            **kw,
+        )
 
     def quantized_count(self, seen: int) -> int:
         """Tokens quantized after ``seen`` tokens: whole chunks between the sinks and the
@@ -294,23 +339,7 @@ class QuantConfig:
                 )
             else:
                 basis = np.asarray(self.bases[layer])
-        return KVCodec(
-            self.key_scheme or "kv",
-            self.key_bits,
-            head_dim,
-            seed=self.seed,
-            value_bits=self.value_bits,
-            value_scheme=self.value_scheme or "none",
-            group=self.group,
-            headq_base=self.headq_base,
-            rank=self.rank,
-            side_bits=self.side_bits,
-            basis=basis,
-            sign=self.sign,
-            calibration=calibration,
-            value_scale=self.value_scale,
-            value_norms=self.value_norms,
-        )
+        return self._new_codec(head_dim, basis=basis, calibration=calibration)
 
     @classmethod
     def preset(cls, name: str, calibration: Any = None, /, **overrides: Any) -> QuantConfig:

@@ -9,16 +9,14 @@ selecting batch rows and the saved sections are native too. On a decode step the
 attends straight from its buffers (:meth:`CodeStore.attend`: one native call, the GIL
 released).
 
-Each part's token rate (entries along its token axis per token) is read off the layout: one
-per token, packed bits of a channel's tokens, one per group of tokens. A layout whose parts
-do not follow ``ceil(T * num / den)`` entries cannot be stored and raises.
+Each part's token rate (entries along its token axis per token) is the layout's declared
+:attr:`~kvqrs.layout.Part.rate`: one per token, packed bits of a channel's tokens, one per
+group of tokens (``ceil(T * num / den)`` entries for ``T`` tokens).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from fractions import Fraction
-from math import lcm
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -41,24 +39,13 @@ _LAYOUT_CODES = {"uint8": (0, False), "scalar": (1, True), "float32": (2, False)
 
 
 def _part_specs(codec, kind: str, lead: tuple[int, ...], d: int) -> list[tuple]:
-    """``(name, dtype code, widen, outer, inner, num, den)`` of each part of ``kind``."""
-    at = {t: codec.layout(kind, (*lead, t, d)) for t in (0, 1)}
-    align = lcm(*(p.align for p in at[0].values()))
-    big = 8 * align
-    at[big] = codec.layout(kind, (*lead, big, d))
+    """``(name, dtype code, widen, outer, inner, num, den)`` of each part of ``kind``, as its
+    declared layout states them (:class:`~kvqrs.layout.Part`: the axes around the token axis,
+    the dtype by name, the token rate ``num / den``)."""
     specs = []
-    for name, part in at[big].items():
-        ax = len(part.shape) + part.token_axis
-        rate = Fraction(part.shape[ax], big)
-        for t in (0, 1, align, big - 1, big + 1, 2 * big + 3):
-            p = at[t][name] if t in at else codec.layout(kind, (*lead, t, d))[name]
-            want = -(-t * rate.numerator // rate.denominator)
-            if p.shape[:ax] != part.shape[:ax] or p.shape[ax + 1 :] != part.shape[ax + 1 :] or p.shape[ax] != want:
-                raise KvqrsError(
-                    f"{kind}: part {name!r} does not hold ceil(tokens * {rate}) entries along its token axis; the cache cannot store it"
-                )
+    for name, part in codec.layout(kind, (*lead, 0, d)).items():
         code, widen = _LAYOUT_CODES[part.dtype]
-        specs.append((f"{kind}.{name}", code, widen, list(part.shape[:ax]), list(part.shape[ax + 1 :]), rate.numerator, rate.denominator))
+        specs.append((f"{kind}.{name}", code, widen, list(part.outer), list(part.inner), part.rate.numerator, part.rate.denominator))
     return specs
 
 
@@ -416,10 +403,7 @@ class CodeStore:
         :meth:`_named_rows`), with the scheme and parameters of the codec's coder, which its
         ``attention_rows`` checks (nothing is encoded: a coder that needs more than the tokens to
         encode, such as width-class values, is asked too)."""
-        shape = self._shape()
-        refs = {n: PartRef(n, p.shape, _NP_DTYPES[_LAYOUT_CODES[p.dtype][0]]) for n, p in self.codec.layout(kind, shape).items()}
-        coder = self.codec._key_coder() if kind == "keys" else self.codec.values
-        return Encoded(coder.scheme, kind, shape, np.dtype(np.float32), refs, coder.params)
+        return self.codec.named(kind, self._shape())
 
     @staticmethod
     def _known(rows: tuple[Any, Any, Any]) -> bool:

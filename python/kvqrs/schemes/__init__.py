@@ -6,11 +6,23 @@ coders are built, what it can do), every coder is a :class:`Coder`."""
 from .a2 import A2ValueCoder, allocate_bits
 from .backend import CPU, Backend, get_backend
 from .base import Coder, Encoded
-from .codec import KEY_SCHEMES, SCHEMES, VALUE_SCHEMES, KVCodec, derive_seed
+from .codec import KVCodec, derive_seed
 from .headq import HeadQCoder
 from .kivi import KIVICoder
 from .mse import MSECoder, MSEQJLCoder
-from .registry import REGISTRY, SchemeSpec
+from .registry import REGISTRY, SchemeSpec, names, register
+
+# The registry's name lists, derived from it when read (``SCHEMES``: the key schemes).
+KEY_SCHEMES: tuple[str, ...]
+SCHEMES: tuple[str, ...]
+VALUE_SCHEMES: tuple[str, ...]
+
+
+def __getattr__(name: str) -> tuple[str, ...]:
+    if name in ("KEY_SCHEMES", "SCHEMES", "VALUE_SCHEMES"):
+        return names("KEY_SCHEMES" if name == "SCHEMES" else name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "A2ValueCoder",
@@ -31,4 +43,5 @@ __all__ = [
     "allocate_bits",
     "derive_seed",
     "get_backend",
+    "register",
 ]

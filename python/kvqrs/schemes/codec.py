@@ -4,10 +4,12 @@ computes attention logits and outputs from the encoded cache."""
 from __future__ import annotations
 
 import dataclasses
+from math import lcm
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .. import layout as lay
 from .._arrays import (
     KvqrsError,
     as_float_rows,
@@ -25,21 +27,8 @@ from ..kernels.rng import random_orthonormal_basis
 from .backend import get_backend
 from .base import Coder, Encoded, as_float_array, concat_tokens, name_nonfinite, slice_rows
 from .matched import MatchedCalibration
-from .registry import (
-    _RANDOM_BASIS,
-    HEADQ_BASES,
-    KEY_SCHEMES,
-    LOG_NORM_VALUE_SCHEMES,
-    MSE_VALUE_SCHEMES,
-    REGISTRY,
-    VALUE_SCHEMES,
-    CoderSettings,
-    build_coder,
-    check_value_stage,
-    derive_seed,
-)
+from .registry import _RANDOM_BASIS, REGISTRY, CoderSettings, build_coder, check_value_stage, derive_seed, names
 
-SCHEMES = KEY_SCHEMES
 __all__ = [
     "HEADQ_BASES",
     "KEY_SCHEMES",
@@ -55,6 +44,21 @@ __all__ = [
 
 if TYPE_CHECKING:
     from .._arrays import Array
+
+
+# The registry's name lists, derived from it when read (``SCHEMES``: the key schemes).
+HEADQ_BASES: tuple[str, ...]
+KEY_SCHEMES: tuple[str, ...]
+LOG_NORM_VALUE_SCHEMES: tuple[str, ...]
+MSE_VALUE_SCHEMES: tuple[str, ...]
+SCHEMES: tuple[str, ...]
+VALUE_SCHEMES: tuple[str, ...]
+
+
+def __getattr__(name: str) -> tuple[str, ...]:
+    if name in ("HEADQ_BASES", "KEY_SCHEMES", "LOG_NORM_VALUE_SCHEMES", "MSE_VALUE_SCHEMES", "SCHEMES", "VALUE_SCHEMES"):
+        return names("KEY_SCHEMES" if name == "SCHEMES" else name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _with_source(enc: Encoded, x: Any, seed: int) -> Encoded:
@@ -182,7 +186,7 @@ class KVCodec:
         self.group = check_positive_int(group, "group")
         spec = REGISTRY.get(scheme)
         if spec is None or spec.keys is None:
-            raise KvqrsError(f"scheme: expected one of {KEY_SCHEMES}, got {scheme!r}")
+            raise KvqrsError(f"scheme: expected one of {names('KEY_SCHEMES')}, got {scheme!r}")
         # A scheme that codes keys only (headq) takes kivi values unless told otherwise.
         self.value_scheme = value_scheme or (scheme if spec.values is not None else "kivi")
         self.calibration = calibration
@@ -204,8 +208,8 @@ class KVCodec:
         self.rank, self.side_bits, self.sign, self.headq_base = rank, side_bits, sign, headq_base
         self.keys: Coder | None
         if scheme == "headq":
-            if headq_base not in HEADQ_BASES:
-                raise KvqrsError(f"headq_base: expected one of {HEADQ_BASES}, got {headq_base!r}")
+            if headq_base not in names("HEADQ_BASES"):
+                raise KvqrsError(f"headq_base: expected one of {names('HEADQ_BASES')}, got {headq_base!r}")
             self.rank = check_positive_int(rank, "rank")
             self.side_bits = check_bits(side_bits, "side_bits")
             self._base = build_coder(self._key_settings(headq_base))
@@ -375,6 +379,40 @@ class KVCodec:
         if kind == "values" and self.values is None:
             raise KvqrsError("kind: this codec keeps values in full precision ('none'); they have no stored layout")
         return self._layout_of(kind)(tuple(int(n) for n in shape))
+
+    def has_layout(self, kind: str) -> bool:
+        """Whether this codec's ``kind`` declares a stored layout (not ``a2`` or full-precision values)."""
+        coder = self._key_coder() if kind == "keys" else self.values
+        return coder is not None and coder.has_layout
+
+    def nbytes(self, kind: str, shape: tuple[int, ...]) -> int:
+        """Bytes an encode of ``kind`` of ``shape`` ``(..., tokens, head_dim)`` stores, read off
+        the declared layout (:func:`kvqrs.layout.nbytes`: stored scalars as float16, which they
+        are unless a value leaves float16's range). Raises as :meth:`layout`."""
+        return lay.nbytes(self.layout(kind, shape))
+
+    def fixed_per_token(self, kind: str) -> bool:
+        """Whether every token of ``kind`` stores its own parts of one size (each declared part
+        one entry per token, cut anywhere: :func:`kvqrs.layout.fixed_per_token`); False for a
+        side without a layout."""
+        return self.has_layout(kind) and lay.fixed_per_token(self.layout(kind, (1, 0, self.head_dim)))
+
+    def align(self) -> int:
+        """The fewest tokens at whose multiples every stored part of the keys and values can be
+        cut and joined (:func:`kvqrs.layout.align` of both declared layouts; a side without a
+        layout is coded a chunk at a time and adds nothing): 1 where every token stores its
+        own parts, a group of tokens where a part is shared by one."""
+        layouts = [self.layout(kind, (1, 0, self.head_dim)) for kind in ("keys", "values") if self.has_layout(kind)]
+        return lcm(1, *(lay.align(layout) for layout in layouts))
+
+    def named(self, kind: str, shape: tuple[int, ...]) -> Encoded:
+        """An :class:`Encoded` of ``kind`` of ``shape`` whose parts are the declared layout's
+        :class:`~kvqrs.layout.PartRef` s (name, shape, stored dtype; no data), with the coder's
+        scheme and parameters: what ``fused_rows`` reads to say which part each field of its
+        rows reads, without encoding anything."""
+        coder = self._key_coder() if kind == "keys" else self.values
+        refs = lay.layout_refs(self.layout(kind, shape))
+        return Encoded(coder.scheme, kind, tuple(shape), np.dtype(np.float32), refs, coder.params, seed=self.seed)
 
     def _layout_of(self, kind: str):
         """The ``layout(shape)`` of this codec's keys or values (:mod:`kvqrs.layout`)."""

@@ -4,8 +4,9 @@ and what it can do, declared once.
 :class:`~kvqrs.schemes.KVCodec` builds its coders through :func:`build_coder`, and the name
 lists the rest of the package checks against (``KEY_SCHEMES``, ``VALUE_SCHEMES``,
 ``MSE_VALUE_SCHEMES``, ``LOG_NORM_VALUE_SCHEMES``, ``HEADQ_BASES``, ``PAGED_SCHEMES``) are
-derived from :data:`REGISTRY`. Adding a scheme is one :class:`SchemeSpec` entry here, its coder
-(:class:`~kvqrs.schemes.base.Coder`) and its kernels (docs/architecture.md, "Adding a scheme").
+derived from :data:`REGISTRY` (:func:`names`). Adding a scheme is one :class:`SchemeSpec` entry
+here (or :func:`register` at run time), its coder (:class:`~kvqrs.schemes.base.Coder`, whose
+``layout`` declares what it stores) and its kernels (docs/architecture.md, "Adding a scheme").
 """
 
 from __future__ import annotations
@@ -94,13 +95,16 @@ class SideSpec:
     Attributes:
         build: the coder for a codec's settings; None where nothing is coded (values kept in
             full precision, HeadQ keys before their basis). Raises :class:`KvqrsError` for
-            settings the coder refuses.
-        fixed_size: every token stores parts of one size whatever the other tokens (no part
-            shared by a group of tokens, no per-token width), with the default settings.
+            settings the coder refuses. What its coder stores (each part's shape, dtype, token
+            rate and alignment) the coder's ``layout`` declares
+            (:meth:`KVCodec.fixed_per_token <kvqrs.schemes.KVCodec.fixed_per_token>`,
+            :meth:`KVCodec.align <kvqrs.schemes.KVCodec.align>` and
+            :meth:`KVCodec.nbytes <kvqrs.schemes.KVCodec.nbytes>` read it).
         fused: its coder has a fused read path (``Coder.fused``: ``attention_rows`` for
             :func:`kvqrs.kernels.decode_attention`), with the default settings.
         unpaged: why vLLM's paged cache (:mod:`kvqrs.vllm.layout`) cannot store this side, in
-            the words of its refusal; None where it can (then ``fixed_size`` holds).
+            the words of its refusal; None where it can (then its declared layout is fixed per
+            token).
         min_bits: the fewest bits per coordinate it takes (2 where a QJL residual takes one);
             its coder refuses fewer, saying why.
         max_bits: the most bits per coordinate it takes; :func:`build_coder` refuses more.
@@ -109,7 +113,6 @@ class SideSpec:
     """
 
     build: Callable[[CoderSettings], Coder | None]
-    fixed_size: bool
     fused: bool
     unpaged: str | None = None
     min_bits: int = 1
@@ -252,8 +255,8 @@ _SPECS = (
     SchemeSpec(
         "kv",
         "norm + Lloyd-Max codes of the unrotated direction",
-        keys=SideSpec(_mse, fixed_size=True, fused=True),
-        values=SideSpec(_mse, fixed_size=True, fused=True),
+        keys=SideSpec(_mse, fused=True),
+        values=SideSpec(_mse, fused=True),
         mse_values=True,
         log_norms=True,
         headq_base=2,
@@ -261,52 +264,48 @@ _SPECS = (
     SchemeSpec(
         "kqv",
         "rotation + norm + Lloyd-Max codes (keys); values add a 1-bit QJL residual",
-        keys=SideSpec(_rotated_mse, fixed_size=True, fused=True),
-        values=SideSpec(_mse_qjl, fixed_size=True, fused=True, min_bits=2),
+        keys=SideSpec(_rotated_mse, fused=True),
+        values=SideSpec(_mse_qjl, fused=True, min_bits=2),
         mse_values=True,
         headq_base=1,
     ),
     SchemeSpec(
         "qkqv",
         "rotation + (n-1)-bit Lloyd-Max codes + a 1-bit QJL residual, keys and values",
-        keys=SideSpec(_mse_qjl, fixed_size=True, fused=True, min_bits=2),
-        values=SideSpec(_mse_qjl, fixed_size=True, fused=True, min_bits=2),
+        keys=SideSpec(_mse_qjl, fused=True, min_bits=2),
+        values=SideSpec(_mse_qjl, fused=True, min_bits=2),
         mse_values=True,
     ),
     SchemeSpec(
         "kivi",
         "asymmetric uniform groups: keys per channel over tokens, values per token over channels",
-        keys=SideSpec(_kivi, fixed_size=False, fused=True, unpaged=f"KIVI keys {_PER_CHANNEL}"),
-        values=SideSpec(
-            _kivi, fixed_size=True, fused=True, unpaged="KIVI values are per-token groups, but kvqrs pairs them with per-channel keys only"
-        ),
+        keys=SideSpec(_kivi, fused=True, unpaged=f"KIVI keys {_PER_CHANNEL}"),
+        values=SideSpec(_kivi, fused=True, unpaged="KIVI values are per-token groups, but kvqrs pairs them with per-channel keys only"),
         headq_base=0,
     ),
     SchemeSpec(
         "block",
         "rotation + asymmetric uniform blocks of 32 rotated coordinates (llama.cpp-style)",
-        keys=SideSpec(_block, fixed_size=True, fused=True),
-        values=SideSpec(_block, fixed_size=True, fused=True),
+        keys=SideSpec(_block, fused=True),
+        values=SideSpec(_block, fused=True),
         headq_base=3,
     ),
     SchemeSpec(
         "headq",
         "a base key scheme + a rank-r side code in a basis of calibration queries, applied in score space",
-        keys=SideSpec(_headq, fixed_size=False, fused=True, unpaged="HeadQ needs calibrated bases per layer"),
+        keys=SideSpec(_headq, fused=True, unpaged="HeadQ needs calibrated bases per layer"),
         control=_headq_control,
     ),
     SchemeSpec(
         "a2",
         "rotated MSE values at per-token widths allocated by attention-squared importance",
-        values=SideSpec(_a2, fixed_size=False, fused=False, unpaged="A^2 gives every token its own width"),
+        values=SideSpec(_a2, fused=False, unpaged="A^2 gives every token its own width"),
     ),
     SchemeSpec(
         "matched",
         "a calibrated per-layer transform with water-filled widths (keys); mean-centred MSE values",
-        keys=SideSpec(_matched_keys, fixed_size=False, fused=True, unpaged=f"matched keys {_PER_CHANNEL}"),
-        values=SideSpec(
-            _matched_values, fixed_size=True, fused=True, unpaged="matched values carry a calibrated mean the paged cache does not read"
-        ),
+        keys=SideSpec(_matched_keys, fused=True, unpaged=f"matched keys {_PER_CHANNEL}"),
+        values=SideSpec(_matched_values, fused=True, unpaged="matched values carry a calibrated mean the paged cache does not read"),
         mse_values=True,
         log_norms=True,
         control=_matched_control,
@@ -314,24 +313,69 @@ _SPECS = (
     SchemeSpec(
         "none",
         "values kept in full precision (key-only quantization)",
-        values=SideSpec(_full_precision, fixed_size=False, fused=True, unpaged="values kept in full precision", coded=False),
+        values=SideSpec(_full_precision, fused=True, unpaged="values kept in full precision", coded=False),
     ),
 )
 
-REGISTRY: Mapping[str, SchemeSpec] = MappingProxyType({s.name: s for s in _SPECS})
-"""Every scheme by name, in the order the name lists below keep."""
+_BY_NAME: dict[str, SchemeSpec] = {s.name: s for s in _SPECS}
+REGISTRY: Mapping[str, SchemeSpec] = MappingProxyType(_BY_NAME)
+"""Every scheme by name, in the order the name lists below keep (a read-only view: :func:`register` adds to it)."""
 
-KEY_SCHEMES = tuple(s.name for s in _SPECS if s.keys is not None)
-VALUE_SCHEMES = tuple(s.name for s in _SPECS if s.values is not None)
-MSE_VALUE_SCHEMES = tuple(s.name for s in _SPECS if s.mse_values)
-"""Value schemes whose values go through the MSE stage (the ones ``value_scale`` applies to)."""
-LOG_NORM_VALUE_SCHEMES = tuple(s.name for s in _SPECS if s.log_norms)
-"""Value schemes whose MSE stage may store log-coded norms (``value_norms="log8"``)."""
-HEADQ_BASES = tuple(sorted((s.name for s in _SPECS if s.headq_base is not None), key=lambda n: REGISTRY[n].headq_base))
-"""Key schemes HeadQ builds on, the default first."""
-PAGED_SCHEMES = tuple(s.name for s in _SPECS if s.paged)
-"""Schemes whose every token has a fixed stored size that vLLM's paged cache stores (the others
-say why not: :attr:`SideSpec.unpaged`)."""
+_LISTS: Mapping[str, Callable[[SchemeSpec], bool]] = {
+    "KEY_SCHEMES": lambda s: s.keys is not None,
+    "VALUE_SCHEMES": lambda s: s.values is not None,
+    "MSE_VALUE_SCHEMES": lambda s: s.mse_values,
+    "LOG_NORM_VALUE_SCHEMES": lambda s: s.log_norms,
+    "HEADQ_BASES": lambda s: s.headq_base is not None,
+    "PAGED_SCHEMES": lambda s: s.paged,
+}
+
+
+def names(which: str) -> tuple[str, ...]:
+    """A name list derived from :data:`REGISTRY` now (the module attributes of the same names
+    are these, read when accessed; a ``from`` import keeps the list of its time):
+
+    - ``KEY_SCHEMES``, ``VALUE_SCHEMES``: the schemes that code keys, values;
+    - ``MSE_VALUE_SCHEMES``: value schemes whose values go through the MSE stage (the ones
+      ``value_scale`` applies to);
+    - ``LOG_NORM_VALUE_SCHEMES``: value schemes whose MSE stage may store log-coded norms
+      (``value_norms="log8"``);
+    - ``HEADQ_BASES``: key schemes HeadQ builds on, the default first;
+    - ``PAGED_SCHEMES``: schemes whose every token has a fixed stored size that vLLM's paged
+      cache stores (the others say why not: :attr:`SideSpec.unpaged`).
+    """
+    picked = tuple(n for n, s in _BY_NAME.items() if _LISTS[which](s))
+    return tuple(sorted(picked, key=lambda n: _BY_NAME[n].headq_base)) if which == "HEADQ_BASES" else picked
+
+
+def __getattr__(name: str) -> tuple[str, ...]:
+    if name in _LISTS:
+        return names(name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def register(spec: SchemeSpec) -> None:
+    """Add ``spec`` to :data:`REGISTRY` at run time (a scheme of the package is an entry of
+    ``_SPECS`` above): :class:`~kvqrs.schemes.KVCodec`, ``QuantConfig``, the name lists and
+    vLLM's paged cache then take it.
+
+    Raises:
+        KvqrsError: a name already registered.
+    """
+    if spec.name in _BY_NAME:
+        raise KvqrsError(f"scheme: {spec.name!r} is registered already")
+    _BY_NAME[spec.name] = spec
+
+
+def unregister(name: str) -> None:
+    """Remove a scheme :func:`register` added (the package's own stay).
+
+    Raises:
+        KvqrsError: a name not registered at run time.
+    """
+    if name not in _BY_NAME or any(s.name == name for s in _SPECS):
+        raise KvqrsError(f"scheme: {name!r} was not added by register()")
+    del _BY_NAME[name]
 
 
 def check_value_stage(scheme: str | None, scale: Any, norms: Any, group: Any, transform_coded: bool, what: str) -> None:
@@ -347,9 +391,9 @@ def check_value_stage(scheme: str | None, scale: Any, norms: Any, group: Any, tr
     check_scale(scale, "value_scale")
     norm_params(norms, group, ("value_norms", "group"))
     for option, value, default, schemes, stage in (
-        ("value_scale", scale, "norm", MSE_VALUE_SCHEMES, "the MSE value stage"),
+        ("value_scale", scale, "norm", names("MSE_VALUE_SCHEMES"), "the MSE value stage"),
         # A QJL residual is computed against the float norm.
-        ("value_norms", norms, "float", LOG_NORM_VALUE_SCHEMES, "the MSE value stage without a QJL residual"),
+        ("value_norms", norms, "float", names("LOG_NORM_VALUE_SCHEMES"), "the MSE value stage without a QJL residual"),
     ):
         if value != default and (scheme not in schemes or transform_coded):
             raise KvqrsError(
@@ -370,10 +414,10 @@ def build_coder(settings: CoderSettings) -> Coder | None:
     side = None if spec is None else spec.side(settings.kind)
     if settings.kind == "keys":
         if side is None:
-            raise KvqrsError(f"scheme: expected one of {KEY_SCHEMES} for keys, got {settings.scheme!r}")
+            raise KvqrsError(f"scheme: expected one of {names('KEY_SCHEMES')} for keys, got {settings.scheme!r}")
     else:
         if side is None:
-            raise KvqrsError(f"value_scheme: expected one of {VALUE_SCHEMES}, got {settings.scheme!r}")
+            raise KvqrsError(f"value_scheme: expected one of {names('VALUE_SCHEMES')}, got {settings.scheme!r}")
         s = settings
         check_value_stage(s.scheme, s.scale, s.norms, s.group, False, f"{s.scheme!r} values")
     if settings.bits > side.max_bits:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from fractions import Fraction
 from typing import Any
 
 import numpy as np
@@ -186,11 +187,13 @@ class WidthClassCoder(Coder):
 
     def layout(self, shape: tuple[int, ...]) -> lay.Layout:
         lead, t, d = split_shape(shape)
-        n_chunks = -(-t // self.chunk)
-        parts = {"classes": lay.Part((*lead, n_chunks, -(-self.chunk * self.index_bits // 8)), "uint8", -2, self.chunk)}
+        # One entry per chunk of ``chunk`` tokens along each part's token axis (the chunk axis).
+        rate = Fraction(1, self.chunk)
+        n_chunks = lay.entries(t, rate)
+        parts = {"classes": lay.Part((*lead, n_chunks, -(-self.chunk * self.index_bits // 8)), "uint8", -2, self.chunk, rate)}
         for (b, c), stage in zip(self.classes, self.stages):
             for name, p in stage.layout((*lead, n_chunks, c, d)).items():
-                parts[f"{name}_{b}"] = lay.Part(p.shape, p.dtype, p.token_axis - 1, self.chunk)
+                parts[f"{name}_{b}"] = lay.Part(p.shape, p.dtype, p.token_axis - 1, self.chunk, rate)
         return parts
 
     def class_index(self, enc: Encoded) -> np.ndarray:

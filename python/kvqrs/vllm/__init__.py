@@ -17,12 +17,22 @@ Example::
 
 from __future__ import annotations
 
-from .layout import PAGED_SCHEMES, SlotLayout, refuse_reason
+from ..schemes.registry import names
+from .layout import SlotLayout, refuse_reason
 from .settings import config_from_env, enabled, environment
 
 BACKEND = "kvqrs.vllm.backend.KvqrsAttentionBackend"
 
 __all__ = ["BACKEND", "PAGED_SCHEMES", "SlotLayout", "config_from_env", "enabled", "environment", "refuse_reason", "register"]
+
+
+PAGED_SCHEMES: tuple[str, ...]  # the registry's, derived from it when read
+
+
+def __getattr__(name: str) -> tuple[str, ...]:
+    if name == "PAGED_SCHEMES":
+        return names(name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def register() -> None:

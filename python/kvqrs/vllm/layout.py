@@ -22,7 +22,14 @@ from ..hf.config import QuantConfig
 from ..hf.store import NP_CODES, _native_encoder
 from ..kernels.attention import MSERows, UniformRows, binding_rows, by_name
 from ..schemes import KVCodec
-from ..schemes.registry import PAGED_SCHEMES, REGISTRY
+from ..schemes.registry import REGISTRY, names
+
+
+def __getattr__(name: str) -> tuple[str, ...]:
+    # PAGED_SCHEMES: the registry's, derived when read.
+    if name == "PAGED_SCHEMES":
+        return names(name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclass(frozen=True)
@@ -52,11 +59,12 @@ def refuse_reason(config: QuantConfig) -> str | None:
     """Why ``config`` cannot be stored in fixed-size slots, or None when it can (the schemes of
     :data:`PAGED_SCHEMES`, every token coded, float norms)."""
     why = _unpaged(config.key_scheme, "keys")
+    paged = names("PAGED_SCHEMES")
     if why is not None:
-        return f"key scheme {config.key_scheme!r}: {why}; a paged cache needs a fixed size per token ({', '.join(PAGED_SCHEMES)})"
+        return f"key scheme {config.key_scheme!r}: {why}; a paged cache needs a fixed size per token ({', '.join(paged)})"
     why = _unpaged(config.value_scheme, "values")
     if why is not None:
-        return f"value scheme {config.value_scheme!r}: {why}; choose one of {', '.join(PAGED_SCHEMES)}"
+        return f"value scheme {config.value_scheme!r}: {why}; choose one of {', '.join(paged)}"
     if config.residual_length:
         return f"residual_length {config.residual_length}: a paged cache stores every token as codes (use 0)"
     if config.value_norms != "float":
@@ -83,9 +91,12 @@ class SlotLayout:
             raise KvqrsError(f"kvqrs paged cache: {reason}")
         self.config, self.layer, self.head_dim = config, layer, head_dim
         self.codec: KVCodec = config.codec(layer, head_dim)
-        probe = np.random.default_rng(0).standard_normal((1, 1, head_dim)).astype(np.float32)
-        ck, cv = self.codec.encode_keys(probe), self.codec.encode_values(probe)
-        krows, vrows, side = self.codec.fused_rows(ck.named(), cv.named())
+        for kind in ("keys", "values"):
+            if not self.codec.fixed_per_token(kind):
+                raise KvqrsError(f"kvqrs paged cache: {kind}: the declared layout stores parts shared by several tokens")
+        # One token of one KV head, by the declared layouts (PartRefs: nothing encoded).
+        ck, cv = (self.codec.named(kind, (1, 1, head_dim)) for kind in ("keys", "values"))
+        krows, vrows, side = self.codec.fused_rows(ck, cv)
         if side is not None:
             raise KvqrsError("kvqrs paged cache: HeadQ side codes are not stored in paged slots")
         self.parts: list[Part] = []
@@ -107,15 +118,18 @@ class SlotLayout:
         """Append this side's parts; return its rows for the Rust entry point with each part
         (a :class:`~kvqrs.layout.PartRef` of ``enc``'s, resolved by name) replaced by
         ``(offset, row_bytes[, dtype])`` within a slot (:meth:`_page_rows` scales them to a
-        page), its size and dtype those of the probe token's array ``enc.parts[name]``."""
+        page), its size and dtype those its declared layout gives one token (stored scalars
+        float16: a norm beyond it is refused when written)."""
         if not (isinstance(rows, MSERows) or (isinstance(rows, UniformRows) and not rows.per_channel)):
             raise KvqrsError(f"kvqrs paged cache: {side} as {type(rows).__name__} have no fixed per-token layout")
 
         def place(name: str) -> tuple:
-            arr = np.asarray(enc.parts[name])
+            ref = enc.parts[name]
+            dtype, per_token = np.dtype(ref.dtype), ref.shape[2:]
+            row_bytes = int(np.prod(per_token, dtype=np.int64)) * dtype.itemsize
             offset = sum(p.row_bytes for p in self.parts)
-            self.parts.append(Part(side, name, offset, arr.nbytes, arr.dtype, arr.shape[2:]))
-            return (offset, arr.nbytes) if arr.dtype == np.uint8 else (offset, arr.nbytes, arr.dtype.name)
+            self.parts.append(Part(side, name, offset, row_bytes, dtype, per_token))
+            return (offset, row_bytes) if dtype == np.uint8 else (offset, row_bytes, dtype.name)
 
         out = binding_rows(rows, side, (), self.head_dim, by_name(enc.parts, side, place))
         if sorted(p.name for p in self.parts if p.side == side) != sorted(enc.parts):
