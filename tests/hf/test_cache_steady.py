@@ -108,30 +108,33 @@ def _decoding_layer() -> tuple[CompressedLayer, object]:
     return cache, kv
 
 
-@pytest.mark.parametrize("then", ["attend", "update", "to_bytes"])
-def test_a_non_finite_token_is_refused_by_name_and_stores_nothing(then):
-    """A steady step's writes are made by the native call that attends (or, when no attention
-    follows, by whatever reads the layer next): a refused token is named there, and the layer
-    is left as before its update."""
+def test_a_non_finite_token_is_refused_by_name_and_stores_nothing():
+    """A steady step writes its token into the window buffer at once (the window it hands back
+    is whole): a refused token is named by that update, and the layer is left as before it."""
     cache, kv = _decoding_layer()
     layer = cache.layers[0]
     assert layer._steady is not None
     before = (layer.seen, layer.quantized, cache.to_bytes())
     bad = kv(1)
     bad[0, 1, 0, 3] = float("nan")
-    k, v = cache.update(bad, kv(1), 0)
-    q = torch.ones(1, KV_HEADS * GROUPS, 1, HEAD_DIM)
     with pytest.raises(KvqrsError, match=r"key_states: .*nan.* at index \(0, 1, 0, 3\)"):
-        if then == "attend":
-            cache.attend(_Module(), q, k, v, None, HEAD_DIM**-0.5)
-        elif then == "update":
-            cache.update(kv(1), kv(1), 0)
-        else:
-            cache.to_bytes()
+        cache.update(bad, kv(1), 0)
     assert (layer.seen, layer.quantized, cache.to_bytes()) == before
+    q = torch.ones(1, KV_HEADS * GROUPS, 1, HEAD_DIM)
     k, v = cache.update(kv(1), kv(1), 0)  # and goes on
     cache.attend(_Module(), q, k, v, None, HEAD_DIM**-0.5)
     assert layer.seen == before[0] + 1
+
+
+def test_a_steady_update_hands_back_the_whole_window():
+    """The keys and values a steady update returns hold its token before any attention reads
+    them (an attention other than kvqrs' may read them)."""
+    cache, kv = _decoding_layer()
+    assert cache.layers[0]._steady is not None
+    new_k, new_v = kv(1), kv(1)
+    k, v = cache.update(new_k, new_v, 0)
+    assert cache.layers[0]._deferred is not None  # the steady path
+    assert torch.equal(k[..., -1:, :], new_k) and torch.equal(v[..., -1:, :], new_v)
 
 
 @pytest.mark.parametrize("change", ["batch_select_indices", "reset"])

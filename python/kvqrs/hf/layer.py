@@ -211,11 +211,12 @@ class _Steady(NamedTuple):
 
 
 class _Deferred(NamedTuple):
-    """A steady decode step's writes, made by the native call that attends
+    """A steady decode step's flush, made by the native call that attends
     (:meth:`CompressedLayer._attend_step`) or, when no attention follows, by
-    :meth:`CompressedLayer._catch_up`: the new tokens go into the window buffer at ``hi``, and
-    the window's ``flush`` oldest tokens, from ``lo``, into the store. ``undo``: the layer
-    before the update, restored when the writes are refused."""
+    :meth:`CompressedLayer._catch_up`: the window's ``flush`` oldest tokens, from ``lo``, go
+    into the store (the new tokens ``keys``, ``values`` are already in the window buffer at
+    ``hi``: the step writes them again, the same bytes). ``undo``: the layer before the update,
+    restored when the encode refuses the flushed tokens."""
 
     keys: torch.Tensor
     values: torch.Tensor
@@ -435,13 +436,14 @@ class CompressedLayer(LayerAttention, CacheLayerMixin):
 
     def _steady_update(self, key_states: torch.Tensor, value_states: torch.Tensor):
         """:meth:`update` of one decode token in the state :meth:`_steady_state` recorded, when
-        nothing else changed since: the layer's positions and view move as the general path
-        moves them, and the window (its new token's slot included) is handed back; the writes
-        (the token into the window's buffer, a chunk that leaves the window encoded natively
-        from the buffer) wait for the attention's one native call (:class:`_Deferred`). None
-        (nothing changed) when the general path must run: another shape or dtype, no room in
-        the buffer, a codec without a native encoder, a layer changed by anything but such
-        updates since."""
+        nothing else changed since: the token is written into the window's buffer (one native
+        call), the layer's positions and view move as the general path moves them, and the
+        window, the new token included, is handed back; a chunk that leaves the window is
+        encoded natively from the buffer by the attention's one native call
+        (:class:`_Deferred`). None (nothing changed) when the general path must run: another
+        shape or dtype, no room in the buffer, a codec without a native encoder, a value not
+        finite or beyond the storable range (the general path names it), a layer changed by
+        anything but such updates since."""
         st, win = self._steady, self._window
         if not self._fused or self.record_past or self.keys is not win.k_view or not win.shown:
             return None
@@ -457,8 +459,11 @@ class CompressedLayer(LayerAttention, CacheLayerMixin):
         n = st.sinks + max(0, (seen - st.sinks - st.residual) // st.chunk * st.chunk) - (self.q_start + self.quantized)
         if n > 0 and (win.lo + n > win.hi or not self.store.encodes_natively()):
             return None  # the general path encodes in Python
-        # The writes are deferred to the attention's native call: the layer's positions move
-        # now, and the window's view shows the new token's slot, written before anything reads it.
+        # The token goes into its slot now, so the window handed back is whole; a value not
+        # finite or beyond the storable range is left to the general path, which names it.
+        if not _native.window_append(win.flat_k, win.flat_v, win.cap, win.hi, key_states.numpy(), value_states.numpy()):
+            return None
+        # The flush is deferred to the attention's native call; the layer's positions move now.
         undo = (self._undo_point(), self._view, st, self._returned)
         self._deferred = _Deferred(key_states, value_states, win.lo, win.hi, max(n, 0), undo)
         flushed = None
@@ -490,13 +495,9 @@ class CompressedLayer(LayerAttention, CacheLayerMixin):
             self._evict()
 
     def _write_deferred(self) -> None:
-        """The deferred step's writes without attention (two native calls)."""
+        """The deferred step's flush without attention (one native call)."""
         d, self._deferred = self._deferred, None
-        win = self._window
-        ok = _native.window_append(win.flat_k, win.flat_v, win.cap, d.hi, d.keys.numpy(), d.values.numpy())
-        if ok and d.flush:
-            ok = self.store.encode_append(win.np_k, win.np_v, d.flush, d.lo)
-        if not ok:
+        if d.flush and not self.store.encode_append(self._window.np_k, self._window.np_v, d.flush, d.lo):
             self._refuse_deferred(d)
         self._after_write(d)
 
