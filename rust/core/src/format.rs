@@ -52,6 +52,26 @@ impl Dtype {
         })
     }
 
+    /// The NumPy name (`uint8`, `float16`, ...; `utf-8` for text).
+    pub fn name(self) -> &'static str {
+        match self {
+            Dtype::U8 => "uint8",
+            Dtype::F16 => "float16",
+            Dtype::F32 => "float32",
+            Dtype::F64 => "float64",
+            Dtype::I64 => "int64",
+            Dtype::Utf8 => "utf-8",
+            Dtype::Bf16 => "bfloat16",
+        }
+    }
+
+    /// The dtype of a NumPy name ([`Dtype::name`]), or None.
+    pub fn from_name(name: &str) -> Option<Self> {
+        (0..=6)
+            .filter_map(Dtype::from_code)
+            .find(|d| d.name() == name)
+    }
+
     /// Bytes per element.
     pub fn itemsize(self) -> usize {
         match self {

@@ -14,6 +14,7 @@ pub mod paged_write;
 mod par;
 pub mod reduce;
 pub mod rng;
+pub mod rows;
 pub mod scalars;
 pub mod simd;
 pub mod store;

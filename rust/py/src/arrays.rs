@@ -21,6 +21,19 @@ pub fn slice<'a, T: numpy::Element>(
     })
 }
 
+/// Borrows a contiguous 1-D array as a slice, or raises naming the argument `at` (formatted
+/// only then).
+pub fn slice_at<'a, T: numpy::Element>(
+    arr: &'a PyReadonlyArray1<'_, T>,
+    at: impl std::fmt::Display,
+) -> PyResult<&'a [T]> {
+    arr.as_slice().map_err(|_| {
+        arg_error(format!(
+            "{at}: expected a C-contiguous array, got a strided view"
+        ))
+    })
+}
+
 /// Stored scalars (norms, scales) as handed in from Python: float16 or float32.
 #[derive(FromPyObject)]
 pub enum Scalars<'py> {
@@ -32,10 +45,10 @@ pub enum Scalars<'py> {
 
 impl Scalars<'_> {
     /// Borrows the caller's buffer as a core scalar view (no copy).
-    pub fn view(&self, arg: &str) -> PyResult<ScalarView<'_>> {
+    pub fn view(&self, arg: impl std::fmt::Display) -> PyResult<ScalarView<'_>> {
         Ok(match self {
-            Scalars::F16(a) => ScalarView::F16(slice(a, arg)?.reinterpret_cast()),
-            Scalars::F32(a) => ScalarView::F32(slice(a, arg)?),
+            Scalars::F16(a) => ScalarView::F16(slice_at(a, arg)?.reinterpret_cast()),
+            Scalars::F32(a) => ScalarView::F32(slice_at(a, arg)?),
         })
     }
 }
