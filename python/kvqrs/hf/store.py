@@ -32,16 +32,42 @@ from ..schemes import Encoded
 from ..schemes.backend import CPU
 from ..schemes.mse import MSECoder, MSEQJLCoder
 
-NP_CODES = {np.dtype(np.uint8): 0, np.dtype(np.float16): 1, np.dtype(np.float32): 2, np.dtype(np.float64): 3}
-_NP_DTYPES = {v: k for k, v in NP_CODES.items()}
 TORCH_CODES = {torch.float32: 2, torch.float16: 1, torch.float64: 3, torch.bfloat16: 6}
 """Container dtype codes of full-precision tensors (docs/format.md)."""
-_TORCH_DTYPES = {v: k for k, v in TORCH_CODES.items()}
-_LAYOUT_CODES = {"uint8": (0, False), "scalar": (1, True), "float32": (2, False)}
+_NP_PARTS = ("uint8", "float16", "float32", "float64")
+"""The NumPy dtypes of the parts a store takes (dtypes cross the binding by name)."""
+_LAYOUT_DTYPES = {"uint8": ("uint8", False), "scalar": ("float16", True), "float32": ("float32", False)}
+"""Per layout dtype: the store's dtype and whether it widens to float32 (stored scalars)."""
 
 
-def _part_specs(codec, kind: str, lead: tuple[int, ...], d: int) -> list[tuple]:
-    """``(name, dtype code, widen, outer, inner, num, den)`` of each part of ``kind``."""
+class StorePart(NamedTuple):
+    """One declared part of a native ``LayerStore`` (read by attribute).
+
+    Attributes:
+        name: ``keys.<part>`` or ``values.<part>``.
+        dtype: the part's dtype name (``uint8``, ``float16``, ``float32``, ``float64``, ``bfloat16``).
+        widen: whether a float16 part becomes float32 when a value does not fit float16.
+        outer: the axes before the token axis (batch first).
+        inner: the axes after it.
+        num: with ``den``, ``ceil(tokens * num / den)`` entries along the token axis.
+        den: see ``num``.
+    """
+
+    name: str
+    dtype: str
+    widen: bool
+    outer: list[int]
+    inner: list[int]
+    num: int
+    den: int
+
+
+def _torch_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _part_specs(codec, kind: str, lead: tuple[int, ...], d: int) -> list[StorePart]:
+    """The :class:`StorePart` of each part of ``kind``."""
     at = {t: codec.layout(kind, (*lead, t, d)) for t in (0, 1)}
     align = lcm(*(p.align for p in at[0].values()))
     big = 8 * align
@@ -57,20 +83,21 @@ def _part_specs(codec, kind: str, lead: tuple[int, ...], d: int) -> list[tuple]:
                 raise KvqrsError(
                     f"{kind}: part {name!r} does not hold ceil(tokens * {rate}) entries along its token axis; the cache cannot store it"
                 )
-        code, widen = _LAYOUT_CODES[part.dtype]
-        specs.append((f"{kind}.{name}", code, widen, list(part.shape[:ax]), list(part.shape[ax + 1 :]), rate.numerator, rate.denominator))
+        dtype, widen = _LAYOUT_DTYPES[part.dtype]
+        outer, inner = list(part.shape[:ax]), list(part.shape[ax + 1 :])
+        specs.append(StorePart(f"{kind}.{name}", dtype, widen, outer, inner, rate.numerator, rate.denominator))
     return specs
 
 
-def _as_part(a: Any) -> tuple[int, list[int], np.ndarray]:
-    """An array (NumPy, or a torch tensor of any float dtype) as ``(dtype code, shape, flat uint8 bytes)``."""
+def _as_part(a: Any) -> tuple[str, list[int], np.ndarray]:
+    """An array (NumPy, or a torch tensor of any float dtype) as ``(dtype name, shape, flat uint8 bytes)``."""
     if isinstance(a, torch.Tensor):
         t = a.detach().contiguous()
-        return TORCH_CODES[t.dtype], list(t.shape), t.reshape(-1).view(torch.uint8).numpy()
+        return _torch_name(t.dtype), list(t.shape), t.reshape(-1).view(torch.uint8).numpy()
     arr = np.ascontiguousarray(a)
-    if arr.dtype not in NP_CODES:
+    if arr.dtype.name not in _NP_PARTS:
         raise KvqrsError(f"chunk: parts of dtype uint8, float16, float32 or float64, got {arr.dtype}")
-    return NP_CODES[arr.dtype], list(arr.shape), arr.reshape(-1).view(np.uint8)
+    return arr.dtype.name, list(arr.shape), arr.reshape(-1).view(np.uint8)
 
 
 class NativeEncoder(NamedTuple):
@@ -207,10 +234,10 @@ def _window_f32(t: torch.Tensor | np.ndarray, start: int, tokens: int) -> tuple[
     return t[..., start : start + tokens, :].to(device="cpu", dtype=torch.float32).numpy(), 0
 
 
-def _from_part(code: int, shape: list[int], raw: np.ndarray, torch_out: bool = False):
+def _from_part(dtype: str, shape: list[int], raw: np.ndarray, torch_out: bool = False):
     if torch_out:
-        return torch.from_numpy(raw).view(_TORCH_DTYPES[code]).reshape(shape)
-    return raw.view(_NP_DTYPES[code]).reshape(shape)
+        return torch.from_numpy(raw).view(getattr(torch, dtype)).reshape(shape)
+    return raw.view(np.dtype(dtype)).reshape(shape)
 
 
 class CodeStore:
@@ -237,12 +264,12 @@ class CodeStore:
         self._order = {n: i for i, n in enumerate(self._names)}
 
     @staticmethod
-    def specs(codec, batch: int, kv_heads: int, head_dim: int, fp_dtype: torch.dtype) -> list[tuple]:
+    def specs(codec, batch: int, kv_heads: int, head_dim: int, fp_dtype: torch.dtype) -> list[StorePart]:
         """The declared parts of a store for this codec and shape (see :class:`CodeStore`)."""
         lead = (batch, kv_heads)
         specs = _part_specs(codec, "keys", lead, head_dim)
         if codec.values is None:
-            specs.append(("values.fp", TORCH_CODES[fp_dtype], False, [batch, kv_heads], [head_dim], 1, 1))
+            specs.append(StorePart("values.fp", _torch_name(fp_dtype), False, [batch, kv_heads], [head_dim], 1, 1))
         else:
             specs += _part_specs(codec, "values", lead, head_dim)
         return specs
@@ -417,7 +444,7 @@ class CodeStore:
         ``attention_rows`` checks (nothing is encoded: a coder that needs more than the tokens to
         encode, such as width-class values, is asked too)."""
         shape = self._shape()
-        refs = {n: PartRef(n, p.shape, _NP_DTYPES[_LAYOUT_CODES[p.dtype][0]]) for n, p in self.codec.layout(kind, shape).items()}
+        refs = {n: PartRef(n, p.shape, np.dtype(_LAYOUT_DTYPES[p.dtype][0])) for n, p in self.codec.layout(kind, shape).items()}
         coder = self.codec._key_coder() if kind == "keys" else self.codec.values
         return Encoded(coder.scheme, kind, shape, np.dtype(np.float32), refs, coder.params)
 

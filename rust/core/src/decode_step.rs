@@ -14,8 +14,8 @@ use std::borrow::Cow;
 
 use rayon::prelude::*;
 
+use crate::dtype::Dtype;
 use crate::error::{KvqError, Result};
-use crate::format::Dtype;
 use crate::kernels::attention::{decode_attention, Attention, AttentionShape};
 use crate::par;
 use crate::rows::{Field, Resolve, Rows, ScalarParts, Side};

@@ -6,6 +6,7 @@
 
 pub mod alloc;
 pub mod decode_step;
+pub mod dtype;
 pub mod encoders;
 pub mod error;
 pub mod format;

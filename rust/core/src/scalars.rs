@@ -9,8 +9,8 @@ use std::borrow::Cow;
 
 use half::f16;
 
+use crate::dtype::Dtype;
 use crate::error::{KvqError, Result};
-use crate::format::Dtype;
 use crate::kernels::log_scalars;
 use crate::simd::{ops, Isa};
 

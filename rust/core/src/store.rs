@@ -20,8 +20,9 @@
 
 use half::{bf16, f16};
 
+use crate::dtype::Dtype;
 use crate::error::{KvqError, Result};
-use crate::format::{Dtype, Section};
+use crate::format::Section;
 
 /// One part as declared by its layout.
 #[derive(Debug, Clone, PartialEq)]

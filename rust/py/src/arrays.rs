@@ -3,6 +3,7 @@
 
 use half::f16;
 use half::slice::HalfFloatSliceExt;
+use kvqrs_core::dtype::Dtype;
 use kvqrs_core::scalars::{ScalarPlane, ScalarView};
 use numpy::{PyArray1, PyReadonlyArray1};
 use pyo3::prelude::*;
@@ -51,6 +52,16 @@ impl Scalars<'_> {
             Scalars::F32(a) => ScalarView::F32(slice_at(a, arg)?),
         })
     }
+}
+
+/// The core dtype of a dtype's NumPy name (`uint8`, `float16`, `float32`, `float64`,
+/// `bfloat16`: how dtypes cross the binding), or an error naming `what`.
+pub fn dtype(name: &str, what: &str) -> PyResult<Dtype> {
+    Dtype::from_name(name).ok_or_else(|| {
+        arg_error(format!(
+            "{what}: expected a dtype name (uint8, float16, float32, float64, bfloat16), got {name:?}"
+        ))
+    })
 }
 
 /// A core scalar plane as a NumPy float16 or float32 array.

@@ -3,7 +3,7 @@
 //! `MSERows` or per-token `UniformRows`) with `(offset, row_bytes[, dtype])` tuples in place of
 //! arrays (built and checked by `kvqrs.vllm.layout`); the GIL is released for the kernel.
 
-use kvqrs_core::format::Dtype;
+use kvqrs_core::dtype::Dtype;
 use kvqrs_core::kernels::paged::{
     paged_decode_attention as core_paged, PagedCache, PagedQueries, PagedRows, Part, ScalarPart,
 };
@@ -12,7 +12,7 @@ use kvqrs_core::rows::{Field, Resolve, ScalarParts};
 use numpy::{PyArray1, PyArrayMethods, PyReadonlyArray1};
 use pyo3::prelude::*;
 
-use crate::arrays::{slice, slice_at};
+use crate::arrays::{dtype, slice, slice_at};
 use crate::errors::{arg_error, py_result};
 use crate::rows::{PyRows, Stored, F32};
 use crate::store::{side_encoder, EncoderSpec};
@@ -124,8 +124,8 @@ pub fn paged_decode_attention<'py>(
     Ok(PyArray1::from_vec(py, out))
 }
 
-/// `(side: 0 keys / 1 values, part name, offset, row_bytes, dtype code)`: one part of a slot.
-type PySlotPart = (usize, String, usize, usize, u8);
+/// `(side: 0 keys / 1 values, part name, offset, row_bytes, dtype name)`: one part of a slot.
+type PySlotPart = (usize, String, usize, usize, String);
 
 /// A layer's slot writer (`kvqrs_core::paged_write`): its native key and value encoders
 /// (`kvqrs.hf.store.NativeEncoder`) and its slot's parts, declared once.
@@ -146,9 +146,8 @@ impl PySlotWriter {
         let (ke, ve) = (side_encoder(keys, "keys")?, side_encoder(values, "values")?);
         let parts = parts
             .into_iter()
-            .map(|(side, name, offset, row_bytes, code)| {
-                let dtype = Dtype::from_code(code)
-                    .ok_or_else(|| arg_error(format!("parts: unknown dtype code {code}")))?;
+            .map(|(side, name, offset, row_bytes, dtype_name)| {
+                let dtype = dtype(&dtype_name, &format!("parts: {name}"))?;
                 Ok(SlotPart {
                     side,
                     name,

@@ -1,13 +1,16 @@
 //! Binding of the layer store (`kvqrs_core::store`) and its decode step
-//! (`kvqrs_core::decode_step`): one `LayerStore` object per cache layer. Chunks arrive as
-//! `(dtype code, shape, flat uint8 view of the bytes)` per part (so bfloat16 tensors pass
-//! too); parts leave the same way. The GIL is released for every copy and for the step.
+//! (`kvqrs_core::decode_step`): one `LayerStore` object per cache layer, its parts declared
+//! as `kvqrs.hf.store.StorePart` objects (read by attribute). Chunks arrive as `(dtype name,
+//! shape, flat uint8 view of the bytes)` per part (so bfloat16 tensors pass too); parts leave
+//! the same way; container sections carry the container's dtype codes (docs/format.md).
+//! The GIL is released for every copy and for the step.
 
 use kvqrs_core::decode_step::{
     attend, check_rows, FpTokens, PartRows, PartScalars, PartSide, Step,
 };
+use kvqrs_core::dtype::Dtype;
 use kvqrs_core::encoders::{Centring, ChannelRun as EncoderRun, ChannelSide, MseSide, SideEncoder};
-use kvqrs_core::format::{Dtype, Section};
+use kvqrs_core::format::Section;
 use kvqrs_core::kernels::attention::AttentionShape;
 use kvqrs_core::kernels::mse::{MseQuantizer, RowScale};
 use kvqrs_core::kernels::mse_qjl::MseQjlEncoder;
@@ -20,33 +23,49 @@ use numpy::{PyArray1, PyArray4, PyArrayMethods, PyReadonlyArray1, PyUntypedArray
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
-use crate::arrays::{slice, slice_at};
+use crate::arrays::{dtype, slice, slice_at};
 use crate::errors::{arg_error, py_result};
 use crate::rows::{PyRows, PySide, Stored, F32};
 
-/// `(name, dtype code, widen, outer axes, inner axes, num, den)`: one declared part.
-type PySpec = (String, u8, bool, Vec<usize>, Vec<usize>, usize, usize);
-/// `(dtype code, shape, flat uint8 bytes)`: one part of a chunk, or of the store.
-type PyPart<'py> = (u8, Vec<usize>, PyReadonlyArray1<'py, u8>);
+/// One declared part, as `kvqrs.hf.store.StorePart` declares it (read by attribute): its
+/// name, dtype name, whether float16 widens to float32, outer and inner axes, and `num / den`
+/// entries per token.
+#[derive(FromPyObject)]
+struct PySpec {
+    name: String,
+    dtype: String,
+    widen: bool,
+    outer: Vec<usize>,
+    inner: Vec<usize>,
+    num: usize,
+    den: usize,
+}
+
+/// `(dtype name, shape, flat uint8 bytes)`: one part of a chunk, or of the store.
+type PyPart<'py> = (String, Vec<usize>, PyReadonlyArray1<'py, u8>);
+/// `(name, container dtype code, shape, payload)`: one container section (docs/format.md).
 type PySection<'py> = (String, u8, Vec<u64>, Bound<'py, PyBytes>);
 type F32Out<'py> = Bound<'py, PyArray1<f32>>;
+/// `(dtype name, shape, flat uint8 bytes)` of a part leaving the store.
+type PartOut<'py> = (&'static str, Vec<usize>, Bound<'py, PyArray1<u8>>);
 
-fn dtype(code: u8, what: &str) -> PyResult<Dtype> {
+/// The container dtype of a section's code.
+fn section_dtype(code: u8, what: &str) -> PyResult<Dtype> {
     Dtype::from_code(code).ok_or_else(|| arg_error(format!("{what}: unknown dtype code {code}")))
 }
 
 fn specs(parts: Vec<PySpec>) -> PyResult<Vec<PartSpec>> {
     parts
         .into_iter()
-        .map(|(name, code, widen, outer, inner, num, den)| {
+        .map(|p| {
             Ok(PartSpec {
-                dtype: dtype(code, &format!("parts: {name}"))?,
-                name,
-                widen,
-                outer,
-                inner,
-                num,
-                den,
+                dtype: dtype(&p.dtype, &format!("parts: {}", p.name))?,
+                name: p.name,
+                widen: p.widen,
+                outer: p.outer,
+                inner: p.inner,
+                num: p.num,
+                den: p.den,
             })
         })
         .collect()
@@ -302,11 +321,11 @@ impl PyLayerStore {
         self.inner.capacity_nbytes()
     }
 
-    /// Appends a chunk of `tokens` tokens, one `(dtype code, shape, bytes)` per part.
+    /// Appends a chunk of `tokens` tokens, one `(dtype name, shape, bytes)` per part.
     fn append(&mut self, py: Python<'_>, chunk: Vec<PyPart<'_>>, tokens: usize) -> PyResult<()> {
         let mut dtypes = Vec::with_capacity(chunk.len());
-        for (code, _, _) in &chunk {
-            dtypes.push(dtype(*code, "chunk")?);
+        for (name, _, _) in &chunk {
+            dtypes.push(dtype(name, "chunk")?);
         }
         let mut bytes = Vec::with_capacity(chunk.len());
         for (_, _, b) in &chunk {
@@ -342,19 +361,15 @@ impl PyLayerStore {
         py_result(py.allow_threads(|| inner.select(&index)))
     }
 
-    /// Part `name` as `(dtype code, shape, flat uint8 bytes)` for the tokens held.
-    fn part<'py>(
-        &self,
-        py: Python<'py>,
-        name: &str,
-    ) -> PyResult<(u8, Vec<usize>, Bound<'py, PyArray1<u8>>)> {
+    /// Part `name` as `(dtype name, shape, flat uint8 bytes)` for the tokens held.
+    fn part<'py>(&self, py: Python<'py>, name: &str) -> PyResult<PartOut<'py>> {
         let i = self
             .inner
             .index(name)
             .ok_or_else(|| arg_error(format!("name: no part {name:?} in the store")))?;
         let inner = &self.inner;
         let (dtype, shape, bytes) = py.allow_threads(|| inner.part(i));
-        Ok((dtype as u8, shape, PyArray1::from_vec(py, bytes)))
+        Ok((dtype.name(), shape, PyArray1::from_vec(py, bytes)))
     }
 
     /// The parts as container sections `(prefix + name, dtype code, shape, bytes)`.
@@ -378,7 +393,7 @@ impl PyLayerStore {
             .into_iter()
             .map(|(name, code, shape, payload)| {
                 Ok(Section {
-                    dtype: dtype(code, &format!("sections: {name}"))?,
+                    dtype: section_dtype(code, &format!("sections: {name}"))?,
                     name,
                     shape,
                     payload: payload.as_bytes().to_vec(),

@@ -18,8 +18,8 @@
 
 use super::attention::{decode_attention_with, AttentionShape};
 use super::{check_head_dim, check_len};
+use crate::dtype::Dtype;
 use crate::error::{KvqError, Result};
-use crate::format::Dtype;
 use crate::par;
 use crate::rows::{Field, Resolve, Rows};
 use crate::scalars::ScalarRead;
