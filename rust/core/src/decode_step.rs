@@ -6,9 +6,9 @@
 //!
 //! Which parts the kernel reads as which rows is declared once per layer ([`PartRows`]: the
 //! row formats of [`crate::rows::Rows`] over part indices, bases and means held by value);
-//! a step resolves the indices to the store's buffers ([`Reader`], checking each part's
-//! dtype against where it sits: bytes, stored scalars or float rows) and borrows them as the
-//! kernel's [`CodedRows`] ([`Rows::view`]).
+//! a step resolves the indices to the store's buffers (`Reader`, checking each part's dtype
+//! against where it sits: bytes, stored scalars or float rows) and borrows them as the
+//! kernel's [`crate::kernels::attention::CodedRows`] ([`Rows::view`]).
 
 use std::borrow::Cow;
 
