@@ -23,7 +23,7 @@ from kvqrs import KvqrsError, _native  # noqa: E402
 from kvqrs import format as fmt  # noqa: E402
 from kvqrs.hf import QuantConfig, QuantizedKVCache  # noqa: E402
 from kvqrs.hf.attention import _STATE  # noqa: E402
-from kvqrs.hf.store import CodeStore, WindowRows  # noqa: E402
+from kvqrs.hf.store import CodeStore, StorePart, WindowRows  # noqa: E402
 from kvqrs.kernels.attention import (  # noqa: E402
     CentredRows,
     ChannelRun,
@@ -243,9 +243,9 @@ def test_bad_input_raises_kvqrs_error_naming_the_problem():
     with pytest.raises(KvqrsError, match="no part"):
         store._native.part("nope")
     with pytest.raises(KvqrsError, match="unique part names"):
-        _native.LayerStore([("a", 0, False, [1], [], 1, 1), ("a", 0, False, [1], [], 1, 1)])
+        _native.LayerStore([StorePart("a", "uint8", False, [1], [], 1, 1), StorePart("a", "uint8", False, [1], [], 1, 1)])
     with pytest.raises(KvqrsError, match="token rate"):
-        _native.LayerStore([("a", 0, False, [1], [], 0, 1)])
+        _native.LayerStore([StorePart("a", "uint8", False, [1], [], 0, 1)])
     with pytest.raises(KvqrsError, match="call set_rows"):
         none = np.zeros(0, np.float32)
         store._native.attend(np.zeros(D, np.float32), 1, 1, D, 1.0, 1, none, none, 0, none, none, 0, 0, 0, None, 1)
@@ -271,9 +271,9 @@ def test_set_rows_refuses_malformed_row_objects_with_a_type_error_naming_the_fie
     declared."""
     store = _native.LayerStore(
         [
-            ("keys.codes", 0, False, [1, 1], [16], 1, 1),
-            ("keys.norms", 1, True, [1, 1], [], 1, 1),
-            ("values.fp", 2, False, [1, 1], [D], 1, 1),
+            StorePart("keys.codes", "uint8", False, [1, 1], [16], 1, 1),
+            StorePart("keys.norms", "float16", True, [1, 1], [], 1, 1),
+            StorePart("values.fp", "float32", False, [1, 1], [D], 1, 1),
         ]
     )
     dense = DenseRows("values.fp")

@@ -8,6 +8,7 @@ import inspect
 import pathlib
 import subprocess
 import sys
+from collections import namedtuple
 
 import kvqrs
 import numpy as np
@@ -15,6 +16,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kvqrs import _native
+
+# A declared part of a native LayerStore, read by attribute (kvqrs.hf.store.StorePart, without torch).
+_StorePart = namedtuple("_StorePart", "name dtype widen outer inner num den")
 
 STUB = pathlib.Path(kvqrs.__file__).with_name("_native.pyi")
 
@@ -88,7 +92,7 @@ _norms = st.integers(0, 40).map(lambda n: np.ones(n, dtype=np.float16))
             lambda a, b, c, n, s: _native.window_append(
                 c, c if s % 2 else c.copy(), a, s % 9, c.reshape(1, 1, 1, -1), (c if s % 3 else c.copy()).reshape(1, 1, -1, 1)
             ),
-            lambda a, b, c, n, s: _native.LayerStore([("keys.codes", 0, False, [1], [8], 1, 1)]).encode_append(
+            lambda a, b, c, n, s: _native.LayerStore([_StorePart("keys.codes", "uint8", False, [1], [8], 1, 1)]).encode_append(
                 c.reshape(1, 1, -1, 1), c.reshape(1, 1, 1, -1), a
             ),
             lambda a, b, c, n, s: _native.qjl_inner_product(c, b, n, a, s % 300, s),

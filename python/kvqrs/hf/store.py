@@ -4,7 +4,7 @@
 growable buffer per part of the codec's declared layouts (docs/layouts.md; key parts named
 ``keys.<part>``, value parts ``values.<part>``, or ``values.fp`` for the full-precision values
 of a key-only config), tokens along each part's token axis. Appending a chunk copies only its
-bytes (the buffers double when full: amortised O(1) per token); keeping a span of tokens,
+bytes (the buffers grow by half when full: amortised O(1) per token); keeping a span of tokens,
 selecting batch rows and the saved sections are native too. On a decode step the store
 attends straight from its buffers (:meth:`CodeStore.attend`: one native call, the GIL
 released).
@@ -30,34 +30,62 @@ from ..schemes import Encoded
 from ..schemes.backend import CPU
 from ..schemes.mse import MSECoder, MSEQJLCoder
 
-NP_CODES = {np.dtype(np.uint8): 0, np.dtype(np.float16): 1, np.dtype(np.float32): 2, np.dtype(np.float64): 3}
-_NP_DTYPES = {v: k for k, v in NP_CODES.items()}
 TORCH_CODES = {torch.float32: 2, torch.float16: 1, torch.float64: 3, torch.bfloat16: 6}
 """Container dtype codes of full-precision tensors (docs/format.md)."""
-_TORCH_DTYPES = {v: k for k, v in TORCH_CODES.items()}
-_LAYOUT_CODES = {"uint8": (0, False), "scalar": (1, True), "float32": (2, False)}
+_NP_PARTS = ("uint8", "float16", "float32", "float64")
+"""The NumPy dtypes of the parts a store takes (dtypes cross the binding by name)."""
+_LAYOUT_DTYPES = {"uint8": ("uint8", False), "scalar": ("float16", True), "float32": ("float32", False)}
+"""Per layout dtype: the store's dtype and whether it widens to float32 (stored scalars)."""
 
 
-def _part_specs(codec, kind: str, lead: tuple[int, ...], d: int) -> list[tuple]:
-    """``(name, dtype code, widen, outer, inner, num, den)`` of each part of ``kind``, as its
-    declared layout states them (:class:`~kvqrs.layout.Part`: the axes around the token axis,
-    the dtype by name, the token rate ``num / den``)."""
+class StorePart(NamedTuple):
+    """One declared part of a native ``LayerStore`` (read by attribute).
+
+    Attributes:
+        name: ``keys.<part>`` or ``values.<part>``.
+        dtype: the part's dtype name (``uint8``, ``float16``, ``float32``, ``float64``, ``bfloat16``).
+        widen: whether a float16 part becomes float32 when a value does not fit float16.
+        outer: the axes before the token axis (batch first).
+        inner: the axes after it.
+        num: with ``den``, ``ceil(tokens * num / den)`` entries along the token axis.
+        den: see ``num``.
+    """
+
+    name: str
+    dtype: str
+    widen: bool
+    outer: list[int]
+    inner: list[int]
+    num: int
+    den: int
+
+
+def _torch_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _part_specs(codec, kind: str, lead: tuple[int, ...], d: int) -> list[StorePart]:
+    """The :class:`StorePart` of each part of ``kind``, as its declared layout states them
+    (:class:`~kvqrs.layout.Part`: the axes around the token axis, the dtype by name, the token
+    rate ``num / den``)."""
     specs = []
     for name, part in codec.layout(kind, (*lead, 0, d)).items():
-        code, widen = _LAYOUT_CODES[part.dtype]
-        specs.append((f"{kind}.{name}", code, widen, list(part.outer), list(part.inner), part.rate.numerator, part.rate.denominator))
+        dtype, widen = _LAYOUT_DTYPES[part.dtype]
+        specs.append(
+            StorePart(f"{kind}.{name}", dtype, widen, list(part.outer), list(part.inner), part.rate.numerator, part.rate.denominator)
+        )
     return specs
 
 
-def _as_part(a: Any) -> tuple[int, list[int], np.ndarray]:
-    """An array (NumPy, or a torch tensor of any float dtype) as ``(dtype code, shape, flat uint8 bytes)``."""
+def _as_part(a: Any) -> tuple[str, list[int], np.ndarray]:
+    """An array (NumPy, or a torch tensor of any float dtype) as ``(dtype name, shape, flat uint8 bytes)``."""
     if isinstance(a, torch.Tensor):
         t = a.detach().contiguous()
-        return TORCH_CODES[t.dtype], list(t.shape), t.reshape(-1).view(torch.uint8).numpy()
+        return _torch_name(t.dtype), list(t.shape), t.reshape(-1).view(torch.uint8).numpy()
     arr = np.ascontiguousarray(a)
-    if arr.dtype not in NP_CODES:
+    if arr.dtype.name not in _NP_PARTS:
         raise KvqrsError(f"chunk: parts of dtype uint8, float16, float32 or float64, got {arr.dtype}")
-    return NP_CODES[arr.dtype], list(arr.shape), arr.reshape(-1).view(np.uint8)
+    return arr.dtype.name, list(arr.shape), arr.reshape(-1).view(np.uint8)
 
 
 class NativeEncoder(NamedTuple):
@@ -194,10 +222,10 @@ def _window_f32(t: torch.Tensor | np.ndarray, start: int, tokens: int) -> tuple[
     return t[..., start : start + tokens, :].to(device="cpu", dtype=torch.float32).numpy(), 0
 
 
-def _from_part(code: int, shape: list[int], raw: np.ndarray, torch_out: bool = False):
+def _from_part(dtype: str, shape: list[int], raw: np.ndarray, torch_out: bool = False):
     if torch_out:
-        return torch.from_numpy(raw).view(_TORCH_DTYPES[code]).reshape(shape)
-    return raw.view(_NP_DTYPES[code]).reshape(shape)
+        return torch.from_numpy(raw).view(getattr(torch, dtype)).reshape(shape)
+    return raw.view(np.dtype(dtype)).reshape(shape)
 
 
 class CodeStore:
@@ -224,12 +252,12 @@ class CodeStore:
         self._order = {n: i for i, n in enumerate(self._names)}
 
     @staticmethod
-    def specs(codec, batch: int, kv_heads: int, head_dim: int, fp_dtype: torch.dtype) -> list[tuple]:
+    def specs(codec, batch: int, kv_heads: int, head_dim: int, fp_dtype: torch.dtype) -> list[StorePart]:
         """The declared parts of a store for this codec and shape (see :class:`CodeStore`)."""
         lead = (batch, kv_heads)
         specs = _part_specs(codec, "keys", lead, head_dim)
         if codec.values is None:
-            specs.append(("values.fp", TORCH_CODES[fp_dtype], False, [batch, kv_heads], [head_dim], 1, 1))
+            specs.append(StorePart("values.fp", _torch_name(fp_dtype), False, [batch, kv_heads], [head_dim], 1, 1))
         else:
             specs += _part_specs(codec, "values", lead, head_dim)
         return specs

@@ -19,7 +19,7 @@ import numpy as np
 from .. import _native
 from .._arrays import KvqrsError
 from ..hf.config import QuantConfig
-from ..hf.store import NP_CODES, _native_encoder
+from ..hf.store import _native_encoder
 from ..kernels.attention import MSERows, UniformRows, binding_rows, by_name
 from ..schemes import KVCodec
 from ..schemes.registry import REGISTRY, names
@@ -111,7 +111,7 @@ class SlotLayout:
         sides = [_native_encoder(self.codec._key_coder(), 1), _native_encoder(self.codec.values, 1)]
         if None in sides:
             return None
-        parts = [(("keys", "values").index(p.side), p.name, p.offset, p.row_bytes, NP_CODES[np.dtype(p.dtype)]) for p in self.parts]
+        parts = [(("keys", "values").index(p.side), p.name, p.offset, p.row_bytes, np.dtype(p.dtype).name) for p in self.parts]
         return _native.SlotWriter(*sides, parts, self.head_dim)
 
     def _side(self, side: str, enc, rows) -> Any:

@@ -4,337 +4,150 @@
 //! log-sum-exp: `out = e^(lse_c - lse) out_c + e^(lse_w - lse) out_w`,
 //! `lse = logaddexp(lse_c, lse_w)`.
 //!
-//! Which parts the kernel reads as which rows is declared once per layer ([`RowSpec`], the
-//! part indices of a [`crate::kernels::attention::CodedRows`] variant): a new row kind is one
-//! more variant here and its match arm in `RowSpec::rows`. The rows of the `matched` scheme
-//! borrow more than the reads ([`CodedRows::ChannelRuns`] a slice of runs,
-//! [`CodedRows::Centred`] its inner rows), so a step builds them in stages that each outlive
-//! the next: reads, then runs (`RowSpec::runs`), then the base rows, then the mean around
-//! them (`RowSpec::wrap`).
+//! Which parts the kernel reads as which rows is declared once per layer ([`PartRows`]: the
+//! row formats of [`crate::rows::Rows`] over part indices, bases and means held by value);
+//! a step resolves the indices to the store's buffers (`Reader`, checking each part's dtype
+//! against where it sits: bytes, stored scalars or float rows) and borrows them as the
+//! kernel's [`crate::kernels::attention::CodedRows`] ([`Rows::view`]).
 
 use std::borrow::Cow;
 
 use rayon::prelude::*;
 
+use crate::dtype::Dtype;
 use crate::error::{KvqError, Result};
-use crate::format::Dtype;
-use crate::kernels::attention::{
-    decode_attention, Attention, AttentionShape, ChannelRun, CodedRows, QjlRows, SideRows,
-};
+use crate::kernels::attention::{decode_attention, Attention, AttentionShape};
 use crate::par;
-use crate::scalars::{LogView, ScalarView};
+use crate::rows::{Field, Resolve, Rows, ScalarParts, Side};
+use crate::scalars::ScalarRead;
 use crate::simd::{self, ops};
 use crate::store::{to_f32, LayerStore};
 
-/// The parts of a store that make one side's rows (indices into the store's parts).
-#[derive(Debug, Clone, PartialEq)]
-pub enum RowSpec {
-    /// [`CodedRows::Mse`], optionally with the QJL sketch `(signs, norms, seed)`; with `log`
-    /// `(exponent part, group)` the norms part holds 8-bit log codes (docs/kernels.md
-    /// section 13).
-    Mse {
-        codes: usize,
-        norms: usize,
-        bits: u32,
-        seed: Option<u64>,
-        qjl: Option<(usize, usize, u64)>,
-        log: Option<(usize, usize)>,
-    },
-    /// [`CodedRows::UniformTokens`].
-    UniformTokens {
-        codes: usize,
-        scales: usize,
-        zeros: usize,
-        bits: u32,
-        group: usize,
-        seed: Option<u64>,
-    },
-    /// [`CodedRows::UniformChannels`].
-    UniformChannels {
-        codes: usize,
-        scales: usize,
-        zeros: usize,
-        bits: u32,
-        group: usize,
-    },
-    /// [`CodedRows::Dense`]: a float part (any float dtype, read as float32).
-    Dense { values: usize },
-    /// [`CodedRows::ChannelRuns`]: runs of basis columns coded per channel, and the basis
-    /// (basis_heads x head_dim x head_dim float32).
-    ChannelRuns {
-        runs: Vec<RunSpec>,
-        group: usize,
-        basis: Vec<f32>,
-        basis_heads: usize,
-    },
-    /// [`CodedRows::Centred`]: other rows (not themselves centred) around a per-head mean
-    /// (mean_heads x head_dim float32).
-    Centred {
-        rows: Box<RowSpec>,
-        mean: Vec<f32>,
-        mean_heads: usize,
-    },
+/// Stored scalars of a store: a part of float16 / float32 scalars, or log codes and their
+/// exponent bytes (two uint8 parts), by index.
+pub type PartScalars = ScalarParts<usize, usize>;
+
+/// One side's rows over a store's parts (indices, see [`LayerStore::index`]): packed bytes
+/// are uint8 parts, stored scalars float16 / float32 parts ([`PartScalars`]), float rows any
+/// float part (read as float32); bases and means are held by value.
+pub type PartRows = Rows<usize, PartScalars, usize, Vec<f32>>;
+
+/// HeadQ's side code over a store's parts (as [`PartRows`]).
+pub type PartSide = Side<usize, PartScalars, Vec<f32>>;
+
+/// Resolves part indices to a store's buffers as the kernel reads them (every head's rows
+/// `room` tokens apart): borrowed, or copied for float16 / bfloat16 values read as float32
+/// and scalars at an address not aligned to their size. A part index outside the store, or a
+/// part whose dtype does not fit where it sits, is an error naming the field.
+struct Reader<'s> {
+    store: &'s LayerStore,
 }
 
-/// The parts of one [`ChannelRun`] (its codes, scales and zero points), its bits and columns.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct RunSpec {
-    pub codes: usize,
-    pub scales: usize,
-    pub zeros: usize,
-    pub bits: u32,
-    pub start: usize,
-    pub stop: usize,
-}
-
-/// HeadQ's side code: the store's parts plus the basis (as [`SideRows`]).
-#[derive(Debug, Clone, PartialEq)]
-pub struct SideSpec {
-    pub codes: usize,
-    pub scales: usize,
-    pub basis: Vec<f32>,
-    pub basis_heads: usize,
-    pub rank: usize,
-    pub bits: u32,
-    pub sign: f32,
-}
-
-/// A part's whole buffer (every head's rows `room` tokens apart), as read by the kernel:
-/// borrowed from the store (a copy only for float16 / bfloat16 values read as float32, or
-/// scalars at an address not aligned to their size).
-enum Read<'a> {
-    Bytes(&'a [u8]),
-    F16(Cow<'a, [u16]>),
-    F32(Cow<'a, [f32]>),
-}
-
-impl Read<'_> {
-    fn bytes(&self) -> &[u8] {
-        match self {
-            Read::Bytes(b) => b,
-            _ => &[],
+impl<'s> Reader<'s> {
+    /// Part `i`'s buffer and dtype.
+    fn part(&self, i: usize, at: Field<'_>) -> Result<(&'s [u8], Dtype)> {
+        let n = self.store.specs().count();
+        if i >= n {
+            return Err(arg("rows", format!("{at}: a part index below {n}"), i));
         }
+        Ok((self.store.buffer(i), self.store.dtype(i)))
     }
-    fn scalars(&self) -> ScalarView<'_> {
-        match self {
-            Read::F16(v) => ScalarView::F16(v),
-            Read::F32(v) => ScalarView::F32(v),
-            Read::Bytes(_) => ScalarView::F32(&[]),
-        }
-    }
-    fn floats(&self) -> &[f32] {
-        match self {
-            Read::F32(v) => v,
-            _ => &[],
+
+    fn mismatch(&self, i: usize, at: Field<'_>, what: &str) -> KvqError {
+        KvqError::ShapeMismatch {
+            arg: "store",
+            expected: format!(
+                "{at}: part {:?} as {what}",
+                self.store.specs().nth(i).map_or("?", |s| &s.name)
+            ),
+            actual: self.store.dtype(i).name().into(),
         }
     }
 }
 
-/// Numbers every bit pattern of which is a value: bytes can be read as them in place.
-trait Plain: Copy {
-    fn from_le(b: &[u8]) -> Self;
-}
+impl<'a, 's> Resolve<'a, usize, PartScalars, usize, Vec<f32>> for Reader<'s> {
+    type Bytes = &'s [u8];
+    type Scalars = ScalarParts<&'s [u8], ScalarRead<'s>>;
+    type Floats = Cow<'s, [f32]>;
+    type Table = &'a [f32];
+    type Error = KvqError;
 
-impl Plain for u16 {
-    fn from_le(b: &[u8]) -> Self {
-        u16::from_le_bytes([b[0], b[1]])
-    }
-}
-
-impl Plain for f32 {
-    fn from_le(b: &[u8]) -> Self {
-        f32::from_le_bytes([b[0], b[1], b[2], b[3]])
-    }
-}
-
-/// Little-endian `bytes` as `T` values: borrowed when aligned (the store's allocations are),
-/// else copied.
-fn plain<T: Plain>(bytes: &[u8]) -> Cow<'_, [T]> {
-    #[cfg(target_endian = "little")]
-    {
-        // SAFETY: every bit pattern of a `Plain` type is a valid value, and `align_to` returns
-        // only the aligned middle; it is used only when nothing is left over on either side.
-        let (pre, mid, post) = unsafe { bytes.align_to::<T>() };
-        if pre.is_empty() && post.is_empty() {
-            return Cow::Borrowed(mid);
+    fn bytes(&mut self, &i: &'a usize, at: Field<'_>) -> Result<&'s [u8]> {
+        match self.part(i, at)? {
+            (b, Dtype::U8) => Ok(b),
+            _ => Err(self.mismatch(i, at, "uint8 bytes")),
         }
     }
-    let size = std::mem::size_of::<T>();
-    Cow::Owned(bytes.chunks_exact(size).map(T::from_le).collect())
-}
 
-fn read(store: &LayerStore, i: usize, kind: char) -> Result<Read<'_>> {
-    let bytes = store.buffer(i);
-    let dtype = store.dtype(i);
-    let bad = |what: &str| KvqError::ShapeMismatch {
-        arg: "store",
-        expected: format!(
-            "part {} as {what}",
-            store.specs().nth(i).map_or("?", |s| &s.name)
-        ),
-        actual: format!("{dtype:?}"),
-    };
-    Ok(match (kind, dtype) {
-        ('b', Dtype::U8) => Read::Bytes(bytes),
-        ('s', Dtype::F16) => Read::F16(plain(bytes)),
-        ('s', Dtype::F32) | ('f', Dtype::F32) => Read::F32(plain(bytes)),
-        ('f', _) => Read::F32(Cow::Owned(
-            to_f32(dtype, bytes).ok_or_else(|| bad("float values"))?,
-        )),
-        ('b', _) => return Err(bad("uint8 codes")),
-        _ => return Err(bad("float16 or float32 stored scalars")),
-    })
-}
-
-/// The reads of one side (in the order [`RowSpec::rows`] takes them).
-fn reads<'a>(store: &'a LayerStore, spec: &RowSpec) -> Result<Vec<Read<'a>>> {
-    spec.parts()
-        .into_iter()
-        .map(|(i, k)| read(store, i, k))
-        .collect()
-}
-
-impl RowSpec {
-    /// The parts it reads, in order, each with how: `b` packed bytes, `s` stored scalars,
-    /// `f` float values.
-    fn parts(&self) -> Vec<(usize, char)> {
-        match *self {
-            RowSpec::ChannelRuns { ref runs, .. } => runs
-                .iter()
-                .flat_map(|r| [(r.codes, 'b'), (r.scales, 's'), (r.zeros, 's')])
-                .collect(),
-            RowSpec::Centred { ref rows, .. } => rows.parts(),
-            RowSpec::Mse {
-                codes,
-                norms,
-                qjl,
-                log,
-                ..
-            } => {
-                let mut v = vec![(codes, 'b'), (norms, if log.is_some() { 'b' } else { 's' })];
-                if let Some((s, n, _)) = qjl {
-                    v.extend([(s, 'b'), (n, 's')]);
-                }
-                // The exponents last, so that the sketch's reads keep their places.
-                v.extend(log.map(|(e, _)| (e, 'b')));
-                v
+    fn scalars(&mut self, part: &'a PartScalars, at: Field<'_>) -> Result<Self::Scalars> {
+        Ok(match *part {
+            ScalarParts::Plain(i) => {
+                let (b, dtype) = self.part(i, at)?;
+                let read = ScalarRead::from_le(b, dtype);
+                ScalarParts::Plain(
+                    read.ok_or_else(|| self.mismatch(i, at, "float16 or float32 stored scalars"))?,
+                )
             }
-            RowSpec::UniformTokens {
-                codes,
-                scales,
-                zeros,
-                ..
+            ScalarParts::Log { codes, exps, group } => ScalarParts::Log {
+                codes: self.bytes(&codes, at)?,
+                exps: self.bytes(&exps, at)?,
+                group,
+            },
+        })
+    }
+
+    fn floats(&mut self, &i: &'a usize, at: Field<'_>) -> Result<Cow<'s, [f32]>> {
+        Ok(match self.part(i, at)? {
+            (b, Dtype::F32) => crate::scalars::plain(b),
+            (b, dtype) => {
+                Cow::Owned(to_f32(dtype, b).ok_or_else(|| self.mismatch(i, at, "float values"))?)
             }
-            | RowSpec::UniformChannels {
-                codes,
-                scales,
-                zeros,
-                ..
-            } => vec![(codes, 'b'), (scales, 's'), (zeros, 's')],
-            RowSpec::Dense { values } => vec![(values, 'f')],
-        }
+        })
     }
 
-    /// Largest part index it reads.
-    fn max_index(&self) -> usize {
-        self.parts().iter().map(|p| p.0).max().unwrap_or(0)
+    fn table(&mut self, table: &'a Vec<f32>, _: Field<'_>) -> Result<&'a [f32]> {
+        Ok(table)
     }
+}
 
-    /// The runs of [`RowSpec::ChannelRuns`] (of the inner rows of [`RowSpec::Centred`]) over
-    /// its reads; empty for other rows.
-    fn runs<'a>(&self, r: &'a [Read<'a>]) -> Vec<ChannelRun<'a>> {
-        match self {
-            RowSpec::ChannelRuns { runs, .. } => (runs.iter().zip(r.chunks_exact(3)))
-                .map(|(run, p)| ChannelRun {
-                    codes: p[0].bytes(),
-                    scales: p[1].scalars(),
-                    zeros: p[2].scalars(),
-                    bits: run.bits,
-                    start: run.start,
-                    stop: run.stop,
-                })
-                .collect(),
-            RowSpec::Centred { rows, .. } => rows.runs(r),
-            _ => Vec::new(),
+/// Checks that `keys`, `side` and `values` name parts of `store` of the dtypes their places
+/// take (as a step reads them), that the values are per-token rows and that no mean sits
+/// inside another. What a layer declares once, before its steps.
+pub fn check_rows(
+    store: &LayerStore,
+    keys: &PartRows,
+    side: Option<&PartSide>,
+    values: &PartRows,
+) -> Result<()> {
+    if let Rows::UniformChannels { .. } = values {
+        return Err(KvqError::ShapeMismatch {
+            arg: "values",
+            expected: "per-token rows (per-channel uniform groups are a key layout)".into(),
+            actual: values.class().into(),
+        });
+    }
+    one_mean(keys, "keys")?;
+    one_mean(values, "values")?;
+    keys.map("keys", &mut Reader { store })?;
+    values.map("values", &mut Reader { store })?;
+    if let Some(s) = side {
+        s.map(&mut Reader { store })?;
+    }
+    Ok(())
+}
+
+/// Errors when `rows` (side `name`) put a mean around rows around a mean.
+fn one_mean(rows: &PartRows, name: &'static str) -> Result<()> {
+    if let Rows::Centred { rows: inner, .. } = rows {
+        if matches!(**inner, Rows::Centred { .. }) {
+            return Err(KvqError::ShapeMismatch {
+                arg: name,
+                expected: "rows around one mean".into(),
+                actual: "centred rows in centred rows".into(),
+            });
         }
     }
-
-    /// `base` (the rows of [`RowSpec::rows`]) around the mean of [`RowSpec::Centred`], or
-    /// `base` itself.
-    fn wrap<'a>(&'a self, base: &'a CodedRows<'a>) -> CodedRows<'a> {
-        match self {
-            RowSpec::Centred {
-                mean, mean_heads, ..
-            } => CodedRows::Centred {
-                rows: base,
-                mean,
-                mean_heads: *mean_heads,
-            },
-            _ => *base,
-        }
-    }
-
-    /// The rows without the mean of [`RowSpec::Centred`] (see [`RowSpec::wrap`]); `runs` are
-    /// those of [`RowSpec::runs`].
-    fn rows<'a>(&'a self, r: &'a [Read<'a>], runs: &'a [ChannelRun<'a>]) -> CodedRows<'a> {
-        match *self {
-            RowSpec::ChannelRuns {
-                group,
-                ref basis,
-                basis_heads,
-                ..
-            } => CodedRows::ChannelRuns {
-                runs,
-                group,
-                basis,
-                basis_heads,
-            },
-            RowSpec::Centred { ref rows, .. } => rows.rows(r, runs),
-            RowSpec::Mse {
-                bits,
-                seed,
-                qjl,
-                log,
-                ..
-            } => CodedRows::Mse {
-                codes: r[0].bytes(),
-                norms: match log {
-                    None => r[1].scalars(),
-                    Some((_, group)) => ScalarView::Log(LogView {
-                        codes: r[1].bytes(),
-                        exps: r[r.len() - 1].bytes(),
-                        group,
-                        row: 0,
-                    }),
-                },
-                bits,
-                seed,
-                qjl: qjl.map(|(_, _, s)| QjlRows {
-                    signs: r[2].bytes(),
-                    norms: r[3].scalars(),
-                    seed: s,
-                }),
-            },
-            RowSpec::UniformTokens {
-                bits, group, seed, ..
-            } => CodedRows::UniformTokens {
-                codes: r[0].bytes(),
-                scales: r[1].scalars(),
-                zeros: r[2].scalars(),
-                bits,
-                group,
-                seed,
-            },
-            RowSpec::UniformChannels { bits, group, .. } => CodedRows::UniformChannels {
-                codes: r[0].bytes(),
-                scales: r[1].scalars(),
-                zeros: r[2].scalars(),
-                bits,
-                group,
-            },
-            RowSpec::Dense { .. } => CodedRows::Dense(r[0].floats()),
-        }
-    }
+    Ok(())
 }
 
 /// Full-precision tokens of every KV head read in place from a buffer with room for `room`
@@ -473,23 +286,15 @@ fn window_sums(isa: simd::Isa, p: &[f32], values: [&[f32]; 2], part: &mut [f32],
 }
 
 /// Errors: what [`decode_attention`] raises (the store must hold at least one token), a part
-/// index outside the store, full-precision buffers or a mask of other sizes, non-finite
-/// full-precision logits.
+/// index outside the store or a part whose dtype does not fit its place (as [`check_rows`]),
+/// full-precision buffers or a mask of other sizes, non-finite full-precision logits.
 pub fn attend(
     store: &LayerStore,
-    keys: &RowSpec,
-    side: Option<&SideSpec>,
-    values: &RowSpec,
+    keys: &PartRows,
+    side: Option<&PartSide>,
+    values: &PartRows,
     step: &Step,
 ) -> Result<Attention> {
-    let n = store.specs().count();
-    let top = keys
-        .max_index()
-        .max(values.max_index())
-        .max(side.map_or(0, |s| s.codes.max(s.scales)));
-    if top >= n {
-        return Err(arg("rows", format!("part indices below {n}"), top));
-    }
     let lay = AttentionShape {
         tokens: store.tokens(),
         stride: store.room(),
@@ -515,42 +320,20 @@ pub fn attend(
             ));
         }
     }
-    for (spec, name) in [(keys, "keys"), (values, "values")] {
-        if let RowSpec::Centred { rows, .. } = spec {
-            if matches!(**rows, RowSpec::Centred { .. }) {
-                return Err(KvqError::ShapeMismatch {
-                    arg: name,
-                    expected: "rows around one mean".into(),
-                    actual: "centred rows in centred rows".into(),
-                });
-            }
-        }
-    }
-    let (kr, vr) = (reads(store, keys)?, reads(store, values)?);
-    let (kruns, vruns) = (keys.runs(&kr), values.runs(&vr));
-    let (kbase, vbase) = (keys.rows(&kr, &kruns), values.rows(&vr, &vruns));
-    let sr = match side {
-        Some(s) => Some((read(store, s.codes, 'b')?, read(store, s.scales, 's')?)),
-        None => None,
-    };
-    let side_rows = match (&sr, side) {
-        (Some((c, sc)), Some(s)) => Some(SideRows {
-            codes: c.bytes(),
-            scales: sc.scalars(),
-            basis: &s.basis,
-            basis_heads: s.basis_heads,
-            rank: s.rank,
-            bits: s.bits,
-            sign: s.sign,
-        }),
-        _ => None,
-    };
+    one_mean(keys, "keys")?;
+    one_mean(values, "values")?;
+    let (kr, vr) = (
+        keys.map("keys", &mut Reader { store })?,
+        values.map("values", &mut Reader { store })?,
+    );
+    let sr = side.map(|s| s.map(&mut Reader { store })).transpose()?;
+    let side_rows = sr.as_ref().map(Side::view);
     let mut coded = decode_attention(
         step.q,
         &lay,
-        &keys.wrap(&kbase),
+        &kr.view(),
         side_rows.as_ref(),
-        &values.wrap(&vbase),
+        &vr.view(),
         false,
     )?;
     if w == 0 {
@@ -625,9 +408,12 @@ pub fn attend(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::kernels::attention::{ChannelRun, CodedRows};
     use crate::kernels::mse::MseQuantizer;
     use crate::kernels::pack::pack;
     use crate::rng::gaussians;
+    use crate::rows::Run;
+    use crate::scalars::{plain, ScalarView};
     use crate::store::{ChunkPart, PartSpec};
 
     fn spec(name: &str, dtype: Dtype, heads: usize, inner: Vec<usize>) -> PartSpec {
@@ -735,15 +521,14 @@ mod tests {
         }
         // The kernel reads the store's buffers in place, heads `room` tokens apart.
         assert!(store.room() > t);
-        let keys = RowSpec::Mse {
+        let keys = Rows::Mse {
             codes: 0,
-            norms: 1,
+            norms: ScalarParts::Plain(1),
             bits: 4,
             seed: Some(3),
             qjl: None,
-            log: None,
         };
-        let values = RowSpec::Dense { values: 2 };
+        let values = Rows::Dense(2);
         let inputs = Inputs::new(3, heads, rows, d, w);
         let step = inputs.step(heads, rows, d, 0.25);
         let (q, lay, fk) = (&inputs.q, step.layout, &inputs.fk);
@@ -807,8 +592,37 @@ mod tests {
             let again = attend(&store, &keys, None, &values, &split).unwrap();
             assert_eq!((&again.out, &again.lse), (&got.out, &got.lse), "{ns} {lo}");
         }
-        let far = RowSpec::Dense { values: 9 };
-        assert!(attend(&store, &keys, None, &far, &step).is_err());
+        let far = Rows::Dense(9);
+        let err = attend(&store, &keys, None, &far, &step).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "rows: expected values.values: a part index below 3, got 9"
+        );
+        // A part whose dtype does not fit its place: float rows as codes, codes as scalars.
+        let swapped = Rows::Mse {
+            codes: 2,
+            norms: ScalarParts::Plain(0),
+            bits: 4,
+            seed: Some(3),
+            qjl: None,
+        };
+        let err = check_rows(&store, &swapped, None, &values).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "store: expected keys.codes: part \"v.values\" as uint8 bytes, got float32"
+        );
+        let bad_norms = Rows::Mse {
+            codes: 0,
+            norms: ScalarParts::Plain(0),
+            bits: 4,
+            seed: Some(3),
+            qjl: None,
+        };
+        assert!(attend(&store, &bad_norms, None, &values, &step)
+            .unwrap_err()
+            .to_string()
+            .contains("keys.norms: part \"k.codes\" as float16 or float32 stored scalars"));
+        check_rows(&store, &keys, None, &values).unwrap();
     }
 
     /// Heads x w x d keys and values split into the first `ns` tokens of each head (joined) and
@@ -991,11 +805,11 @@ mod tests {
         }
         let t = chunks * per;
         assert!(store.room() > t);
-        let run_specs: Vec<RunSpec> = (cols.iter().enumerate())
-            .map(|(i, &(bits, start, stop))| RunSpec {
+        let run_specs: Vec<Run<usize, PartScalars>> = (cols.iter().enumerate())
+            .map(|(i, &(bits, start, stop))| Run {
                 codes: 3 * i,
-                scales: 3 * i + 1,
-                zeros: 3 * i + 2,
+                scales: ScalarParts::Plain(3 * i + 1),
+                zeros: ScalarParts::Plain(3 * i + 2),
                 bits,
                 start,
                 stop,
@@ -1003,8 +817,8 @@ mod tests {
             .collect();
         let (kbasis, vbasis) = (gaussians(20, 2, d * d), gaussians(21, 2, heads * d * d));
         let (kmean, vmean) = (gaussians(22, 2, d), gaussians(23, 2, heads * d));
-        let centred = |basis: &[f32], basis_heads, mean: &[f32], mean_heads| RowSpec::Centred {
-            rows: Box::new(RowSpec::ChannelRuns {
+        let centred = |basis: &[f32], basis_heads, mean: &[f32], mean_heads| Rows::Centred {
+            rows: Box::new(Rows::ChannelRuns {
                 runs: run_specs.clone(),
                 group,
                 basis: basis.to_vec(),
@@ -1027,18 +841,18 @@ mod tests {
                     .collect()
             })
             .collect();
-        let runs: Vec<ChannelRun> = (run_specs.iter())
-            .map(|r| ChannelRun {
-                codes: &flat[r.codes],
-                scales: ScalarView::F32(&floats[r.scales]),
-                zeros: ScalarView::F32(&floats[r.zeros]),
-                bits: r.bits,
-                start: r.start,
-                stop: r.stop,
+        let runs: Vec<ChannelRun> = (cols.iter().enumerate())
+            .map(|(i, &(bits, start, stop))| ChannelRun {
+                codes: &flat[3 * i],
+                scales: ScalarView::F32(&floats[3 * i + 1]),
+                zeros: ScalarView::F32(&floats[3 * i + 2]),
+                bits,
+                start,
+                stop,
             })
             .collect();
         let base = |basis, basis_heads| CodedRows::ChannelRuns {
-            runs: &runs,
+            runs: runs.clone(),
             group,
             basis,
             basis_heads,
@@ -1048,13 +862,13 @@ mod tests {
             q,
             &lay.compact(t),
             &CodedRows::Centred {
-                rows: &kb,
+                rows: Box::new(kb),
                 mean: &kmean,
                 mean_heads: 1,
             },
             None,
             &CodedRows::Centred {
-                rows: &vb,
+                rows: Box::new(vb),
                 mean: &vmean,
                 mean_heads: heads,
             },
@@ -1062,7 +876,7 @@ mod tests {
         )
         .unwrap();
         assert_merged(&got, &coded, &step);
-        let twice = RowSpec::Centred {
+        let twice = Rows::Centred {
             rows: Box::new(keys.clone()),
             mean: kmean.clone(),
             mean_heads: 1,

@@ -5,8 +5,8 @@
 //! stored bytes are the same: `MSECoder` and `MSEQJLCoder` (python/kvqrs/schemes/mse.py),
 //! `KIVICoder` (kivi.py), `MatchedCoder` and `MatchedValueCoder` (matched.py).
 
+use crate::dtype::Dtype;
 use crate::error::{KvqError, Result};
-use crate::format::Dtype;
 use crate::kernels::log_scalars;
 use crate::kernels::mse::MseQuantizer;
 use crate::kernels::mse_qjl::MseQjlEncoder;

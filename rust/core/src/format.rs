@@ -23,45 +23,9 @@ pub const MAX_SECTIONS: u32 = 4096;
 pub const MAX_NDIM: u8 = 16;
 pub const MAX_NAME_LEN: u8 = 128;
 
-/// Element type of a section's payload.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Dtype {
-    U8 = 0,
-    F16 = 1,
-    F32 = 2,
-    F64 = 3,
-    I64 = 4,
-    /// UTF-8 text (the metadata), one byte per element.
-    Utf8 = 5,
-    /// bfloat16, two bytes per element.
-    Bf16 = 6,
-}
-
-impl Dtype {
-    /// The dtype of a stored code, or None.
-    pub fn from_code(code: u8) -> Option<Self> {
-        Some(match code {
-            0 => Dtype::U8,
-            1 => Dtype::F16,
-            2 => Dtype::F32,
-            3 => Dtype::F64,
-            4 => Dtype::I64,
-            5 => Dtype::Utf8,
-            6 => Dtype::Bf16,
-            _ => return None,
-        })
-    }
-
-    /// Bytes per element.
-    pub fn itemsize(self) -> usize {
-        match self {
-            Dtype::U8 | Dtype::Utf8 => 1,
-            Dtype::F16 | Dtype::Bf16 => 2,
-            Dtype::F32 => 4,
-            Dtype::F64 | Dtype::I64 => 8,
-        }
-    }
-}
+/// Element type of a section's payload: the core's one dtype ([`crate::dtype::Dtype`]), its
+/// code the byte written.
+pub use crate::dtype::Dtype;
 
 /// One named, typed, shaped byte payload.
 #[derive(Debug, Clone, PartialEq)]

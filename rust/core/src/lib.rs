@@ -6,6 +6,7 @@
 
 pub mod alloc;
 pub mod decode_step;
+pub mod dtype;
 pub mod encoders;
 pub mod error;
 pub mod format;
@@ -14,6 +15,7 @@ pub mod paged_write;
 mod par;
 pub mod reduce;
 pub mod rng;
+pub mod rows;
 pub mod scalars;
 pub mod simd;
 pub mod store;

@@ -3,9 +3,9 @@
 //! block_size`) of every KV head's page, the layout the paged decode attention reads
 //! (`kernels::paged`; docs/vllm.md).
 
+use crate::dtype::Dtype;
 use crate::encoders::SideEncoder;
 use crate::error::{KvqError, Result};
-use crate::format::Dtype;
 
 /// One stored part of a slot: the part `name` of side `side` (0 keys, 1 values) as its encoder
 /// names it, `row_bytes` bytes per token at `offset` bytes into the slot (`block_size *

@@ -5,8 +5,11 @@
 //! a stored value never depends on its neighbours: encoding tokens in chunks and joining the
 //! chunks gives the same values as one call (a streaming cache equals one-shot encoding).
 
+use std::borrow::Cow;
+
 use half::f16;
 
+use crate::dtype::Dtype;
 use crate::error::{KvqError, Result};
 use crate::kernels::log_scalars;
 use crate::simd::{ops, Isa};
@@ -308,6 +311,82 @@ impl ScalarView<'_> {
         }
         Ok(())
     }
+}
+
+/// Stored scalars read from a part's little-endian bytes (a layer store's buffer, a page of
+/// the paged cache): borrowed in place where the bytes are aligned to the scalar size (the
+/// store's allocations are), else copied.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ScalarRead<'a> {
+    /// IEEE binary16 bit patterns.
+    F16(Cow<'a, [u16]>),
+    /// float32 values.
+    F32(Cow<'a, [f32]>),
+}
+
+impl<'a> ScalarRead<'a> {
+    /// `bytes` as stored scalars of `dtype`; None unless `dtype` is float16 or float32.
+    pub fn from_le(bytes: &'a [u8], dtype: Dtype) -> Option<Self> {
+        match dtype {
+            Dtype::F16 => Some(ScalarRead::F16(plain(bytes))),
+            Dtype::F32 => Some(ScalarRead::F32(plain(bytes))),
+            _ => None,
+        }
+    }
+
+    /// The same scalars owning their values.
+    pub fn into_owned(self) -> ScalarRead<'static> {
+        match self {
+            ScalarRead::F16(v) => ScalarRead::F16(Cow::Owned(v.into_owned())),
+            ScalarRead::F32(v) => ScalarRead::F32(Cow::Owned(v.into_owned())),
+        }
+    }
+
+    /// A borrowed view.
+    pub fn view(&self) -> ScalarView<'_> {
+        match self {
+            ScalarRead::F16(v) => ScalarView::F16(v),
+            ScalarRead::F32(v) => ScalarView::F32(v),
+        }
+    }
+}
+
+impl crate::rows::AsScalars for ScalarRead<'_> {
+    fn scalars(&self) -> ScalarView<'_> {
+        self.view()
+    }
+}
+
+/// Numbers every bit pattern of which is a value: bytes can be read as them in place.
+pub(crate) trait Plain: Copy {
+    fn from_le(b: &[u8]) -> Self;
+}
+
+impl Plain for u16 {
+    fn from_le(b: &[u8]) -> Self {
+        u16::from_le_bytes([b[0], b[1]])
+    }
+}
+
+impl Plain for f32 {
+    fn from_le(b: &[u8]) -> Self {
+        f32::from_le_bytes([b[0], b[1], b[2], b[3]])
+    }
+}
+
+/// Little-endian `bytes` as `T` values: borrowed when aligned, else copied.
+pub(crate) fn plain<T: Plain>(bytes: &[u8]) -> Cow<'_, [T]> {
+    #[cfg(target_endian = "little")]
+    {
+        // SAFETY: every bit pattern of a `Plain` type is a valid value, and `align_to` returns
+        // only the aligned middle; it is used only when nothing is left over on either side.
+        let (pre, mid, post) = unsafe { bytes.align_to::<T>() };
+        if pre.is_empty() && post.is_empty() {
+            return Cow::Borrowed(mid);
+        }
+    }
+    let size = std::mem::size_of::<T>();
+    Cow::Owned(bytes.chunks_exact(size).map(T::from_le).collect())
 }
 
 /// The float views, whose scalars can be sliced and checked one by one (a log-coded view's

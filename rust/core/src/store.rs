@@ -20,8 +20,9 @@
 
 use half::{bf16, f16};
 
+use crate::dtype::Dtype;
 use crate::error::{KvqError, Result};
-use crate::format::{Dtype, Section};
+use crate::format::Section;
 
 /// One part as declared by its layout.
 #[derive(Debug, Clone, PartialEq)]
@@ -164,18 +165,6 @@ fn shape_err(arg: &str, expected: String, actual: String) -> KvqError {
     }
 }
 
-fn dtype_name(d: Dtype) -> &'static str {
-    match d {
-        Dtype::U8 => "uint8",
-        Dtype::F16 => "float16",
-        Dtype::F32 => "float32",
-        Dtype::F64 => "float64",
-        Dtype::I64 => "int64",
-        Dtype::Utf8 => "utf-8",
-        Dtype::Bf16 => "bfloat16",
-    }
-}
-
 impl LayerStore {
     /// An empty store of the declared parts. Errors: no parts, repeated names, no outer axis
     /// (the batch), `num` or `den` zero, a widenable part that is not float16, text or int64
@@ -215,7 +204,7 @@ impl LayerStore {
                 return Err(shape_err(
                     &s.name,
                     "uint8 or float entries (widenable ones float16)".into(),
-                    dtype_name(s.dtype).into(),
+                    Dtype::name(s.dtype).into(),
                 ));
             }
             let total = s
@@ -332,8 +321,8 @@ impl LayerStore {
             if !ok {
                 return Err(shape_err(
                     &b.spec.name,
-                    format!("dtype {}", dtype_name(b.dtype)),
-                    dtype_name(c.dtype).into(),
+                    format!("dtype {}", Dtype::name(b.dtype)),
+                    Dtype::name(c.dtype).into(),
                 ));
             }
             let n: usize = want.iter().product();

@@ -511,13 +511,13 @@ fn fused_matched_runs_are_bit_identical_on_every_isa_and_thread_count() {
         let mean = mixed_rows(41, heads, d);
         let mean: Vec<f32> = mean.iter().map(|v| v.clamp(-1e3, 1e3)).collect();
         let inner = CodedRows::ChannelRuns {
-            runs: &runs,
+            runs,
             group,
             basis: &basis,
             basis_heads: heads,
         };
         let centred = CodedRows::Centred {
-            rows: &inner,
+            rows: Box::new(inner.clone()),
             mean: &mean,
             mean_heads: heads,
         };
@@ -530,7 +530,7 @@ fn fused_matched_runs_are_bit_identical_on_every_isa_and_thread_count() {
             qjl: None,
         };
         let mse_centred = CodedRows::Centred {
-            rows: &mse,
+            rows: Box::new(mse),
             mean: &mean[..d],
             mean_heads: 1,
         };
@@ -539,7 +539,7 @@ fn fused_matched_runs_are_bit_identical_on_every_isa_and_thread_count() {
             .map(|v| (v * 0.1).clamp(-1e3, 1e3))
             .collect();
         let lay = AttentionShape::new(heads, rows, t, d, 1.0 / (d as f32).sqrt());
-        for (vi, v) in [centred, inner, mse_centred].iter().enumerate() {
+        for (vi, v) in [&centred, &inner, &mse_centred].into_iter().enumerate() {
             for k in [&centred, &inner] {
                 let run = |isa: Isa| {
                     decode_attention_with(isa, &q, &lay, k, None, v, true)

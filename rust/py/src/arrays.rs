@@ -3,6 +3,7 @@
 
 use half::f16;
 use half::slice::HalfFloatSliceExt;
+use kvqrs_core::dtype::Dtype;
 use kvqrs_core::scalars::{ScalarPlane, ScalarView};
 use numpy::{PyArray1, PyReadonlyArray1};
 use pyo3::prelude::*;
@@ -21,6 +22,19 @@ pub fn slice<'a, T: numpy::Element>(
     })
 }
 
+/// Borrows a contiguous 1-D array as a slice, or raises naming the argument `at` (formatted
+/// only then).
+pub fn slice_at<'a, T: numpy::Element>(
+    arr: &'a PyReadonlyArray1<'_, T>,
+    at: impl std::fmt::Display,
+) -> PyResult<&'a [T]> {
+    arr.as_slice().map_err(|_| {
+        arg_error(format!(
+            "{at}: expected a C-contiguous array, got a strided view"
+        ))
+    })
+}
+
 /// Stored scalars (norms, scales) as handed in from Python: float16 or float32.
 #[derive(FromPyObject)]
 pub enum Scalars<'py> {
@@ -32,12 +46,22 @@ pub enum Scalars<'py> {
 
 impl Scalars<'_> {
     /// Borrows the caller's buffer as a core scalar view (no copy).
-    pub fn view(&self, arg: &str) -> PyResult<ScalarView<'_>> {
+    pub fn view(&self, arg: impl std::fmt::Display) -> PyResult<ScalarView<'_>> {
         Ok(match self {
-            Scalars::F16(a) => ScalarView::F16(slice(a, arg)?.reinterpret_cast()),
-            Scalars::F32(a) => ScalarView::F32(slice(a, arg)?),
+            Scalars::F16(a) => ScalarView::F16(slice_at(a, arg)?.reinterpret_cast()),
+            Scalars::F32(a) => ScalarView::F32(slice_at(a, arg)?),
         })
     }
+}
+
+/// The core dtype of a dtype's NumPy name (`uint8`, `float16`, `float32`, `float64`,
+/// `bfloat16`: how dtypes cross the binding), or an error naming `what`.
+pub fn dtype(name: &str, what: &str) -> PyResult<Dtype> {
+    Dtype::from_name(name).ok_or_else(|| {
+        arg_error(format!(
+            "{what}: expected a dtype name (uint8, float16, float32, float64, bfloat16), got {name:?}"
+        ))
+    })
 }
 
 /// A core scalar plane as a NumPy float16 or float32 array.

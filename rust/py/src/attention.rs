@@ -1,164 +1,57 @@
 //! Binding of the fused decode attention kernel. Keys, values and the HeadQ side code arrive as
 //! the typed row objects of `kvqrs.kernels.attention` (`MSERows`, `UniformRows`, `DenseRows`,
 //! `ChannelRunRows` and its `ChannelRun`s, `CentredRows` around any of them, `SideRows`; see
-//! `rows.rs`) with their arrays in place; the Python wrapper has checked every
-//! array against the row format's declared layout and flattened it. Everything is borrowed and
-//! the GIL is released for the kernel.
+//! `rows.rs`) with their arrays in place, read into the core's row description over arrays;
+//! the Python wrapper has checked every array against the row format's declared layout and
+//! flattened it. Everything is borrowed and the GIL is released for the kernel.
 
-use kvqrs_core::kernels::attention::{
-    decode_attention as core_attention, AttentionShape, ChannelRun, CodedRows, QjlRows,
-    SideRows as CoreSide,
-};
+use kvqrs_core::kernels::attention::{decode_attention as core_attention, AttentionShape};
+use kvqrs_core::rows::{Field, Resolve, ScalarParts};
 use kvqrs_core::scalars::{LogView, ScalarView};
 use numpy::{PyArray1, PyReadonlyArray1};
 use pyo3::prelude::*;
 
-use crate::arrays::{slice, Scalars};
+use crate::arrays::{slice, slice_at, Scalars};
 use crate::errors::py_result;
-use crate::rows::{read, BaseRows, Norms, Rows, SideRows, F32};
+use crate::rows::{PyRows, PySide, Stored, F32};
 
 type Bytes<'py> = PyReadonlyArray1<'py, u8>;
+/// Stored scalars with their arrays: float16 / float32, or log codes and exponent bytes.
+type ArrayScalars<'py> = Stored<Bytes<'py>, Scalars<'py>>;
 /// One side of the cache with its arrays.
-type ArrayRows<'py> = Rows<'py, Bytes<'py>, Scalars<'py>, F32<'py>>;
-type ArrayBase<'py> = BaseRows<'py, Bytes<'py>, Scalars<'py>, F32<'py>>;
-type ArraySide<'py> = SideRows<'py, Bytes<'py>, Scalars<'py>>;
-type Groups<'a> = (&'a [u8], ScalarView<'a>, ScalarView<'a>);
+type ArrayRows<'py> = PyRows<Bytes<'py>, ArrayScalars<'py>, F32<'py>, F32<'py>>;
+type ArraySide<'py> = PySide<Bytes<'py>, ArrayScalars<'py>, F32<'py>>;
 
-/// The borrowed runs of `ChannelRunRows` (empty for other rows).
-fn runs<'a>(rows: &'a ArrayRows<'_>, side: &str) -> PyResult<Vec<ChannelRun<'a>>> {
-    let BaseRows::Runs(r) = rows.base() else {
-        return Ok(Vec::new());
-    };
-    let name = |part: &str| format!("{side}.runs.{part}");
-    r.runs
-        .iter()
-        .map(|run| {
-            let (codes, scales, zeros) = groups(&run.codes, &run.scales, &run.zeros, name)?;
-            Ok(ChannelRun {
-                codes,
-                scales,
-                zeros,
-                bits: run.bits,
-                start: run.start,
-                stop: run.stop,
-            })
+/// Borrows every array of a description as the kernel reads it (no copy); a strided array is
+/// an error naming its field (`keys.qjl.signs`, `values.norms.exps`).
+struct Borrow;
+
+impl<'a, 'py: 'a> Resolve<'a, Bytes<'py>, ArrayScalars<'py>, F32<'py>, F32<'py>> for Borrow {
+    type Bytes = &'a [u8];
+    type Scalars = ScalarView<'a>;
+    type Floats = &'a [f32];
+    type Table = &'a [f32];
+    type Error = PyErr;
+    fn bytes(&mut self, a: &'a Bytes<'py>, at: Field<'_>) -> PyResult<&'a [u8]> {
+        slice_at(a, at)
+    }
+    fn scalars(&mut self, s: &'a ArrayScalars<'py>, at: Field<'_>) -> PyResult<ScalarView<'a>> {
+        Ok(match &s.0 {
+            ScalarParts::Plain(p) => p.view(at)?,
+            ScalarParts::Log { codes, exps, group } => ScalarView::Log(LogView {
+                codes: slice_at(codes, at)?,
+                exps: slice_at(exps, format_args!("{at}.exps"))?,
+                group: *group,
+                row: 0,
+            }),
         })
-        .collect()
-}
-
-/// The borrowed codes, scales and zero points of uniform groups (`name` names each in errors).
-fn groups<'a>(
-    codes: &'a Bytes<'_>,
-    scales: &'a Scalars<'_>,
-    zeros: &'a Scalars<'_>,
-    name: impl Fn(&str) -> String,
-) -> PyResult<Groups<'a>> {
-    Ok((
-        slice(codes, &name("codes"))?,
-        scales.view(&name("scales"))?,
-        zeros.view(&name("zeros"))?,
-    ))
-}
-
-/// The borrowed norms of `MSERows` (`name` names them in errors, `exps_name` the exponent
-/// bytes of log-coded ones); log-coded norms get their row length from the kernel's layout.
-fn norms<'a>(
-    n: &'a Norms<Bytes<'_>, Scalars<'_>>,
-    name: &str,
-    exps_name: &str,
-) -> PyResult<ScalarView<'a>> {
-    Ok(match n {
-        Norms::Plain(s) => s.view(name)?,
-        Norms::Log(l) => ScalarView::Log(LogView {
-            codes: slice(&l.codes, name)?,
-            exps: slice(&l.exps, exps_name)?,
-            group: l.group,
-            row: 0,
-        }),
-    })
-}
-
-/// `inner` around the mean of `CentredRows`, or `inner` itself.
-fn wrap<'a>(
-    rows: &'a ArrayRows<'_>,
-    side: &str,
-    inner: &'a CodedRows<'a>,
-) -> PyResult<CodedRows<'a>> {
-    Ok(match rows {
-        Rows::Centred(c) => CodedRows::Centred {
-            rows: inner,
-            mean: slice(&c.mean, &format!("{side}.mean"))?,
-            mean_heads: c.mean_heads,
-        },
-        Rows::Base(_) => *inner,
-    })
-}
-
-/// The borrowed core rows (`side` names the arguments in errors: `keys` or `values`; `runs`
-/// are those of [`runs`]).
-fn base_rows<'a>(
-    base: &'a ArrayBase<'_>,
-    side: &str,
-    runs: &'a [ChannelRun<'a>],
-) -> PyResult<CodedRows<'a>> {
-    let name = |part: &str| format!("{side}.{part}");
-    Ok(match base {
-        BaseRows::Mse(m) => CodedRows::Mse {
-            codes: slice(&m.codes, &name("codes"))?,
-            norms: norms(&m.norms, &name("norms"), &name("norm_exps"))?,
-            bits: m.bits,
-            seed: m.seed,
-            qjl: match &m.qjl {
-                None => None,
-                Some(q) => Some(QjlRows {
-                    signs: slice(&q.signs, &name("qjl.signs"))?,
-                    norms: q.norms.view(&name("qjl.norms"))?,
-                    seed: q.seed,
-                }),
-            },
-        },
-        BaseRows::Uniform(u) => {
-            let (codes, scales, zeros) = groups(&u.codes, &u.scales, &u.zeros, name)?;
-            let (bits, group) = (u.bits, u.group);
-            if u.per_channel {
-                CodedRows::UniformChannels {
-                    codes,
-                    scales,
-                    zeros,
-                    bits,
-                    group,
-                }
-            } else {
-                CodedRows::UniformTokens {
-                    codes,
-                    scales,
-                    zeros,
-                    bits,
-                    group,
-                    seed: u.seed,
-                }
-            }
-        }
-        BaseRows::Dense(x) => CodedRows::Dense(slice(&x.values, &name("values"))?),
-        BaseRows::Runs(r) => CodedRows::ChannelRuns {
-            runs,
-            group: r.group,
-            basis: slice(&r.basis, &name("basis"))?,
-            basis_heads: r.basis_heads,
-        },
-    })
-}
-
-fn side_rows<'a>(s: &'a ArraySide<'_>) -> PyResult<CoreSide<'a>> {
-    Ok(CoreSide {
-        codes: slice(&s.codes, "side.codes")?,
-        scales: s.scales.view("side.scales")?,
-        basis: slice(&s.basis, "side.basis")?,
-        basis_heads: s.basis_heads,
-        rank: s.rank,
-        bits: s.bits,
-        sign: s.sign,
-    })
+    }
+    fn floats(&mut self, a: &'a F32<'py>, at: Field<'_>) -> PyResult<&'a [f32]> {
+        slice_at(a, at)
+    }
+    fn table(&mut self, a: &'a F32<'py>, at: Field<'_>) -> PyResult<&'a [f32]> {
+        slice_at(a, at)
+    }
 }
 
 type F32Out<'py> = Bound<'py, PyArray1<f32>>;
@@ -183,12 +76,13 @@ pub fn decode_attention<'py>(
     probs: bool,
 ) -> PyResult<AttentionOut<'py>> {
     let qs = slice(&q, "q")?;
-    let (kruns, vruns) = (runs(&keys, "keys")?, runs(&values, "values")?);
-    let kin = base_rows(keys.base(), "keys", &kruns)?;
-    let vin = base_rows(values.base(), "values", &vruns)?;
-    let (kr, vr) = (wrap(&keys, "keys", &kin)?, wrap(&values, "values", &vin)?);
-    let side: Option<ArraySide<'py>> = side.map(|s| read(&s, "SideRows")).transpose()?;
-    let sr = side.as_ref().map(side_rows).transpose()?;
+    let kr = keys.0.map("keys", &mut Borrow)?;
+    let vr = values.0.map("values", &mut Borrow)?;
+    let side: Option<ArraySide<'py>> = side.map(|s| s.extract()).transpose()?;
+    let sr = match &side {
+        Some(s) => Some(s.0.map(&mut Borrow)?),
+        None => None,
+    };
     let layout = AttentionShape::new(heads, rows, tokens, head_dim, scale);
     let res =
         py_result(py.allow_threads(|| core_attention(qs, &layout, &kr, sr.as_ref(), &vr, probs)))?;

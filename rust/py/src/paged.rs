@@ -3,94 +3,77 @@
 //! `MSERows` or per-token `UniformRows`) with `(offset, row_bytes[, dtype])` tuples in place of
 //! arrays (built and checked by `kvqrs.vllm.layout`); the GIL is released for the kernel.
 
-use kvqrs_core::format::Dtype;
+use kvqrs_core::dtype::Dtype;
 use kvqrs_core::kernels::paged::{
-    paged_decode_attention as core_paged, PagedCache, PagedQjl, PagedQueries, PagedRows, Part,
-    Scalar, ScalarPart,
+    paged_decode_attention as core_paged, PagedCache, PagedQueries, PagedRows, Part, ScalarPart,
 };
 use kvqrs_core::paged_write::{PageGeometry, SlotPart, SlotWriter};
+use kvqrs_core::rows::{Field, Resolve, ScalarParts};
 use numpy::{PyArray1, PyArrayMethods, PyReadonlyArray1};
 use pyo3::prelude::*;
 
-use crate::arrays::slice;
+use crate::arrays::{dtype, slice, slice_at};
 use crate::errors::{arg_error, py_result};
-use crate::rows::{BaseRows, Norms, Rows};
+use crate::rows::{PyRows, Stored, F32};
 use crate::store::{side_encoder, EncoderSpec};
 
 /// A part of a slot as `(offset, row_bytes)` in a page.
 type PyPart = (usize, usize);
 /// Stored scalars as `(offset, row_bytes, dtype name)` in a page.
 type PyScalarPart = (usize, usize, String);
+type PagedScalars = Stored<PyPart, PyScalarPart>;
 /// One side's rows with each part's place in a page in place of arrays.
-type PagedPyRows<'py> = Rows<'py, PyPart, PyScalarPart, PyPart>;
+type PagedPyRows<'py> = PyRows<PyPart, PagedScalars, PyPart, F32<'py>>;
 
-fn part(&(offset, row_bytes): &PyPart) -> Part {
-    Part { offset, row_bytes }
-}
+/// Reads each part's place in a page; the paged kernel checks that the rows are a per-token
+/// format and that every part fits.
+struct Places;
 
-fn scalar_part((offset, row_bytes, dtype): &PyScalarPart, what: &str) -> PyResult<ScalarPart> {
-    let kind = match dtype.as_str() {
-        "float16" => Scalar::F16,
-        "float32" => Scalar::F32,
-        other => {
-            return Err(arg_error(format!(
-                "{what}: expected stored scalars of dtype 'float16' or 'float32', got {other:?}"
-            )))
-        }
-    };
-    Ok(ScalarPart {
-        part: part(&(*offset, *row_bytes)),
-        kind,
-    })
-}
-
-/// The paged kernel reads per-token layouts only: MSE rows and per-token uniform groups.
-fn rows(r: &PagedPyRows<'_>, side: &str) -> PyResult<PagedRows> {
-    let what = |field: &str| format!("{side}.{field}");
-    match r {
-        Rows::Base(BaseRows::Mse(m)) => Ok(PagedRows::Mse {
-            codes: part(&m.codes),
-            norms: match &m.norms {
-                Norms::Plain(n) => scalar_part(n, &what("norms"))?,
-                Norms::Log(_) => {
-                    return Err(arg_error(format!(
-                        "{side}.norms: the paged kernel reads float16/float32 norms, not log-coded ones"
-                    )))
-                }
-            },
-            bits: m.bits,
-            seed: m.seed,
-            qjl: match &m.qjl {
-                None => None,
-                Some(q) => Some(PagedQjl {
-                    signs: part(&q.signs),
-                    norms: scalar_part(&q.norms, &what("qjl.norms"))?,
-                    seed: q.seed,
-                }),
-            },
-        }),
-        Rows::Base(BaseRows::Uniform(u)) if !u.per_channel => {
-            let scales = scalar_part(&u.scales, &what("scales"))?;
-            let zeros = scalar_part(&u.zeros, &what("zeros"))?;
-            if scales.kind != zeros.kind {
-                return Err(arg_error(format!(
-                    "{side}.zeros: expected the scales' dtype"
-                )));
-            }
-            Ok(PagedRows::UniformTokens {
-                codes: part(&u.codes),
-                scales: scales.part,
-                zeros: zeros.part,
-                kind: scales.kind,
-                bits: u.bits,
-                group: u.group,
-                seed: u.seed,
-            })
-        }
-        _ => Err(arg_error(format!(
-            "{side}: expected MSERows or per-token UniformRows (per-token layouts)"
-        ))),
+impl<'a, 'py: 'a> Resolve<'a, PyPart, PagedScalars, PyPart, F32<'py>> for Places {
+    type Bytes = Part;
+    type Scalars = ScalarPart;
+    type Floats = Part;
+    type Table = Vec<f32>;
+    type Error = PyErr;
+    fn bytes(&mut self, &(offset, row_bytes): &'a PyPart, _: Field<'_>) -> PyResult<Part> {
+        Ok(Part { offset, row_bytes })
     }
+    fn scalars(&mut self, s: &'a PagedScalars, at: Field<'_>) -> PyResult<ScalarPart> {
+        let (offset, row_bytes, name) = match &s.0 {
+            ScalarParts::Plain(p) => p,
+            ScalarParts::Log { .. } => {
+                return Err(arg_error(format!(
+                "{at}: the paged kernel reads float16/float32 stored scalars, not log-coded ones"
+            )))
+            }
+        };
+        let dtype = match Dtype::from_name(name) {
+            Some(d @ (Dtype::F16 | Dtype::F32)) => d,
+            _ => {
+                return Err(arg_error(format!(
+                    "{at}: expected stored scalars of dtype 'float16' or 'float32', got {name:?}"
+                )))
+            }
+        };
+        Ok(ScalarPart {
+            part: Part {
+                offset: *offset,
+                row_bytes: *row_bytes,
+            },
+            dtype,
+        })
+    }
+    fn floats(&mut self, &(offset, row_bytes): &'a PyPart, _: Field<'_>) -> PyResult<Part> {
+        Ok(Part { offset, row_bytes })
+    }
+    fn table(&mut self, a: &'a F32<'py>, at: Field<'_>) -> PyResult<Vec<f32>> {
+        Ok(slice_at(a, at)?.to_vec())
+    }
+}
+
+/// The places of one side's parts.
+fn rows(r: &PagedPyRows<'_>, side: &str) -> PyResult<PagedRows> {
+    r.0.map(side, &mut Places)
 }
 
 /// Returns float32 tokens x q_heads x head_dim, flat.
@@ -141,8 +124,8 @@ pub fn paged_decode_attention<'py>(
     Ok(PyArray1::from_vec(py, out))
 }
 
-/// `(side: 0 keys / 1 values, part name, offset, row_bytes, dtype code)`: one part of a slot.
-type PySlotPart = (usize, String, usize, usize, u8);
+/// `(side: 0 keys / 1 values, part name, offset, row_bytes, dtype name)`: one part of a slot.
+type PySlotPart = (usize, String, usize, usize, String);
 
 /// A layer's slot writer (`kvqrs_core::paged_write`): its native key and value encoders
 /// (`kvqrs.hf.store.NativeEncoder`) and its slot's parts, declared once.
@@ -163,9 +146,8 @@ impl PySlotWriter {
         let (ke, ve) = (side_encoder(keys, "keys")?, side_encoder(values, "values")?);
         let parts = parts
             .into_iter()
-            .map(|(side, name, offset, row_bytes, code)| {
-                let dtype = Dtype::from_code(code)
-                    .ok_or_else(|| arg_error(format!("parts: unknown dtype code {code}")))?;
+            .map(|(side, name, offset, row_bytes, dtype_name)| {
+                let dtype = dtype(&dtype_name, &format!("parts: {name}"))?;
                 Ok(SlotPart {
                     side,
                     name,

@@ -1,15 +1,12 @@
-//! The row objects of `kvqrs.kernels.attention` as the binding reads them: one typed struct per
-//! Python row class, extracted by attribute name (`#[derive(FromPyObject)]`), so a wrong object
-//! is a `TypeError` naming the class and field (`MSERows.codes`, the cause chained) and never a
-//! panic; an object of no row class is a `TypeError` naming its class.
-//!
-//! Every row format is declared once here and read by three entry points that differ only in
-//! what stands for a stored part, hence the type parameters: `B` for a part of bytes (packed
-//! codes, QJL signs), `S` for stored scalars (norms, scales, zero points), `F` for float32 rows
-//! (`DenseRows`). The fused kernel passes the flat arrays, the layer store the part names,
-//! the paged kernel each part's place in a page. Bases and means are flat float32 arrays with
-//! their per-head count in every case.
+//! The row objects of `kvqrs.kernels.attention` read into the core's one row description
+//! (`kvqrs_core::rows`): `Rows<B, S, F, T>` with `B` for a part of bytes, `S` for stored
+//! scalars, `F` for float rows and `T` for a table (basis, mean), each whatever the entry
+//! point passes (arrays for the fused kernel, part names for the layer store, places in a page
+//! for the paged kernel). Every field is read by attribute name, as PyO3's derived readers do,
+//! so a wrong object is a `TypeError` naming the class and field (`MSERows.codes`, the cause
+//! chained) and never a panic; an object of no row class is a `TypeError` naming its class.
 
+use kvqrs_core::rows::{Qjl, Rows, Run, ScalarParts, Side};
 use numpy::PyReadonlyArray1;
 use pyo3::exceptions::{PyAttributeError, PyTypeError};
 use pyo3::prelude::*;
@@ -18,91 +15,26 @@ use pyo3::types::PyDict;
 /// A flat float32 array (a basis or a mean).
 pub type F32<'py> = PyReadonlyArray1<'py, f32>;
 
-/// `QJLRows`: the sketch of the rotated residual.
-#[derive(FromPyObject)]
-pub struct QJLRows<B, S> {
-    pub signs: B,
-    pub norms: S,
-    pub seed: u64,
-}
+/// Stored scalars as Python hands them: `P`, or a `LogScalars` object (8-bit log codes and
+/// their group exponent bytes, docs/kernels.md section 13, tried first: stored scalars are
+/// never an object with `exps`).
+pub struct Stored<B, P>(pub ScalarParts<B, P>);
 
-/// `LogScalars`: 8-bit log codes and their group exponent bytes (docs/kernels.md section 13).
-#[derive(FromPyObject)]
-pub struct LogNorms<B> {
-    pub codes: B,
-    pub exps: B,
-    pub group: usize,
-}
+/// One side of the cache as the binding reads it.
+pub struct PyRows<B, S, F, T>(pub Rows<B, S, F, T>);
 
-/// The norms of `MSERows`: stored scalars, or `LogScalars` (tried first: stored scalars are
-/// never an object with `codes`, `exps` and `group`).
-#[derive(FromPyObject)]
-pub enum Norms<B, S> {
-    Log(LogNorms<B>),
-    Plain(S),
-}
+/// HeadQ's `SideRows` as the binding reads it.
+pub struct PySide<B, S, T>(pub Side<B, S, T>);
 
-/// `MSERows`.
-#[derive(FromPyObject)]
-pub struct MSERows<B, S> {
-    pub codes: B,
-    pub norms: Norms<B, S>,
-    pub bits: u32,
-    pub seed: Option<u64>,
-    pub qjl: Option<QJLRows<B, S>>,
-}
-
-/// `UniformRows` (per token or per channel).
-#[derive(FromPyObject)]
-pub struct UniformRows<B, S> {
-    pub codes: B,
-    pub scales: S,
-    pub zeros: S,
-    pub bits: u32,
-    pub group: usize,
-    pub per_channel: bool,
-    pub seed: Option<u64>,
-}
-
-/// `DenseRows`.
-#[derive(FromPyObject)]
-pub struct DenseRows<F> {
-    pub values: F,
-}
-
-/// `ChannelRun`: one run of basis columns coded per channel.
-#[derive(FromPyObject)]
-pub struct ChannelRun<B, S> {
-    pub codes: B,
-    pub scales: S,
-    pub zeros: S,
-    pub bits: u32,
-    pub start: usize,
-    pub stop: usize,
-}
-
-/// `ChannelRunRows` as handed to the binding: the flat basis and its count.
-#[derive(FromPyObject)]
-pub struct ChannelRunRows<'py, B, S> {
-    pub runs: Vec<ChannelRun<B, S>>,
-    pub group: usize,
-    pub basis: F32<'py>,
-    pub basis_heads: usize,
-}
-
-/// One side of the cache without a mean.
-pub enum BaseRows<'py, B, S, F> {
-    Mse(MSERows<B, S>),
-    Uniform(UniformRows<B, S>),
-    Dense(DenseRows<F>),
-    Runs(ChannelRunRows<'py, B, S>),
-}
-
-/// Reads row class `class` with its derived reader. A field it lacks (the reader's
-/// `AttributeError`) becomes a `TypeError` naming the class, as a field of the wrong type is,
-/// so every malformed row object raises the same kind of error.
-pub fn read<'py, T: FromPyObject<'py>>(obj: &Bound<'py, PyAny>, class: &str) -> PyResult<T> {
-    obj.extract().map_err(|e| {
+/// Reads row class `class` with `f`. A field it lacks (an `AttributeError`) becomes a
+/// `TypeError` naming the class, as a field of the wrong type is, so every malformed row
+/// object raises the same kind of error.
+pub fn read<'py, T>(
+    obj: &Bound<'py, PyAny>,
+    class: &str,
+    f: impl FnOnce(&Bound<'py, PyAny>) -> PyResult<T>,
+) -> PyResult<T> {
+    f(obj).map_err(|e| {
         let py = obj.py();
         if !e.is_instance_of::<PyAttributeError>(py) {
             return e;
@@ -113,91 +45,201 @@ pub fn read<'py, T: FromPyObject<'py>>(obj: &Bound<'py, PyAny>, class: &str) -> 
     })
 }
 
-/// The row classes the binding reads, for errors.
+/// Field `name` of row class `class` read by `f`: a failure is a `TypeError` `failed to
+/// extract field {class}.{name}` with the cause chained (a missing attribute propagates).
+fn field<'py, T>(
+    obj: &Bound<'py, PyAny>,
+    (class, name): (&str, &str),
+    f: impl FnOnce(&Bound<'py, PyAny>) -> PyResult<T>,
+) -> PyResult<T> {
+    let value = obj.getattr(name)?;
+    f(&value).map_err(|e| {
+        let err = PyTypeError::new_err(format!("failed to extract field {class}.{name}"));
+        err.set_cause(obj.py(), Some(e));
+        err
+    })
+}
+
+/// Field `name` of row class `class`, extracted as `T`.
+fn get<'py, T: FromPyObject<'py>>(obj: &Bound<'py, PyAny>, class: &str, name: &str) -> PyResult<T> {
+    field(obj, (class, name), |v| v.extract())
+}
+
+impl<'py, B: FromPyObject<'py>, P: FromPyObject<'py>> FromPyObject<'py> for Stored<B, P> {
+    fn extract_bound(obj: &Bound<'py, PyAny>) -> PyResult<Self> {
+        if obj.hasattr("exps")? {
+            let c = "LogScalars";
+            Ok(Stored(ScalarParts::Log {
+                codes: get(obj, c, "codes")?,
+                exps: get(obj, c, "exps")?,
+                group: get(obj, c, "group")?,
+            }))
+        } else {
+            Ok(Stored(ScalarParts::Plain(obj.extract()?)))
+        }
+    }
+}
+
+/// The row classes without a mean, for errors.
 const ROW_CLASSES: &str = "MSERows, UniformRows, DenseRows or ChannelRunRows";
 
-/// Picks the class by the one field that no other row class has and extracts it with its
-/// derived reader, so a malformed object gets its own class's error (`failed to extract
-/// field MSERows.codes`) rather than one per class.
-impl<'py, B, S, F> FromPyObject<'py> for BaseRows<'py, B, S, F>
+fn qjl<'py, B, S>(obj: &Bound<'py, PyAny>) -> PyResult<Option<Qjl<B, S>>>
+where
+    B: FromPyObject<'py>,
+    S: FromPyObject<'py>,
+{
+    if obj.is_none() {
+        return Ok(None);
+    }
+    let c = "QJLRows";
+    Ok(Some(Qjl {
+        signs: get(obj, c, "signs")?,
+        norms: get(obj, c, "norms")?,
+        seed: get(obj, c, "seed")?,
+    }))
+}
+
+fn run<'py, B, S>(obj: &Bound<'py, PyAny>) -> PyResult<Run<B, S>>
+where
+    B: FromPyObject<'py>,
+    S: FromPyObject<'py>,
+{
+    let c = "ChannelRun";
+    Ok(Run {
+        codes: get(obj, c, "codes")?,
+        scales: get(obj, c, "scales")?,
+        zeros: get(obj, c, "zeros")?,
+        bits: get(obj, c, "bits")?,
+        start: get(obj, c, "start")?,
+        stop: get(obj, c, "stop")?,
+    })
+}
+
+/// Rows without a mean: the class is picked by the one field that no other row class has, so
+/// a malformed object gets its own class's error (`failed to extract field MSERows.codes`)
+/// rather than one per class.
+fn base<'py, B, S, F, T>(obj: &Bound<'py, PyAny>) -> PyResult<Rows<B, S, F, T>>
 where
     B: FromPyObject<'py>,
     S: FromPyObject<'py>,
     F: FromPyObject<'py>,
+    T: FromPyObject<'py>,
 {
-    fn extract_bound(obj: &Bound<'py, PyAny>) -> PyResult<Self> {
-        // A dict has a `values` method: refuse it by name (the binding once took dicts).
-        if obj.is_instance_of::<PyDict>() {
-            return Err(PyTypeError::new_err(format!(
-                "expected a row object ({ROW_CLASSES}), got a dict"
-            )));
-        }
-        if obj.hasattr("runs")? {
-            Ok(Self::Runs(read(obj, "ChannelRunRows")?))
-        } else if obj.hasattr("per_channel")? {
-            Ok(Self::Uniform(read(obj, "UniformRows")?))
-        } else if obj.hasattr("qjl")? {
-            Ok(Self::Mse(read(obj, "MSERows")?))
-        } else if obj.hasattr("values")? {
-            Ok(Self::Dense(read(obj, "DenseRows")?))
-        } else {
-            Err(PyTypeError::new_err(format!(
-                "expected {ROW_CLASSES}, got {}",
-                obj.get_type().name()?
-            )))
-        }
+    // A dict has a `values` method: refuse it by name (the binding once took dicts).
+    if obj.is_instance_of::<PyDict>() {
+        return Err(PyTypeError::new_err(format!(
+            "expected a row object ({ROW_CLASSES}), got a dict"
+        )));
+    }
+    if obj.hasattr("runs")? {
+        read(obj, "ChannelRunRows", |o| {
+            let c = "ChannelRunRows";
+            Ok(Rows::ChannelRuns {
+                runs: field(o, (c, "runs"), |v| {
+                    let items: Vec<Bound<'py, PyAny>> = v.extract()?;
+                    items.iter().map(run).collect()
+                })?,
+                group: get(o, c, "group")?,
+                basis: get(o, c, "basis")?,
+                basis_heads: get(o, c, "basis_heads")?,
+            })
+        })
+    } else if obj.hasattr("per_channel")? {
+        read(obj, "UniformRows", |o| {
+            let c = "UniformRows";
+            let (codes, scales, zeros) = (
+                get(o, c, "codes")?,
+                get(o, c, "scales")?,
+                get(o, c, "zeros")?,
+            );
+            let (bits, group) = (get(o, c, "bits")?, get(o, c, "group")?);
+            let per_channel: bool = get(o, c, "per_channel")?;
+            let seed = get(o, c, "seed")?;
+            Ok(if per_channel {
+                Rows::UniformChannels {
+                    codes,
+                    scales,
+                    zeros,
+                    bits,
+                    group,
+                }
+            } else {
+                Rows::UniformTokens {
+                    codes,
+                    scales,
+                    zeros,
+                    bits,
+                    group,
+                    seed,
+                }
+            })
+        })
+    } else if obj.hasattr("qjl")? {
+        read(obj, "MSERows", |o| {
+            let c = "MSERows";
+            Ok(Rows::Mse {
+                codes: get(o, c, "codes")?,
+                norms: get(o, c, "norms")?,
+                bits: get(o, c, "bits")?,
+                seed: get(o, c, "seed")?,
+                qjl: field(o, (c, "qjl"), qjl)?,
+            })
+        })
+    } else if obj.hasattr("values")? {
+        read(obj, "DenseRows", |o| {
+            Ok(Rows::Dense(get(o, "DenseRows", "values")?))
+        })
+    } else {
+        Err(PyTypeError::new_err(format!(
+            "expected {ROW_CLASSES}, got {}",
+            obj.get_type().name()?
+        )))
     }
 }
 
-/// `CentredRows` as handed to the binding: rows without a mean, the flat mean and its count
-/// (a mean inside a mean does not extract).
-#[derive(FromPyObject)]
-pub struct CentredRows<'py, B, S, F> {
-    pub rows: BaseRows<'py, B, S, F>,
-    pub mean: F32<'py>,
-    pub mean_heads: usize,
-}
-
-/// One side of the cache.
-pub enum Rows<'py, B, S, F> {
-    Centred(CentredRows<'py, B, S, F>),
-    Base(BaseRows<'py, B, S, F>),
-}
-
-/// `CentredRows` is the row class with `rows`; anything else is read as rows without a mean.
-impl<'py, B, S, F> FromPyObject<'py> for Rows<'py, B, S, F>
+/// `CentredRows` is the row class with `rows` (rows without a mean, the flat mean and its
+/// count: a mean inside a mean does not extract); anything else is read as rows without a
+/// mean.
+impl<'py, B, S, F, T> FromPyObject<'py> for PyRows<B, S, F, T>
 where
     B: FromPyObject<'py>,
     S: FromPyObject<'py>,
     F: FromPyObject<'py>,
+    T: FromPyObject<'py>,
 {
     fn extract_bound(obj: &Bound<'py, PyAny>) -> PyResult<Self> {
-        if obj.hasattr("rows")? {
-            Ok(Self::Centred(read(obj, "CentredRows")?))
-        } else {
-            Ok(Self::Base(obj.extract()?))
+        if !obj.hasattr("rows")? {
+            return Ok(PyRows(base(obj)?));
         }
+        read(obj, "CentredRows", |o| {
+            let c = "CentredRows";
+            Ok(PyRows(Rows::Centred {
+                rows: Box::new(field(o, (c, "rows"), base)?),
+                mean: get(o, c, "mean")?,
+                mean_heads: get(o, c, "mean_heads")?,
+            }))
+        })
     }
 }
 
-impl<'py, B, S, F> Rows<'py, B, S, F> {
-    /// The rows without their mean.
-    pub fn base(&self) -> &BaseRows<'py, B, S, F> {
-        match self {
-            Rows::Centred(c) => &c.rows,
-            Rows::Base(b) => b,
-        }
+impl<'py, B, S, T> FromPyObject<'py> for PySide<B, S, T>
+where
+    B: FromPyObject<'py>,
+    S: FromPyObject<'py>,
+    T: FromPyObject<'py>,
+{
+    fn extract_bound(obj: &Bound<'py, PyAny>) -> PyResult<Self> {
+        read(obj, "SideRows", |o| {
+            let c = "SideRows";
+            Ok(PySide(Side {
+                codes: get(o, c, "codes")?,
+                scales: get(o, c, "scales")?,
+                basis: get(o, c, "basis")?,
+                bits: get(o, c, "bits")?,
+                sign: get(o, c, "sign")?,
+                rank: get(o, c, "rank")?,
+                basis_heads: get(o, c, "basis_heads")?,
+            }))
+        })
     }
-}
-
-/// `SideRows` (HeadQ) as handed to the binding: the flat basis with its rank and count.
-#[derive(FromPyObject)]
-pub struct SideRows<'py, B, S> {
-    pub codes: B,
-    pub scales: S,
-    pub basis: F32<'py>,
-    pub bits: u32,
-    pub sign: f32,
-    pub rank: usize,
-    pub basis_heads: usize,
 }

@@ -1,17 +1,23 @@
 //! Binding of the layer store (`kvqrs_core::store`) and its decode step
-//! (`kvqrs_core::decode_step`): one `LayerStore` object per cache layer. Chunks arrive as
-//! `(dtype code, shape, flat uint8 view of the bytes)` per part (so bfloat16 tensors pass
-//! too); parts leave the same way. The GIL is released for every copy and for the step.
+//! (`kvqrs_core::decode_step`): one `LayerStore` object per cache layer, its parts declared
+//! as `kvqrs.hf.store.StorePart` objects (read by attribute). Chunks arrive as `(dtype name,
+//! shape, flat uint8 view of the bytes)` per part (so bfloat16 tensors pass too); parts leave
+//! the same way; container sections carry the container's dtype codes (docs/format.md).
+//! The GIL is released for every copy and for the step.
 
-use kvqrs_core::decode_step::{attend, FpTokens, RowSpec, RunSpec, SideSpec, Step};
+use kvqrs_core::decode_step::{
+    attend, check_rows, FpTokens, PartRows, PartScalars, PartSide, Step,
+};
+use kvqrs_core::dtype::Dtype;
 use kvqrs_core::encoders::{
     Centring, ChannelRun as EncoderRun, ChannelSide, MseSide, SideEncoder, TokenRows,
 };
-use kvqrs_core::format::{Dtype, Section};
+use kvqrs_core::format::Section;
 use kvqrs_core::kernels::attention::AttentionShape;
 use kvqrs_core::kernels::mse::{MseQuantizer, RowScale};
 use kvqrs_core::kernels::mse_qjl::MseQjlEncoder;
 use kvqrs_core::kernels::uniform::UniformQuantizer;
+use kvqrs_core::rows::{Field, Resolve, Rows, ScalarParts};
 use kvqrs_core::store::{ChunkPart, LayerStore, PartSpec};
 use kvqrs_core::window::{all_storable, append_tokens, gather_tokens};
 use numpy::ndarray::s;
@@ -22,33 +28,49 @@ use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 use std::borrow::Cow;
 
-use crate::arrays::slice;
+use crate::arrays::{dtype, slice, slice_at};
 use crate::errors::{arg_error, py_result};
-use crate::rows::{read, BaseRows, ChannelRun, LogNorms, Norms, Rows, SideRows, F32};
+use crate::rows::{PyRows, PySide, Stored, F32};
 
-/// `(name, dtype code, widen, outer axes, inner axes, num, den)`: one declared part.
-type PySpec = (String, u8, bool, Vec<usize>, Vec<usize>, usize, usize);
-/// `(dtype code, shape, flat uint8 bytes)`: one part of a chunk, or of the store.
-type PyPart<'py> = (u8, Vec<usize>, PyReadonlyArray1<'py, u8>);
+/// One declared part, as `kvqrs.hf.store.StorePart` declares it (read by attribute): its
+/// name, dtype name, whether float16 widens to float32, outer and inner axes, and `num / den`
+/// entries per token.
+#[derive(FromPyObject)]
+struct PySpec {
+    name: String,
+    dtype: String,
+    widen: bool,
+    outer: Vec<usize>,
+    inner: Vec<usize>,
+    num: usize,
+    den: usize,
+}
+
+/// `(dtype name, shape, flat uint8 bytes)`: one part of a chunk, or of the store.
+type PyPart<'py> = (String, Vec<usize>, PyReadonlyArray1<'py, u8>);
+/// `(name, container dtype code, shape, payload)`: one container section (docs/format.md).
 type PySection<'py> = (String, u8, Vec<u64>, Bound<'py, PyBytes>);
 type F32Out<'py> = Bound<'py, PyArray1<f32>>;
+/// `(dtype name, shape, flat uint8 bytes)` of a part leaving the store.
+type PartOut<'py> = (&'static str, Vec<usize>, Bound<'py, PyArray1<u8>>);
 
-fn dtype(code: u8, what: &str) -> PyResult<Dtype> {
+/// The container dtype of a section's code.
+fn section_dtype(code: u8, what: &str) -> PyResult<Dtype> {
     Dtype::from_code(code).ok_or_else(|| arg_error(format!("{what}: unknown dtype code {code}")))
 }
 
 fn specs(parts: Vec<PySpec>) -> PyResult<Vec<PartSpec>> {
     parts
         .into_iter()
-        .map(|(name, code, widen, outer, inner, num, den)| {
+        .map(|p| {
             Ok(PartSpec {
-                dtype: dtype(code, &format!("parts: {name}"))?,
-                name,
-                widen,
-                outer,
-                inner,
-                num,
-                den,
+                dtype: dtype(&p.dtype, &format!("parts: {}", p.name))?,
+                name: p.name,
+                widen: p.widen,
+                outer: p.outer,
+                inner: p.inner,
+                num: p.num,
+                den: p.den,
             })
         })
         .collect()
@@ -56,9 +78,9 @@ fn specs(parts: Vec<PySpec>) -> PyResult<Vec<PartSpec>> {
 
 /// The rows a decode step reads: keys, values and the HeadQ side code.
 struct Declared {
-    keys: RowSpec,
-    values: RowSpec,
-    side: Option<SideSpec>,
+    keys: PartRows,
+    values: PartRows,
+    side: Option<PartSide>,
 }
 
 /// Growable per-part buffers of one cache layer (docs/layouts.md), and its decode step.
@@ -70,13 +92,51 @@ pub struct PyLayerStore {
     encoders: Option<(SideEncoder, SideEncoder)>,
 }
 
+/// Stored scalars by part name: a float16 / float32 part, or `LogScalars` of two parts.
+type NamedScalars = Stored<String, String>;
 /// One side of the cache with part names in place of arrays.
-type NamedRows<'py> = Rows<'py, String, String, String>;
-type NamedBase<'py> = BaseRows<'py, String, String, String>;
+type NamedRows<'py> = PyRows<String, NamedScalars, String, F32<'py>>;
+type NamedSide<'py> = PySide<String, NamedScalars, F32<'py>>;
 
-/// A flat float32 basis or mean as an owned copy (the store keeps it).
-fn floats(a: &F32<'_>, what: &str) -> PyResult<Vec<f32>> {
-    Ok(slice(a, what)?.to_vec())
+/// Resolves part names to the store's part indices (a name the store lacks is an error naming
+/// the field) and copies bases and means (the store keeps them).
+struct ByName<'s> {
+    store: &'s LayerStore,
+}
+
+impl ByName<'_> {
+    fn index(&self, name: &str, at: impl std::fmt::Display) -> PyResult<usize> {
+        self.store
+            .index(name)
+            .ok_or_else(|| arg_error(format!("{at}: no part named {name:?} in the store")))
+    }
+}
+
+impl<'a, 'py: 'a> Resolve<'a, String, NamedScalars, String, F32<'py>> for ByName<'_> {
+    type Bytes = usize;
+    type Scalars = PartScalars;
+    type Floats = usize;
+    type Table = Vec<f32>;
+    type Error = PyErr;
+    fn bytes(&mut self, name: &'a String, at: Field<'_>) -> PyResult<usize> {
+        self.index(name, at)
+    }
+    fn scalars(&mut self, s: &'a NamedScalars, at: Field<'_>) -> PyResult<PartScalars> {
+        Ok(match &s.0 {
+            ScalarParts::Plain(name) => ScalarParts::Plain(self.index(name, at)?),
+            ScalarParts::Log { codes, exps, group } => ScalarParts::Log {
+                codes: self.index(codes, at)?,
+                exps: self.index(exps, format_args!("{at}.exps"))?,
+                group: *group,
+            },
+        })
+    }
+    fn floats(&mut self, name: &'a String, at: Field<'_>) -> PyResult<usize> {
+        self.index(name, at)
+    }
+    fn table(&mut self, a: &'a F32<'py>, at: Field<'_>) -> PyResult<Vec<f32>> {
+        Ok(slice_at(a, at)?.to_vec())
+    }
 }
 
 /// One side's encoder as `kvqrs.hf.store.NativeEncoder` declares it (read by attribute):
@@ -275,101 +335,6 @@ pub fn window_append(
     }))
 }
 
-impl PyLayerStore {
-    fn part_index(&self, name: &str, what: &str) -> PyResult<usize> {
-        self.inner
-            .index(name)
-            .ok_or_else(|| arg_error(format!("{what}: no part named {name:?} in the store")))
-    }
-
-    fn row_spec(&self, rows: &NamedRows<'_>, what: &str) -> PyResult<RowSpec> {
-        match rows {
-            Rows::Base(b) => self.base_spec(b, what),
-            Rows::Centred(c) => Ok(RowSpec::Centred {
-                rows: Box::new(self.base_spec(&c.rows, &format!("{what}.rows"))?),
-                mean: floats(&c.mean, &format!("{what}.mean"))?,
-                mean_heads: c.mean_heads,
-            }),
-        }
-    }
-
-    fn base_spec(&self, rows: &NamedBase<'_>, what: &str) -> PyResult<RowSpec> {
-        let idx = |name: &str, field: &str| self.part_index(name, &format!("{what}.{field}"));
-        Ok(match rows {
-            BaseRows::Mse(m) => RowSpec::Mse {
-                codes: idx(&m.codes, "codes")?,
-                norms: match &m.norms {
-                    Norms::Plain(n) | Norms::Log(LogNorms { codes: n, .. }) => idx(n, "norms")?,
-                },
-                log: match &m.norms {
-                    Norms::Plain(_) => None,
-                    Norms::Log(l) => Some((idx(&l.exps, "norms.exps")?, l.group)),
-                },
-                bits: m.bits,
-                seed: m.seed,
-                qjl: match &m.qjl {
-                    None => None,
-                    Some(q) => Some((
-                        idx(&q.signs, "qjl.signs")?,
-                        idx(&q.norms, "qjl.norms")?,
-                        q.seed,
-                    )),
-                },
-            },
-            BaseRows::Uniform(u) if u.per_channel => RowSpec::UniformChannels {
-                codes: idx(&u.codes, "codes")?,
-                scales: idx(&u.scales, "scales")?,
-                zeros: idx(&u.zeros, "zeros")?,
-                bits: u.bits,
-                group: u.group,
-            },
-            BaseRows::Uniform(u) => RowSpec::UniformTokens {
-                codes: idx(&u.codes, "codes")?,
-                scales: idx(&u.scales, "scales")?,
-                zeros: idx(&u.zeros, "zeros")?,
-                bits: u.bits,
-                group: u.group,
-                seed: u.seed,
-            },
-            BaseRows::Dense(x) => RowSpec::Dense {
-                values: idx(&x.values, "values")?,
-            },
-            BaseRows::Runs(r) => RowSpec::ChannelRuns {
-                runs: (r.runs.iter().enumerate())
-                    .map(|(i, run)| self.run_spec(run, &format!("{what}.runs[{i}]")))
-                    .collect::<PyResult<_>>()?,
-                group: r.group,
-                basis: floats(&r.basis, &format!("{what}.basis"))?,
-                basis_heads: r.basis_heads,
-            },
-        })
-    }
-
-    /// One run of `ChannelRunRows`: its parts by name, bits and basis columns.
-    fn run_spec(&self, run: &ChannelRun<String, String>, what: &str) -> PyResult<RunSpec> {
-        Ok(RunSpec {
-            codes: self.part_index(&run.codes, &format!("{what}.codes"))?,
-            scales: self.part_index(&run.scales, &format!("{what}.scales"))?,
-            zeros: self.part_index(&run.zeros, &format!("{what}.zeros"))?,
-            bits: run.bits,
-            start: run.start,
-            stop: run.stop,
-        })
-    }
-
-    fn side_spec(&self, s: &SideRows<'_, String, String>) -> PyResult<SideSpec> {
-        Ok(SideSpec {
-            codes: self.part_index(&s.codes, "side.codes")?,
-            scales: self.part_index(&s.scales, "side.scales")?,
-            basis: floats(&s.basis, "side.basis")?,
-            basis_heads: s.basis_heads,
-            rank: s.rank,
-            bits: s.bits,
-            sign: s.sign,
-        })
-    }
-}
-
 #[pymethods]
 impl PyLayerStore {
     /// An empty store of the declared parts.
@@ -409,11 +374,11 @@ impl PyLayerStore {
         self.inner.capacity_nbytes()
     }
 
-    /// Appends a chunk of `tokens` tokens, one `(dtype code, shape, bytes)` per part.
+    /// Appends a chunk of `tokens` tokens, one `(dtype name, shape, bytes)` per part.
     fn append(&mut self, py: Python<'_>, chunk: Vec<PyPart<'_>>, tokens: usize) -> PyResult<()> {
         let mut dtypes = Vec::with_capacity(chunk.len());
-        for (code, _, _) in &chunk {
-            dtypes.push(dtype(*code, "chunk")?);
+        for (name, _, _) in &chunk {
+            dtypes.push(dtype(name, "chunk")?);
         }
         let mut bytes = Vec::with_capacity(chunk.len());
         for (_, _, b) in &chunk {
@@ -449,19 +414,15 @@ impl PyLayerStore {
         py_result(py.allow_threads(|| inner.select(&index)))
     }
 
-    /// Part `name` as `(dtype code, shape, flat uint8 bytes)` for the tokens held.
-    fn part<'py>(
-        &self,
-        py: Python<'py>,
-        name: &str,
-    ) -> PyResult<(u8, Vec<usize>, Bound<'py, PyArray1<u8>>)> {
+    /// Part `name` as `(dtype name, shape, flat uint8 bytes)` for the tokens held.
+    fn part<'py>(&self, py: Python<'py>, name: &str) -> PyResult<PartOut<'py>> {
         let i = self
             .inner
             .index(name)
             .ok_or_else(|| arg_error(format!("name: no part {name:?} in the store")))?;
         let inner = &self.inner;
         let (dtype, shape, bytes) = py.allow_threads(|| inner.part(i));
-        Ok((dtype as u8, shape, PyArray1::from_vec(py, bytes)))
+        Ok((dtype.name(), shape, PyArray1::from_vec(py, bytes)))
     }
 
     /// The parts as container sections `(prefix + name, dtype code, shape, bytes)`.
@@ -485,7 +446,7 @@ impl PyLayerStore {
             .into_iter()
             .map(|(name, code, shape, payload)| {
                 Ok(Section {
-                    dtype: dtype(code, &format!("sections: {name}"))?,
+                    dtype: section_dtype(code, &format!("sections: {name}"))?,
                     name,
                     shape,
                     payload: payload.as_bytes().to_vec(),
@@ -514,17 +475,19 @@ impl PyLayerStore {
         values: NamedRows<'_>,
         side: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
-        let k = self.row_spec(&keys, "keys")?;
-        let v = self.row_spec(&values, "values")?;
-        if matches!(v, RowSpec::UniformChannels { .. }) {
+        let mut names = ByName { store: &self.inner };
+        let k = keys.0.map("keys", &mut names)?;
+        let v = values.0.map("values", &mut names)?;
+        let s = match side {
+            None => None,
+            Some(obj) => Some(obj.extract::<NamedSide<'_>>()?.0.map(&mut names)?),
+        };
+        if let Rows::UniformChannels { .. } = v {
             return Err(arg_error(
                 "values: per-channel uniform groups are a key layout".into(),
             ));
         }
-        let s = match side {
-            None => None,
-            Some(obj) => Some(self.side_spec(&read(obj, "SideRows")?)?),
-        };
+        py_result(check_rows(&self.inner, &k, s.as_ref(), &v))?;
         self.rows = Some(Declared {
             keys: k,
             values: v,

@@ -16,32 +16,14 @@
 //! Query tokens x KV heads run in parallel (rayon); each one's pages are merged in block
 //! order, so results do not depend on the thread count.
 
-use half::f16;
-
-use super::attention::{decode_attention_with, AttentionShape, CodedRows, QjlRows};
+use super::attention::{decode_attention_with, AttentionShape};
 use super::{check_head_dim, check_len};
+use crate::dtype::Dtype;
 use crate::error::{KvqError, Result};
 use crate::par;
-use crate::scalars::ScalarView;
+use crate::rows::{Field, Resolve, Rows};
+use crate::scalars::ScalarRead;
 use crate::simd::{self, Isa};
-
-/// Storage type of a part of stored scalars.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Scalar {
-    /// IEEE binary16, little-endian.
-    F16,
-    /// float32, little-endian.
-    F32,
-}
-
-impl Scalar {
-    fn bytes(self) -> usize {
-        match self {
-            Scalar::F16 => 2,
-            Scalar::F32 => 4,
-        }
-    }
-}
 
 /// Where one part of a slot lives in a page: `offset` bytes from the page start, `row_bytes`
 /// bytes per token, `block_size` rows in a row.
@@ -53,60 +35,19 @@ pub struct Part {
     pub row_bytes: usize,
 }
 
-/// A part of one stored scalar per token.
+/// A part of stored scalars (little-endian float16 or float32), a few per token.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ScalarPart {
     /// Where its rows are.
     pub part: Part,
-    /// Their storage type (`part.row_bytes` must be its size).
-    pub kind: Scalar,
+    /// Their dtype ([`Dtype::F16`] or [`Dtype::F32`]; `part.row_bytes` a multiple of its size).
+    pub dtype: Dtype,
 }
 
-/// The QJL residual parts of an MSE side.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct PagedQjl {
-    /// Packed sign bits, ceil(d'/8) bytes per token.
-    pub signs: Part,
-    /// Stored `||r||`.
-    pub norms: ScalarPart,
-    /// Sketch seed.
-    pub seed: u64,
-}
-
-/// One side (keys or values) of the slot layout: the per-token [`CodedRows`] kinds.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum PagedRows {
-    /// Norm-and-direction codes with an optional QJL residual (`kv`, `kqv`, `qkqv`).
-    Mse {
-        /// Packed codes.
-        codes: Part,
-        /// Norms.
-        norms: ScalarPart,
-        /// Bits of the MSE stage.
-        bits: u32,
-        /// Rotation seed, or None.
-        seed: Option<u64>,
-        /// QJL residual.
-        qjl: Option<PagedQjl>,
-    },
-    /// Asymmetric uniform groups along each token (`block`).
-    UniformTokens {
-        /// Packed codes.
-        codes: Part,
-        /// Scales, `groups` per token.
-        scales: Part,
-        /// Zero points, `groups` per token.
-        zeros: Part,
-        /// Storage type of scales and zero points.
-        kind: Scalar,
-        /// Bits per code.
-        bits: u32,
-        /// Coordinates per group.
-        group: usize,
-        /// Rotation seed, or None.
-        seed: Option<u64>,
-    },
-}
+/// One side (keys or values) of the slot layout: the row formats of [`Rows`] over places in
+/// a page. The paged kernel reads the per-token ones, [`Rows::Mse`] (QJL residual optional)
+/// and [`Rows::UniformTokens`]; bases and means (of other formats) would be held by value.
+pub type PagedRows = Rows<Part, ScalarPart, Part, Vec<f32>>;
 
 /// The paged cache of one layer.
 #[derive(Debug, Clone, Copy)]
@@ -164,178 +105,84 @@ fn index_error(arg: &'static str, expected: String, actual: i32) -> KvqError {
     }
 }
 
-/// Stored scalars of the first `n` rows of a part, decoded from their bytes.
-enum Plane {
-    F16(Vec<u16>),
-    F32(Vec<f32>),
+/// Checks that every part of a side fits in a page, whole scalars per token.
+struct Fits<'c> {
+    cache: &'c PagedCache<'c>,
 }
 
-impl Plane {
-    fn read(page: &[u8], part: Part, kind: Scalar, n: usize) -> Self {
-        let bytes = &page[part.offset..part.offset + n * part.row_bytes];
-        match kind {
-            Scalar::F16 => Plane::F16(
-                bytes
-                    .chunks_exact(2)
-                    .map(|b| f16::from_le_bytes([b[0], b[1]]).to_bits())
-                    .collect(),
-            ),
-            Scalar::F32 => Plane::F32(
-                bytes
-                    .chunks_exact(4)
-                    .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                    .collect(),
-            ),
-        }
-    }
-
-    fn view(&self) -> ScalarView<'_> {
-        match self {
-            Plane::F16(v) => ScalarView::F16(v),
-            Plane::F32(v) => ScalarView::F32(v),
-        }
-    }
-}
-
-/// The first `n` rows of one side in one page, held for one kernel call.
-struct PageSide<'a> {
-    rows: PagedRows,
-    page: &'a [u8],
-    n: usize,
-    planes: [Option<Plane>; 3],
-}
-
-impl<'a> PageSide<'a> {
-    fn new(rows: PagedRows, page: &'a [u8], n: usize) -> Self {
-        let planes = match rows {
-            PagedRows::Mse { norms, qjl, .. } => [
-                Some(Plane::read(page, norms.part, norms.kind, n)),
-                qjl.map(|q| Plane::read(page, q.norms.part, q.norms.kind, n)),
-                None,
-            ],
-            PagedRows::UniformTokens {
-                scales,
-                zeros,
-                kind,
-                ..
-            } => [
-                Some(Plane::read(page, scales, kind, n)),
-                Some(Plane::read(page, zeros, kind, n)),
-                None,
-            ],
-        };
-        Self {
-            rows,
-            page,
-            n,
-            planes,
-        }
-    }
-
-    fn bytes(&self, part: Part) -> &'a [u8] {
-        &self.page[part.offset..part.offset + self.n * part.row_bytes]
-    }
-
-    fn plane(&self, i: usize) -> ScalarView<'_> {
-        self.planes[i]
-            .as_ref()
-            .map_or(ScalarView::F32(&[]), Plane::view)
-    }
-
-    fn coded(&self) -> CodedRows<'_> {
-        match self.rows {
-            PagedRows::Mse {
-                codes,
-                bits,
-                seed,
-                qjl,
-                ..
-            } => CodedRows::Mse {
-                codes: self.bytes(codes),
-                norms: self.plane(0),
-                bits,
-                seed,
-                qjl: qjl.map(|q| QjlRows {
-                    signs: self.bytes(q.signs),
-                    norms: self.plane(1),
-                    seed: q.seed,
-                }),
-            },
-            PagedRows::UniformTokens {
-                codes,
-                bits,
-                group,
-                seed,
-                ..
-            } => CodedRows::UniformTokens {
-                codes: self.bytes(codes),
-                scales: self.plane(0),
-                zeros: self.plane(1),
-                bits,
-                group,
-                seed,
-            },
-        }
-    }
-
-    /// Every part of `rows` with its name, to check that it fits in a page.
-    fn parts(rows: &PagedRows) -> Vec<(&'static str, Part, Option<Scalar>)> {
-        match *rows {
-            PagedRows::Mse {
-                codes, norms, qjl, ..
-            } => {
-                let mut v = vec![
-                    ("codes", codes, None),
-                    ("norms", norms.part, Some(norms.kind)),
-                ];
-                if let Some(q) = qjl {
-                    v.push(("qjl_signs", q.signs, None));
-                    v.push(("qjl_norms", q.norms.part, Some(q.norms.kind)));
-                }
-                v
-            }
-            PagedRows::UniformTokens {
-                codes,
-                scales,
-                zeros,
-                kind,
-                ..
-            } => vec![
-                ("codes", codes, None),
-                ("scales", scales, Some(kind)),
-                ("zeros", zeros, Some(kind)),
-            ],
-        }
-    }
-}
-
-fn check_parts(cache: &PagedCache, rows: &PagedRows) -> Result<()> {
-    for (name, part, kind) in PageSide::parts(rows) {
+impl Fits<'_> {
+    fn part(&self, part: &Part, at: Field<'_>) -> Result<()> {
         let end = part
             .row_bytes
-            .checked_mul(cache.block_size)
+            .checked_mul(self.cache.block_size)
             .and_then(|b| b.checked_add(part.offset));
-        if part.row_bytes == 0 || end.is_none_or(|e| e > cache.page_bytes) {
+        if part.row_bytes == 0 || end.is_none_or(|e| e > self.cache.page_bytes) {
             return Err(dim_error(
                 "layout",
                 format!(
-                    "part {name} ({} bytes per token at offset {}) inside a page of {} bytes ({} slots)",
-                    part.row_bytes, part.offset, cache.page_bytes, cache.block_size
+                    "part {at} ({} bytes per token at offset {}) inside a page of {} bytes ({} slots)",
+                    part.row_bytes, part.offset, self.cache.page_bytes, self.cache.block_size
                 ),
                 part.row_bytes,
             ));
         }
-        if let Some(k) = kind {
-            if part.row_bytes % k.bytes() != 0 {
-                return Err(dim_error(
-                    "layout",
-                    format!(
-                        "part {name}: a whole number of {}-byte scalars per token",
-                        k.bytes()
-                    ),
-                    part.row_bytes,
-                ));
-            }
+        Ok(())
+    }
+}
+
+impl<'a> Resolve<'a, Part, ScalarPart, Part, Vec<f32>> for Fits<'_> {
+    type Bytes = ();
+    type Scalars = Dtype;
+    type Floats = ();
+    type Table = ();
+    type Error = KvqError;
+    fn bytes(&mut self, part: &'a Part, at: Field<'_>) -> Result<()> {
+        self.part(part, at)
+    }
+    fn scalars(&mut self, s: &'a ScalarPart, at: Field<'_>) -> Result<Dtype> {
+        self.part(&s.part, at)?;
+        if !matches!(s.dtype, Dtype::F16 | Dtype::F32) {
+            return Err(KvqError::ShapeMismatch {
+                arg: "layout",
+                expected: format!("part {at}: float16 or float32 stored scalars"),
+                actual: s.dtype.name().into(),
+            });
+        }
+        let size = s.dtype.itemsize();
+        if !s.part.row_bytes.is_multiple_of(size) {
+            return Err(dim_error(
+                "layout",
+                format!("part {at}: a whole number of {size}-byte scalars per token"),
+                s.part.row_bytes,
+            ));
+        }
+        Ok(s.dtype)
+    }
+    fn floats(&mut self, part: &'a Part, at: Field<'_>) -> Result<()> {
+        self.part(part, at)
+    }
+    fn table(&mut self, _: &'a Vec<f32>, _: Field<'_>) -> Result<()> {
+        Ok(())
+    }
+}
+
+/// Errors unless `rows` (side `side`) is a per-token row format whose parts fit in a page.
+fn check_parts(cache: &PagedCache, rows: &PagedRows, side: &'static str) -> Result<()> {
+    if !matches!(rows, Rows::Mse { .. } | Rows::UniformTokens { .. }) {
+        return Err(KvqError::ShapeMismatch {
+            arg: side,
+            expected: "MSERows or per-token UniformRows (per-token layouts)".into(),
+            actual: rows.class().into(),
+        });
+    }
+    let dtypes = rows.map(side, &mut Fits { cache })?;
+    if let Rows::UniformTokens { scales, zeros, .. } = dtypes {
+        if scales != zeros {
+            return Err(KvqError::ShapeMismatch {
+                arg: side,
+                expected: format!("zero points of the scales' dtype {}", scales.name()),
+                actual: zeros.name().into(),
+            });
         }
     }
     Ok(())
@@ -456,86 +303,61 @@ fn check_queries(cache: &PagedCache, qs: &PagedQueries) -> Result<()> {
     Ok(())
 }
 
-impl PagedRows {
-    /// The same rows with part `i` (in [`PageSide::parts`]' order) at `offsets[i]`.
-    fn relocated(&self, offsets: &[usize]) -> PagedRows {
-        let at = |i: usize, p: Part| Part {
-            offset: offsets[i],
-            row_bytes: p.row_bytes,
-        };
-        match *self {
-            PagedRows::Mse {
-                codes,
-                norms,
-                bits,
-                seed,
-                qjl,
-            } => PagedRows::Mse {
-                codes: at(0, codes),
-                norms: ScalarPart {
-                    part: at(1, norms.part),
-                    kind: norms.kind,
-                },
-                bits,
-                seed,
-                qjl: qjl.map(|q| PagedQjl {
-                    signs: at(2, q.signs),
-                    norms: ScalarPart {
-                        part: at(3, q.norms.part),
-                        kind: q.norms.kind,
-                    },
-                    seed: q.seed,
-                }),
-            },
-            PagedRows::UniformTokens {
-                codes,
-                scales,
-                zeros,
-                kind,
-                bits,
-                group,
-                seed,
-            } => PagedRows::UniformTokens {
-                codes: at(0, codes),
-                scales: at(1, scales),
-                zeros: at(2, zeros),
-                kind,
-                bits,
-                group,
-                seed,
-            },
+/// Gathers one side's first `len` rows of KV head `h` from the pages of `blocks`, each part's
+/// rows contiguous (its scalars decoded from their bytes): the rows the fused kernel reads in
+/// one call. Copying a slot's few bytes costs less than a kernel call per page (its query
+/// rotation, tables and read-out rotation).
+struct Gather<'c> {
+    cache: &'c PagedCache<'c>,
+    blocks: &'c [i32],
+    h: usize,
+    len: usize,
+}
+
+impl Gather<'_> {
+    fn rows(&self, p: &Part) -> Vec<u8> {
+        let (bs, len) = (self.cache.block_size, self.len);
+        let mut buf = vec![0u8; p.row_bytes * len];
+        for (i, &b) in self.blocks.iter().enumerate() {
+            let n = (len - i * bs).min(bs);
+            let src =
+                b as usize * self.cache.block_stride + self.h * self.cache.head_stride + p.offset;
+            let dst = i * bs * p.row_bytes;
+            buf[dst..dst + n * p.row_bytes]
+                .copy_from_slice(&self.cache.data[src..src + n * p.row_bytes]);
         }
+        buf
     }
 }
 
-/// One side's first `len` rows of KV head `h`, gathered from the pages of `blocks` into one
-/// page of `len` slots (each part's rows contiguous): the rows the fused kernel reads in one
-/// call. Copying a slot's few bytes costs less than a kernel call per page (its query
-/// rotation, tables and read-out rotation).
-fn gather_side(
-    cache: &PagedCache,
-    rows: &PagedRows,
-    blocks: &[i32],
-    h: usize,
-    len: usize,
-) -> (PagedRows, Vec<u8>) {
-    let parts = PageSide::parts(rows);
-    let bs = cache.block_size;
-    let mut buf = vec![0u8; parts.iter().map(|(_, p, _)| p.row_bytes * len).sum()];
-    let mut offsets = Vec::with_capacity(parts.len());
-    let mut at = 0;
-    for (_, p, _) in &parts {
-        for (i, &b) in blocks.iter().enumerate() {
-            let n = (len - i * bs).min(bs);
-            let src = b as usize * cache.block_stride + h * cache.head_stride + p.offset;
-            let dst = at + i * bs * p.row_bytes;
-            buf[dst..dst + n * p.row_bytes]
-                .copy_from_slice(&cache.data[src..src + n * p.row_bytes]);
-        }
-        offsets.push(at);
-        at += len * p.row_bytes;
+impl<'a> Resolve<'a, Part, ScalarPart, Part, Vec<f32>> for Gather<'_> {
+    type Bytes = Vec<u8>;
+    type Scalars = ScalarRead<'static>;
+    type Floats = Vec<f32>;
+    type Table = &'a [f32];
+    type Error = KvqError;
+    fn bytes(&mut self, part: &'a Part, _: Field<'_>) -> Result<Vec<u8>> {
+        Ok(self.rows(part))
     }
-    (rows.relocated(&offsets), buf)
+    fn scalars(&mut self, s: &'a ScalarPart, at: Field<'_>) -> Result<ScalarRead<'static>> {
+        let bytes = self.rows(&s.part);
+        let read = ScalarRead::from_le(&bytes, s.dtype).ok_or_else(|| KvqError::ShapeMismatch {
+            arg: "layout",
+            expected: format!("part {at}: float16 or float32 stored scalars"),
+            actual: s.dtype.name().into(),
+        })?;
+        Ok(read.into_owned())
+    }
+    fn floats(&mut self, _: &'a Part, at: Field<'_>) -> Result<Vec<f32>> {
+        Err(KvqError::ShapeMismatch {
+            arg: "layout",
+            expected: format!("{at}: per-token coded rows"),
+            actual: "float rows".into(),
+        })
+    }
+    fn table(&mut self, t: &'a Vec<f32>, _: Field<'_>) -> Result<&'a [f32]> {
+        Ok(t)
+    }
 }
 
 /// Attention of one query token's `g` query heads over one KV head's first `length` tokens:
@@ -554,11 +376,18 @@ fn token_head(
     let len = qs.lengths[t] as usize;
     let row = &qs.block_table[qs.seq[t] as usize * qs.table_width..];
     let blocks = &row[..len.div_ceil(cache.block_size)];
-    let (kr, kbuf) = gather_side(cache, keys, blocks, h, len);
-    let (vr, vbuf) = gather_side(cache, values, blocks, h, len);
-    let (ks, vs) = (PageSide::new(kr, &kbuf, len), PageSide::new(vr, &vbuf, len));
+    let mut gather = Gather {
+        cache,
+        blocks,
+        h,
+        len,
+    };
+    let (kr, vr) = (
+        keys.map("keys", &mut gather)?,
+        values.map("values", &mut gather)?,
+    );
     let layout = AttentionShape::new(1, g, len, d, qs.scale);
-    Ok(decode_attention_with(isa, q, &layout, &ks.coded(), None, &vs.coded(), false)?.out)
+    Ok(decode_attention_with(isa, q, &layout, &kr.view(), None, &vr.view(), false)?.out)
 }
 
 /// Decode attention of every query token over its sequence's first `length` tokens in the
@@ -569,7 +398,8 @@ fn token_head(
 ///
 /// Returns tokens x q_heads x head_dim float32.
 ///
-/// Errors: a layout whose parts do not fit a page, a cache shorter than its blocks, q_heads not
+/// Errors: rows other than MSE or per-token uniform ones, a layout whose parts do not fit a
+/// page or whose scalars are not float16 / float32, a cache shorter than its blocks, q_heads not
 /// a multiple of kv_heads, a bad scale, `q`, `seq` or `block_table` lengths that do not match,
 /// a sequence row, length or block id out of range, and whatever [`decode_attention_with`]
 /// reports for a page (bits, seeds, stored scalars, non-finite queries or logits).
@@ -592,8 +422,8 @@ pub fn paged_decode_attention_with(
 ) -> Result<Vec<f32>> {
     let isa = isa.checked()?;
     check_cache(cache)?;
-    check_parts(cache, keys)?;
-    check_parts(cache, values)?;
+    check_parts(cache, keys, "keys")?;
+    check_parts(cache, values, "values")?;
     check_queries(cache, queries)?;
     // Multiply-adds of scores and read-out over every query token's context.
     let tokens: usize = queries.lengths.iter().map(|&l| l.max(0) as usize).sum();
@@ -624,10 +454,11 @@ pub fn paged_decode_attention_with(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::kernels::attention::decode_attention;
+    use crate::kernels::attention::{decode_attention, CodedRows};
     use crate::kernels::mse::MseQuantizer;
     use crate::kernels::pack::{pack, packed_len};
     use crate::rng::gaussians;
+    use crate::scalars::ScalarView;
 
     const D: usize = 64;
     const BS: usize = 16;
@@ -660,7 +491,7 @@ mod tests {
             codes: part(0, rb),
             norms: ScalarPart {
                 part: part(rb, 4),
-                kind: Scalar::F32,
+                dtype: Dtype::F32,
             },
             bits,
             seed: Some(7),
@@ -670,7 +501,7 @@ mod tests {
             codes: part(rb + 4, rb),
             norms: ScalarPart {
                 part: part(2 * rb + 4, 4),
-                kind: Scalar::F32,
+                dtype: Dtype::F32,
             },
             bits,
             seed: Some(7),
@@ -819,5 +650,30 @@ mod tests {
             ..cache
         })
         .contains("inside a page"));
+        // Rows the paged kernel does not read, scalars of another dtype: errors naming them.
+        let dense = PagedRows::Dense(Part {
+            offset: 0,
+            row_bytes: 4,
+        });
+        assert!(msg(paged_decode_attention(&cache, &dense, &values, &one))
+            .starts_with("keys: expected MSERows or per-token UniformRows (per-token layouts), got DenseRows"));
+        let Rows::Mse { norms, .. } = values.clone() else {
+            unreachable!()
+        };
+        let bytes_norms = PagedRows::Mse {
+            norms: ScalarPart {
+                dtype: Dtype::U8,
+                ..norms
+            },
+            codes: norms.part,
+            bits: 4,
+            seed: Some(7),
+            qjl: None,
+        };
+        assert!(
+            msg(paged_decode_attention(&cache, &keys, &bytes_norms, &one)).starts_with(
+                "layout: expected part values.norms: float16 or float32 stored scalars, got uint8"
+            )
+        );
     }
 }

@@ -40,136 +40,22 @@ use self::uniform::{ChannelsPlan, TokensPlan};
 use super::{check_finite, check_head_dim, check_len, check_row_len};
 use crate::error::{KvqError, Result};
 use crate::par;
+use crate::rows::{Qjl, Rows, Run, Side};
 use crate::scalars::ScalarView;
 use crate::simd::{self, ops, Isa};
 
-/// The QJL sketch of the rotated residual that follows an MSE stage (`kqv` values, `qkqv`).
-#[derive(Debug, Clone, Copy)]
-pub struct QjlRows<'a> {
-    /// heads x tokens x ceil(d'/8) packed sign bits (m = d').
-    pub signs: &'a [u8],
-    /// heads x tokens stored `||r||`.
-    pub norms: ScalarView<'a>,
-    /// Seed of the sketch matrix S.
-    pub seed: u64,
-}
+/// The QJL sketch of the rotated residual that follows an MSE stage, as the kernel reads it.
+pub type QjlRows<'a> = Qjl<&'a [u8], ScalarView<'a>>;
 
-/// Stored rows of one side of the cache (keys or values), `heads x tokens` vectors of head_dim.
-/// The sizes below are those of compact arrays; with room per head
-/// ([`AttentionShape::stride`]) every `tokens` along a token axis reads `stride` (the first
-/// `tokens` of each head's rows held).
-#[derive(Debug, Clone, Copy)]
-pub enum CodedRows<'a> {
-    /// Norm-and-direction codes (docs/kernels.md section 5): `kv` (no rotation) and the MSE
-    /// stage of `kqv` / `qkqv`, optionally followed by a QJL sketch of the rotated residual.
-    Mse {
-        /// heads x tokens x packed_len(code_dim, bits) bytes.
-        codes: &'a [u8],
-        /// heads x tokens stored norms.
-        norms: ScalarView<'a>,
-        /// Bits of the MSE stage.
-        bits: u32,
-        /// Rotation seed; None for no rotation (code_dim = head_dim).
-        seed: Option<u64>,
-        /// QJL residual sketch.
-        qjl: Option<QjlRows<'a>>,
-    },
-    /// Asymmetric uniform groups along each token's coordinates (docs/kernels.md section 9):
-    /// KIVI values (no rotation) and `block` (rotation, groups of rotated coordinates).
-    UniformTokens {
-        /// heads x tokens x packed_len(n, bits) bytes, n = code_dim.
-        codes: &'a [u8],
-        /// heads x tokens x ceil(n / group) scales.
-        scales: ScalarView<'a>,
-        /// heads x tokens x ceil(n / group) zero points.
-        zeros: ScalarView<'a>,
-        /// Bits per code.
-        bits: u32,
-        /// Coordinates per group.
-        group: usize,
-        /// Rotation seed, or None.
-        seed: Option<u64>,
-    },
-    /// KIVI keys: per-channel groups of tokens; row `c` of head `h` holds channel `c` of every
-    /// token.
-    UniformChannels {
-        /// heads x head_dim x packed_len(tokens, bits) bytes.
-        codes: &'a [u8],
-        /// heads x head_dim x ceil(tokens / group) scales.
-        scales: ScalarView<'a>,
-        /// heads x head_dim x ceil(tokens / group) zero points.
-        zeros: ScalarView<'a>,
-        /// Bits per code.
-        bits: u32,
-        /// Tokens per group.
-        group: usize,
-    },
-    /// Full-precision rows, heads x tokens x head_dim.
-    Dense(&'a [f32]),
-    /// Coordinates `y = x U` in an orthonormal basis `U` (the `matched` scheme), coded per
-    /// channel along tokens (KIVI groups) in runs of columns of equal width; columns in no run
-    /// store nothing and decode to 0. Decodes to `x_hat = y_hat U^T`.
-    ChannelRuns {
-        /// The coded runs, columns in increasing order, disjoint.
-        runs: &'a [ChannelRun<'a>],
-        /// Tokens per scale group (every run).
-        group: usize,
-        /// basis_heads x head_dim x head_dim, row-major (`U[i][c]`: input coordinate i, basis
-        /// column c); head h uses basis `h % basis_heads`.
-        basis: &'a [f32],
-        /// Number of bases (1, or a divisor of the flattened heads).
-        basis_heads: usize,
-    },
-    /// Other rows plus a per-head mean `mu`: `x_hat = inner_hat + mu`. As values the mean is
-    /// added once to the output (the probabilities sum to one); as keys `q . mu` is the same for
-    /// every token of a query, so it is left out of the logits (the softmax ignores it) and
-    /// added to the log-sum-exp only, which another softmax part is merged with.
-    Centred {
-        /// The rows around the mean (any layout).
-        rows: &'a CodedRows<'a>,
-        /// mean_heads x head_dim; head h uses mean `h % mean_heads`.
-        mean: &'a [f32],
-        /// Number of means (1, or a divisor of the flattened heads).
-        mean_heads: usize,
-    },
-}
+/// Stored rows of one side of the cache as the kernel reads them: the row formats of
+/// [`Rows`] over borrowed parts (packed bytes, stored scalars, float32 rows and tables).
+pub type CodedRows<'a> = Rows<&'a [u8], ScalarView<'a>, &'a [f32]>;
 
-/// One run of basis columns `start .. stop` coded at `bits` bits per channel along tokens
-/// (the per-channel KIVI layout of [`CodedRows::UniformChannels`] with `stop - start` channels).
-#[derive(Debug, Clone, Copy)]
-pub struct ChannelRun<'a> {
-    /// heads x (stop - start) x packed_len(tokens, bits) bytes.
-    pub codes: &'a [u8],
-    /// heads x (stop - start) x ceil(tokens / group) scales.
-    pub scales: ScalarView<'a>,
-    /// heads x (stop - start) x ceil(tokens / group) zero points.
-    pub zeros: ScalarView<'a>,
-    /// Bits per code (1..8).
-    pub bits: u32,
-    /// First basis column of the run.
-    pub start: usize,
-    /// One past the last basis column.
-    pub stop: usize,
-}
+/// One run of basis columns of [`CodedRows::ChannelRuns`] as the kernel reads it.
+pub type ChannelRun<'a> = Run<&'a [u8], ScalarView<'a>>;
 
-/// HeadQ side code of the keys (docs/kernels.md section 7), added in score space.
-#[derive(Debug, Clone, Copy)]
-pub struct SideRows<'a> {
-    /// heads x tokens x packed_len(rank, bits) bytes.
-    pub codes: &'a [u8],
-    /// heads x tokens stored scales.
-    pub scales: ScalarView<'a>,
-    /// basis_heads x head_dim x rank, row-major; head h uses basis `h % basis_heads`.
-    pub basis: &'a [f32],
-    /// Number of bases (1, or the KV heads of the leading shape's last axis).
-    pub basis_heads: usize,
-    /// Rank r.
-    pub rank: usize,
-    /// Side bits q.
-    pub bits: u32,
-    /// +1, or -1 for the wrong-sign control.
-    pub sign: f32,
-}
+/// HeadQ side code of the keys as the kernel reads it.
+pub type SideRows<'a> = Side<&'a [u8], ScalarView<'a>, &'a [f32]>;
 
 /// The shape of one decode-attention call: KV heads, query rows per head, cached tokens (and
 /// their room per head), head_dim, and the logit scale.
@@ -356,14 +242,14 @@ enum Plan<'a> {
 impl<'a> Plan<'a> {
     fn new(rows: &CodedRows<'a>, names: &Names, lay: &AttentionShape) -> Result<Self> {
         Ok(match *rows {
-            CodedRows::Mse {
+            Rows::Mse {
                 codes,
                 norms,
                 bits,
                 seed,
                 qjl,
             } => Plan::Mse(MsePlan::new((codes, norms, bits, seed), qjl, names, lay)?),
-            CodedRows::UniformTokens {
+            Rows::UniformTokens {
                 codes,
                 scales,
                 zeros,
@@ -376,7 +262,7 @@ impl<'a> Plan<'a> {
                 names,
                 lay,
             )?),
-            CodedRows::UniformChannels {
+            Rows::UniformChannels {
                 codes,
                 scales,
                 zeros,
@@ -388,9 +274,9 @@ impl<'a> Plan<'a> {
                 names,
                 lay,
             )?),
-            CodedRows::Dense(x) => Plan::Dense(DensePlan::new(x, names, lay)?),
-            CodedRows::ChannelRuns {
-                runs,
+            Rows::Dense(x) => Plan::Dense(DensePlan::new(x, names, lay)?),
+            Rows::ChannelRuns {
+                ref runs,
                 group,
                 basis,
                 basis_heads,
@@ -400,8 +286,8 @@ impl<'a> Plan<'a> {
                 (names, names.runs()),
                 lay,
             )?),
-            CodedRows::Centred {
-                rows,
+            Rows::Centred {
+                ref rows,
                 mean,
                 mean_heads,
             } => Plan::Centred(CentredPlan::new(

@@ -367,7 +367,7 @@ mod tests {
         /// The runs in this side's bases (one per head).
         fn rows<'a>(&'a self, runs: &'a [ChannelRun<'a>], group: usize) -> CodedRows<'a> {
             CodedRows::ChannelRuns {
-                runs,
+                runs: runs.to_vec(),
                 group,
                 basis: &self.basis,
                 basis_heads: self.mean.len() / (self.basis.len() / self.mean.len()),
@@ -378,7 +378,7 @@ mod tests {
         fn centred<'a>(&'a self, inner: &'a CodedRows<'a>) -> CodedRows<'a> {
             let d = self.basis.len() / self.mean.len();
             CodedRows::Centred {
-                rows: inner,
+                rows: Box::new(inner.clone()),
                 mean: &self.mean,
                 mean_heads: self.mean.len() / d,
             }
@@ -499,7 +499,7 @@ mod tests {
                 qjl: None,
             };
             let mv = CodedRows::Centred {
-                rows: &mse,
+                rows: Box::new(mse.clone()),
                 mean: &vc.mean,
                 mean_heads: heads,
             };
@@ -530,25 +530,25 @@ mod tests {
         let v = gaussians(53, 9, heads * t * d);
         let lay = AttentionShape::new(heads, rows, t, d, 0.3);
         let per_head = CodedRows::ChannelRuns {
-            runs: &runs,
+            runs: runs.clone(),
             group,
             basis: &kc.basis,
             basis_heads: heads,
         };
         let shared = CodedRows::ChannelRuns {
-            runs: &runs,
+            runs: runs.clone(),
             group,
             basis: &one_basis,
             basis_heads: 1,
         };
         let (a, b) = (
             CodedRows::Centred {
-                rows: &per_head,
+                rows: Box::new(per_head.clone()),
                 mean: &kc.mean,
                 mean_heads: heads,
             },
             CodedRows::Centred {
-                rows: &shared,
+                rows: Box::new(shared.clone()),
                 mean: &one_mean,
                 mean_heads: 1,
             },
@@ -579,35 +579,35 @@ mod tests {
             basis,
             basis_heads,
         };
-        assert!(err(rows(&runs, &kc.basis[1..], heads)).starts_with("keys.basis"));
-        assert!(err(rows(&runs, &kc.basis, 3)).starts_with("keys.basis"));
+        assert!(err(rows(runs.to_vec(), &kc.basis[1..], heads)).starts_with("keys.basis"));
+        assert!(err(rows(runs.to_vec(), &kc.basis, 3)).starts_with("keys.basis"));
         let mut nan = kc.basis.clone();
         nan[5] = f32::NAN;
-        assert!(err(rows(&runs, &nan, heads)).starts_with("keys.basis"));
+        assert!(err(rows(runs.to_vec(), &nan, heads)).starts_with("keys.basis"));
         let swapped = [runs[1], runs[0]];
-        assert!(err(rows(&swapped, &kc.basis, heads)).starts_with("keys.runs.codes"));
+        assert!(err(rows(swapped.to_vec(), &kc.basis, heads)).starts_with("keys.runs.codes"));
         let wide = [ChannelRun {
             stop: d + 1,
             ..runs[2]
         }];
-        assert!(err(rows(&wide, &kc.basis, heads)).starts_with("keys.runs.codes"));
+        assert!(err(rows(wide.to_vec(), &kc.basis, heads)).starts_with("keys.runs.codes"));
         let short = [ChannelRun {
             codes: &runs[0].codes[1..],
             ..runs[0]
         }];
-        assert!(err(rows(&short, &kc.basis, heads)).starts_with("keys.runs.codes"));
+        assert!(err(rows(short.to_vec(), &kc.basis, heads)).starts_with("keys.runs.codes"));
         let zero = [ChannelRun { bits: 0, ..runs[0] }];
-        assert!(err(rows(&zero, &kc.basis, heads)).starts_with("keys.runs.bits"));
-        let inner = rows(&runs, &kc.basis, heads);
+        assert!(err(rows(zero.to_vec(), &kc.basis, heads)).starts_with("keys.runs.bits"));
+        let inner = rows(runs.to_vec(), &kc.basis, heads);
         let centred = CodedRows::Centred {
-            rows: &inner,
+            rows: Box::new(inner.clone()),
             mean: &kc.mean[1..],
             mean_heads: heads,
         };
         assert!(err(centred).starts_with("keys.mean"));
         // As values: the same names on the value side.
         let vals = CodedRows::ChannelRuns {
-            runs: &swapped,
+            runs: swapped.to_vec(),
             group,
             basis: &kc.basis,
             basis_heads: heads,
@@ -620,7 +620,7 @@ mod tests {
         let huge = vec![3e38f32; heads * d];
         let big_q = vec![1e3f32; heads * d];
         let centred = CodedRows::Centred {
-            rows: &inner,
+            rows: Box::new(inner.clone()),
             mean: &huge,
             mean_heads: heads,
         };
