@@ -6,9 +6,10 @@
 
 #[cfg(target_arch = "aarch64")]
 use super::neon;
+pub(crate) use super::pack_path::{pack_row_on, unpack_row_on};
 #[cfg(target_arch = "x86_64")]
-use super::x86::{avx2, avx512, bmi2};
-use super::{scalar, shift, Isa, PackPath};
+use super::x86::{avx2, avx512};
+use super::{scalar, Isa};
 
 /// Euclidean norm accumulated in float64 (`reduce::norm_f64`).
 #[inline]
@@ -282,28 +283,6 @@ pub(crate) fn unpack_row(isa: Isa, packed: &[u8], bits: u32, out: &mut [u8]) {
     unpack_row_on(super::pack_path_for(isa), packed, bits, out);
 }
 
-/// Packs one row on `path`, which must be supported ([`PackPath::checked`]).
-pub(crate) fn pack_row_on(path: PackPath, codes: &[u8], bits: u32, out: &mut [u8]) {
-    match path {
-        // SAFETY: a supported `PackPath::Bmi2` means this CPU has BMI2.
-        #[cfg(target_arch = "x86_64")]
-        PackPath::Bmi2 => unsafe { bmi2::pack_row(codes, bits, out) },
-        PackPath::Shift => shift::pack_row(codes, bits, out),
-        _ => scalar::pack_row(codes, bits, out),
-    }
-}
-
-/// Unpacks one row on `path`, which must be supported.
-pub(crate) fn unpack_row_on(path: PackPath, packed: &[u8], bits: u32, out: &mut [u8]) {
-    match path {
-        // SAFETY: a supported `PackPath::Bmi2` means this CPU has BMI2.
-        #[cfg(target_arch = "x86_64")]
-        PackPath::Bmi2 => unsafe { bmi2::unpack_row(packed, bits, out) },
-        PackPath::Shift => shift::unpack_row(packed, bits, out),
-        _ => scalar::unpack_row(packed, bits, out),
-    }
-}
-
 /// Packed QJL sign bits `t[i] < 0` of one row (`out` has `ceil(t.len() / 8)` bytes).
 pub(crate) fn sign_bits(isa: Isa, t: &[f32], out: &mut [u8]) {
     match isa {
@@ -464,6 +443,7 @@ mod tests {
     //! every tail length (0..=70) and values of mixed scale, including +-0, subnormals and
     //! values near the float32 maximum.
     use super::*;
+    use crate::simd::PackPath;
 
     fn simd_isas() -> Vec<Isa> {
         Isa::available()

@@ -8,7 +8,9 @@ use std::sync::OnceLock;
 use std::time::Instant;
 
 use super::cpu::cpu;
-use super::Isa;
+#[cfg(target_arch = "x86_64")]
+use super::x86::bmi2;
+use super::{scalar, shift, Isa};
 use crate::error::{KvqError, Result};
 
 /// A path of the pack primitive.
@@ -182,8 +184,8 @@ fn pack_rate(path: PackPath) -> f64 {
     let best = (0..5)
         .map(|_| {
             let t = Instant::now();
-            super::ops::pack_row_on(path, std::hint::black_box(&codes), 3, &mut packed);
-            super::ops::unpack_row_on(path, std::hint::black_box(&packed), 3, &mut back);
+            pack_row_on(path, std::hint::black_box(&codes), 3, &mut packed);
+            unpack_row_on(path, std::hint::black_box(&packed), 3, &mut back);
             t.elapsed().as_secs_f64()
         })
         .fold(f64::INFINITY, f64::min);
@@ -275,6 +277,28 @@ pub fn pack_choice_for(isa: Isa) -> PackChoice {
             PackChoice::new(PackPath::Scalar, "isa scalar: the scalar reference")
         }
         None => default_pack_choice().clone(),
+    }
+}
+
+/// Packs one row on `path`, which must be supported ([`PackPath::checked`]).
+pub(crate) fn pack_row_on(path: PackPath, codes: &[u8], bits: u32, out: &mut [u8]) {
+    match path {
+        // SAFETY: a supported `PackPath::Bmi2` means this CPU has BMI2.
+        #[cfg(target_arch = "x86_64")]
+        PackPath::Bmi2 => unsafe { bmi2::pack_row(codes, bits, out) },
+        PackPath::Shift => shift::pack_row(codes, bits, out),
+        _ => scalar::pack_row(codes, bits, out),
+    }
+}
+
+/// Unpacks one row on `path`, which must be supported.
+pub(crate) fn unpack_row_on(path: PackPath, packed: &[u8], bits: u32, out: &mut [u8]) {
+    match path {
+        // SAFETY: a supported `PackPath::Bmi2` means this CPU has BMI2.
+        #[cfg(target_arch = "x86_64")]
+        PackPath::Bmi2 => unsafe { bmi2::unpack_row(packed, bits, out) },
+        PackPath::Shift => shift::unpack_row(packed, bits, out),
+        _ => scalar::unpack_row(packed, bits, out),
     }
 }
 
