@@ -11,6 +11,7 @@ __all__ = [
     "KvqrsError",
     "MAX_CODEBOOK_DIM",
     "MAX_STATE",
+    "DTYPES",
     "__version__",
     "container_read",
     "container_write",
@@ -57,6 +58,7 @@ __all__ = [
 __version__: str
 MAX_CODEBOOK_DIM: int
 MAX_STATE: float
+DTYPES: dict[str, tuple[int, int]]
 
 class KvqrsError(ValueError): ...
 

@@ -31,8 +31,9 @@ if TYPE_CHECKING:
     from .schemes.codec import KVCodec
 
 FORMAT = "kvqrs-encoded-v1"
-_DTYPES = {"uint8": 0, "float16": 1, "float32": 2, "float64": 3, "int64": 4, "bfloat16": 6}
-_UTF8 = 5
+# Container dtype codes by NumPy name, from the core's one dtype table (kvqrs._native.DTYPES).
+_DTYPES = {name: code for name, (code, _) in _native.DTYPES.items() if name != "utf-8"}
+_UTF8 = _native.DTYPES["utf-8"][0]
 _TENSOR_DTYPES = ("float16", "float32", "float64", "bfloat16")
 
 

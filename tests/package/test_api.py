@@ -57,6 +57,30 @@ def test_version_matches_and_module_runs():
     assert out.stdout.strip() == f"kvqrs {kvqrs.__version__}"
 
 
+def test_one_dtype_table_for_rust_and_python():
+    """``kvqrs._native.DTYPES`` (the core's dtype enum: name -> (container code, bytes)) is the
+    table the container format and the cache's saved sections read, and its sizes are NumPy's
+    and torch's."""
+    import torch
+    from kvqrs import _native
+    from kvqrs import format as fmt
+    from kvqrs.hf import persist
+    from kvqrs.hf.store import TORCH_CODES
+
+    table = _native.DTYPES
+    assert sorted(code for code, _ in table.values()) == list(range(len(table)))
+    for name, (code, size) in table.items():
+        if name == "utf-8":
+            assert (code, size) == (fmt._UTF8, 1) == (persist._UTF8, 1)
+            continue
+        assert fmt._DTYPES[name] == code
+        assert getattr(torch, name).itemsize == size
+    assert {str(t).removeprefix("torch."): c for t, c in TORCH_CODES.items()} == {
+        n: table[n][0] for n in ("float16", "float32", "float64", "bfloat16")
+    }
+    assert {c: n for n, (c, _) in table.items() if n.startswith(("float", "bfloat"))} == persist._FLOAT_CODES
+
+
 def test_unsupported_dtypes_name_the_argument():
     with pytest.raises(kvqrs.KvqrsError, match=r"x: expected a float16, bfloat16, float32 or float64 array, got dtype int64"):
         kvqrs.hadamard(np.arange(8))

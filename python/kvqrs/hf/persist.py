@@ -34,7 +34,7 @@ from .store import TORCH_CODES, CodeStore
 FORMAT = "kvqrs-cache-v3"
 """The format tag written; :data:`READABLE` are the tags read."""
 READABLE = (FORMAT, "kvqrs-cache-v2")
-_U8, _UTF8 = 0, 5
+_U8, _UTF8 = _native.DTYPES["uint8"][0], _native.DTYPES["utf-8"][0]
 _FLOAT = TORCH_CODES  # container dtype codes of full-precision tensors
 
 
@@ -153,7 +153,7 @@ def _tensor(sections: dict, name: str, dtype: str, lead: tuple) -> torch.Tensor:
 
 
 _FLOAT_NAMES = ("float16", "bfloat16", "float32", "float64")
-_FLOAT_CODES = (1, 2, 3, 6)  # container dtype codes of float payloads
+_FLOAT_CODES = {_native.DTYPES[name][0]: name for name in _FLOAT_NAMES}  # container dtype codes of float payloads
 
 
 def _check_finite_sections(raw: list, prefix: str) -> None:
@@ -161,10 +161,9 @@ def _check_finite_sections(raw: list, prefix: str) -> None:
     NaN or an infinity: encoders never write one, so the bytes were altered."""
     from ..format import _np_dtype
 
-    names = {1: "float16", 2: "float32", 3: "float64", 6: "bfloat16"}
     for name, code, _, payload in raw:
         if name.startswith(prefix) and code in _FLOAT_CODES and payload:
-            a = np.frombuffer(payload, dtype=_np_dtype(names[code]))
+            a = np.frombuffer(payload, dtype=_np_dtype(_FLOAT_CODES[code]))
             if not np.isfinite(a.astype(np.float64)).all():
                 raise KvqrsError(f"compressed cache: section {name!r} holds a NaN or an infinity")
 

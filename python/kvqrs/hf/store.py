@@ -30,8 +30,9 @@ from ..schemes import Encoded
 from ..schemes.backend import CPU
 from ..schemes.mse import MSECoder, MSEQJLCoder
 
-TORCH_CODES = {torch.float32: 2, torch.float16: 1, torch.float64: 3, torch.bfloat16: 6}
-"""Container dtype codes of full-precision tensors (docs/format.md)."""
+TORCH_CODES = {getattr(torch, name): _native.DTYPES[name][0] for name in ("float32", "float16", "float64", "bfloat16")}
+"""Container dtype codes of full-precision tensors (docs/format.md), from the core's one dtype
+table (``kvqrs._native.DTYPES``)."""
 _NP_PARTS = ("uint8", "float16", "float32", "float64")
 """The NumPy dtypes of the parts a store takes (dtypes cross the binding by name)."""
 _LAYOUT_DTYPES = {"uint8": ("uint8", False), "scalar": ("float16", True), "float32": ("float32", False)}

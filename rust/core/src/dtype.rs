@@ -44,11 +44,20 @@ impl Dtype {
         }
     }
 
+    /// Every dtype, by code.
+    pub const ALL: [Dtype; 7] = [
+        Dtype::U8,
+        Dtype::F16,
+        Dtype::F32,
+        Dtype::F64,
+        Dtype::I64,
+        Dtype::Utf8,
+        Dtype::Bf16,
+    ];
+
     /// The dtype of a NumPy name ([`Dtype::name`]), or None.
     pub fn from_name(name: &str) -> Option<Self> {
-        (0..=6)
-            .filter_map(Dtype::from_code)
-            .find(|d| d.name() == name)
+        Dtype::ALL.into_iter().find(|d| d.name() == name)
     }
 
     /// Bytes per element.
@@ -74,6 +83,7 @@ mod tests {
             assert_eq!(Dtype::from_name(d.name()), Some(d));
         }
         assert_eq!(Dtype::from_code(7), None);
+        assert!(Dtype::ALL.iter().enumerate().all(|(i, &d)| d as usize == i));
         assert_eq!(Dtype::from_name("int8"), None);
         assert_eq!((Dtype::F16.itemsize(), Dtype::Bf16.name()), (2, "bfloat16"));
     }

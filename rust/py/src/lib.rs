@@ -21,6 +21,12 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
         kvqrs_core::kernels::lloyd_max::MAX_CODEBOOK_DIM,
     )?;
     m.add("MAX_STATE", kvqrs_core::window::MAX_STATE)?;
+    // The one dtype table: each dtype's NumPy name, container code and bytes per element.
+    let dtypes = pyo3::types::PyDict::new(m.py());
+    for d in kvqrs_core::dtype::Dtype::ALL {
+        dtypes.set_item(d.name(), (d as u8, d.itemsize()))?;
+    }
+    m.add("DTYPES", dtypes)?;
     m.add_function(wrap_pyfunction!(kernels::pack_bits, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::unpack_bits, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::hadamard, m)?)?;
