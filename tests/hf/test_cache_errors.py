@@ -211,5 +211,7 @@ def test_a_calibration_made_for_another_model_is_refused_before_any_work():
             QuantizedKVCache(cfg, LlamaConfig(**{**shape, **change}))
     # A cache sized by its layer count needs a calibrated layer for each of its own.
     assert len(QuantizedKVCache(cfg, 2).layers) == len(QuantizedKVCache(cfg, 1).layers) + 1 == 2
-    with pytest.raises(KvqrsError, match=r"calibration: made for a model of 2 layers \(indices 0..1\); this cache has 3 layers"):
+    with pytest.raises(
+        KvqrsError, match=r"calibration: made for a model of 2 layers \(indices 0..1\); this cache has 3 layers, and layers \[2\] have none"
+    ):
         QuantizedKVCache(cfg, 3)

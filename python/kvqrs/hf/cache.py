@@ -62,11 +62,12 @@ def check_calibration_layers(config: QuantConfig, num_layers: int) -> None:
         KvqrsError: naming both layer counts.
     """
     cal = config.calibration
-    if isinstance(cal, dict) and cal and not set(range(num_layers)) <= set(cal):
+    missing = sorted(set(range(num_layers)) - set(cal)) if isinstance(cal, dict) and cal else []
+    if missing:
         raise KvqrsError(
             f"calibration: made for a model of {len(cal)} layers (indices {min(cal)}..{max(cal)}); this cache has "
-            f"{num_layers} layers. Fit one for the model: kvqrs calibrate --model ... (or QuantConfig.preset(name) "
-            "without a file, calibrated on the prompt)"
+            f"{num_layers} layers, and layers {missing[:8]}{' ...' if len(missing) > 8 else ''} have none. Fit one for "
+            "the model: kvqrs calibrate --model ... (or QuantConfig.preset(name) without a file, calibrated on the prompt)"
         )
 
 
