@@ -267,17 +267,13 @@ fn window_sums(isa: simd::Isa, p: &[f32], values: [&[f32]; 2], part: &mut [f32],
         part.fill(0.0);
         if a < ns {
             let e = b.min(ns);
-            ops::axpy_rows_f32(isa, part, &p[a..e], &values[0][a * d..e * d], d);
+            let (w, rows) = (&p[a..e], &values[0][a * d..e * d]);
+            ops::axpy_rows(isa, (&mut part[..], 1), w, (1, d), rows, d);
         }
         if b > ns {
             let s = a.max(ns);
-            ops::axpy_rows_f32(
-                isa,
-                part,
-                &p[s..b],
-                &values[1][(s - ns) * d..(b - ns) * d],
-                d,
-            );
+            let (w, rows) = (&p[s..b], &values[1][(s - ns) * d..(b - ns) * d]);
+            ops::axpy_rows(isa, (&mut part[..], 1), w, (1, d), rows, d);
         }
         acc.iter_mut()
             .zip(part.iter())

@@ -340,49 +340,40 @@ pub(crate) fn axpy_f64(isa: Isa, acc: &mut [f64], w: f64, x: &[f32]) {
     }
 }
 
-/// `o[i] += sum_c w[c * groups + i / group] * mat[c * stride + i]`, the terms added in
-/// increasing `c` for each `i`: [`axpy_rows_f32`] with one weight per row and group of `group`
-/// consecutive values (`groups = ceil(o.len() / group)`, `w` holds rows x groups), e.g. the
-/// per-token groups of a uniform code, whose scale differs per group.
-pub(crate) fn axpy_rows_grouped(
+/// `o[r][i] += sum_c w[(r * count + c) * groups + i / group] * mat[c * stride + i]` for each
+/// of `rows` rows of `o` (rows x n), the terms added in increasing `c` for each `(r, i)`: the
+/// weighted sums of `count` rows of `mat` (row `c` starts at `c * stride` and holds at least
+/// n values) with one weight per query row, token and group of `group` consecutive values
+/// (`groups = ceil(n / group)`; `(1, n)` for one weight per token, e.g. softmax weights; the
+/// per-token groups of a uniform code, whose scale differs per group). The rows' sums are
+/// kept in registers together, so each row of `mat` is read once for every query row.
+pub(crate) fn axpy_rows(
     isa: Isa,
-    o: &mut [f32],
+    (o, rows): (&mut [f32], usize),
     w: &[f32],
     (groups, group): (usize, usize),
     mat: &[f32],
     stride: usize,
 ) {
-    if o.is_empty() {
+    if o.is_empty() || rows == 0 {
         return;
     }
-    debug_assert!(groups == o.len().div_ceil(group) && w.len().is_multiple_of(groups));
-    debug_assert!(w.is_empty() || mat.len() >= (w.len() / groups - 1) * stride + o.len());
+    let n = o.len() / rows;
+    debug_assert!(o.len() == rows * n && groups == n.div_ceil(group));
+    debug_assert!(w.len().is_multiple_of(rows * groups));
+    let count = w.len() / (rows * groups);
+    debug_assert!(count == 0 || mat.len() >= (count - 1) * stride + n);
     match isa {
         // SAFETY (both arms): `isa` is supported.
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 if group.is_multiple_of(16) => unsafe {
-            avx512::axpy_rows_grouped(o, w, (groups, group), mat, stride)
+        Isa::Avx512 if groups == 1 || group.is_multiple_of(16) => unsafe {
+            avx512::axpy_rows((o, rows), w, (groups, group), mat, stride)
         },
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 | Isa::Avx512 if group.is_multiple_of(8) && o.len().is_multiple_of(8) => unsafe {
-            avx2::axpy_rows_grouped(o, w, (groups, group), mat, stride)
+        Isa::Avx2 | Isa::Avx512 if groups == 1 || group.is_multiple_of(8) => unsafe {
+            avx2::axpy_rows((o, rows), w, (groups, group), mat, stride)
         },
-        _ => scalar::axpy_rows_grouped(o, w, (groups, group), mat, stride),
-    }
-}
-
-/// `o[i] += sum_c w[c] * mat[c * stride + i]`, the terms added in increasing `c` for each `i`
-/// (row `c` of `mat` starts at `c * stride` and holds at least `o.len()` values): a run of
-/// `o += w[c] * row c` steps with `o` kept in registers.
-pub(crate) fn axpy_rows_f32(isa: Isa, o: &mut [f32], w: &[f32], mat: &[f32], stride: usize) {
-    debug_assert!(w.is_empty() || mat.len() >= (w.len() - 1) * stride + o.len());
-    match isa {
-        // SAFETY (all arms): `isa` is supported.
-        #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 => unsafe { avx512::axpy_rows_f32(o, w, mat, stride) },
-        #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => unsafe { avx2::axpy_rows_f32(o, w, mat, stride) },
-        _ => scalar::axpy_rows_f32(o, w, mat, stride),
+        _ => scalar::axpy_rows((o, rows), w, (groups, group), mat, stride),
     }
 }
 
@@ -610,27 +601,25 @@ mod tests {
                     let b64 = |v: &[f64]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
                     assert_eq!(b64(&a), b64(&b), "{isa:?} n={n}");
                 }
-                let w: Vec<f32> = values(900 + n as u64, 5)
-                    .iter()
-                    .map(|v| v * 1e-20)
-                    .collect();
                 let mat = values(77 + n as u64, 5 * n + 12);
-                for stride in [n, n + 3] {
-                    let (mut a, mut b) = (x.clone(), x.clone());
-                    axpy_rows_f32(isa, &mut a, &w, &mat, stride);
-                    axpy_rows_f32(Isa::Scalar, &mut b, &w, &mat, stride);
-                    assert_eq!(bits(&a), bits(&b), "{isa:?} n={n}");
-                    for group in [1, 8, 16, 32, 48] {
-                        let groups = n.div_ceil(group);
-                        let wg: Vec<f32> = values(300 + n as u64, 5 * groups)
+                for (stride, rows) in [(n, 1), (n + 3, 3), (n, 5)] {
+                    let o = values(40 + n as u64, rows * n);
+                    for group in [0, 1, 8, 16, 32, 48] {
+                        // group 0: one weight per token, (1, n).
+                        let (groups, group) = match group {
+                            0 => (1, n.max(1)),
+                            g => (n.div_ceil(g), g),
+                        };
+                        let w: Vec<f32> = values(300 + n as u64, rows * 5 * groups)
                             .iter()
                             .map(|v| v * 1e-20)
                             .collect();
-                        let (mut a, mut b) = (x.clone(), x.clone());
-                        axpy_rows_grouped(isa, &mut a, &wg, (groups, group), &mat, stride);
-                        let want = (groups, group);
-                        axpy_rows_grouped(Isa::Scalar, &mut b, &wg, want, &mat, stride);
-                        assert_eq!(bits(&a), bits(&b), "{isa:?} n={n} group={group}");
+                        let (mut a, mut b) = (o.clone(), o.clone());
+                        let shape = (groups, group);
+                        axpy_rows(isa, (&mut a, rows), &w, shape, &mat, stride);
+                        axpy_rows(Isa::Scalar, (&mut b, rows), &w, shape, &mat, stride);
+                        let at = format!("{isa:?} n={n} rows={rows} group={group}");
+                        assert_eq!(bits(&a), bits(&b), "{at}");
                     }
                 }
                 for negative in [false, true] {

@@ -132,30 +132,28 @@ pub(crate) fn axpy_f64(acc: &mut [f64], w: f64, x: &[f32]) {
         .for_each(|(a, &v)| *a += w * f64::from(v));
 }
 
-pub(crate) fn axpy_rows_f32(o: &mut [f32], w: &[f32], mat: &[f32], stride: usize) {
-    let n = o.len();
-    for (c, &wc) in w.iter().enumerate() {
-        axpy_f32(o, wc, &mat[c * stride..c * stride + n]);
-    }
-}
-
-pub(crate) fn axpy_rows_grouped(
-    o: &mut [f32],
+pub(crate) fn axpy_rows(
+    (o, rows): (&mut [f32], usize),
     w: &[f32],
     (groups, group): (usize, usize),
     mat: &[f32],
     stride: usize,
 ) {
-    for (c, wc) in w.chunks_exact(groups).enumerate() {
-        let row = &mat[c * stride..c * stride + o.len()];
-        for (i, (a, &v)) in o.iter_mut().zip(row).enumerate() {
-            *a += wc[i / group] * v;
+    let n = o.len() / rows;
+    let count = w.len() / (rows * groups);
+    for (r, or) in o.chunks_exact_mut(n).enumerate() {
+        for c in 0..count {
+            let wc = &w[(r * count + c) * groups..(r * count + c + 1) * groups];
+            let row = &mat[c * stride..c * stride + n];
+            if groups == 1 {
+                or.iter_mut().zip(row).for_each(|(a, &v)| *a += wc[0] * v);
+            } else {
+                for (i, (a, &v)) in or.iter_mut().zip(row).enumerate() {
+                    *a += wc[i / group] * v;
+                }
+            }
         }
     }
-}
-
-pub(crate) fn axpy_f32(o: &mut [f32], w: f32, x: &[f32]) {
-    o.iter_mut().zip(x).for_each(|(a, &v)| *a += w * v);
 }
 
 pub(crate) fn add_signed(o: &mut [f32], s: &[f32], negative: bool) {

@@ -130,13 +130,15 @@ impl RowReader {
 }
 
 /// Per-query-row sums `sum_j w_(r,j) x_j` of one block of [`BLOCK`] rows `x_j` (n values each)
-/// in SIMD float32 lanes held in registers (`ops::axpy_rows_f32`, tokens in increasing order),
-/// then carried into a float64 accumulator. Every step is elementwise and the blocks are fixed
-/// by the token index, so every path and thread count agrees.
+/// in SIMD float32 lanes held in registers (`ops::axpy_rows`, every query row at once, tokens
+/// in increasing order), then carried into a float64 accumulator. Every step is elementwise
+/// and the blocks are fixed by the token index, so every path and thread count agrees.
 pub(super) struct Lanes {
     pub(super) part: Vec<f32>,
+    /// The block's weights, query rows x tokens (x groups).
     pub(super) w: Vec<f32>,
     pub(super) n: usize,
+    pub(super) rows: usize,
 }
 
 impl Lanes {
@@ -144,8 +146,9 @@ impl Lanes {
     pub(super) fn new(rows: usize, n: usize) -> Self {
         Self {
             part: vec![0.0; rows * n],
-            w: Vec::with_capacity(BLOCK),
+            w: Vec::with_capacity(rows * BLOCK),
             n,
+            rows,
         }
     }
 
@@ -160,23 +163,22 @@ impl Lanes {
         (stride, offset): (usize, usize),
     ) {
         let count = block.len() / self.n;
-        for (r, pr) in self.part.chunks_exact_mut(self.n).enumerate() {
-            self.w.clear();
+        self.w.clear();
+        for r in 0..self.rows {
             self.w.extend((0..count).map(|k| weight(r, k)));
-            ops::axpy_rows_f32(isa, pr, &self.w, block, self.n);
         }
+        let one = (1, self.n);
+        ops::axpy_rows(isa, (&mut self.part, self.rows), &self.w, one, block, self.n);
         self.carry(acc, (stride, offset));
     }
 
     /// `acc[r * stride + offset + i] += part[r][i]`, then clears the lanes.
     pub(super) fn carry(&mut self, acc: &mut [f64], (stride, offset): (usize, usize)) {
-        for (r, pr) in self.part.chunks_exact_mut(self.n).enumerate() {
+        for (r, pr) in self.part.chunks_exact(self.n).enumerate() {
             let ar = &mut acc[r * stride + offset..r * stride + offset + self.n];
-            for (t, p) in ar.iter_mut().zip(pr.iter_mut()) {
-                *t += f64::from(*p);
-                *p = 0.0;
-            }
+            ar.iter_mut().zip(pr).for_each(|(t, &p)| *t += f64::from(p));
         }
+        self.part.fill(0.0);
     }
 }
 

@@ -130,30 +130,19 @@ impl ValueRows for TokensPlan<'_> {
                 let count = block.len() / cd;
                 let at = (j0 - c0) * groups..(j0 - c0 + count) * groups;
                 let (scb, zeb) = (&sc[at.clone()], &ze[at]);
-                for (r, ar) in lanes.part.chunks_exact_mut(cd).enumerate() {
-                    let zacc = &mut acc[r * stride + cd..(r + 1) * stride];
+                // Weights p_j s_(j,g), one per query row, token and group.
+                let w = &mut lanes.w;
+                w.clear();
+                for r in 0..rows {
                     let pr = &p[r * n + j0 - c0..r * n + j0 - c0 + count];
-                    // Weights p_j s_(j,g), one per token and group; the zero points' sums in
-                    // float64 (a float32 sum of zero points near its limit would overflow).
-                    let w = &mut lanes.w;
-                    w.resize(count * groups, 0.0);
-                    for ((wk, sk), &pj) in w
-                        .chunks_exact_mut(groups)
-                        .zip(scb.chunks_exact(groups))
-                        .zip(pr)
-                    {
-                        wk.iter_mut().zip(sk).for_each(|(x, &s)| *x = pj * s);
+                    for (sk, &pj) in scb.chunks_exact(groups).zip(pr) {
+                        w.extend(sk.iter().map(|&s| pj * s));
                     }
-                    // Each group's zero-point sum in token order, held in a register (the
-                    // same sums as token by token).
-                    for (g, z) in zacc.iter_mut().enumerate() {
-                        *z = pr
-                            .iter()
-                            .zip(zeb[g..].iter().step_by(groups))
-                            .fold(*z, |a, (&pj, &zg)| a + f64::from(pj) * f64::from(zg));
-                    }
-                    ops::axpy_rows_grouped(isa, ar, w, (groups, group), block, cd);
                 }
+                let pb = (p, n, j0 - c0);
+                zero_point_sums(pb, (zeb, groups), count, (acc, stride, cd));
+                let part = (&mut lanes.part[..], rows);
+                ops::axpy_rows(isa, part, w, (groups, group), block, cd);
                 lanes.carry(acc, (stride, 0));
             });
     }
@@ -283,6 +272,37 @@ impl ChannelsPlan<'_> {
     }
 }
 
+/// `acc[r * stride + offset + g] += p_(r,k) z_(k,g)` for the tokens `k < count` of a block in
+/// token order, in float64 (a float32 sum of zero points near its limit would overflow): the
+/// zero points' share of each query row's value sums (`p`: query rows of `n` weights, the
+/// block's first at `at`; `ze`: count x groups). Eight (row, group) sums advance together,
+/// held in registers, one token at a time.
+fn zero_point_sums(
+    (p, n, at): (&[f32], usize, usize),
+    (ze, groups): (&[f32], usize),
+    count: usize,
+    (acc, stride, offset): (&mut [f64], usize, usize),
+) {
+    let pairs = p.len() / n * groups;
+    for first in (0..pairs).step_by(8) {
+        let m = (pairs - first).min(8);
+        // (query row, group) of each lane; lanes past the last pair repeat it, unstored.
+        let rg: [(usize, usize); 8] = std::array::from_fn(|j| {
+            let q = (first + j).min(pairs - 1);
+            (q / groups, q % groups)
+        });
+        let mut a: [f64; 8] = std::array::from_fn(|j| acc[rg[j].0 * stride + offset + rg[j].1]);
+        for k in 0..count {
+            for (aj, &(r, g)) in a.iter_mut().zip(&rg) {
+                *aj += f64::from(p[r * n + at + k]) * f64::from(ze[k * groups + g]);
+            }
+        }
+        for (j, &(r, g)) in rg.iter().enumerate().take(m) {
+            acc[r * stride + offset + g] = a[j];
+        }
+    }
+}
+
 impl KeyRows for ChannelsPlan<'_> {
     fn queries(&self, _isa: Isa, q: &[f32], _h: usize, _lay: &AttentionShape) -> Vec<f32> {
         q.to_vec()
@@ -295,14 +315,15 @@ impl KeyRows for ChannelsPlan<'_> {
         // One group of tokens: the codes of every channel as levels (d x len), and per query
         // row the channel weights q_c s_(c,g) and the zero-point sum sum_c q_c z_(c,g).
         let mut block = vec![0.0f32; d * group];
-        let mut w = vec![0.0f32; d];
-        let mut part = vec![0.0f32; group];
+        let rows = s.len() / n;
+        let mut w = vec![0.0f32; rows * d];
+        let mut part = vec![0.0f32; rows * group];
         let (g0, g1) = (c0 / group, span.end.div_ceil(group));
         let gw = g1 - g0;
         let (sc, ze) = self.planes(isa, h, (g0, g1));
         // The zero points' share of every group at once, channels summed in order (a
         // contiguous row of groups per channel: the loop vectorises over groups).
-        let mut zs_all = vec![0.0f32; s.len() / n * gw];
+        let mut zs_all = vec![0.0f32; rows * gw];
         for (z, qr) in zs_all.chunks_exact_mut(gw).zip(q.chunks_exact(d)) {
             for (&qc, zc) in qr.iter().zip(ze.chunks_exact(gw)) {
                 z.iter_mut().zip(zc).for_each(|(a, &b)| *a += qc * b);
@@ -314,19 +335,20 @@ impl KeyRows for ChannelsPlan<'_> {
             let levels = &mut block[..d * len];
             self.reader
                 .decode_rows(isa, self.codes, (h * d, t0, len), &mut scratch, levels);
-            for (r, qr) in q.chunks_exact(d).enumerate() {
-                let zs = zs_all[r * gw + g - g0];
-                for (c, (wc, &qc)) in w.iter_mut().zip(qr).enumerate() {
+            for (wr, qr) in w.chunks_exact_mut(d).zip(q.chunks_exact(d)) {
+                for (c, (wc, &qc)) in wr.iter_mut().zip(qr).enumerate() {
                     *wc = qc * sc[c * gw + g - g0];
                 }
-                let o = &mut part[..len];
-                o.fill(0.0);
-                // SIMD over the tokens of the group; channels summed in order.
-                ops::axpy_rows_f32(isa, o, &w, &block[..d * len], len);
+            }
+            let o = &mut part[..rows * len];
+            o.fill(0.0);
+            // SIMD over the tokens of the group, every query row at once; channels summed
+            // in order.
+            ops::axpy_rows(isa, (o, rows), &w, (1, len), &block[..d * len], len);
+            for (r, or) in o.chunks_exact(len).enumerate() {
+                let zs = zs_all[r * gw + g - g0];
                 let dst = &mut s[r * n + t0 - c0..r * n + t1 - c0];
-                dst.iter_mut()
-                    .zip(o.iter())
-                    .for_each(|(s, &v)| *s += v + zs);
+                dst.iter_mut().zip(or).for_each(|(s, &v)| *s += v + zs);
             }
         }
     }

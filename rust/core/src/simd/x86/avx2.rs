@@ -427,51 +427,6 @@ pub(crate) fn axpy_f64(acc: &mut [f64], w: f64, x: &[f32]) {
     super::super::scalar::axpy_f64(&mut acc[n8..n], w, &x[n8..n]);
 }
 
-/// `o[i] += sum_c w[c] * mat[c * stride + i]` in increasing `c`, eight lanes of `o` held
-/// in a register over every `c`.
-#[target_feature(enable = "avx2")]
-pub(crate) fn axpy_rows_f32(o: &mut [f32], w: &[f32], mat: &[f32], stride: usize) {
-    let n = o.len();
-    let n8 = n / 8 * 8;
-    let mut i = 0;
-    // Four registers (32 values) per pass: four independent addition chains in flight.
-    while i + 32 <= n8 {
-        // SAFETY: i + 32 <= n; row c spans mat[c*stride..c*stride+n] (the caller's bound).
-        unsafe {
-            let mut acc: [__m256; 4] =
-                std::array::from_fn(|v| _mm256_loadu_ps(o.as_ptr().add(i + 8 * v)));
-            for (c, &wc) in w.iter().enumerate() {
-                let wv = _mm256_set1_ps(wc);
-                let row = mat.as_ptr().add(c * stride + i);
-                for (v, a) in acc.iter_mut().enumerate() {
-                    *a = _mm256_add_ps(*a, _mm256_mul_ps(wv, _mm256_loadu_ps(row.add(8 * v))));
-                }
-            }
-            for (v, a) in acc.iter().enumerate() {
-                _mm256_storeu_ps(o.as_mut_ptr().add(i + 8 * v), *a);
-            }
-        }
-        i += 32;
-    }
-    while i < n8 {
-        // SAFETY: i + 8 <= n; row c spans mat[c*stride..c*stride+n] (the caller's bound).
-        unsafe {
-            let mut acc = _mm256_loadu_ps(o.as_ptr().add(i));
-            for (c, &wc) in w.iter().enumerate() {
-                let v = _mm256_loadu_ps(mat.as_ptr().add(c * stride + i));
-                acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_set1_ps(wc), v));
-            }
-            _mm256_storeu_ps(o.as_mut_ptr().add(i), acc);
-        }
-        i += 8;
-    }
-    for (j, oj) in o.iter_mut().enumerate().skip(n8) {
-        for (c, &wc) in w.iter().enumerate() {
-            *oj += wc * mat[c * stride + j];
-        }
-    }
-}
-
 /// `o *= k` elementwise.
 #[target_feature(enable = "avx2")]
 pub(crate) fn scale(o: &mut [f32], k: f32) {
@@ -689,42 +644,87 @@ pub(crate) fn dots_tokens(q: &[f32], x: &[f32], n: usize, out: &mut [f32], strid
     }
 }
 
-/// [`super::super::ops::axpy_rows_grouped`] for `group` and `o.len()` multiples of 8: each
-/// register lies in one group; four registers per pass.
+/// [`super::super::ops::axpy_rows`] for one weight per token (`groups == 1`) or `group` a
+/// multiple of 8 (each register lies in one group): up to three query rows at once, four
+/// registers (32 values) of each per pass, the last `n % 8` values in scalar lanes.
 #[target_feature(enable = "avx2")]
-pub(crate) fn axpy_rows_grouped(
-    o: &mut [f32],
+pub(crate) fn axpy_rows(
+    (o, rows): (&mut [f32], usize),
     w: &[f32],
     (groups, group): (usize, usize),
     mat: &[f32],
     stride: usize,
 ) {
-    let n = o.len();
-    debug_assert!(n.is_multiple_of(8));
-    let rows = w.len() / groups;
+    let n = o.len() / rows;
+    let count = w.len() / (rows * groups);
+    let mut r = 0;
+    while r < rows {
+        let rb = (rows - r).min(3);
+        let (ob, wb) = (
+            &mut o[r * n..(r + rb) * n],
+            &w[r * count * groups..(r + rb) * count * groups],
+        );
+        let shape = (n, count, groups, group);
+        match rb {
+            3 => axpy_rows_r::<3>(ob, wb, shape, mat, stride),
+            2 => axpy_rows_r::<2>(ob, wb, shape, mat, stride),
+            _ => axpy_rows_r::<1>(ob, wb, shape, mat, stride),
+        }
+        r += rb;
+    }
+}
+
+/// [`axpy_rows`] of `R` query rows (`o`: R x n, `w`: R x count x groups).
+#[inline]
+#[target_feature(enable = "avx2")]
+fn axpy_rows_r<const R: usize>(
+    o: &mut [f32],
+    w: &[f32],
+    (n, count, groups, group): (usize, usize, usize, usize),
+    mat: &[f32],
+    stride: usize,
+) {
+    debug_assert!(o.len() == R * n && w.len() == R * count * groups);
+    let n8 = n / 8 * 8;
     let mut i = 0;
-    while i < n {
-        let regs = ((n - i) / 8).min(4);
-        // SAFETY: i + 8 * regs <= n; row c spans mat[c*stride..c*stride+n].
+    while i < n8 {
+        let regs = ((n8 - i) / 8).min(4);
+        let g: [usize; 4] = std::array::from_fn(|v| (i + 8 * v.min(regs - 1)) / group);
+        // SAFETY: i + 8 * regs <= n8 <= n in each row of o and in each row c of mat (at
+        // c * stride); w holds R x count x groups weights and g[v] < groups.
         unsafe {
-            let mut acc: [__m256; 4] = std::array::from_fn(|v| {
-                if v < regs {
-                    _mm256_loadu_ps(o.as_ptr().add(i + 8 * v))
-                } else {
-                    _mm256_setzero_ps()
-                }
+            let mut acc: [[__m256; 4]; R] = std::array::from_fn(|r| {
+                std::array::from_fn(|v| {
+                    _mm256_loadu_ps(o.as_ptr().add(r * n + i + 8 * v.min(regs - 1)))
+                })
             });
-            for c in 0..rows {
+            for c in 0..count {
                 let row = mat.as_ptr().add(c * stride + i);
-                for (v, a) in acc.iter_mut().enumerate().take(regs) {
-                    let wv = _mm256_set1_ps(w[c * groups + (i + 8 * v) / group]);
-                    *a = _mm256_add_ps(*a, _mm256_mul_ps(wv, _mm256_loadu_ps(row.add(8 * v))));
+                for (r, a) in acc.iter_mut().enumerate() {
+                    let wr = w.as_ptr().add((r * count + c) * groups);
+                    for v in 0..regs {
+                        let x = _mm256_loadu_ps(row.add(8 * v));
+                        let wv = _mm256_set1_ps(*wr.add(g[v]));
+                        a[v] = _mm256_add_ps(a[v], _mm256_mul_ps(wv, x));
+                    }
                 }
             }
-            for (v, a) in acc.iter().enumerate().take(regs) {
-                _mm256_storeu_ps(o.as_mut_ptr().add(i + 8 * v), *a);
+            for (r, a) in acc.iter().enumerate() {
+                for (v, av) in a.iter().enumerate().take(regs) {
+                    _mm256_storeu_ps(o.as_mut_ptr().add(r * n + i + 8 * v), *av);
+                }
             }
         }
         i += 8 * regs;
+    }
+    if n8 < n {
+        for (r, or) in o.chunks_exact_mut(n).enumerate() {
+            for c in 0..count {
+                let wc = &w[(r * count + c) * groups..(r * count + c + 1) * groups];
+                for (j, a) in or.iter_mut().enumerate().skip(n8) {
+                    *a += wc[j / group] * mat[c * stride + j];
+                }
+            }
+        }
     }
 }

@@ -409,37 +409,6 @@ pub(crate) fn axpy_f64(acc: &mut [f64], w: f64, x: &[f32]) {
     }
 }
 
-/// `o[i] += sum_c w[c] * mat[c * stride + i]` in increasing `c`, sixteen lanes of `o` held
-/// in a register over every `c`, masked tail.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
-pub(crate) fn axpy_rows_f32(o: &mut [f32], w: &[f32], mat: &[f32], stride: usize) {
-    let n = o.len();
-    let mut i = 0;
-    // Up to four registers (64 values) per pass: independent addition chains in flight.
-    while i < n {
-        let regs = (n - i).div_ceil(16).min(4);
-        let k = masks4(n, i);
-        // SAFETY: the masked lanes stay below n in o and in each row c of mat (at c*stride).
-        unsafe {
-            let mut acc: [__m512; 4] = std::array::from_fn(|v| {
-                _mm512_maskz_loadu_ps(k[v], o.as_ptr().add(i + 16 * v.min(regs - 1)))
-            });
-            for (c, &wc) in w.iter().enumerate() {
-                let wv = _mm512_set1_ps(wc);
-                let row = mat.as_ptr().add(c * stride + i);
-                for (v, a) in acc.iter_mut().enumerate().take(regs) {
-                    let x = _mm512_maskz_loadu_ps(k[v], row.add(16 * v));
-                    *a = _mm512_add_ps(*a, _mm512_mul_ps(wv, x));
-                }
-            }
-            for (v, a) in acc.iter().enumerate().take(regs) {
-                _mm512_mask_storeu_ps(o.as_mut_ptr().add(i + 16 * v), k[v], *a);
-            }
-        }
-        i += 16 * regs;
-    }
-}
-
 /// [`decode_packed`] of short rows `row_bytes` apart (`out` holds rows x `len`): the
 /// row decoder inlined into one loop, its constants loaded once.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
@@ -743,37 +712,78 @@ pub(crate) fn dots_tokens(q: &[f32], x: &[f32], n: usize, out: &mut [f32], strid
     }
 }
 
-/// [`super::super::ops::axpy_rows_grouped`] for `group` a multiple of 16: each register
-/// lies in one group; four registers per pass, the tail masked.
+/// [`super::super::ops::axpy_rows`] for one weight per token (`groups == 1`) or `group` a
+/// multiple of 16 (each register lies in one group): up to four query rows at once, four
+/// registers (64 values) of each per pass, the tail masked. Each row of `mat` is loaded once
+/// for every query row.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
-pub(crate) fn axpy_rows_grouped(
-    o: &mut [f32],
+pub(crate) fn axpy_rows(
+    (o, rows): (&mut [f32], usize),
     w: &[f32],
     (groups, group): (usize, usize),
     mat: &[f32],
     stride: usize,
 ) {
-    let n = o.len();
-    let rows = w.len() / groups;
+    let n = o.len() / rows;
+    let count = w.len() / (rows * groups);
+    let mut r = 0;
+    while r < rows {
+        let rb = (rows - r).min(4);
+        let (ob, wb) = (
+            &mut o[r * n..(r + rb) * n],
+            &w[r * count * groups..(r + rb) * count * groups],
+        );
+        let shape = (n, count, groups, group);
+        match rb {
+            4 => axpy_rows_r::<4>(ob, wb, shape, mat, stride),
+            3 => axpy_rows_r::<3>(ob, wb, shape, mat, stride),
+            2 => axpy_rows_r::<2>(ob, wb, shape, mat, stride),
+            _ => axpy_rows_r::<1>(ob, wb, shape, mat, stride),
+        }
+        r += rb;
+    }
+}
+
+/// [`axpy_rows`] of `R` query rows (`o`: R x n, `w`: R x count x groups).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
+fn axpy_rows_r<const R: usize>(
+    o: &mut [f32],
+    w: &[f32],
+    (n, count, groups, group): (usize, usize, usize, usize),
+    mat: &[f32],
+    stride: usize,
+) {
+    debug_assert!(o.len() == R * n && w.len() == R * count * groups);
     let mut i = 0;
     while i < n {
         let regs = (n - i).div_ceil(16).min(4);
         let k = masks4(n, i);
-        // SAFETY: the masked lanes stay below n in o and in each row c of mat (at c*stride).
+        // The register's group (the tail registers past n repeat the last one).
+        let g: [usize; 4] = std::array::from_fn(|v| (i + 16 * v.min(regs - 1)) / group);
+        // SAFETY: the masked lanes stay below n in each row of o and in each row c of mat (at
+        // c * stride); w holds R x count x groups weights and g[v] < groups.
         unsafe {
-            let mut acc: [__m512; 4] = std::array::from_fn(|v| {
-                _mm512_maskz_loadu_ps(k[v], o.as_ptr().add(i + 16 * v.min(regs - 1)))
+            let at = |v: usize| i + 16 * v.min(regs - 1);
+            let mut acc: [[__m512; 4]; R] = std::array::from_fn(|r| {
+                std::array::from_fn(|v| _mm512_maskz_loadu_ps(k[v], o.as_ptr().add(r * n + at(v))))
             });
-            for c in 0..rows {
-                let row = mat.as_ptr().add(c * stride + i);
-                for (v, a) in acc.iter_mut().enumerate().take(regs) {
-                    let wv = _mm512_set1_ps(w[c * groups + (i + 16 * v) / group]);
-                    let x = _mm512_maskz_loadu_ps(k[v], row.add(16 * v));
-                    *a = _mm512_add_ps(*a, _mm512_mul_ps(wv, x));
+            for c in 0..count {
+                let row = mat.as_ptr().add(c * stride);
+                let x: [__m512; 4] =
+                    std::array::from_fn(|v| _mm512_maskz_loadu_ps(k[v], row.add(at(v))));
+                for (r, a) in acc.iter_mut().enumerate() {
+                    let wr = w.as_ptr().add((r * count + c) * groups);
+                    for v in 0..regs {
+                        let wv = _mm512_set1_ps(*wr.add(g[v]));
+                        a[v] = _mm512_add_ps(a[v], _mm512_mul_ps(wv, x[v]));
+                    }
                 }
             }
-            for (v, a) in acc.iter().enumerate().take(regs) {
-                _mm512_mask_storeu_ps(o.as_mut_ptr().add(i + 16 * v), k[v], *a);
+            for (r, a) in acc.iter().enumerate() {
+                for (v, av) in a.iter().enumerate().take(regs) {
+                    _mm512_mask_storeu_ps(o.as_mut_ptr().add(r * n + i + 16 * v), k[v], *av);
+                }
             }
         }
         i += 16 * regs;
