@@ -20,6 +20,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+from kvqrs import KvqrsError  # noqa: E402
 from kvqrs.hf import CompressedLayer, QuantConfig, QuantizedKVCache, fake_quant  # noqa: E402
 from kvqrs.hf.attention import _STATE, FakeQuant, active  # noqa: E402
 from transformers.cache_utils import DynamicCache  # noqa: E402
@@ -446,3 +447,46 @@ def test_a_long_prompt_flush_hands_freed_heap_back(monkeypatch):
     cache.update(prompt, prompt.clone(), 0)
     cache.update(torch.randn(1, 4, 1, 64), torch.randn(1, 4, 1, 64), 0)
     assert asked[0] >= heap.RELEASE_MIN_BYTES and all(n < heap.RELEASE_MIN_BYTES for n in asked[1:])
+
+
+def test_a_long_prompt_is_coded_where_it_lies_and_let_go():
+    """A long prompt on an empty window is the window as given (no copy into a buffer): the
+    flush codes it in place, and what stays of the window moves to a buffer of its size, so
+    the layer keeps no reference to the prompt's tensors."""
+    from kvqrs.hf.layer import LONG_APPEND
+
+    cache = QuantizedKVCache(QuantConfig("kqv", 4, "kqv", 4, residual_length=16), 1)
+    k, v = torch.randn(1, 2, LONG_APPEND + 40, 64), torch.randn(1, 2, LONG_APPEND + 40, 64)
+    ref = QuantizedKVCache(QuantConfig("kqv", 4, "kqv", 4, residual_length=16), 1)
+    ref.update(k[:, :, :8], v[:, :, :8], 0)  # a window with tokens: the buffered path
+    ref.update(k[:, :, 8:], v[:, :, 8:], 0)
+    got = cache.update(k, v, 0)
+    want = ref.layers[0].materialize()
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    layer = cache.layers[0]
+    for held, given in ((layer.keys, k), (layer.values, v)):
+        assert held.untyped_storage().data_ptr() != given.untyped_storage().data_ptr()
+        assert torch.equal(held, given[:, :, -held.shape[-2] :])
+    bad = k.clone()
+    bad[0, 1, 700, 3] = float("nan")
+    fresh = QuantizedKVCache(QuantConfig("kqv", 4, "kqv", 4, residual_length=16), 1)
+    with pytest.raises(KvqrsError, match=r"key_states.*\(0, 1, 700, 3\)"):
+        fresh.update(bad, v, 0)
+    assert fresh.get_seq_length() == 0
+
+
+@pytest.mark.parametrize("scheme", ["kqv", "kivi", "matched"])
+def test_a_view_decoded_in_chunks_equals_one_decode(monkeypatch, scheme):
+    """Decoding a view a few tokens at a time (whole groups) gives the tokens of one decode."""
+    import kvqrs.hf.layer as layer_mod
+
+    extra = {"calibration": "random", "group": 64} if scheme == "matched" else {"group": 32}
+    cfg = QuantConfig(scheme, 4, scheme, 4, residual_length=8, **extra)
+    cache = QuantizedKVCache(cfg, 1)
+    k, v = torch.randn(1, 2, 700, 64), torch.randn(1, 2, 700, 64)
+    cache.update(k, v, 0)
+    whole = cache.layers[0].materialize()
+    monkeypatch.setattr(layer_mod, "DECODE_CHUNK", 64)
+    chunked = cache.layers[0].materialize()
+    assert all(torch.equal(a, b) for a, b in zip(whole, chunked))
+    assert whole[0].shape[-2] == 700

@@ -602,3 +602,15 @@ def test_step_equals_append_encode_then_attend(name, flush):
     rows = WindowRows(*flat(buffers[0]), cap, lo + n, w + 1 - n)
     assert stores[0].step(q, sinks, rows, bad, n, None, 0.2) is None
     assert stores[0].sections("x") == before[0] and all(torch.equal(x, y) for x, y in zip(buffers[0], before[1]))
+
+
+def test_storable_checks_every_value_of_any_layout():
+    """``_native.storable``: finite and at most MAX_STATE in magnitude, contiguous or strided."""
+    x = np.random.default_rng(0).standard_normal((2, 3, 50, 8)).astype(np.float32)
+    assert _native.storable(x) and _native.storable(x.transpose(0, 2, 1, 3))
+    for bad in (np.nan, np.inf, -np.inf, -1.5 * _native.MAX_STATE):
+        y = x.copy()
+        y[1, 2, 49, 7] = bad
+        assert not _native.storable(y) and not _native.storable(y.transpose(0, 2, 1, 3))
+    y[1, 2, 49, 7] = -_native.MAX_STATE
+    assert _native.storable(y)

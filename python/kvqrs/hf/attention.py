@@ -162,16 +162,37 @@ def _probabilities(logits, attention_mask, rule: LogitRule | None) -> torch.Tens
     return torch.softmax(torch.cat([logits, sink.expand(*logits.shape[:-1], 1)], dim=-1), dim=-1)[..., :-1]
 
 
+def gqa_matmul(x: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+    """``x @ repeat_kv(kv, g)`` without the repeat: ``x`` ``(b, heads, n, m)`` and ``kv``
+    ``(b, kv_heads, m, p)`` with ``heads = g * kv_heads`` (GQA: query head ``h`` reads KV head
+    ``h // g``); the ``g`` query heads of a KV head are one batch of ``g * n`` rows, so no
+    copy of the keys or values per query head is made. Returns ``(b, heads, n, p)``."""
+    b, heads, n, m = x.shape
+    kv_heads = kv.shape[1]
+    if heads == kv_heads:
+        return x @ kv
+    out = x.reshape(b, kv_heads, heads // kv_heads * n, m) @ kv
+    return out.reshape(b, heads, n, kv.shape[-1])
+
+
 def _softmax_out(module, query, logits, attention_mask, value_parts, rule: LogitRule | None = None):
     """Softmax over raw logits (+ mask, under ``rule``), then ``sum_parts (p * m_part) @
-    v_part``; returns the layout transformers expects: ``(batch, q_len, heads, d)`` and the
+    v_part`` (a part ``(m, v, (a, b))`` reads the probabilities of columns ``a .. b - 1``
+    alone); returns the layout transformers expects: ``(batch, q_len, heads, d)`` and the
     probabilities."""
     # float32 accumulation, or float64 for a float64 model (so the two evaluation paths can be
     # compared without float32 noise).
     acc = torch.float64 if query.dtype == torch.float64 else torch.float32
     p = _probabilities(logits.to(acc), attention_mask, rule)
-    out = sum((p * m.to(acc) if m is not None else p) @ repeat_kv(v, module.num_key_value_groups).to(acc) for m, v in value_parts)
+    out = sum(gqa_matmul(_part(p, m, cols, acc), v.to(acc)) for m, v, *cols in value_parts)
     return out.to(query.dtype).transpose(1, 2).contiguous(), p.to(query.dtype)
+
+
+def _part(p: torch.Tensor, m: torch.Tensor | None, cols: list, acc: torch.dtype) -> torch.Tensor:
+    """The probabilities ``p`` (of columns ``cols[0]`` when given) weighted by ``m``."""
+    if cols:
+        p = p[..., cols[0][0] : cols[0][1]]
+    return p if m is None else p * m.to(acc)
 
 
 def sdpa_prefill_active() -> bool:

@@ -54,6 +54,39 @@ def _as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t if t.dtype is dtype else t.to(dtype)
 
 
+LONG_APPEND = 1024
+"""Tokens from which an append to an empty window takes the caller's float32 tensors as the
+window instead of copying them into a buffer (:meth:`CompressedLayer._append`)."""
+
+DECODE_CHUNK = 2048
+"""Tokens decoded per call when a view is decoded whole (a prefill's attention): the decode's
+temporaries stay a few MiB at any context, and the tokens land in the returned tensor."""
+
+
+def _decoded(codec: Any, parts: tuple[torch.Tensor, Encoded, torch.Tensor], like: torch.Tensor, skip: int, decode: Any) -> torch.Tensor:
+    """``cat([sinks, decode(codes)[skip:], window])`` along the tokens, the codes decoded in
+    ``like``'s dtype :data:`DECODE_CHUNK` tokens at a time (whole groups: chunks start at
+    multiples of the codec's alignment) into one tensor; a reconstruction a rounding past that
+    dtype saturates to its largest value."""
+    sinks, enc, window = parts
+    total = enc.shape[-2]
+    coded, ns = total - skip, sinks.shape[-2]
+    dtype = functools.reduce(torch.promote_types, [sinks.dtype, like.dtype, window.dtype])
+    shape = (*window.shape[:-2], ns + coded + window.shape[-2], window.shape[-1])
+    out = torch.empty(shape, dtype=dtype, device=window.device)
+    out[..., :ns, :] = sinks
+    out[..., ns + coded :, :] = window
+    align = codec.align() if codec.has_layout(enc.kind) else total
+    step = max(align, DECODE_CHUNK // align * align) if total > DECODE_CHUNK else total
+    for s in range(skip // align * align if step < total else 0, total, step):
+        e = min(s + step, total)
+        chunk = enc if (s, e) == (0, total) else codec.slice_tokens(enc, e, s)
+        got = from_numpy(decode(chunk), like, saturate=True)
+        lo = max(s, skip)
+        out[..., ns + lo - skip : ns + e - skip, :] = got[..., lo - s :, :]
+    return out
+
+
 @dataclass
 class _Window:
     """A layer's full-precision window in preallocated float32 CPU buffers ``keys`` /
@@ -601,9 +634,18 @@ class CompressedLayer(LayerAttention, CacheLayerMixin):
     def _append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Append new tokens to the window, refusing a NaN or infinity (named by its index)
         before anything is stored: written in place into the window's buffer (:class:`_Window`)
-        where the layer is float32 on the CPU, else joined to the window."""
+        where the layer is float32 on the CPU, else joined to the window. A long prompt on an
+        empty window becomes the window as it is (no copy): the flush codes it in place and
+        :meth:`_compact` then moves what stays to a buffer of its size."""
         n = key_states.shape[-2]
-        win = self._buffer(n) if _plain_f32(key_states) and _plain_f32(value_states) else None
+        plain = _plain_f32(key_states) and _plain_f32(value_states)
+        if plain and n >= LONG_APPEND and self.keys.shape[-2] == 0:
+            if _native.storable(key_states.numpy()) and _native.storable(value_states.numpy()):
+                self.keys, self.values = key_states.contiguous(), value_states.contiguous()
+                return
+            check_storable(key_states, "key_states")  # names the culprit
+            check_storable(value_states, "value_states")
+        win = self._buffer(n) if plain else None
         if win is not None and _native.window_append(win.flat_k, win.flat_v, win.cap, win.hi, key_states.numpy(), value_states.numpy()):
             win.hi += n
             win.shown = False  # shown by the next read of the window (_settle)
@@ -718,7 +760,12 @@ class CompressedLayer(LayerAttention, CacheLayerMixin):
         tokens (a long prompt's): the prompt's originals are then freed as soon as the forward
         that flushed them has read them (the view's ``flushed``), not at the layer's next update."""
         win = self._buffered()
-        if win is not None and win.cap > 4 * (win.hi - win.lo) + 64:
+        if win is not None:
+            spare = win.cap > 4 * (win.hi - win.lo) + 64
+        else:  # a long prompt taken as the window (_append)
+            held = self.keys.shape[-2] * self.keys.stride(-2) * self.keys.element_size()
+            spare = _plain_f32(self.keys) and self.keys.untyped_storage().nbytes() > 4 * held + 64 * self.head_dim * 4
+        if spare:
             self._window = win = _Window.holding(self.keys, self.values, 1)
             self._show(win)
 
@@ -843,16 +890,18 @@ class CompressedLayer(LayerAttention, CacheLayerMixin):
     def materialize(self, view: _View | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Decoded (base) keys and values of a view (default: everything held), oldest first."""
         view = self.view() if view is None else view
-        ks, vs = [view.sink_k], [view.sink_v]
-        if view.codes_k is not None:
-            codec = self.codec()
-            # Saturated: a code's reconstruction may round past the dtype's range its input was in.
-            ks.append(_tokens(from_numpy(codec.decode_keys(view.codes_k, base_only=True), self.keys, saturate=True), view.skip))
-            cv = view.codes_v
-            vs.append(
-                _tokens(cv if isinstance(cv, torch.Tensor) else from_numpy(codec.decode_values(cv), self.values, saturate=True), view.skip)
-            )
-        return torch.cat([*ks, view.window_k], dim=-2), torch.cat([*vs, view.window_v], dim=-2)
+        if view.codes_k is None:
+            return torch.cat([view.sink_k, view.window_k], dim=-2), torch.cat([view.sink_v, view.window_v], dim=-2)
+        codec = self.codec()
+        keys = _decoded(
+            codec, (view.sink_k, view.codes_k, view.window_k), self.keys, view.skip, functools.partial(codec.decode_keys, base_only=True)
+        )
+        cv = view.codes_v
+        if isinstance(cv, torch.Tensor):
+            values = torch.cat([view.sink_v, _tokens(cv, view.skip), view.window_v], dim=-2)
+        else:
+            values = _decoded(codec, (view.sink_v, cv, view.window_v), self.values, view.skip, codec.decode_values)
+        return keys, values
 
     def correction(self, query: torch.Tensor, view: _View | None = None) -> torch.Tensor | None:
         """HeadQ logit correction for the coded positions of a view (default: everything

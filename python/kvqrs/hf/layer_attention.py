@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from ..torch import check_finite, from_numpy
-from .attention import SDPA_MIN_QUERY, LogitRule, _softmax_out, blocked_sdpa, current_rule, sdpa_prefill_active
+from .attention import SDPA_MIN_QUERY, LogitRule, _softmax_out, blocked_sdpa, current_rule, gqa_matmul, sdpa_prefill_active
 from .heap import release_freed
 from .store import WindowRows
 
@@ -152,15 +152,12 @@ class LayerAttention:
             key, value = self.materialize(view)  # the decoded path: the codes are not read natively
         elif redone:
             key, value = self.materialize(view)
-        from transformers.integrations.sdpa_attention import repeat_kv
-
-        g = module.num_key_value_groups
         sdpa = rule is None and sdpa_prefill_active() and query.shape[-2] >= SDPA_MIN_QUERY
         if sdpa and (view.codes_k is None or self.codec().scheme != "headq"):
             out = self._attend_sdpa(view, query, key, value, attention_mask, scaling)
             if out is not None:
                 return out.transpose(1, 2).contiguous(), None
-        logits = (query @ repeat_kv(key, g).transpose(2, 3)) * scaling
+        logits = gqa_matmul(query, key.transpose(2, 3)) * scaling
         corr = self.correction(query, view)
         if corr is not None:
             ns = view.sink_k.shape[-2]
@@ -169,13 +166,16 @@ class LayerAttention:
         if held is None:
             return _softmax_out(module, query, logits, attention_mask, [(None, value)], rule)
         # Queries that precede a new code's step read its original: the fast path's mixing.
+        # The originals are read where they are (no copy of the keys and values with them
+        # swapped in): every other column takes its decoded logit and value alone.
         cols, m = held
-        key_fp, value_fp = key.clone(), value.clone()
-        key_fp[..., cols, :], value_fp[..., cols, :] = view.fresh_k[..., -len(cols) :, :], view.fresh_v[..., -len(cols) :, :]
-        s_fp = (query @ repeat_kv(key_fp, g).transpose(2, 3)) * scaling
+        a, b = int(cols[0]), int(cols[-1]) + 1
+        fresh_k, fresh_v = view.fresh_k[..., -len(cols) :, :], view.fresh_v[..., -len(cols) :, :]
         mf = m.to(logits.dtype)
-        logits = mf * logits + (1 - mf) * s_fp
-        return _softmax_out(module, query, logits, attention_mask, [(mf, value), (1 - mf, value_fp)], rule)
+        mc = mf[..., a:b]
+        s_fp = gqa_matmul(query, fresh_k.transpose(2, 3)) * scaling
+        logits[..., a:b] = mc * logits[..., a:b] + (1 - mc) * s_fp
+        return _softmax_out(module, query, logits, attention_mask, [(mf, value), (1 - mc, fresh_v, (a, b))], rule)
 
     def _attend_sdpa(self, view: _View, query, key, value, attention_mask, scaling) -> torch.Tensor | None:
         """The prefill path of :func:`kvqrs.hf.sdpa_prefill`: the same reads as the eager path

@@ -67,5 +67,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<store::PyLayerStore>()?;
     m.add_class::<paged::PySlotWriter>()?;
     m.add_function(wrap_pyfunction!(store::window_append, m)?)?;
+    m.add_function(wrap_pyfunction!(store::storable, m)?)?;
     Ok(())
 }

@@ -22,7 +22,8 @@ use kvqrs_core::store::{ChunkPart, LayerStore, PartSpec};
 use kvqrs_core::window::{all_storable, append_tokens, gather_tokens};
 use numpy::ndarray::s;
 use numpy::{
-    PyArray1, PyArray4, PyArrayMethods, PyReadonlyArray1, PyReadonlyArray4, PyUntypedArrayMethods,
+    PyArray1, PyArray4, PyArrayMethods, PyReadonlyArray1, PyReadonlyArray4, PyReadonlyArrayDyn,
+    PyUntypedArrayMethods,
 };
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
@@ -278,6 +279,17 @@ fn c_order(a: &Bound<'_, PyArray4<f32>>) -> Option<Vec<f32>> {
         Ok(s) => s.to_vec(),
         Err(_) => r.as_array().iter().copied().collect(),
     })
+}
+
+/// Whether every value of a float32 array (any shape and strides) is finite and at most
+/// `MAX_STATE` in magnitude: the check a layer makes of tokens it takes as they are, in one
+/// pass with no temporary (the caller names a bad value).
+#[pyfunction]
+pub fn storable(py: Python<'_>, x: PyReadonlyArrayDyn<'_, f32>) -> bool {
+    match x.as_slice() {
+        Ok(s) => py.allow_threads(|| all_storable(s)),
+        Err(_) => x.as_array().iter().all(|v| all_storable(&[*v])),
+    }
 }
 
 /// Appends a decode step's new keys `k` and values `v` (float32 batch x kv_heads x n x

@@ -168,7 +168,14 @@ impl Lanes {
             self.w.extend((0..count).map(|k| weight(r, k)));
         }
         let one = (1, self.n);
-        ops::axpy_rows(isa, (&mut self.part, self.rows), &self.w, one, block, self.n);
+        ops::axpy_rows(
+            isa,
+            (&mut self.part, self.rows),
+            &self.w,
+            one,
+            block,
+            self.n,
+        );
         self.carry(acc, (stride, offset));
     }
 
