@@ -30,7 +30,6 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 import torch
 from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import repeat_kv
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
 from .._arrays import KvqrsError, check_positive_int
@@ -287,8 +286,7 @@ def kvqrs_attention(module, query, key, value, attention_mask, scaling, dropout=
     if rule is None and _SDPA_PREFILL.get() and query.shape[-2] >= SDPA_MIN_QUERY:
         out = blocked_sdpa(query, key, value, attention_mask, scaling)
         return out.transpose(1, 2).contiguous(), None
-    k = repeat_kv(key, module.num_key_value_groups)
-    logits = (query @ k.transpose(2, 3)) * scaling
+    logits = gqa_matmul(query, key.transpose(2, 3)) * scaling
     return _softmax_out(module, query, logits, attention_mask, [(None, value)], rule)
 
 
@@ -384,17 +382,16 @@ class FakeQuant(AttentionState):
         # is quantized: the causal mask hides the rest, so the mixing below reduces to the
         # quantized parts alone.
         all_held = attention_mask is not None and all_held
-        g = module.num_key_value_groups
         s_fp = None
         local_a2 = codec.values is not None and cfg.value_scheme != "a2" and codec.needs_weights
         if not (all_held and cfg.quantizes_keys) or (cfg.value_scheme == "a2" and not cfg.a2_uniform) or local_a2:
-            s_fp = (query @ repeat_kv(key, g).transpose(2, 3)) * scaling
+            s_fp = gqa_matmul(query, key.transpose(2, 3)) * scaling
         logits = s_fp
         # The sinks are never quantized: codes (and KIVI key groups) start after them, as in the cache.
         sink = cfg.sink_tokens
         if cfg.quantizes_keys:
             ck, k_hat = decoded_keys(codec, key, sink)
-            s_q = (query @ repeat_kv(k_hat, g).transpose(2, 3)) * scaling
+            s_q = gqa_matmul(query, k_hat.transpose(2, 3)) * scaling
             corr = codec.score_correction(to_numpy(query, "query"), ck)
             if corr is not None:
                 s_q[..., sink:] += torch.from_numpy(corr).to(s_q.dtype)
