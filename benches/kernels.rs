@@ -39,7 +39,7 @@ use kvqrs_core::kernels::pack::{
 };
 use kvqrs_core::kernels::qjl::QjlSketcher;
 use kvqrs_core::rng::{gaussians, random_orthonormal_basis};
-use kvqrs_core::scalars::ScalarView;
+use kvqrs_core::scalars::{FloatView, ScalarView};
 use kvqrs_core::{Isa, PackPath};
 use rayon::prelude::*;
 
@@ -311,12 +311,12 @@ impl Side {
     fn mse(&self, bits: u32, seed: Option<u64>, qjl: bool) -> CodedRows<'_> {
         CodedRows::Mse {
             codes: &self.codes,
-            norms: ScalarView::F16(&self.scalars),
+            norms: ScalarView::Float(FloatView::F16(&self.scalars)),
             bits,
             seed,
             qjl: qjl.then_some(QjlRows {
                 signs: &self.signs,
-                norms: ScalarView::F16(&self.qjl_norms),
+                norms: ScalarView::Float(FloatView::F16(&self.qjl_norms)),
                 seed: 7,
             }),
         }
@@ -352,15 +352,15 @@ fn attention(c: &mut Criterion) {
         let vt = Side::new(51, v, m4, v * HD / GROUP, HD);
         let kivi_keys = CodedRows::UniformChannels {
             codes: &kc.codes,
-            scales: ScalarView::F16(&kc.scalars),
-            zeros: ScalarView::F16(&kc.zeros),
+            scales: ScalarView::Float(FloatView::F16(&kc.scalars)),
+            zeros: ScalarView::Float(FloatView::F16(&kc.zeros)),
             bits: 4,
             group: GROUP,
         };
         let kivi_values = CodedRows::UniformTokens {
             codes: &vt.codes,
-            scales: ScalarView::F16(&vt.scalars),
-            zeros: ScalarView::F16(&vt.zeros),
+            scales: ScalarView::Float(FloatView::F16(&vt.scalars)),
+            zeros: ScalarView::Float(FloatView::F16(&vt.zeros)),
             bits: 4,
             group: GROUP,
             seed: None,

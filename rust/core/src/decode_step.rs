@@ -409,7 +409,7 @@ mod tests {
     use crate::kernels::pack::pack;
     use crate::rng::gaussians;
     use crate::rows::Run;
-    use crate::scalars::{plain, ScalarView};
+    use crate::scalars::{plain, FloatView, ScalarView};
     use crate::store::{ChunkPart, PartSpec};
 
     fn spec(name: &str, dtype: Dtype, heads: usize, inner: Vec<usize>) -> PartSpec {
@@ -536,7 +536,7 @@ mod tests {
             &lay.compact(t),
             &CodedRows::Mse {
                 codes: &flat_codes,
-                norms: ScalarView::F16(&flat_norms),
+                norms: ScalarView::Float(FloatView::F16(&flat_norms)),
                 bits: 4,
                 seed: Some(3),
                 qjl: None,
@@ -840,8 +840,8 @@ mod tests {
         let runs: Vec<ChannelRun> = (cols.iter().enumerate())
             .map(|(i, &(bits, start, stop))| ChannelRun {
                 codes: &flat[3 * i],
-                scales: ScalarView::F32(&floats[3 * i + 1]),
-                zeros: ScalarView::F32(&floats[3 * i + 2]),
+                scales: ScalarView::Float(FloatView::F32(&floats[3 * i + 1])),
+                zeros: ScalarView::Float(FloatView::F32(&floats[3 * i + 2])),
                 bits,
                 start,
                 stop,

@@ -473,6 +473,7 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::scalars::FloatView;
 
     /// Parts by index resolved to names: every field is visited once, in order, and named.
     struct Names(Vec<String>);
@@ -584,7 +585,7 @@ mod tests {
             seed: None,
             qjl: Some(Qjl {
                 signs: codes.clone(),
-                norms: ScalarParts::Plain(ScalarView::F32(&norms)),
+                norms: ScalarParts::Plain(ScalarView::Float(FloatView::F32(&norms))),
                 seed: 1,
             }),
         };
@@ -600,7 +601,7 @@ mod tests {
             seed: None,
             qjl: Some(Qjl {
                 signs: &codes,
-                norms: ScalarView::F32(&norms),
+                norms: ScalarView::Float(FloatView::F32(&norms)),
                 seed: 1,
             }),
         };

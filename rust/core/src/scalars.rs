@@ -33,14 +33,26 @@ fn round_if_fits(v: f32) -> f32 {
     }
 }
 
-/// A plane of stored scalars, one per vector.
-#[derive(Debug, Clone, PartialEq)]
-pub enum ScalarPlane {
+/// Stored scalars of one float width, in whatever holds them (owned, borrowed, read from
+/// bytes): one type, so each operation on the two widths is written once.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Floats<H, F> {
     /// IEEE binary16 bit patterns.
-    F16(Vec<u16>),
+    F16(H),
     /// float32 values, used when some value is outside the float16 normal range.
-    F32(Vec<f32>),
+    F32(F),
 }
+
+/// A plane of stored scalars, one per vector.
+pub type ScalarPlane = Floats<Vec<u16>, Vec<f32>>;
+
+/// Borrowed float scalars, e.g. straight from a NumPy buffer.
+pub type FloatView<'a> = Floats<&'a [u16], &'a [f32]>;
+
+/// Stored scalars read from a part's little-endian bytes (a layer store's buffer, a page of
+/// the paged cache): borrowed in place where the bytes are aligned to the scalar size (the
+/// store's allocations are), else copied.
+pub type ScalarRead<'a> = Floats<Cow<'a, [u16]>, Cow<'a, [f32]>>;
 
 impl ScalarPlane {
     /// Chooses the storage for finite `values` (by magnitude) and rounds them into it: each
@@ -48,17 +60,51 @@ impl ScalarPlane {
     /// when all are, else float32 holding the others unrounded.
     pub fn store(values: &[f32]) -> Self {
         if values.iter().all(|&v| fits_f16(v)) {
-            ScalarPlane::F16(values.iter().map(|&v| f16::from_f32(v).to_bits()).collect())
+            Floats::F16(values.iter().map(|&v| f16::from_f32(v).to_bits()).collect())
         } else {
-            ScalarPlane::F32(values.iter().map(|&v| round_if_fits(v)).collect())
+            Floats::F32(values.iter().map(|&v| round_if_fits(v)).collect())
+        }
+    }
+}
+
+impl<'a> ScalarRead<'a> {
+    /// `bytes` as stored scalars of `dtype`; None unless `dtype` is float16 or float32.
+    pub fn from_le(bytes: &'a [u8], dtype: Dtype) -> Option<Self> {
+        match dtype {
+            Dtype::F16 => Some(Floats::F16(plain(bytes))),
+            Dtype::F32 => Some(Floats::F32(plain(bytes))),
+            _ => None,
+        }
+    }
+
+    /// The same scalars owning their values.
+    pub fn into_owned(self) -> ScalarRead<'static> {
+        match self {
+            Floats::F16(v) => Floats::F16(Cow::Owned(v.into_owned())),
+            Floats::F32(v) => Floats::F32(Cow::Owned(v.into_owned())),
+        }
+    }
+}
+
+impl<H: AsRef<[u16]>, F: AsRef<[f32]>> Floats<H, F> {
+    /// A borrowed view, as the read paths take it.
+    pub fn view(&self) -> ScalarView<'_> {
+        ScalarView::Float(self.slices())
+    }
+
+    /// The values borrowed, whatever holds them.
+    fn slices(&self) -> FloatView<'_> {
+        match self {
+            Floats::F16(v) => Floats::F16(v.as_ref()),
+            Floats::F32(v) => Floats::F32(v.as_ref()),
         }
     }
 
     /// Number of stored scalars.
     pub fn len(&self) -> usize {
-        match self {
-            ScalarPlane::F16(v) => v.len(),
-            ScalarPlane::F32(v) => v.len(),
+        match self.slices() {
+            Floats::F16(v) => v.len(),
+            Floats::F32(v) => v.len(),
         }
     }
 
@@ -70,17 +116,17 @@ impl ScalarPlane {
     /// Bits used per stored scalar (16 or 32).
     pub fn bits(&self) -> u32 {
         match self {
-            ScalarPlane::F16(_) => 16,
-            ScalarPlane::F32(_) => 32,
+            Floats::F16(_) => 16,
+            Floats::F32(_) => 32,
         }
     }
 
     /// Stored value `i` as float32.
     #[inline]
     pub fn get(&self, i: usize) -> f32 {
-        match self {
-            ScalarPlane::F16(v) => f16::from_bits(v[i]).to_f32(),
-            ScalarPlane::F32(v) => v[i],
+        match self.slices() {
+            Floats::F16(v) => f16::from_bits(v[i]).to_f32(),
+            Floats::F32(v) => v[i],
         }
     }
 
@@ -89,26 +135,84 @@ impl ScalarPlane {
         (0..self.len()).map(|i| self.get(i)).collect()
     }
 
-    /// Checks that a plane handed in by a caller holds `rows` finite non-negative values.
-    pub fn validate(&self, arg: &'static str, rows: usize) -> Result<()> {
-        self.validate_with(arg, rows, false)
-    }
-
-    /// Checks that a plane holds `rows` finite values (negative ones allowed, e.g. zero points).
-    pub fn validate_signed(&self, arg: &'static str, rows: usize) -> Result<()> {
-        self.validate_with(arg, rows, true)
-    }
-
-    fn validate_with(&self, arg: &'static str, rows: usize, signed: bool) -> Result<()> {
-        self.view().validate_rows(arg, (1, rows, rows), signed)
-    }
-
-    /// A borrowed view of the plane.
-    pub fn view(&self) -> ScalarView<'_> {
-        match self {
-            ScalarPlane::F16(v) => ScalarView::F16(v),
-            ScalarPlane::F32(v) => ScalarView::F32(v),
+    /// Stored values `start .. start + out.len()` as float32, a block at a time (the SIMD
+    /// float16 conversion of `isa`; exact, so every path agrees with [`Floats::get`]).
+    #[inline]
+    pub fn read(&self, isa: Isa, start: usize, out: &mut [f32]) {
+        let end = start + out.len();
+        match self.slices() {
+            Floats::F16(v) => ops::f16_to_f32(isa, &v[start..end], out),
+            Floats::F32(v) => out.copy_from_slice(&v[start..end]),
         }
+    }
+
+    /// Scalars `start .. start + len`.
+    fn slice(&self, start: usize, len: usize) -> FloatView<'_> {
+        match self.slices() {
+            Floats::F16(v) => Floats::F16(&v[start..start + len]),
+            Floats::F32(v) => Floats::F32(&v[start..start + len]),
+        }
+    }
+
+    /// The float arm of [`ScalarView::validate_rows`].
+    pub fn validate_rows(
+        &self,
+        arg: &'static str,
+        (blocks, room, used): (usize, usize, usize),
+        signed: bool,
+    ) -> Result<()> {
+        if used > room || Some(self.len()) != blocks.checked_mul(room) {
+            return Err(KvqError::ShapeMismatch {
+                arg,
+                expected: format!("{blocks} x {room} stored scalars ({used} held per block)"),
+                actual: format!("{}", self.len()),
+            });
+        }
+        for b in 0..blocks {
+            let held = self.slice(b * room, used);
+            if held.all_valid(signed) {
+                continue;
+            }
+            for i in 0..used {
+                let v = held.get(i);
+                if !v.is_finite() || (!signed && v < 0.0) {
+                    return Err(KvqError::InvalidScalar {
+                        arg,
+                        row: b * used + i,
+                        value: v,
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether every scalar is finite (and not below zero unless `signed`), read from the bit
+    /// patterns in one branch-free pass the compiler vectorises: the fast path of a check that
+    /// runs on every attention call, the per-row loop above only naming the first bad row.
+    fn all_valid(&self, signed: bool) -> bool {
+        // A negative non-zero value has its sign bit set and some other bit set: as an
+        // unsigned pattern it exceeds the sign bit alone (negative zero is allowed, as `<`).
+        match self.slices() {
+            Floats::F16(v) => {
+                let neg = if signed { u16::MAX } else { 0x8000 };
+                !v.iter()
+                    .fold(false, |bad, &b| bad | ((b & 0x7C00) == 0x7C00) | (b > neg))
+            }
+            Floats::F32(v) => {
+                let neg = if signed { u32::MAX } else { 0x8000_0000 };
+                !v.iter().fold(false, |bad, &x| {
+                    let b = x.to_bits();
+                    bad | ((b & 0x7F80_0000) == 0x7F80_0000) | (b > neg)
+                })
+            }
+        }
+    }
+}
+
+impl<H: AsRef<[u16]>, F: AsRef<[f32]>> crate::rows::AsScalars for Floats<H, F> {
+    fn scalars(&self) -> ScalarView<'_> {
+        self.view()
     }
 }
 
@@ -116,10 +220,8 @@ impl ScalarPlane {
 /// from a NumPy buffer: what the read paths use to avoid copying a plane per call.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum ScalarView<'a> {
-    /// IEEE binary16 bit patterns.
-    F16(&'a [u16]),
-    /// float32 values.
-    F32(&'a [f32]),
+    /// float16 or float32 values, each readable alone.
+    Float(FloatView<'a>),
     /// 8-bit log codes with one exponent byte per group (docs/kernels.md section 13).
     Log(LogView<'a>),
 }
@@ -217,8 +319,7 @@ impl ScalarView<'_> {
     /// Number of stored scalars.
     pub fn len(&self) -> usize {
         match self {
-            ScalarView::F16(v) => v.len(),
-            ScalarView::F32(v) => v.len(),
+            ScalarView::Float(f) => f.len(),
             ScalarView::Log(l) => l.codes.len(),
         }
     }
@@ -241,20 +342,17 @@ impl ScalarView<'_> {
     #[inline]
     pub fn get(&self, i: usize) -> f32 {
         match self {
-            ScalarView::F16(v) => f16::from_bits(v[i]).to_f32(),
-            ScalarView::F32(v) => v[i],
+            ScalarView::Float(f) => f.get(i),
             ScalarView::Log(l) => l.get(i),
         }
     }
 
-    /// Stored values `start .. start + out.len()` as float32, a block at a time (the SIMD
-    /// float16 conversion of `isa`; exact, so every path agrees with [`ScalarView::get`]).
+    /// Stored values `start .. start + out.len()` as float32, a block at a time (exact, so
+    /// every path agrees with [`ScalarView::get`]).
     #[inline]
     pub fn read(&self, isa: Isa, start: usize, out: &mut [f32]) {
-        let end = start + out.len();
         match self {
-            ScalarView::F16(v) => ops::f16_to_f32(isa, &v[start..end], out),
-            ScalarView::F32(v) => out.copy_from_slice(&v[start..end]),
+            ScalarView::Float(f) => f.read(isa, start, out),
             ScalarView::Log(l) => l.read(start, out),
         }
     }
@@ -277,83 +375,14 @@ impl ScalarView<'_> {
     pub fn validate_rows(
         &self,
         arg: &'static str,
-        (blocks, room, used): (usize, usize, usize),
+        sizes: (usize, usize, usize),
         signed: bool,
     ) -> Result<()> {
-        let flat = match *self {
-            ScalarView::F16(v) => Flat::F16(v),
-            ScalarView::F32(v) => Flat::F32(v),
+        match self {
+            ScalarView::Float(f) => f.validate_rows(arg, sizes, signed),
             // Every code is a valid non-negative level; only the exponents can be out of range.
-            ScalarView::Log(l) => return l.validate((arg, arg), (blocks, room, used)),
-        };
-        if used > room || Some(flat.len()) != blocks.checked_mul(room) {
-            return Err(KvqError::ShapeMismatch {
-                arg,
-                expected: format!("{blocks} x {room} stored scalars ({used} held per block)"),
-                actual: format!("{}", self.len()),
-            });
+            ScalarView::Log(l) => l.validate((arg, arg), sizes),
         }
-        for b in 0..blocks {
-            let held = flat.slice(b * room, used);
-            if held.all_valid(signed) {
-                continue;
-            }
-            for i in 0..used {
-                let v = held.get(i);
-                if !v.is_finite() || (!signed && v < 0.0) {
-                    return Err(KvqError::InvalidScalar {
-                        arg,
-                        row: b * used + i,
-                        value: v,
-                    });
-                }
-            }
-        }
-        Ok(())
-    }
-}
-
-/// Stored scalars read from a part's little-endian bytes (a layer store's buffer, a page of
-/// the paged cache): borrowed in place where the bytes are aligned to the scalar size (the
-/// store's allocations are), else copied.
-#[derive(Debug, Clone, PartialEq)]
-pub enum ScalarRead<'a> {
-    /// IEEE binary16 bit patterns.
-    F16(Cow<'a, [u16]>),
-    /// float32 values.
-    F32(Cow<'a, [f32]>),
-}
-
-impl<'a> ScalarRead<'a> {
-    /// `bytes` as stored scalars of `dtype`; None unless `dtype` is float16 or float32.
-    pub fn from_le(bytes: &'a [u8], dtype: Dtype) -> Option<Self> {
-        match dtype {
-            Dtype::F16 => Some(ScalarRead::F16(plain(bytes))),
-            Dtype::F32 => Some(ScalarRead::F32(plain(bytes))),
-            _ => None,
-        }
-    }
-
-    /// The same scalars owning their values.
-    pub fn into_owned(self) -> ScalarRead<'static> {
-        match self {
-            ScalarRead::F16(v) => ScalarRead::F16(Cow::Owned(v.into_owned())),
-            ScalarRead::F32(v) => ScalarRead::F32(Cow::Owned(v.into_owned())),
-        }
-    }
-
-    /// A borrowed view.
-    pub fn view(&self) -> ScalarView<'_> {
-        match self {
-            ScalarRead::F16(v) => ScalarView::F16(v),
-            ScalarRead::F32(v) => ScalarView::F32(v),
-        }
-    }
-}
-
-impl crate::rows::AsScalars for ScalarRead<'_> {
-    fn scalars(&self) -> ScalarView<'_> {
-        self.view()
     }
 }
 
@@ -389,60 +418,6 @@ pub(crate) fn plain<T: Plain>(bytes: &[u8]) -> Cow<'_, [T]> {
     Cow::Owned(bytes.chunks_exact(size).map(T::from_le).collect())
 }
 
-/// The float views, whose scalars can be sliced and checked one by one (a log-coded view's
-/// values depend on their row's exponent bytes, so it is checked whole).
-#[derive(Clone, Copy)]
-enum Flat<'a> {
-    F16(&'a [u16]),
-    F32(&'a [f32]),
-}
-
-impl Flat<'_> {
-    fn len(&self) -> usize {
-        match self {
-            Flat::F16(v) => v.len(),
-            Flat::F32(v) => v.len(),
-        }
-    }
-
-    fn get(&self, i: usize) -> f32 {
-        match self {
-            Flat::F16(v) => f16::from_bits(v[i]).to_f32(),
-            Flat::F32(v) => v[i],
-        }
-    }
-
-    /// Scalars `start .. start + len`.
-    fn slice(&self, start: usize, len: usize) -> Self {
-        match self {
-            Flat::F16(v) => Flat::F16(&v[start..start + len]),
-            Flat::F32(v) => Flat::F32(&v[start..start + len]),
-        }
-    }
-
-    /// Whether every scalar is finite (and not below zero unless `signed`), read from the bit
-    /// patterns in one branch-free pass the compiler vectorises: the fast path of a check that
-    /// runs on every attention call, the per-row loop above only naming the first bad row.
-    fn all_valid(&self, signed: bool) -> bool {
-        // A negative non-zero value has its sign bit set and some other bit set: as an
-        // unsigned pattern it exceeds the sign bit alone (negative zero is allowed, as `<`).
-        match self {
-            Flat::F16(v) => {
-                let neg = if signed { u16::MAX } else { 0x8000 };
-                !v.iter()
-                    .fold(false, |bad, &b| bad | ((b & 0x7C00) == 0x7C00) | (b > neg))
-            }
-            Flat::F32(v) => {
-                let neg = if signed { u32::MAX } else { 0x8000_0000 };
-                !v.iter().fold(false, |bad, &x| {
-                    let b = x.to_bits();
-                    bad | ((b & 0x7F80_0000) == 0x7F80_0000) | (b > neg)
-                })
-            }
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -455,7 +430,7 @@ mod tests {
         for signed in [false, true] {
             for b in 0..=u16::MAX {
                 let one = [b];
-                let view = Flat::F16(&one);
+                let view = FloatView::F16(&one);
                 assert_eq!(
                     view.all_valid(signed),
                     rule(view.get(0), signed),
@@ -480,14 +455,18 @@ mod tests {
             ];
             for &x in &edge {
                 let one = [x];
-                assert_eq!(Flat::F32(&one).all_valid(signed), rule(x, signed), "{x}");
+                assert_eq!(
+                    FloatView::F32(&one).all_valid(signed),
+                    rule(x, signed),
+                    "{x}"
+                );
             }
             let mut many = vec![1.5f32; 1000];
-            assert!(Flat::F32(&many).all_valid(signed));
+            assert!(FloatView::F32(&many).all_valid(signed));
             many[777] = -2.0;
-            assert_eq!(Flat::F32(&many).all_valid(signed), signed);
+            assert_eq!(FloatView::F32(&many).all_valid(signed), signed);
             assert_eq!(
-                ScalarView::F32(&many)
+                ScalarView::Float(FloatView::F32(&many))
                     .validate_rows("x", (1, 1000, 1000), signed)
                     .is_ok(),
                 signed
@@ -504,20 +483,20 @@ mod tests {
         for b in 0..3 {
             v[b * 5..b * 5 + 3].copy_from_slice(&[1.0, 2.0, 3.0]);
         }
-        let view = ScalarView::F32(&v);
+        let view = ScalarView::Float(FloatView::F32(&v));
         assert!(view.validate_rows("x", (3, 5, 3), false).is_ok());
         v[2 * 5 + 1] = -1.0;
-        match ScalarView::F32(&v).validate_rows("x", (3, 5, 3), false) {
+        match ScalarView::Float(FloatView::F32(&v)).validate_rows("x", (3, 5, 3), false) {
             Err(KvqError::InvalidScalar { row, .. }) => assert_eq!(row, 2 * 3 + 1),
             other => panic!("{other:?}"),
         }
-        assert!(ScalarView::F32(&v)
+        assert!(ScalarView::Float(FloatView::F32(&v))
             .validate_rows("x", (3, 5, 3), true)
             .is_ok());
         // Room below the held count, or a buffer of another length: a shape error.
         for sizes in [(3, 5, 6), (3, 4, 3), (4, 5, 3)] {
             assert!(matches!(
-                ScalarView::F32(&v).validate_rows("x", sizes, true),
+                ScalarView::Float(FloatView::F32(&v)).validate_rows("x", sizes, true),
                 Err(KvqError::ShapeMismatch { .. })
             ));
         }

@@ -12,7 +12,7 @@ use kvqrs_core::kernels::mse::{MseQuantizer, RowScale};
 use kvqrs_core::kernels::pack::{pack_with, packed_len, unpack_with};
 use kvqrs_core::kernels::qjl::QjlSketcher;
 use kvqrs_core::rng::{gaussians, random_orthonormal_basis};
-use kvqrs_core::scalars::ScalarView;
+use kvqrs_core::scalars::{FloatView, ScalarView};
 use kvqrs_core::Isa;
 use proptest::prelude::*;
 
@@ -350,8 +350,8 @@ impl Stored {
         let groups = ch * t.div_ceil(group);
         (
             &self.codes[..ch * packed_len(t, bits)],
-            ScalarView::F16(&self.scalars[..groups]),
-            ScalarView::F16(&self.zeros[..groups]),
+            ScalarView::Float(FloatView::F16(&self.scalars[..groups])),
+            ScalarView::Float(FloatView::F16(&self.zeros[..groups])),
         )
     }
 
@@ -361,19 +361,19 @@ impl Stored {
         let v = h * t;
         let mse = |n: usize, seed: Option<u64>, qjl: bool| CodedRows::Mse {
             codes: &self.codes[..v * packed_len(n, bits)],
-            norms: ScalarView::F16(&self.scalars[..v]),
+            norms: ScalarView::Float(FloatView::F16(&self.scalars[..v])),
             bits,
             seed,
             qjl: qjl.then_some(QjlRows {
                 signs: &self.signs[..v * n.div_ceil(8)],
-                norms: ScalarView::F16(&self.qjl_norms[..v]),
+                norms: ScalarView::Float(FloatView::F16(&self.qjl_norms[..v])),
                 seed: 9,
             }),
         };
         let tokens = |n: usize, seed: Option<u64>| CodedRows::UniformTokens {
             codes: &self.codes[..v * packed_len(n, bits)],
-            scales: ScalarView::F16(&self.scalars[..v * n.div_ceil(group)]),
-            zeros: ScalarView::F16(&self.zeros[..v * n.div_ceil(group)]),
+            scales: ScalarView::Float(FloatView::F16(&self.scalars[..v * n.div_ceil(group)])),
+            zeros: ScalarView::Float(FloatView::F16(&self.zeros[..v * n.div_ceil(group)])),
             bits,
             group,
             seed,
@@ -438,7 +438,7 @@ fn fused_attention_is_bit_identical_on_every_isa_and_thread_count() {
         let side_scales = halves(12, heads * t, false);
         let side = SideRows {
             codes: &side_codes,
-            scales: ScalarView::F16(&side_scales),
+            scales: ScalarView::Float(FloatView::F16(&side_scales)),
             basis: &basis,
             basis_heads: 1,
             rank,
@@ -524,7 +524,7 @@ fn fused_matched_runs_are_bit_identical_on_every_isa_and_thread_count() {
         let vs = Stored::new(42, heads, t, d);
         let mse = CodedRows::Mse {
             codes: &vs.codes[..heads * t * packed_len(padded_dim(d), 4)],
-            norms: ScalarView::F16(&vs.scalars[..heads * t]),
+            norms: ScalarView::Float(FloatView::F16(&vs.scalars[..heads * t])),
             bits: 4,
             seed: Some(3),
             qjl: None,

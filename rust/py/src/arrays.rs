@@ -4,7 +4,7 @@
 use half::f16;
 use half::slice::HalfFloatSliceExt;
 use kvqrs_core::dtype::Dtype;
-use kvqrs_core::scalars::{ScalarPlane, ScalarView};
+use kvqrs_core::scalars::{FloatView, ScalarPlane, ScalarView};
 use numpy::{PyArray1, PyReadonlyArray1};
 use pyo3::prelude::*;
 
@@ -47,10 +47,11 @@ pub enum Scalars<'py> {
 impl Scalars<'_> {
     /// Borrows the caller's buffer as a core scalar view (no copy).
     pub fn view(&self, arg: impl std::fmt::Display) -> PyResult<ScalarView<'_>> {
-        Ok(match self {
-            Scalars::F16(a) => ScalarView::F16(slice_at(a, arg)?.reinterpret_cast()),
-            Scalars::F32(a) => ScalarView::F32(slice_at(a, arg)?),
-        })
+        let floats = match self {
+            Scalars::F16(a) => FloatView::F16(slice_at(a, arg)?.reinterpret_cast()),
+            Scalars::F32(a) => FloatView::F32(slice_at(a, arg)?),
+        };
+        Ok(ScalarView::Float(floats))
     }
 }
 

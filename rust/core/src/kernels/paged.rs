@@ -458,7 +458,7 @@ mod tests {
     use crate::kernels::mse::MseQuantizer;
     use crate::kernels::pack::{pack, packed_len};
     use crate::rng::gaussians;
-    use crate::scalars::ScalarView;
+    use crate::scalars::{FloatView, ScalarView};
 
     const D: usize = 64;
     const BS: usize = 16;
@@ -567,7 +567,7 @@ mod tests {
                     &AttentionShape::new(1, g, n, D, 0.125),
                     &CodedRows::Mse {
                         codes: &kcs,
-                        norms: ScalarView::F32(kns),
+                        norms: ScalarView::Float(FloatView::F32(kns)),
                         bits,
                         seed: Some(7),
                         qjl: None,
@@ -575,7 +575,7 @@ mod tests {
                     None,
                     &CodedRows::Mse {
                         codes: &vcs,
-                        norms: ScalarView::F32(vns),
+                        norms: ScalarView::Float(FloatView::F32(vns)),
                         bits,
                         seed: Some(7),
                         qjl: None,

@@ -611,6 +611,7 @@ mod tests {
     use crate::kernels::pack::{pack, packed_len};
     use crate::kernels::uniform::UniformQuantizer;
     use crate::rng::gaussians;
+    use crate::scalars::FloatView;
 
     fn softmax_ref(s: &[f64]) -> Vec<f64> {
         let m = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
@@ -845,7 +846,7 @@ mod tests {
         let n = [0u16; 2];
         let keys = CodedRows::Mse {
             codes: &[0u8; 3],
-            norms: ScalarView::F16(&n),
+            norms: ScalarView::Float(FloatView::F16(&n)),
             bits: 4,
             seed: None,
             qjl: None,
@@ -947,12 +948,12 @@ mod tests {
         ) -> CodedRows<'a> {
             CodedRows::Mse {
                 codes,
-                norms: ScalarView::F16(norms),
+                norms: ScalarView::Float(FloatView::F16(norms)),
                 bits: 3,
                 seed: Some(2),
                 qjl: Some(QjlRows {
                     signs,
-                    norms: ScalarView::F32(qn),
+                    norms: ScalarView::Float(FloatView::F32(qn)),
                     seed: 9,
                 }),
             }
@@ -970,15 +971,15 @@ mod tests {
                 (
                     CodedRows::UniformChannels {
                         codes: cc,
-                        scales: ScalarView::F32(cs),
-                        zeros: ScalarView::F32(cz),
+                        scales: ScalarView::Float(FloatView::F32(cs)),
+                        zeros: ScalarView::Float(FloatView::F32(cz)),
                         bits: 4,
                         group: g,
                     },
                     CodedRows::UniformTokens {
                         codes: u2,
-                        scales: ScalarView::F32(us),
-                        zeros: ScalarView::F32(uz),
+                        scales: ScalarView::Float(FloatView::F32(us)),
+                        zeros: ScalarView::Float(FloatView::F32(uz)),
                         bits: 2,
                         group: g,
                         seed: None,
@@ -1002,7 +1003,7 @@ mod tests {
         // HeadQ's side code with every layout.
         let side = |codes, scales| SideRows {
             codes,
-            scales: ScalarView::F32(scales),
+            scales: ScalarView::Float(FloatView::F32(scales)),
             basis: &basis,
             basis_heads: 1,
             rank: 4,
