@@ -32,6 +32,15 @@ import time
 import warnings
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is downloaded: the model is a local GGUF file
+# torch's OpenMP threads (GNU libgomp) spin on their cores for a while after each parallel region
+# by default; on a small CPU kvqrs' native attention, which runs between torch's regions, then
+# waits for a core. Passive waits (read once, when torch loads OpenMP) give the core back; every
+# row of a run, dense included, runs under the same policy. `--omp-wait default` keeps libgomp's
+# (and so does an import of this module after torch: the runtime has read its policy by then).
+_early = argparse.ArgumentParser(add_help=False)
+_early.add_argument("--omp-wait", default="passive")
+if "torch" not in sys.modules and _early.parse_known_args()[0].omp_wait == "passive":
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("TQDM_DISABLE", "1")  # transformers' GGUF conversion progress bar
 warnings.filterwarnings("ignore", category=FutureWarning)  # transformers 5: past_key_values renamed
 
@@ -43,6 +52,12 @@ from speed_common import machine  # noqa: E402 (after the environment settings a
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test of the harness")
+    ap.add_argument(
+        "--omp-wait",
+        choices=["passive", "default"],
+        default="passive",
+        help="torch's OpenMP wait policy for every row: passive (OMP_WAIT_POLICY=PASSIVE unless set; the default) or libgomp's default (spin, then sleep)",
+    )
     ap.add_argument(
         "--sections",
         nargs="+",

@@ -49,7 +49,7 @@ def machine(threads: int) -> str:
     rayon = os.environ.get("RAYON_NUM_THREADS", f"default ({os.cpu_count()})")
     return (
         f"machine: {cpu}, {os.cpu_count()} logical CPUs, LLC {_l3()}, RAM {ram}, load average {load}; "
-        f"threads: torch {threads}, kvqrs rayon {rayon}; kvqrs {kvqrs.__version__} ({kvqrs.simd_summary()}), "
+        f"threads: torch {threads} (OpenMP wait policy {os.environ.get('OMP_WAIT_POLICY', 'default: spin, then sleep')}), kvqrs rayon {rayon}; kvqrs {kvqrs.__version__} ({kvqrs.simd_summary()}), "
         f"numpy {np.__version__}, torch {torch.__version__}, Python {platform.python_version()}"
     )
 
