@@ -377,9 +377,10 @@ pub fn attend(
         }
         None
     };
-    // Heads are independent; small windows stay on the calling thread (see par::PAR_MIN_ATTEND).
+    // Heads are independent; small windows stay on the calling thread (see par::par_min_attend).
     let (out, lse) = (&mut coded.out, &mut coded.lse);
-    let bad: Vec<Option<(usize, usize, f32)>> = if heads * rows * w * 2 * d < par::PAR_MIN_ATTEND {
+    let bad: Vec<Option<(usize, usize, f32)>> = if heads * rows * w * 2 * d < par::par_min_attend()
+    {
         (out.chunks_mut(rows * d).zip(lse.chunks_mut(rows)))
             .enumerate()
             .map(|(h, (o, l))| window_head(h, o, l))

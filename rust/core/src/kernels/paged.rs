@@ -431,7 +431,7 @@ pub fn paged_decode_attention_with(
     let units: Vec<Result<Vec<f32>>> = par::map_range(
         queries.lengths.len() * cache.kv_heads,
         work,
-        par::PAR_MIN_ATTEND,
+        par::par_min_attend(),
         |u| {
             token_head(
                 isa,

@@ -13,7 +13,7 @@
 //!
 //! - each head's tokens are split into fixed chunks of [`CHUNK`] tokens (whole KIVI key groups),
 //!   and every (head, chunk) pair is one rayon task (one step of a loop on the calling thread
-//!   for calls below `par::PAR_MIN_ATTEND` multiply-adds): scores, the chunk's maximum, `exp` (the
+//!   for calls below `par::par_min_attend()` multiply-adds): scores, the chunk's maximum, `exp` (the
 //!   SIMD polynomial of `simd::scalar::exp`) and its float64 sum, and the value sums;
 //! - the chunks of a head are merged by log-sum-exp in chunk order, `sum = sum_c e^(m_c - m)
 //!   sum_c`, the accumulators alike, and the log-sum-exp is returned so that callers can merge
@@ -551,7 +551,7 @@ pub fn decode_attention_with(
     let len = CHUNK.div_ceil(step) * step;
     let chunks = t.div_ceil(len);
     let parts: Vec<std::result::Result<Part, Bad>> =
-        par::map_range(lay.heads * chunks, work, par::PAR_MIN_ATTEND, |i| {
+        par::map_range(lay.heads * chunks, work, par::par_min_attend(), |i| {
             let (h, c) = (i / chunks, i % chunks);
             let span = c * len..((c + 1) * len).min(t);
             chunk(isa, &terms, &qp[h], vrows, h, span, &lay, want_probs)
