@@ -490,3 +490,17 @@ def test_a_view_decoded_in_chunks_equals_one_decode(monkeypatch, scheme):
     chunked = cache.layers[0].materialize()
     assert all(torch.equal(a, b) for a, b in zip(whole, chunked))
     assert whole[0].shape[-2] == 700
+
+
+@pytest.mark.parametrize("residual,tokens", [(2000, 1500), (1024, 1100), (16, 3000)])
+def test_the_window_never_shares_the_callers_tensors(residual, tokens):
+    """Whatever part of a long prompt stays in full precision, the layer holds it in storage of
+    its own: writing to the tensors handed to ``update`` afterwards changes nothing held."""
+    cache = QuantizedKVCache(QuantConfig("kqv", 4, "kqv", 4, residual_length=residual), 1)
+    k, v = torch.randn(1, 2, tokens, 64), torch.randn(1, 2, tokens, 64)
+    cache.update(k, v, 0)
+    before = [t.clone() for t in cache.layers[0].materialize()]
+    k.fill_(7.0)
+    v.fill_(-7.0)
+    after = cache.layers[0].materialize()
+    assert all(torch.equal(a, b) for a, b in zip(before, after))

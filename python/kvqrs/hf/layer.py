@@ -434,6 +434,7 @@ class CompressedLayer(LayerAttention, CacheLayerMixin):
             self.seen += key_states.shape[-2]
             self._absorb_sinks()
             fresh = self._flush()
+            self._own_window(key_states, value_states)
             self._trim_pending(self.seen - key_states.shape[-2])
         except KvqrsError:  # e.g. a group's range beyond float32, found when the chunk is encoded
             self._undo(undo)
@@ -639,7 +640,7 @@ class CompressedLayer(LayerAttention, CacheLayerMixin):
         :meth:`_compact` then moves what stays to a buffer of its size."""
         n = key_states.shape[-2]
         plain = _plain_f32(key_states) and _plain_f32(value_states)
-        if plain and n >= LONG_APPEND and self.keys.shape[-2] == 0:
+        if plain and n >= LONG_APPEND and self.keys.shape[-2] == 0 and self._flushes_most(n):
             if _native.storable(key_states.numpy()) and _native.storable(value_states.numpy()):
                 self.keys, self.values = key_states.contiguous(), value_states.contiguous()
                 return
@@ -654,6 +655,24 @@ class CompressedLayer(LayerAttention, CacheLayerMixin):
         check_storable(value_states, "value_states")
         self.keys = torch.cat([self.keys, key_states], dim=-2)
         self.values = torch.cat([self.values, value_states], dim=-2)
+
+    def _flushes_most(self, n: int) -> bool:
+        """Whether the flush after appending ``n`` tokens to an empty window codes at least three
+        quarters of them (what stays is then copied to a buffer of its size by :meth:`_compact`)."""
+        if self.awaits_calibration or self.record_past:  # the prompt stays whole until the attention
+            return False  # fits on it; recorded originals must not be the caller's tensors
+        coded = self.config.quantized_span(self.seen + n)[1] - self.window_start
+        return 4 * coded >= 3 * n
+
+    def _own_window(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Copy the window to a buffer of its own while it still shares storage with the
+        tensors an update was given (so that a caller writing to them later changes nothing)."""
+        if self.keys is None or self._buffered() is not None:
+            return
+        shared = {t.untyped_storage().data_ptr() for t in (key_states, value_states)}
+        if any(t.untyped_storage().data_ptr() in shared for t in (self.keys, self.values)):
+            self._window = win = _Window.holding(self.keys, self.values, 1)
+            self._show(win)
 
     def _buffered(self) -> _Window | None:
         """The window's buffer while the layer's window is still its view, else None."""
