@@ -636,8 +636,9 @@ class CompressedLayer(LayerAttention, CacheLayerMixin):
         """Append new tokens to the window, refusing a NaN or infinity (named by its index)
         before anything is stored: written in place into the window's buffer (:class:`_Window`)
         where the layer is float32 on the CPU, else joined to the window. A long prompt on an
-        empty window becomes the window as it is (no copy): the flush codes it in place and
-        :meth:`_compact` then moves what stays to a buffer of its size."""
+        empty window becomes the window as it is (no copy) when its flush codes most of it: the
+        flush codes it in place and :meth:`_own_window` then moves what stays to a buffer of its
+        size."""
         n = key_states.shape[-2]
         plain = _plain_f32(key_states) and _plain_f32(value_states)
         if plain and n >= LONG_APPEND and self.keys.shape[-2] == 0 and self._flushes_most(n):
@@ -658,7 +659,7 @@ class CompressedLayer(LayerAttention, CacheLayerMixin):
 
     def _flushes_most(self, n: int) -> bool:
         """Whether the flush after appending ``n`` tokens to an empty window codes at least three
-        quarters of them (what stays is then copied to a buffer of its size by :meth:`_compact`)."""
+        quarters of them (what stays is then copied to a buffer of its size by :meth:`_own_window`)."""
         if self.awaits_calibration or self.record_past:  # the prompt stays whole until the attention
             return False  # fits on it; recorded originals must not be the caller's tensors
         coded = self.config.quantized_span(self.seen + n)[1] - self.window_start
@@ -779,12 +780,7 @@ class CompressedLayer(LayerAttention, CacheLayerMixin):
         tokens (a long prompt's): the prompt's originals are then freed as soon as the forward
         that flushed them has read them (the view's ``flushed``), not at the layer's next update."""
         win = self._buffered()
-        if win is not None:
-            spare = win.cap > 4 * (win.hi - win.lo) + 64
-        else:  # a long prompt taken as the window (_append)
-            held = self.keys.shape[-2] * self.keys.stride(-2) * self.keys.element_size()
-            spare = _plain_f32(self.keys) and self.keys.untyped_storage().nbytes() > 4 * held + 64 * self.head_dim * 4
-        if spare:
+        if win is not None and win.cap > 4 * (win.hi - win.lo) + 64:
             self._window = win = _Window.holding(self.keys, self.values, 1)
             self._show(win)
 

@@ -724,24 +724,13 @@ pub(crate) fn axpy_rows(
     mat: &[f32],
     stride: usize,
 ) {
-    let n = o.len() / rows;
-    let count = w.len() / (rows * groups);
-    let mut r = 0;
-    while r < rows {
-        let rb = (rows - r).min(4);
-        let (ob, wb) = (
-            &mut o[r * n..(r + rb) * n],
-            &w[r * count * groups..(r + rb) * count * groups],
-        );
-        let shape = (n, count, groups, group);
-        match rb {
-            4 => axpy_rows_r::<4>(ob, wb, shape, mat, stride),
-            3 => axpy_rows_r::<3>(ob, wb, shape, mat, stride),
-            2 => axpy_rows_r::<2>(ob, wb, shape, mat, stride),
-            _ => axpy_rows_r::<1>(ob, wb, shape, mat, stride),
-        }
-        r += rb;
-    }
+    let shape = (o.len() / rows, w.len() / (rows * groups), groups, group);
+    super::row_blocks((o, rows), w, 4, |ob, wb, rb| match rb {
+        4 => axpy_rows_r::<4>(ob, wb, shape, mat, stride),
+        3 => axpy_rows_r::<3>(ob, wb, shape, mat, stride),
+        2 => axpy_rows_r::<2>(ob, wb, shape, mat, stride),
+        _ => axpy_rows_r::<1>(ob, wb, shape, mat, stride),
+    });
 }
 
 /// [`axpy_rows`] of `R` query rows (`o`: R x n, `w`: R x count x groups).

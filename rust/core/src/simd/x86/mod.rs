@@ -19,6 +19,23 @@ pub(super) mod avx512;
 /// The BMI2 pack path ([`super::PackPath::Bmi2`]): one `pext`/`pdep` per eight codes.
 pub(super) mod bmi2;
 
+/// The blocks of at most `max` query rows of an `ops::axpy_rows` call (`o`: rows x n, `w`: rows
+/// x per-row weights): `f(o block, w block, rows in the block)`, the rows in order.
+fn row_blocks(
+    (o, rows): (&mut [f32], usize),
+    w: &[f32],
+    max: usize,
+    mut f: impl FnMut(&mut [f32], &[f32], usize),
+) {
+    let (n, per) = (o.len() / rows, w.len() / rows);
+    let mut r = 0;
+    while r < rows {
+        let rb = (rows - r).min(max);
+        f(&mut o[r * n..(r + rb) * n], &w[r * per..(r + rb) * per], rb);
+        r += rb;
+    }
+}
+
 /// Finishes an 8-lane f32 accumulator: adds the tail `a[i] * b[i]` to lane `i` (the tail starts
 /// at a multiple of 8) and combines in the fixed order.
 #[inline]
