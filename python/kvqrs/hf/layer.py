@@ -140,7 +140,7 @@ def _plain_f32(t: torch.Tensor) -> bool:
     return t.dtype is torch.float32 and t.device.type == "cpu" and not t.requires_grad
 
 
-@dataclass(frozen=True)
+@dataclass
 class _View:
     """What one forward reads: positions ``start .. start + columns - 1``, oldest first, as
     full-precision sinks, codes, full-precision window. The codes hold positions ``q_start ..``
@@ -150,7 +150,8 @@ class _View:
     The codes are the layer's store as it held ``held`` tokens: read (copied) only when a
     path needs them as arrays (:attr:`codes_k`, :attr:`codes_v`); a decode step that attends
     from the store reads its buffers in the native call instead. :meth:`CompressedLayer.update`
-    reads them before a sliding layer drops any."""
+    reads them before a sliding layer drops any. Not changed once made (not frozen: a decode
+    step makes one, and a frozen dataclass costs several microseconds to build)."""
 
     start: int
     sink_k: torch.Tensor
@@ -221,10 +222,12 @@ class _View:
         return torch.cat([lead, torch.arange(ns + self.coded, ns + self.coded + self.window_k.shape[-2])])
 
 
-class _Steady(NamedTuple):
+@dataclass(slots=True)
+class _Steady:
     """A layer's steady decode state (:meth:`CompressedLayer._steady_state`): the shapes of a
     decode token's keys and values, and the last view (its sinks, store and code start are
-    those of every step until the general path runs again)."""
+    those of every step until the general path runs again). Each steady update moves it on in
+    place."""
 
     k_shape: torch.Size
     v_shape: torch.Size
@@ -498,7 +501,7 @@ class CompressedLayer(LayerAttention, CacheLayerMixin):
         if not _native.window_append(win.flat_k, win.flat_v, win.cap, win.hi, key_states.numpy(), value_states.numpy()):
             return None
         # The flush is deferred to the attention's native call; the layer's positions move now.
-        undo = (self._undo_point(), self._view, st, self._returned)
+        undo = (self._undo_point(), self._view, self._returned)
         self._deferred = _Deferred(key_states, value_states, win.lo, win.hi, max(n, 0), undo)
         flushed = None
         if n > 0:  # the oldest window tokens leave it as codes
@@ -513,9 +516,7 @@ class CompressedLayer(LayerAttention, CacheLayerMixin):
         self._view = _View(
             last.start, last.sink_k, last.sink_v, last.store, self.quantized, last.q_start, self.keys, self.values, seen - 1, flushed, rows
         )
-        self._steady = st._replace(
-            view=self._view, seen=seen, quantized=self.quantized, window=win, hi=win.hi, max_cap=4 * (win.hi - win.lo + 1) + 64
-        )
+        st.view, st.seen, st.quantized, st.hi, st.max_cap = self._view, seen, self.quantized, win.hi, 4 * (win.hi - win.lo + 1) + 64
         self._returned = weakref.ref(self.keys)
         return self.keys, self.values
 
@@ -539,7 +540,7 @@ class CompressedLayer(LayerAttention, CacheLayerMixin):
         """A deferred step whose writes were refused: the layer goes back to its state before
         that update, which then takes the general path (it names the refused value, or codes
         the tokens in Python where the native encode refused them)."""
-        point, self._view, self._steady, self._returned = d.undo
+        point, self._view, self._returned = d.undo
         self._undo(point)
         self._steady = None
         self.update(d.keys, d.values)
@@ -552,7 +553,8 @@ class CompressedLayer(LayerAttention, CacheLayerMixin):
             self._compact()
             if self._window is not win:
                 win = self._window
-                self._steady = self._steady._replace(window=win, hi=win.hi, max_cap=4 * (win.hi - win.lo + 1) + 64)
+                st = self._steady
+                st.window, st.hi, st.max_cap = win, win.hi, 4 * (win.hi - win.lo + 1) + 64
 
     def _undo_point(self) -> tuple:
         """What :meth:`_undo` restores: the state an append, a sink move or a flush changes

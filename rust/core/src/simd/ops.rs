@@ -39,10 +39,17 @@ pub(crate) fn dot(isa: Isa, a: &[f32], b: &[f32]) -> f32 {
     }
 }
 
-/// `out[r] = dot(mat row r, x)` for the `out.len()` rows of `mat` (row length `x.len()`).
+/// `out[r] = dot(mat row r, x)` for the `out.len()` rows of `mat` (row length `x.len()`):
+/// on x86 with `n` a multiple of 8, the rows as the tokens of [`dots_tokens`] (the same order,
+/// several rows per register and their sums combined without a scalar pass per row).
 pub(crate) fn dots(isa: Isa, mat: &[f32], x: &[f32], out: &mut [f32]) {
     let n = x.len();
     match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 | Isa::Avx512 if n > 0 && n.is_multiple_of(8) => {
+            let rows = out.len();
+            dots_tokens(isa, x, &mat[..rows * n], n, out, rows);
+        }
         // SAFETY (all arms): `isa` is supported.
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512 => unsafe { avx512::dots(mat, x, out) },
