@@ -414,6 +414,12 @@ fn fused_attention_is_bit_identical_on_every_isa_and_thread_count() {
         (17, 31, 2, 1, 3),
         (96, 70, 3, 8, 32),
         (8, 9, 4, 5, 7),
+        // Odd token counts over 1..4-bit rows the SIMD paths read packed (blocks and their
+        // tails, groups of 16 and 48, 1..5 query rows).
+        (64, 45, 5, 3, 16),
+        (64, 97, 1, 2, 16),
+        (80, 33, 4, 1, 48),
+        (48, 71, 2, 4, 16),
         // Several chunks of tokens merged by log-sum-exp, KIVI groups that do not divide it.
         (16, 600, 3, 4, 32),
         (12, 530, 2, 3, 7),

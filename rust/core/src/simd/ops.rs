@@ -384,6 +384,73 @@ pub(crate) fn axpy_rows(
     }
 }
 
+/// Whether [`dots_tokens_packed`] and [`axpy_rows_packed`] decode `bits`-bit codes in registers
+/// on `isa` (for [`dots_tokens_packed`] with rows of a multiple of 8 values, for
+/// [`axpy_rows_packed`] with `groups == 1` or `group` a multiple of 16); elsewhere they decode
+/// into a buffer first, so a caller with its own buffer keeps it.
+pub(crate) fn fuses_packed(isa: Isa, bits: u32) -> bool {
+    cfg!(target_arch = "x86_64") && isa == Isa::Avx512 && (1..=4).contains(&bits)
+}
+
+/// [`dots_tokens`] of the `count` rows of `n` codes of a packed bit stream (`packed`, row `k`
+/// from bit `k * n * bits`; `table` has 256 entries): the reference is [`decode_packed`] of
+/// the stream, then [`dots_tokens`]; on AVX-512 (up to 4 bits, `n` a multiple of 8) the codes
+/// are decoded in registers and fed to the same arithmetic, so every path agrees.
+pub(crate) fn dots_tokens_packed(
+    isa: Isa,
+    q: &[f32],
+    (packed, count): (&[u8], usize),
+    (bits, table): (u32, &[f32]),
+    n: usize,
+    out: &mut [f32],
+    stride: usize,
+) {
+    match isa {
+        // SAFETY: `isa` is supported; `table` has 256 entries.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 if fuses_packed(isa, bits) && n.is_multiple_of(8) && n > 0 => unsafe {
+            avx512::dots_tokens_packed(q, (packed, count), (bits, table), n, out, stride)
+        },
+        _ => {
+            let mut x = vec![0.0f32; count * n];
+            decode_packed(isa, packed, bits, table, &mut x);
+            dots_tokens(isa, q, &x, n, out, stride);
+        }
+    }
+}
+
+/// [`axpy_rows`] of the `count = w.len() / (rows * groups)` rows of `n = o.len() / rows` codes
+/// of a packed bit stream (`packed`, row `c` from bit `c * n * bits`, `n * bits` a multiple of
+/// 8; `table` has 256 entries): the reference is [`decode_packed`] of the stream, then
+/// [`axpy_rows`] (stride `n`); on AVX-512 (up to 4 bits, `groups == 1` or `group` a multiple of
+/// 16) the codes are decoded in registers and fed to the same arithmetic, so every path agrees.
+pub(crate) fn axpy_rows_packed(
+    isa: Isa,
+    (o, rows): (&mut [f32], usize),
+    w: &[f32],
+    (groups, group): (usize, usize),
+    (packed, bits, table): (&[u8], u32, &[f32]),
+) {
+    if o.is_empty() || rows == 0 {
+        return;
+    }
+    let n = o.len() / rows;
+    debug_assert!((n * bits as usize).is_multiple_of(8));
+    match isa {
+        // SAFETY: `isa` is supported; `table` has 256 entries.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 if fuses_packed(isa, bits) && (groups == 1 || group.is_multiple_of(16)) => unsafe {
+            avx512::axpy_rows_packed((o, rows), w, (groups, group), (packed, bits, table))
+        },
+        _ => {
+            let count = w.len() / (rows * groups);
+            let mut x = vec![0.0f32; count * n];
+            decode_packed(isa, packed, bits, table, &mut x);
+            axpy_rows(isa, (o, rows), w, (groups, group), &x, n);
+        }
+    }
+}
+
 /// HeadQ correction `sum qu[i] * (s * (codes[i] - h))` in the fixed 8-lane order.
 pub(crate) fn dot_side(isa: Isa, qu: &[f32], codes: &[u8], s: f32, h: f32) -> f32 {
     match isa {
@@ -558,6 +625,81 @@ mod tests {
                             bits(&want),
                             "{isa:?} n={n} rows={rows} count={count}"
                         );
+                    }
+                }
+            }
+        }
+    }
+
+    /// The packed-row ops on every path against their reference (the scalar decode of the
+    /// stream, then the scalar op): every width, token counts with every tail of a group of 8,
+    /// query rows 1..=5, row lengths with a tail register, one weight per token or per group.
+    #[test]
+    fn packed_row_ops_match_decode_then_op() {
+        let table: Vec<f32> = (0..256).map(|i| (i as f32 - 7.5) * 0.37).collect();
+        let signs: Vec<f32> = [1.0f32, -1.0].into_iter().chain([0.0; 254]).collect();
+        let bits_of = bits;
+        for isa in Isa::available() {
+            for bits in 1..=4u32 {
+                let table = if bits == 1 { &signs } else { &table };
+                for n in [8usize, 16, 24, 40, 64, 72, 128, 4, 6, 2, 12, 20] {
+                    if !(n * bits as usize).is_multiple_of(8) {
+                        continue;
+                    }
+                    for count in (0..=19).chain([31, 32, 33]) {
+                        let len = (count * n * bits as usize).div_ceil(8);
+                        let packed: Vec<u8> = (0..len)
+                            .map(|i| ((i as u64 * 0x9E37_79B9) >> 7) as u8)
+                            .collect();
+                        let mut x = vec![0.0f32; count * n];
+                        decode_packed(Isa::Scalar, &packed, bits, table, &mut x);
+                        // The stream alone, and running on into other bytes (as a block of a
+                        // longer buffer).
+                        let mut longer = packed.clone();
+                        longer.extend([0xA7u8; 9]);
+                        for packed in [&packed[..], &longer[..]] {
+                            for rows in 1..=5 {
+                                let at =
+                                    format!("{isa:?} bits={bits} n={n} count={count} rows={rows}");
+                                if n.is_multiple_of(8) {
+                                    let q: Vec<f32> = values(n as u64 + 5, rows * n);
+                                    let stride = count + 3;
+                                    let mut got = vec![7.0f32; rows * stride];
+                                    let codes = (bits, &table[..]);
+                                    dots_tokens_packed(
+                                        isa,
+                                        &q,
+                                        (packed, count),
+                                        codes,
+                                        n,
+                                        &mut got,
+                                        stride,
+                                    );
+                                    let mut want = vec![7.0f32; rows * stride];
+                                    dots_tokens(Isa::Scalar, &q, &x, n, &mut want, stride);
+                                    assert_eq!(bits_of(&got), bits_of(&want), "dots {at}");
+                                }
+                                for group in [0, 16, 32] {
+                                    let (groups, group) = match group {
+                                        0 => (1, n),
+                                        g => (n.div_ceil(g), g),
+                                    };
+                                    let w: Vec<f32> = values(300 + n as u64, rows * count * groups);
+                                    let o = values(40 + n as u64, rows * n);
+                                    let (mut a, mut b) = (o.clone(), o);
+                                    let shape = (groups, group);
+                                    axpy_rows_packed(
+                                        isa,
+                                        (&mut a, rows),
+                                        &w,
+                                        shape,
+                                        (packed, bits, table),
+                                    );
+                                    axpy_rows(Isa::Scalar, (&mut b, rows), &w, shape, &x, n);
+                                    assert_eq!(bits_of(&a), bits_of(&b), "axpy {at} group={group}");
+                                }
+                            }
+                        }
                     }
                 }
             }

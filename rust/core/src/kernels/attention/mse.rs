@@ -133,9 +133,10 @@ impl KeyRows for MsePlan<'_> {
         let mut nb = vec![0.0f32; n];
         // Per block of decoded rows: the dots of every (query row, token), then `||k_j|| * dot`.
         let mut add = |reader: &RowReader, codes: &[u8], nb: &[f32], k: f32, sq: &[f32]| {
-            reader.each_block(isa, codes, (h, t), span.clone(), |j0, block| {
-                let count = block.len() / cd;
-                ops::dots_tokens(isa, sq, block, cd, &mut dots, BLOCK);
+            let packed = reader.fuses(isa) && cd.is_multiple_of(8);
+            let ht = (h, t);
+            reader.each_block_in(isa, codes, ht, span.clone(), packed, |j0, count, block| {
+                reader.dots_tokens(isa, sq, (count, &block), &mut dots, BLOCK);
                 for (r, dr) in dots.chunks_exact(BLOCK).enumerate() {
                     let sr = &mut s[r * n + j0 - c0..r * n + j0 - c0 + count];
                     let nr = &nb[j0 - c0..j0 - c0 + count];
@@ -166,21 +167,18 @@ impl ValueRows for MsePlan<'_> {
         let (rows, stride) = (p.len() / n, self.acc_dim());
         let mut lanes = Lanes::new(rows, cd);
         let mut nb = [0.0f32; BLOCK];
-        self.reader
-            .each_block(isa, self.codes, (h, t), span.clone(), |j0, block| {
-                let count = block.len() / cd;
-                self.norms.read(isa, h * t + j0, &mut nb[..count]);
-                let w = |r: usize, k: usize| p[r * n + j0 - c0 + k] * nb[k];
-                lanes.add_block(isa, block, w, acc, (stride, 0));
+        let mut add = |reader: &RowReader, codes: &[u8], norms: &ScalarView, offset: usize| {
+            let packed = reader.fuses(isa);
+            let ht = (h, t);
+            reader.each_block_in(isa, codes, ht, span.clone(), packed, |j0, count, block| {
+                norms.read(isa, h * t + j0, &mut nb[..count]);
+                let rows = (reader, count, &block);
+                lanes.add_rows(isa, rows, (p, n, j0 - c0, &nb), acc, (stride, offset));
             });
+        };
+        add(&self.reader, self.codes, &self.norms, 0);
         if let Some(q) = &self.qjl {
-            q.reader
-                .each_block(isa, q.signs, (h, t), span, |j0, block| {
-                    let count = block.len() / cd;
-                    q.norms.read(isa, h * t + j0, &mut nb[..count]);
-                    let w = |r: usize, k: usize| p[r * n + j0 - c0 + k] * nb[k];
-                    lanes.add_block(isa, block, w, acc, (stride, cd));
-                });
+            add(&q.reader, q.signs, &q.norms, cd);
         }
     }
 

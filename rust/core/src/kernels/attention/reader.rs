@@ -111,6 +111,82 @@ impl RowReader {
         }
     }
 
+    /// Whether [`RowReader::each_block_in`] can hand blocks over packed on `isa` (rows without
+    /// padding bits, codes the SIMD path decodes in registers: `ops::fuses_packed`).
+    pub(super) fn fuses(&self, isa: Isa) -> bool {
+        (self.n * self.bits as usize).is_multiple_of(8) && ops::fuses_packed(isa, self.bits)
+    }
+
+    /// [`RowReader::each_block`] as `f(j0, count, block)`: with `packed` (only where
+    /// [`RowReader::fuses`]) each block is its packed bit stream, to be read by
+    /// [`RowReader::dots_tokens`] / [`RowReader::axpy_rows`] without a decode into memory.
+    pub(super) fn each_block_in(
+        &self,
+        isa: Isa,
+        codes: &[u8],
+        (h, t): (usize, usize),
+        span: Range<usize>,
+        packed: bool,
+        mut f: impl FnMut(usize, usize, Block<'_>),
+    ) {
+        let (rb, n) = (self.row_bytes, self.n);
+        if packed {
+            debug_assert!(self.fuses(isa));
+            // Each block's bytes run on to the end of `codes` (the SIMD reads may go past
+            // the block's last row, never past the buffer).
+            let (first, end) = (h * t + span.start, h * t + span.end);
+            for j in (first..end).step_by(BLOCK) {
+                let count = (end - j).min(BLOCK);
+                f(
+                    span.start + j - first,
+                    count,
+                    Block::Packed(&codes[j * rb..]),
+                );
+            }
+        } else {
+            self.each_block(isa, codes, (h, t), span, |j0, v| {
+                f(j0, v.len() / n, Block::Values(v));
+            });
+        }
+    }
+
+    /// `ops::dots_tokens` of the `count` rows of a block (stride `n`), or
+    /// `ops::dots_tokens_packed` of its packed rows.
+    pub(super) fn dots_tokens(
+        &self,
+        isa: Isa,
+        q: &[f32],
+        (count, block): (usize, &Block<'_>),
+        out: &mut [f32],
+        stride: usize,
+    ) {
+        match *block {
+            Block::Values(x) => ops::dots_tokens(isa, q, x, self.n, out, stride),
+            Block::Packed(p) => {
+                let codes = (self.bits, &self.table[..]);
+                ops::dots_tokens_packed(isa, q, (p, count), codes, self.n, out, stride);
+            }
+        }
+    }
+
+    /// `ops::axpy_rows` of the rows of a block (stride `n`), or `ops::axpy_rows_packed` of its
+    /// packed rows.
+    pub(super) fn axpy_rows(
+        &self,
+        isa: Isa,
+        part: (&mut [f32], usize),
+        w: &[f32],
+        shape: (usize, usize),
+        block: &Block<'_>,
+    ) {
+        match *block {
+            Block::Values(x) => ops::axpy_rows(isa, part, w, shape, x, self.n),
+            Block::Packed(p) => {
+                ops::axpy_rows_packed(isa, part, w, shape, (p, self.bits, &self.table));
+            }
+        }
+    }
+
     /// Calls `f(j, values of row j)` for the tokens `span` of head `h`, in token order.
     pub(super) fn each_row(
         &self,
@@ -127,6 +203,13 @@ impl RowReader {
             }
         });
     }
+}
+
+/// A block of [`BLOCK`] (or fewer) rows: decoded values (count x n), or the packed bit stream
+/// from the block's first row (running on past its last).
+pub(super) enum Block<'a> {
+    Values(&'a [f32]),
+    Packed(&'a [u8]),
 }
 
 /// Per-query-row sums `sum_j w_(r,j) x_j` of one block of [`BLOCK`] rows `x_j` (n values each)
@@ -177,6 +260,28 @@ impl Lanes {
             self.n,
         );
         self.carry(acc, (stride, offset));
+    }
+
+    /// Adds one block of `count` rows of `reader` (values or packed) with weight
+    /// `p[r * pn + at + k] * nb[k]` for query row `r` and the block's row `k`, then carries the
+    /// sums into `acc` (row `r` at `r * stride + offset`).
+    pub(super) fn add_rows(
+        &mut self,
+        isa: Isa,
+        (reader, count, block): (&RowReader, usize, &Block<'_>),
+        (p, pn, at, nb): (&[f32], usize, usize, &[f32]),
+        acc: &mut [f64],
+        so: (usize, usize),
+    ) {
+        self.w.clear();
+        for r in 0..self.rows {
+            let pr = &p[r * pn + at..r * pn + at + count];
+            self.w
+                .extend(pr.iter().zip(&nb[..count]).map(|(&a, &b)| a * b));
+        }
+        let part = (&mut self.part[..], self.rows);
+        reader.axpy_rows(isa, part, &self.w, (1, self.n), block);
+        self.carry(acc, so);
     }
 
     /// `acc[r * stride + offset + i] += part[r][i]`, then clears the lanes.

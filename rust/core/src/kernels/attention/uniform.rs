@@ -125,24 +125,36 @@ impl ValueRows for TokensPlan<'_> {
         let rows = p.len() / n;
         let (sc, ze) = self.planes(isa, h, span.clone());
         let mut lanes = super::reader::Lanes::new(rows, cd);
+        let packed = self.reader.fuses(isa) && (groups == 1 || group.is_multiple_of(16));
+        let ht = (h, self.stride);
         self.reader
-            .each_block(isa, self.codes, (h, self.stride), span, |j0, block| {
-                let count = block.len() / cd;
+            .each_block_in(isa, self.codes, ht, span, packed, |j0, count, block| {
                 let at = (j0 - c0) * groups..(j0 - c0 + count) * groups;
                 let (scb, zeb) = (&sc[at.clone()], &ze[at]);
                 // Weights p_j s_(j,g), one per query row, token and group.
                 let w = &mut lanes.w;
-                w.clear();
-                for r in 0..rows {
+                w.resize(rows * count * groups, 0.0);
+                for (r, wr) in w.chunks_exact_mut(count * groups).enumerate() {
                     let pr = &p[r * n + j0 - c0..r * n + j0 - c0 + count];
-                    for (sk, &pj) in scb.chunks_exact(groups).zip(pr) {
-                        w.extend(sk.iter().map(|&s| pj * s));
+                    if groups == 1 {
+                        wr.iter_mut()
+                            .zip(pr.iter().zip(scb))
+                            .for_each(|(o, (&pj, &s))| *o = pj * s);
+                    } else {
+                        for ((wk, sk), &pj) in wr
+                            .chunks_exact_mut(groups)
+                            .zip(scb.chunks_exact(groups))
+                            .zip(pr)
+                        {
+                            wk.iter_mut().zip(sk).for_each(|(o, &s)| *o = pj * s);
+                        }
                     }
                 }
                 let pb = (p, n, j0 - c0);
                 zero_point_sums(pb, (zeb, groups), count, (acc, stride, cd));
                 let part = (&mut lanes.part[..], rows);
-                ops::axpy_rows(isa, part, w, (groups, group), block, cd);
+                self.reader
+                    .axpy_rows(isa, part, &lanes.w, (groups, group), &block);
                 lanes.carry(acc, (stride, 0));
             });
     }

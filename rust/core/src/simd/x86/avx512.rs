@@ -622,39 +622,49 @@ pub(crate) fn f16_to_f32(src: &[u16], out: &mut [f32]) {
 }
 
 /// `out[r * stride + k] = dot(q row r, x row k)` for `R` query rows of `n` (a multiple of 8)
-/// and eight rows of `x`: two tokens per register (lanes 0..8 and 8..16, each an 8-lane
-/// accumulator in the reference order), combined in one transposed pass.
+/// and the eight tokens `k0 .. k0 + 8` (the first `keep` stored): two tokens per register
+/// (lanes 0..8 and 8..16, each an 8-lane accumulator in the reference order; `pair(k, i)`
+/// holds values `i .. i + 8` of tokens `k` and `k + 1`), combined in one transposed pass.
+/// A token's lanes never meet another's, so tokens past `keep` change nothing stored.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
-fn dots_tokens8<const R: usize>(q: &[f32], x: &[f32], n: usize, out: &mut [f32], stride: usize) {
-    debug_assert!(q.len() >= R * n && x.len() >= 8 * n && n.is_multiple_of(8));
+fn dots_tokens8<const R: usize>(
+    q: &[f32],
+    n: usize,
+    pair: &impl Fn(usize, usize) -> __m512,
+    (k0, keep): (usize, usize),
+    out: &mut [f32],
+    stride: usize,
+) {
+    debug_assert!(q.len() >= R * n && n.is_multiple_of(8) && keep <= 8);
     let mut acc = [[_mm512_setzero_ps(); 4]; R];
     let mut i = 0;
     while i < n {
-        // SAFETY: rows r < R of q and k < 8 of x hold n floats each, and i + 8 <= n.
-        unsafe {
-            let row = |k: usize| _mm256_castps_pd(_mm256_loadu_ps(x.as_ptr().add(k * n + i)));
-            let t: [__m512; 4] = std::array::from_fn(|p| {
-                _mm512_castpd_ps(_mm512_insertf64x4::<1>(
-                    _mm512_castpd256_pd512(row(2 * p)),
-                    row(2 * p + 1),
-                ))
-            });
-            for (r, a) in acc.iter_mut().enumerate() {
-                let qv = _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(
-                    _mm256_loadu_ps(q.as_ptr().add(r * n + i)),
-                )));
-                for (ap, &tp) in a.iter_mut().zip(&t) {
-                    *ap = _mm512_add_ps(*ap, _mm512_mul_ps(tp, qv));
-                }
+        let t: [__m512; 4] = std::array::from_fn(|p| pair(k0 + 2 * p, i));
+        for (r, a) in acc.iter_mut().enumerate() {
+            // SAFETY: row r < R of q holds n floats, and i + 8 <= n.
+            let qv = unsafe {
+                _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(_mm256_loadu_ps(
+                    q.as_ptr().add(r * n + i),
+                ))))
+            };
+            for (ap, &tp) in a.iter_mut().zip(&t) {
+                *ap = _mm512_add_ps(*ap, _mm512_mul_ps(tp, qv));
             }
         }
         i += 8;
     }
     for (r, a) in acc.iter().enumerate() {
         let v = combine8(a);
-        // SAFETY: out holds row r's eight results at r * stride.
-        unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(r * stride), v) };
+        // SAFETY: out holds row r's first `keep` results at r * stride.
+        unsafe {
+            let o = out.as_mut_ptr().add(r * stride);
+            if keep == 8 {
+                _mm256_storeu_ps(o, v);
+            } else {
+                _mm256_mask_storeu_ps(o, ((1u32 << keep) - 1) as __mmask8, v);
+            }
+        }
     }
 }
 
@@ -687,29 +697,170 @@ fn combine8(a: &[__m512; 4]) -> __m256 {
 /// [`super::avx2::dots_tokens`] eight tokens at a time.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
 pub(crate) fn dots_tokens(q: &[f32], x: &[f32], n: usize, out: &mut [f32], stride: usize) {
-    let (rows, count) = (q.len() / n, x.len() / n);
+    let count = x.len() / n;
     let k8 = count / 8 * 8;
+    let pair = |k: usize, i: usize| {
+        // SAFETY: tokens k, k + 1 < k8 <= count hold n floats each, and i + 8 <= n.
+        unsafe {
+            let row = |k: usize| _mm256_castps_pd(_mm256_loadu_ps(x.as_ptr().add(k * n + i)));
+            _mm512_castpd_ps(_mm512_insertf64x4::<1>(
+                _mm512_castpd256_pd512(row(k)),
+                row(k + 1),
+            ))
+        }
+    };
+    dots_tokens_with(q, n, k8, &pair, out, stride);
+    // The last 1..7 tokens; AVX2 is part of this path's features.
+    if k8 < count {
+        super::avx2::dots_tokens(q, &x[k8 * n..], n, &mut out[k8..], stride);
+    }
+}
+
+/// The scores of `count` tokens read through `pair` ([`dots_tokens8`]), up to four query rows
+/// and eight tokens at a time (the last group of tokens may be partial).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
+fn dots_tokens_with(
+    q: &[f32],
+    n: usize,
+    count: usize,
+    pair: &impl Fn(usize, usize) -> __m512,
+    out: &mut [f32],
+    stride: usize,
+) {
+    let rows = q.len() / n;
     let mut r = 0;
     while r < rows {
         let rb = (rows - r).min(4);
         let (qb, ob) = (&q[r * n..(r + rb) * n], &mut out[r * stride..]);
         let mut k = 0;
-        while k < k8 {
-            let (xk, ok) = (&x[k * n..(k + 8) * n], &mut ob[k..]);
+        while k < count {
+            let (ks, ok) = ((k, (count - k).min(8)), &mut ob[k..]);
             match rb {
-                4 => dots_tokens8::<4>(qb, xk, n, ok, stride),
-                3 => dots_tokens8::<3>(qb, xk, n, ok, stride),
-                2 => dots_tokens8::<2>(qb, xk, n, ok, stride),
-                _ => dots_tokens8::<1>(qb, xk, n, ok, stride),
+                4 => dots_tokens8::<4>(qb, n, pair, ks, ok, stride),
+                3 => dots_tokens8::<3>(qb, n, pair, ks, ok, stride),
+                2 => dots_tokens8::<2>(qb, n, pair, ks, ok, stride),
+                _ => dots_tokens8::<1>(qb, n, pair, ks, ok, stride),
             }
             k += 8;
         }
         r += rb;
     }
-    // The last 1..7 tokens; AVX2 is part of this path's features.
-    if k8 < count {
-        super::avx2::dots_tokens(q, &x[k8 * n..], n, &mut out[k8..], stride);
+}
+
+/// In-register table decode of sixteen packed codes of 2..=4 bits: lanes below `split` take
+/// the 32-bit word at the first pointer, the others the word at the second (two broadcast
+/// loads and a blend), each shifted by its lane's bit offset, then one 16-entry permute of the
+/// table repeated every `2^bits` entries (the permute reads only the index's low 4 bits, so the
+/// bits above the code need no mask). The values are exact copies of table entries.
+#[derive(Clone, Copy)]
+struct Unpack16 {
+    shifts: __m512i,
+    split: __mmask16,
+    lut: __m512,
+}
+
+impl Unpack16 {
+    /// Lane `i` holds the code at bit `i * bits` of its word, less `second_bits` from lane
+    /// `split` on.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
+    fn new(bits: u32, table: &[f32], (split, second_bits): (usize, usize)) -> Self {
+        debug_assert!((2..=4).contains(&bits) && table.len() >= 16);
+        let b = bits as usize;
+        let sh: [i32; 16] = std::array::from_fn(|i| {
+            (if i < split {
+                i * b
+            } else {
+                i * b - second_bits
+            }) as i32
+        });
+        let lut: [f32; 16] = std::array::from_fn(|j| table[j & ((1 << b) - 1)]);
+        debug_assert!(sh
+            .iter()
+            .zip(0..)
+            .all(|(&s, i)| s >= 0 && s as usize + b <= 32 || i >= 16));
+        // SAFETY: sh and lut hold 16 lanes.
+        unsafe {
+            Self {
+                shifts: _mm512_loadu_si512(sh.as_ptr().cast()),
+                split: (0xFFFFu32 << split.min(16)) as __mmask16,
+                lut: _mm512_loadu_ps(lut.as_ptr()),
+            }
+        }
     }
+
+    /// # Safety
+    /// Four bytes are readable at `lo` and at `hi`.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
+    unsafe fn decode(&self, lo: *const u8, hi: *const u8) -> __m512 {
+        // SAFETY: the caller's four bytes at each pointer.
+        let (a, b) = unsafe {
+            (
+                _mm512_set1_epi32(lo.cast::<i32>().read_unaligned()),
+                _mm512_set1_epi32(hi.cast::<i32>().read_unaligned()),
+            )
+        };
+        let w = _mm512_mask_blend_epi32(self.split, a, b);
+        _mm512_permutexvar_ps(_mm512_srlv_epi32(w, self.shifts), self.lut)
+    }
+}
+
+/// The first `bytes` (at most 16) bytes from `p`, the rest zero; bytes past them are not read.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
+unsafe fn load_bytes(p: *const u8, bytes: usize) -> __m128i {
+    // SAFETY: the caller's `bytes` bytes from p are readable; masked lanes are not accessed.
+    unsafe { _mm_maskz_loadu_epi8(((1u32 << bytes) - 1) as __mmask16, p.cast()) }
+}
+
+/// [`super::super::ops::dots_tokens_packed`]: the block's codes are decoded in registers (the
+/// values [`decode_packed`] stores) and fed to the arithmetic of [`dots_tokens`], so the
+/// results are its bits. `n` a multiple of 8, `bits` 1..=4.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
+pub(crate) fn dots_tokens_packed(
+    q: &[f32],
+    (packed, count): (&[u8], usize),
+    (bits, table): (u32, &[f32]),
+    n: usize,
+    out: &mut [f32],
+    stride: usize,
+) {
+    let b = bits as usize;
+    let used = count * n * b / 8;
+    debug_assert!(n.is_multiple_of(8) && packed.len() >= used);
+    // Eight codes (b bytes) of token k from value i; tokens past `count` read nothing.
+    let at = |k: usize, i: usize| (k * n + i) * b / 8;
+    if bits == 1 {
+        let (zero, one) = (_mm512_set1_ps(table[0]), _mm512_set1_ps(table[1]));
+        let byte = |k: usize, i: usize| if k < count { packed[at(k, i)] } else { 0 };
+        let pair = |k: usize, i: usize| {
+            let m = u16::from_le_bytes([byte(k, i), byte(k + 1, i)]);
+            _mm512_mask_blend_ps(m, zero, one)
+        };
+        return dots_tokens_with(q, n, count, &pair, out, stride);
+    }
+    if packed.len() < used + 4 {
+        // The last token's 4-byte reads would leave `packed`: a padded copy (the end of a
+        // buffer only).
+        let mut padded = packed[..used].to_vec();
+        padded.resize(used + 4, 0);
+        return dots_tokens_packed(q, (&padded, count), (bits, table), n, out, stride);
+    }
+    let dec = Unpack16::new(bits, table, (8, 8 * b));
+    let (p, zeros) = (packed.as_ptr(), [0u8; 4]);
+    let word = |k: usize, i: usize| {
+        if k < count {
+            p.wrapping_add(at(k, i))
+        } else {
+            zeros.as_ptr()
+        }
+    };
+    // SAFETY: four bytes from at(k, i) lie in `packed` for k < count (used + 4 <= len), and
+    // `zeros` holds four.
+    let pair = |k: usize, i: usize| unsafe { dec.decode(word(k, i), word(k + 1, i)) };
+    dots_tokens_with(q, n, count, &pair, out, stride);
 }
 
 /// [`super::super::ops::axpy_rows`] for one weight per token (`groups == 1`) or `group` a
@@ -724,12 +875,79 @@ pub(crate) fn axpy_rows(
     mat: &[f32],
     stride: usize,
 ) {
+    // SAFETY: the `valid` lanes from `at` lie in row c of mat (at c * stride).
+    let x = |c: usize, at: usize, valid: usize| unsafe {
+        _mm512_maskz_loadu_ps(mask16(valid), mat.as_ptr().add(c * stride + at))
+    };
+    axpy_rows_with((o, rows), w, (groups, group), &x);
+}
+
+/// [`super::super::ops::axpy_rows_packed`]: the rows' codes are decoded in registers (the values
+/// [`decode_packed`] stores) and fed to the arithmetic of [`axpy_rows`], so the results are its
+/// bits. `bits` 1..=4, `groups == 1` or `group` a multiple of 16.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
+pub(crate) fn axpy_rows_packed(
+    (o, rows): (&mut [f32], usize),
+    w: &[f32],
+    (groups, group): (usize, usize),
+    (packed, bits, table): (&[u8], u32, &[f32]),
+) {
+    let (b, n) = (bits as usize, o.len() / rows);
+    let count = w.len() / (rows * groups);
+    debug_assert!(packed.len() >= (count * n * b).div_ceil(8) && (n * b).is_multiple_of(8));
+    let p = packed.as_ptr();
+    // SAFETY (both loads): the bytes of the `valid` codes of row c from `at` (a multiple of 16,
+    // so a whole byte) lie in `packed`.
+    let bytes = |c: usize, at: usize, valid: usize| unsafe {
+        load_bytes(p.add((c * n + at) * b / 8), (valid * b).div_ceil(8))
+    };
+    if bits == 1 {
+        let (zero, one) = (_mm512_set1_ps(table[0]), _mm512_set1_ps(table[1]));
+        let x = |c: usize, at: usize, valid: usize| {
+            let m = _mm_cvtsi128_si32(bytes(c, at, valid)) as u16;
+            _mm512_mask_blend_ps(m, zero, one)
+        };
+        return axpy_rows_with((o, rows), w, (groups, group), &x);
+    }
+    // The second word of sixteen codes: none (2 bits), codes 10.. from byte 2 (3 bits),
+    // codes 8.. from byte 4 (4 bits); neither read leaves the 2 * bits bytes of the codes.
+    let second = [0, 0, 0, 2, 4][b];
+    let split = [16, 16, 16, 10, 8][b];
+    let dec = Unpack16::new(bits, table, (split, 8 * second));
+    let x = |c: usize, at: usize, valid: usize| {
+        let from = p.wrapping_add((c * n + at) * b / 8);
+        if valid == 16 {
+            // SAFETY: the 2 * bits bytes of the sixteen codes lie in `packed`.
+            unsafe { dec.decode(from, from.wrapping_add(second)) }
+        } else {
+            // A row's tail: its bytes copied to a zeroed buffer.
+            let mut buf = [0u8; 16];
+            // SAFETY: buf holds 16 bytes; the codes' bytes lie in `packed`, as above.
+            unsafe {
+                _mm_storeu_si128(buf.as_mut_ptr().cast(), bytes(c, at, valid));
+                dec.decode(buf.as_ptr(), buf.as_ptr().add(second))
+            }
+        }
+    };
+    axpy_rows_with((o, rows), w, (groups, group), &x);
+}
+
+/// [`axpy_rows`] with row `c`'s values `at .. at + 16` (the first `valid`; the other lanes are
+/// never stored) read by `x(c, at, valid)`.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
+fn axpy_rows_with(
+    (o, rows): (&mut [f32], usize),
+    w: &[f32],
+    (groups, group): (usize, usize),
+    x: &impl Fn(usize, usize, usize) -> __m512,
+) {
     let shape = (o.len() / rows, w.len() / (rows * groups), groups, group);
     super::row_blocks((o, rows), w, 4, |ob, wb, rb| match rb {
-        4 => axpy_rows_r::<4>(ob, wb, shape, mat, stride),
-        3 => axpy_rows_r::<3>(ob, wb, shape, mat, stride),
-        2 => axpy_rows_r::<2>(ob, wb, shape, mat, stride),
-        _ => axpy_rows_r::<1>(ob, wb, shape, mat, stride),
+        4 => axpy_rows_r::<4>(ob, wb, shape, x),
+        3 => axpy_rows_r::<3>(ob, wb, shape, x),
+        2 => axpy_rows_r::<2>(ob, wb, shape, x),
+        _ => axpy_rows_r::<1>(ob, wb, shape, x),
     });
 }
 
@@ -740,32 +958,37 @@ fn axpy_rows_r<const R: usize>(
     o: &mut [f32],
     w: &[f32],
     (n, count, groups, group): (usize, usize, usize, usize),
-    mat: &[f32],
-    stride: usize,
+    x: &impl Fn(usize, usize, usize) -> __m512,
 ) {
     debug_assert!(o.len() == R * n && w.len() == R * count * groups);
     let mut i = 0;
     while i < n {
         let regs = (n - i).div_ceil(16).min(4);
         let k = masks4(n, i);
+        let valid: [usize; 4] = std::array::from_fn(|v| n.saturating_sub(i + 16 * v).min(16));
         // The register's group (the tail registers past n repeat the last one).
         let g: [usize; 4] = std::array::from_fn(|v| (i + 16 * v.min(regs - 1)) / group);
-        // SAFETY: the masked lanes stay below n in each row of o and in each row c of mat (at
-        // c * stride); w holds R x count x groups weights and g[v] < groups.
+        // SAFETY: the masked lanes stay below n in each row of o; w holds R x count x groups
+        // weights and g[v] < groups.
         unsafe {
-            let at = |v: usize| i + 16 * v.min(regs - 1);
             let mut acc: [[__m512; 4]; R] = std::array::from_fn(|r| {
-                std::array::from_fn(|v| _mm512_maskz_loadu_ps(k[v], o.as_ptr().add(r * n + at(v))))
+                std::array::from_fn(|v| {
+                    _mm512_maskz_loadu_ps(k[v], o.as_ptr().add(r * n + i + 16 * v.min(regs - 1)))
+                })
             });
             for c in 0..count {
-                let row = mat.as_ptr().add(c * stride);
-                let x: [__m512; 4] =
-                    std::array::from_fn(|v| _mm512_maskz_loadu_ps(k[v], row.add(at(v))));
+                let xs: [__m512; 4] = std::array::from_fn(|v| {
+                    if v < regs {
+                        x(c, i + 16 * v, valid[v])
+                    } else {
+                        _mm512_setzero_ps()
+                    }
+                });
                 for (r, a) in acc.iter_mut().enumerate() {
                     let wr = w.as_ptr().add((r * count + c) * groups);
                     for v in 0..regs {
                         let wv = _mm512_set1_ps(*wr.add(g[v]));
-                        a[v] = _mm512_add_ps(a[v], _mm512_mul_ps(wv, x[v]));
+                        a[v] = _mm512_add_ps(a[v], _mm512_mul_ps(wv, xs[v]));
                     }
                 }
             }
