@@ -420,6 +420,10 @@ fn fused_attention_is_bit_identical_on_every_isa_and_thread_count() {
         (64, 97, 1, 2, 16),
         (80, 33, 4, 1, 48),
         (48, 71, 2, 4, 16),
+        // KIVI keys read packed in place per group of tokens (whole bytes per group): groups
+        // that are not a multiple of 16 codes, a partial last group.
+        (64, 75, 3, 1, 24),
+        (24, 100, 2, 3, 40),
         // Several chunks of tokens merged by log-sum-exp, KIVI groups that do not divide it.
         (16, 600, 3, 4, 32),
         (12, 530, 2, 3, 7),
@@ -490,7 +494,12 @@ fn fused_matched_runs_are_bit_identical_on_every_isa_and_thread_count() {
     // Per-channel runs in a basis (the matched scheme) around a mean, as keys and as values
     // (and MSE values around a mean): runs of different widths with width-0 columns between and
     // after them, tokens not a multiple of the group, over one and several chunks.
-    for (d, t, rows, group) in [(12, 37, 3, 5), (40, 530, 2, 32), (64, 300, 3, 128)] {
+    for (d, t, rows, group) in [
+        (12, 37, 3, 5),
+        (40, 530, 2, 32),
+        (64, 300, 3, 128),
+        (24, 77, 3, 8),
+    ] {
         let heads = 2;
         let bounds = [(5u32, 0, d / 4), (4, d / 4, d / 2), (2, d / 2 + 1, d - 2)];
         let stored: Vec<Stored> = (0..bounds.len() as u64)

@@ -420,32 +420,38 @@ pub(crate) fn dots_tokens_packed(
 }
 
 /// [`axpy_rows`] of the `count = w.len() / (rows * groups)` rows of `n = o.len() / rows` codes
-/// of a packed bit stream (`packed`, row `c` from bit `c * n * bits`, `n * bits` a multiple of
-/// 8; `table` has 256 entries): the reference is [`decode_packed`] of the stream, then
-/// [`axpy_rows`] (stride `n`); on AVX-512 (up to 4 bits, `groups == 1` or `group` a multiple of
-/// 16) the codes are decoded in registers and fed to the same arithmetic, so every path agrees.
+/// of packed rows (`packed`, row `c` from byte `c * row_bytes`: `n * bits / 8` for one bit
+/// stream, more for the first codes of longer rows; `table` has 256 entries): the reference is
+/// [`decode_packed_rows`], then [`axpy_rows`] (stride `n`); on AVX-512 (up to 4 bits, `groups
+/// == 1` or `group` a multiple of 16) the codes are decoded in registers and fed to the same
+/// arithmetic, so every path agrees.
 pub(crate) fn axpy_rows_packed(
     isa: Isa,
     (o, rows): (&mut [f32], usize),
     w: &[f32],
     (groups, group): (usize, usize),
-    (packed, bits, table): (&[u8], u32, &[f32]),
+    (packed, row_bytes, bits, table): (&[u8], usize, u32, &[f32]),
 ) {
     if o.is_empty() || rows == 0 {
         return;
     }
     let n = o.len() / rows;
-    debug_assert!((n * bits as usize).is_multiple_of(8));
+    debug_assert!(row_bytes * 8 >= n * bits as usize);
     match isa {
         // SAFETY: `isa` is supported; `table` has 256 entries.
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512 if fuses_packed(isa, bits) && (groups == 1 || group.is_multiple_of(16)) => unsafe {
-            avx512::axpy_rows_packed((o, rows), w, (groups, group), (packed, bits, table))
+            avx512::axpy_rows_packed(
+                (o, rows),
+                w,
+                (groups, group),
+                (packed, row_bytes, bits, table),
+            )
         },
         _ => {
             let count = w.len() / (rows * groups);
             let mut x = vec![0.0f32; count * n];
-            decode_packed(isa, packed, bits, table, &mut x);
+            decode_packed_rows(isa, packed, (row_bytes, n), bits, table, &mut x);
             axpy_rows(isa, (o, rows), w, (groups, group), &x, n);
         }
     }
@@ -693,11 +699,53 @@ mod tests {
                                         (&mut a, rows),
                                         &w,
                                         shape,
-                                        (packed, bits, table),
+                                        (packed, n * bits as usize / 8, bits, table),
                                     );
                                     axpy_rows(Isa::Scalar, (&mut b, rows), &w, shape, &x, n);
                                     assert_eq!(bits_of(&a), bits_of(&b), "axpy {at} group={group}");
                                 }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// [`axpy_rows_packed`] over rows longer than their codes (a group of tokens of each
+    /// channel's row, as KIVI keys read them): any code count, rows of more bytes, the last row
+    /// ending the buffer.
+    #[test]
+    fn strided_packed_rows_match_decode_then_op() {
+        let bits_of = bits;
+        let table: Vec<f32> = (0..256).map(|i| (i as f32 - 7.5) * 0.37).collect();
+        let signs: Vec<f32> = [1.0f32, -1.0].into_iter().chain([0.0; 254]).collect();
+        for isa in Isa::available() {
+            for bits in 1..=4u32 {
+                let table = if bits == 1 { &signs } else { &table };
+                for n in [1usize, 5, 15, 16, 17, 31, 32, 33, 40, 64, 72] {
+                    for extra in [0usize, 1, 3] {
+                        let rb = (n * bits as usize).div_ceil(8) + extra;
+                        for count in [0usize, 1, 2, 5, 9, 17] {
+                            let packed: Vec<u8> = (0..count * rb)
+                                .map(|i| ((i as u64 * 0x9E37_79B9) >> 5) as u8)
+                                .collect();
+                            let mut x = vec![0.0f32; count * n];
+                            for (c, xc) in x.chunks_exact_mut(n).enumerate() {
+                                decode_packed(Isa::Scalar, &packed[c * rb..], bits, table, xc);
+                            }
+                            for rows in 1..=5 {
+                                let w: Vec<f32> = values(70 + n as u64, rows * count);
+                                let o = values(9 + n as u64, rows * n);
+                                let (mut a, mut b) = (o.clone(), o);
+                                let codes = (&packed[..], rb, bits, &table[..]);
+                                axpy_rows_packed(isa, (&mut a, rows), &w, (1, n), codes);
+                                axpy_rows(Isa::Scalar, (&mut b, rows), &w, (1, n), &x, n);
+                                assert_eq!(
+                                    bits_of(&a),
+                                    bits_of(&b),
+                                    "{isa:?} bits={bits} n={n} rb={rb} count={count} rows={rows}"
+                                );
                             }
                         }
                     }

@@ -81,6 +81,32 @@ impl RowReader {
         }
     }
 
+    /// `ops::axpy_rows` (one weight per row, stride `len`) of the values of codes `start ..
+    /// start + len` of rows `first .. first + w.len() / rows` of `codes` (rows of `row_bytes`):
+    /// read packed in place where the SIMD path decodes them in registers and `start` begins a
+    /// byte, else decoded into `buf` first (grown as needed, kept for the next call).
+    pub(super) fn axpy_rows_from(
+        &self,
+        isa: Isa,
+        part: (&mut [f32], usize),
+        w: &[f32],
+        (codes, first, start, len): (&[u8], usize, usize, usize),
+        buf: &mut Vec<f32>,
+    ) {
+        let (rb, bit) = (self.row_bytes, start * self.bits as usize);
+        if ops::fuses_packed(isa, self.bits) && bit.is_multiple_of(8) {
+            let packed = &codes[first * rb + bit / 8..];
+            let rows = (packed, rb, self.bits, &self.table[..]);
+            ops::axpy_rows_packed(isa, part, w, (1, len), rows);
+        } else {
+            let count = w.len() / part.1;
+            buf.resize(count * len, 0.0);
+            let mut scratch = vec![0u8; len];
+            self.decode_rows(isa, codes, (first, start, len), &mut scratch, buf);
+            ops::axpy_rows(isa, part, w, (1, len), buf, len);
+        }
+    }
+
     /// Calls `f(j0, values of rows j0 .. j0 + count)` (count x n) for the tokens `span` of head
     /// `h` (of `t` tokens) in `codes`, in blocks of [`BLOCK`] tokens from `span.start`. When
     /// rows hold no padding bits (`n * bits % 8 == 0`) a block is one bit stream, decoded in
@@ -182,7 +208,8 @@ impl RowReader {
         match *block {
             Block::Values(x) => ops::axpy_rows(isa, part, w, shape, x, self.n),
             Block::Packed(p) => {
-                ops::axpy_rows_packed(isa, part, w, shape, (p, self.bits, &self.table));
+                let rb = self.n * self.bits as usize / 8;
+                ops::axpy_rows_packed(isa, part, w, shape, (p, rb, self.bits, &self.table));
             }
         }
     }

@@ -323,10 +323,10 @@ impl KeyRows for ChannelsPlan<'_> {
     fn add_scores(&self, isa: Isa, q: &[f32], h: usize, span: Range<usize>, s: &mut [f32]) {
         let (d, group) = (self.head_dim, self.group);
         let (c0, n) = (span.start, span.len());
-        let mut scratch = vec![0u8; group];
-        // One group of tokens: the codes of every channel as levels (d x len), and per query
-        // row the channel weights q_c s_(c,g) and the zero-point sum sum_c q_c z_(c,g).
-        let mut block = vec![0.0f32; d * group];
+        // Per query row the channel weights q_c s_(c,g) of one group of tokens, and the
+        // zero-point sum sum_c q_c z_(c,g); the group's codes are read packed in place where
+        // the SIMD path decodes them in registers, else decoded into `block` (d x len).
+        let mut block = Vec::new();
         let rows = s.len() / n;
         let mut w = vec![0.0f32; rows * d];
         let mut part = vec![0.0f32; rows * group];
@@ -344,9 +344,6 @@ impl KeyRows for ChannelsPlan<'_> {
         for g in g0..g1 {
             let (t0, t1) = (g * group, ((g + 1) * group).min(span.end));
             let len = t1 - t0;
-            let levels = &mut block[..d * len];
-            self.reader
-                .decode_rows(isa, self.codes, (h * d, t0, len), &mut scratch, levels);
             for (wr, qr) in w.chunks_exact_mut(d).zip(q.chunks_exact(d)) {
                 for (c, (wc, &qc)) in wr.iter_mut().zip(qr).enumerate() {
                     *wc = qc * sc[c * gw + g - g0];
@@ -356,7 +353,9 @@ impl KeyRows for ChannelsPlan<'_> {
             o.fill(0.0);
             // SIMD over the tokens of the group, every query row at once; channels summed
             // in order.
-            ops::axpy_rows(isa, (o, rows), &w, (1, len), &block[..d * len], len);
+            let at = (self.codes, h * d, t0, len);
+            self.reader
+                .axpy_rows_from(isa, (&mut *o, rows), &w, at, &mut block);
             for (r, or) in o.chunks_exact(len).enumerate() {
                 let zs = zs_all[r * gw + g - g0];
                 let dst = &mut s[r * n + t0 - c0..r * n + t1 - c0];

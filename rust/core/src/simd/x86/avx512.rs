@@ -884,22 +884,27 @@ pub(crate) fn axpy_rows(
 
 /// [`super::super::ops::axpy_rows_packed`]: the rows' codes are decoded in registers (the values
 /// [`decode_packed`] stores) and fed to the arithmetic of [`axpy_rows`], so the results are its
-/// bits. `bits` 1..=4, `groups == 1` or `group` a multiple of 16.
+/// bits. `bits` 1..=4, `groups == 1` or `group` a multiple of 16; row `c` from byte
+/// `c * row_bytes`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
 pub(crate) fn axpy_rows_packed(
     (o, rows): (&mut [f32], usize),
     w: &[f32],
     (groups, group): (usize, usize),
-    (packed, bits, table): (&[u8], u32, &[f32]),
+    (packed, row_bytes, bits, table): (&[u8], usize, u32, &[f32]),
 ) {
     let (b, n) = (bits as usize, o.len() / rows);
     let count = w.len() / (rows * groups);
-    debug_assert!(packed.len() >= (count * n * b).div_ceil(8) && (n * b).is_multiple_of(8));
+    debug_assert!(
+        count == 0 || packed.len() >= (count - 1) * row_bytes + (n * b).div_ceil(8),
+        "packed rows"
+    );
     let p = packed.as_ptr();
-    // SAFETY (both loads): the bytes of the `valid` codes of row c from `at` (a multiple of 16,
-    // so a whole byte) lie in `packed`.
+    // The first byte of the codes of row c from code `at` (a multiple of 16: a whole byte).
+    let start = move |c: usize, at: usize| c * row_bytes + at * b / 8;
+    // SAFETY (both loads): the bytes of the `valid` codes of row c from `at` lie in `packed`.
     let bytes = |c: usize, at: usize, valid: usize| unsafe {
-        load_bytes(p.add((c * n + at) * b / 8), (valid * b).div_ceil(8))
+        load_bytes(p.add(start(c, at)), (valid * b).div_ceil(8))
     };
     if bits == 1 {
         let (zero, one) = (_mm512_set1_ps(table[0]), _mm512_set1_ps(table[1]));
@@ -915,7 +920,7 @@ pub(crate) fn axpy_rows_packed(
     let split = [16, 16, 16, 10, 8][b];
     let dec = Unpack16::new(bits, table, (split, 8 * second));
     let x = |c: usize, at: usize, valid: usize| {
-        let from = p.wrapping_add((c * n + at) * b / 8);
+        let from = p.wrapping_add(start(c, at));
         if valid == 16 {
             // SAFETY: the 2 * bits bytes of the sixteen codes lie in `packed`.
             unsafe { dec.decode(from, from.wrapping_add(second)) }
