@@ -187,6 +187,12 @@ def test_codes_of_float16_extremes_decode_saturated_not_refused():
     assert cache.update(torch.randn(1, 2, 8, 64, dtype=torch.float16), torch.randn(1, 2, 8, 64, dtype=torch.float16), 0)[0].shape[-2] == 24
 
 
+def test_an_empty_calibration_dict_is_refused_by_the_config():
+    # Else the config is accepted and the cache fails only at its first update.
+    with pytest.raises(KvqrsError, match="calibration: an empty dict"):
+        QuantConfig("matched", 4, "matched", 4, calibration={})
+
+
 def test_a_calibration_made_for_another_model_is_refused_before_any_work():
     """``QuantizedKVCache(config, model.config)`` compares a ``matched`` calibration (a
     ``kvqrs calibrate`` file's) with the model: the same decoder layers, head_dim, and one

@@ -219,6 +219,8 @@ class QuantConfig:
                 "calibration: the matched scheme needs one: {layer: MatchedCalibration} (kvqrs.hf.calibrate_matched, or "
                 "`kvqrs calibrate` and kvqrs.hf.load_matched), 'prefill' (fitted on the prompt) or 'random' (the control)"
             )
+        if isinstance(self.calibration, dict) and not self.calibration:
+            raise KvqrsError("calibration: an empty dict; expected {layer: MatchedCalibration} for every layer, 'prefill' or 'random'")
         if isinstance(self.calibration, str):
             if self.calibration not in ("random", "prefill"):
                 raise KvqrsError(f"calibration: expected {{layer: MatchedCalibration}}, 'prefill' or 'random', got {self.calibration!r}")
