@@ -384,18 +384,40 @@ pub(crate) fn axpy_rows(
     }
 }
 
+/// `acc[r * stride + offset + g] += f64(p[r * n + at + k]) * f64(ze[k * groups + g])` for the
+/// query rows `r < p.len() / n`, groups `g < groups` and tokens `k < count` in increasing `k`,
+/// in float64 (a float32 sum of zero points near its limit would overflow): the zero points'
+/// share of a block's value sums. A float32 product is exact in float64 and each sum is its own
+/// lane, so every path gives the reference's bits.
+pub(crate) fn zero_point_sums(
+    isa: Isa,
+    pn: (&[f32], usize, usize),
+    zg: (&[f32], usize),
+    count: usize,
+    out: (&mut [f64], usize, usize),
+) {
+    match isa {
+        // SAFETY: `isa` is supported.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 | Isa::Avx512 => unsafe { avx2::zero_point_sums(pn, zg, count, out) },
+        _ => scalar::zero_point_sums(pn, zg, count, out),
+    }
+}
+
 /// Whether [`dots_tokens_packed`] and [`axpy_rows_packed`] decode `bits`-bit codes in registers
 /// on `isa` (for [`dots_tokens_packed`] with rows of a multiple of 8 values, for
 /// [`axpy_rows_packed`] with `groups == 1` or `group` a multiple of 16); elsewhere they decode
 /// into a buffer first, so a caller with its own buffer keeps it.
 pub(crate) fn fuses_packed(isa: Isa, bits: u32) -> bool {
-    cfg!(target_arch = "x86_64") && isa == Isa::Avx512 && (1..=4).contains(&bits)
+    cfg!(target_arch = "x86_64")
+        && matches!(isa, Isa::Avx512 | Isa::Avx2)
+        && (1..=4).contains(&bits)
 }
 
 /// [`dots_tokens`] of the `count` rows of `n` codes of a packed bit stream (`packed`, row `k`
 /// from bit `k * n * bits`; `table` has 256 entries): the reference is [`decode_packed`] of
-/// the stream, then [`dots_tokens`]; on AVX-512 (up to 4 bits, `n` a multiple of 8) the codes
-/// are decoded in registers and fed to the same arithmetic, so every path agrees.
+/// the stream, then [`dots_tokens`]; on AVX-512 and AVX2 (up to 4 bits, `n` a multiple of 8)
+/// the codes are decoded in registers and fed to the same arithmetic, so every path agrees.
 pub(crate) fn dots_tokens_packed(
     isa: Isa,
     q: &[f32],
@@ -411,6 +433,11 @@ pub(crate) fn dots_tokens_packed(
         Isa::Avx512 if fuses_packed(isa, bits) && n.is_multiple_of(8) && n > 0 => unsafe {
             avx512::dots_tokens_packed(q, (packed, count), (bits, table), n, out, stride)
         },
+        // SAFETY: as above.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 if fuses_packed(isa, bits) && n.is_multiple_of(8) && n > 0 => unsafe {
+            avx2::dots_tokens_packed(q, (packed, count), (bits, table), n, out, stride)
+        },
         _ => {
             let mut x = vec![0.0f32; count * n];
             decode_packed(isa, packed, bits, table, &mut x);
@@ -422,9 +449,9 @@ pub(crate) fn dots_tokens_packed(
 /// [`axpy_rows`] of the `count = w.len() / (rows * groups)` rows of `n = o.len() / rows` codes
 /// of packed rows (`packed`, row `c` from byte `c * row_bytes`: `n * bits / 8` for one bit
 /// stream, more for the first codes of longer rows; `table` has 256 entries): the reference is
-/// [`decode_packed_rows`], then [`axpy_rows`] (stride `n`); on AVX-512 (up to 4 bits, `groups
-/// == 1` or `group` a multiple of 16) the codes are decoded in registers and fed to the same
-/// arithmetic, so every path agrees.
+/// [`decode_packed_rows`], then [`axpy_rows`] (stride `n`); on AVX-512 and AVX2 (up to 4 bits,
+/// `groups == 1` or `group` a multiple of 16, of 8 on AVX2) the codes are decoded in registers
+/// and fed to the same arithmetic, so every path agrees.
 pub(crate) fn axpy_rows_packed(
     isa: Isa,
     (o, rows): (&mut [f32], usize),
@@ -442,6 +469,16 @@ pub(crate) fn axpy_rows_packed(
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512 if fuses_packed(isa, bits) && (groups == 1 || group.is_multiple_of(16)) => unsafe {
             avx512::axpy_rows_packed(
+                (o, rows),
+                w,
+                (groups, group),
+                (packed, row_bytes, bits, table),
+            )
+        },
+        // SAFETY: as above.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 if fuses_packed(isa, bits) && (groups == 1 || group.is_multiple_of(8)) => unsafe {
+            avx2::axpy_rows_packed(
                 (o, rows),
                 w,
                 (groups, group),
@@ -639,7 +676,8 @@ mod tests {
 
     /// The packed-row ops on every path against their reference (the scalar decode of the
     /// stream, then the scalar op): every width, token counts with every tail of a group of 8,
-    /// query rows 1..=5, row lengths with a tail register, one weight per token or per group.
+    /// query rows 1..=5, row lengths with a tail register, one weight per token or per group
+    /// (groups of 8 and 24: AVX2's fused path only).
     #[test]
     fn packed_row_ops_match_decode_then_op() {
         let table: Vec<f32> = (0..256).map(|i| (i as f32 - 7.5) * 0.37).collect();
@@ -685,7 +723,7 @@ mod tests {
                                     dots_tokens(Isa::Scalar, &q, &x, n, &mut want, stride);
                                     assert_eq!(bits_of(&got), bits_of(&want), "dots {at}");
                                 }
-                                for group in [0, 16, 32] {
+                                for group in [0, 8, 16, 24, 32] {
                                     let (groups, group) = match group {
                                         0 => (1, n),
                                         g => (n.div_ceil(g), g),
@@ -706,6 +744,40 @@ mod tests {
                                 }
                             }
                         }
+                    }
+                }
+            }
+        }
+    }
+
+    /// [`zero_point_sums`] on every path against the scalar reference: query rows 0..=6 (blocks
+    /// of four and a partial one), 1..=9 groups (registers of four and every tail), any token
+    /// count, a block inside longer rows, sums inside longer rows of `acc`.
+    #[test]
+    fn zero_point_sums_match_scalar() {
+        let bits_of = |x: &[f64]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        for isa in Isa::available() {
+            for rows in 0..=6usize {
+                for groups in 1..=9usize {
+                    for count in [0usize, 1, 2, 7, 33] {
+                        let (n, at) = (count + 5, 3);
+                        let p = values(rows as u64 + 11, rows * n);
+                        let ze: Vec<f32> = values(groups as u64 + 3, count * groups)
+                            .iter()
+                            .map(|z| z * 1e30)
+                            .collect();
+                        let (stride, offset) = (groups + 4, 2);
+                        let acc: Vec<f64> =
+                            (0..rows * stride).map(|i| i as f64 * 0.1 - 1.0).collect();
+                        let (mut a, mut b) = (acc.clone(), acc);
+                        let pn = (&p[..], n, at);
+                        zero_point_sums(isa, pn, (&ze, groups), count, (&mut a, stride, offset));
+                        scalar::zero_point_sums(pn, (&ze, groups), count, (&mut b, stride, offset));
+                        assert_eq!(
+                            bits_of(&a),
+                            bits_of(&b),
+                            "{isa:?} rows={rows} groups={groups} count={count}"
+                        );
                     }
                 }
             }

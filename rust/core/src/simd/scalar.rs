@@ -156,6 +156,34 @@ pub(crate) fn axpy_rows(
     }
 }
 
+/// [`super::ops::zero_point_sums`]: eight (row, group) sums advance together, one token at a
+/// time.
+pub(crate) fn zero_point_sums(
+    (p, n, at): (&[f32], usize, usize),
+    (ze, groups): (&[f32], usize),
+    count: usize,
+    (acc, stride, offset): (&mut [f64], usize, usize),
+) {
+    let pairs = p.len() / n * groups;
+    for first in (0..pairs).step_by(8) {
+        let m = (pairs - first).min(8);
+        // (query row, group) of each lane; lanes past the last pair repeat it, unstored.
+        let rg: [(usize, usize); 8] = std::array::from_fn(|j| {
+            let q = (first + j).min(pairs - 1);
+            (q / groups, q % groups)
+        });
+        let mut a: [f64; 8] = std::array::from_fn(|j| acc[rg[j].0 * stride + offset + rg[j].1]);
+        for k in 0..count {
+            for (aj, &(r, g)) in a.iter_mut().zip(&rg) {
+                *aj += f64::from(p[r * n + at + k]) * f64::from(ze[k * groups + g]);
+            }
+        }
+        for (j, &(r, g)) in rg.iter().enumerate().take(m) {
+            acc[r * stride + offset + g] = a[j];
+        }
+    }
+}
+
 pub(crate) fn add_signed(o: &mut [f32], s: &[f32], negative: bool) {
     if negative {
         o.iter_mut().zip(s).for_each(|(o, v)| *o -= v);

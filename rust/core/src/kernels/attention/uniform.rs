@@ -151,7 +151,7 @@ impl ValueRows for TokensPlan<'_> {
                     }
                 }
                 let pb = (p, n, j0 - c0);
-                zero_point_sums(pb, (zeb, groups), count, (acc, stride, cd));
+                ops::zero_point_sums(isa, pb, (zeb, groups), count, (acc, stride, cd));
                 let part = (&mut lanes.part[..], rows);
                 self.reader
                     .axpy_rows(isa, part, &lanes.w, (groups, group), &block);
@@ -280,37 +280,6 @@ impl ChannelsPlan<'_> {
                     acc[r * stride + offset + c] += sc * dot + ze * ps;
                 }
             }
-        }
-    }
-}
-
-/// `acc[r * stride + offset + g] += p_(r,k) z_(k,g)` for the tokens `k < count` of a block in
-/// token order, in float64 (a float32 sum of zero points near its limit would overflow): the
-/// zero points' share of each query row's value sums (`p`: query rows of `n` weights, the
-/// block's first at `at`; `ze`: count x groups). Eight (row, group) sums advance together,
-/// held in registers, one token at a time.
-fn zero_point_sums(
-    (p, n, at): (&[f32], usize, usize),
-    (ze, groups): (&[f32], usize),
-    count: usize,
-    (acc, stride, offset): (&mut [f64], usize, usize),
-) {
-    let pairs = p.len() / n * groups;
-    for first in (0..pairs).step_by(8) {
-        let m = (pairs - first).min(8);
-        // (query row, group) of each lane; lanes past the last pair repeat it, unstored.
-        let rg: [(usize, usize); 8] = std::array::from_fn(|j| {
-            let q = (first + j).min(pairs - 1);
-            (q / groups, q % groups)
-        });
-        let mut a: [f64; 8] = std::array::from_fn(|j| acc[rg[j].0 * stride + offset + rg[j].1]);
-        for k in 0..count {
-            for (aj, &(r, g)) in a.iter_mut().zip(&rg) {
-                *aj += f64::from(p[r * n + at + k]) * f64::from(ze[k * groups + g]);
-            }
-        }
-        for (j, &(r, g)) in rg.iter().enumerate().take(m) {
-            acc[r * stride + offset + g] = a[j];
         }
     }
 }

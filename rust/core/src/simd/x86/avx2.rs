@@ -349,23 +349,13 @@ pub(crate) fn add_signed(o: &mut [f32], s: &[f32], negative: bool) {
 }
 
 /// `out[i] = table[code_i]` for a packed row of codes of at most 4 bits: eight codes span
-/// `bits` whole bytes, read as one little-endian word and split by variable shifts (code
-/// `l` sits at bit `l * bits`), then looked up by register permutes as in [`decode`].
+/// `bits` whole bytes, read as one little-endian word and decoded by [`Unpack8`].
 #[target_feature(enable = "avx2")]
 pub(crate) fn decode_packed(packed: &[u8], bits: u32, table: &[f32], out: &mut [f32]) {
     debug_assert!(bits <= 4 && table.len() >= 256);
     let b = bits as usize;
     let n8 = out.len() / 8 * 8;
-    let bv = bits as i32;
-    let shifts = _mm256_setr_epi32(0, bv, 2 * bv, 3 * bv, 4 * bv, 5 * bv, 6 * bv, 7 * bv);
-    let mask = _mm256_set1_epi32((1 << bits) - 1);
-    // SAFETY: table has 256 >= 16 entries.
-    let (lo, hi) = unsafe {
-        (
-            _mm256_loadu_ps(table.as_ptr()),
-            _mm256_loadu_ps(table.as_ptr().add(8)),
-        )
-    };
+    let dec = Unpack8::new(bits, table);
     let mut i = 0;
     while i < n8 {
         let at = i / 8 * b;
@@ -373,23 +363,11 @@ pub(crate) fn decode_packed(packed: &[u8], bits: u32, table: &[f32], out: &mut [
             // SAFETY: at + 4 <= packed.len().
             unsafe { packed.as_ptr().add(at).cast::<i32>().read_unaligned() }
         } else {
-            let mut w = [0u8; 4];
-            w[..b].copy_from_slice(&packed[at..at + b]);
-            i32::from_le_bytes(w)
-        };
-        let idx = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(w), shifts), mask);
-        let v = if bits <= 3 {
-            _mm256_permutevar8x32_ps(lo, idx)
-        } else {
-            let sel = _mm256_castsi256_ps(_mm256_slli_epi32::<28>(idx));
-            _mm256_blendv_ps(
-                _mm256_permutevar8x32_ps(lo, idx),
-                _mm256_permutevar8x32_ps(hi, idx),
-                sel,
-            )
+            // SAFETY: the b bytes of the eight codes lie in packed.
+            unsafe { word(packed[at..at + b].as_ptr(), b) }
         };
         // SAFETY: i + 8 <= out.len().
-        unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(i), v) };
+        unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(i), dec.decode(w)) };
         i += 8;
     }
     if n8 == out.len() {
@@ -560,33 +538,46 @@ pub(crate) fn f16_to_f32(src: &[u16], out: &mut [f32]) {
     super::super::scalar::f16_to_f32(&src[n8..n], &mut out[n8..n]);
 }
 
-/// `out[r * stride + k] = dot(q row r, x row k)` for `R` query rows of `n` (a multiple of 8)
-/// and four rows of `x`, one 8-lane accumulator per (row, token); the four accumulators of
-/// a query row are combined in one transposed pass in the order of `combine_f32`.
+/// `out[r * stride + k] = dot(q row r, token k)` for `R` query rows of `n` (a multiple of 8)
+/// and the four tokens `k0 .. k0 + 4` (the first `keep` stored), `row(k, i)` holding values
+/// `i .. i + 8` of token `k`: one 8-lane accumulator per (row, token); the four accumulators
+/// of a query row are combined in one transposed pass in the order of `combine_f32`. A
+/// token's lanes never meet another's, so tokens past `keep` change nothing stored.
 #[inline]
 #[target_feature(enable = "avx2")]
-fn dots_tokens4<const R: usize>(q: &[f32], x: &[f32], n: usize, out: &mut [f32], stride: usize) {
-    debug_assert!(q.len() >= R * n && x.len() >= 4 * n && n.is_multiple_of(8));
+fn dots_tokens4<const R: usize>(
+    q: &[f32],
+    n: usize,
+    row: &impl Fn(usize, usize) -> __m256,
+    (k0, keep): (usize, usize),
+    out: &mut [f32],
+    stride: usize,
+) {
+    debug_assert!(q.len() >= R * n && n.is_multiple_of(8) && keep <= 4);
     let mut acc = [[_mm256_setzero_ps(); 4]; R];
     let mut i = 0;
     while i < n {
-        // SAFETY: rows r < R of q and k < 4 of x hold n floats each, and i + 8 <= n.
-        unsafe {
-            let t: [__m256; 4] =
-                std::array::from_fn(|k| _mm256_loadu_ps(x.as_ptr().add(k * n + i)));
-            for (r, a) in acc.iter_mut().enumerate() {
-                let qv = _mm256_loadu_ps(q.as_ptr().add(r * n + i));
-                for (ak, &tk) in a.iter_mut().zip(&t) {
-                    *ak = _mm256_add_ps(*ak, _mm256_mul_ps(tk, qv));
-                }
+        let t: [__m256; 4] = std::array::from_fn(|k| row(k0 + k, i));
+        for (r, a) in acc.iter_mut().enumerate() {
+            // SAFETY: row r < R of q holds n floats, and i + 8 <= n.
+            let qv = unsafe { _mm256_loadu_ps(q.as_ptr().add(r * n + i)) };
+            for (ak, &tk) in a.iter_mut().zip(&t) {
+                *ak = _mm256_add_ps(*ak, _mm256_mul_ps(tk, qv));
             }
         }
         i += 8;
     }
     for (r, a) in acc.iter().enumerate() {
         let v = combine4(a);
-        // SAFETY: out holds row r's four results at r * stride.
-        unsafe { _mm_storeu_ps(out.as_mut_ptr().add(r * stride), v) };
+        if keep == 4 {
+            // SAFETY: out holds row r's four results at r * stride.
+            unsafe { _mm_storeu_ps(out.as_mut_ptr().add(r * stride), v) };
+        } else {
+            let mut s = [0.0f32; 4];
+            // SAFETY: s holds four floats.
+            unsafe { _mm_storeu_ps(s.as_mut_ptr(), v) };
+            out[r * stride..r * stride + keep].copy_from_slice(&s[..keep]);
+        }
     }
 }
 
@@ -620,28 +611,158 @@ fn combine4(a: &[__m256; 4]) -> __m128 {
 /// tokens at a time, up to three query rows sharing each load.
 #[target_feature(enable = "avx2")]
 pub(crate) fn dots_tokens(q: &[f32], x: &[f32], n: usize, out: &mut [f32], stride: usize) {
-    let (rows, count) = (q.len() / n, x.len() / n);
+    let count = x.len() / n;
+    let k4 = count / 4 * 4;
+    // SAFETY: tokens k < k4 <= count hold n floats each, and i + 8 <= n.
+    let row = |k: usize, i: usize| unsafe { _mm256_loadu_ps(x.as_ptr().add(k * n + i)) };
+    dots_tokens_with(q, n, k4, &row, out, stride);
+    // The last 1..3 tokens: one `dot` each (the same sums).
+    for (r, qr) in q.chunks_exact(n).enumerate() {
+        for k in k4..count {
+            out[r * stride + k] = dot(qr, &x[k * n..(k + 1) * n]);
+        }
+    }
+}
+
+/// The scores of `count` tokens read through `row` ([`dots_tokens4`]), up to three query rows
+/// and four tokens at a time (the last group of tokens may be partial).
+#[inline]
+#[target_feature(enable = "avx2")]
+fn dots_tokens_with(
+    q: &[f32],
+    n: usize,
+    count: usize,
+    row: &impl Fn(usize, usize) -> __m256,
+    out: &mut [f32],
+    stride: usize,
+) {
+    let rows = q.len() / n;
     let mut r = 0;
     while r < rows {
         let rb = (rows - r).min(3);
         let (qb, ob) = (&q[r * n..(r + rb) * n], &mut out[r * stride..]);
         let mut k = 0;
-        while k + 4 <= count {
-            let (xk, ok) = (&x[k * n..(k + 4) * n], &mut ob[k..]);
+        while k < count {
+            let (ks, ok) = ((k, (count - k).min(4)), &mut ob[k..]);
             match rb {
-                3 => dots_tokens4::<3>(qb, xk, n, ok, stride),
-                2 => dots_tokens4::<2>(qb, xk, n, ok, stride),
-                _ => dots_tokens4::<1>(qb, xk, n, ok, stride),
+                3 => dots_tokens4::<3>(qb, n, row, ks, ok, stride),
+                2 => dots_tokens4::<2>(qb, n, row, ks, ok, stride),
+                _ => dots_tokens4::<1>(qb, n, row, ks, ok, stride),
             }
             k += 4;
         }
-        for k in k..count {
-            for j in 0..rb {
-                ob[j * stride + k] = dot(&qb[j * n..(j + 1) * n], &x[k * n..(k + 1) * n]);
-            }
-        }
         r += rb;
     }
+}
+
+/// In-register table decode of eight packed codes of at most 4 bits from one little-endian word
+/// (code `l` at bit `l * bits`): a broadcast, a variable shift per lane, then one 8-entry
+/// permute of the table repeated every `2^bits` entries (the permute reads only the index's
+/// low 3 bits, so the bits above the code need no mask); 4-bit codes permute both halves of
+/// the table and blend on the code's bit 3. The values are exact copies of table entries.
+#[derive(Clone, Copy)]
+struct Unpack8 {
+    shifts: __m256i,
+    lo: __m256,
+    hi: __m256,
+    four: bool,
+}
+
+impl Unpack8 {
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn new(bits: u32, table: &[f32]) -> Self {
+        debug_assert!(bits <= 4 && table.len() >= 16);
+        let b = bits as i32;
+        let lut: [f32; 8] = std::array::from_fn(|j| table[j & ((1 << b) - 1)]);
+        // SAFETY: lut holds 8 floats, table at least 16.
+        let (lo, hi) = unsafe {
+            (
+                _mm256_loadu_ps(lut.as_ptr()),
+                _mm256_loadu_ps(table.as_ptr().add(8)),
+            )
+        };
+        Self {
+            shifts: _mm256_setr_epi32(0, b, 2 * b, 3 * b, 4 * b, 5 * b, 6 * b, 7 * b),
+            lo,
+            hi,
+            four: bits == 4,
+        }
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn decode(&self, w: i32) -> __m256 {
+        let idx = _mm256_srlv_epi32(_mm256_set1_epi32(w), self.shifts);
+        let v = _mm256_permutevar8x32_ps(self.lo, idx);
+        if !self.four {
+            return v;
+        }
+        let sel = _mm256_castsi256_ps(_mm256_slli_epi32::<28>(idx));
+        _mm256_blendv_ps(v, _mm256_permutevar8x32_ps(self.hi, idx), sel)
+    }
+}
+
+/// The `bytes` (at most 4) bytes from `p` as a little-endian word, the rest zero; no byte
+/// past them is read.
+///
+/// # Safety
+/// `bytes` bytes are readable at `p`.
+#[inline(always)]
+unsafe fn word(p: *const u8, bytes: usize) -> i32 {
+    let mut w = [0u8; 4];
+    // SAFETY: the caller's `bytes` <= 4 bytes at p; w holds 4.
+    unsafe { std::ptr::copy_nonoverlapping(p, w.as_mut_ptr(), bytes) };
+    i32::from_le_bytes(w)
+}
+
+/// [`super::super::ops::dots_tokens_packed`]: eight codes at a time decoded in registers (the
+/// values [`decode_packed`] stores) and fed to the arithmetic of [`dots_tokens`], so the
+/// results are its bits; the last 1..3 tokens are a partial group of four. `n` a multiple of
+/// 8, `bits` 1..=4; reads never pass the codes' `count * n * bits / 8` bytes.
+#[target_feature(enable = "avx2")]
+pub(crate) fn dots_tokens_packed(
+    q: &[f32],
+    (packed, count): (&[u8], usize),
+    (bits, table): (u32, &[f32]),
+    n: usize,
+    out: &mut [f32],
+    stride: usize,
+) {
+    let codes = (packed, count);
+    match bits {
+        1 => dots_tokens_packed_b::<1>(q, codes, table, n, out, stride),
+        2 => dots_tokens_packed_b::<2>(q, codes, table, n, out, stride),
+        3 => dots_tokens_packed_b::<3>(q, codes, table, n, out, stride),
+        _ => dots_tokens_packed_b::<4>(q, codes, table, n, out, stride),
+    }
+}
+
+/// [`dots_tokens_packed`] of `B`-bit codes (the word reads of a known size).
+#[inline]
+#[target_feature(enable = "avx2")]
+fn dots_tokens_packed_b<const B: usize>(
+    q: &[f32],
+    (packed, count): (&[u8], usize),
+    table: &[f32],
+    n: usize,
+    out: &mut [f32],
+    stride: usize,
+) {
+    assert!(n.is_multiple_of(8) && packed.len() >= count * n * B / 8);
+    let (dec, p) = (Unpack8::new(B as u32, table), packed.as_ptr());
+    // Eight codes (B bytes from byte (k n + i) B / 8) of token k from value i; tokens past
+    // `count` are never stored and read nothing.
+    let row = |k: usize, i: usize| {
+        let w = if k < count {
+            // SAFETY: k < count and i + 8 <= n: the B bytes lie in the asserted codes.
+            unsafe { word(p.add((k * n + i) * B / 8), B) }
+        } else {
+            0
+        };
+        dec.decode(w)
+    };
+    dots_tokens_with(q, n, count, &row, out, stride);
 }
 
 /// [`super::super::ops::axpy_rows`] for one weight per token (`groups == 1`) or `group` a
@@ -655,11 +776,78 @@ pub(crate) fn axpy_rows(
     mat: &[f32],
     stride: usize,
 ) {
+    let x = |c: usize, at: usize, valid: usize| {
+        let row = &mat[c * stride + at..];
+        if valid == 8 {
+            // SAFETY: row holds at least 8 floats (at + 8 <= n).
+            unsafe { _mm256_loadu_ps(row.as_ptr()) }
+        } else {
+            let mut b = [0.0f32; 8];
+            b[..valid].copy_from_slice(&row[..valid]);
+            // SAFETY: b holds 8 floats.
+            unsafe { _mm256_loadu_ps(b.as_ptr()) }
+        }
+    };
+    axpy_rows_with((o, rows), w, (groups, group), &x);
+}
+
+/// [`super::super::ops::axpy_rows_packed`]: the rows' codes are decoded in registers (the values
+/// [`decode_packed`] stores) and fed to the arithmetic of [`axpy_rows`], so the results are its
+/// bits. `bits` 1..=4, `groups == 1` or `group` a multiple of 8; row `c` from byte
+/// `c * row_bytes`; reads never pass a row's `ceil(n * bits / 8)` bytes.
+#[target_feature(enable = "avx2")]
+pub(crate) fn axpy_rows_packed(
+    (o, rows): (&mut [f32], usize),
+    w: &[f32],
+    (groups, group): (usize, usize),
+    (packed, row_bytes, bits, table): (&[u8], usize, u32, &[f32]),
+) {
+    let (ow, gs, rows_) = ((o, rows), (groups, group), (packed, row_bytes, table));
+    match bits {
+        1 => axpy_rows_packed_b::<1>(ow, w, gs, rows_),
+        2 => axpy_rows_packed_b::<2>(ow, w, gs, rows_),
+        3 => axpy_rows_packed_b::<3>(ow, w, gs, rows_),
+        _ => axpy_rows_packed_b::<4>(ow, w, gs, rows_),
+    }
+}
+
+/// [`axpy_rows_packed`] of `B`-bit codes (the word reads of a known size).
+#[inline]
+#[target_feature(enable = "avx2")]
+fn axpy_rows_packed_b<const B: usize>(
+    (o, rows): (&mut [f32], usize),
+    w: &[f32],
+    (groups, group): (usize, usize),
+    (packed, row_bytes, table): (&[u8], usize, &[f32]),
+) {
+    let n = o.len() / rows;
+    let count = w.len() / (rows * groups);
+    assert!(count == 0 || packed.len() >= (count - 1) * row_bytes + (n * B).div_ceil(8));
+    let (dec, p) = (Unpack8::new(B as u32, table), packed.as_ptr());
+    // Codes `at .. at + valid` of row c (`at` a multiple of 8: from a whole byte).
+    let x = |c: usize, at: usize, valid: usize| {
+        // SAFETY: the (valid B).div_ceil(8) bytes of the codes lie in row c (asserted above).
+        let w = unsafe { word(p.add(c * row_bytes + at * B / 8), (valid * B).div_ceil(8)) };
+        dec.decode(w)
+    };
+    axpy_rows_with((o, rows), w, (groups, group), &x);
+}
+
+/// [`axpy_rows`] with row `c`'s values `at .. at + 8` (the first `valid`; the other lanes are
+/// never stored) read by `x(c, at, valid)`.
+#[inline]
+#[target_feature(enable = "avx2")]
+fn axpy_rows_with(
+    (o, rows): (&mut [f32], usize),
+    w: &[f32],
+    (groups, group): (usize, usize),
+    x: &impl Fn(usize, usize, usize) -> __m256,
+) {
     let shape = (o.len() / rows, w.len() / (rows * groups), groups, group);
     super::row_blocks((o, rows), w, 3, |ob, wb, rb| match rb {
-        3 => axpy_rows_r::<3>(ob, wb, shape, mat, stride),
-        2 => axpy_rows_r::<2>(ob, wb, shape, mat, stride),
-        _ => axpy_rows_r::<1>(ob, wb, shape, mat, stride),
+        3 => axpy_rows_r::<3>(ob, wb, shape, x),
+        2 => axpy_rows_r::<2>(ob, wb, shape, x),
+        _ => axpy_rows_r::<1>(ob, wb, shape, x),
     });
 }
 
@@ -670,8 +858,7 @@ fn axpy_rows_r<const R: usize>(
     o: &mut [f32],
     w: &[f32],
     (n, count, groups, group): (usize, usize, usize, usize),
-    mat: &[f32],
-    stride: usize,
+    x: &impl Fn(usize, usize, usize) -> __m256,
 ) {
     debug_assert!(o.len() == R * n && w.len() == R * count * groups);
     let n8 = n / 8 * 8;
@@ -679,8 +866,8 @@ fn axpy_rows_r<const R: usize>(
     while i < n8 {
         let regs = ((n8 - i) / 8).min(4);
         let g: [usize; 4] = std::array::from_fn(|v| (i + 8 * v.min(regs - 1)) / group);
-        // SAFETY: i + 8 * regs <= n8 <= n in each row of o and in each row c of mat (at
-        // c * stride); w holds R x count x groups weights and g[v] < groups.
+        // SAFETY: i + 8 * regs <= n8 <= n in each row of o; w holds R x count x groups
+        // weights and g[v] < groups.
         unsafe {
             let mut acc: [[__m256; 4]; R] = std::array::from_fn(|r| {
                 std::array::from_fn(|v| {
@@ -688,13 +875,18 @@ fn axpy_rows_r<const R: usize>(
                 })
             });
             for c in 0..count {
-                let row = mat.as_ptr().add(c * stride + i);
+                let xs: [__m256; 4] = std::array::from_fn(|v| {
+                    if v < regs {
+                        x(c, i + 8 * v, 8)
+                    } else {
+                        _mm256_setzero_ps()
+                    }
+                });
                 for (r, a) in acc.iter_mut().enumerate() {
                     let wr = w.as_ptr().add((r * count + c) * groups);
                     for v in 0..regs {
-                        let x = _mm256_loadu_ps(row.add(8 * v));
                         let wv = _mm256_set1_ps(*wr.add(g[v]));
-                        a[v] = _mm256_add_ps(a[v], _mm256_mul_ps(wv, x));
+                        a[v] = _mm256_add_ps(a[v], _mm256_mul_ps(wv, xs[v]));
                     }
                 }
             }
@@ -707,13 +899,94 @@ fn axpy_rows_r<const R: usize>(
         i += 8 * regs;
     }
     if n8 < n {
-        for (r, or) in o.chunks_exact_mut(n).enumerate() {
-            for c in 0..count {
+        // The last n % 8 values: each row's term in scalar lanes, in increasing c.
+        for c in 0..count {
+            let mut xs = [0.0f32; 8];
+            // SAFETY: xs holds 8 floats.
+            unsafe { _mm256_storeu_ps(xs.as_mut_ptr(), x(c, n8, n - n8)) };
+            for (r, or) in o.chunks_exact_mut(n).enumerate() {
                 let wc = &w[(r * count + c) * groups..(r * count + c + 1) * groups];
                 for (j, a) in or.iter_mut().enumerate().skip(n8) {
-                    *a += wc[j / group] * mat[c * stride + j];
+                    *a += wc[j / group] * xs[j - n8];
                 }
             }
         }
+    }
+}
+
+/// [`super::super::ops::zero_point_sums`]: four groups of up to four query rows per pass, one
+/// f64 register per row (lane `g`), so each token's zero points are loaded and converted once
+/// for every row; each sum is its own lane, added in increasing `k` as in the reference.
+#[target_feature(enable = "avx2")]
+pub(crate) fn zero_point_sums(
+    (p, n, at): (&[f32], usize, usize),
+    (ze, groups): (&[f32], usize),
+    count: usize,
+    (acc, stride, offset): (&mut [f64], usize, usize),
+) {
+    let rows = p.len() / n;
+    assert!(ze.len() >= count * groups && (rows == 0 || at + count <= n));
+    let mut g0 = 0;
+    while g0 < groups {
+        let w = (groups - g0).min(4);
+        let mut r0 = 0;
+        while r0 < rows {
+            let rb = (rows - r0).min(4);
+            let (pb, ab) = (
+                &p[r0 * n..(r0 + rb) * n],
+                &mut acc[r0 * stride + offset + g0..],
+            );
+            let shape = (n, at, groups, g0, w, count, stride);
+            match rb {
+                4 => zero_point_block::<4>(pb, ze, shape, ab),
+                3 => zero_point_block::<3>(pb, ze, shape, ab),
+                2 => zero_point_block::<2>(pb, ze, shape, ab),
+                _ => zero_point_block::<1>(pb, ze, shape, ab),
+            }
+            r0 += rb;
+        }
+        g0 += w;
+    }
+}
+
+/// [`zero_point_sums`] of `R` query rows (`p`: R x n) and the `w` (1..=4) groups from `g0`;
+/// `acc` from the first row's first sum.
+#[inline]
+#[target_feature(enable = "avx2")]
+fn zero_point_block<const R: usize>(
+    p: &[f32],
+    ze: &[f32],
+    (n, at, groups, g0, w, count, stride): (usize, usize, usize, usize, usize, usize, usize),
+    acc: &mut [f64],
+) {
+    let mut buf = [0.0f64; 4];
+    let mut a: [__m256d; R] = std::array::from_fn(|r| {
+        buf[..w].copy_from_slice(&acc[r * stride..r * stride + w]);
+        // SAFETY: buf holds 4 f64.
+        unsafe { _mm256_loadu_pd(buf.as_ptr()) }
+    });
+    let z = ze.as_ptr().wrapping_add(g0);
+    for k in 0..count {
+        // SAFETY: the w floats from k * groups + g0 lie in ze (count * groups <= ze.len(),
+        // g0 + w <= groups); lanes past w are zero and never stored.
+        let zk = unsafe {
+            let zp = z.add(k * groups);
+            match w {
+                4 => _mm_loadu_ps(zp),
+                2 => _mm_castpd_ps(_mm_load_sd(zp.cast())),
+                1 => _mm_load_ss(zp),
+                _ => _mm_setr_ps(*zp, *zp.add(1), *zp.add(2), 0.0),
+            }
+        };
+        let zk = _mm256_cvtps_pd(zk);
+        for (r, ar) in a.iter_mut().enumerate() {
+            let pk = _mm256_set1_pd(f64::from(p[r * n + at + k]));
+            *ar = _mm256_add_pd(*ar, _mm256_mul_pd(pk, zk));
+        }
+    }
+    for (r, ar) in a.iter().enumerate() {
+        // SAFETY: buf holds 4 f64.
+        unsafe { _mm256_storeu_pd(buf.as_mut_ptr(), *ar) };
+        acc[r * stride..r * stride + w].copy_from_slice(&buf[..w]);
     }
 }
