@@ -64,7 +64,10 @@ def test_rows_beside_llama_cpp(model32, texts, tmp_path):
 
 
 def test_matched_rows_cover_each_technique():
-    cal = {(4.0, 128): {}, (3.0, 256): {}}
+    from kvqrs.schemes.matched import random_calibration
+
+    one = {0: random_calibration(64, 4, 0)}  # a stand-in: the rows' names depend on the budgets only
+    cal = {(4.0, 128): one, (3.0, 256): one}
     names = [r.name for r in lp.matched_rows(cal)]
     assert names == [
         "matched k4 v4 sinks:1",
