@@ -9,11 +9,14 @@ their float64 NumPy references.
 from . import oracle
 from ._native import KvqrsError, __version__, simd_info, simd_summary
 from .kernels import (
+    AbsmaxCode,
     Codebook,
     HeadQCode,
     MSECode,
     QJLSketch,
     UniformCode,
+    absmax_decode,
+    absmax_encode,
     hadamard,
     headq_basis,
     headq_decode,
@@ -41,12 +44,15 @@ from .kernels import (
 )
 
 __all__ = [
+    "AbsmaxCode",
     "Codebook",
     "HeadQCode",
     "KvqrsError",
     "MSECode",
     "QJLSketch",
     "__version__",
+    "absmax_decode",
+    "absmax_encode",
     "hadamard",
     "headq_basis",
     "headq_decode",

@@ -53,6 +53,8 @@ __all__ = [
     "headq_basis",
     "uniform_encode",
     "uniform_decode",
+    "absmax_encode",
+    "absmax_decode",
     "decode_rows",
     "decode_attention",
 ]
@@ -918,6 +920,62 @@ def log_decode(codes, exps, group) -> np.ndarray:
     k = 16 * (b - LOG_BIAS) + 15 - c
     levels = np.exp2((k % 16) / 16.0).astype(np.float32).astype(np.float64)
     return np.where(c == LOG_ZERO, 0.0, np.ldexp(levels, k // 16))
+
+
+# --------------------------------------------------------------------------------------------
+# Symmetric per-row absmax codes (kernels.md section 14)
+# --------------------------------------------------------------------------------------------
+
+
+def _absmax_widths(widths) -> np.ndarray:
+    w = np.asarray(widths)
+    if w.ndim != 1 or w.dtype.kind not in "ui" or w.size == 0 or w.min() < 0 or w.max() > 8:
+        raise ValueError(f"widths must be a non-empty 1-D integer array of bit widths in 0..8, got {w!r}")
+    return w.astype(np.int64)
+
+
+def absmax_encode(x, widths) -> tuple[np.ndarray, np.ndarray]:
+    """Symmetric per-row absmax codes (kernels.md section 14).
+
+    ``x`` (..., d), ``widths`` (d,) in 0..8 -> codes uint8 (..., d) and float16 scales (...).
+    ``a`` is the largest ``|x_i|`` over the coded coordinates (those of width > 0), rounded to
+    float16 by NumPy (round to nearest even; ValueError if that overflows); the codes are
+    ``clamp(floor(((x / s + 1) / 2) (2^w - 1) + 0.5), 0, 2^w - 1)`` in float64 (0 when ``s =
+    0`` for ``u``; 0 in the uncoded coordinates).
+    """
+    w = _absmax_widths(widths)
+    rows, lead = _as_rows(x, np.float32)
+    if rows.shape[1] != w.size:
+        raise ValueError(f"x: last axis {rows.shape[1]} != len(widths) {w.size}")
+    if not np.isfinite(rows).all():
+        raise ValueError("x: expected finite values")
+    coded = w > 0
+    a = np.where(coded, np.abs(rows), 0).max(axis=1, initial=0).astype(np.float32)
+    with np.errstate(over="ignore"):
+        scales = a.astype(np.float16)
+    if not np.isfinite(scales).all():
+        raise ValueError("x: absmax scale overflows float16")
+    s = scales.astype(np.float64)[:, None]
+    top = (2.0**w - 1)[None, :]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        u = np.where(s > 0, rows.astype(np.float64) / np.where(s > 0, s, 1), 0.0)
+    t = ((u + 1) * 0.5) * top
+    codes = np.where(coded, np.clip(np.floor(t + 0.5), 0, top), 0).astype(np.uint8)
+    return codes.reshape(*lead, w.size), scales.reshape(lead)
+
+
+def absmax_decode(codes, scales, widths) -> np.ndarray:
+    """``((2 code - L) / L) s`` per coded coordinate, ``L = 2^w - 1``, 0 in the others
+    (kernels.md section 14); float64 (..., d)."""
+    w = _absmax_widths(widths)
+    c = np.asarray(codes).astype(np.int64)
+    top = 2**w - 1
+    if np.any(c > top):
+        raise ValueError("codes: a code exceeds 2^w - 1")
+    s = np.asarray(scales, dtype=np.float16).astype(np.float64)[..., None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        levels = np.where(top > 0, (2 * c - top) / np.where(top > 0, top, 1), 0.0)
+    return levels * s
 
 
 # --------------------------------------------------------------------------------------------

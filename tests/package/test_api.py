@@ -124,6 +124,8 @@ _norms = st.integers(0, 40).map(lambda n: np.ones(n, dtype=np.float16))
             lambda a, b, c, n, s: _native.headq_encode(c, c, a, s % 9, s % 10),
             lambda a, b, c, n, s: _native.headq_decode(b, n, c, a, s % 9, s % 10),
             lambda a, b, c, n, s: _native.headq_score_correction(c, b, n, c, a, s % 9, s % 10),
+            lambda a, b, c, n, s: _native.absmax_encode(c, b[: s % 40]),
+            lambda a, b, c, n, s: _native.absmax_decode(b, n, b[: s % 40]),
             lambda a, b, c, n, s: _native.random_orthonormal_basis(s, a, s % 9),
             lambda a, b, c, n, s: _native.qjl_matrix(s, a, s % 300),
             lambda a, b, c, n, s: _native.rotation_signs(s, a),

@@ -87,6 +87,7 @@ BASIS = kvqrs.random_orthonormal_basis(3, 64, 4)
 SKETCH = kvqrs.qjl_sketch(gaussian((4, 64), 4), seed=5)
 SIDE = kvqrs.headq_encode(gaussian((4, 64), 6), BASIS, 2)
 CODEBOOK = kvqrs.lloyd_max_codebook(64, 3)
+ABSMAX_WIDTHS = np.resize(np.arange(9, dtype=np.uint8), 64)  # every width 0..8
 
 
 def to_tensor(x):
@@ -143,6 +144,7 @@ ENTRIES = {
     "headq_score_correction": (lambda x: kvqrs.headq_score_correction(x, SIDE, BASIS), "q"),
     "headq_basis": (lambda x: kvqrs.headq_basis(x[1, 2], 4), "queries"),
     "uniform_encode": (lambda x: kvqrs.uniform_encode(x, 3, 16), "x"),
+    "absmax_encode": (lambda x: kvqrs.absmax_encode(x, ABSMAX_WIDTHS)[:2], "x"),  # codes, scales
     "decode_attention.q": (lambda x: decode_attention(x, DenseRows(KEYS), DenseRows(VALUES), probs=True), "q"),
     "decode_attention.values": (lambda x: decode_attention(KEYS, DenseRows(KEYS), DenseRows(x)), "values.values"),
     "torch.hadamard": (lambda x: kt.hadamard(to_tensor(x), seed=SEED), "x"),

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from ._device import Device, device, iter_adapters, unavailable_reason
 from ._shaders import KERNEL_SHADERS, read_shader, shader_files, source
+from .absmax import AbsmaxCode, absmax_decode, absmax_encode
 from .hadamard import hadamard, inverse_hadamard, padded_dim
 from .headq import HeadQCode, headq_basis, headq_decode, headq_encode, headq_score_correction
 from .lloyd_max import Codebook, lloyd_max_codebook, lloyd_max_decode, lloyd_max_encode
@@ -34,6 +35,7 @@ from .rng import gaussians, philox4x32_10, philox_blocks, qjl_matrix, random_ort
 from .uniform import UniformCode, uniform_decode, uniform_encode
 
 __all__ = [
+    "AbsmaxCode",
     "Codebook",
     "Device",
     "HeadQCode",
@@ -42,6 +44,8 @@ __all__ = [
     "MSECode",
     "QJLSketch",
     "UniformCode",
+    "absmax_decode",
+    "absmax_encode",
     "device",
     "gaussians",
     "hadamard",

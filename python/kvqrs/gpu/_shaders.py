@@ -14,7 +14,7 @@ from importlib import resources
 
 from .._arrays import KvqrsError
 
-KERNEL_SHADERS = ("rng", "pack", "hadamard", "lloyd_max", "mse", "qjl", "headq", "uniform", "log_scalars")
+KERNEL_SHADERS = ("rng", "pack", "hadamard", "lloyd_max", "mse", "qjl", "headq", "uniform", "log_scalars", "absmax")
 """One shader per kernel (``<name>.wgsl``); ``common.wgsl`` and ``philox.wgsl`` are pieces."""
 
 _REQUIRES = "// kvqrs:requires "

@@ -1,5 +1,6 @@
 """The kernels of docs/kernels.md, one module each, over the native Rust implementation."""
 
+from .absmax import AbsmaxCode, absmax_decode, absmax_encode
 from .attention import (
     AttentionResult,
     CentredRows,
@@ -23,6 +24,9 @@ from .rng import gaussians, philox4x32_10, qjl_matrix, random_orthonormal_basis,
 from .uniform import UniformCode, uniform_decode, uniform_encode
 
 __all__ = [
+    "AbsmaxCode",
+    "absmax_decode",
+    "absmax_encode",
     "AttentionResult",
     "CentredRows",
     "ChannelRun",

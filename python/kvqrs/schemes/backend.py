@@ -20,6 +20,8 @@ from .. import kernels
 from .._arrays import KvqrsError
 
 KERNEL_FUNCTIONS = (
+    "absmax_decode",
+    "absmax_encode",
     "hadamard",
     "headq_decode",
     "headq_encode",

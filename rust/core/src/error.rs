@@ -85,6 +85,14 @@ pub enum KvqError {
     #[error("{arg}: row {row} overflows float32 (expected values whose norm, range or result stays below 3.4e38)")]
     NormOverflow { arg: &'static str, row: usize },
 
+    /// A row whose absmax scale (its largest coded magnitude) rounds to float16 infinity.
+    #[error("{arg}: absmax scale overflows float16 at row {row} (its largest coded magnitude is {value}; expected below 65520, which rounds to float16's largest finite value 65504)")]
+    ScaleOverflow {
+        arg: &'static str,
+        row: usize,
+        value: f32,
+    },
+
     /// A basis that is not usable (wrong shape or non-finite entries).
     #[error("{arg}: {reason}")]
     InvalidBasis { arg: &'static str, reason: String },

@@ -1,6 +1,9 @@
 //! `*_py` wrappers of the core kernels: borrow and validate with the GIL held, run the core
 //! with the GIL released, return new NumPy arrays (flat; the Python layer restores shapes).
 
+use half::f16;
+use half::slice::HalfFloatSliceExt;
+use kvqrs_core::kernels::absmax;
 use kvqrs_core::kernels::hadamard::Rotation;
 use kvqrs_core::kernels::headq::HeadqCoder;
 use kvqrs_core::kernels::lloyd_max::codebook;
@@ -513,6 +516,34 @@ pub fn uniform_decode<'py>(
         py_result(py.allow_threads(|| {
             UniformQuantizer::new(n, group, bits_u32(bits))?.decode_parts(c, s, z)
         }))?;
+    Ok(PyArray1::from_vec(py, out))
+}
+
+#[pyfunction]
+pub fn absmax_encode<'py>(
+    py: Python<'py>,
+    x: PyReadonlyArray1<'py, f32>,
+    widths: PyReadonlyArray1<'py, u8>,
+) -> PyResult<(U8Out<'py>, Bound<'py, PyArray1<f16>>)> {
+    let (xs, w) = (slice(&x, "x")?, slice(&widths, "widths")?);
+    let c = py_result(py.allow_threads(|| absmax::encode(xs, w)))?;
+    let scales: Vec<f16> = c.scales.into_iter().map(f16::from_bits).collect();
+    Ok((
+        PyArray1::from_vec(py, c.codes),
+        PyArray1::from_vec(py, scales),
+    ))
+}
+
+#[pyfunction]
+pub fn absmax_decode<'py>(
+    py: Python<'py>,
+    codes: PyReadonlyArray1<'py, u8>,
+    scales: PyReadonlyArray1<'py, f16>,
+    widths: PyReadonlyArray1<'py, u8>,
+) -> PyResult<F32Out<'py>> {
+    let (c, w) = (slice(&codes, "codes")?, slice(&widths, "widths")?);
+    let s: &[u16] = slice(&scales, "scales")?.reinterpret_cast();
+    let out = py_result(py.allow_threads(|| absmax::decode(c, s, w)))?;
     Ok(PyArray1::from_vec(py, out))
 }
 

@@ -58,6 +58,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(kernels::qjl_matrix, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::uniform_encode, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::uniform_decode, m)?)?;
+    m.add_function(wrap_pyfunction!(kernels::absmax_encode, m)?)?;
+    m.add_function(wrap_pyfunction!(kernels::absmax_decode, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::log_encode, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::log_decode, m)?)?;
     m.add_function(wrap_pyfunction!(format::container_write, m)?)?;

@@ -1,5 +1,6 @@
 //! The kernels of docs/kernels.md, one file each, plus the argument checks they share.
 
+pub mod absmax;
 pub mod attention;
 pub mod hadamard;
 pub mod headq;
