@@ -20,6 +20,7 @@ from . import __version__
 from ._native import KvqrsError
 from .kernels import hadamard, lloyd_max_codebook, lloyd_max_decode, mse_decode, mse_encode, padded_dim
 from .kernels.mse import SCALES
+from .schemes.matched import KEY_SCALES
 
 
 def selfcheck_rows(head_dims: Sequence[int], bits_list: Sequence[int], vectors: int, seed: int) -> list[dict]:
@@ -535,9 +536,11 @@ def _calibrate(args: argparse.Namespace) -> int:
         meta["value_scale"] = args.value_scale
     if args.preset is not None:
         meta["preset"] = args.preset
+    if args.key_scales != "groups":  # files without it code keys in groups, as before the option existed
+        meta["key_scales"] = args.key_scales
     if args.budget is None:
         windows = lp.llama_chunks(tok, texts.calibration, args.ctx, args.windows)
-        cal = calibrate_matched(model, windows, args.bits, args.group, skip=args.sink_tokens)
+        cal = calibrate_matched(model, windows, args.bits, args.group, skip=args.sink_tokens, key_scales=args.key_scales)
         if args.value_classes:  # at the value width the file's row uses
             cal = fit_value_classes(model, windows, cal, args.group, args.sink_tokens, max(1, math.ceil(args.bits)))
         path = save_matched(args.out, cal, {**meta, "bits": args.bits})
@@ -566,6 +569,7 @@ def _calibrate(args: argparse.Namespace) -> int:
             args.sensitivity,
             args.samples,
             progress=not args.no_progress,
+            key_scales=args.key_scales,
         )
         widths = {"key_widths": " ".join(map(str, kw)), "value_widths": " ".join(map(str, vw))}
         path = save_matched(args.out, cal, {**meta, "budget": args.budget, **widths})
@@ -780,6 +784,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="what value tokens store per token beside their codes: the norm, the least-squares scale or the norm-preserving "
         "scale of the decoded direction (docs/kernels.md section 5); recorded in the file and used by its eval row (default: norm)",
+    )
+    ca.add_argument(
+        "--key-scales",
+        choices=KEY_SCALES,
+        default="groups",
+        help="how key coordinates store their scales: groups, per coordinate over --group tokens; tokens, one float16 absmax "
+        "scale per token over coordinates divided by their calibrated deviations, a fixed size per token (vLLM's paged "
+        "slots, no partial groups; docs/schemes.md; default: %(default)s)",
     )
     ca.add_argument(
         "--value-classes",

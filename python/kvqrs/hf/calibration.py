@@ -123,20 +123,23 @@ def record_matched(model, windows: Iterable[torch.Tensor], skip: int = 0, progre
     return out
 
 
-def fit_matched(stats: dict, key_bits: float, group: int) -> dict:
+def fit_matched(stats: dict, key_bits: float, group: int, key_scales: str = "groups") -> dict:
     """``{layer: MatchedCalibration}`` from :func:`record_matched`'s statistics: keys by
     :func:`kvqrs.schemes.matched.fit_basis` weighted by the queries' second moment (the
     score-space error weight) at ``key_bits`` average code bits and scale groups of ``group``
-    tokens; values by their mean per KV head."""
+    tokens (``key_scales="tokens"``: a float16 scale per token instead, a fixed size per
+    token); values by their mean per KV head."""
     from ..schemes.matched import MatchedCalibration, fit_basis
 
-    return {layer: MatchedCalibration(fit_basis(k, key_bits, group, w), v.mean(axis=1)) for layer, (w, k, v) in stats.items()}
+    return {
+        layer: MatchedCalibration(fit_basis(k, key_bits, group, w, scales=key_scales), v.mean(axis=1)) for layer, (w, k, v) in stats.items()
+    }
 
 
-def fit_matched_widths(stats: dict, widths: Iterable[float], group: int, progress: bool = False) -> dict:
-    """``{a: fit_matched(stats, a, group)}`` for every average key width ``a`` of ``widths``, each
-    layer's transform and distortions fitted once (:func:`kvqrs.schemes.matched.fit_bases`);
-    ``progress``: a progress bar (tqdm) over the layers."""
+def fit_matched_widths(stats: dict, widths: Iterable[float], group: int, progress: bool = False, key_scales: str = "groups") -> dict:
+    """``{a: fit_matched(stats, a, group, key_scales)}`` for every average key width ``a`` of
+    ``widths``, each layer's transform and distortions fitted once
+    (:func:`kvqrs.schemes.matched.fit_bases`); ``progress``: a progress bar (tqdm) over the layers."""
     from tqdm import tqdm
 
     from ..schemes.matched import MatchedCalibration, fit_bases
@@ -144,12 +147,14 @@ def fit_matched_widths(stats: dict, widths: Iterable[float], group: int, progres
     widths = tuple(widths)
     out: dict = {a: {} for a in widths}
     for layer, (w, k, v) in tqdm(stats.items(), desc="fit", unit="layer", disable=not progress):
-        for a, basis in zip(widths, fit_bases(k, widths, group, w)):
+        for a, basis in zip(widths, fit_bases(k, widths, group, w, scales=key_scales)):
             out[a][layer] = MatchedCalibration(basis, v.mean(axis=1))
     return out
 
 
-def calibrate_matched(model, windows: Iterable[torch.Tensor], key_bits: float, group: int = 128, skip: int = 0) -> dict:
+def calibrate_matched(
+    model, windows: Iterable[torch.Tensor], key_bits: float, group: int = 128, skip: int = 0, key_scales: str = "groups"
+) -> dict:
     """Fit the ``matched`` scheme's per-layer calibration on calibration token windows
     (:func:`record_matched` then :func:`fit_matched`).
 
@@ -159,14 +164,18 @@ def calibrate_matched(model, windows: Iterable[torch.Tensor], key_bits: float, g
         key_bits: average key code bits per coordinate (0 < key_bits <= 8).
         group: tokens per key scale group.
         skip: leading positions of each window left out (the attention sinks).
+        key_scales: ``"groups"`` (each key coordinate in KIVI groups of ``group`` tokens) or
+            ``"tokens"`` (a float16 scale per key token, a fixed size per token:
+            :mod:`kvqrs.schemes.matched_tokens`).
 
     Returns:
         ``{layer: MatchedCalibration}``.
 
     Raises:
-        KvqrsError: no attention call was recorded, or a window shorter than ``skip + 2``.
+        KvqrsError: no attention call was recorded, a window shorter than ``skip + 2``, or an
+            unknown ``key_scales``.
     """
-    return fit_matched(record_matched(model, windows, skip), key_bits, group)
+    return fit_matched(record_matched(model, windows, skip), key_bits, group, key_scales)
 
 
 class _OnlyLayer(AttentionState):
@@ -351,6 +360,7 @@ def allocate_matched(
     sensitivity: str = "fisher",
     samples: int = 8,
     progress: bool = False,
+    key_scales: str = "groups",
 ) -> dict:
     """A ``matched`` calibration whose per-layer key and value widths come from measured
     sensitivity.
@@ -384,6 +394,8 @@ def allocate_matched(
             and counted so.
         sensitivity: ``"fisher"`` or ``"measured"`` (above); samples: the Fisher estimate's
             sampled outputs per probe window; progress: show progress bars (tqdm).
+        key_scales: how keys store their scales (:func:`calibrate_matched`), measured and
+            counted so.
 
     Returns:
         ``{layer: MatchedCalibration}`` with ``value_bits`` set per layer.
@@ -408,7 +420,7 @@ def allocate_matched(
     if sensitivity not in ("fisher", "measured"):
         raise KvqrsError(f"sensitivity: expected 'fisher' or 'measured', got {sensitivity!r}")
     stats = record_matched(model, windows, sink_tokens, progress=progress)
-    fits = fit_matched_widths(stats, kw, group, progress)
+    fits = fit_matched_widths(stats, kw, group, progress, key_scales)
     common = {"group": group, "sink_tokens": sink_tokens, "sink_dtype": sink_dtype}
     key_cfgs = [QuantConfig("matched", 4, None, **common, calibration=fits[a]) for a in kw]
     # Values alone read only the value mean of a calibration (the same in every fit) and its width.
@@ -603,6 +615,8 @@ def save_matched(path: str | pathlib.Path | io.BytesIO, calibration: dict, meta:
     arrays = {}
     for layer, c in calibration.items():
         arrays.update({f"mean_{layer}": c.keys.mean, f"widths_{layer}": c.keys.widths, f"vmean_{layer}": c.value_mean})
+        if c.keys.deviations is not None:
+            arrays[f"kdev_{layer}"] = c.keys.deviations
         perm = c.keys.permutation  # a channel permutation is stored as its indices
         arrays.update({f"basis_{layer}": c.keys.basis} if perm is None else {f"perm_{layer}": perm.astype(np.uint16)})
         if c.values is not None:
@@ -696,7 +710,7 @@ def load_matched(path: str | pathlib.Path | io.BytesIO) -> dict:
     return out
 
 
-_LAYER_ENTRIES = ("mean", "widths", "vmean", "basis", "perm", "vbasis", "vwidths", "vbits", "vclasses")
+_LAYER_ENTRIES = ("mean", "widths", "vmean", "basis", "perm", "vbasis", "vwidths", "vbits", "vclasses", "kdev")
 
 
 def _layer_calibration(z: dict, i: int):
@@ -727,7 +741,7 @@ def _layer_calibration(z: dict, i: int):
     vbits = entry("vbits", 0, optional=True)
     classes = entry("vclasses", 2, optional=True)
     return MatchedCalibration(
-        MatchedBasis(entry("mean", 2), basis, entry("widths", 1)),
+        MatchedBasis(entry("mean", 2), basis, entry("widths", 1), entry("kdev", 2, optional=True)),
         vmean,
         values,
         None if vbits is None else vbits[()],  # a float width is refused, not truncated

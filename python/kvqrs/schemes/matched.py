@@ -40,6 +40,7 @@ from .base import Coder, Encoded, as_float_array, check_encoded, check_head_dim,
 from .mse import decoded_scores
 
 MAX_WIDTH = 8
+KEY_SCALES = ("groups", "tokens")  # how matched keys store their scales (fit_basis's ``scales``)
 
 
 @dataclass(frozen=True)
@@ -52,11 +53,17 @@ class MatchedBasis:
             ``i`` of every head gets width ``widths[i]``).
         widths: uint8 ``(d,)``, non-increasing code widths in bits (0..8), shared by the heads of
             the layer so that every head stores the same layout.
+        deviations: None: each coordinate is coded along tokens in KIVI groups (per-channel
+            scales). float32 ``(kv_heads, d)``, positive: the calibrated standard deviation
+            ``sigma_i`` of each column's coordinate; each token is then coded on its own
+            (:class:`~kvqrs.schemes.matched_tokens.MatchedTokenCoder`: ``y_i / sigma_i`` under
+            one float16 absmax scale per token), a fixed size per token.
     """
 
     mean: np.ndarray
     basis: np.ndarray
     widths: np.ndarray
+    deviations: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         m, b, w = np.asarray(self.mean), np.asarray(self.basis), np.asarray(self.widths)
@@ -78,6 +85,11 @@ class MatchedBasis:
         object.__setattr__(self, "mean", m.astype(np.float32))
         object.__setattr__(self, "basis", b.astype(np.float32))
         object.__setattr__(self, "widths", w.astype(np.uint8))
+        if self.deviations is not None:
+            s = np.asarray(self.deviations)
+            if s.shape != (h, d) or s.dtype.kind not in "uif" or not np.isfinite(s).all() or (s <= 0).any():
+                raise KvqrsError(f"deviations: expected positive finite (kv_heads, d) = {(h, d)}, got shape {s.shape} dtype {s.dtype}")
+            object.__setattr__(self, "deviations", s.astype(np.float32))
 
     @property
     def kv_heads(self) -> int:
@@ -118,7 +130,8 @@ class MatchedBasis:
         """Bytes this side information takes stored: the mean, the widths, and the basis (a
         channel permutation as one byte per channel when it is one, else float32)."""
         perm = self.permutation
-        return int(self.mean.nbytes + self.widths.nbytes + (self.basis.nbytes if perm is None else perm.size))
+        dev = 0 if self.deviations is None else self.deviations.nbytes
+        return int(self.mean.nbytes + self.widths.nbytes + dev + (self.basis.nbytes if perm is None else perm.size))
 
 
 def uniform_distortion(y: np.ndarray, group: int, backend: Backend = CPU) -> np.ndarray:
@@ -139,6 +152,34 @@ def uniform_distortion(y: np.ndarray, group: int, backend: Backend = CPU) -> np.
         y_hat = backend.uniform_decode(code)
         out[:, b] = np.mean((y.astype(np.float64) - y_hat) ** 2, axis=1)
     return out
+
+
+def absmax_distortion(z: np.ndarray, backend: Backend = CPU) -> np.ndarray:
+    """Measured MSE of the per-token absmax quantizer on calibration coordinates.
+
+    Args:
+        z: float32 ``(n, d)``: ``n`` tokens of ``d`` coordinates, each divided by its standard
+            deviation (the quantizer's input, :func:`~kvqrs.kernels.absmax.absmax_encode`).
+
+    Returns:
+        float64 ``(d, MAX_WIDTH + 1)``: entry ``[i, b]`` is the mean squared error of coordinate
+        ``i`` when every coordinate is coded at ``b`` bits (``b = 0``: reconstructed as 0).
+    """
+    z = contiguous_float32(z)
+    out = np.empty((z.shape[1], MAX_WIDTH + 1))
+    out[:, 0] = np.mean(z.astype(np.float64) ** 2, axis=0)
+    for b in range(1, MAX_WIDTH + 1):
+        z_hat = backend.absmax_decode(backend.absmax_encode(z, np.full(z.shape[1], b, np.uint8)))
+        out[:, b] = np.mean((z.astype(np.float64) - z_hat) ** 2, axis=0)
+    return out
+
+
+def coordinate_deviations(y: np.ndarray) -> np.ndarray:
+    """Standard deviation of each centred coordinate, ``(d,)`` from ``y`` ``(n, d)``, floored at
+    1e-3 of the largest, so that no coordinate's ``y_i / sigma_i`` can leave float16's range
+    for the absmax scale on keys like the calibration's."""
+    sd = np.sqrt(np.mean(np.asarray(y, dtype=np.float64) ** 2, axis=0))
+    return np.maximum(sd, 1e-3 * max(float(sd.max(initial=0.0)), 1e-30))
 
 
 def water_fill(cost: np.ndarray, total_bits: int) -> np.ndarray:
@@ -216,7 +257,9 @@ def allocate_layers(cost: Any, bits: Any, budget: float) -> np.ndarray:
         pick[layer] = option
 
 
-def fit_basis(samples: Any, bits: float, group: int, weight: Any = None, backend: Backend = CPU, transform: str = "eigen") -> MatchedBasis:
+def fit_basis(
+    samples: Any, bits: float, group: int, weight: Any = None, backend: Backend = CPU, transform: str = "eigen", scales: str = "groups"
+) -> MatchedBasis:
     """Fit the transform and the widths of one layer and side from calibration vectors.
 
     Args:
@@ -232,6 +275,10 @@ def fit_basis(samples: Any, bits: float, group: int, weight: Any = None, backend
             ``weight`` is None); ``"channels"``: the identity (the cached channels themselves,
             ``lambda_i`` the weight's diagonal): nothing per layer to store but the mean and
             the widths, which a self-calibrating cache pays per sequence.
+        scales: ``"groups"``: each coordinate coded along tokens in KIVI groups of ``group``
+            tokens; ``"tokens"``: each token coded on its own, ``y_i / sigma_i`` under one
+            float16 absmax scale per token (the result carries the deviations ``sigma``; the
+            widths are water-filled on that quantizer's measured distortions).
 
     Returns:
         :class:`MatchedBasis`: columns ordered by ``lambda_i * sigma_i^2`` (weight eigenvalue
@@ -242,11 +289,17 @@ def fit_basis(samples: Any, bits: float, group: int, weight: Any = None, backend
     Raises:
         KvqrsError: bad shapes, too few samples (``n < 2``), NaN/Inf, or ``bits`` out of range.
     """
-    return fit_bases(samples, (bits,), group, weight, backend, transform)[0]
+    return fit_bases(samples, (bits,), group, weight, backend, transform, scales)[0]
 
 
 def fit_bases(
-    samples: Any, bits: Sequence[float], group: int, weight: Any = None, backend: Backend = CPU, transform: str = "eigen"
+    samples: Any,
+    bits: Sequence[float],
+    group: int,
+    weight: Any = None,
+    backend: Backend = CPU,
+    transform: str = "eigen",
+    scales: str = "groups",
 ) -> list[MatchedBasis]:
     """:func:`fit_basis` at each average width of ``bits`` (one :class:`MatchedBasis` each, in
     order), from one transform and one measurement of the distortions: each equals
@@ -266,6 +319,9 @@ def fit_bases(
     bases, cost = [], np.zeros((d, MAX_WIDTH + 1))
     if transform not in ("eigen", "channels"):
         raise KvqrsError(f"transform: expected 'eigen' or 'channels', got {transform!r}")
+    if scales not in KEY_SCALES:
+        raise KvqrsError(f"scales: expected one of {KEY_SCALES}, got {scales!r}")
+    devs = []
     for i in range(h):
         wi = None
         if weight is not None:
@@ -284,8 +340,14 @@ def fit_bases(
         order = np.argsort(-(lam * var), kind="stable")
         u, lam = u[:, order], lam[order]
         bases.append(u)
-        y = (xc[i] @ u).T.astype(np.float32)  # (d, n): each coordinate along tokens
-        cost += lam[:, None] * uniform_distortion(y, group, backend)
+        if scales == "groups":
+            y = (xc[i] @ u).T.astype(np.float32)  # (d, n): each coordinate along tokens
+            cost += lam[:, None] * uniform_distortion(y, group, backend)
+        else:
+            y = xc[i] @ u  # (n, d): each token's coordinates
+            sd = coordinate_deviations(y)
+            devs.append(sd)
+            cost += (lam * sd**2)[:, None] * absmax_distortion((y / sd).astype(np.float32), backend)
     out = []
     for b in bits:
         widths = water_fill(cost, int(round(float(b) * d)))
@@ -293,7 +355,8 @@ def fit_bases(
         # their columns (every head's column i keeps width i's rank).
         perm = np.argsort(-widths, kind="stable")
         basis = np.stack(bases)[:, :, perm]
-        out.append(MatchedBasis(mean.astype(np.float32), basis.astype(np.float32), widths[perm].astype(np.uint8)))
+        dev = np.stack(devs)[:, perm].astype(np.float32) if devs else None
+        out.append(MatchedBasis(mean.astype(np.float32), basis.astype(np.float32), widths[perm].astype(np.uint8), dev))
     return out
 
 
@@ -506,7 +569,7 @@ def _fingerprint(cal: MatchedBasis) -> str:
     import hashlib
 
     h = hashlib.blake2b(digest_size=8)
-    for a in (cal.mean, cal.basis, cal.widths):
+    for a in (cal.mean, cal.basis, cal.widths) if cal.deviations is None else (cal.mean, cal.basis, cal.widths, cal.deviations):
         h.update(np.ascontiguousarray(a).tobytes())
     return h.hexdigest()
 

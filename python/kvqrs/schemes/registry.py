@@ -26,6 +26,7 @@ from .block import BlockCoder
 from .headq import HeadQCoder
 from .kivi import KIVICoder
 from .matched import MAX_WIDTH, MatchedCalibration, MatchedCoder, MatchedValueCoder, random_calibration
+from .matched_tokens import MatchedTokenCoder
 from .mse import MSECoder, MSEQJLCoder, norm_params
 from .width_classes import WidthClassCoder
 
@@ -215,7 +216,10 @@ def _matched_calibration(calibration: Any, side: str) -> MatchedCalibration:
 
 
 def _matched_keys(s: CoderSettings) -> MatchedCoder:
-    return MatchedCoder(s.head_dim, _matched_calibration(s.calibration, "keys").keys, s.group, s.scheme, "keys", s.backend)
+    basis = _matched_calibration(s.calibration, "keys").keys
+    if basis.deviations is not None:  # calibrated with per-token scales: a fixed size per token
+        return MatchedTokenCoder(s.head_dim, basis, s.scheme, "keys", s.backend)
+    return MatchedCoder(s.head_dim, basis, s.group, s.scheme, "keys", s.backend)
 
 
 def _matched_values(s: CoderSettings) -> Coder:

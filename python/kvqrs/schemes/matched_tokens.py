@@ -1,0 +1,86 @@
+"""Keys of the ``matched`` codec with a fixed size per token.
+
+The calibrated transform of :mod:`kvqrs.schemes.matched` (``y = (k - mu) U``, columns ordered by
+score-space importance, widths from reverse water-filling), with each token coded on its own
+instead of each coordinate along groups of tokens: coordinate ``i`` is divided by its calibrated
+standard deviation ``sigma_i``, and the token's coded coordinates share one float16 absmax scale
+(:func:`~kvqrs.kernels.absmax.absmax_encode`: ``z_i = y_i / sigma_i``, ``s = max |z_i|``, ``b_i``-bit
+symmetric uniform codes of ``z_i / s`` with both endpoints as levels). A token's codes depend on
+that token alone, so every token stores the same bytes whatever comes before or after it: what
+vLLM's paged slots and a cache's newest, partial group need. The cost is one 16-bit scale per
+token (``16 / d`` bits per element) where KIVI groups pay ``32 / group`` per coded coordinate.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .. import layout as lay
+from .._arrays import KvqrsError
+from ..kernels.absmax import AbsmaxCode
+from ..kernels.pack import packed_size
+from .backend import CPU, Backend
+from .base import Encoded, as_float_array, check_encoded, check_head_dim, split_shape
+from .matched import MatchedBasis, MatchedCoder, _rows_times, head_mean
+
+
+class MatchedTokenCoder(MatchedCoder):
+    """Per-token keys in a calibrated basis (see the module docstring).
+
+    Args:
+        head_dim: d.
+        calibration: the layer's :class:`~kvqrs.schemes.matched.MatchedBasis` for this side,
+            with ``deviations`` (:func:`~kvqrs.schemes.matched.fit_basis` with
+            ``scales="tokens"``).
+        scheme, kind: labels recorded in the encoded tensors.
+        backend: the kernels' compute path.
+
+    Stored per token: for each run of coordinates ``lo .. hi - 1`` of width ``b > 0``,
+    ``ceil((hi - lo) * b / 8)`` bytes of packed codes, and one float16 scale; coordinates of
+    width 0 store nothing. The decode path (:meth:`decode`) serves attention.
+    """
+
+    fused = False
+
+    def __init__(self, head_dim: int, calibration: MatchedBasis, scheme: str, kind: str, backend: Backend = CPU):
+        if not isinstance(calibration, MatchedBasis) or calibration.deviations is None:
+            raise KvqrsError(f"calibration: per-token matched {kind} need a MatchedBasis with deviations (fit_basis(..., scales='tokens'))")
+        super().__init__(head_dim, calibration, 1, scheme, kind, backend)
+        self.params = {**self.params, "scales": "tokens"}
+        del self.params["group"]
+
+    def layout(self, shape: tuple[int, ...]) -> lay.Layout:
+        """``codes<b>`` uint8 ``(..., T, ceil((hi - lo) * b / 8))`` for each run of width ``b``,
+        and ``scales`` ``(..., T)`` (float16): one entry per token, cut anywhere."""
+        lead, t, _ = split_shape(shape)
+        out: lay.Layout = {f"codes{b}": lay.per_token(lead, t, (packed_size(hi - lo, b),), "uint8") for b, lo, hi in self.runs}
+        out["scales"] = lay.per_token(lead, t, (), "scalar")
+        return out
+
+    def _deviations(self, y: np.ndarray) -> np.ndarray:
+        return head_mean(self.cal.deviations, y, self.kind)
+
+    def encode(self, x: Any) -> Encoded:
+        x = as_float_array(x, self.kind)
+        check_head_dim(x, self.head_dim, self.kind)
+        mean, basis = self.heads(x)
+        y = _rows_times(x.astype(np.float32) - mean, basis)  # (..., T, d)
+        code = self.k.absmax_encode(y / self._deviations(y), self.cal.widths)
+        parts = {f"codes{b}": self.k.pack_bits(code.codes[..., lo:hi], b) for b, lo, hi in self.runs}
+        parts["scales"] = code.scales
+        return Encoded(self.scheme, self.kind, x.shape, x.dtype, parts, self.params)
+
+    def coordinates(self, enc: Encoded) -> np.ndarray:
+        """The decoded transform coordinates ``y_hat = z_hat * sigma`` float32 ``(..., T, d)``
+        (0 where the width is 0)."""
+        check_encoded(enc, self.scheme, self.kind, self.params)
+        codes = np.zeros((*enc.shape[:-1], self.head_dim), np.uint8)
+        for b, lo, hi in self.runs:
+            codes[..., lo:hi] = self.k.unpack_bits(enc.parts[f"codes{b}"], b, hi - lo)
+        z = self.k.absmax_decode(AbsmaxCode(codes, np.asarray(enc.parts["scales"], np.float16), self.cal.widths))
+        return z * self._deviations(z)
+
+    def attention_rows(self, enc: Encoded) -> Any:
+        raise KvqrsError(f"{self.scheme} {self.kind} with per-token scales have no fused rows: attention decodes them")

@@ -1,0 +1,151 @@
+"""``matched`` keys with a float16 absmax scale per token (fit_basis(..., scales="tokens")):
+the coder against the composition of the kernel oracles, a fixed size per token, the
+calibration file, and the cache."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from kvqrs import KvqrsError, oracle
+from kvqrs.hf import QuantConfig, load_matched, save_matched
+from kvqrs.kernels.pack import packed_size
+from kvqrs.layout import fixed_per_token
+from kvqrs.schemes import KVCodec
+from kvqrs.schemes.matched import MatchedBasis, MatchedCalibration, absmax_distortion, coordinate_deviations, fit_basis
+from kvqrs.schemes.matched_tokens import MatchedTokenCoder
+
+from .test_matched import _data
+
+# Decoded keys against the oracle's float64 decode composed with the float64 transform: the
+# codes are exact away from decision boundaries; the reconstruction differs by the float32
+# rounding of the transform, the division by the deviations and the decode (~1e-6 relative).
+RECON_RTOL = 1e-4
+# A code may differ from the oracle's where t + 0.5 lies this close to an integer (float32
+# against float64 arithmetic of z / s).
+BOUNDARY = 1e-3
+
+
+def _token_calibration(h=2, n=300, d=8, bits=3.0, seed=0):
+    x, w = _data(h=h, n=n, d=d, seed=seed)
+    return x, MatchedCalibration(fit_basis(x, bits, 8, w, scales="tokens"), x.mean(axis=1))
+
+
+def _codec(cal, d, bits=4):
+    return KVCodec("matched", bits, d, value_scheme="matched", group=8, calibration=cal)
+
+
+def test_fit_basis_with_token_scales_carries_the_deviations():
+    x, w = _data(h=3, n=600, d=16)
+    b = fit_basis(x, 3.0, 16, w, scales="tokens")
+    assert b.deviations is not None and b.deviations.shape == (3, 16) and (b.deviations > 0).all()
+    assert int(b.widths.astype(int).sum()) == 3 * 16 and (np.diff(b.widths.astype(int)) <= 0).all()
+    y = np.einsum("hnd,hde->hne", x.astype(np.float64) - b.mean[:, None, :], b.basis.astype(np.float64))
+    for i in range(3):
+        np.testing.assert_allclose(b.deviations[i], coordinate_deviations(y[i]), rtol=1e-5)
+    assert fit_basis(x, 3.0, 16, w).deviations is None  # groups: no deviations
+    with pytest.raises(KvqrsError, match="scales"):
+        fit_basis(x, 3.0, 16, w, scales="rows")
+
+
+def test_absmax_distortion_measures_the_kernel():
+    z = np.random.default_rng(3).standard_normal((200, 6)).astype(np.float32)
+    dist = absmax_distortion(z)
+    assert dist.shape == (6, 9)
+    np.testing.assert_allclose(dist[:, 0], np.mean(z.astype(np.float64) ** 2, axis=0))
+    codes, scales = oracle.absmax_encode(z, np.full(6, 3, np.uint8))
+    ref = np.mean((z - oracle.absmax_decode(codes, scales, np.full(6, 3, np.uint8))) ** 2, axis=0)
+    np.testing.assert_allclose(dist[:, 3], ref, rtol=1e-3)
+    assert (np.diff(dist[:, 1:], axis=1) <= 1e-12).all()  # more bits, less error
+
+
+@settings(max_examples=25, deadline=None)
+@given(tokens=st.integers(0, 70), bits=st.sampled_from([2.0, 3.0, 4.5]), seed=st.integers(0, 2**16))
+def test_coder_equals_the_oracle_composition(tokens, bits, seed):
+    _, cal = _token_calibration(bits=bits, seed=seed)
+    codec = _codec(cal, 8)
+    assert isinstance(codec._key_coder(), MatchedTokenCoder)
+    k = np.random.default_rng(seed + 1).standard_normal((1, 2, tokens, 8)).astype(np.float32) * 3
+    ck = codec.encode_keys(k)
+    kc = cal.keys
+    y = np.einsum("bhtd,hde->bhte", k.astype(np.float64) - kc.mean[None, :, None, :], kc.basis.astype(np.float64))
+    z = y / kc.deviations[None, :, None, :]
+    codes, scales = oracle.absmax_encode(z, kc.widths)
+    np.testing.assert_array_equal(ck.parts["scales"], scales)
+    coded = kc.widths > 0
+    top = (2.0 ** kc.widths.astype(int) - 1)[coded]
+    s = scales.astype(np.float64)[..., None]
+    t = (np.divide(z[..., coded], s, out=np.zeros_like(z[..., coded]), where=s > 0) + 1) * 0.5 * top
+    near = np.abs((t + 0.5) % 1.0 - 0.5) > 0.5 - BOUNDARY
+    got = np.zeros_like(codes)
+    for b, lo, hi in kc.width_runs():
+        assert ck.parts[f"codes{b}"].shape == (1, 2, tokens, packed_size(hi - lo, b))
+        got[..., lo:hi] = oracle.unpack_bits(ck.parts[f"codes{b}"], b, hi - lo)
+    assert ((got[..., coded] == codes[..., coded]) | near).all()
+    assert (got[..., ~coded] == 0).all()
+    z_hat = oracle.absmax_decode(got, scales, kc.widths) * kc.deviations[None, :, None, :]
+    ref = np.einsum("bhte,hde->bhtd", z_hat, kc.basis.astype(np.float64)) + kc.mean[None, :, None, :]
+    np.testing.assert_allclose(codec.decode_keys(ck), ref, atol=RECON_RTOL * max(1.0, np.abs(k).max(initial=0.0)))
+    if tokens:
+        code_bits = sum(8 * packed_size(hi - lo, b) for b, lo, hi in kc.width_runs())
+        assert ck.bits_per_element == pytest.approx((code_bits + 16) / 8)
+
+
+def test_keys_have_a_fixed_size_per_token_and_join_anywhere():
+    x, cal = _token_calibration(h=3, n=500, d=16)
+    codec = _codec(cal, 16, 3)
+    coder = codec._key_coder()
+    assert fixed_per_token(coder.layout((1, 3, 5, 16)))
+    k = x[None, :, :37]
+    one = codec.encode_keys(k)
+    joined = codec.concat([codec.encode_keys(k[..., :5, :]), codec.encode_keys(k[..., 5:6, :]), codec.encode_keys(k[..., 6:, :])])
+    assert one.parts.keys() == joined.parts.keys()
+    for name in one.parts:
+        np.testing.assert_array_equal(one.parts[name], joined.parts[name])
+    sl = codec.slice_tokens(one, 29, 3)
+    np.testing.assert_array_equal(codec.decode_keys(sl), codec.decode_keys(codec.encode_keys(k[..., 3:29, :])))
+
+
+def test_token_keys_refuse_what_is_not_theirs():
+    x, cal = _token_calibration()
+    _, other = _token_calibration(seed=5)
+    with pytest.raises(KvqrsError, match="fingerprint"):
+        _codec(other, 8).decode_keys(_codec(cal, 8).encode_keys(x[None, :, :4]))
+    grouped = MatchedCalibration(MatchedBasis(cal.keys.mean, cal.keys.basis, cal.keys.widths), cal.value_mean)
+    with pytest.raises(KvqrsError, match="deviations"):
+        MatchedTokenCoder(8, grouped.keys, "matched", "keys")
+    with pytest.raises(KvqrsError, match="deviations"):
+        MatchedBasis(cal.keys.mean, cal.keys.basis, cal.keys.widths, np.zeros((2, 8)))
+    with pytest.raises(KvqrsError, match="deviations"):
+        MatchedBasis(cal.keys.mean, cal.keys.basis, cal.keys.widths, np.ones((1, 8)))
+    with pytest.raises(KvqrsError, match="overflows float16"):
+        _codec(cal, 8).encode_keys(np.full((1, 2, 1, 8), 1e30, np.float32))
+
+
+def test_calibration_file_keeps_the_deviations(tmp_path):
+    _, cal = _token_calibration()
+    back = load_matched(save_matched(tmp_path / "cal", {0: cal, 1: cal}))
+    np.testing.assert_array_equal(back[1].keys.deviations, cal.keys.deviations)
+    k = np.random.default_rng(0).standard_normal((1, 2, 9, 8)).astype(np.float32)
+    enc = _codec(cal, 8).encode_keys(k)
+    np.testing.assert_array_equal(_codec(back[1], 8).decode_keys(enc), _codec(cal, 8).decode_keys(enc))
+
+
+def test_cache_codes_every_token_at_once():
+    import torch
+    from kvqrs.hf import QuantizedKVCache
+    from kvqrs.hf.attention import active
+
+    x, cal = _token_calibration(h=3, n=400, d=16)
+    cfg = QuantConfig("matched", 4, "matched", 4, residual_length=0, group=8, calibration={0: cal})
+    cache = QuantizedKVCache(cfg, 1)
+    k = torch.from_numpy(x[None, :, :13].copy())
+    v = torch.from_numpy(x[None, :, 13:26].copy())
+    with active(None):
+        for t in range(13):  # one token at a time: none is left in full precision
+            keys, _ = cache.update(k[:, :, t : t + 1], v[:, :, t : t + 1], 0)
+    codec = cfg.codec(0, 16)
+    ck, cv = codec.encode_keys(x[None, :, :13]), codec.encode_values(x[None, :, 13:26])
+    torch.testing.assert_close(keys, torch.from_numpy(codec.decode_keys(ck)))
+    assert cache.nbytes() == ck.nbytes + cv.nbytes  # codes only: no token waits in full precision
