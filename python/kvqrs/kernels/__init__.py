@@ -9,6 +9,8 @@ from .attention import (
     MSERows,
     QJLRows,
     SideRows,
+    TokenRun,
+    TokenRunRows,
     UniformRows,
     decode_attention,
 )
@@ -31,6 +33,8 @@ __all__ = [
     "MSERows",
     "QJLRows",
     "SideRows",
+    "TokenRun",
+    "TokenRunRows",
     "UniformRows",
     "decode_attention",
     "Codebook",
