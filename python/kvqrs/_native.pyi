@@ -75,7 +75,8 @@ _Scalars = npt.NDArray[np.float16] | npt.NDArray[np.float32]
 # attribute name): MSERows (codes, norms, bits, seed, qjl: QJLRows(signs, norms, seed) | None),
 # UniformRows (codes, scales, zeros, bits, group, per_channel, seed), DenseRows (values),
 # ChannelRunRows (runs: ChannelRun(codes, scales, zeros, bits, start, stop), group, basis flat
-# float32, basis_heads), CentredRows (rows, mean flat float32, mean_heads); SideRows (codes,
+# float32, basis_heads), TokenRunRows (runs: TokenRun(codes, bits, start, stop), scales, basis
+# flat float32, basis_heads), CentredRows (rows, mean flat float32, mean_heads); SideRows (codes,
 # scales, basis flat float32, bits, sign, rank, basis_heads). Each entry point puts its own
 # stand-in for a stored part in place of the arrays (kvqrs.kernels.attention.binding_rows).
 _Rows = Any

@@ -14,7 +14,7 @@ Nothing is learned by encoding a probe.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from fractions import Fraction
 from math import gcd, lcm, prod
 from typing import Any, NamedTuple
@@ -178,6 +178,15 @@ def uniform_channels(lead: tuple[int, ...], t: int, d: int, bits: int, group: in
         "scales": along_tokens((*lead, d), t, per_group, group, "scalar"),
         "zeros": along_tokens((*lead, d), t, per_group, group, "scalar"),
     }
+
+
+def token_runs(lead: tuple[int, ...], t: int, runs: Sequence[tuple[int, int]]) -> Layout:
+    """Symmetric codes per token in runs of basis columns with one scale per token (the
+    fixed-size ``matched`` keys): ``runs[i].codes`` uint8 ``(..., T, packed_size(width, bits))``
+    for each run's ``(width, bits)``, ``scales`` ``(..., T)``."""
+    parts = {f"runs[{i}].codes": per_token(lead, t, (packed_size(w, b),), "uint8") for i, (w, b) in enumerate(runs)}
+    parts["scales"] = per_token(lead, t, (), "scalar")
+    return parts
 
 
 def dense(lead: tuple[int, ...], t: int, d: int) -> Layout:

@@ -997,7 +997,11 @@ def decode_rows(spec, head_dim) -> np.ndarray:
     ``(..., stop - start, bytes)``, ``scales``, ``zeros`` ``(..., stop - start, groups)``,
     ``bits``, ``start``, ``stop``; ``group``, ``tokens``, ``basis`` ``(d, d)`` or ``(B, d, d)``
     where flattened head i uses basis ``i % B``: ``y_hat U^T`` with ``y_hat`` 0 in the columns
-    of no run); ``"centred"`` (``rows``, another spec, plus ``mean`` ``(d,)`` or ``(B, d)``).
+    of no run); ``"token_runs"`` (the fixed-size ``matched`` keys: ``runs``, a list of dicts
+    with ``codes`` ``(..., T, bytes)``, ``bits``, ``start``, ``stop``; ``scales`` ``(..., T)``,
+    ``basis`` as above: ``z_hat B^T`` with ``z_hat_i = ((2c - L) / L) * scales_t`` in float32
+    for code ``c``, ``L = 2^bits - 1``, 0 in the columns of no run); ``"centred"`` (``rows``,
+    another spec, plus ``mean`` ``(d,)`` or ``(B, d)``).
     """
     kind = spec["kind"]
     d = _check_dim(head_dim)
@@ -1021,6 +1025,17 @@ def decode_rows(spec, head_dim) -> np.ndarray:
             raise ValueError("channel_runs: the oracle needs at least one run to know the leading shape")
         u = _per_head(np.asarray(spec["basis"], dtype=np.float32).astype(np.float64), lead, 2)
         return y @ np.swapaxes(u, -1, -2)
+    if kind == "token_runs":
+        scales = np.asarray(spec["scales"]).astype(np.float64)
+        lead, t = scales.shape[:-1], scales.shape[-1]
+        z = np.zeros((*lead, t, d))
+        for run in spec["runs"]:
+            b, lo, hi = _check_bits(run["bits"]), run["start"], run["stop"]
+            top = (1 << b) - 1
+            levels = ((2 * np.arange(top + 1) - top).astype(np.float32) / np.float32(top)).astype(np.float64)
+            z[..., lo:hi] = levels[unpack_bits(run["codes"], b, hi - lo)]
+        u = _per_head(np.asarray(spec["basis"], dtype=np.float32).astype(np.float64), lead, 2)
+        return (z * scales[..., None]) @ np.swapaxes(u, -1, -2)
     bits = _check_bits(spec["bits"])
     seed = spec.get("seed")
     cd = d if seed is None else padded_dim(d)

@@ -286,11 +286,11 @@ def test_set_rows_refuses_malformed_row_objects_with_a_type_error_naming_the_fie
         (
             centred._replace(rows=centred),
             "CentredRows.rows",
-            "expected MSERows, UniformRows, DenseRows or ChannelRunRows, got _FlatCentred",
+            "expected MSERows, UniformRows, DenseRows, ChannelRunRows or TokenRunRows, got _FlatCentred",
         ),
         (namedtuple("Centred", "rows mean")(mse, centred.mean), "CentredRows: missing field", "no attribute 'mean_heads'"),
         ({"kind": "mse", "codes": "keys.codes", "norms": "keys.norms", "bits": 4, "seed": 7}, "expected a row object .* got a dict", None),
-        (object(), "expected MSERows, UniformRows, DenseRows or ChannelRunRows, got object", None),
+        (object(), "expected MSERows, UniformRows, DenseRows, ChannelRunRows or TokenRunRows, got object", None),
     ]
     for rows, match, cause in cases:
         with pytest.raises(TypeError, match=f"argument 'keys': .*{match}") as e:

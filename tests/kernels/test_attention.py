@@ -422,7 +422,7 @@ def test_bad_inputs_raise_kvqrs_errors_naming_the_argument():
         decode_attention(q, keys, UniformRows(keys.codes, keys.norms, keys.norms, 4, 32, per_channel=True))
     with pytest.raises(KvqrsError, match="scale"):
         decode_attention(q, keys, values, scale=-1.0)
-    with pytest.raises(KvqrsError, match="keys: expected MSERows, UniformRows, DenseRows, ChannelRunRows or CentredRows"):
+    with pytest.raises(KvqrsError, match="keys: expected MSERows, UniformRows, DenseRows, ChannelRunRows, TokenRunRows or CentredRows"):
         decode_attention(q, {"codes": keys.codes}, values)
     side = SideRows(np.zeros((2, 10, 2), np.uint8), np.ones((2, 10), np.float16), np.ones((3, 64, 4), np.float32), 4)
     with pytest.raises(KvqrsError, match="side.basis"):

@@ -19,6 +19,7 @@ from hypothesis.extra import numpy as hnp
 from kvqrs import _native, oracle
 
 from tests.kernels.test_attention import matched_problems, problems
+from tests.kernels.test_attention_token_runs import token_run_problems
 from tests.strategies import HEAD_DIMS, bits, float_rows, head_dims, leading_shapes, seeds
 
 SIMD = [i for i in _native.simd_available() if i != "scalar"]
@@ -141,6 +142,16 @@ def test_fused_matched_attention_is_identical_on_every_path(data):
     # Per-channel runs in a basis around a mean, as keys and (either coding) as values.
     codec, q, ck, cv = data.draw(matched_problems())
     assert_identical(lambda: tuple(codec.fused_attention(q, ck, cv, probs=True)))
+
+
+@settings(deadline=None)
+@given(pr=token_run_problems())
+def test_fused_token_runs_attention_is_identical_on_every_path(pr):
+    # Per-token runs in a basis (1..8 bits, widths read packed in registers and not), alone
+    # and around a mean.
+    mean = np.linspace(-2, 2, pr.d, dtype=np.float32)
+    for keys in (pr.keys, kvqrs.kernels.CentredRows(pr.keys, mean)):
+        assert_identical(lambda k=keys: tuple(kvqrs.kernels.decode_attention(pr.q, k, pr.values, scale=pr.scale, probs=True)))
 
 
 @pytest.mark.parametrize("d", HEAD_DIMS)

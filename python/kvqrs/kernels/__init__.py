@@ -10,6 +10,8 @@ from .attention import (
     MSERows,
     QJLRows,
     SideRows,
+    TokenRun,
+    TokenRunRows,
     UniformRows,
     decode_attention,
 )
@@ -35,6 +37,8 @@ __all__ = [
     "MSERows",
     "QJLRows",
     "SideRows",
+    "TokenRun",
+    "TokenRunRows",
     "UniformRows",
     "decode_attention",
     "Codebook",

@@ -9,8 +9,9 @@ times ``U^T q``), the softmax is taken in a stable way, and the values are accum
 codes in the code domain and un-rotated once. Keys and values are never reconstructed.
 
 Describe each side of the cache with :class:`MSERows`, :class:`UniformRows`,
-:class:`DenseRows` or :class:`ChannelRunRows` (per-channel runs in a calibrated basis, the
-``matched`` scheme), optionally around a per-head mean (:class:`CentredRows`; the scheme coders
+:class:`DenseRows`, :class:`ChannelRunRows` (per-channel runs in a calibrated basis, the
+``matched`` scheme) or :class:`TokenRunRows` (per-token runs in a basis with one scale per
+token, the fixed-size ``matched`` keys), optionally around a per-head mean (:class:`CentredRows`; the scheme coders
 of :mod:`kvqrs.schemes` build them from an ``Encoded``), and HeadQ's side code with
 :class:`SideRows`; each declares its stored layout
 (``layout(lead, T, head_dim)``, the row formats of :mod:`kvqrs.layout` that the scheme coders
@@ -152,6 +153,25 @@ class DenseRows(NamedTuple):
         return {"kind": "dense", "values": self.values}
 
 
+def _run_widths(runs: Any, cls: type, d: int) -> list[tuple[int, int]]:
+    """``(stop - start, bits)`` of each run (``cls``) of columns of head_dim ``d``, after
+    checking that they are of ``cls``, in increasing order, disjoint, within ``d``, with bits
+    1..8 (errors name ``runs[i]``)."""
+    out = []
+    nxt = 0
+    for i, run in enumerate(runs):
+        if not isinstance(run, cls):
+            raise KvqrsError(f"runs[{i}]: expected a {cls.__name__}, got {type(run).__name__}")
+        lo, hi = check_positive_int(run.start, f"runs[{i}].start", minimum=0), check_positive_int(run.stop, f"runs[{i}].stop")
+        if lo < nxt or hi <= lo or hi > d:
+            raise KvqrsError(
+                f"runs[{i}]: expected columns {nxt} <= start < stop <= {d} (runs in increasing order, disjoint), got {lo}..{hi}"
+            )
+        nxt = hi
+        out.append((hi - lo, check_bits(run.bits, f"runs[{i}].bits")))
+    return out
+
+
 class ChannelRun(NamedTuple):
     """One run of basis columns ``start .. stop - 1`` coded at ``bits`` bits per channel along
     tokens (the per-channel KIVI layout, ``stop - start`` channels).
@@ -194,18 +214,8 @@ class ChannelRunRows(NamedTuple):
         runs, bits and group)."""
         g = check_positive_int(self.group, "group")
         parts: lay.Layout = {}
-        nxt = 0
-        for i, run in enumerate(self.runs):
-            if not isinstance(run, ChannelRun):
-                raise KvqrsError(f"runs[{i}]: expected a ChannelRun, got {type(run).__name__}")
-            lo, hi = check_positive_int(run.start, f"runs[{i}].start", minimum=0), check_positive_int(run.stop, f"runs[{i}].stop")
-            if lo < nxt or hi <= lo or hi > d:
-                raise KvqrsError(
-                    f"runs[{i}]: expected columns {nxt} <= start < stop <= {d} (runs in increasing order, disjoint), got {lo}..{hi}"
-                )
-            nxt = hi
-            b = check_bits(run.bits, f"runs[{i}].bits")
-            parts.update(lay.prefixed(f"runs[{i}].", lay.uniform_channels(lead, t, hi - lo, b, g)))
+        for i, (w, b) in enumerate(_run_widths(self.runs, ChannelRun, d)):
+            parts.update(lay.prefixed(f"runs[{i}].", lay.uniform_channels(lead, t, w, b, g)))
         return parts
 
     def spec(self) -> dict[str, Any]:
@@ -218,6 +228,56 @@ class ChannelRunRows(NamedTuple):
         }
 
 
+class TokenRun(NamedTuple):
+    """One run of basis columns ``start .. stop - 1`` coded per token at ``bits`` bits
+    (symmetric levels, see :class:`TokenRunRows`).
+
+    Attributes:
+        codes: uint8 ``(..., T, packed_size(stop - start, bits))``: each token's codes of the
+            run packed little-endian (code i at bits ``i * bits .. i * bits + bits - 1``).
+        bits: 1..8.
+        start, stop: the run's columns of the basis.
+    """
+
+    codes: np.ndarray
+    bits: int
+    start: int
+    stop: int
+
+
+class TokenRunRows(NamedTuple):
+    """Coordinates ``z`` in a basis ``B`` (not necessarily orthonormal: ``U diag(sigma)`` with
+    per-column scales folded in), each token coded symmetrically in runs of columns with one
+    scale per token (the fixed-size ``matched`` keys). Token t decodes to ``x_hat = z_hat B^T``
+    with ``z_hat_i = level(bits, code_i) * scales_t``, ``level(b, c) = (2c - L) / L``,
+    ``L = 2^b - 1``, and ``z_hat_i = 0`` in the columns of no run. A key layout: the kernel
+    scores ``(q B) . z_hat`` (the query projected once per row); refused as values.
+
+    Attributes:
+        runs: the :class:`TokenRun` s, columns in increasing order, disjoint.
+        scales: float16/float32 ``(..., T)``, finite and not negative.
+        basis: float32 ``(d, d)``, or ``(B, d, d)`` with ``B`` the last leading axis (flattened
+            head i uses basis ``i % B``); ``basis[..., i, c]`` is input coordinate i of column c.
+    """
+
+    runs: tuple[TokenRun, ...]
+    scales: np.ndarray
+    basis: np.ndarray
+
+    def layout(self, lead: tuple[int, ...], t: int, d: int) -> lay.Layout:
+        """Parts ``runs[i].codes`` of each run and ``scales`` (after checking the runs and
+        bits)."""
+        return lay.token_runs(lead, t, _run_widths(self.runs, TokenRun, d))
+
+    def spec(self) -> dict[str, Any]:
+        return {
+            "kind": "token_runs",
+            "runs": [dict(r._asdict()) for r in self.runs],
+            "scales": self.scales,
+            "basis": np.asarray(self.basis),
+        }
+
+
 class CentredRows(NamedTuple):
     """Rows around a per-head mean: ``x_hat = rows_hat + mean``.
 
@@ -227,8 +287,8 @@ class CentredRows(NamedTuple):
     ``lse`` the log-sum-exp of the true logits for merging with another softmax part.
 
     Attributes:
-        rows: :class:`MSERows`, :class:`UniformRows`, :class:`DenseRows` or
-            :class:`ChannelRunRows`.
+        rows: :class:`MSERows`, :class:`UniformRows`, :class:`DenseRows`,
+            :class:`ChannelRunRows` or :class:`TokenRunRows` (keys only).
         mean: float32 ``(d,)``, or ``(B, d)`` with ``B`` the last leading axis (flattened head
             i uses mean ``i % B``).
     """
@@ -286,7 +346,9 @@ class AttentionResult(NamedTuple):
     probs: np.ndarray | None
 
 
-Rows = Union[MSERows, UniformRows, DenseRows, ChannelRunRows, CentredRows]
+Rows = Union[MSERows, UniformRows, DenseRows, ChannelRunRows, TokenRunRows, CentredRows]
+
+_ROW_CLASSES = "MSERows, UniformRows, DenseRows, ChannelRunRows, TokenRunRows or CentredRows"
 
 
 def _tokens(rows: Rows, arg: str, lead: tuple[int, ...]) -> int:
@@ -297,6 +359,8 @@ def _tokens(rows: Rows, arg: str, lead: tuple[int, ...]) -> int:
         return check_positive_int(rows.tokens, f"{arg}.tokens", minimum=0)
     if isinstance(rows, MSERows):
         a = as_array(rows.norms.codes if isinstance(rows.norms, LogScalars) else rows.norms, f"{arg}.norms")
+    elif isinstance(rows, TokenRunRows):
+        a = as_array(rows.scales, f"{arg}.scales")
     elif isinstance(rows, UniformRows):
         a = as_array(rows.scales, f"{arg}.scales")
         a = a[..., 0] if a.ndim else a
@@ -304,7 +368,7 @@ def _tokens(rows: Rows, arg: str, lead: tuple[int, ...]) -> int:
         a = as_array(rows.values, f"{arg}.values")
         a = a[..., 0] if a.ndim else a
     else:
-        raise KvqrsError(f"{arg}: expected MSERows, UniformRows, DenseRows, ChannelRunRows or CentredRows, got {type(rows).__name__}")
+        raise KvqrsError(f"{arg}: expected {_ROW_CLASSES}, got {type(rows).__name__}")
     if a.ndim != len(lead) + 1 or a.shape[:-1] != lead:
         raise KvqrsError(f"{arg}: expected leading shape {lead} (the queries') then tokens, got {a.shape}")
     return a.shape[-1]
@@ -315,6 +379,15 @@ class _FlatRuns(NamedTuple):
 
     runs: list[ChannelRun]
     group: int
+    basis: np.ndarray
+    basis_heads: int
+
+
+class _FlatTokenRuns(NamedTuple):
+    """:class:`TokenRunRows` checked and flattened, with the basis count."""
+
+    runs: list[TokenRun]
+    scales: Any
     basis: np.ndarray
     basis_heads: int
 
@@ -346,7 +419,7 @@ def per_head_table(x: Any, arg: str, lead: tuple[int, ...], shape: tuple[int, ..
     return as_float_rows(a.reshape(-1, shape[-1]), arg)[0].reshape(-1), count
 
 
-NATIVE_ROWS = (MSERows, UniformRows, DenseRows, ChannelRunRows)
+NATIVE_ROWS = (MSERows, UniformRows, DenseRows, ChannelRunRows, TokenRunRows)
 """The row classes the native binding reads (``rust/py/src/rows.rs``), alone or in one
 :class:`CentredRows`."""
 
@@ -364,7 +437,7 @@ def _base(rows: Rows, arg: str) -> Any:
     if isinstance(inner, CentredRows):
         raise KvqrsError(f"{arg}.rows: expected rows around one mean, got CentredRows in CentredRows")
     if not isinstance(inner, NATIVE_ROWS):
-        raise KvqrsError(f"{arg}: expected MSERows, UniformRows, DenseRows, ChannelRunRows or CentredRows, got {type(inner).__name__}")
+        raise KvqrsError(f"{arg}: expected {_ROW_CLASSES}, got {type(inner).__name__}")
     return inner
 
 
@@ -390,6 +463,9 @@ def map_parts(rows: Any, part: Callable[[Any, str], Any], arg: str = "rows") -> 
             for i, run in enumerate(rows.runs)
         )
         return rows._replace(runs=runs)
+    if isinstance(rows, TokenRunRows):
+        truns = tuple(run._replace(codes=part(run.codes, f"runs[{i}].codes")) for i, run in enumerate(rows.runs))
+        return rows._replace(runs=truns, scales=part(rows.scales, "scales"))
     if isinstance(rows, MSERows):
         q = rows.qjl
         qjl = None if q is None else q._replace(signs=part(q.signs, "qjl.signs"), norms=part(q.norms, "qjl.norms"))
@@ -433,7 +509,7 @@ def binding_rows(rows: Rows, arg: str, lead: tuple[int, ...], d: int, part: Call
     cache the part's place in a page (both resolve the names of
     :class:`~kvqrs.layout.PartRef` s, :func:`by_name`). A ``ChannelRunRows`` basis and a
     ``CentredRows`` mean go flat float32 with their per-head count (``lead``: the leading
-    shape, ``d``: head_dim).
+    shape, ``d``: head_dim); a ``TokenRunRows`` basis likewise.
 
     Raises:
         KvqrsError: an unknown row class, nested ``CentredRows``, a basis or mean of another
@@ -446,6 +522,10 @@ def binding_rows(rows: Rows, arg: str, lead: tuple[int, ...], d: int, part: Call
     if isinstance(rows, ChannelRunRows):
         basis, count = per_head_table(rows.basis, f"{arg}.basis", lead, (d, d))
         return _FlatRuns(list(map_parts(rows, part, arg).runs), int(rows.group), basis, count)
+    if isinstance(rows, TokenRunRows):
+        basis, count = per_head_table(rows.basis, f"{arg}.basis", lead, (d, d))
+        mapped = map_parts(rows, part, arg)
+        return _FlatTokenRuns(list(mapped.runs), mapped.scales, basis, count)
     return map_parts(rows, part, arg)
 
 
@@ -509,7 +589,8 @@ def decode_attention(
     side_j))`` and ``side_j = sign * (U^T q_r) . z_j`` (HeadQ, docs/kernels.md section 7); ``k_hat``, ``v_hat``
     the decodes of docs/kernels.md sections 5, 6 and 9 (the QJL residual enters the logits
     through its inner-product estimator, Zandieh et al. 2024, Lemma 3.2). :class:`ChannelRunRows`
-    keys are scored as ``(q U) . y_hat`` (the query projected once per row); the key mean of
+    keys are scored as ``(q U) . y_hat`` and :class:`TokenRunRows` keys as ``s_t (q B) . z_hat``
+    (the query projected once per row); the key mean of
     :class:`CentredRows` enters ``lse`` only (``scale * q . mean``: the same for every token, so
     ``probs`` and ``out`` do not depend on it); a value mean is added once to ``out``. The rows
     of one leading index (e.g. the query heads of a GQA group times the query tokens) share one
@@ -518,9 +599,9 @@ def decode_attention(
     Args:
         q: float ``(..., rows, head_dim)``; the leading shape is the keys' (one KV head each).
         keys: :class:`MSERows`, :class:`UniformRows` (per token or per channel),
-            :class:`DenseRows` or :class:`ChannelRunRows`, each optionally in
+            :class:`DenseRows`, :class:`ChannelRunRows` or :class:`TokenRunRows`, each optionally in
             :class:`CentredRows`, with leading shape ``(...)`` and ``T`` tokens.
-        values: the same but per-channel :class:`UniformRows`.
+        values: the same but per-channel :class:`UniformRows` and :class:`TokenRunRows`.
         side: optional :class:`SideRows` of the keys.
         scale: logit scale, default ``1 / sqrt(head_dim)``.
         probs: also return the probabilities.
@@ -543,6 +624,8 @@ def decode_attention(
     vin = values.rows if isinstance(values, CentredRows) else values
     if isinstance(vin, UniformRows) and vin.per_channel:
         raise KvqrsError("values: expected per-token values; per-channel uniform groups are a key layout (KIVI keys)")
+    if isinstance(vin, TokenRunRows):
+        raise KvqrsError("values: expected value rows; TokenRunRows (per-token runs in a basis) are a key layout")
     t = _tokens(values, "values", lead)
     if t == 0:
         raise KvqrsError("values: expected at least one token to attend to, got 0")

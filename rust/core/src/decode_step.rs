@@ -119,10 +119,10 @@ pub fn check_rows(
     side: Option<&PartSide>,
     values: &PartRows,
 ) -> Result<()> {
-    if let Rows::UniformChannels { .. } = values {
+    if let Some(what) = values.key_only() {
         return Err(KvqError::ShapeMismatch {
             arg: "values",
-            expected: "per-token rows (per-channel uniform groups are a key layout)".into(),
+            expected: format!("value rows ({what} are a key layout)"),
             actual: values.class().into(),
         });
     }

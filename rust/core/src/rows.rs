@@ -48,6 +48,20 @@ pub struct Run<B, S> {
     pub stop: usize,
 }
 
+/// One run of basis columns `start .. stop` of [`Rows::TokenRuns`]: each token's codes of the
+/// run packed little-endian (code i at bits `i * bits ..`), one row of bytes per token.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct TokenRun<B> {
+    /// heads x tokens x packed_len(stop - start, bits) bytes.
+    pub codes: B,
+    /// Bits per code (1..8).
+    pub bits: u32,
+    /// First basis column of the run.
+    pub start: usize,
+    /// One past the last basis column.
+    pub stop: usize,
+}
+
 /// Stored rows of one side of the cache (keys or values), `heads x tokens` vectors of
 /// head_dim. The sizes below are those of compact arrays; with room per head
 /// ([`crate::kernels::attention::AttentionShape::stride`]) every `tokens` along a token axis
@@ -114,6 +128,22 @@ pub enum Rows<B, S, F, T = F> {
         /// Number of bases (1, or a divisor of the flattened heads).
         basis_heads: usize,
     },
+    /// Coordinates in a basis `B` (not necessarily orthonormal: `U diag(sigma)` with per-column
+    /// scales folded in), each token's coded symmetrically in runs of columns with one scale
+    /// per token (the fixed-size `matched` keys): `z_hat_i = level(bits, code_i) * s_t`,
+    /// `level(b, c) = (2c - L) / L`, `L = 2^b - 1`, 0 in columns of no run; decodes to
+    /// `x_hat = z_hat B^T`. A key layout.
+    TokenRuns {
+        /// The coded runs, columns in increasing order, disjoint.
+        runs: Vec<TokenRun<B>>,
+        /// heads x tokens stored scales, one per token.
+        scales: S,
+        /// basis_heads x head_dim x head_dim, row-major (`B[i][c]`: input coordinate i, basis
+        /// column c); head h uses basis `h % basis_heads`.
+        basis: T,
+        /// Number of bases (1, or a divisor of the flattened heads).
+        basis_heads: usize,
+    },
     /// Other rows plus a per-head mean `mu`: `x_hat = inner_hat + mu`. As values the mean is
     /// added once to the output (the probabilities sum to one); as keys `q . mu` is the same for
     /// every token of a query, so it is left out of the logits (the softmax ignores it) and
@@ -174,7 +204,7 @@ pub struct Field<'a> {
     pub side: &'a str,
     /// Inside the rows of [`Rows::Centred`].
     pub centred: bool,
-    /// The run of [`Rows::ChannelRuns`], if any.
+    /// The run of [`Rows::ChannelRuns`] or [`Rows::TokenRuns`], if any.
     pub run: Option<usize>,
     /// The field (`codes`, `norms`, `qjl.signs`, ...).
     pub name: &'static str,
@@ -333,6 +363,32 @@ impl<B, S, F, T> Rows<B, S, F, T> {
                     basis_heads: *basis_heads,
                 }
             }
+            Rows::TokenRuns {
+                runs,
+                scales,
+                basis,
+                basis_heads,
+            } => {
+                let mut out = Vec::with_capacity(runs.len());
+                for (i, run) in runs.iter().enumerate() {
+                    let at = Field {
+                        run: Some(i),
+                        ..at("codes")
+                    };
+                    out.push(TokenRun {
+                        codes: r.bytes(&run.codes, at)?,
+                        bits: run.bits,
+                        start: run.start,
+                        stop: run.stop,
+                    });
+                }
+                Rows::TokenRuns {
+                    runs: out,
+                    scales: r.scalars(scales, at("scales"))?,
+                    basis: r.table(basis, at("basis"))?,
+                    basis_heads: *basis_heads,
+                }
+            }
             Rows::Centred {
                 rows,
                 mean,
@@ -353,7 +409,19 @@ impl<B, S, F, T> Rows<B, S, F, T> {
             Rows::UniformChannels { .. } => "per-channel UniformRows",
             Rows::Dense(_) => "DenseRows",
             Rows::ChannelRuns { .. } => "ChannelRunRows",
+            Rows::TokenRuns { .. } => "TokenRunRows",
             Rows::Centred { .. } => "CentredRows",
+        }
+    }
+
+    /// What a key-only layout is (per-channel uniform groups, token runs), alone or around a
+    /// mean, for errors; None for rows that can also be values.
+    pub fn key_only(&self) -> Option<&'static str> {
+        match self {
+            Rows::UniformChannels { .. } => Some("per-channel uniform groups"),
+            Rows::TokenRuns { .. } => Some("per-token runs in a basis (TokenRunRows)"),
+            Rows::Centred { rows, .. } => rows.key_only(),
+            _ => None,
         }
     }
 }
@@ -564,7 +632,44 @@ mod tests {
                 "values.qjl.norms=s3"
             ]
         );
+        let token_runs: Rows<usize, usize, usize, Vec<f32>> = Rows::Centred {
+            rows: Box::new(Rows::TokenRuns {
+                runs: vec![
+                    TokenRun {
+                        codes: 4,
+                        bits: 3,
+                        start: 0,
+                        stop: 5,
+                    },
+                    TokenRun {
+                        codes: 6,
+                        bits: 8,
+                        start: 7,
+                        stop: 9,
+                    },
+                ],
+                scales: 5,
+                basis: vec![0.0; 3],
+                basis_heads: 1,
+            }),
+            mean: vec![0.0; 1],
+            mean_heads: 1,
+        };
+        let mut names = Names(Vec::new());
+        let got = token_runs.map("keys", &mut names).unwrap();
+        assert_eq!(
+            names.0,
+            [
+                "keys.rows.runs[0].codes=b4",
+                "keys.rows.runs[1].codes=b6",
+                "keys.rows.scales=s5",
+                "keys.rows.basis=t3",
+                "keys.mean=t1",
+            ]
+        );
+        assert!(got.key_only().unwrap().contains("TokenRunRows"));
         let dense: Rows<usize, usize, usize, Vec<f32>> = Rows::Dense(7);
+        assert_eq!(dense.key_only(), None);
         assert_eq!(
             dense.map("values", &mut names).unwrap_err(),
             "values.values: no float part 7"

@@ -4,6 +4,7 @@
 
 use kvqrs_core::kernels::attention::{
     decode_attention_with, Attention, AttentionShape, ChannelRun, CodedRows, QjlRows, SideRows,
+    TokenRunView,
 };
 use kvqrs_core::kernels::hadamard::{padded_dim, Rotation};
 use kvqrs_core::kernels::headq::HeadqCoder;
@@ -402,6 +403,32 @@ fn attention_bits(a: &Attention) -> (Vec<u32>, Vec<u32>, Vec<u32>) {
     (bits_of(&a.out), bits_of(&a.lse), bits_of(&a.probs))
 }
 
+/// Asserts that decode attention of `keys` (with `side`) and `values` gives the scalar path's
+/// bits on every SIMD path and on pools of 1 and 3 threads (`what` names the case).
+fn assert_attention_identical(
+    (q, lay): (&[f32], &AttentionShape),
+    keys: &CodedRows,
+    side: Option<&SideRows>,
+    values: &CodedRows,
+    what: &str,
+) {
+    let run = |isa: Isa| {
+        decode_attention_with(isa, q, lay, keys, side, values, true).map(|a| attention_bits(&a))
+    };
+    let want = run(Isa::Scalar).unwrap();
+    for isa in simd_isas() {
+        assert!(run(isa).unwrap() == want, "{isa:?} {what}");
+    }
+    for threads in [1, 3] {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .unwrap();
+        let got = pool.install(|| run(Isa::best()).unwrap());
+        assert!(got == want, "{threads} threads {what}");
+    }
+}
+
 #[test]
 fn fused_attention_is_bit_identical_on_every_isa_and_thread_count() {
     // Token counts below, at and across the float32 accumulation block (32) and the chunk of
@@ -463,27 +490,8 @@ fn fused_attention_is_bit_identical_on_every_isa_and_thread_count() {
                     continue;
                 }
                 let sd = (ki == vi).then_some(&side);
-                let run = |isa: Isa| {
-                    decode_attention_with(isa, &q, &lay, k, sd, v, true).map(|a| attention_bits(&a))
-                };
-                let want = run(Isa::Scalar).unwrap();
-                for isa in simd_isas() {
-                    assert!(
-                        run(isa).unwrap() == want,
-                        "{isa:?} d={d} t={t} keys {ki} values {vi}"
-                    );
-                }
-                for threads in [1, 3] {
-                    let pool = rayon::ThreadPoolBuilder::new()
-                        .num_threads(threads)
-                        .build()
-                        .unwrap();
-                    let got = pool.install(|| run(Isa::best()).unwrap());
-                    assert!(
-                        got == want,
-                        "{threads} threads d={d} t={t} keys {ki} values {vi}"
-                    );
-                }
+                let what = format!("d={d} t={t} keys {ki} values {vi}");
+                assert_attention_identical((&q, &lay), k, sd, v, &what);
             }
         }
     }
@@ -556,22 +564,92 @@ fn fused_matched_runs_are_bit_identical_on_every_isa_and_thread_count() {
         let lay = AttentionShape::new(heads, rows, t, d, 1.0 / (d as f32).sqrt());
         for (vi, v) in [&centred, &inner, &mse_centred].into_iter().enumerate() {
             for k in [&centred, &inner] {
-                let run = |isa: Isa| {
-                    decode_attention_with(isa, &q, &lay, k, None, v, true)
-                        .map(|a| attention_bits(&a))
-                };
-                let want = run(Isa::Scalar).unwrap();
-                for isa in simd_isas() {
-                    assert!(run(isa).unwrap() == want, "{isa:?} d={d} t={t} values {vi}");
-                }
-                for threads in [1, 3] {
-                    let pool = rayon::ThreadPoolBuilder::new()
-                        .num_threads(threads)
-                        .build()
-                        .unwrap();
-                    let got = pool.install(|| run(Isa::best()).unwrap());
-                    assert!(got == want, "{threads} threads d={d} t={t} values {vi}");
-                }
+                let what = format!("d={d} t={t} values {vi}");
+                assert_attention_identical((&q, &lay), k, None, v, &what);
+            }
+        }
+    }
+}
+
+#[test]
+fn fused_token_runs_are_bit_identical_on_every_isa_and_thread_count() {
+    // Per-token runs in a (not orthonormal) basis with one scale per token (the fixed-size
+    // matched keys), alone and around a mean, over dense and MSE values: runs of 1..8 bits whose
+    // widths are and are not multiples of 8 (the in-register decode and the unpack), column
+    // gaps, float16 and float32 scales, one basis per head or one shared, one and several
+    // chunks, a call above the rayon split.
+    type Bounds = &'static [(u32, usize, usize)];
+    let cases: [(usize, usize, usize, Bounds); 5] = [
+        (
+            64,
+            37,
+            3,
+            &[(1, 0, 16), (3, 16, 40), (4, 41, 49), (8, 49, 64)],
+        ),
+        (40, 530, 2, &[(2, 0, 8), (5, 8, 19), (4, 21, 40)]),
+        (17, 31, 5, &[(3, 1, 9), (6, 9, 17)]),
+        (24, 1, 1, &[(7, 3, 5)]),
+        (96, 2100, 8, &[(2, 0, 32), (4, 32, 96)]),
+    ];
+    for (d, t, rows, bounds) in cases {
+        let heads = 2;
+        let codes: Vec<Vec<u8>> = (bounds.iter().enumerate())
+            .map(|(i, &(b, lo, hi))| bytes(50 + i as u64, heads * t * packed_len(hi - lo, b)))
+            .collect();
+        let runs: Vec<TokenRunView> = (bounds.iter().zip(&codes))
+            .map(|(&(bits, start, stop), c)| TokenRunView {
+                codes: c,
+                bits,
+                start,
+                stop,
+            })
+            .collect();
+        let sigma = gaussians(51, 1, d);
+        let basis: Vec<f32> = (0..heads as u64)
+            .flat_map(|h| random_orthonormal_basis(52 + h, d, d).unwrap())
+            .enumerate()
+            .map(|(i, v)| v * (1.0 + sigma[i % d].abs()))
+            .collect();
+        let scales16 = halves(53, heads * t, false);
+        let scales32: Vec<f32> = gaussians(54, 1, heads * t)
+            .iter()
+            .map(|v| v.abs())
+            .collect();
+        let mean: Vec<f32> = mixed_rows(55, heads, d)
+            .iter()
+            .map(|v| v.clamp(-1e3, 1e3))
+            .collect();
+        let key = |scales, heads_of_basis: usize| CodedRows::TokenRuns {
+            runs: runs.clone(),
+            scales,
+            basis: &basis[..heads_of_basis * d * d],
+            basis_heads: heads_of_basis,
+        };
+        let f16 = key(ScalarView::Float(FloatView::F16(&scales16)), heads);
+        let f32s = key(ScalarView::Float(FloatView::F32(&scales32)), 1);
+        let centred = CodedRows::Centred {
+            rows: Box::new(f16.clone()),
+            mean: &mean,
+            mean_heads: heads,
+        };
+        let vs = Stored::new(56, heads, t, d);
+        let mse = CodedRows::Mse {
+            codes: &vs.codes[..heads * t * packed_len(padded_dim(d), 3)],
+            norms: ScalarView::Float(FloatView::F16(&vs.scalars[..heads * t])),
+            bits: 3,
+            seed: Some(3),
+            qjl: None,
+        };
+        let dense = CodedRows::Dense(&vs.dense[..heads * t * d]);
+        let q: Vec<f32> = mixed_rows(57, heads * rows, d)
+            .iter()
+            .map(|v| (v * 0.1).clamp(-1e3, 1e3))
+            .collect();
+        let lay = AttentionShape::new(heads, rows, t, d, 1.0 / (d as f32).sqrt());
+        for (ki, k) in [&f16, &f32s, &centred].into_iter().enumerate() {
+            for (vi, v) in [&dense, &mse].into_iter().enumerate() {
+                let what = format!("d={d} t={t} keys {ki} values {vi}");
+                assert_attention_identical((&q, &lay), k, None, v, &what);
             }
         }
     }

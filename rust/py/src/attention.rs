@@ -1,9 +1,9 @@
 //! Binding of the fused decode attention kernel. Keys, values and the HeadQ side code arrive as
 //! the typed row objects of `kvqrs.kernels.attention` (`MSERows`, `UniformRows`, `DenseRows`,
-//! `ChannelRunRows` and its `ChannelRun`s, `CentredRows` around any of them, `SideRows`; see
-//! `rows.rs`) with their arrays in place, read into the core's row description over arrays;
-//! the Python wrapper has checked every array against the row format's declared layout and
-//! flattened it. Everything is borrowed and the GIL is released for the kernel.
+//! `ChannelRunRows` and its `ChannelRun`s, `TokenRunRows` and its `TokenRun`s, `CentredRows`
+//! around any of them, `SideRows`; see `rows.rs`) with their arrays in place, read into the
+//! core's row description over arrays; the Python wrapper has checked every array against the
+//! row format's declared layout and flattened it. Everything is borrowed and the GIL is released for the kernel.
 
 use kvqrs_core::kernels::attention::{decode_attention as core_attention, AttentionShape};
 use kvqrs_core::rows::{Field, Resolve, ScalarParts};

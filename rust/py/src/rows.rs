@@ -6,7 +6,7 @@
 //! so a wrong object is a `TypeError` naming the class and field (`MSERows.codes`, the cause
 //! chained) and never a panic; an object of no row class is a `TypeError` naming its class.
 
-use kvqrs_core::rows::{Qjl, Rows, Run, ScalarParts, Side};
+use kvqrs_core::rows::{Qjl, Rows, Run, ScalarParts, Side, TokenRun};
 use numpy::PyReadonlyArray1;
 use pyo3::exceptions::{PyAttributeError, PyTypeError};
 use pyo3::prelude::*;
@@ -81,7 +81,7 @@ impl<'py, B: FromPyObject<'py>, P: FromPyObject<'py>> FromPyObject<'py> for Stor
 }
 
 /// The row classes without a mean, for errors.
-const ROW_CLASSES: &str = "MSERows, UniformRows, DenseRows or ChannelRunRows";
+const ROW_CLASSES: &str = "MSERows, UniformRows, DenseRows, ChannelRunRows or TokenRunRows";
 
 fn qjl<'py, B, S>(obj: &Bound<'py, PyAny>) -> PyResult<Option<Qjl<B, S>>>
 where
@@ -115,6 +115,28 @@ where
     })
 }
 
+fn token_run<'py, B: FromPyObject<'py>>(obj: &Bound<'py, PyAny>) -> PyResult<TokenRun<B>> {
+    let c = "TokenRun";
+    Ok(TokenRun {
+        codes: get(obj, c, "codes")?,
+        bits: get(obj, c, "bits")?,
+        start: get(obj, c, "start")?,
+        stop: get(obj, c, "stop")?,
+    })
+}
+
+/// Field `runs` of row class `class`, each item read by `each`.
+fn runs<'py, R>(
+    obj: &Bound<'py, PyAny>,
+    class: &str,
+    each: impl Fn(&Bound<'py, PyAny>) -> PyResult<R>,
+) -> PyResult<Vec<R>> {
+    field(obj, (class, "runs"), |v| {
+        let items: Vec<Bound<'py, PyAny>> = v.extract()?;
+        items.iter().map(&each).collect()
+    })
+}
+
 /// Rows without a mean: the class is picked by the one field that no other row class has, so
 /// a malformed object gets its own class's error (`failed to extract field MSERows.codes`)
 /// rather than one per class.
@@ -131,14 +153,22 @@ where
             "expected a row object ({ROW_CLASSES}), got a dict"
         )));
     }
-    if obj.hasattr("runs")? {
+    // Runs with one scale per token (`scales`) are token runs, else per-channel runs.
+    if obj.hasattr("runs")? && obj.hasattr("scales")? {
+        read(obj, "TokenRunRows", |o| {
+            let c = "TokenRunRows";
+            Ok(Rows::TokenRuns {
+                runs: runs(o, c, token_run)?,
+                scales: get(o, c, "scales")?,
+                basis: get(o, c, "basis")?,
+                basis_heads: get(o, c, "basis_heads")?,
+            })
+        })
+    } else if obj.hasattr("runs")? {
         read(obj, "ChannelRunRows", |o| {
             let c = "ChannelRunRows";
             Ok(Rows::ChannelRuns {
-                runs: field(o, (c, "runs"), |v| {
-                    let items: Vec<Bound<'py, PyAny>> = v.extract()?;
-                    items.iter().map(run).collect()
-                })?,
+                runs: runs(o, c, run)?,
                 group: get(o, c, "group")?,
                 basis: get(o, c, "basis")?,
                 basis_heads: get(o, c, "basis_heads")?,

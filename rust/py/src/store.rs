@@ -17,7 +17,7 @@ use kvqrs_core::kernels::attention::AttentionShape;
 use kvqrs_core::kernels::mse::{MseQuantizer, RowScale};
 use kvqrs_core::kernels::mse_qjl::MseQjlEncoder;
 use kvqrs_core::kernels::uniform::UniformQuantizer;
-use kvqrs_core::rows::{Field, Resolve, Rows, ScalarParts};
+use kvqrs_core::rows::{Field, Resolve, ScalarParts};
 use kvqrs_core::store::{ChunkPart, LayerStore, PartSpec};
 use kvqrs_core::window::{all_storable, append_tokens, gather_tokens};
 use numpy::ndarray::s;
@@ -494,10 +494,8 @@ impl PyLayerStore {
             None => None,
             Some(obj) => Some(obj.extract::<NamedSide<'_>>()?.0.map(&mut names)?),
         };
-        if let Rows::UniformChannels { .. } = v {
-            return Err(arg_error(
-                "values: per-channel uniform groups are a key layout".into(),
-            ));
+        if let Some(what) = v.key_only() {
+            return Err(arg_error(format!("values: {what} are a key layout")));
         }
         py_result(check_rows(&self.inner, &k, s.as_ref(), &v))?;
         self.rows = Some(Declared {

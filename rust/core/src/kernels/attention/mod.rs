@@ -5,11 +5,12 @@
 //!
 //! The kernel is split along the row layouts, as faiss's distance computers compose a decoder
 //! and a similarity: each layout (one file: `mse`, `uniform`, `dense`, HeadQ's `side`
-//! code, the per-channel runs of a calibrated basis in `runs`, and a [`CodedRows::Centred`]
-//! mean around any of them) implements `KeyRows` (prepare the query rows once per head, then
-//! add their scores against a span of tokens) and, for value layouts, `ValueRows` (add the
-//! weighted sum of a span of value rows to a float64 accumulator, then map it back once). This
-//! file holds the driver that is the same for every layout:
+//! code, the per-channel runs of a calibrated basis in `runs`, the per-token runs of a basis in
+//! `token_runs` (keys only), and a [`CodedRows::Centred`] mean around any of them) implements
+//! `KeyRows` (prepare the query rows once per head, then add their scores against a span of
+//! tokens) and, for value layouts, `ValueRows` (add the weighted sum of a span of value rows to
+//! a float64 accumulator, then map it back once). This file holds the driver that is the same
+//! for every layout:
 //!
 //! - each head's tokens are split into fixed chunks of [`CHUNK`] tokens (whole KIVI key groups),
 //!   and every (head, chunk) pair is one rayon task (one step of a loop on the calling thread
@@ -28,6 +29,7 @@ mod mse;
 mod reader;
 mod runs;
 mod side;
+mod token_runs;
 mod uniform;
 
 use std::ops::Range;
@@ -36,11 +38,12 @@ use self::dense::DensePlan;
 use self::mse::MsePlan;
 use self::runs::{CentredPlan, RunsPlan};
 use self::side::SidePlan;
+use self::token_runs::TokenRunsPlan;
 use self::uniform::{ChannelsPlan, TokensPlan};
 use super::{check_finite, check_head_dim, check_len, check_row_len};
 use crate::error::{KvqError, Result};
 use crate::par;
-use crate::rows::{Qjl, Rows, Run, Side};
+use crate::rows::{Qjl, Rows, Run, Side, TokenRun};
 use crate::scalars::ScalarView;
 use crate::simd::{self, ops, Isa};
 
@@ -53,6 +56,9 @@ pub type CodedRows<'a> = Rows<&'a [u8], ScalarView<'a>, &'a [f32]>;
 
 /// One run of basis columns of [`CodedRows::ChannelRuns`] as the kernel reads it.
 pub type ChannelRun<'a> = Run<&'a [u8], ScalarView<'a>>;
+
+/// One run of basis columns of [`CodedRows::TokenRuns`] as the kernel reads it.
+pub type TokenRunView<'a> = TokenRun<&'a [u8]>;
 
 /// HeadQ side code of the keys as the kernel reads it.
 pub type SideRows<'a> = Side<&'a [u8], ScalarView<'a>, &'a [f32]>;
@@ -236,6 +242,7 @@ enum Plan<'a> {
     Channels(ChannelsPlan<'a>),
     Dense(DensePlan<'a>),
     Runs(RunsPlan<'a>),
+    TokenRuns(TokenRunsPlan<'a>),
     Centred(CentredPlan<'a>),
 }
 
@@ -286,6 +293,17 @@ impl<'a> Plan<'a> {
                 (names, names.runs()),
                 lay,
             )?),
+            Rows::TokenRuns {
+                ref runs,
+                scales,
+                basis,
+                basis_heads,
+            } => Plan::TokenRuns(TokenRunsPlan::new(
+                runs,
+                (scales, basis, basis_heads),
+                (names, names.runs()),
+                lay,
+            )?),
             Rows::Centred {
                 ref rows,
                 mean,
@@ -306,16 +324,18 @@ impl<'a> Plan<'a> {
             Plan::Channels(p) => p,
             Plan::Dense(p) => p,
             Plan::Runs(p) => p,
+            Plan::TokenRuns(p) => p,
             Plan::Centred(p) => p,
         }
     }
 
-    /// None for per-channel groups (a key layout, rejected as values before planning).
+    /// None for the key layouts (per-channel groups, token runs: rejected as values before
+    /// planning).
     fn values(&self) -> Option<&dyn ValueRows> {
         match self {
             Plan::Mse(p) => Some(p),
             Plan::Tokens(p) => Some(p),
-            Plan::Channels(_) => None,
+            Plan::Channels(_) | Plan::TokenRuns(_) => None,
             Plan::Dense(p) => Some(p),
             Plan::Runs(p) => Some(p),
             Plan::Centred(p) => p.inner().values().map(|_| p as &dyn ValueRows),
@@ -455,11 +475,11 @@ fn lse_shifts(
     Ok(shifts)
 }
 
-/// The error for per-channel value rows.
-fn channel_values() -> KvqError {
+/// The error for value rows of a key layout (`class`: per-channel uniform groups, token runs).
+fn key_only_values(class: &str) -> KvqError {
     KvqError::InvalidDimension {
         arg: "values",
-        expected: "per-token values (per-channel uniform groups are a key layout)".into(),
+        expected: format!("value rows ({class} are a key layout)"),
         actual: 0,
     }
 }
@@ -469,7 +489,8 @@ fn channel_values() -> KvqError {
 ///
 /// `q` is heads x rows x head_dim float32 (the query rows of a GQA group of one KV head stacked:
 /// no key is copied per query head). Keys may be any [`CodedRows`] (with an optional HeadQ
-/// side code); values any but [`CodedRows::UniformChannels`].
+/// side code); values any but the key layouts [`CodedRows::UniformChannels`] and
+/// [`CodedRows::TokenRuns`].
 ///
 /// Errors: head_dim < 2, no tokens, rows == 0, a non-finite or non-positive scale, a buffer
 /// whose length does not match the layout (naming it, e.g. `keys.codes`), invalid stored
@@ -524,8 +545,8 @@ pub fn decode_attention_with(
     let qlen = reader::mul("q", reader::mul("q", lay.heads, lay.rows)?, lay.head_dim)?;
     check_len("q", q.len(), qlen, "heads x rows x head_dim")?;
     check_finite("q", q, lay.head_dim)?;
-    if matches!(values, CodedRows::UniformChannels { .. }) {
-        return Err(channel_values());
+    if let Some(class) = values.key_only() {
+        return Err(key_only_values(class));
     }
     let kplan = Plan::new(keys, &KEY_NAMES, &lay)?;
     let vplan = Plan::new(values, &VALUE_NAMES, &lay)?;
@@ -534,7 +555,9 @@ pub fn decode_attention_with(
     if let Some(sp) = &splan {
         terms.push(sp);
     }
-    let vrows = vplan.values().ok_or_else(channel_values)?;
+    let vrows = vplan
+        .values()
+        .ok_or_else(|| key_only_values(values.class()))?;
     let (rows, d, t) = (lay.rows, lay.head_dim, lay.tokens);
     // Multiply-adds of the scores and the read-out: small calls stay on the calling thread.
     let work = (lay.heads * rows).saturating_mul(t.saturating_mul(2 * d));

@@ -14,7 +14,9 @@ use super::super::hadamard::Rotation;
 use super::super::lloyd_max::codebook;
 use super::super::qjl::QjlSketcher;
 use super::super::{check_bits, check_len};
-use super::reader::{code_domain, code_queries, mul, unrotate, Lanes, RowReader, BLOCK};
+use super::reader::{
+    code_domain, code_queries, mul, per_token_scalars, unrotate, Lanes, RowReader, BLOCK,
+};
 use super::{AttentionShape, KeyRows, Names, QjlRows, ValueRows};
 use crate::error::{KvqError, Result};
 use crate::scalars::ScalarView;
@@ -61,12 +63,7 @@ impl<'a> MsePlan<'a> {
             mul(names.codes, vectors, reader.row_bytes)?,
             "heads x stride x packed codes",
         )?;
-        // Log-coded norms find each token's group exponent by its head's row of `stride`.
-        let norms = norms.in_rows(lay.stride);
-        match norms {
-            ScalarView::Log(l) => l.validate((names.norms, names.norm_exps), held)?,
-            _ => norms.validate_rows(names.norms, held, false)?,
-        }
+        let norms = per_token_scalars(norms, (names.norms, names.norm_exps), lay)?;
         let qjl = match qjl {
             None => None,
             Some(q) => {

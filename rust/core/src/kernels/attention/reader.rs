@@ -6,7 +6,9 @@ use std::ops::Range;
 
 use super::super::hadamard::Rotation;
 use super::super::pack::{packed_len, unpack_range};
+use super::AttentionShape;
 use crate::error::{KvqError, Result};
+use crate::scalars::ScalarView;
 use crate::simd::{ops, Isa};
 
 /// Tokens summed in float32 lanes before their sum is carried into float64. A float32 sum of
@@ -375,6 +377,32 @@ pub(super) fn unrotate(
 /// `[0, 1, ..., 2^bits - 1]`: the integer levels of a uniform code.
 pub(super) fn levels(bits: u32) -> Vec<f32> {
     (0..1u32 << bits).map(|v| v as f32).collect()
+}
+
+/// `[(2c - L) / L for c in 0 ..= L]`, `L = 2^bits - 1`: the levels of a symmetric code in
+/// `[-1, 1]` (one float32 division each).
+pub(super) fn symmetric_levels(bits: u32) -> Vec<f32> {
+    let top = (1i32 << bits) - 1;
+    (0..=top)
+        .map(|c| (2 * c - top) as f32 / top as f32)
+        .collect()
+}
+
+/// One stored scalar per token of every head (heads x stride, the first `tokens` of each
+/// head held), checked finite and not negative (`arg`; log-coded exponent bytes `exps_arg`)
+/// and read as rows of `stride` (how log codes find each token's group exponent).
+pub(super) fn per_token_scalars<'a>(
+    view: ScalarView<'a>,
+    (arg, exps_arg): (&'static str, &'static str),
+    lay: &AttentionShape,
+) -> Result<ScalarView<'a>> {
+    let held = (lay.heads, lay.stride, lay.tokens);
+    let view = view.in_rows(lay.stride);
+    match view {
+        ScalarView::Log(l) => l.validate((arg, exps_arg), held)?,
+        _ => view.validate_rows(arg, held, false)?,
+    }
+    Ok(view)
 }
 
 /// `a * b`, or an error naming `arg` when it overflows.

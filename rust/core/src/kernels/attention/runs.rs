@@ -47,61 +47,28 @@ fn check_heads(
     check_finite(arg, data, lay.head_dim)
 }
 
-/// Validated runs of per-channel groups in a basis.
-pub(super) struct RunsPlan<'a> {
-    /// Each run's per-channel plan with its columns.
-    runs: Vec<(ChannelsPlan<'a>, Range<usize>)>,
-    /// The bases, row-major (`U[i][c]`): the value map `y -> y U^T`, row i of `U` dotted
-    /// with `y`.
+/// A per-head basis (`heads` of d x d, row-major `U[i][c]`) and its transpose: the query map
+/// `q -> q U` of the layouts coded in a basis ([`RunsPlan`], the token runs).
+pub(super) struct Basis<'a> {
+    /// The bases: the value map `y -> y U^T`, row i of `U` dotted with `y`.
     basis: &'a [f32],
     /// The transposed bases (`U^T`, row c = column c of `U`): the query map `q -> q U`.
     basis_t: Vec<f32>,
-    basis_heads: usize,
+    heads: usize,
     head_dim: usize,
-    group: usize,
 }
 
-impl<'a> RunsPlan<'a> {
+impl<'a> Basis<'a> {
+    /// Checks `heads` bases of d x d (`arg` names them in errors: a count that does not divide
+    /// the heads, a size, a non-finite entry).
     pub(super) fn new(
-        runs: &[ChannelRun<'a>],
-        (group, basis, basis_heads): (usize, &'a [f32], usize),
-        (names, run_names): (&Names, &Names),
+        arg: &'static str,
+        basis: &'a [f32],
+        heads: usize,
         lay: &AttentionShape,
     ) -> Result<Self> {
         let d = lay.head_dim;
-        check_row_len(names.group, group)?;
-        check_heads(
-            names.basis,
-            basis,
-            basis_heads,
-            mul(names.basis, d, d)?,
-            lay,
-        )?;
-        let mut plans = Vec::with_capacity(runs.len());
-        let mut next = 0;
-        for run in runs {
-            if run.start < next || run.stop <= run.start || run.stop > d {
-                return Err(KvqError::InvalidDimension {
-                    arg: run_names.codes,
-                    expected: format!(
-                        "runs of columns start < stop <= {d} in increasing order, disjoint (the next from {next})"
-                    ),
-                    actual: run.start as i64,
-                });
-            }
-            next = run.stop;
-            let width = AttentionShape {
-                head_dim: run.stop - run.start,
-                ..*lay
-            };
-            let plan = ChannelsPlan::new(
-                (run.codes, run.scales, run.zeros),
-                (run.bits, group),
-                run_names,
-                &width,
-            )?;
-            plans.push((plan, run.start..run.stop));
-        }
+        check_heads(arg, basis, heads, mul(arg, d, d)?, lay)?;
         let mut basis_t = vec![0.0f32; basis.len()];
         for (t, u) in basis_t
             .chunks_exact_mut(d * d)
@@ -114,40 +81,114 @@ impl<'a> RunsPlan<'a> {
             }
         }
         Ok(Self {
-            runs: plans,
             basis,
             basis_t,
-            basis_heads,
+            heads,
             head_dim: d,
-            group,
         })
     }
 
     /// Basis `b` of head `h` (d x d), from `bases` (`basis` or `basis_t`).
     fn of<'s>(&self, bases: &'s [f32], h: usize) -> &'s [f32] {
         let dd = self.head_dim * self.head_dim;
-        let b = h % self.basis_heads;
+        let b = h % self.heads;
         &bases[b * dd..(b + 1) * dd]
     }
-}
 
-impl KeyRows for RunsPlan<'_> {
-    /// `q' = q U` per row, then each run's columns of every row (run after run: rows x width
-    /// each), the layout [`ChannelsPlan`] reads.
-    fn queries(&self, isa: Isa, q: &[f32], h: usize, lay: &AttentionShape) -> Vec<f32> {
-        let d = lay.head_dim;
+    /// `q' = q U` per query row of head `h` (one section 8 dot per column), then the columns
+    /// `cols` of every row, run after run (rows x width each): what each run's scores read.
+    pub(super) fn queries<'r>(
+        &self,
+        isa: Isa,
+        q: &[f32],
+        h: usize,
+        cols: impl Iterator<Item = &'r Range<usize>>,
+    ) -> Vec<f32> {
+        let d = self.head_dim;
         let ut = self.of(&self.basis_t, h);
         let mut qu = vec![0.0f32; q.len()];
         for (o, row) in qu.chunks_exact_mut(d).zip(q.chunks_exact(d)) {
             ops::dots(isa, ut, row, o);
         }
         let mut out = Vec::with_capacity(q.len());
-        for (_, cols) in &self.runs {
+        for c in cols {
             for row in qu.chunks_exact(d) {
-                out.extend_from_slice(&row[cols.clone()]);
+                out.extend_from_slice(&row[c.clone()]);
             }
         }
         out
+    }
+}
+
+/// The columns `start .. stop` of a run after columns up to `next`: an error naming `arg`
+/// unless they are in order, disjoint from the previous run's and within head_dim `d`.
+pub(super) fn run_columns(
+    arg: &'static str,
+    (start, stop): (usize, usize),
+    next: usize,
+    d: usize,
+) -> Result<Range<usize>> {
+    if start < next || stop <= start || stop > d {
+        return Err(KvqError::InvalidDimension {
+            arg,
+            expected: format!(
+                "runs of columns start < stop <= {d} in increasing order, disjoint (the next from {next})"
+            ),
+            actual: start as i64,
+        });
+    }
+    Ok(start..stop)
+}
+
+/// Validated runs of per-channel groups in a basis.
+pub(super) struct RunsPlan<'a> {
+    /// Each run's per-channel plan with its columns.
+    runs: Vec<(ChannelsPlan<'a>, Range<usize>)>,
+    basis: Basis<'a>,
+    group: usize,
+}
+
+impl<'a> RunsPlan<'a> {
+    pub(super) fn new(
+        runs: &[ChannelRun<'a>],
+        (group, basis, basis_heads): (usize, &'a [f32], usize),
+        (names, run_names): (&Names, &Names),
+        lay: &AttentionShape,
+    ) -> Result<Self> {
+        let d = lay.head_dim;
+        check_row_len(names.group, group)?;
+        let basis = Basis::new(names.basis, basis, basis_heads, lay)?;
+        let mut plans = Vec::with_capacity(runs.len());
+        let mut next = 0;
+        for run in runs {
+            let cols = run_columns(run_names.codes, (run.start, run.stop), next, d)?;
+            next = run.stop;
+            let width = AttentionShape {
+                head_dim: cols.len(),
+                ..*lay
+            };
+            let plan = ChannelsPlan::new(
+                (run.codes, run.scales, run.zeros),
+                (run.bits, group),
+                run_names,
+                &width,
+            )?;
+            plans.push((plan, cols));
+        }
+        Ok(Self {
+            runs: plans,
+            basis,
+            group,
+        })
+    }
+}
+
+impl KeyRows for RunsPlan<'_> {
+    /// `q' = q U` per row, then each run's columns of every row (run after run: rows x width
+    /// each), the layout [`ChannelsPlan`] reads.
+    fn queries(&self, isa: Isa, q: &[f32], h: usize, _lay: &AttentionShape) -> Vec<f32> {
+        self.basis
+            .queries(isa, q, h, self.runs.iter().map(|(_, c)| c))
     }
 
     /// The runs' scores added in column order.
@@ -169,20 +210,21 @@ impl KeyRows for RunsPlan<'_> {
 impl ValueRows for RunsPlan<'_> {
     /// The coded coordinates (d; 0 in columns of no run).
     fn acc_dim(&self) -> usize {
-        self.head_dim
+        self.basis.head_dim
     }
 
     fn accumulate(&self, isa: Isa, p: &[f32], h: usize, span: Range<usize>, acc: &mut [f64]) {
+        let d = self.basis.head_dim;
         for (plan, cols) in &self.runs {
-            plan.add_values(isa, p, h, span.clone(), acc, (self.head_dim, cols.start));
+            plan.add_values(isa, p, h, span.clone(), acc, (d, cols.start));
         }
     }
 
     /// `out = (acc / sum) U^T` per query row: rounded to float32, then one section 8 dot per
     /// output coordinate.
     fn finish(&self, isa: Isa, h: usize, acc: &mut [f64], sums: &[f64], out: &mut [f32]) {
-        let d = self.head_dim;
-        let u = self.of(self.basis, h);
+        let d = self.basis.head_dim;
+        let u = self.basis.of(self.basis.basis, h);
         let mut y = vec![0.0f32; d];
         for ((ar, &sum), o) in acc.chunks_exact(d).zip(sums).zip(out.chunks_exact_mut(d)) {
             for (yi, &a) in y.iter_mut().zip(ar) {
