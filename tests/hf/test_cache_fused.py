@@ -5,6 +5,7 @@ float32 with fused steps against the decoded cache, and a float16 output that do
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -48,6 +49,22 @@ def _centred_calibration(layers: int, head_dim: int, bits: int) -> dict:
     return out
 
 
+def _token_key_calibration(layers: int, head_dim: int, bits: int) -> dict:
+    """:func:`_centred_calibration` with per-token key scales: seeded coordinate deviations, so
+    the keys take the fixed-size layout (:class:`~kvqrs.schemes.matched_tokens.MatchedTokenCoder`)."""
+    import dataclasses
+
+    out = {}
+    for i, c in _centred_calibration(layers, head_dim, bits).items():
+        dev = np.random.default_rng(i).uniform(0.5, 2.0, (1, head_dim)).astype(np.float32)
+        out[i] = dataclasses.replace(c, keys=dataclasses.replace(c.keys, deviations=dev))
+    return out
+
+
+# Keys of one size per token: a step of several new tokens moves several out of the window, read
+# in full precision by the earlier queries, so only single-token steps are fused.
+TOKEN_KEYS = QuantConfig("matched", 4, "matched", 4, residual_length=8, group=8, calibration=_token_key_calibration(30, HEAD_DIM, 4))
+
 MATCHED_FUSED = [
     pytest.param(
         QuantConfig("matched", 4, "matched", 4, residual_length=8, group=8, calibration=_centred_calibration(30, HEAD_DIM, 4)),
@@ -74,6 +91,7 @@ MATCHED_FUSED = [
 ]
 
 FUSED_CONFIGS = MATCHED_FUSED + [
+    pytest.param(TOKEN_KEYS, id="matched-token-keys"),
     pytest.param(QuantConfig("kqv", 4, "kqv", 4, residual_length=8), id="kqv-k4v4-r8"),
     pytest.param(QuantConfig("kivi", 2, "kivi", 2, residual_length=8, group=8), id="kivi-k2v2-g8"),
     pytest.param(QuantConfig("qkqv", 3, "kv", 4, residual_length=0), id="qkqv-k3-kv4-r0"),
@@ -126,7 +144,7 @@ def test_fused_decode_step_matches_decoded_layer(cfg, nq):
     assert torch.allclose(fused_out, decoded, rtol=0, atol=FUSED_LAYER_RTOL * v.abs().max().item())
 
 
-@pytest.mark.parametrize("cfg", MATCHED_FUSED)
+@pytest.mark.parametrize("cfg", [*MATCHED_FUSED, pytest.param(TOKEN_KEYS, id="matched-token-keys")])
 def test_fused_matched_step_streaming_equals_one_shot(cfg):
     """A layer fed one token per step (fused steps along the way) and one fed the prompt at once
     hold the same codes, so their fused decode step agrees (to 1e-6 of the largest |v|: the
@@ -208,6 +226,11 @@ def test_native_matched_step_equals_the_decoded_path(cfg, nq, monkeypatch):
         outs.append(layer.attend(module, q, rk, rv, _causal_mask(2, nq, 45 + nq), scaling)[0])
         assert len(calls) == n + native  # one native call per step, none on the decoded path
     assert torch.allclose(outs[0], outs[1], rtol=0, atol=2e-6 * v.abs().max().item())
+
+
+def test_native_step_of_token_keys_equals_the_decoded_path(monkeypatch):
+    """As above for keys of one size per token (runs of absmax codes in ``U diag(sigma)``)."""
+    test_native_matched_step_equals_the_decoded_path(TOKEN_KEYS, 1, monkeypatch)
 
 
 def test_fused_step_falls_back_where_a_mask_hides_codes():

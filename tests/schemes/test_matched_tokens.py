@@ -149,3 +149,21 @@ def test_cache_codes_every_token_at_once():
     ck, cv = codec.encode_keys(x[None, :, :13]), codec.encode_values(x[None, :, 13:26])
     torch.testing.assert_close(keys, torch.from_numpy(codec.decode_keys(ck)))
     assert cache.nbytes() == ck.nbytes + cv.nbytes  # codes only: no token waits in full precision
+
+
+@pytest.mark.parametrize("tokens", [1, 37, 300])
+def test_fused_attention_equals_the_decoded_path(tokens):
+    x, cal = _token_calibration(h=3, n=500, d=16, bits=4.0)
+    codec = _codec(cal, 16)
+    rng = np.random.default_rng(tokens)
+    k = (x[None, :, rng.integers(0, 500, tokens)] + 0.1 * rng.standard_normal((1, 3, tokens, 16))).astype(np.float32)
+    v = rng.standard_normal((1, 3, tokens, 16)).astype(np.float32)
+    q = rng.standard_normal((1, 6, 2, 16)).astype(np.float32)  # GQA: 2 query heads per KV head, 2 query tokens
+    ck, cv = codec.encode_keys(k), codec.encode_values(v)
+    got = codec.fused_attention(q, ck, cv)
+    keys, values = codec.decode_keys(ck).astype(np.float64), codec.decode_values(cv).astype(np.float64)
+    qg = q.reshape(1, 3, 2 * 2, 16).astype(np.float64)
+    logits = qg @ np.swapaxes(keys, -1, -2) / 4.0
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    ref = (p / p.sum(-1, keepdims=True)) @ values
+    np.testing.assert_allclose(np.asarray(got.out).reshape(ref.shape), ref, atol=2e-5 * max(1.0, np.abs(values).max()))
