@@ -35,6 +35,17 @@ def test_vllm_bits_accept_only_ascii_digits(raw):
     assert config_from_env({"KVQRS_SCHEME": "kqv", "KVQRS_BITS": " 3 "}).key_bits == 3
 
 
+def test_vllm_calibration_file_is_for_matched_and_must_be_one(tmp_path):
+    from kvqrs.vllm.settings import config_from_env
+
+    with pytest.raises(KvqrsError, match="^KVQRS_CALIBRATION: a calibration file serves KVQRS_SCHEME=matched, not 'kqv'"):
+        config_from_env({"KVQRS_SCHEME": "kqv", "KVQRS_CALIBRATION": str(tmp_path / "cal.npz")})
+    with pytest.raises(KvqrsError, match="no such file"):
+        config_from_env({"KVQRS_SCHEME": "matched", "KVQRS_CALIBRATION": str(tmp_path / "cal.npz")})
+    with pytest.raises(KvqrsError, match="^KVQRS_\\*: .*the matched scheme needs one"):
+        config_from_env({"KVQRS_SCHEME": "matched"})
+
+
 # -- calibration files and presets ---------------------------------------------------------------
 
 

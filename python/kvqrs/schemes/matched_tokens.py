@@ -20,10 +20,10 @@ import numpy as np
 from .. import layout as lay
 from .._arrays import KvqrsError
 from ..kernels.absmax import AbsmaxCode
-from ..kernels.pack import packed_size
+from ..kernels.attention import CentredRows, TokenRun, TokenRunRows
 from .backend import CPU, Backend
 from .base import Encoded, as_float_array, check_encoded, check_head_dim, split_shape
-from .matched import MatchedBasis, MatchedCoder, _rows_times, head_mean
+from .matched import MatchedBasis, MatchedCoder, _head_table, _rows_times, head_mean
 
 
 class MatchedTokenCoder(MatchedCoder):
@@ -39,10 +39,10 @@ class MatchedTokenCoder(MatchedCoder):
 
     Stored per token: for each run of coordinates ``lo .. hi - 1`` of width ``b > 0``,
     ``ceil((hi - lo) * b / 8)`` bytes of packed codes, and one float16 scale; coordinates of
-    width 0 store nothing. The decode path (:meth:`decode`) serves attention.
+    width 0 store nothing. The fused decode attention reads the codes (:meth:`attention_rows`).
     """
 
-    fused = False
+    fused = True  # attention_rows below (Coder.fused)
 
     def __init__(self, head_dim: int, calibration: MatchedBasis, scheme: str, kind: str, backend: Backend = CPU):
         if not isinstance(calibration, MatchedBasis) or calibration.deviations is None:
@@ -50,13 +50,16 @@ class MatchedTokenCoder(MatchedCoder):
         super().__init__(head_dim, calibration, 1, scheme, kind, backend)
         self.params = {**self.params, "scales": "tokens"}
         del self.params["group"]
+        # B = U diag(sigma) per head: x_hat = z_hat B^T + mu, and q . x_hat = (q B) . z_hat + q . mu.
+        self.scaled_basis = (calibration.basis * calibration.deviations[:, None, :]).astype(np.float32)
 
     def layout(self, shape: tuple[int, ...]) -> lay.Layout:
         """``codes<b>`` uint8 ``(..., T, ceil((hi - lo) * b / 8))`` for each run of width ``b``,
         and ``scales`` ``(..., T)`` (float16): one entry per token, cut anywhere."""
         lead, t, _ = split_shape(shape)
-        out: lay.Layout = {f"codes{b}": lay.per_token(lead, t, (packed_size(hi - lo, b),), "uint8") for b, lo, hi in self.runs}
-        out["scales"] = lay.per_token(lead, t, (), "scalar")
+        rows = lay.token_runs(lead, t, [(hi - lo, b) for b, lo, hi in self.runs])
+        out: lay.Layout = {f"codes{b}": rows[f"runs[{i}].codes"] for i, (b, _, _) in enumerate(self.runs)}
+        out["scales"] = rows["scales"]
         return out
 
     def _deviations(self, y: np.ndarray) -> np.ndarray:
@@ -82,5 +85,21 @@ class MatchedTokenCoder(MatchedCoder):
         z = self.k.absmax_decode(AbsmaxCode(codes, np.asarray(enc.parts["scales"], np.float16), self.cal.widths))
         return z * self._deviations(z)
 
-    def attention_rows(self, enc: Encoded) -> Any:
-        raise KvqrsError(f"{self.scheme} {self.kind} with per-token scales have no fused rows: attention decodes them")
+    def attention_rows(self, enc: Encoded) -> CentredRows:
+        """The stored runs as the fused attention kernel reads them (codes stay packed):
+        :class:`~kvqrs.kernels.attention.TokenRunRows` (one
+        :class:`~kvqrs.kernels.attention.TokenRun` per run of equal width, the per-token scales,
+        the basis ``U diag(sigma)`` ``(kv_heads, d, d)`` or ``(d, d)``) in
+        :class:`~kvqrs.kernels.attention.CentredRows` with the mean. The kernel scores
+        ``(q U diag(sigma)) . z_hat`` (the mean's ``q . mu`` enters only the log-sum-exp);
+        keys only.
+
+        Raises:
+            KvqrsError: ``enc`` not encoded by this coder, or a head axis that does not match
+                the calibration's heads.
+        """
+        check_encoded(enc, self.scheme, self.kind, self.params)
+        runs = tuple(TokenRun(enc.parts[f"codes{b}"], b, lo, hi) for b, lo, hi in self.runs)
+        basis = _head_table(self.scaled_basis, enc.shape, self.kind)
+        mean = _head_table(self.cal.mean, enc.shape, self.kind)
+        return CentredRows(TokenRunRows(runs, enc.parts["scales"], basis), mean)

@@ -6,8 +6,11 @@ vLLM builds its engine in other processes, which inherit the environment: set th
 ========================  ======================================================  ===========
 variable                  meaning                                                 default
 ========================  ======================================================  ===========
-``KVQRS_SCHEME``          key scheme (``kv``, ``kqv``, ``qkqv``, ``block``);       unset: vLLM's
-                          setting it turns the backend on                          own backend
+``KVQRS_SCHEME``          key scheme (``kv``, ``kqv``, ``qkqv``, ``block``,        unset: vLLM's
+                          ``matched``); setting it turns the backend on            own backend
+``KVQRS_CALIBRATION``     ``matched``: the calibration file (``kvqrs calibrate     unset
+                          --key-scales tokens --sink-tokens 0``); its recorded
+                          value norms, value scale, sinks and group apply
 ``KVQRS_BITS``            key bits n (1..8; ``qkqv`` and ``kqv`` values: >= 2)     4
 ``KVQRS_VALUE_SCHEME``    value scheme                                            the key scheme
 ``KVQRS_VALUE_BITS``      value bits                                              the key bits
@@ -27,7 +30,7 @@ from .._arrays import KvqrsError
 from ..hf.config import QuantConfig
 from .layout import refuse_reason
 
-VARIABLES = ("KVQRS_SCHEME", "KVQRS_BITS", "KVQRS_VALUE_SCHEME", "KVQRS_VALUE_BITS", "KVQRS_SEED", "KVQRS_GROUP")
+VARIABLES = ("KVQRS_SCHEME", "KVQRS_BITS", "KVQRS_VALUE_SCHEME", "KVQRS_VALUE_BITS", "KVQRS_SEED", "KVQRS_GROUP", "KVQRS_CALIBRATION")
 
 
 def enabled(env: Mapping[str, str] | None = None) -> bool:
@@ -49,14 +52,16 @@ def config_from_env(env: Mapping[str, str] | None = None) -> QuantConfig:
     """The :class:`~kvqrs.hf.QuantConfig` the ``KVQRS_*`` variables describe.
 
     Raises:
-        KvqrsError: ``KVQRS_SCHEME`` unset, a value that is not an integer, or settings a
-            paged cache cannot hold (naming the scheme and why).
+        KvqrsError: ``KVQRS_SCHEME`` unset, a value that is not an integer, a calibration file
+            that cannot be read or is given to a scheme without one, or settings a paged cache
+            cannot hold (naming the scheme and why).
     """
     env = os.environ if env is None else env
     scheme = env.get("KVQRS_SCHEME", "").strip()
     if not scheme:
-        raise KvqrsError("KVQRS_SCHEME: not set; set it to one of kv, kqv, qkqv, block to use kvqrs' vLLM backend")
+        raise KvqrsError("KVQRS_SCHEME: not set; set it to one of kv, kqv, qkqv, block, matched to use kvqrs' vLLM backend")
     bits = _int(env, "KVQRS_BITS", 4)
+    calibrated = _calibrated(env, scheme)
     try:
         config = QuantConfig(
             scheme,
@@ -64,7 +69,7 @@ def config_from_env(env: Mapping[str, str] | None = None) -> QuantConfig:
             env.get("KVQRS_VALUE_SCHEME", "").strip() or scheme,
             _int(env, "KVQRS_VALUE_BITS", bits),
             seed=_int(env, "KVQRS_SEED", 0),
-            group=_int(env, "KVQRS_GROUP", 32),
+            **calibrated,
         )
     except KvqrsError as e:
         raise KvqrsError(f"KVQRS_*: {e}") from None
@@ -74,11 +79,41 @@ def config_from_env(env: Mapping[str, str] | None = None) -> QuantConfig:
     return config
 
 
+def _calibrated(env: Mapping[str, str], scheme: str) -> dict:
+    """The settings a ``KVQRS_CALIBRATION`` file brings (the calibration and the value norms,
+    value scale, sinks, sink dtype and group it was made with), or ``KVQRS_GROUP`` alone."""
+    path = env.get("KVQRS_CALIBRATION", "").strip()
+    if not path:
+        return {"group": _int(env, "KVQRS_GROUP", 32)}
+    if scheme != "matched":
+        raise KvqrsError(f"KVQRS_CALIBRATION: a calibration file serves KVQRS_SCHEME=matched, not {scheme!r}")
+    from ..hf.calibration import calibration_meta, load_matched
+
+    calibration = load_matched(path)
+    meta = calibration_meta(path)
+    out = {
+        "calibration": calibration,
+        "group": int(meta.get("group", 128)),
+        "sink_tokens": int(meta.get("sink_tokens", 0)),
+        "value_norms": meta.get("value_norms", "float"),
+        "value_scale": meta.get("value_scale", "norm"),
+    }
+    if "sink_dtype" in meta:
+        out["sink_dtype"] = meta["sink_dtype"]
+    return out
+
+
 def environment(
-    scheme: str, bits: int, value_scheme: str | None = None, value_bits: int | None = None, seed: int = 0, group: int = 32
+    scheme: str,
+    bits: int,
+    value_scheme: str | None = None,
+    value_bits: int | None = None,
+    seed: int = 0,
+    group: int = 32,
+    calibration: str | os.PathLike | None = None,
 ) -> dict[str, str]:
     """The ``KVQRS_*`` variables for these settings (checked at once), to put in ``os.environ``
-    before vLLM starts."""
+    before vLLM starts; ``calibration``: the ``matched`` scheme's calibration file."""
     for name, value in (("scheme", scheme), ("value_scheme", value_scheme)):
         if not (isinstance(value, str) or (value is None and name == "value_scheme")):
             raise KvqrsError(f"{name}: expected a scheme name (a string), got {value!r}")
@@ -93,5 +128,7 @@ def environment(
         "KVQRS_SEED": str(seed),
         "KVQRS_GROUP": str(group),
     }
+    if calibration is not None:
+        env["KVQRS_CALIBRATION"] = os.fspath(calibration)
     config_from_env(env)
     return env
