@@ -256,10 +256,13 @@ def test_paged_as_declared(name):
             key_scheme=name if kind == "keys" else PARTNER,
             value_scheme=name if kind == "values" else PARTNER,
             residual_length=0,
+            sink_tokens=0,
             value_norms="float",
+            calibration=None,  # matched: refused without a calibration that fixes its size per token
         )
         reason = refuse_reason(config)
         assert reason is None if side.unpaged is None else side.unpaged in reason, (kind, reason)
+        assert side.paged_with is None or side.unpaged, "a calibration decides only for a side refused without one"
     if spec.paged:  # a slot holds one token's parts of both sides, as declared and as encoded
         slots = SlotLayout(QuantConfig(name, spec.keys.bits(BITS), name, spec.values.bits(BITS)), 0, D)
         x = gaussian((1, D), 12)

@@ -1,8 +1,9 @@
 """The paged kvqrs cache (``kvqrs.vllm.layout`` and the Rust ``paged_decode_attention``): tokens
 written through a slot mapping into pages of a shuffled block table, then decode and causal
 prefill attention from the codes, against kvqrs' contiguous fused attention over the same codes;
-the stored bytes are the codec's own; refused schemes and bad input are clear errors. NumPy only
-(no vLLM)."""
+the stored bytes are the codec's own; ``matched`` with per-token key scales (its calibrated
+tables, one or one per KV head, held by value); refused schemes and bad input are clear errors.
+NumPy only (no vLLM)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,30 @@ D, KV_HEADS, Q_HEADS, BLOCK = 64, 3, 9, 16
 # Per-page softmax parts merged by log-sum-exp against one softmax over all tokens: the parts'
 # float32 outputs and log-sum-exps round at ~6e-8 relative; 1e-5 leaves room for 8 pages.
 MERGE_RTOL = 1e-5
+
+
+def _matched_config(table_heads: int, bits: int = 4, deviations: bool = True, **kw) -> QuantConfig:
+    """``matched`` with seeded calibrations of 3 layers: one random orthonormal key basis, a
+    nonzero key mean and (``deviations``) per-coordinate deviations per table head (keys of
+    per-token scales: :class:`~kvqrs.schemes.matched_tokens.MatchedTokenCoder`), widths in
+    several runs with width-0 columns, and a nonzero value mean (values the per-token MSE stage,
+    no value basis); ``table_heads`` tables, 1 shared by every KV head or one per KV head."""
+    from kvqrs.kernels.rng import random_orthonormal_basis
+    from kvqrs.schemes.matched import MatchedBasis, MatchedCalibration
+
+    rng = np.random.default_rng(table_heads)
+    e = D // 8
+    widths = np.array([5] * e + [3] * (2 * e) + [2] * (2 * e) + [1] * e + [0] * (2 * e), np.uint8)
+    cal = {}
+    for layer in range(3):
+        basis = np.stack([random_orthonormal_basis(int(rng.integers(2**63)), D, D) for _ in range(table_heads)])
+        dev = rng.uniform(0.5, 2.0, (table_heads, D)).astype(np.float32) if deviations else None
+        keys = MatchedBasis((rng.standard_normal((table_heads, D)) * 2).astype(np.float32), basis, widths, dev)
+        cal[layer] = MatchedCalibration(keys, rng.standard_normal((table_heads, D)).astype(np.float32))
+    return QuantConfig("matched", bits, "matched", bits, calibration=cal, **kw)
+
+
+MATCHED = [pytest.param(_matched_config(1), id="matched-shared-tables"), pytest.param(_matched_config(KV_HEADS), id="matched-per-head")]
 
 
 def _cache(layout: SlotLayout, blocks: int) -> np.ndarray:
@@ -55,9 +80,12 @@ def _reference(layout, q, keys, values, length):
     return codec.fused_attention(q[:, None, :], ck, cv, scale=D**-0.5).out[:, 0, :]
 
 
-@pytest.mark.parametrize("scheme, bits", [("kqv", 4), ("kv", 8), ("qkqv", 3), ("block", 4)])
-def test_decode_and_prefill_from_pages_equal_the_contiguous_kernel(scheme, bits):
-    layout = SlotLayout(QuantConfig(scheme, bits, scheme, bits), layer=2, head_dim=D)
+@pytest.mark.parametrize(
+    "config",
+    [*(pytest.param(QuantConfig(s, b, s, b), id=f"{s}{b}") for s, b in (("kqv", 4), ("kv", 8), ("qkqv", 3), ("block", 4))), *MATCHED],
+)
+def test_decode_and_prefill_from_pages_equal_the_contiguous_kernel(config):
+    layout = SlotLayout(config, layer=2, head_dim=D)
     lengths = [37, 20, 1]
     cache, table, keys, values = _fill(layout, lengths)
     rng = np.random.default_rng(1)
@@ -98,9 +126,33 @@ def test_padding_slots_are_skipped():
     assert touched.size and np.all(cache[1] == 0)  # only block 0 written
 
 
+def _matched_refusals() -> list:
+    """``matched`` configs a paged cache refuses, with the words of the refusal."""
+    import dataclasses
+
+    per_token = _matched_config(1)
+    cal = per_token.calibration
+    value_basis = {
+        i: dataclasses.replace(c, values=dataclasses.replace(c.keys, mean=c.value_mean, deviations=None)) for i, c in cal.items()
+    }
+    classes = {i: dataclasses.replace(c, value_bits=4, value_classes=((5, 16), (3, 16))) for i, c in cal.items()}
+    group = "matched keys coded in groups of tokens"
+    return [
+        (_matched_config(1, deviations=False), rf"{group} \(layer 0\): calibrate with `kvqrs calibrate --key-scales tokens`"),
+        (QuantConfig("matched", 3, "matched", 3, calibration="random"), f"{group} share per-channel statistics.*got 'random'"),
+        (QuantConfig("kqv", 4, "matched", 4, calibration=value_basis), r"value scheme 'matched': .*\(layer 0 has a value basis\)"),
+        (QuantConfig("matched", 4, "matched", 4, calibration=classes), r"width classes \(layer 0\).*without --value-classes"),
+        (_matched_config(1, sink_tokens=2), "sink_tokens 2: sink tokens are kept in full precision, which paged slots do not hold"),
+        (_matched_config(1, group=8, value_norms="log8"), "value_norms 'log8'"),
+        (_matched_config(1, residual_length=8), "residual_length 8"),
+    ]
+
+
 @pytest.mark.parametrize(
     "config, match",
     [
+        *_matched_refusals(),
+        (QuantConfig("kqv", 4, "kqv", 4, sink_tokens=1), "sink_tokens 1: sink tokens are kept in full precision"),
         (QuantConfig("kivi", 2, "kivi", 2), "KIVI keys share per-channel statistics"),
         (QuantConfig("headq", 2, "kqv", 2, bases="random"), "HeadQ needs calibrated bases"),
         (QuantConfig("kqv", 2, "a2", 2), "A\\^2 gives every token its own width"),
@@ -118,6 +170,86 @@ def test_schemes_without_a_fixed_token_size_are_refused(config, match):
 def test_every_paged_scheme_is_accepted():
     for s in PAGED_SCHEMES:
         assert refuse_reason(QuantConfig(s, 4, s, 4)) is None
+    # matched with per-token key scales and per-token MSE values, beside another scheme too
+    for config in (
+        _matched_config(1),
+        _matched_config(KV_HEADS),
+        QuantConfig("kqv", 4, "matched", 4, calibration=_matched_config(1).calibration),
+    ):
+        assert refuse_reason(config) is None
+        assert SlotLayout(config, 0, D).slot_bytes > 0
+    assert "matched calibrated with per-token key scales" in refuse_reason(QuantConfig("kivi", 2, "kivi", 2))
+
+
+@pytest.mark.parametrize("config", MATCHED)
+def test_matched_slots_hold_the_codecs_bytes_and_attend_as_decoded(config):
+    """``matched`` keys (token runs in ``U diag(sigma)`` around the key mean) and values (the
+    MSE stage around the value mean) in slots: the bytes each KV head's encode stores, written
+    by the Python encode (or the native writer, the same bytes), and the attention of the
+    pages equals decode-then-attend over the same tokens."""
+    layout = SlotLayout(config, layer=1, head_dim=D)
+    assert layout.table_heads == config.calibration[1].keys.kv_heads
+    assert sorted(p.name for p in layout.parts if p.side == "keys") == ["codes1", "codes2", "codes3", "codes5", "scales"]
+    python = SlotLayout(config, layer=1, head_dim=D)
+    python._writer = None  # the Python encode path (the native one, where there is one, must agree)
+    lengths = [37, 20]
+    cache, table, keys, values = _fill(python, lengths)
+    twin = _fill(layout, lengths)[0]
+    assert cache.any() and cache.tobytes() == twin.tobytes()
+    codec = layout.codec
+    ck = codec.encode_keys(np.ascontiguousarray(keys[0].transpose(1, 0, 2)))  # (kv_heads, tokens, d)
+    page = cache[table[0, 1]].reshape(KV_HEADS, -1)  # tokens 16 .. 31 sit in the second block
+    for p in (p for p in layout.parts if p.side == "keys"):
+        rows = page[:, BLOCK * p.offset : BLOCK * (p.offset + p.row_bytes)].reshape(KV_HEADS, BLOCK, p.row_bytes)
+        want = np.ascontiguousarray(ck.parts[p.name][:, 16:32]).view(np.uint8).reshape(KV_HEADS, BLOCK, p.row_bytes)
+        np.testing.assert_array_equal(rows, want, err_msg=p.name)
+    # runs of 8 x 5, 16 x 3, 16 x 2 and 8 x 1 bits + f16 scale; 4-bit value codes + f16 norm
+    assert layout.slot_bytes == (5 + 6 + 4 + 1 + 2) + (32 + 2)
+    rng = np.random.default_rng(4)
+    q = rng.standard_normal((3, Q_HEADS, D)).astype(np.float32)
+    seq, lens = np.array([0, 0, 1], np.int32), np.array([37, 5, 20], np.int32)
+    out = layout.attend(cache, q, seq, lens, table, scale=D**-0.5)
+    g = Q_HEADS // KV_HEADS
+    for t in range(3):
+        k, v = (np.ascontiguousarray(x[seq[t]][: lens[t]].transpose(1, 0, 2)) for x in (keys, values))
+        kd = codec.decode_keys(codec.encode_keys(k)).astype(np.float64)  # (kv_heads, n, d)
+        vd = codec.decode_values(codec.encode_values(v)).astype(np.float64)
+        s = np.einsum("hgd,hnd->hgn", q[t].reshape(KV_HEADS, g, D).astype(np.float64), kd) * D**-0.5
+        p = np.exp(s - s.max(-1, keepdims=True))
+        want = np.einsum("hgn,hnd->hgd", p / p.sum(-1, keepdims=True), vd).reshape(Q_HEADS, D)
+        np.testing.assert_allclose(out[t], want, rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(
+            out[t], _reference(layout, q[t], keys[seq[t]], values[seq[t]], lens[t]), rtol=MERGE_RTOL, atol=MERGE_RTOL
+        )
+
+
+def test_matched_tables_must_serve_the_caches_kv_heads():
+    """A per-head calibration has 1 table or one per KV head: a cache of other KV heads is
+    refused by name, nothing written; the binding refuses tables that do not divide the KV
+    heads and token runs as values."""
+    from kvqrs import _native
+
+    layout = SlotLayout(_matched_config(2), layer=0, head_dim=D)
+    cache = _cache(layout, 2)
+    x = np.ones((2, KV_HEADS, D), np.float32)
+    with pytest.raises(KvqrsError, match="calibration: layer 0's tables are per KV head of 2 heads, the cache holds 3"):
+        layout.write(cache, x, x, np.array([0, 1]))
+    q = np.ones((1, Q_HEADS, D), np.float32)
+    with pytest.raises(KvqrsError, match="tables are per KV head of 2 heads"):
+        layout.attend(cache, q, [0], [2], np.array([[0, 1]]), 0.125)
+    assert not cache.any()
+    keys, values = layout._page_rows("keys", BLOCK), layout._page_rows("values", BLOCK)
+    assert (keys.mean_heads, keys.rows.basis_heads, values.mean_heads) == (2, 2, 2)
+    ints = (np.array([0], np.int32), np.array([2], np.int32), np.array([0, 1], np.int32))
+    geometry = (cache.reshape(-1), 2, KV_HEADS, BLOCK, BLOCK * layout.slot_bytes, *cache.strides[:2])
+    with pytest.raises(KvqrsError, match=r"keys.rows.basis: 1 table or one per KV head \(a divisor of the 3 KV heads\), got 2"):
+        _native.paged_decode_attention(*geometry, keys, values, q.reshape(-1), Q_HEADS, D, 0.125, *ints, 2)
+    shared = SlotLayout(_matched_config(1), layer=0, head_dim=D)._page_rows("keys", BLOCK)
+    assert (shared.mean_heads, shared.rows.basis_heads) == (1, 1)
+    with pytest.raises(
+        KvqrsError, match="values: expected MSERows or per-token UniformRows, alone or in CentredRows .*got CentredRows of TokenRunRows"
+    ):
+        _native.paged_decode_attention(*geometry, shared, shared, q.reshape(-1), Q_HEADS, D, 0.125, *ints, 2)
 
 
 def test_bad_input_is_a_clean_error():
@@ -171,7 +303,7 @@ def test_the_paged_binding_takes_typed_per_token_rows():
     with pytest.raises(KvqrsError, match="values: expected MSERows or per-token UniformRows"):
         attend(keys, DenseRows((0, 4)))
     per_channel = UniformRows((0, 4), (4, 2, "float16"), (6, 2, "float16"), 4, 32, per_channel=True)
-    with pytest.raises(KvqrsError, match="keys: expected MSERows or per-token UniformRows"):
+    with pytest.raises(KvqrsError, match="keys: expected MSERows, per-token UniformRows or TokenRunRows, alone or in CentredRows"):
         attend(per_channel, values)
     with pytest.raises(KvqrsError, match="keys.norms: expected stored scalars of dtype 'float16' or 'float32', got \"int8\""):
         attend(keys._replace(norms=(*keys.norms[:2], "int8")), values)

@@ -106,6 +106,10 @@ class SideSpec:
         unpaged: why vLLM's paged cache (:mod:`kvqrs.vllm.layout`) cannot store this side, in
             the words of its refusal; None where it can (then its declared layout is fixed per
             token).
+        paged_with: for a side that ``unpaged`` refuses unless its calibration gives it a fixed
+            size per token (``matched``): why a config's ``calibration`` (``{layer:
+            MatchedCalibration}``, a string or None) still does not, in the words of the
+            refusal, or None when it does (the paged cache then stores this side).
         min_bits: the fewest bits per coordinate it takes (2 where a QJL residual takes one);
             its coder refuses fewer, saying why.
         max_bits: the most bits per coordinate it takes; :func:`build_coder` refuses more.
@@ -116,6 +120,7 @@ class SideSpec:
     build: Callable[[CoderSettings], Coder | None]
     fused: bool
     unpaged: str | None = None
+    paged_with: Callable[[Any], str | None] | None = None
     min_bits: int = 1
     max_bits: int = 8
     coded: bool = True
@@ -162,6 +167,13 @@ class SchemeSpec:
     def paged(self) -> bool:
         """vLLM's paged cache stores every side this scheme codes."""
         return all(s.unpaged is None for s in (self.keys, self.values) if s is not None)
+
+    @property
+    def paged_calibrated(self) -> bool:
+        """vLLM's paged cache stores every side this scheme codes, some given a calibration
+        that fixes their size per token (:attr:`SideSpec.paged_with`); :attr:`paged` ones
+        with any settings."""
+        return all(s.unpaged is None or s.paged_with is not None for s in (self.keys, self.values) if s is not None)
 
     @property
     def needs_calibration(self) -> bool:
@@ -254,6 +266,50 @@ def _matched_control(head_dim: int, bits: int, seed: int) -> dict[str, Any]:
 
 
 _PER_CHANNEL = "share per-channel statistics over groups of tokens"
+_MATCHED_KEYS_UNPAGED = (
+    "matched keys coded in groups of tokens share per-channel statistics over them: calibrate with "
+    "`kvqrs calibrate --key-scales tokens` for a fixed size per token"
+)
+_MATCHED_VALUES_UNPAGED = (
+    "matched values transform-coded (a value basis) or in width classes have no fixed size per token: "
+    "calibrate values as the per-token MSE stage around their mean (no value basis, no --value-classes)"
+)
+
+
+def _layer_calibrations(calibration: Any, unpaged: str) -> list[tuple[Any, MatchedCalibration]] | str:
+    """The ``(layer, MatchedCalibration)`` pairs of a config's calibration, or why the paged
+    cache does not take it (``unpaged`` and what it got)."""
+    if isinstance(calibration, dict) and calibration and all(isinstance(c, MatchedCalibration) for c in calibration.values()):
+        return list(calibration.items())
+    got = repr(calibration) if calibration is None or isinstance(calibration, str) else f"a {type(calibration).__name__}"
+    return f"{unpaged} (a paged cache needs a calibration of {{layer: MatchedCalibration}}, got {got})"
+
+
+def _matched_keys_paged(calibration: Any) -> str | None:
+    """Why matched keys of ``calibration`` have no fixed size per token, or None (every layer's
+    keys carry per-token scales: :class:`MatchedTokenCoder`)."""
+    cals = _layer_calibrations(calibration, _MATCHED_KEYS_UNPAGED)
+    if isinstance(cals, str):
+        return cals
+    grouped = [layer for layer, c in cals if c.keys.deviations is None]
+    if grouped:
+        return f"matched keys coded in groups of tokens (layer {grouped[0]}): calibrate with `kvqrs calibrate --key-scales tokens` for a fixed size per token"
+    return None
+
+
+def _matched_values_paged(calibration: Any) -> str | None:
+    """Why matched values of ``calibration`` have no fixed size per token, or None (every
+    layer's values are the per-token MSE stage around the value mean: :class:`MatchedValueCoder`)."""
+    cals = _layer_calibrations(calibration, _MATCHED_VALUES_UNPAGED)
+    if isinstance(cals, str):
+        return cals
+    for layer, c in cals:
+        if c.values is not None:
+            return f"matched values transform-coded in groups of tokens (layer {layer} has a value basis): calibrate values as the per-token MSE stage (no value basis)"
+        if c.value_classes is not None:
+            return f"matched values in width classes (layer {layer}) give each token of a chunk its own width: calibrate without --value-classes"
+    return None
+
 
 _SPECS = (
     SchemeSpec(
@@ -308,8 +364,8 @@ _SPECS = (
     SchemeSpec(
         "matched",
         "a calibrated per-layer transform with water-filled widths (keys); mean-centred MSE values",
-        keys=SideSpec(_matched_keys, fused=True, unpaged=f"matched keys {_PER_CHANNEL}"),
-        values=SideSpec(_matched_values, fused=True, unpaged="matched values carry a calibrated mean the paged cache does not read"),
+        keys=SideSpec(_matched_keys, fused=True, unpaged=_MATCHED_KEYS_UNPAGED, paged_with=_matched_keys_paged),
+        values=SideSpec(_matched_values, fused=True, unpaged=_MATCHED_VALUES_UNPAGED, paged_with=_matched_values_paged),
         mse_values=True,
         log_norms=True,
         control=_matched_control,
@@ -346,7 +402,9 @@ def names(which: str) -> tuple[str, ...]:
       (``value_norms="log8"``);
     - ``HEADQ_BASES``: key schemes HeadQ builds on, the default first;
     - ``PAGED_SCHEMES``: schemes whose every token has a fixed stored size that vLLM's paged
-      cache stores (the others say why not: :attr:`SideSpec.unpaged`).
+      cache stores with any settings (the others say why not: :attr:`SideSpec.unpaged`;
+      ``matched`` is stored given a calibration with per-token key scales,
+      :attr:`SideSpec.paged_with`).
     """
     picked = tuple(n for n, s in _BY_NAME.items() if _LISTS[which](s))
     return tuple(sorted(picked, key=lambda n: _BY_NAME[n].headq_base)) if which == "HEADQ_BASES" else picked

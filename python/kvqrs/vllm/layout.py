@@ -6,7 +6,9 @@ A page stores its slots part by part (a structure of arrays): each stored part o
 values) fills ``block_size * row_bytes`` bytes at ``block_size`` times the part's offset within
 the slot. The rows of one page are then exactly the per-head arrays of kvqrs' fused decode
 attention, which the Rust entry point ``_native.paged_decode_attention`` reads in place through
-the block table (:meth:`SlotLayout.attend`). This module needs NumPy only (no vLLM).
+the block table (:meth:`SlotLayout.attend`); a calibrated layout's tables (a ``matched`` basis
+and means, one or one per KV head) travel with the rows by value. This module needs NumPy only
+(no vLLM).
 """
 
 from __future__ import annotations
@@ -20,8 +22,9 @@ from .. import _native
 from .._arrays import KvqrsError
 from ..hf.config import QuantConfig
 from ..hf.store import _native_encoder
-from ..kernels.attention import MSERows, UniformRows, binding_rows, by_name
+from ..kernels.attention import CentredRows, MSERows, TokenRunRows, UniformRows, binding_rows, by_name, map_parts
 from ..schemes import KVCodec
+from ..schemes.matched import MatchedCalibration
 from ..schemes.registry import REGISTRY, names
 
 
@@ -45,31 +48,53 @@ class Part:
     per_token: tuple[int, ...]
 
 
-def _unpaged(scheme: str | None, kind: str) -> str | None:
-    """Why ``scheme``'s ``kind`` cannot be stored in fixed-size slots (its registry entry's
-    words), or None when it can."""
+def _unpaged(config: QuantConfig, kind: str) -> str | None:
+    """Why ``config``'s ``kind`` cannot be stored in fixed-size slots (its registry entry's
+    words, for a side paged by its calibration those of :attr:`SideSpec.paged_with
+    <kvqrs.schemes.registry.SideSpec.paged_with>`), or None when it can."""
+    scheme = config.key_scheme if kind == "keys" else config.value_scheme
     if scheme is None:
         return "the keys must be quantized" if kind == "keys" else "values kept in full precision"
     spec = REGISTRY.get(scheme)
     side = None if spec is None else spec.side(kind)
-    return "an unknown scheme" if side is None else side.unpaged
+    if side is None:
+        return "an unknown scheme"
+    if side.unpaged is None or side.paged_with is None:
+        return side.unpaged
+    return side.paged_with(config.calibration)
+
+
+def _served() -> str:
+    """The schemes a paged cache stores: with any settings, then those a calibration fixes."""
+    calibrated = [n for n, s in REGISTRY.items() if not s.paged and s.paged_calibrated]
+    return ", ".join(names("PAGED_SCHEMES")) + "".join(f"; {n} calibrated with per-token key scales" for n in calibrated)
 
 
 def refuse_reason(config: QuantConfig) -> str | None:
-    """Why ``config`` cannot be stored in fixed-size slots, or None when it can (the schemes of
-    :data:`PAGED_SCHEMES`, every token coded, float norms)."""
-    why = _unpaged(config.key_scheme, "keys")
-    paged = names("PAGED_SCHEMES")
+    """Why ``config`` cannot be stored in fixed-size slots, or None when it can: the schemes of
+    :data:`PAGED_SCHEMES`, and ``matched`` with a calibration ``{layer: MatchedCalibration}``
+    whose keys carry per-token scales (``deviations``) and whose values are the per-token MSE
+    stage; every token coded (no sinks, no full-precision window), float norms."""
+    why = _unpaged(config, "keys")
     if why is not None:
-        return f"key scheme {config.key_scheme!r}: {why}; a paged cache needs a fixed size per token ({', '.join(paged)})"
-    why = _unpaged(config.value_scheme, "values")
+        return f"key scheme {config.key_scheme!r}: {why}; a paged cache needs a fixed size per token ({_served()})"
+    why = _unpaged(config, "values")
     if why is not None:
-        return f"value scheme {config.value_scheme!r}: {why}; choose one of {', '.join(paged)}"
+        return f"value scheme {config.value_scheme!r}: {why}; choose one of {_served()}"
     if config.residual_length:
         return f"residual_length {config.residual_length}: a paged cache stores every token as codes (use 0)"
+    if config.sink_tokens:
+        return f"sink_tokens {config.sink_tokens}: sink tokens are kept in full precision, which paged slots do not hold: use sink_tokens=0"
     if config.value_norms != "float":
         return f"value_norms {config.value_norms!r}: log-coded norms share an exponent per group of tokens; a paged cache needs a fixed size per token (use 'float')"
     return None
+
+
+def _table_heads(config: QuantConfig, layer: int) -> int:
+    """KV heads of the layer's calibrated tables (a ``matched`` basis and means): 1 when shared
+    by every KV head or without any."""
+    cal = config.calibration.get(layer) if isinstance(config.calibration, dict) else None
+    return int(cal.keys.kv_heads) if isinstance(cal, MatchedCalibration) else 1
 
 
 class SlotLayout:
@@ -94,34 +119,45 @@ class SlotLayout:
         for kind in ("keys", "values"):
             if not self.codec.fixed_per_token(kind):
                 raise KvqrsError(f"kvqrs paged cache: {kind}: the declared layout stores parts shared by several tokens")
-        # One token of one KV head, by the declared layouts (PartRefs: nothing encoded).
-        ck, cv = (self.codec.named(kind, (1, 1, head_dim)) for kind in ("keys", "values"))
+        # Calibrated per-head tables (a matched basis and means) serve 1 or this many KV heads.
+        self.table_heads = _table_heads(config, layer)
+        # One token of each table's KV head, by the declared layouts (PartRefs: nothing encoded).
+        shape = (self.table_heads, 1, head_dim)
+        ck, cv = (self.codec.named(kind, shape) for kind in ("keys", "values"))
         krows, vrows, side = self.codec.fused_rows(ck, cv)
         if side is not None:
             raise KvqrsError("kvqrs paged cache: HeadQ side codes are not stored in paged slots")
         self.parts: list[Part] = []
         self.rows = {"keys": self._side("keys", ck, krows), "values": self._side("values", cv, vrows)}
         self.slot_bytes = sum(p.row_bytes for p in self.parts)
+        self._pages: dict[int, tuple] = {}
+        self._page_rows("keys", 1)  # the tables checked now
         self._writer = self._native_writer()
 
     def _native_writer(self) -> _native.SlotWriter | None:
         """The native slot writer (encode and scatter in one call, GIL released) when both
         coders have native encoders giving their bytes (:func:`~kvqrs.hf.store._native_encoder`),
         else None: :meth:`write` then encodes in Python."""
-        sides = [_native_encoder(self.codec._key_coder(), 1), _native_encoder(self.codec.values, 1)]
+        sides = [_native_encoder(self.codec._key_coder(), self.table_heads), _native_encoder(self.codec.values, self.table_heads)]
         if None in sides:
             return None
         parts = [(("keys", "values").index(p.side), p.name, p.offset, p.row_bytes, np.dtype(p.dtype).name) for p in self.parts]
         return _native.SlotWriter(*sides, parts, self.head_dim)
 
     def _side(self, side: str, enc, rows) -> Any:
-        """Append this side's parts; return its rows for the Rust entry point with each part
-        (a :class:`~kvqrs.layout.PartRef` of ``enc``'s, resolved by name) replaced by
-        ``(offset, row_bytes[, dtype])`` within a slot (:meth:`_page_rows` scales them to a
-        page), its size and dtype those its declared layout gives one token (stored scalars
-        float16: a norm beyond it is refused when written)."""
-        if not (isinstance(rows, MSERows) or (isinstance(rows, UniformRows) and not rows.per_channel)):
-            raise KvqrsError(f"kvqrs paged cache: {side} as {type(rows).__name__} have no fixed per-token layout")
+        """Append this side's parts; return its rows with each part (a
+        :class:`~kvqrs.layout.PartRef` of ``enc``'s, resolved by name) replaced by
+        ``(offset, row_bytes[, dtype])`` within a slot and its tables (a basis, a mean) as they
+        are (:meth:`_page_rows` scales the places to a page and flattens the tables for the
+        Rust entry point), each part's size and dtype those its declared layout gives one token
+        (stored scalars float16: a norm or scale beyond it is refused when written). Per-token
+        layouts only: MSE and per-token uniform rows, token runs as keys, alone or around a
+        mean."""
+        inner = rows.rows if isinstance(rows, CentredRows) else rows
+        per_token = isinstance(inner, MSERows) or (isinstance(inner, UniformRows) and not inner.per_channel)
+        if not (per_token or (side == "keys" and isinstance(inner, TokenRunRows))):
+            what = type(rows).__name__ + (f" of {type(inner).__name__}" if inner is not rows else "")
+            raise KvqrsError(f"kvqrs paged cache: {side} as {what} have no fixed per-token layout")
 
         def place(name: str) -> tuple:
             ref = enc.parts[name]
@@ -131,14 +167,29 @@ class SlotLayout:
             self.parts.append(Part(side, name, offset, row_bytes, dtype, per_token))
             return (offset, row_bytes) if dtype == np.uint8 else (offset, row_bytes, dtype.name)
 
-        out = binding_rows(rows, side, (), self.head_dim, by_name(enc.parts, side, place))
+        out = map_parts(rows, by_name(enc.parts, side, place), side)
         if sorted(p.name for p in self.parts if p.side == side) != sorted(enc.parts):
             raise KvqrsError(f"kvqrs paged cache: {side} rows do not read every stored part once")
         return out
 
     def _page_rows(self, side: str, block_size: int) -> Any:
-        """The side's rows with each part at its offset in a page of ``block_size`` slots."""
-        return binding_rows(self.rows[side], side, (), self.head_dim, lambda at, _: (block_size * at[0], *at[1:]))
+        """The side's rows as the Rust entry point reads them, each part at its offset in a page
+        of ``block_size`` slots, its tables flat float32 with their count (1, or
+        :attr:`table_heads`); made once per block size."""
+        if block_size not in self._pages:
+            lead, d = (self.table_heads,), self.head_dim
+            scaled = lambda at, _: (block_size * at[0], *at[1:])  # noqa: E731
+            self._pages[block_size] = tuple(binding_rows(self.rows[k], k, lead, d, scaled) for k in ("keys", "values"))
+        return self._pages[block_size][("keys", "values").index(side)]
+
+    def check_heads(self, kv_heads: int) -> None:
+        """Raises :class:`KvqrsError` unless the calibrated tables serve ``kv_heads`` KV heads
+        (one table, or one per KV head)."""
+        if self.table_heads not in (1, kv_heads):
+            raise KvqrsError(
+                f"calibration: layer {self.layer}'s tables are per KV head of {self.table_heads} heads, the cache holds {kv_heads}; "
+                "expected 1 or the layer's KV heads"
+            )
 
     def bits_per_element(self) -> float:
         """Stored bits per key and value element (every byte of the slot counted)."""
@@ -147,12 +198,14 @@ class SlotLayout:
     # -- the cache array ----------------------------------------------------------------------
     def check_cache(self, cache: np.ndarray) -> tuple[int, int, int]:
         """``(blocks, kv_heads, block_size)`` of a uint8 cache ``(blocks, kv_heads, block_size,
-        slot_bytes)`` whose pages are contiguous; raises KvqrsError otherwise."""
+        slot_bytes)`` whose pages are contiguous, for KV heads the calibrated tables serve
+        (:meth:`check_heads`); raises KvqrsError otherwise."""
         if cache.dtype != np.uint8 or cache.ndim != 4 or cache.shape[3] != self.slot_bytes:
             raise KvqrsError(f"cache: expected uint8 (blocks, kv_heads, block_size, {self.slot_bytes}), got {cache.dtype} {cache.shape}")
         b, h, n, c = cache.shape
         if cache.strides[2:] != (c, 1) or (h > 1 and cache.strides[1] < n * c) or (b > 1 and cache.strides[0] < h * n * c):
             raise KvqrsError(f"cache: expected every (block, KV head) page contiguous, got strides {cache.strides}")
+        self.check_heads(h)
         return b, h, n
 
     @staticmethod
@@ -181,20 +234,24 @@ class SlotLayout:
             keys, values, slots = keys[keep], values[keep], slots[keep]
         if slots.size == 0:
             return
-        encoded = {
-            "keys": self.codec.encode_keys(np.ascontiguousarray(keys, dtype=np.float32)),
-            "values": self.codec.encode_values(np.ascontiguousarray(values, dtype=np.float32)),
-        }
+        # (kv_heads, tokens, d): each KV head's tokens, as a calibration's per-head tables read them
+        heads_first = lambda x: np.ascontiguousarray(np.swapaxes(np.asarray(x, dtype=np.float32), 0, 1))  # noqa: E731
+        encoded = {"keys": self.codec.encode_keys(heads_first(keys)), "values": self.codec.encode_values(heads_first(values))}
+        stored = []
+        for p in self.parts:  # every part checked before any is written
+            part = np.asarray(encoded[p.side].parts[p.name])
+            if part.dtype != p.dtype:
+                raise KvqrsError(f"{p.side}.{p.name}: encoded as {part.dtype}, the slot stores {p.dtype} (a value beyond its range)")
+            stored.append(np.ascontiguousarray(np.swapaxes(part, 0, 1)).view(np.uint8).reshape(len(slots), h, p.row_bytes))
         span = self._span(cache)
         blocks, pos = slots // n, slots % n
-        for p in self.parts:
+        for p, data in zip(self.parts, stored):
             region = np.lib.stride_tricks.as_strided(
                 span[n * p.offset :],
                 shape=(b, h, n, p.row_bytes),
                 strides=(cache.strides[0], cache.strides[1], p.row_bytes, 1),
                 writeable=True,
             )
-            data = np.ascontiguousarray(encoded[p.side].parts[p.name]).view(np.uint8).reshape(len(slots), h, p.row_bytes)
             region[blocks, :, pos, :] = data
 
     def _new_tokens(self, keys, values, slots, blocks: int, heads: int, n: int, flat: bool = True) -> tuple[list, np.ndarray]:

@@ -1,7 +1,9 @@
 //! Binding of the paged decode attention kernel: the cache arrives as one flat uint8 array (the
 //! layer's pages, borrowed), each side's layout in a page as its typed row object (`rows.rs`:
-//! `MSERows` or per-token `UniformRows`) with `(offset, row_bytes[, dtype])` tuples in place of
-//! arrays (built and checked by `kvqrs.vllm.layout`); the GIL is released for the kernel.
+//! `MSERows`, per-token `UniformRows` or, as keys, `TokenRunRows`, alone or in `CentredRows`)
+//! with `(offset, row_bytes[, dtype])` tuples in place of arrays and its bases and means flat
+//! float32 by value (built and checked by `kvqrs.vllm.layout`); the GIL is released for the
+//! kernel.
 
 use kvqrs_core::dtype::Dtype;
 use kvqrs_core::kernels::paged::{
@@ -25,8 +27,8 @@ type PagedScalars = Stored<PyPart, PyScalarPart>;
 /// One side's rows with each part's place in a page in place of arrays.
 type PagedPyRows<'py> = PyRows<PyPart, PagedScalars, PyPart, F32<'py>>;
 
-/// Reads each part's place in a page; the paged kernel checks that the rows are a per-token
-/// format and that every part fits.
+/// Reads each part's place in a page and copies each table (basis, mean); the paged kernel
+/// checks that the rows are a per-token format, that every part fits and every table is whole.
 struct Places;
 
 impl<'a, 'py: 'a> Resolve<'a, PyPart, PagedScalars, PyPart, F32<'py>> for Places {

@@ -45,8 +45,10 @@ pub struct ScalarPart {
 }
 
 /// One side (keys or values) of the slot layout: the row formats of [`Rows`] over places in
-/// a page. The paged kernel reads the per-token ones, [`Rows::Mse`] (QJL residual optional)
-/// and [`Rows::UniformTokens`]; bases and means (of other formats) would be held by value.
+/// a page. The paged kernel reads the per-token ones: [`Rows::Mse`] (QJL residual optional),
+/// [`Rows::UniformTokens`], as keys [`Rows::TokenRuns`], each alone or in [`Rows::Centred`].
+/// Their bases and means are held by value (`basis_heads` / `mean_heads` tables, a divisor of
+/// the KV heads; KV head `h` reads table `h % count`).
 pub type PagedRows = Rows<Part, ScalarPart, Part, Vec<f32>>;
 
 /// The paged cache of one layer.
@@ -166,17 +168,113 @@ impl<'a> Resolve<'a, Part, ScalarPart, Part, Vec<f32>> for Fits<'_> {
     }
 }
 
-/// Errors unless `rows` (side `side`) is a per-token row format whose parts fit in a page.
-fn check_parts(cache: &PagedCache, rows: &PagedRows, side: &'static str) -> Result<()> {
-    if !matches!(rows, Rows::Mse { .. } | Rows::UniformTokens { .. }) {
+/// Whether the paged kernel reads `rows` as side `side`: a per-token layout (MSE, per-token
+/// uniform groups, token runs as keys), alone or around a mean.
+fn per_token(rows: &PagedRows, keys: bool) -> bool {
+    match rows {
+        Rows::Mse { .. } | Rows::UniformTokens { .. } => true,
+        Rows::TokenRuns { .. } => keys,
+        Rows::Centred { rows, .. } => {
+            !matches!(**rows, Rows::Centred { .. }) && per_token(rows, keys)
+        }
+        _ => false,
+    }
+}
+
+/// Errors unless a table held by value (`at`) is `count` tables of `per` floats, `count` a
+/// divisor of the KV heads.
+fn check_table(
+    at: Field<'_>,
+    table: &[f32],
+    count: usize,
+    per: usize,
+    kv_heads: usize,
+) -> Result<()> {
+    if count == 0 || !kv_heads.is_multiple_of(count) {
+        return Err(dim_error(
+            "layout",
+            format!("{at}: 1 table or one per KV head (a divisor of the {kv_heads} KV heads)"),
+            count,
+        ));
+    }
+    if Some(table.len()) != count.checked_mul(per) {
+        return Err(dim_error(
+            "layout",
+            format!("{at}: {count} tables of {per} floats"),
+            table.len(),
+        ));
+    }
+    Ok(())
+}
+
+/// Errors unless the bases and means of `rows` are whole per-head tables of head_dim `d`.
+fn check_tables(rows: &PagedRows, side: &str, cache: &PagedCache, d: usize) -> Result<()> {
+    let at = |centred, name| Field {
+        side,
+        centred,
+        run: None,
+        name,
+    };
+    match rows {
+        Rows::TokenRuns {
+            basis, basis_heads, ..
+        } => check_table(
+            at(false, "basis"),
+            basis,
+            *basis_heads,
+            d * d,
+            cache.kv_heads,
+        ),
+        Rows::Centred {
+            rows,
+            mean,
+            mean_heads,
+        } => {
+            if let Rows::TokenRuns {
+                basis, basis_heads, ..
+            } = &**rows
+            {
+                check_table(
+                    at(true, "basis"),
+                    basis,
+                    *basis_heads,
+                    d * d,
+                    cache.kv_heads,
+                )?;
+            }
+            check_table(at(false, "mean"), mean, *mean_heads, d, cache.kv_heads)
+        }
+        _ => Ok(()),
+    }
+}
+
+/// Errors unless `rows` (side `side`) is a per-token row format whose parts fit in a page and
+/// whose tables are per-head tables of head_dim `d`.
+fn check_parts(cache: &PagedCache, rows: &PagedRows, side: &'static str, d: usize) -> Result<()> {
+    let keys = side == "keys";
+    if !per_token(rows, keys) {
+        let expected = if keys {
+            "MSERows, per-token UniformRows or TokenRunRows, alone or in CentredRows (per-token layouts)"
+        } else {
+            "MSERows or per-token UniformRows, alone or in CentredRows (per-token layouts)"
+        };
+        let actual = match rows {
+            Rows::Centred { rows, .. } => format!("CentredRows of {}", rows.class()),
+            _ => rows.class().into(),
+        };
         return Err(KvqError::ShapeMismatch {
             arg: side,
-            expected: "MSERows or per-token UniformRows (per-token layouts)".into(),
-            actual: rows.class().into(),
+            expected: expected.into(),
+            actual,
         });
     }
+    check_tables(rows, side, cache, d)?;
     let dtypes = rows.map(side, &mut Fits { cache })?;
-    if let Rows::UniformTokens { scales, zeros, .. } = dtypes {
+    let inner = match &dtypes {
+        Rows::Centred { rows, .. } => &**rows,
+        other => other,
+    };
+    if let Rows::UniformTokens { scales, zeros, .. } = inner {
         if scales != zeros {
             return Err(KvqError::ShapeMismatch {
                 arg: side,
@@ -186,6 +284,34 @@ fn check_parts(cache: &PagedCache, rows: &PagedRows, side: &'static str) -> Resu
         }
     }
     Ok(())
+}
+
+/// Head `h`'s tables of gathered rows: each basis and mean narrowed to table `h % count` (one
+/// table, count 1), as the fused kernel reads one KV head.
+fn head_tables<B, S, F>(rows: &mut Rows<B, S, F, &[f32]>, h: usize, d: usize) {
+    fn pick<'t>(table: &mut &'t [f32], count: &mut usize, h: usize, per: usize) {
+        let all: &'t [f32] = table;
+        let i = h % *count;
+        *table = &all[i * per..(i + 1) * per];
+        *count = 1;
+    }
+    match rows {
+        Rows::TokenRuns {
+            basis, basis_heads, ..
+        }
+        | Rows::ChannelRuns {
+            basis, basis_heads, ..
+        } => pick(basis, basis_heads, h, d * d),
+        Rows::Centred {
+            rows,
+            mean,
+            mean_heads,
+        } => {
+            head_tables(rows, h, d);
+            pick(mean, mean_heads, h, d);
+        }
+        _ => {}
+    }
 }
 
 fn check_cache(cache: &PagedCache) -> Result<()> {
@@ -386,8 +512,11 @@ fn token_head(
         keys.map("keys", &mut gather)?,
         values.map("values", &mut gather)?,
     );
+    let (mut kv, mut vv) = (kr.view(), vr.view());
+    head_tables(&mut kv, h, d);
+    head_tables(&mut vv, h, d);
     let layout = AttentionShape::new(1, g, len, d, qs.scale);
-    Ok(decode_attention_with(isa, q, &layout, &kr.view(), None, &vr.view(), false)?.out)
+    Ok(decode_attention_with(isa, q, &layout, &kv, None, &vv, false)?.out)
 }
 
 /// Decode attention of every query token over its sequence's first `length` tokens in the
@@ -398,8 +527,12 @@ fn token_head(
 ///
 /// Returns tokens x q_heads x head_dim float32.
 ///
-/// Errors: rows other than MSE or per-token uniform ones, a layout whose parts do not fit a
-/// page or whose scalars are not float16 / float32, a cache shorter than its blocks, q_heads not
+/// Keys may be token runs in a basis and either side may sit around a mean
+/// ([`Rows::Centred`]): KV head `h` reads basis and mean `h % count` of their tables.
+///
+/// Errors: rows other than per-token ones (MSE, per-token uniform, token runs as keys, alone or
+/// around a mean), tables that are not 1 or a divisor of the KV heads of head_dim-sized tables,
+/// a layout whose parts do not fit a page or whose scalars are not float16 / float32, a cache shorter than its blocks, q_heads not
 /// a multiple of kv_heads, a bad scale, `q`, `seq` or `block_table` lengths that do not match,
 /// a sequence row, length or block id out of range, and whatever [`decode_attention_with`]
 /// reports for a page (bits, seeds, stored scalars, non-finite queries or logits).
@@ -422,9 +555,9 @@ pub fn paged_decode_attention_with(
 ) -> Result<Vec<f32>> {
     let isa = isa.checked()?;
     check_cache(cache)?;
-    check_parts(cache, keys, "keys")?;
-    check_parts(cache, values, "values")?;
     check_queries(cache, queries)?;
+    check_parts(cache, keys, "keys", queries.head_dim)?;
+    check_parts(cache, values, "values", queries.head_dim)?;
     // Multiply-adds of scores and read-out over every query token's context.
     let tokens: usize = queries.lengths.iter().map(|&l| l.max(0) as usize).sum();
     let work = tokens.saturating_mul(queries.q_heads * 2 * queries.head_dim);
@@ -458,6 +591,7 @@ mod tests {
     use crate::kernels::mse::MseQuantizer;
     use crate::kernels::pack::{pack, packed_len};
     use crate::rng::gaussians;
+    use crate::rows::TokenRun;
     use crate::scalars::{FloatView, ScalarView};
 
     const D: usize = 64;
@@ -478,6 +612,71 @@ mod tests {
             pack(&v.codes, cd, bits).unwrap(),
             v.norms.to_f32(),
         )
+    }
+
+    /// Sequence blocks 0, 1, 2 live in cache blocks 3, 0, 4 (of 5).
+    const TABLE: [i32; 3] = [3, 0, 4];
+    const BLOCKS: usize = 5;
+    /// Tokens each query token attends to.
+    const LENGTHS: [i32; 4] = [45, 1, 17, 32];
+
+    fn le_bytes(x: &[f32]) -> Vec<u8> {
+        x.iter().flat_map(|v| v.to_le_bytes()).collect()
+    }
+
+    /// The pages of `heads x t` tokens whose slots hold `parts` one after the other (each
+    /// part heads x t rows, contiguous per head) through [`TABLE`]; returns the cache bytes,
+    /// each part's place in a page and the page size.
+    fn paginate(parts: &[&[u8]], heads: usize, t: usize) -> (Vec<u8>, Vec<Part>, usize) {
+        let mut places = Vec::new();
+        let mut slot = 0;
+        for p in parts {
+            let row_bytes = p.len() / (heads * t);
+            places.push(Part {
+                offset: BS * slot,
+                row_bytes,
+            });
+            slot += row_bytes;
+        }
+        let page = BS * slot;
+        let mut data = vec![0u8; BLOCKS * heads * page];
+        for h in 0..heads {
+            for j in 0..t {
+                let start = (TABLE[j / BS] as usize * heads + h) * page;
+                for (src, p) in parts.iter().zip(&places) {
+                    let (rb, i) = (p.row_bytes, h * t + j);
+                    let dst = start + p.offset + (j % BS) * rb;
+                    data[dst..dst + rb].copy_from_slice(&src[i * rb..(i + 1) * rb]);
+                }
+            }
+        }
+        (data, places, page)
+    }
+
+    fn cache_of(data: &[u8], heads: usize, page: usize) -> PagedCache<'_> {
+        PagedCache {
+            data,
+            blocks: BLOCKS,
+            kv_heads: heads,
+            block_size: BS,
+            page_bytes: page,
+            block_stride: heads * page,
+            head_stride: page,
+        }
+    }
+
+    /// Query tokens of sequence 0 attending to its first [`LENGTHS`] tokens.
+    fn queries(q: &[f32], q_heads: usize) -> PagedQueries<'_> {
+        PagedQueries {
+            q,
+            q_heads,
+            head_dim: D,
+            scale: 0.125,
+            seq: &[0, 0, 0, 0],
+            lengths: &LENGTHS,
+            block_table: &TABLE,
+            table_width: 3,
+        }
     }
 
     /// The slot layout: key codes, key norms, value codes, value norms.
@@ -516,47 +715,16 @@ mod tests {
         let (kc, kn, vc, vn) = coded(heads, t, bits);
         let (keys, values, slot) = layout(bits);
         let rb = packed_len(D, bits);
-        let (page, blocks) = (BS * slot, 5);
-        let table = [3, 0, 4]; // sequence blocks 0, 1, 2 live in cache blocks 3, 0, 4
-        let mut data = vec![0u8; blocks * heads * page];
-        for h in 0..heads {
-            for j in 0..t {
-                let (i, o) = (j / BS, j % BS);
-                let p = (table[i] * heads + h) * page;
-                let src = h * t + j;
-                let put = |data: &mut Vec<u8>, off: usize, w: usize, bytes: &[u8]| {
-                    data[p + off * BS + o * w..p + off * BS + (o + 1) * w].copy_from_slice(bytes)
-                };
-                put(&mut data, 0, rb, &kc[src * rb..(src + 1) * rb]);
-                put(&mut data, rb, 4, &kn[src].to_le_bytes());
-                put(&mut data, rb + 4, rb, &vc[src * rb..(src + 1) * rb]);
-                put(&mut data, 2 * rb + 4, 4, &vn[src].to_le_bytes());
-            }
-        }
-        let cache = PagedCache {
-            data: &data,
-            blocks,
-            kv_heads: heads,
-            block_size: BS,
-            page_bytes: page,
-            block_stride: heads * page,
-            head_stride: page,
+        let (data, places, page) = paginate(&[&kc, &le_bytes(&kn), &vc, &le_bytes(&vn)], heads, t);
+        let Rows::Mse { codes, .. } = values else {
+            unreachable!()
         };
-        let lengths = [45, 1, 17, 32];
-        let q = gaussians(9, 2, lengths.len() * heads * g * D);
-        let block_table: Vec<i32> = table.iter().map(|&b| b as i32).collect();
-        let qs = PagedQueries {
-            q: &q,
-            q_heads: heads * g,
-            head_dim: D,
-            scale: 0.125,
-            seq: &[0, 0, 0, 0],
-            lengths: &lengths,
-            block_table: &block_table,
-            table_width: 3,
-        };
+        assert_eq!((page, places[2]), (BS * slot, codes));
+        let cache = cache_of(&data, heads, page);
+        let q = gaussians(9, 2, LENGTHS.len() * heads * g * D);
+        let qs = queries(&q, heads * g);
         let got = paged_decode_attention(&cache, &keys, &values, &qs).unwrap();
-        for (ti, &len) in lengths.iter().enumerate() {
+        for (ti, &len) in LENGTHS.iter().enumerate() {
             let n = len as usize;
             for h in 0..heads {
                 let sl = |c: &[u8]| c[h * t * rb..(h * t + n) * rb].to_vec();
@@ -656,7 +824,7 @@ mod tests {
             row_bytes: 4,
         });
         assert!(msg(paged_decode_attention(&cache, &dense, &values, &one))
-            .starts_with("keys: expected MSERows or per-token UniformRows (per-token layouts), got DenseRows"));
+            .starts_with("keys: expected MSERows, per-token UniformRows or TokenRunRows, alone or in CentredRows (per-token layouts), got DenseRows"));
         let Rows::Mse { norms, .. } = values.clone() else {
             unreachable!()
         };
@@ -675,5 +843,159 @@ mod tests {
                 "layout: expected part values.norms: float16 or float32 stored scalars, got uint8"
             )
         );
+    }
+
+    /// `matched` keys (token runs in per-head bases around per-head means, float16 scales)
+    /// and values (MSE around per-head means), with one table shared by the KV heads and one
+    /// per KV head: the pages give one contiguous call over every head (its tables by
+    /// `h % count`) on the same tokens.
+    #[test]
+    fn matched_tables_per_kv_head_equal_one_contiguous_call() {
+        let (heads, t, g, bits) = (2, 45, 3, 4);
+        let runs = [(5u32, 0usize, 8usize), (3, 8, 24), (2, 24, 40), (1, 40, 48)];
+        let codes: Vec<Vec<u8>> = (runs.iter().enumerate())
+            .map(|(i, &(b, lo, hi))| {
+                let n = heads * t * packed_len(hi - lo, b);
+                let x = gaussians(20 + i as u64, 3, n);
+                x.iter().map(|v| (v.abs() * 997.0) as u32 as u8).collect()
+            })
+            .collect();
+        let scales: Vec<u16> = (gaussians(30, 3, heads * t).iter())
+            .map(|v| half::f16::from_f32(0.25 + v.abs()).to_bits())
+            .collect();
+        let scale_bytes: Vec<u8> = scales.iter().flat_map(|s| s.to_le_bytes()).collect();
+        let (_, _, vc, vn) = coded(heads, t, bits);
+        let mut parts: Vec<&[u8]> = codes.iter().map(Vec::as_slice).collect();
+        let vn_bytes = le_bytes(&vn);
+        parts.extend([scale_bytes.as_slice(), &vc, &vn_bytes]);
+        let (data, places, page) = paginate(&parts, heads, t);
+        let cache = cache_of(&data, heads, page);
+        let q = gaussians(9, 2, LENGTHS.len() * heads * g * D);
+        let qs = queries(&q, heads * g);
+        let n_runs = runs.len();
+        for tables in [1, heads] {
+            let scaled = |seed, n, by: f32| -> Vec<f32> {
+                gaussians(seed, 4, n).iter().map(|v| v * by).collect()
+            };
+            let (basis, kmean, vmean) = (
+                scaled(40, tables * D * D, 0.2),
+                scaled(41, tables * D, 2.0),
+                scaled(42, tables * D, 1.0),
+            );
+            let keys = PagedRows::Centred {
+                rows: Box::new(PagedRows::TokenRuns {
+                    runs: (runs.iter().zip(&places))
+                        .map(|(&(bits, start, stop), &codes)| TokenRun {
+                            codes,
+                            bits,
+                            start,
+                            stop,
+                        })
+                        .collect(),
+                    scales: ScalarPart {
+                        part: places[n_runs],
+                        dtype: Dtype::F16,
+                    },
+                    basis: basis.clone(),
+                    basis_heads: tables,
+                }),
+                mean: kmean.clone(),
+                mean_heads: tables,
+            };
+            let values = PagedRows::Centred {
+                rows: Box::new(PagedRows::Mse {
+                    codes: places[n_runs + 1],
+                    norms: ScalarPart {
+                        part: places[n_runs + 2],
+                        dtype: Dtype::F32,
+                    },
+                    bits,
+                    seed: Some(7),
+                    qjl: None,
+                }),
+                mean: vmean.clone(),
+                mean_heads: tables,
+            };
+            let got = paged_decode_attention(&cache, &keys, &values, &qs).unwrap();
+            let want_keys = CodedRows::Centred {
+                rows: Box::new(CodedRows::TokenRuns {
+                    runs: (runs.iter().zip(&codes))
+                        .map(|(&(bits, start, stop), codes)| TokenRun {
+                            codes: codes.as_slice(),
+                            bits,
+                            start,
+                            stop,
+                        })
+                        .collect(),
+                    scales: ScalarView::Float(FloatView::F16(&scales)),
+                    basis: &basis,
+                    basis_heads: tables,
+                }),
+                mean: &kmean,
+                mean_heads: tables,
+            };
+            let want_values = CodedRows::Centred {
+                rows: Box::new(CodedRows::Mse {
+                    codes: &vc,
+                    norms: ScalarView::Float(FloatView::F32(&vn)),
+                    bits,
+                    seed: Some(7),
+                    qjl: None,
+                }),
+                mean: &vmean,
+                mean_heads: tables,
+            };
+            for (ti, &len) in LENGTHS.iter().enumerate() {
+                let shape = AttentionShape {
+                    stride: t,
+                    ..AttentionShape::new(heads, g, len as usize, D, 0.125)
+                };
+                let at = ti * heads * g * D;
+                let qt = &q[at..at + heads * g * D];
+                let want = decode_attention(qt, &shape, &want_keys, None, &want_values, false);
+                for (a, b) in got[at..at + heads * g * D].iter().zip(&want.unwrap().out) {
+                    assert!(
+                        (a - b).abs() <= 2e-6 * (1.0 + b.abs()),
+                        "{tables}: {a} vs {b}"
+                    );
+                }
+            }
+            // Tables that do not divide the KV heads, or of the wrong size: errors naming them.
+            let msg = |k: &PagedRows, v: &PagedRows| {
+                paged_decode_attention(&cache, k, v, &qs)
+                    .unwrap_err()
+                    .to_string()
+            };
+            let Rows::Centred { rows, .. } = keys.clone() else {
+                unreachable!()
+            };
+            let three = PagedRows::Centred {
+                rows,
+                mean: vec![0.0; 3 * D],
+                mean_heads: 3,
+            };
+            assert!(msg(&three, &values).starts_with(
+                "layout: expected keys.mean: 1 table or one per KV head (a divisor of the 2 KV heads)"
+            ));
+            let Rows::Centred { rows, .. } = values.clone() else {
+                unreachable!()
+            };
+            let short = PagedRows::Centred {
+                rows,
+                mean: vec![0.0; tables * D - 1],
+                mean_heads: tables,
+            };
+            assert!(msg(&keys, &short).starts_with(&format!(
+                "layout: expected values.mean: {tables} tables of {D} floats"
+            )));
+            let Rows::Centred { rows, .. } = keys.clone() else {
+                unreachable!()
+            };
+            // Token runs are keys only: as values, alone or around a mean, refused by name.
+            assert!(msg(&keys, &rows).starts_with(
+                "values: expected MSERows or per-token UniformRows, alone or in CentredRows (per-token layouts), got TokenRunRows"
+            ));
+            assert!(msg(&keys, &keys).ends_with("got CentredRows of TokenRunRows"));
+        }
     }
 }
