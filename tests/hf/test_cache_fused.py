@@ -290,6 +290,54 @@ def test_generation_with_fused_steps_matches_the_decoded_cache(model32, cfg, mon
     assert (runs[True][1] - runs[False][1]).abs().max().item() < FUSED_GEN_RTOL * scale
 
 
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_generation_with_token_keys_encodes_them_in_the_native_step(model32, monkeypatch):
+    """Matched keys with per-token scales have a native encoder (``token_runs``): a generate's
+    prefill flushes natively and its steady decode steps encode the tokens leaving the window
+    inside the one native call (``CodeStore.step`` with a flush), never in the Python coder;
+    the tokens and logits are those of the same cache encoding in Python (``_native_encoder``
+    disabled: the Python coder's bytes, the general path's attention), bit for bit."""
+    import kvqrs.hf.store as store_mod
+    from kvqrs.schemes.matched_tokens import MatchedTokenCoder
+
+    model, tok = model32
+    prompt = tok(TEXT, return_tensors="pt").input_ids[:, :40]
+    flushes, encoded = [], []
+    step, encode = CodeStore.step, MatchedTokenCoder.encode
+
+    def counted_step(self, *a, **kw):
+        flushes.append(a[4])  # (query, sinks, window, new, flush, ...)
+        return step(self, *a, **kw)
+
+    def counted_encode(self, x):
+        encoded.append(x.shape[-2])
+        return encode(self, x)
+
+    monkeypatch.setattr(CodeStore, "step", counted_step)
+    monkeypatch.setattr(MatchedTokenCoder, "encode", counted_encode)
+    runs, new = {}, 8
+    for native in (True, False):
+        if not native:
+            monkeypatch.setattr(store_mod, "_native_encoder", lambda coder, kv_heads: None)
+        flushes.clear()
+        encoded.clear()
+        cache = QuantizedKVCache(TOKEN_KEYS, _layers(model))
+        with torch.no_grad():
+            g = model.generate(
+                prompt, past_key_values=cache, max_new_tokens=new, do_sample=False, output_logits=True, return_dict_in_generate=True
+            )
+        runs[native] = (g.sequences, torch.stack(g.logits), list(flushes), [n for n in encoded if n])
+    layers = _layers(model)
+    # native: every layer's steady steps flush one token each in the native call, none in Python
+    assert sum(f > 0 for f in runs[True][2]) >= layers * (new - 2) and runs[True][3] == []
+    # Python encode: no steady native step, every flushed token (40 prompt and 7 decoded, less
+    # the 8-token window) encoded by the coder
+    assert runs[False][2] == [] and sum(runs[False][3]) == layers * (40 + new - 1 - 8)
+    # the same codes, read by the same native attention: the same bits (as the steady step's
+    # other tests find, tests/hf/test_cache_steady.py)
+    assert torch.equal(runs[True][0], runs[False][0]) and torch.equal(runs[True][1], runs[False][1])
+
+
 @pytest.mark.parametrize("scheme", ["kqv", "qkqv"])
 def test_a_fused_step_whose_output_does_not_fit_float16_raises(scheme):
     """A float16 layer whose values sit at float16's maximum: once they are coded, the fused

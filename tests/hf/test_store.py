@@ -37,7 +37,7 @@ from kvqrs.kernels.attention import (  # noqa: E402
     map_parts,
 )
 from kvqrs.layout import PartRef  # noqa: E402
-from kvqrs.schemes.matched import MatchedCalibration, random_calibration  # noqa: E402
+from kvqrs.schemes.matched import MatchedBasis, MatchedCalibration, random_calibration  # noqa: E402
 
 from tests.cache_helpers import per_head_matched_calibration  # noqa: E402
 from tests.process_helpers import stdout_per_thread_count  # noqa: E402
@@ -65,6 +65,24 @@ STEP_CONFIGS = {
         "matched", 3, "matched", 3, group=8, calibration="random", value_norms="log8", value_scale="preserve_norm", sink_tokens=1
     ),
 }
+
+
+def _with_deviations(cal: MatchedCalibration, seed: int) -> MatchedCalibration:
+    """``cal`` with seeded key deviations: its keys take per-token scales
+    (:class:`~kvqrs.schemes.matched_tokens.MatchedTokenCoder`)."""
+    dev = np.random.default_rng(seed).uniform(0.2, 3.0, cal.keys.mean.shape).astype(np.float32)
+    return dataclasses.replace(cal, keys=dataclasses.replace(cal.keys, deviations=dev))
+
+
+# Matched keys with a float16 absmax scale per token (one calibrated head serving all, and one
+# calibration per KV head, 2 heads), natively encoded ("token_runs").
+TOKEN_CONFIGS = {
+    "matched-tokens": QuantConfig("matched", 3, "matched", 3, group=8, calibration={0: _with_deviations(random_calibration(D, 3, 9), 1)}),
+    "matched-tokens-per-head": QuantConfig(
+        "matched", 3, "matched", 3, group=8, calibration={0: _with_deviations(per_head_matched_calibration(2, D, 5), 2)}
+    ),
+}
+ALL_CONFIGS = {**STEP_CONFIGS, **TOKEN_CONFIGS}
 
 
 def _x(batch, heads, tokens, seed, scale=1.0):
@@ -182,14 +200,14 @@ def test_a_native_encode_that_fails_stores_nothing_and_the_cache_names_the_error
     assert cache.get_seq_length() == 0
 
 
-@pytest.mark.parametrize("name", NATIVE_ENCODED)
+@pytest.mark.parametrize("name", NATIVE_ENCODED + tuple(TOKEN_CONFIGS))
 def test_a_streamed_cache_holds_the_codes_of_the_python_encode(name, monkeypatch):
     """A cache flushing through the native encoders holds, token after token, the codes of one
     that encodes in Python (``_native_encoder`` disabled), and reads the same attention."""
     import kvqrs.hf.store as store_mod
 
-    cfg = dataclasses.replace(STEP_CONFIGS[name], residual_length=3)
-    heads = 2 if name == "matched-per-head" else 3
+    cfg = dataclasses.replace(ALL_CONFIGS[name], residual_length=3)
+    heads = 2 if name.endswith("per-head") else 3
     caches = []
     for native in (True, False):
         if not native:
@@ -207,6 +225,95 @@ def test_a_streamed_cache_holds_the_codes_of_the_python_encode(name, monkeypatch
     _same(a.store.values(), b.store.values())
     for x, y in zip(outs_a, outs_b):
         assert torch.equal(x, y)
+
+
+def _token_runs_calibration(heads: int, widths: np.ndarray, seed: int) -> MatchedCalibration:
+    """A seeded calibration of ``heads`` KV heads with per-token key scales: random orthonormal
+    bases, means and deviations (0.2 .. 3), the key ``widths`` given."""
+    rng = np.random.default_rng(seed)
+    basis = np.linalg.qr(rng.standard_normal((heads, D, D)))[0].astype(np.float32)
+    mean, vmean = (rng.standard_normal((heads, D)).astype(np.float32) * 2 for _ in "kv")
+    dev = rng.uniform(0.2, 3.0, (heads, D)).astype(np.float32)
+    return MatchedCalibration(MatchedBasis(mean, basis, widths, dev), vmean)
+
+
+@st.composite
+def _widths(draw) -> np.ndarray:
+    """Non-increasing key widths 0..8 over ``D`` columns: runs of several widths, width-0
+    columns at the end (none, some, or every column)."""
+    coded = draw(st.integers(0, D), "coded columns")
+    w = sorted(draw(st.lists(st.integers(1, 8), min_size=coded, max_size=coded), "widths"), reverse=True)
+    return np.array(w + [0] * (D - coded), np.uint8)
+
+
+@settings(max_examples=30, deadline=None)
+@given(data=st.data(), widths=_widths(), per_head=st.booleans(), seed=st.integers(0, 2**16))
+def test_token_keys_encode_natively_to_the_coders_bytes(data, widths, per_head, seed):
+    """Matched keys with per-token scales encode natively (``token_runs``: the transform, the
+    deviations, the absmax kernel, each run packed per token) to the bytes of the Python
+    coder, every part, chunk after chunk of 0 to 300 tokens, for a calibration of one head
+    serving the store's 3 and one of each of 2 heads, inputs of unit scale up to those whose
+    largest coded coordinate comes near float16's largest scale. Tokens past it are refused
+    natively (False, nothing stored), as the Python coder refuses them."""
+    heads = 2 if per_head else 3
+    codec = QuantConfig(
+        "matched", 3, "matched", 3, group=8, calibration={0: _token_runs_calibration(2 if per_head else 1, widths, seed)}
+    ).codec(0, D)
+    assert type(codec._key_coder()).__name__ == "MatchedTokenCoder"
+    native, ref = CodeStore(codec, 2, heads, D, torch.float32), CodeStore(codec, 2, heads, D, torch.float32)
+    rng = np.random.default_rng(seed)
+    for i in range(data.draw(st.integers(1, 3), "chunks")):
+        n = data.draw(st.integers(0, 300), f"tokens {i}")
+        k, v = (rng.standard_normal((2, heads, n, D)).astype(np.float32) for _ in "kv")
+        top = data.draw(st.sampled_from([None, 1e3, 6e4]), f"largest coded coordinate {i}")
+        if top is not None and n and widths.any():  # about the mean, so that the largest |y_i / sigma_i| is about top
+            largest = float(np.asarray(codec.encode_keys(k).parts["scales"], np.float32).max())
+            mean = codec._key_coder().cal.mean[:, None, :]
+            k = (mean + (k - mean) * np.float32(top / max(largest, 1e-3))).astype(np.float32)
+        assert native.encode_append(k, v, n)
+        ref.append(codec.encode_keys(k), codec.encode_values(v))
+    _same(native.keys(), ref.keys())
+    _same(native.values(), ref.values())
+    if widths.any():
+        t = native.tokens
+        huge = np.full((2, heads, 1, D), 1e30, np.float32)
+        assert not native.encode_append(huge, np.ones_like(huge), 1)
+        with pytest.raises(KvqrsError, match="overflows float16"):
+            codec.encode_keys(huge)
+        assert native.tokens == t
+
+
+def test_the_slot_writer_stores_the_token_keys_of_the_python_coder():
+    """vLLM's slot writer (``_native.SlotWriter``) with the ``token_runs`` key encoder writes
+    each token's key parts (every run's packed codes, the float16 scale) and value parts into
+    its slot of every KV head's page: the bytes of the Python coders' encodes of that token."""
+    from kvqrs.hf.store import _native_encoder
+
+    codec = TOKEN_CONFIGS["matched-tokens"].codec(0, D)
+    kc, vc = codec._key_coder(), codec.values
+    sides = [_native_encoder(kc, 1), _native_encoder(vc, 1)]
+    assert sides[0].kind == "token_runs"
+    heads, tokens, block_size = 3, 11, 4
+    k, v = (np.random.default_rng(j).standard_normal((tokens, heads, D)).astype(np.float32) * 4 for j in (0, 1))
+    enc = [coder.encode(np.ascontiguousarray(x.transpose(1, 0, 2))[None]) for coder, x in ((kc, k), (vc, v))]
+    parts, offset = [], 0
+    for side, e in enumerate(enc):
+        for name, a in e.parts.items():
+            a = np.asarray(a)
+            row = int(np.prod(a.shape[3:], dtype=np.int64)) * a.itemsize
+            parts.append((side, name, offset, row, a.dtype.name, a))
+            offset += row
+    writer = _native.SlotWriter(*sides, [p[:5] for p in parts], D)
+    blocks, page = 3, block_size * offset
+    cache = np.zeros(blocks * heads * page, np.uint8)
+    slots = np.arange(tokens, dtype=np.int64)[::-1].copy()  # token i in slot tokens - 1 - i
+    writer.write(cache, blocks, heads, block_size, heads * page, page, k.reshape(-1), v.reshape(-1), slots)
+    for i, slot in enumerate(slots):
+        for h in range(heads):
+            at = (slot // block_size) * heads * page + h * page
+            for _, name, off, row, _, a in parts:
+                got = cache[at + block_size * off + (slot % block_size) * row :][:row]
+                assert got.tobytes() == np.ascontiguousarray(a[0, h, i]).tobytes(), (name, i, h)
 
 
 def test_appends_grow_geometrically_not_per_token():
@@ -559,9 +666,12 @@ def test_which_coders_encode_natively():
     assert native(per_head, 2).kind == "channels" and native(per_head, 3) is None
     assert _native_encoder(CONFIGS["kivi"].codec(0, D)._key_coder(), 3).kind == "channels"
     assert native(CONFIGS["kivi"].codec(0, D)).kind == "tokens"
+    keys = lambda name, heads: _native_encoder(TOKEN_CONFIGS[name].codec(0, D)._key_coder(), heads)  # noqa: E731
+    assert keys("matched-tokens", 3).kind == keys("matched-tokens-per-head", 2).kind == "token_runs"
+    assert keys("matched-tokens-per-head", 3) is None
 
 
-@pytest.mark.parametrize("name", ["kqv", "kivi", "qkqv", "matched", "matched-per-head", "matched-log8"])
+@pytest.mark.parametrize("name", ["kqv", "kivi", "qkqv", "matched", "matched-per-head", "matched-log8", *TOKEN_CONFIGS])
 @pytest.mark.parametrize("flush", [0, 1])
 def test_step_equals_append_encode_then_attend(name, flush):
     """``CodeStore.step`` (one native call: the new tokens written into the window buffer, the
@@ -569,7 +679,7 @@ def test_step_equals_append_encode_then_attend(name, flush):
     the bits of the three calls it replaces: ``_native.window_append``, ``encode_append`` from
     the buffer, ``attend`` over the window after the flush. A refused token (NaN) writes
     nothing: None, and the store and the buffer as before."""
-    cfg = STEP_CONFIGS[name]
+    cfg = ALL_CONFIGS[name]
     codec = cfg.codec(0, D)
     b, h, g, cap, lo, w = 2, 2, 3, 3 * cfg.chunk + 8, 2, cfg.chunk + 3
     n = flush * cfg.chunk
@@ -602,6 +712,47 @@ def test_step_equals_append_encode_then_attend(name, flush):
     rows = WindowRows(*flat(buffers[0]), cap, lo + n, w + 1 - n)
     assert stores[0].step(q, sinks, rows, bad, n, None, 0.2) is None
     assert stores[0].sections("x") == before[0] and all(torch.equal(x, y) for x, y in zip(buffers[0], before[1]))
+    if n and name in TOKEN_CONFIGS:  # a flushed key past float16's scale: refused, the store as before
+        buffers[0][0][1, 0, lo + n, 5] = 1e30
+        before = (stores[0].sections("x"), [t.clone() for t in buffers[0]])
+        assert stores[0].step(q, sinks, rows, new, n, None, 0.2) is None
+        assert stores[0].sections("x") == before[0]
+        for x, y in zip(buffers[0], before[1]):  # written only past the window's tokens
+            assert torch.equal(x[..., : lo + n + w + 1 - n, :], y[..., : lo + n + w + 1 - n, :])
+
+
+def test_a_steady_step_whose_flush_the_native_encode_refuses_takes_the_python_encode(monkeypatch):
+    """A key whose per-token scale overflows float16 leaves the window in a steady decode
+    step: the native step refuses its flush (nothing stored), the layer redoes the update on
+    the general path, whose Python encode names the error, and the layer is left as a cache
+    that encodes in Python leaves it."""
+    import kvqrs.hf.store as store_mod
+
+    class Module:
+        layer_idx, num_key_value_groups = 0, 2
+
+    cfg = dataclasses.replace(TOKEN_CONFIGS["matched-tokens"], residual_length=4)
+    keys = [torch.from_numpy(_x(1, 3, t, i, s)) for i, (t, s) in enumerate([(20, 1), (1, 1), (1, 1), (1, 1), (1, 1e6)] + [(1, 1)] * 6)]
+    values = [torch.from_numpy(_x(1, 3, k.shape[-2], 50 + i)) for i, k in enumerate(keys)]
+    q = torch.from_numpy(_x(1, 6, 1, 99))
+    step, results = CodeStore.step, []
+    monkeypatch.setattr(CodeStore, "step", lambda self, *a, **kw: results.append(step(self, *a, **kw)) or results[-1])
+    states = []
+    for native in (True, False):
+        if not native:
+            monkeypatch.setattr(store_mod, "_native_encoder", lambda coder, kv_heads: None)
+        cache = QuantizedKVCache(cfg, 1)
+        with pytest.raises(KvqrsError, match="absmax scale overflows float16"):
+            for k, v in zip(keys, values):
+                cache.attend(Module(), q, *cache.update(k, v, 0), None, 0.2)
+        layer = cache.layers[0]
+        states.append((layer.seen, layer.quantized, cache.to_bytes(), [r is None for r in results]))
+        results.clear()
+    # the update of the 8th decode token (whose flush reaches the huge key) refused in both
+    assert states[0][:3] == states[1][:3] and states[0][:2] == (27, 23)
+    # native: the steady steps of decode tokens 2 to 7 in one native call each, then the refused
+    # one; Python: none (no native encoder, no steady step)
+    assert states[0][3] == [False] * 6 + [True] and states[1][3] == []
 
 
 def test_storable_checks_every_value_of_any_layout():

@@ -98,7 +98,7 @@ class LayerAttention:
         rows = WindowRows(win.flat_k, win.flat_v, win.cap, d.lo, d.hi - d.lo)
         sinks = (view.sink_k, view.sink_v)
         out = view.store.step(query, sinks, rows, (d.keys, d.values), d.flush, mask, float(scaling), with_lse=rule is not None)
-        if out is None:  # a refused value: named by the general path
+        if out is None:  # a refused value or encode: named by the general path
             self._refuse_deferred(d)
             return None
         self._after_write(d)

@@ -100,10 +100,14 @@ class NativeEncoder(NamedTuple):
     - ``"tokens"``: uniform groups of ``group`` coordinates per token (KIVI values);
     - ``"channels"``: uniform groups of ``group`` tokens per coordinate, for each run ``(bits,
       lo, hi, suffix)`` of coordinates ``lo .. hi - 1`` (parts ``codes<suffix>``, ...), of the
-      channels (KIVI keys) or of ``(x - mean) basis`` (``matched``).
+      channels (KIVI keys) or of ``(x - mean) basis`` (``matched``);
+    - ``"token_runs"``: ``matched`` keys with per-token scales: ``(x - mean) basis`` over the
+      calibrated ``deviations``, one float16 absmax scale per token (part ``scales``) over the
+      coordinates of the runs ``(bits, lo, hi, suffix)`` (width 0 elsewhere), each run's codes
+      packed per token (parts ``codes<suffix>``).
 
-    ``mean`` (``kv_heads * d``) and ``basis`` (``kv_heads * d * d``, row-major) are flat
-    float32 lists."""
+    ``mean`` and ``deviations`` (``kv_heads * d``) and ``basis`` (``kv_heads * d * d``,
+    row-major) are flat float32 lists."""
 
     kind: str
     head_dim: int
@@ -114,6 +118,7 @@ class NativeEncoder(NamedTuple):
     norm_group: int | None = None
     mean: list[float] | None = None
     basis: list[float] | None = None
+    deviations: list[float] | None = None
     runs: tuple[tuple[int, int, int, str], ...] = ()
     group: int = 0
 
@@ -124,10 +129,12 @@ def _flat(a: np.ndarray) -> list[float]:
 
 def _native_encoder(coder: Any, kv_heads: int) -> NativeEncoder | None:
     """The native encoder that gives a coder's bytes, or None (the coder encodes in Python):
-    ``kv`` / ``kqv`` / ``qkqv`` (MSE, MSE + QJL with stored norms), KIVI, ``matched`` keys and
-    values on the Rust backend; a calibration must have one head or ``kv_heads``."""
+    ``kv`` / ``kqv`` / ``qkqv`` (MSE, MSE + QJL with stored norms), KIVI, ``matched`` keys (in
+    groups or with per-token scales) and values on the Rust backend; a calibration must have
+    one head or ``kv_heads``."""
     from ..schemes.kivi import KIVICoder
     from ..schemes.matched import MatchedCoder, MatchedValueCoder
+    from ..schemes.matched_tokens import MatchedTokenCoder
 
     if coder is None or coder.k is not CPU:
         return None
@@ -143,11 +150,13 @@ def _native_encoder(coder: Any, kv_heads: int) -> NativeEncoder | None:
     if kind is MatchedValueCoder and coder.mean.shape[0] in (1, kv_heads):
         m = coder.mse
         return NativeEncoder("mse", m.head_dim, m.bits, m.seed, scale=m.scale, norm_group=m.norm_group, mean=_flat(coder.mean))
-    if kind is MatchedCoder and coder.cal.kv_heads in (1, kv_heads):
-        runs = tuple((b, lo, hi, str(b)) for b, lo, hi in coder.runs)
-        return NativeEncoder(
-            "channels", coder.head_dim, mean=_flat(coder.cal.mean), basis=_flat(coder.cal.basis), runs=runs, group=coder.group
-        )
+    if kind in (MatchedCoder, MatchedTokenCoder) and coder.cal.kv_heads in (1, kv_heads):
+        cal, runs = coder.cal, tuple((b, lo, hi, str(b)) for b, lo, hi in coder.runs)
+        if kind is MatchedTokenCoder:
+            return NativeEncoder(
+                "token_runs", coder.head_dim, mean=_flat(cal.mean), basis=_flat(cal.basis), deviations=_flat(cal.deviations), runs=runs
+            )
+        return NativeEncoder("channels", coder.head_dim, mean=_flat(cal.mean), basis=_flat(cal.basis), runs=runs, group=coder.group)
     return None
 
 
@@ -323,7 +332,8 @@ class CodeStore:
         :meth:`append` stores for ``codec.encode_keys``, ``codec.encode_values`` of those tokens.
         Returns False, nothing stored, when the codec has no native encoder (see
         :func:`_native_encoder`) or the native encode refuses the tokens (a norm beyond
-        float32): the caller then takes the Python path, whose error names the token."""
+        float32, a per-token absmax scale beyond float16): the caller then takes the Python
+        path, whose error names the token."""
         if not self.encodes_natively():
             return False
         try:
@@ -510,9 +520,11 @@ class CodeStore:
         :meth:`encodes_natively`), then :meth:`attend` over the codes, ``sinks`` and the window's
         tokens from ``window.start + flush`` on, the new ones included. ``mask``: None, or a
         boolean or additive ``(batch, 1, nq, sinks + window after the step)`` mask. Returns
-        :meth:`attend`'s result, or None, nothing written, when a new value is not finite or
-        beyond the storable range (the caller names it). Raises :class:`KvqrsError`, the store
-        unchanged, when the encode refuses the flushed tokens (a norm beyond float32)."""
+        :meth:`attend`'s result, or None when a new value is not finite or beyond the storable
+        range (nothing written) or the encode refuses the flushed tokens (a per-token absmax
+        scale beyond float16; the store unchanged, the buffer written only past the window's
+        tokens): the caller takes the general path, which names the value or encodes the
+        tokens in Python (naming the error)."""
         head, (sk, sv, ns) = self._query_args(query, scale), self._sink_args(sinks)
         k, v = new
         m = _additive_mask(mask, query.shape[0], query.shape[2], ns + window.tokens + k.shape[-2] - flush)

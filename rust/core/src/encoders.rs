@@ -3,17 +3,19 @@
 //! ([`LayerStore::encode_append`]), with no per-part objects between the kernels and the
 //! store. Each encoder is the kernel composition its Python coder runs on the Rust path, so the
 //! stored bytes are the same: `MSECoder` and `MSEQJLCoder` (python/kvqrs/schemes/mse.py),
-//! `KIVICoder` (kivi.py), `MatchedCoder` and `MatchedValueCoder` (matched.py).
+//! `KIVICoder` (kivi.py), `MatchedCoder` and `MatchedValueCoder` (matched.py),
+//! `MatchedTokenCoder` (matched_tokens.py).
 
 use crate::dtype::Dtype;
 use crate::error::{KvqError, Result};
+use crate::kernels::absmax;
 use crate::kernels::log_scalars;
 use crate::kernels::mse::MseQuantizer;
 use crate::kernels::mse_qjl::MseQjlEncoder;
 use crate::kernels::pack::{pack_into, packed_len};
 use crate::kernels::uniform::UniformQuantizer;
 use crate::scalars::ScalarPlane;
-use crate::simd;
+use crate::simd::{self, ops};
 use crate::store::{ChunkPart, LayerStore};
 use crate::window::gather_tokens;
 
@@ -31,6 +33,10 @@ pub enum SideEncoder {
     Tokens(UniformQuantizer),
     /// KIVI keys and `matched` transform codes: uniform groups along tokens, per coordinate.
     Channels(ChannelSide),
+    /// `matched` keys with per-token scales: each token's transform coordinates over their
+    /// calibrated deviations, one float16 absmax scale per token (parts `codes<suffix>` per
+    /// run, `scales`).
+    TokenRuns(TokenRunSide),
 }
 
 /// One encoded part: its name within the side, dtype and C-order bytes.
@@ -123,8 +129,8 @@ impl MseSide {
     }
 }
 
-/// A run of coordinates `lo .. hi` coded at `bits` bits, stored as parts `codes<suffix>`,
-/// `scales<suffix>`, `zeros<suffix>`.
+/// A run of coordinates `lo .. hi` coded at `bits` bits, stored as parts `codes<suffix>` (and,
+/// in uniform groups, `scales<suffix>`, `zeros<suffix>`).
 #[derive(Debug, Clone)]
 pub struct ChannelRun {
     pub bits: u32,
@@ -133,14 +139,93 @@ pub struct ChannelRun {
     pub suffix: String,
 }
 
+/// Errors unless every run codes 1 to 8 bits of coordinates `lo < hi <= head_dim`.
+fn check_runs(runs: &[ChannelRun], head_dim: usize) -> Result<()> {
+    for r in runs {
+        crate::kernels::check_bits("bits", r.bits)?;
+        if r.lo >= r.hi || r.hi > head_dim {
+            return Err(KvqError::ShapeMismatch {
+                arg: "runs",
+                expected: format!("coordinates lo < hi <= {head_dim}"),
+                actual: format!("{} .. {}", r.lo, r.hi),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// A `matched` calibration's transform `y = (x - mu) U` per KV head: `basis` holds `U`,
+/// `heads x d x d`, row-major `U[c][i]`, for the heads of the mean in `centring`.
+#[derive(Debug, Clone)]
+pub struct Projection {
+    centring: Centring,
+    basis: Vec<f64>,
+}
+
+impl Projection {
+    /// Errors on a basis that is not `heads x d x d` for the mean's heads and `head_dim`, or
+    /// not finite.
+    pub fn new(head_dim: usize, centring: Centring, basis: Vec<f32>) -> Result<Self> {
+        let want = centring.heads() * head_dim * head_dim;
+        if centring.head_dim != head_dim || basis.len() != want {
+            return Err(KvqError::ShapeMismatch {
+                arg: "basis",
+                expected: format!(
+                    "{want} values ({} heads x {head_dim} x {head_dim})",
+                    centring.heads()
+                ),
+                actual: format!("{} values", basis.len()),
+            });
+        }
+        crate::kernels::check_finite("basis", &basis, head_dim)?;
+        let basis = basis.iter().map(|&v| f64::from(v)).collect();
+        Ok(Self { centring, basis })
+    }
+
+    /// Calibrated heads.
+    pub fn heads(&self) -> usize {
+        self.centring.heads()
+    }
+
+    /// `put(block, token, y)` for each row of `x` in blocks of `tokens` (block `b` is KV head
+    /// `b % heads`, as [`Centring`]'s), in order: `y_i = sum_c (x_c - mu_c) U[c][i]` in
+    /// float64 over `c` in order ([`ops::project_f64`]: the same bits on every SIMD path),
+    /// rounded once to float32 (the Python coders' product; a float32 sum would round
+    /// differently for 1 and many rows).
+    fn each_row(&self, x: &[f32], tokens: usize, mut put: impl FnMut(usize, usize, &[f32])) {
+        let (d, isa) = (self.centring.head_dim, simd::active());
+        let centred = self.centring.centred(x, tokens);
+        let (mut xc, mut y) = (vec![0.0f64; d], vec![0.0f32; d]);
+        for (r, row) in centred.chunks_exact(d).enumerate() {
+            let b = r / tokens.max(1);
+            let u = &self.basis[(b % self.heads()) * d * d..][..d * d];
+            xc.iter_mut().zip(row).for_each(|(o, &v)| *o = f64::from(v));
+            ops::project_f64(isa, &xc, u, &mut y);
+            put(b, r - b * tokens, &y);
+        }
+    }
+}
+
+/// Errors unless `x` holds blocks of `tokens` rows of `d` finite values (none with no tokens).
+fn check_blocks(x: &[f32], tokens: usize, d: usize) -> Result<()> {
+    if (tokens == 0 && !x.is_empty()) || !x.len().is_multiple_of(d * tokens.max(1)) {
+        return Err(KvqError::ShapeMismatch {
+            arg: "x",
+            expected: format!("blocks of {tokens} tokens x {d}"),
+            actual: format!("{} values", x.len()),
+        });
+    }
+    crate::kernels::check_finite("x", x, d)
+}
+
 /// Uniform groups of `group` tokens per coordinate: of the channels themselves (KIVI keys), or
-/// of `y = (x - mu) U` (`matched`: `basis` holds `U`, `heads x d x d`, row-major `U[c][i]`,
-/// with the mean in `centring`). Each run of coordinates is one uniform-kernel call over every
-/// (batch, head) block, so its scales take one storage (float16, or float32 for all).
+/// of `y = (x - mu) U` (`matched`, the [`Projection`] in `transform`). Each run of coordinates
+/// is one uniform-kernel call over every (batch, head) block, so its scales take one storage
+/// (float16, or float32 for all).
 #[derive(Debug, Clone)]
 pub struct ChannelSide {
     pub head_dim: usize,
-    pub transform: Option<(Centring, Vec<f64>)>,
+    pub transform: Option<Projection>,
     pub runs: Vec<ChannelRun>,
     pub group: usize,
 }
@@ -154,34 +239,10 @@ impl ChannelSide {
         runs: Vec<ChannelRun>,
         group: usize,
     ) -> Result<Self> {
-        let transform = match transform {
-            None => None,
-            Some((c, basis)) => {
-                let want = c.heads() * head_dim * head_dim;
-                if c.head_dim != head_dim || basis.len() != want {
-                    return Err(KvqError::ShapeMismatch {
-                        arg: "basis",
-                        expected: format!(
-                            "{want} values ({} heads x {head_dim} x {head_dim})",
-                            c.heads()
-                        ),
-                        actual: format!("{} values", basis.len()),
-                    });
-                }
-                crate::kernels::check_finite("basis", &basis, head_dim)?;
-                Some((c, basis.iter().map(|&v| f64::from(v)).collect()))
-            }
-        };
-        for r in &runs {
-            crate::kernels::check_bits("bits", r.bits)?;
-            if r.lo >= r.hi || r.hi > head_dim {
-                return Err(KvqError::ShapeMismatch {
-                    arg: "runs",
-                    expected: format!("coordinates lo < hi <= {head_dim}"),
-                    actual: format!("{} .. {}", r.lo, r.hi),
-                });
-            }
-        }
+        let transform = transform
+            .map(|(c, basis)| Projection::new(head_dim, c, basis))
+            .transpose()?;
+        check_runs(&runs, head_dim)?;
         crate::kernels::check_row_len("group", group)?;
         Ok(Self {
             head_dim,
@@ -191,38 +252,21 @@ impl ChannelSide {
         })
     }
 
-    /// The coordinates along tokens: `blocks x d x tokens`. With a transform, `y_i = sum_c
-    /// (x_c - mu_c) U[c][i]` in float64 over `c` in order, rounded once to float32 (the
-    /// Python coder's product; a float32 sum would round differently for 1 and many rows).
+    /// The coordinates along tokens: `blocks x d x tokens`, of the transform
+    /// ([`Projection::each_row`]) or of the channels.
     fn coordinates(&self, x: &[f32], tokens: usize) -> Vec<f32> {
         let d = self.head_dim;
-        let blocks = x.len() / (d * tokens);
         let mut y = vec![0.0f32; x.len()];
-        let centred = self.transform.as_ref().map(|(c, _)| c.centred(x, tokens));
-        let mut acc = vec![0.0f64; d];
-        for b in 0..blocks {
-            let (xb, yb) = (b * tokens * d, b * d * tokens);
-            for t in 0..tokens {
-                let row = xb + t * d;
-                match (&self.transform, &centred) {
-                    (Some((c, basis)), Some(xc)) => {
-                        let u = &basis[(b % c.heads()) * d * d..][..d * d];
-                        acc.fill(0.0);
-                        for (ch, &v) in xc[row..row + d].iter().enumerate() {
-                            let v = f64::from(v);
-                            acc.iter_mut()
-                                .zip(&u[ch * d..(ch + 1) * d])
-                                .for_each(|(a, &w)| *a += v * w);
-                        }
-                        for (i, &a) in acc.iter().enumerate() {
-                            y[yb + i * tokens + t] = a as f32;
-                        }
-                    }
-                    _ => {
-                        for i in 0..d {
-                            y[yb + i * tokens + t] = x[row + i];
-                        }
-                    }
+        let mut put = |b: usize, t: usize, row: &[f32]| {
+            for (i, &v) in row.iter().enumerate() {
+                y[b * d * tokens + i * tokens + t] = v;
+            }
+        };
+        match &self.transform {
+            Some(p) => p.each_row(x, tokens, put),
+            None => {
+                for (r, row) in x.chunks_exact(d).enumerate() {
+                    put(r / tokens, r % tokens, row);
                 }
             }
         }
@@ -231,15 +275,9 @@ impl ChannelSide {
 
     fn encode(&self, x: &[f32], tokens: usize) -> Result<Vec<EncodedPart>> {
         let d = self.head_dim;
-        if tokens == 0 || !x.len().is_multiple_of(d * tokens) {
-            return Err(KvqError::ShapeMismatch {
-                arg: "x",
-                expected: format!("blocks of {tokens} tokens x {d}"),
-                actual: format!("{} values", x.len()),
-            });
-        }
-        crate::kernels::check_finite("x", x, d)?;
-        let blocks = x.len() / (d * tokens);
+        check_blocks(x, tokens, d)?;
+        // No tokens: the uniform kernel refuses groups of 0 tokens below.
+        let blocks = x.len() / (d * tokens.max(1));
         let y = self.coordinates(x, tokens);
         let mut parts = Vec::with_capacity(3 * self.runs.len());
         for r in &self.runs {
@@ -255,6 +293,97 @@ impl ChannelSide {
             parts.push(plane_part(&format!("scales{}", r.suffix), code.scales));
             parts.push(plane_part(&format!("zeros{}", r.suffix), code.zeros));
         }
+        Ok(parts)
+    }
+}
+
+/// Per-token codes of `y = (x - mu) U` (the [`Projection`]) over the calibrated deviations
+/// `sigma` (`heads x d`, positive): `z_i = y_i / sigma_i` in float32, then the absmax kernel
+/// (one float16 scale per token over the coded coordinates, [`absmax::encode`]) with each
+/// coordinate's width that of its run (0 outside the runs), each run's codes packed per token.
+/// Parts, one entry per token: `codes<suffix>` per run (`packed_len(hi - lo, bits)` bytes),
+/// then `scales` (float16).
+#[derive(Debug, Clone)]
+pub struct TokenRunSide {
+    projection: Projection,
+    deviations: Vec<f32>,
+    widths: Vec<u8>,
+    runs: Vec<ChannelRun>,
+}
+
+impl TokenRunSide {
+    /// Errors on a basis or deviations not of the mean's heads and `head_dim`, deviations
+    /// that are not positive and finite, runs outside `0 .. head_dim` or overlapping.
+    pub fn new(
+        head_dim: usize,
+        (centring, basis): (Centring, Vec<f32>),
+        deviations: Vec<f32>,
+        runs: Vec<ChannelRun>,
+    ) -> Result<Self> {
+        let projection = Projection::new(head_dim, centring, basis)?;
+        let heads = projection.heads();
+        crate::kernels::check_len(
+            "deviations",
+            deviations.len(),
+            heads * head_dim,
+            &format!("{heads} heads x {head_dim}"),
+        )?;
+        if let Some(i) = deviations.iter().position(|v| !(v.is_finite() && *v > 0.0)) {
+            return Err(KvqError::InvalidValue {
+                arg: "deviations",
+                expected: "positive finite deviations",
+                value: f64::from(deviations[i]),
+            });
+        }
+        check_runs(&runs, head_dim)?;
+        let mut widths = vec![0u8; head_dim];
+        for r in &runs {
+            let span = &mut widths[r.lo..r.hi];
+            if span.iter().any(|&w| w != 0) {
+                return Err(KvqError::ShapeMismatch {
+                    arg: "runs",
+                    expected: "runs of distinct coordinates".into(),
+                    actual: format!("{} .. {} overlapping another run", r.lo, r.hi),
+                });
+            }
+            span.fill(r.bits as u8);
+        }
+        Ok(Self {
+            projection,
+            deviations,
+            widths,
+            runs,
+        })
+    }
+
+    fn encode(&self, x: &[f32], tokens: usize) -> Result<Vec<EncodedPart>> {
+        let d = self.widths.len();
+        check_blocks(x, tokens, d)?;
+        let mut z = vec![0.0f32; x.len()];
+        self.projection.each_row(x, tokens, |b, t, y| {
+            let sigma = &self.deviations[(b % self.projection.heads()) * d..][..d];
+            let out = &mut z[(b * tokens + t) * d..][..d];
+            for ((o, &v), &s) in out.iter_mut().zip(y).zip(sigma) {
+                *o = v / s;
+            }
+        });
+        let code = absmax::encode(&z, &self.widths)?;
+        let rows = x.len() / d;
+        let mut parts = Vec::with_capacity(self.runs.len() + 1);
+        for r in &self.runs {
+            let n = r.hi - r.lo;
+            let run: Vec<u8> = code
+                .codes
+                .chunks_exact(d)
+                .flat_map(|row| &row[r.lo..r.hi])
+                .copied()
+                .collect();
+            let mut packed = vec![0u8; rows * packed_len(n, r.bits)];
+            pack_into(simd::active(), &run, n, r.bits, &mut packed)?;
+            parts.push((format!("codes{}", r.suffix), Dtype::U8, packed));
+        }
+        let scales = code.scales.iter().flat_map(|s| s.to_le_bytes()).collect();
+        parts.push(("scales".into(), Dtype::F16, scales));
         Ok(parts)
     }
 }
@@ -286,6 +415,7 @@ impl SideEncoder {
                 ]
             }
             SideEncoder::Channels(c) => c.encode(x, tokens)?,
+            SideEncoder::TokenRuns(t) => t.encode(x, tokens)?,
         })
     }
 }
@@ -609,5 +739,82 @@ mod tests {
         );
         assert!(ChannelSide::new(d, None, vec![run(4, 0, d + 1, "")], 8).is_err());
         assert!(kivi.encode(&x[..d * t - 1], t).is_err());
+    }
+
+    #[test]
+    fn token_runs_under_the_identity_are_the_absmax_codes_of_the_scaled_channels() {
+        // An identity basis around a zero mean, two heads of deviations 1 and 2: each token's
+        // codes are the absmax kernel's of x / sigma of its block's head, each run packed per
+        // token; coordinates 6, 7 (width 0) store nothing.
+        let (d, t, blocks) = (8, 5, 4);
+        let x = rows(blocks * t * d, 5);
+        let mut eye = vec![0.0f32; 2 * d * d];
+        (0..2 * d).for_each(|i| eye[i * d + i % d] = 1.0);
+        let sigma: Vec<f32> = (0..2 * d).map(|i| if i < d { 1.0 } else { 2.0 }).collect();
+        let runs = vec![run(4, 0, 2, "4"), run(3, 2, 6, "3")];
+        let mean = Centring::new(vec![0.0; 2 * d], d).unwrap();
+        let side = TokenRunSide::new(d, (mean, eye.clone()), sigma.clone(), runs).unwrap();
+        let parts = side.encode(&x, t).unwrap();
+        assert_eq!(
+            parts
+                .iter()
+                .map(|p| (p.0.as_str(), p.1))
+                .collect::<Vec<_>>(),
+            [
+                ("codes4", Dtype::U8),
+                ("codes3", Dtype::U8),
+                ("scales", Dtype::F16)
+            ]
+        );
+        let z: Vec<f32> = x
+            .chunks_exact(t * d)
+            .enumerate()
+            .flat_map(|(b, blk)| {
+                blk.iter()
+                    .map(move |&v| v / if b % 2 == 0 { 1.0 } else { 2.0 })
+            })
+            .collect();
+        let want = absmax::encode(&z, &[4, 4, 3, 3, 3, 3, 0, 0]).unwrap();
+        let pick = |lo: usize, hi: usize| -> Vec<u8> {
+            want.codes
+                .chunks_exact(d)
+                .flat_map(|r| r[lo..hi].to_vec())
+                .collect()
+        };
+        assert_eq!(
+            parts[0].2,
+            crate::kernels::pack::pack(&pick(0, 2), 2, 4).unwrap()
+        );
+        assert_eq!(
+            parts[1].2,
+            crate::kernels::pack::pack(&pick(2, 6), 4, 3).unwrap()
+        );
+        let scales: Vec<u8> = want.scales.iter().flat_map(|s| s.to_le_bytes()).collect();
+        assert_eq!(parts[2].2, scales);
+        // No tokens: empty parts of the same names.
+        let none = side.encode(&[], 0).unwrap();
+        assert!(none.len() == 3 && none.iter().all(|p| p.2.is_empty()));
+        // A scale past float16, non-finite input and malformed tables are errors.
+        let mut big = x.clone();
+        big[3] = 1e6;
+        assert!(matches!(
+            side.encode(&big, t),
+            Err(KvqError::ScaleOverflow { row: 0, .. })
+        ));
+        big[3] = f32::NAN;
+        assert!(matches!(
+            side.encode(&big, t),
+            Err(KvqError::NonFinite { .. })
+        ));
+        assert!(side.encode(&x[..d * t - 1], t).is_err());
+        let table = |sigma: Vec<f32>, runs| {
+            let mean = Centring::new(vec![0.0; 2 * d], d).unwrap();
+            TokenRunSide::new(d, (mean, eye.clone()), sigma, runs)
+        };
+        assert!(table(sigma.clone(), vec![run(4, 0, 2, "4")]).is_ok());
+        assert!(table(sigma[..d].to_vec(), vec![run(4, 0, 2, "4")]).is_err());
+        assert!(table(vec![0.0; 2 * d], vec![run(4, 0, 2, "4")]).is_err());
+        assert!(table(sigma.clone(), vec![run(4, 0, 3, "4"), run(3, 2, 4, "3")]).is_err());
+        assert!(table(sigma, vec![run(9, 0, 2, "9")]).is_err());
     }
 }

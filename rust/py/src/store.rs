@@ -10,7 +10,7 @@ use kvqrs_core::decode_step::{
 };
 use kvqrs_core::dtype::Dtype;
 use kvqrs_core::encoders::{
-    Centring, ChannelRun as EncoderRun, ChannelSide, MseSide, SideEncoder, TokenRows,
+    Centring, ChannelRun as EncoderRun, ChannelSide, MseSide, SideEncoder, TokenRows, TokenRunSide,
 };
 use kvqrs_core::format::Section;
 use kvqrs_core::kernels::attention::AttentionShape;
@@ -141,8 +141,8 @@ impl<'a, 'py: 'a> Resolve<'a, String, NamedScalars, String, F32<'py>> for ByName
 }
 
 /// One side's encoder as `kvqrs.hf.store.NativeEncoder` declares it (read by attribute):
-/// `kind` names the composition (`"mse"`, `"mse_qjl"`, `"tokens"`, `"channels"`), the other
-/// fields its settings (see that class).
+/// `kind` names the composition (`"mse"`, `"mse_qjl"`, `"tokens"`, `"channels"`,
+/// `"token_runs"`), the other fields its settings (see that class).
 #[derive(FromPyObject)]
 pub(crate) struct EncoderSpec {
     kind: String,
@@ -154,8 +154,21 @@ pub(crate) struct EncoderSpec {
     norm_group: Option<usize>,
     mean: Option<Vec<f32>>,
     basis: Option<Vec<f32>>,
+    deviations: Option<Vec<f32>>,
     runs: Vec<(u32, usize, usize, String)>,
     group: usize,
+}
+
+/// Runs `(bits, lo, hi, suffix)` as the encoders take them.
+fn runs(runs: Vec<(u32, usize, usize, String)>) -> Vec<EncoderRun> {
+    runs.into_iter()
+        .map(|(bits, lo, hi, suffix)| EncoderRun {
+            bits,
+            lo,
+            hi,
+            suffix,
+        })
+        .collect()
 }
 
 pub(crate) fn side_encoder(e: EncoderSpec, what: &str) -> PyResult<SideEncoder> {
@@ -196,18 +209,24 @@ pub(crate) fn side_encoder(e: EncoderSpec, what: &str) -> PyResult<SideEncoder> 
                     )))
                 }
             };
-            let runs = e
-                .runs
-                .into_iter()
-                .map(|(bits, lo, hi, suffix)| EncoderRun {
-                    bits,
-                    lo,
-                    hi,
-                    suffix,
-                })
-                .collect();
             SideEncoder::Channels(py_result(ChannelSide::new(
-                e.head_dim, transform, runs, e.group,
+                e.head_dim,
+                transform,
+                runs(e.runs),
+                e.group,
+            ))?)
+        }
+        "token_runs" => {
+            let (Some(m), Some(b), Some(dev)) = (mean, e.basis, e.deviations) else {
+                return Err(arg_error(format!(
+                    "{what}: per-token runs need a mean, a basis and deviations"
+                )));
+            };
+            SideEncoder::TokenRuns(py_result(TokenRunSide::new(
+                e.head_dim,
+                (m, b),
+                dev,
+                runs(e.runs),
             ))?)
         }
         other => return Err(arg_error(format!("{what}: unknown encoder kind {other:?}"))),
@@ -624,8 +643,10 @@ impl PyLayerStore {
     /// `flush` oldest tokens, from token `lo`, encoded into the store (as `encode_append`);
     /// then `attend` over the codes, the sinks and the window tokens `lo + flush .. hi + n`.
     /// Returns None, nothing changed, when some new value is not finite or beyond
-    /// `MAX_STATE` (the caller names it). Raises, the store unchanged, when the encode
-    /// refuses the flushed tokens or the shapes do not fit.
+    /// `MAX_STATE` (the caller names it), or when the encode refuses the flushed tokens (a
+    /// per-token absmax scale beyond float16: the store unchanged, the buffers written only
+    /// past token `hi`; the caller encodes them in Python, which names the error). Raises when
+    /// the shapes do not fit.
     #[allow(clippy::too_many_arguments)]
     #[pyo3(signature = (q, heads, rows, head_dim, scale, tokens, sink_keys, sink_values, sinks, window_keys, window_values, room, lo, hi, new_keys, new_values, flush, mask, batch))]
     fn step<'py>(
@@ -700,7 +721,9 @@ impl PyLayerStore {
             if let Some((ke, ve)) = encoders {
                 let fk = gather_tokens(dk, (room, lo, flush), (kv_rows, d))?;
                 let fv = gather_tokens(dv, (room, lo, flush), (kv_rows, d))?;
-                inner.encode_append((ke, &fk), (ve, &fv), flush)?;
+                if inner.encode_append((ke, &fk), (ve, &fv), flush).is_err() {
+                    return Ok(None);
+                }
             }
             let start = lo + flush;
             let step = Step {

@@ -347,6 +347,20 @@ pub(crate) fn axpy_f64(isa: Isa, acc: &mut [f64], w: f64, x: &[f32]) {
     }
 }
 
+/// `out[i] = f32(sum_c x[c] m[c * n + i])` for `n = out.len()` (`m` row-major `x.len() x n`,
+/// float64): each sum in float64 over `c` in order, a multiply then an add, rounded once; the
+/// same bits on every path (the `matched` transform `(x - mu) U` of the native encoders).
+pub(crate) fn project_f64(isa: Isa, x: &[f64], m: &[f64], out: &mut [f32]) {
+    match isa {
+        // SAFETY (all arms): `isa` is supported.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => unsafe { avx512::project_f64(x, m, out) },
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe { avx2::project_f64(x, m, out) },
+        _ => scalar::project_f64(x, m, out),
+    }
+}
+
 /// `o[r][i] += sum_c w[(r * count + c) * groups + i / group] * mat[c * stride + i]` for each
 /// of `rows` rows of `o` (rows x n), the terms added in increasing `c` for each `(r, i)`: the
 /// weighted sums of `count` rows of `mat` (row `c` starts at `c * stride` and holds at least
@@ -870,6 +884,18 @@ mod tests {
                     let b64 = |v: &[f64]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
                     assert_eq!(b64(&a), b64(&b), "{isa:?} n={n}");
                 }
+                let m: Vec<f64> = values(300 + n as u64, 9 * n)
+                    .iter()
+                    .map(|&v| f64::from(v) * 1.3)
+                    .collect();
+                let xs: Vec<f64> = values(400 + n as u64, 9)
+                    .iter()
+                    .map(|&v| f64::from(v))
+                    .collect();
+                let (mut a, mut b) = (vec![0.0f32; n], vec![0.0f32; n]);
+                project_f64(isa, &xs, &m, &mut a);
+                project_f64(Isa::Scalar, &xs, &m, &mut b);
+                assert_eq!(bits(&a), bits(&b), "project_f64 {isa:?} n={n}");
                 let mat = values(77 + n as u64, 5 * n + 12);
                 for (stride, rows) in [(n, 1), (n + 3, 3), (n, 5)] {
                     let o = values(40 + n as u64, rows * n);

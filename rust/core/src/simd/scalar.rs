@@ -132,6 +132,36 @@ pub(crate) fn axpy_f64(acc: &mut [f64], w: f64, x: &[f32]) {
         .for_each(|(a, &v)| *a += w * f64::from(v));
 }
 
+/// `out[i] = f32(sum_c x[c] m[c * out.len() + i])`: each sum in float64 over `c` in order, a
+/// multiply then an add (never fused), `T` outputs at a time whose sums stay in registers (the
+/// SIMD paths inline this with a wider `T`: the same bits for any `T`).
+#[inline(always)]
+pub(crate) fn project_f64_tiles<const T: usize>(x: &[f64], m: &[f64], out: &mut [f32]) {
+    let n = out.len();
+    for (i0, o) in (0..n).step_by(T).zip(out.chunks_mut(T)) {
+        let mut acc = [0.0f64; T];
+        if o.len() == T {
+            for (&v, row) in x.iter().zip(m.chunks_exact(n)) {
+                let w = &row[i0..i0 + T];
+                for j in 0..T {
+                    acc[j] += v * w[j];
+                }
+            }
+        } else {
+            for (&v, row) in x.iter().zip(m.chunks_exact(n)) {
+                for (a, &w) in acc.iter_mut().zip(&row[i0..i0 + o.len()]) {
+                    *a += v * w;
+                }
+            }
+        }
+        o.iter_mut().zip(&acc).for_each(|(y, &a)| *y = a as f32);
+    }
+}
+
+pub(crate) fn project_f64(x: &[f64], m: &[f64], out: &mut [f32]) {
+    project_f64_tiles::<8>(x, m, out);
+}
+
 pub(crate) fn axpy_rows(
     (o, rows): (&mut [f32], usize),
     w: &[f32],

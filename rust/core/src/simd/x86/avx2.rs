@@ -405,6 +405,13 @@ pub(crate) fn axpy_f64(acc: &mut [f64], w: f64, x: &[f32]) {
     super::super::scalar::axpy_f64(&mut acc[n8..n], w, &x[n8..n]);
 }
 
+/// [`super::super::scalar::project_f64`] with 16 outputs per pass (four vectors of sums),
+/// the same multiplies and adds: the same bits.
+#[target_feature(enable = "avx2")]
+pub(crate) fn project_f64(x: &[f64], m: &[f64], out: &mut [f32]) {
+    super::super::scalar::project_f64_tiles::<16>(x, m, out);
+}
+
 /// `o *= k` elementwise.
 #[target_feature(enable = "avx2")]
 pub(crate) fn scale(o: &mut [f32], k: f32) {

@@ -409,6 +409,13 @@ pub(crate) fn axpy_f64(acc: &mut [f64], w: f64, x: &[f32]) {
     }
 }
 
+/// [`super::super::scalar::project_f64`] with 32 outputs per pass (four vectors of sums),
+/// the same multiplies and adds: the same bits.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
+pub(crate) fn project_f64(x: &[f64], m: &[f64], out: &mut [f32]) {
+    super::super::scalar::project_f64_tiles::<32>(x, m, out);
+}
+
 /// [`decode_packed`] of short rows `row_bytes` apart (`out` holds rows x `len`): the
 /// row decoder inlined into one loop, its constants loaded once.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
