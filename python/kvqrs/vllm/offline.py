@@ -12,9 +12,12 @@ this many times; later rounds hit the prefix cache), ``ignore_eos``, ``logprobs`
 first generated token), ``check`` (with kvqrs: recompute every attention call from the float
 keys and values that reached the cache, with the codec's decode path, and record the largest
 difference: :func:`_checked`).
-OUT: ``rounds`` (per round: ``seconds`` and per prompt ``token_ids``, ``text``,
-``cached_tokens``), ``cache_tokens`` (tokens the KV cache holds), ``cache_bytes_per_token``,
-``preemptions``, ``backend``.
+OUT: ``rounds`` (per round: ``seconds``, ``preemptions`` (the round's), ``peak_running`` (the
+most requests in the scheduler's running list after any step of the round was scheduled, those
+still in prefill included: the batch the cache let vLLM run; null where the engine core is not
+in this process) and per prompt ``token_ids``, ``text``, ``cached_tokens``), ``cache_tokens``
+(tokens the KV cache holds), ``cache_bytes``, ``block_size``, ``preemptions`` (all rounds),
+``backend``, ``kvqrs_path`` (the folder kvqrs was imported from).
 """
 
 from __future__ import annotations
@@ -53,13 +56,19 @@ def run(spec: dict) -> dict:
         temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=spec.get("ignore_eos", False), logprobs=spec.get("logprobs")
     )
     rounds = []
+    peak = _watch_running(llm)
     for _ in range(spec.get("repeat", 1)):
+        before = _preemptions(llm)
+        if peak is not None:
+            peak["running"] = 0
         start = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         seconds = time.perf_counter() - start
         rounds.append(
             {
                 "seconds": seconds,
+                "preemptions": _preemptions(llm) - before,
+                "peak_running": None if peak is None else peak["running"],
                 "outputs": [
                     {
                         "prompt_tokens": len(o.prompt_token_ids),
@@ -86,6 +95,7 @@ def run(spec: dict) -> dict:
         "preemptions": _preemptions(llm),
         "backend": AttentionBackendEnum.CPU_ATTN.get_path(),
         "check": None if worst is None else {"calls": worst["calls"], "max_abs_diff": worst["max"]},
+        "kvqrs_path": os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
     }
 
 
@@ -133,6 +143,27 @@ def _checked() -> dict:
 
     backend.KvqrsAttentionImpl.forward = attend
     return worst
+
+
+def _watch_running(llm) -> dict | None:
+    """Record, after each ``schedule()`` of the engine core's scheduler, the number of requests
+    in its running list (a wrapper on that one instance: no cost beyond a ``len``). Returns the
+    ``{"running": peak}`` it updates, or None where the engine core runs in another process
+    (``VLLM_ENABLE_V1_MULTIPROCESSING=1``) or the attributes are not there."""
+    core = getattr(getattr(llm.llm_engine, "engine_core", None), "engine_core", None)
+    scheduler = getattr(core, "scheduler", None)
+    if scheduler is None or not hasattr(scheduler, "running"):
+        return None
+    peak = {"running": 0}
+    schedule = scheduler.schedule
+
+    def watched(*args, **kwargs):
+        out = schedule(*args, **kwargs)
+        peak["running"] = max(peak["running"], len(scheduler.running))
+        return out
+
+    scheduler.schedule = watched
+    return peak
 
 
 def _preemptions(llm) -> int:
