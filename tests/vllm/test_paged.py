@@ -103,6 +103,36 @@ def test_decode_and_prefill_from_pages_equal_the_contiguous_kernel(config):
         np.testing.assert_allclose(out[t], want, rtol=MERGE_RTOL, atol=MERGE_RTOL)
 
 
+def test_layers_of_other_widths_share_the_largest_slot():
+    """A calibration gives each layer its own widths, vLLM one slot size to every layer: the
+    cache's slots are the largest layer's, and a smaller layer leaves the rest unused, with the
+    same codes and attention as in slots of its own size."""
+    import dataclasses
+
+    from kvqrs.vllm.layout import paged_slot_bytes
+
+    config = _matched_config(1)
+    wide = config.calibration[1]
+    widths = wide.keys.widths.copy()
+    widths[: D // 4] += 1
+    cal = {**config.calibration, 1: dataclasses.replace(wide, keys=dataclasses.replace(wide.keys, widths=widths))}
+    config = dataclasses.replace(config, calibration=cal)
+    sizes = [SlotLayout(config, layer, D).slot_bytes for layer in range(3)]
+    assert sizes[1] > sizes[0] == sizes[2] and paged_slot_bytes(config, D) == sizes[1]
+    own, padded = SlotLayout(config, 0, D), SlotLayout(config, 0, D, slot_bytes=sizes[1])
+    lengths = [37, 20]
+    c_own, table, keys, values = _fill(own, lengths)
+    c_pad, _, _, _ = _fill(padded, lengths)
+    pages = c_pad.reshape(*c_pad.shape[:2], -1)  # a page holds its parts one after the other
+    assert not pages[..., BLOCK * sizes[0] :].any()  # the bytes past this layer's parts stay unused
+    np.testing.assert_array_equal(pages[..., : BLOCK * sizes[0]], c_own.reshape(*c_own.shape[:2], -1))
+    q = np.random.default_rng(1).standard_normal((2, Q_HEADS, D)).astype(np.float32)
+    seq, lens = np.array([0, 1]), np.array(lengths)
+    np.testing.assert_array_equal(padded.attend(c_pad, q, seq, lens, table, D**-0.5), own.attend(c_own, q, seq, lens, table, D**-0.5))
+    with pytest.raises(KvqrsError, match=f"slot_bytes: layer 1 needs {sizes[1]} bytes per slot, got {sizes[0]}"):
+        SlotLayout(config, 1, D, slot_bytes=sizes[0])
+
+
 def test_stored_bytes_are_the_codecs():
     layout = SlotLayout(QuantConfig("qkqv", 4, "qkqv", 4), layer=0, head_dim=D)
     cache, table, keys, _ = _fill(layout, [21])

@@ -33,7 +33,7 @@ from vllm.v1.attention.backend import (
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
 from .._arrays import KvqrsError
-from .layout import SlotLayout, query_positions
+from .layout import SlotLayout, paged_slot_bytes, query_positions
 from .settings import config_from_env
 
 BLOCK_MULTIPLE = 16
@@ -62,13 +62,12 @@ class KvqrsAttentionBackend(AttentionBackend):
 
     @classmethod
     def customize_spec(cls, spec: AttentionSpec) -> AttentionSpec:
-        """uint8 slots of the kvqrs layout's size (the same for every layer)."""
+        """uint8 slots of the kvqrs layout's size: the largest layer's (one size for every layer)."""
         if spec.state_content_bytes is not None:
             return spec
         if spec.head_size_v != spec.head_size:
             raise KvqrsError(f"kvqrs vLLM backend: keys and values of one head_dim expected, got {spec.head_size} and {spec.head_size_v}")
-        layout = SlotLayout(config_from_env(), 0, spec.head_size)
-        return replace(spec, dtype=torch.uint8, state_content_bytes=layout.slot_bytes)
+        return replace(spec, dtype=torch.uint8, state_content_bytes=paged_slot_bytes(config_from_env(), spec.head_size))
 
     @staticmethod
     def get_impl_cls() -> type[KvqrsAttentionImpl]:
@@ -139,11 +138,12 @@ class KvqrsAttentionImpl(AttentionImpl[KvqrsMetadata]):
         self.config = config_from_env()
         self._layouts: dict[str, SlotLayout] = {}
 
-    def _layout(self, layer) -> SlotLayout:
-        """The layer's slot layout (its codec is seeded per layer index, as in QuantizedKVCache)."""
+    def _layout(self, layer, slot_bytes: int) -> SlotLayout:
+        """The layer's slot layout (its codec is seeded per layer index, as in QuantizedKVCache)
+        in slots of the cache's ``slot_bytes`` (the largest layer's)."""
         name = layer.layer_name
         if name not in self._layouts:
-            self._layouts[name] = SlotLayout(self.config, extract_layer_index(name), self.head_size)
+            self._layouts[name] = SlotLayout(self.config, extract_layer_index(name), self.head_size, slot_bytes)
         return self._layouts[name]
 
     def forward(
@@ -170,9 +170,11 @@ class KvqrsAttentionImpl(AttentionImpl[KvqrsMetadata]):
             return output
         q = query[:n].view(n, self.num_heads, self.head_size).float().numpy()
         if key is None or value is None:  # nothing new to store (not a layer kvqrs serves today)
-            out = self._layout(layer).attend(kv_cache.numpy(), q, m.seq, m.lengths, m.block_table, self.scale)
+            out = self._layout(layer, kv_cache.shape[-1]).attend(kv_cache.numpy(), q, m.seq, m.lengths, m.block_table, self.scale)
         else:
             k, v = (t[:n].view(n, self.num_kv_heads, self.head_size).float().numpy() for t in (key, value))
-            out = self._layout(layer).step(kv_cache.numpy(), k, v, m.slot_mapping, q, m.seq, m.lengths, m.block_table, self.scale)
+            out = self._layout(layer, kv_cache.shape[-1]).step(
+                kv_cache.numpy(), k, v, m.slot_mapping, q, m.seq, m.lengths, m.block_table, self.scale
+            )
         output[:n] = torch.from_numpy(out).view(output[:n].shape).to(output.dtype)
         return output

@@ -90,6 +90,14 @@ def refuse_reason(config: QuantConfig) -> str | None:
     return None
 
 
+def paged_slot_bytes(config: QuantConfig, head_dim: int) -> int:
+    """Bytes of one slot that hold any layer's codes: the largest layer's slot (a ``matched``
+    calibration gives each layer its own key and value widths), the same for every layer of a
+    vLLM cache. Raises :class:`KvqrsError` as :class:`SlotLayout` does."""
+    layers = sorted(config.calibration) if isinstance(config.calibration, dict) and config.calibration else [0]
+    return max(SlotLayout(config, layer, head_dim).slot_bytes for layer in layers)
+
+
 def _table_heads(config: QuantConfig, layer: int) -> int:
     """KV heads of the layer's calibrated tables (a ``matched`` basis and means): 1 when shared
     by every KV head or without any."""
@@ -105,12 +113,16 @@ class SlotLayout:
             give the same codes as :class:`~kvqrs.hf.QuantizedKVCache`).
         layer: layer index (each layer's rotations and sketches are its codec's).
         head_dim: d.
+        slot_bytes: the bytes of a slot in the cache, when the cache holds every layer at the
+            size of its largest (:func:`paged_slot_bytes`: a calibration's layers can have other
+            widths); None: this layer's own size. The bytes past this layer's parts stay unused.
 
     Raises:
-        KvqrsError: a scheme without a fixed size per token (:func:`refuse_reason`).
+        KvqrsError: a scheme without a fixed size per token (:func:`refuse_reason`), or
+            ``slot_bytes`` smaller than the layer's slot.
     """
 
-    def __init__(self, config: QuantConfig, layer: int, head_dim: int):
+    def __init__(self, config: QuantConfig, layer: int, head_dim: int, slot_bytes: int | None = None):
         reason = refuse_reason(config)
         if reason is not None:
             raise KvqrsError(f"kvqrs paged cache: {reason}")
@@ -130,6 +142,10 @@ class SlotLayout:
         self.parts: list[Part] = []
         self.rows = {"keys": self._side("keys", ck, krows), "values": self._side("values", cv, vrows)}
         self.slot_bytes = sum(p.row_bytes for p in self.parts)
+        if slot_bytes is not None:
+            if slot_bytes < self.slot_bytes:
+                raise KvqrsError(f"slot_bytes: layer {layer} needs {self.slot_bytes} bytes per slot, got {slot_bytes}")
+            self.slot_bytes = int(slot_bytes)
         self._pages: dict[int, tuple] = {}
         self._page_rows("keys", 1)  # the tables checked now
         self._writer = self._native_writer()
