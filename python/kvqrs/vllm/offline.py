@@ -123,7 +123,7 @@ def _checked() -> dict:
         for s, k, v in zip(md.slot_mapping.tolist(), *new):  # the step's writes, as the forward made them
             if s >= 0:
                 store[s] = (k.copy(), v.copy())
-        codec = self._layout(layer).codec
+        codec = self._layout(layer, kv_cache.shape[-1]).codec
         block = kv_cache.shape[2]
         got = out[: md.num_actual_tokens].float().numpy().reshape(md.num_actual_tokens, self.num_heads, self.head_size)
         q = query[: md.num_actual_tokens].float().numpy().reshape(got.shape)
