@@ -245,8 +245,12 @@ def test_calibrate_preset_measures_and_records_its_value_scale(text_file, tmp_pa
 
     seen = {}
 
-    def allocate(model, fit, probe, budget, kw, vw, group, sinks, norms, sink_dtype, scale, classes, sensitivity, samples, progress):
-        seen.update(budget=budget, norms=norms, scale=scale, classes=classes, sensitivity=sensitivity, samples=samples)
+    def allocate(
+        model, fit, probe, budget, kw, vw, group, sinks, norms, sink_dtype, scale, classes, sensitivity, samples, progress, key_scales
+    ):
+        seen.update(
+            budget=budget, norms=norms, scale=scale, classes=classes, sensitivity=sensitivity, samples=samples, key_scales=key_scales
+        )
         return {0: dataclasses.replace(random_calibration(16, 3, 0), value_bits=3)}
 
     monkeypatch.setattr(model_mod, "load", lambda *a, **k: (object(), object()))
@@ -257,7 +261,7 @@ def test_calibrate_preset_measures_and_records_its_value_scale(text_file, tmp_pa
     assert main(["calibrate", "--data", text_file, "--preset", "3bit", "--no-progress", "--out", str(out)]) == 0
     p = PRESETS["3bit"]
     expect = {"budget": p["budget"], "norms": p["value_norms"], "scale": p["value_scale"], "classes": False}
-    assert seen == {**expect, "sensitivity": "fisher", "samples": 8}  # the second-order estimate by default
+    assert seen == {**expect, "sensitivity": "fisher", "samples": 8, "key_scales": "groups"}  # the second-order estimate by default
     meta = calibration_meta(out)
     assert meta["value_scale"] == p["value_scale"] and meta["preset"] == "3bit"
     assert lp.file_row(out).config.value_scale == p["value_scale"]
