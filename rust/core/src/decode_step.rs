@@ -255,25 +255,43 @@ fn arg(arg: &'static str, expected: String, actual: usize) -> KvqError {
 /// `p_j v_j` errs by at most about `32 * 2^-24` of `sum_j |p_j v_j|`.
 const WINDOW_BLOCK: usize = 32;
 
-/// `acc += sum_j p_j v_j` over the sinks' rows then the window's (`values`: two slices of rows
-/// of head_dim = `acc.len()`), in blocks of [`WINDOW_BLOCK`] tokens of the joined sequence (a
-/// block may span both: the bits do not depend on where the sinks end); `part` is float32
-/// scratch of head_dim.
-fn window_sums(isa: simd::Isa, p: &[f32], values: [&[f32]; 2], part: &mut [f32], acc: &mut [f64]) {
-    let d = acc.len();
+/// `acc[r] += sum_j p[r, j] v_j` for each query row `r` of `p` (rows x tokens, one row per
+/// entry of `live`; a row not `live` is left out: weight 0, its sums unused) over the sinks'
+/// rows then the window's (`values`: two slices of rows of head_dim, `acc`: rows x head_dim),
+/// in blocks of [`WINDOW_BLOCK`] tokens of the joined sequence (a block may span both: the
+/// bits do not depend on where the sinks end). Every query row at once (`ops::axpy_rows`
+/// reads each value row once for a few query rows), each `(r, i)` summed in token order as
+/// one row alone would be; `part` is float32 scratch of rows x head_dim, `wts` of the rows'
+/// weights of a block.
+fn window_sums(
+    isa: simd::Isa,
+    (p, live): (&[f32], &[bool]),
+    values: [&[f32]; 2],
+    (part, wts): (&mut [f32], &mut Vec<f32>),
+    acc: &mut [f64],
+) {
+    let rows = live.len();
+    let (w, d) = (p.len() / rows, acc.len() / rows);
     let ns = values[0].len() / d;
-    for a in (0..p.len()).step_by(WINDOW_BLOCK) {
-        let b = (a + WINDOW_BLOCK).min(p.len());
+    for a in (0..w).step_by(WINDOW_BLOCK) {
+        let b = (a + WINDOW_BLOCK).min(w);
         part.fill(0.0);
-        if a < ns {
-            let e = b.min(ns);
-            let (w, rows) = (&p[a..e], &values[0][a * d..e * d]);
-            ops::axpy_rows(isa, (&mut part[..], 1), w, (1, d), rows, d);
-        }
-        if b > ns {
-            let s = a.max(ns);
-            let (w, rows) = (&p[s..b], &values[1][(s - ns) * d..(b - ns) * d]);
-            ops::axpy_rows(isa, (&mut part[..], 1), w, (1, d), rows, d);
+        for (lo, hi, rows_of, first) in
+            [(a, b.min(ns), values[0], 0), (a.max(ns), b, values[1], ns)]
+        {
+            if lo >= hi {
+                continue;
+            }
+            wts.clear();
+            for (r, &on) in live.iter().enumerate() {
+                if on {
+                    wts.extend_from_slice(&p[r * w + lo..r * w + hi]);
+                } else {
+                    wts.resize(wts.len() + (hi - lo), 0.0);
+                }
+            }
+            let mat = &rows_of[(lo - first) * d..(hi - first) * d];
+            ops::axpy_rows(isa, (&mut *part, rows), wts, (1, d), mat, d);
         }
         acc.iter_mut()
             .zip(part.iter())
@@ -347,7 +365,10 @@ pub fn attend(
         // Score columns: the sinks', then the window's (each row `w` apart).
         ops::dots_tokens(isa, qh, sk, d, &mut s, w);
         ops::dots_tokens(isa, qh, wk, d, &mut s[step.sinks.len..], w);
-        let (mut acc, mut part) = (vec![0.0f64; d], vec![0.0f32; d]);
+        // Per row: logits, then the softmax weights in place (`live`: a row with a visible
+        // full-precision token), then every live row's value sums at once, then the merge.
+        let (mut live, mut ms, mut sums) =
+            (vec![false; rows], vec![0.0f32; rows], vec![0.0f64; rows]);
         for (r, sr) in s.chunks_exact_mut(w).enumerate() {
             let i = r % step.tokens;
             ops::scale(isa, sr, lay.scale);
@@ -362,15 +383,26 @@ pub fn attend(
             if m == f32::NEG_INFINITY {
                 continue; // every full-precision token masked: the coded part alone
             }
-            let sum = ops::exp_sum(isa, sr, m);
-            acc.iter_mut().for_each(|a| *a = 0.0);
-            window_sums(isa, sr, [sv, wv], &mut part, &mut acc);
+            (live[r], ms[r], sums[r]) = (true, m, ops::exp_sum(isa, sr, m));
+        }
+        if !live.contains(&true) {
+            return None;
+        }
+        let mut acc = vec![0.0f64; rows * d];
+        let (mut part, mut wts) = (
+            vec![0.0f32; rows * d],
+            Vec::with_capacity(rows * WINDOW_BLOCK),
+        );
+        window_sums(isa, (&s, &live), [sv, wv], (&mut part, &mut wts), &mut acc);
+        for r in (0..rows).filter(|&r| live[r]) {
+            let (m, sum) = (ms[r], sums[r]);
             let lse_w = f64::from(m) + sum.ln();
             let lse_c = f64::from(lse[r]);
             let top = lse_c.max(lse_w);
             let total = top + ((lse_c - top).exp() + (lse_w - top).exp()).ln();
             let (fc, fw) = ((lse_c - total).exp(), (lse_w - total).exp() / sum);
-            for (o, &a) in out[r * d..(r + 1) * d].iter_mut().zip(&acc) {
+            let ar = &acc[r * d..(r + 1) * d];
+            for (o, &a) in out[r * d..(r + 1) * d].iter_mut().zip(ar) {
                 *o = (f64::from(*o) * fc + a * fw) as f32;
             }
             lse[r] = total as f32;

@@ -86,14 +86,15 @@ impl RowReader {
     /// `ops::axpy_rows` (one weight per row, stride `len`) of the values of codes `start ..
     /// start + len` of rows `first .. first + w.len() / rows` of `codes` (rows of `row_bytes`):
     /// read packed in place where the SIMD path decodes them in registers and `start` begins a
-    /// byte, else decoded into `buf` first (grown as needed, kept for the next call).
+    /// byte, else decoded into `buf` first (`scratch`: its codes' bytes; both grown as needed,
+    /// kept for the next call).
     pub(super) fn axpy_rows_from(
         &self,
         isa: Isa,
         part: (&mut [f32], usize),
         w: &[f32],
         (codes, first, start, len): (&[u8], usize, usize, usize),
-        buf: &mut Vec<f32>,
+        (buf, scratch): (&mut Vec<f32>, &mut Vec<u8>),
     ) {
         let (rb, bit) = (self.row_bytes, start * self.bits as usize);
         if ops::fuses_packed(isa, self.bits) && bit.is_multiple_of(8) {
@@ -103,8 +104,8 @@ impl RowReader {
         } else {
             let count = w.len() / part.1;
             buf.resize(count * len, 0.0);
-            let mut scratch = vec![0u8; len];
-            self.decode_rows(isa, codes, (first, start, len), &mut scratch, buf);
+            scratch.resize(len, 0);
+            self.decode_rows(isa, codes, (first, start, len), scratch, buf);
             ops::axpy_rows(isa, part, w, (1, len), buf, len);
         }
     }

@@ -6,6 +6,7 @@
 //! once per group. Along tokens per channel (KIVI keys): `sum_c q_c z_(c,g) + sum_c (q_c
 //! s_(c,g)) code_(c,j)`, SIMD over the tokens of a group.
 
+use std::cell::RefCell;
 use std::ops::Range;
 
 use super::super::hadamard::Rotation;
@@ -223,10 +224,25 @@ impl<'a> ChannelsPlan<'a> {
 impl ChannelsPlan<'_> {
     /// The scales and zero points of the groups `g0..g1` of every channel of head `h`
     /// (channels x (g1 - g0) each, channel-major), read in one pass per channel.
-    fn planes(&self, isa: Isa, h: usize, (g0, g1): (usize, usize)) -> (Vec<f32>, Vec<f32>) {
+    fn planes(&self, isa: Isa, h: usize, groups: (usize, usize)) -> (Vec<f32>, Vec<f32>) {
+        let (mut sc, mut ze) = (Vec::new(), Vec::new());
+        self.planes_into(isa, h, groups, (&mut sc, &mut ze));
+        (sc, ze)
+    }
+
+    /// [`Self::planes`] into `sc` and `ze` (resized).
+    fn planes_into(
+        &self,
+        isa: Isa,
+        h: usize,
+        (g0, g1): (usize, usize),
+        (sc, ze): (&mut Vec<f32>, &mut Vec<f32>),
+    ) {
         let (d, w) = (self.head_dim, g1 - g0);
-        let mut sc = vec![0.0f32; d * w];
-        let mut ze = vec![0.0f32; d * w];
+        for v in [&mut *sc, &mut *ze] {
+            v.clear();
+            v.resize(d * w, 0.0);
+        }
         for (c, (s, z)) in sc
             .chunks_exact_mut(w)
             .zip(ze.chunks_exact_mut(w))
@@ -236,7 +252,6 @@ impl ChannelsPlan<'_> {
             self.scales.read(isa, at, s);
             self.zeros.read(isa, at, z);
         }
-        (sc, ze)
     }
 
     /// Adds `sum_j p[r, j] y_hat_(c, j)` for the tokens `span` of head `h` to
@@ -284,27 +299,59 @@ impl ChannelsPlan<'_> {
     }
 }
 
-impl KeyRows for ChannelsPlan<'_> {
-    fn queries(&self, _isa: Isa, q: &[f32], _h: usize, _lay: &AttentionShape) -> Vec<f32> {
-        q.to_vec()
-    }
+/// The buffers of [`ChannelsPlan`]'s scores (decoded codes and their bytes, channel weights,
+/// a group's sums, scales, zero points and zero-point sums), reused between calls.
+#[derive(Default)]
+struct ScoreScratch {
+    block: Vec<f32>,
+    bytes: Vec<u8>,
+    w: Vec<f32>,
+    part: Vec<f32>,
+    sc: Vec<f32>,
+    ze: Vec<f32>,
+    zs_all: Vec<f32>,
+}
 
-    fn add_scores(&self, isa: Isa, q: &[f32], h: usize, span: Range<usize>, s: &mut [f32]) {
+thread_local! {
+    static SCORE_SCRATCH: RefCell<ScoreScratch> = RefCell::new(ScoreScratch::default());
+}
+
+impl ChannelsPlan<'_> {
+    /// [`KeyRows::add_scores`] with the buffers of `scratch`.
+    fn add_scores_in(
+        &self,
+        isa: Isa,
+        q: &[f32],
+        h: usize,
+        span: Range<usize>,
+        s: &mut [f32],
+        scratch: &mut ScoreScratch,
+    ) {
+        let ScoreScratch {
+            block,
+            bytes,
+            w,
+            part,
+            sc,
+            ze,
+            zs_all,
+        } = scratch;
         let (d, group) = (self.head_dim, self.group);
         let (c0, n) = (span.start, span.len());
         // Per query row the channel weights q_c s_(c,g) of one group of tokens, and the
         // zero-point sum sum_c q_c z_(c,g); the group's codes are read packed in place where
         // the SIMD path decodes them in registers, else decoded into `block` (d x len).
-        let mut block = Vec::new();
         let rows = s.len() / n;
-        let mut w = vec![0.0f32; rows * d];
-        let mut part = vec![0.0f32; rows * group];
+        w.clear(); // exactly rows x d: its length gives the call below the rows' tokens
+        w.resize(rows * d, 0.0);
+        part.resize(part.len().max(rows * group), 0.0);
         let (g0, g1) = (c0 / group, span.end.div_ceil(group));
         let gw = g1 - g0;
-        let (sc, ze) = self.planes(isa, h, (g0, g1));
+        self.planes_into(isa, h, (g0, g1), (&mut *sc, &mut *ze));
         // The zero points' share of every group at once, channels summed in order (a
         // contiguous row of groups per channel: the loop vectorises over groups).
-        let mut zs_all = vec![0.0f32; rows * gw];
+        zs_all.clear();
+        zs_all.resize(rows * gw, 0.0);
         for (z, qr) in zs_all.chunks_exact_mut(gw).zip(q.chunks_exact(d)) {
             for (&qc, zc) in qr.iter().zip(ze.chunks_exact(gw)) {
                 z.iter_mut().zip(zc).for_each(|(a, &b)| *a += qc * b);
@@ -324,7 +371,7 @@ impl KeyRows for ChannelsPlan<'_> {
             // in order.
             let at = (self.codes, h * d, t0, len);
             self.reader
-                .axpy_rows_from(isa, (&mut *o, rows), &w, at, &mut block);
+                .axpy_rows_from(isa, (&mut *o, rows), w, at, (&mut *block, &mut *bytes));
             for (r, or) in o.chunks_exact(len).enumerate() {
                 let zs = zs_all[r * gw + g - g0];
                 let dst = &mut s[r * n + t0 - c0..r * n + t1 - c0];
@@ -332,7 +379,22 @@ impl KeyRows for ChannelsPlan<'_> {
             }
         }
     }
+}
 
+impl KeyRows for ChannelsPlan<'_> {
+    fn queries(&self, _isa: Isa, q: &[f32], _h: usize, _lay: &AttentionShape) -> Vec<f32> {
+        q.to_vec()
+    }
+
+    fn add_scores(&self, isa: Isa, q: &[f32], h: usize, span: Range<usize>, s: &mut [f32]) {
+        // A step calls this per run, head and chunk: its buffers are the thread's, kept.
+        SCORE_SCRATCH.with(|cell| match cell.try_borrow_mut() {
+            Ok(mut scratch) => self.add_scores_in(isa, q, h, span, s, &mut scratch),
+            Err(_) => self.add_scores_in(isa, q, h, span, s, &mut ScoreScratch::default()),
+        });
+    }
+
+    /// A chunk of tokens holds whole groups.
     /// A chunk of tokens holds whole groups.
     fn token_step(&self) -> usize {
         self.group
