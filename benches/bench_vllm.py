@@ -164,6 +164,12 @@ def generated(rnd: dict) -> int:
     return sum(len(o["token_ids"]) for o in rnd["outputs"])
 
 
+def tokens_per_s(res: dict) -> float:
+    """Output tokens per second of a run's first round."""
+    rnd = res["rounds"][0]
+    return generated(rnd) / rnd["seconds"]
+
+
 def section_throughput(args, configs, model, folder) -> list:
     prompts = [TEXT * (1 + i % 3) + f"Question {i}: what is studied?" for i in range(args.prompts)]
     spec = {**base_spec(model), "prompts": prompts, "max_tokens": args.max_tokens}
@@ -174,14 +180,13 @@ def section_throughput(args, configs, model, folder) -> list:
         f"Throughput: {args.prompts} concurrent prompts ({prompt_tokens} prompt tokens), {args.max_tokens} greedy tokens each, "
         f"bf16 model, enforce_eager; KV cache budget {args.budget_mib:g} MiB, max_num_seqs {args.prompts}, vLLM block size {block_sizes(rows)}\n"
     )
-    base = base_of(rows, lambda r: generated(r["rounds"][0]) / r["rounds"][0]["seconds"])
+    base = base_of(rows, tokens_per_s)
     body = []
     for label, res in rows:
         if "error" in res:
             body.append(refused_row(label, res, 4))
             continue
-        rnd = res["rounds"][0]
-        tps = generated(rnd) / rnd["seconds"]
+        rnd, tps = res["rounds"][0], tokens_per_s(res)
         body.append([label, f"{tps:.1f}", ratio(tps, base), f"{rnd['seconds']:.2f}"])
     table(["KV cache", "output tokens/s", "vs bf16", "wall s"], body)
     return rows
@@ -204,14 +209,13 @@ def section_load(args, configs, model, folder, tokenizer) -> None:
         "peak running: the most requests in vLLM's scheduler running list after any step (measured, prefilling ones included); "
         f"fits: whole sequences of {length} tokens the cache's blocks hold, vLLM's null block left out (arithmetic)\n"
     )
-    base = base_of(rows, lambda r: generated(r["rounds"][0]) / r["rounds"][0]["seconds"])
+    base = base_of(rows, tokens_per_s)
     body = []
     for label, res in rows:
         if "error" in res:
             body.append(refused_row(label, res, 7))
             continue
-        rnd = res["rounds"][0]
-        tps = generated(rnd) / rnd["seconds"]
+        rnd, tps = res["rounds"][0], tokens_per_s(res)
         fits = (res["cache_tokens"] // res["block_size"] - 1) // math.ceil(length / res["block_size"])  # vLLM keeps one null block
         peak = "-" if rnd.get("peak_running") is None else str(rnd["peak_running"])
         body.append([label, f"{tps:.1f}", ratio(tps, base), f"{rnd['seconds']:.2f}", str(rnd["preemptions"]), peak, str(fits)])
