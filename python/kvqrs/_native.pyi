@@ -36,6 +36,7 @@ __all__ = [
     "mse_qjl_encode_packed",
     "pack_bits",
     "paged_decode_attention",
+    "paged_reconstruct",
     "LayerStore",
     "SlotWriter",
     "philox4x32_10",
@@ -182,6 +183,22 @@ def paged_decode_attention(
     block_table: _I32,
     table_width: int,
 ) -> _F32: ...
+def paged_reconstruct(
+    cache: _U8,
+    blocks: int,
+    kv_heads: int,
+    block_size: int,
+    page_bytes: int,
+    block_stride: int,
+    head_stride: int,
+    keys: _Rows,
+    values: _Rows,
+    head_dim: int,
+    seq: _I32,
+    lengths: _I32,
+    block_table: _I32,
+    table_width: int,
+) -> tuple[_F32, _F32]: ...
 
 # kvqrs.hf.store.StorePart objects (name, dtype name, widen, outer, inner, num, den), read by
 # attribute; dtypes cross by their NumPy names ("uint8", "float16", "float32", ...).

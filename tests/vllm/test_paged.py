@@ -103,6 +103,33 @@ def test_decode_and_prefill_from_pages_equal_the_contiguous_kernel(config):
         np.testing.assert_allclose(out[t], want, rtol=MERGE_RTOL, atol=MERGE_RTOL)
 
 
+@pytest.mark.parametrize(
+    "config",
+    [*(pytest.param(QuantConfig(s, b, s, b), id=f"{s}{b}") for s, b in (("kqv", 4), ("kv", 8), ("qkqv", 3), ("block", 4))), *MATCHED],
+)
+def test_reconstructed_rows_are_the_codecs_decode(config):
+    """A prefill's dense rows: each sequence's keys and values decoded from its pages (through a
+    shuffled block table, part of a sequence too, one longer than a unit of work) equal the
+    codec's decode of the same tokens."""
+    layout = SlotLayout(config, layer=2, head_dim=D)
+    lengths = [300, 20, 1]
+    cache, table, keys, values = _fill(layout, lengths)
+    seq, lens = np.array([1, 0, 2, 0], np.int32), np.array([20, 300, 1, 277], np.int32)
+    got = layout.reconstruct(cache, seq, lens, table)
+    codec = layout.codec
+    for (k, v), s, n in zip(got, seq, lens):
+        assert k.shape == v.shape == (KV_HEADS, n, D) and k.dtype == v.dtype == np.float32
+        ks, vs = (np.ascontiguousarray(x[s][:n].transpose(1, 0, 2)) for x in (keys, values))
+        want_k = codec.decode_keys(codec.encode_keys(ks))
+        want_v = codec.decode_values(codec.encode_values(vs))
+        np.testing.assert_allclose(k, want_k, rtol=1e-4, atol=1e-4 * np.abs(want_k).max())
+        np.testing.assert_allclose(v, want_v, rtol=1e-4, atol=1e-4 * np.abs(want_v).max())
+    with pytest.raises(KvqrsError, match="lengths"):
+        layout.reconstruct(cache, np.array([0], np.int32), np.array([0], np.int32), table)
+    with pytest.raises(KvqrsError, match="seq"):
+        layout.reconstruct(cache, np.array([5], np.int32), np.array([3], np.int32), table)
+
+
 def test_layers_of_other_widths_share_the_largest_slot():
     """A calibration gives each layer its own widths, vLLM one slot size to every layer: the
     cache's slots are the largest layer's, and a smaller layer leaves the rest unused, with the
@@ -432,3 +459,27 @@ def test_slots_are_bound_by_part_name_and_a_copied_part_is_an_error(monkeypatch)
     )
     with pytest.raises(KvqrsError, match=r"keys.qjl.signs: expected a stored part \(a PartRef .*\), got ndarray"):
         SlotLayout(QuantConfig("qkqv", 3, "kv", 4), layer=0, head_dim=D)
+
+
+@pytest.mark.parametrize("prefix", [0, 11])
+def test_prefill_attention_is_causal_over_the_decoded_rows(prefix):
+    """A prompt's dense attention (the whole sequence new, or after a cached prefix) equals a
+    float64 causal softmax over the same rows, GQA groups reading their KV head."""
+    torch = pytest.importorskip("torch")
+    from kvqrs.vllm.prefill import prefill_attention
+
+    rng = np.random.default_rng(5)
+    m = 20
+    keys, values = (rng.standard_normal((KV_HEADS, prefix + m, D)).astype(np.float32) for _ in range(2))
+    q = rng.standard_normal((m, Q_HEADS, D)).astype(np.float32)
+    out = prefill_attention(torch.from_numpy(q), keys, values, D**-0.5)
+    assert out.shape == (m, Q_HEADS, D) and out.dtype == torch.float32
+    g = Q_HEADS // KV_HEADS
+    for i in range(m):
+        n = prefix + i + 1
+        s = np.einsum("hgd,hnd->hgn", q[i].reshape(KV_HEADS, g, D).astype(np.float64), keys[:, :n]) * D**-0.5
+        p = np.exp(s - s.max(-1, keepdims=True))
+        want = np.einsum("hgn,hnd->hgd", p / p.sum(-1, keepdims=True), values[:, :n]).reshape(Q_HEADS, D)
+        np.testing.assert_allclose(out[i].numpy(), want, rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="prefill"):
+        prefill_attention(torch.from_numpy(q), keys[:, : m - 1], values[:, : m - 1], 1.0)

@@ -4,12 +4,17 @@ through the block table by the Rust paged kernel, for decode and prefill tokens 
 
 - ``customize_spec`` turns the layer's cache into uint8 pages of ``slot_bytes`` per (token,
   KV head), head-major (``LBHNC``), so a page is one block of one KV head;
-- ``forward`` is a layer's whole step in one native call (:meth:`.layout.SlotLayout.step`, GIL
+- ``forward`` is a layer's step in one native call (:meth:`.layout.SlotLayout.step`, GIL
   released): it encodes the new keys and values (the layer's codec, the same bytes as
   :class:`~kvqrs.hf.QuantizedKVCache`), writes them through the batch's ``slot_mapping``, then
-  attends every query token causally over its sequence's codes: decode tokens, prefill chunks
-  and tokens after a cached prefix alike. Prefill therefore sees its own tokens quantized, as
-  ``QuantizedKVCache`` does with ``residual_length=0``.
+  attends the query tokens causally over their sequences' codes by the fused kernel;
+- a request with :data:`~.prefill.PREFILL_QUERIES` query tokens or more (a prompt, a chunk of
+  one, the tokens after a cached prefix) is attended densely instead: its sequence's keys and
+  values are decoded from the codes once (:meth:`.layout.SlotLayout.reconstruct`, a second
+  native call) and read by PyTorch's SDPA in the model's dtype (:mod:`.prefill`).
+
+Either way a prefill sees its own tokens quantized, as ``QuantizedKVCache`` does with
+``residual_length=0``.
 
 Imported by vLLM only (it imports vllm); selected by :func:`kvqrs.vllm.register`.
 """
@@ -34,6 +39,7 @@ from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
 from .._arrays import KvqrsError
 from .layout import SlotLayout, paged_slot_bytes, query_positions
+from .prefill import PREFILL_QUERIES, prefill_attention
 from .settings import config_from_env
 
 BLOCK_MULTIPLE = 16
@@ -81,13 +87,20 @@ class KvqrsAttentionBackend(AttentionBackend):
 @dataclass
 class KvqrsMetadata:
     """Per-batch inputs of the paged kernel: each query token's sequence (block-table row), the
-    number of tokens it attends to, and the slot its key and value go to."""
+    number of tokens it attends to, and the slot its key and value go to; the requests attended
+    densely (:data:`PREFILL_QUERIES` query tokens or more: block-table rows, their first query
+    token and query tokens, their sequence lengths) and the query tokens of the others."""
 
     num_actual_tokens: int
     seq: np.ndarray
     lengths: np.ndarray
     block_table: np.ndarray
     slot_mapping: np.ndarray
+    prefill: np.ndarray
+    prefill_start: np.ndarray
+    prefill_queries: np.ndarray
+    prefill_lengths: np.ndarray
+    fused: np.ndarray
 
 
 class KvqrsMetadataBuilder(AttentionMetadataBuilder[KvqrsMetadata]):
@@ -99,9 +112,16 @@ class KvqrsMetadataBuilder(AttentionMetadataBuilder[KvqrsMetadata]):
         if m.causal is not True:
             raise KvqrsError("kvqrs vLLM backend: only causal decoder attention is supported")
         n = m.num_reqs
-        seq, lengths = query_positions(m.query_start_loc_cpu[: n + 1].numpy(), m.seq_lens[:n].cpu().numpy())
+        starts, seq_lens = m.query_start_loc_cpu[: n + 1].numpy(), m.seq_lens[:n].cpu().numpy()
+        seq, lengths = query_positions(starts, seq_lens)
         slots = m.slot_mapping[: m.num_actual_tokens].cpu().numpy()
-        return KvqrsMetadata(m.num_actual_tokens, seq, lengths, m.block_table_tensor[:n].cpu().numpy(), slots)
+        queries = np.diff(starts)
+        prefill = np.flatnonzero(queries >= PREFILL_QUERIES).astype(np.int32)
+        fused = np.flatnonzero(queries[seq] < PREFILL_QUERIES)
+        table = m.block_table_tensor[:n].cpu().numpy()
+        return KvqrsMetadata(
+            m.num_actual_tokens, seq, lengths, table, slots, prefill, starts[prefill], queries[prefill], seq_lens[prefill], fused
+        )
 
 
 class KvqrsAttentionImpl(AttentionImpl[KvqrsMetadata]):
@@ -168,13 +188,26 @@ class KvqrsAttentionImpl(AttentionImpl[KvqrsMetadata]):
         n = m.num_actual_tokens
         if n == 0:
             return output
-        q = query[:n].view(n, self.num_heads, self.head_size).float().numpy()
+        layout, cache = self._layout(layer, kv_cache.shape[-1]), kv_cache.numpy()
+        query = query[:n].view(n, self.num_heads, self.head_size)
+        out = output[:n].view(query.shape)
+        f = m.fused if m.prefill.size else slice(None)  # the fused kernel's query tokens
+        tf = torch.from_numpy(f) if m.prefill.size else f
+        q = query[tf].float().numpy()
+        fused = None
         if key is None or value is None:  # nothing new to store (not a layer kvqrs serves today)
-            out = self._layout(layer, kv_cache.shape[-1]).attend(kv_cache.numpy(), q, m.seq, m.lengths, m.block_table, self.scale)
+            if len(q):
+                fused = layout.attend(cache, q, m.seq[f], m.lengths[f], m.block_table, self.scale)
         else:
             k, v = (t[:n].view(n, self.num_kv_heads, self.head_size).float().numpy() for t in (key, value))
-            out = self._layout(layer, kv_cache.shape[-1]).step(
-                kv_cache.numpy(), k, v, m.slot_mapping, q, m.seq, m.lengths, m.block_table, self.scale
-            )
-        output[:n] = torch.from_numpy(out).view(output[:n].shape).to(output.dtype)
+            if len(q):
+                fused = layout.step(cache, k, v, m.slot_mapping, q, m.seq[f], m.lengths[f], m.block_table, self.scale)
+            else:  # every query token is a prefill's: store only
+                layout.write(cache, k, v, m.slot_mapping)
+        if fused is not None:
+            out[tf] = torch.from_numpy(fused).to(output.dtype)
+        if m.prefill.size:
+            decoded = layout.reconstruct(cache, m.prefill, m.prefill_lengths, m.block_table)
+            for (k, v), start, count in zip(decoded, m.prefill_start, m.prefill_queries):
+                out[start : start + count] = prefill_attention(query[start : start + count], k, v, self.scale).to(output.dtype)
         return output

@@ -315,6 +315,50 @@ class SlotLayout:
         out = _native.paged_decode_attention(self._span(cache), b, h, n, n * self.slot_bytes, cache.strides[0], cache.strides[1], *reads)
         return out.reshape(q.shape)
 
+    def reconstruct(
+        self, cache: np.ndarray, seq: np.ndarray, lengths: np.ndarray, block_table: np.ndarray
+    ) -> list[tuple[np.ndarray, np.ndarray]]:
+        """The first ``lengths[i]`` keys and values of sequence ``seq[i]`` (its block-table row)
+        decoded from the codes to the head domain, for dense attention over many query tokens
+        (a prefill): the rows the fused kernel reads, up to float32 rounding.
+
+        Args:
+            cache: the uint8 cache of :meth:`check_cache`.
+            seq, lengths: int ``(sequences,)``.
+            block_table: int ``(rows, width)`` block ids.
+
+        Returns:
+            per sequence, ``(keys, values)`` float32 ``(kv_heads, lengths[i], head_dim)``.
+
+        Raises:
+            KvqrsError: shapes or indices out of range (named), non-finite decoded rows.
+        """
+        b, h, n = self.check_cache(cache)
+        table = np.ascontiguousarray(block_table, dtype=np.int32)
+        if table.ndim != 2 or table.shape[1] == 0:
+            raise KvqrsError(f"block_table: expected (sequences, width >= 1), got {table.shape}")
+        lengths = np.ascontiguousarray(lengths, dtype=np.int32).reshape(-1)
+        rows = (self._page_rows("keys", n), self._page_rows("values", n))
+        seq = np.ascontiguousarray(seq, dtype=np.int32).reshape(-1)
+        k, v = _native.paged_reconstruct(
+            self._span(cache),
+            b,
+            h,
+            n,
+            n * self.slot_bytes,
+            cache.strides[0],
+            cache.strides[1],
+            *rows,
+            self.head_dim,
+            seq,
+            lengths,
+            table.reshape(-1),
+            table.shape[1],
+        )
+        at = np.concatenate([[0], np.cumsum(lengths.astype(np.int64) * h * self.head_dim)])
+        shape = lambda i: (h, int(lengths[i]), self.head_dim)  # noqa: E731
+        return [(k[at[i] : at[i + 1]].reshape(shape(i)), v[at[i] : at[i + 1]].reshape(shape(i))) for i in range(len(lengths))]
+
     def _reads(self, cache: np.ndarray, queries, seq, lengths, block_table, scale: float) -> tuple[np.ndarray, tuple]:
         """The checked queries and the arguments of the paged attention after the cache's
         geometry: ``(keys rows, values rows, flat queries, q_heads, head_dim, scale, seq,

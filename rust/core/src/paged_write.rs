@@ -6,6 +6,7 @@
 use crate::dtype::Dtype;
 use crate::encoders::SideEncoder;
 use crate::error::{KvqError, Result};
+use crate::par;
 
 /// One stored part of a slot: the part `name` of side `side` (0 keys, 1 values) as its encoder
 /// names it, `row_bytes` bytes per token at `offset` bytes into the slot (`block_size *
@@ -143,10 +144,17 @@ impl SlotWriter {
         };
         let padded = kept.len() < slots.len();
         let sides = [keys, values].map(|x| if padded { gather(x) } else { x.to_vec() });
-        let mut encoded = Vec::with_capacity(2);
-        for (enc, x) in self.encoders.iter().zip(&sides) {
-            encoded.push(enc.encode(x, 1)?);
-        }
+        // Keys and values on two threads for a prompt's many tokens (about head_dim
+        // multiply-adds per coordinate: the rotation and the QJL sketch or a basis).
+        let [ke, ve] = &self.encoders;
+        let encode = |enc: &SideEncoder, x: &[f32]| enc.encode(x, 1);
+        let work = sides[0].len().saturating_mul(d);
+        let encoded = if work >= par::par_min_attend() {
+            let (k, v) = rayon::join(|| encode(ke, &sides[0]), || encode(ve, &sides[1]));
+            [k?, v?]
+        } else {
+            [encode(ke, &sides[0])?, encode(ve, &sides[1])?]
+        };
         let mut sources = Vec::with_capacity(self.parts.len());
         for p in &self.parts {
             let (_, dtype, bytes) = encoded[p.side]

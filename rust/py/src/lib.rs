@@ -66,6 +66,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(format::container_read, m)?)?;
     m.add_function(wrap_pyfunction!(attention::decode_attention, m)?)?;
     m.add_function(wrap_pyfunction!(paged::paged_decode_attention, m)?)?;
+    m.add_function(wrap_pyfunction!(paged::paged_reconstruct, m)?)?;
     m.add_class::<store::PyLayerStore>()?;
     m.add_class::<paged::PySlotWriter>()?;
     m.add_function(wrap_pyfunction!(store::window_append, m)?)?;

@@ -7,7 +7,8 @@
 
 use kvqrs_core::dtype::Dtype;
 use kvqrs_core::kernels::paged::{
-    paged_decode_attention as core_paged, PagedCache, PagedQueries, PagedRows, Part, ScalarPart,
+    paged_decode_attention as core_paged, paged_reconstruct as core_reconstruct, PagedCache,
+    PagedQueries, PagedRows, PagedSequences, Part, ScalarPart,
 };
 use kvqrs_core::paged_write::{PageGeometry, SlotPart, SlotWriter};
 use kvqrs_core::rows::{Field, Resolve, ScalarParts};
@@ -78,6 +79,23 @@ fn rows(r: &PagedPyRows<'_>, side: &str) -> PyResult<PagedRows> {
     r.0.map(side, &mut Places)
 }
 
+/// The borrowed cache bytes with their geometry.
+fn paged_cache<'a>(
+    cache: &'a PyReadonlyArray1<'_, u8>,
+    (blocks, kv_heads, block_size): (usize, usize, usize),
+    (page_bytes, block_stride, head_stride): (usize, usize, usize),
+) -> PyResult<PagedCache<'a>> {
+    Ok(PagedCache {
+        data: slice(cache, "cache")?,
+        blocks,
+        kv_heads,
+        block_size,
+        page_bytes,
+        block_stride,
+        head_stride,
+    })
+}
+
 /// Returns float32 tokens x q_heads x head_dim, flat.
 #[pyfunction]
 #[allow(clippy::too_many_arguments)]
@@ -103,15 +121,11 @@ pub fn paged_decode_attention<'py>(
     table_width: usize,
 ) -> PyResult<Bound<'py, PyArray1<f32>>> {
     let (kr, vr) = (rows(&keys, "keys")?, rows(&values, "values")?);
-    let c = PagedCache {
-        data: slice(&cache, "cache")?,
-        blocks,
-        kv_heads,
-        block_size,
-        page_bytes,
-        block_stride,
-        head_stride,
-    };
+    let c = paged_cache(
+        &cache,
+        (blocks, kv_heads, block_size),
+        (page_bytes, block_stride, head_stride),
+    )?;
     let qs = PagedQueries {
         q: slice(&q, "q")?,
         q_heads,
@@ -124,6 +138,46 @@ pub fn paged_decode_attention<'py>(
     };
     let out = py_result(py.allow_threads(|| core_paged(&c, &kr, &vr, &qs)))?;
     Ok(PyArray1::from_vec(py, out))
+}
+
+/// Decoded keys and values, flat float32 arrays.
+type KeysValues<'py> = (Bound<'py, PyArray1<f32>>, Bound<'py, PyArray1<f32>>);
+
+/// Returns keys and values float32, each per sequence kv_heads x length x head_dim, flat.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+#[pyo3(signature = (cache, blocks, kv_heads, block_size, page_bytes, block_stride, head_stride, keys, values, head_dim, seq, lengths, block_table, table_width))]
+pub fn paged_reconstruct<'py>(
+    py: Python<'py>,
+    cache: PyReadonlyArray1<'py, u8>,
+    blocks: usize,
+    kv_heads: usize,
+    block_size: usize,
+    page_bytes: usize,
+    block_stride: usize,
+    head_stride: usize,
+    keys: PagedPyRows<'py>,
+    values: PagedPyRows<'py>,
+    head_dim: usize,
+    seq: PyReadonlyArray1<'py, i32>,
+    lengths: PyReadonlyArray1<'py, i32>,
+    block_table: PyReadonlyArray1<'py, i32>,
+    table_width: usize,
+) -> PyResult<KeysValues<'py>> {
+    let (kr, vr) = (rows(&keys, "keys")?, rows(&values, "values")?);
+    let c = paged_cache(
+        &cache,
+        (blocks, kv_heads, block_size),
+        (page_bytes, block_stride, head_stride),
+    )?;
+    let seqs = PagedSequences {
+        seq: slice(&seq, "seq")?,
+        lengths: slice(&lengths, "lengths")?,
+        block_table: slice(&block_table, "block_table")?,
+        table_width,
+    };
+    let (k, v) = py_result(py.allow_threads(|| core_reconstruct(&c, &kr, &vr, &seqs, head_dim)))?;
+    Ok((PyArray1::from_vec(py, k), PyArray1::from_vec(py, v)))
 }
 
 /// `(side: 0 keys / 1 values, part name, offset, row_bytes, dtype name)`: one part of a slot.

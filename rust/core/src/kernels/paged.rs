@@ -16,7 +16,7 @@
 //! Query tokens x KV heads run in parallel (rayon); each one's pages are merged in block
 //! order, so results do not depend on the thread count.
 
-use super::attention::{decode_attention_with, AttentionShape};
+use super::attention::{decode_attention_with, reconstruct_with, AttentionShape, CodedRows};
 use super::{check_head_dim, check_len};
 use crate::dtype::Dtype;
 use crate::error::{KvqError, Result};
@@ -84,6 +84,32 @@ pub struct PagedQueries<'a> {
     /// Block-table row (sequence) of each query token.
     pub seq: &'a [i32],
     /// Tokens each query token attends to: the first `length` of its sequence.
+    pub lengths: &'a [i32],
+    /// sequences x `table_width` block ids.
+    pub block_table: &'a [i32],
+    /// Block ids per sequence row.
+    pub table_width: usize,
+}
+
+impl<'a> PagedQueries<'a> {
+    /// Each query token's sequence row and length, with the block table.
+    pub fn sequences(&self) -> PagedSequences<'a> {
+        PagedSequences {
+            seq: self.seq,
+            lengths: self.lengths,
+            block_table: self.block_table,
+            table_width: self.table_width,
+        }
+    }
+}
+
+/// Token spans of sequences in the block table: the first `lengths[i]` tokens of block-table
+/// row `seq[i]`.
+#[derive(Debug, Clone, Copy)]
+pub struct PagedSequences<'a> {
+    /// Block-table rows.
+    pub seq: &'a [i32],
+    /// Tokens of each, from its first.
     pub lengths: &'a [i32],
     /// sequences x `table_width` block ids.
     pub block_table: &'a [i32],
@@ -357,8 +383,7 @@ fn check_cache(cache: &PagedCache) -> Result<()> {
     }
 }
 
-/// Checks every query token's sequence row, length and block ids; returns the number of
-/// sequence rows.
+/// Checks the query heads, scale and queries, then [`check_sequences`].
 fn check_queries(cache: &PagedCache, qs: &PagedQueries) -> Result<()> {
     check_head_dim("head_dim", qs.head_dim)?;
     if qs.q_heads == 0 || !qs.q_heads.is_multiple_of(cache.kv_heads) {
@@ -376,12 +401,6 @@ fn check_queries(cache: &PagedCache, qs: &PagedQueries) -> Result<()> {
         });
     }
     let tokens = qs.lengths.len();
-    check_len(
-        "seq",
-        qs.seq.len(),
-        tokens,
-        "one sequence row per query token",
-    )?;
     let qlen = tokens
         .checked_mul(qs.q_heads)
         .and_then(|n| n.checked_mul(qs.head_dim));
@@ -390,6 +409,17 @@ fn check_queries(cache: &PagedCache, qs: &PagedQueries) -> Result<()> {
         qs.q.len(),
         qlen.unwrap_or(usize::MAX),
         "tokens x q_heads x head_dim",
+    )?;
+    check_sequences(cache, &qs.sequences())
+}
+
+/// Checks every entry's sequence row, length and block ids.
+fn check_sequences(cache: &PagedCache, qs: &PagedSequences) -> Result<()> {
+    check_len(
+        "seq",
+        qs.seq.len(),
+        qs.lengths.len(),
+        "one sequence row per entry of lengths",
     )?;
     if qs.table_width == 0 || !qs.block_table.len().is_multiple_of(qs.table_width) {
         return Err(dim_error(
@@ -486,22 +516,14 @@ impl<'a> Resolve<'a, Part, ScalarPart, Part, Vec<f32>> for Gather<'_> {
     }
 }
 
-/// Attention of one query token's `g` query heads over one KV head's first `length` tokens:
-/// their rows gathered from the pages, then one fused-kernel call.
-fn token_head(
-    isa: Isa,
+/// `f` of the first `len` tokens of KV head `h` in the pages of `blocks`: both sides' rows
+/// gathered from the pages, with the tables of KV head `h`.
+fn with_head_rows<R>(
     cache: &PagedCache,
-    keys: &PagedRows,
-    values: &PagedRows,
-    qs: &PagedQueries,
-    t: usize,
-    h: usize,
-) -> Result<Vec<f32>> {
-    let (d, g) = (qs.head_dim, qs.q_heads / cache.kv_heads);
-    let q = &qs.q[(t * qs.q_heads + h * g) * d..(t * qs.q_heads + (h + 1) * g) * d];
-    let len = qs.lengths[t] as usize;
-    let row = &qs.block_table[qs.seq[t] as usize * qs.table_width..];
-    let blocks = &row[..len.div_ceil(cache.block_size)];
+    (keys, values): (&PagedRows, &PagedRows),
+    (blocks, h, len, d): (&[i32], usize, usize, usize),
+    f: impl FnOnce(&CodedRows, &CodedRows) -> Result<R>,
+) -> Result<R> {
     let mut gather = Gather {
         cache,
         blocks,
@@ -515,8 +537,33 @@ fn token_head(
     let (mut kv, mut vv) = (kr.view(), vr.view());
     head_tables(&mut kv, h, d);
     head_tables(&mut vv, h, d);
-    let layout = AttentionShape::new(1, g, len, d, qs.scale);
-    Ok(decode_attention_with(isa, q, &layout, &kv, None, &vv, false)?.out)
+    f(&kv, &vv)
+}
+
+/// The blocks of the first `len` tokens of block-table row `seq`.
+fn blocks_of<'a>(cache: &PagedCache, qs: &PagedSequences<'a>, seq: i32, len: usize) -> &'a [i32] {
+    let row = &qs.block_table[seq as usize * qs.table_width..];
+    &row[..len.div_ceil(cache.block_size)]
+}
+
+/// Attention of one query token's `g` query heads over one KV head's first `length` tokens:
+/// their rows gathered from the pages, then one fused-kernel call.
+fn token_head(
+    isa: Isa,
+    cache: &PagedCache,
+    rows: (&PagedRows, &PagedRows),
+    qs: &PagedQueries,
+    t: usize,
+    h: usize,
+) -> Result<Vec<f32>> {
+    let (d, g) = (qs.head_dim, qs.q_heads / cache.kv_heads);
+    let q = &qs.q[(t * qs.q_heads + h * g) * d..(t * qs.q_heads + (h + 1) * g) * d];
+    let len = qs.lengths[t] as usize;
+    let blocks = blocks_of(cache, &qs.sequences(), qs.seq[t], len);
+    with_head_rows(cache, rows, (blocks, h, len, d), |kv, vv| {
+        let layout = AttentionShape::new(1, g, len, d, qs.scale);
+        Ok(decode_attention_with(isa, q, &layout, kv, None, vv, false)?.out)
+    })
 }
 
 /// Decode attention of every query token over its sequence's first `length` tokens in the
@@ -569,8 +616,7 @@ pub fn paged_decode_attention_with(
             token_head(
                 isa,
                 cache,
-                keys,
-                values,
+                (keys, values),
                 queries,
                 u / cache.kv_heads,
                 u % cache.kv_heads,
@@ -582,6 +628,75 @@ pub fn paged_decode_attention_with(
         out.extend_from_slice(&u?);
     }
     Ok(out)
+}
+
+/// Tokens per unit of work of [`paged_reconstruct`] (rounded up to whole pages).
+const RECONSTRUCT_TOKENS: usize = 256;
+
+/// Keys and values of the first `lengths[i]` tokens of block-table rows `seq[i]`, every KV
+/// head, decoded to the head domain ([`reconstruct_with`]): keys and values each float32, per
+/// sequence `i` in order, kv_heads x `lengths[i]` x head_dim. Dense attention of a prompt's
+/// many query tokens (a prefill) reads them, where reading the codes once per query token
+/// would cost a pass over its context each.
+///
+/// Errors: as [`paged_decode_attention`] for the cache, rows and sequences, and non-finite
+/// decoded rows.
+pub fn paged_reconstruct(
+    cache: &PagedCache,
+    keys: &PagedRows,
+    values: &PagedRows,
+    seqs: &PagedSequences,
+    head_dim: usize,
+) -> Result<(Vec<f32>, Vec<f32>)> {
+    paged_reconstruct_with(simd::active(), cache, (keys, values), seqs, head_dim)
+}
+
+/// [`paged_reconstruct`] on the path `isa` (tests, benches).
+pub fn paged_reconstruct_with(
+    isa: Isa,
+    cache: &PagedCache,
+    (keys, values): (&PagedRows, &PagedRows),
+    seqs: &PagedSequences,
+    head_dim: usize,
+) -> Result<(Vec<f32>, Vec<f32>)> {
+    let isa = isa.checked()?;
+    check_head_dim("head_dim", head_dim)?;
+    check_cache(cache)?;
+    check_sequences(cache, seqs)?;
+    check_parts(cache, keys, "keys", head_dim)?;
+    check_parts(cache, values, "values", head_dim)?;
+    let heads = cache.kv_heads;
+    let tokens: usize = seqs.lengths.iter().map(|&l| l.max(0) as usize).sum();
+    // Decoding a token costs about head_dim multiply-adds per coordinate (unit query rows).
+    let work = tokens.saturating_mul(heads * 2 * head_dim * head_dim);
+    // Units of whole pages, (sequence, KV head, span) in output order: a long prompt's few
+    // KV heads are split over every thread.
+    let span = RECONSTRUCT_TOKENS.div_ceil(cache.block_size) * cache.block_size;
+    let units: Vec<(usize, usize, usize)> = (0..seqs.seq.len())
+        .flat_map(|i| {
+            let spans = (seqs.lengths[i] as usize).div_ceil(span);
+            (0..heads).flat_map(move |h| (0..spans).map(move |c| (i, h, c)))
+        })
+        .collect();
+    let parts = par::map_range(units.len(), work, par::par_min_attend(), |u| {
+        let (i, h, c) = units[u];
+        let len = seqs.lengths[i] as usize;
+        let blocks = blocks_of(cache, seqs, seqs.seq[i], len);
+        let (start, n) = (c * span, span.min(len - c * span));
+        let blocks = &blocks[start / cache.block_size..(start + n).div_ceil(cache.block_size)];
+        with_head_rows(cache, (keys, values), (blocks, h, n, head_dim), |kv, vv| {
+            let lay = AttentionShape::new(1, 1, n, head_dim, 1.0);
+            reconstruct_with(isa, &lay, kv, vv)
+        })
+    });
+    let size = tokens * heads * head_dim;
+    let (mut k, mut v) = (Vec::with_capacity(size), Vec::with_capacity(size));
+    for p in parts {
+        let (ku, vu) = p?;
+        k.extend_from_slice(&ku);
+        v.extend_from_slice(&vu);
+    }
+    Ok((k, v))
 }
 
 #[cfg(test)]

@@ -27,6 +27,7 @@
 mod dense;
 mod mse;
 mod reader;
+mod reconstruct;
 mod runs;
 mod side;
 mod token_runs;
@@ -36,6 +37,7 @@ use std::ops::Range;
 
 use self::dense::DensePlan;
 use self::mse::MsePlan;
+pub use self::reconstruct::reconstruct_with;
 use self::runs::{CentredPlan, RunsPlan};
 use self::side::SidePlan;
 use self::token_runs::TokenRunsPlan;
@@ -484,6 +486,29 @@ fn key_only_values(class: &str) -> KvqError {
     }
 }
 
+/// Errors for a head_dim below 2, no tokens or rows, a token room below the tokens, a
+/// non-finite or non-positive scale.
+fn check_shape(lay: &AttentionShape) -> Result<()> {
+    check_head_dim("head_dim", lay.head_dim)?;
+    check_row_len("tokens", lay.tokens)?;
+    check_row_len("rows", lay.rows)?;
+    if lay.stride < lay.tokens {
+        return Err(KvqError::InvalidDimension {
+            arg: "stride",
+            expected: format!("token room per head >= the {} tokens", lay.tokens),
+            actual: lay.stride as i64,
+        });
+    }
+    if !(lay.scale.is_finite() && lay.scale > 0.0) {
+        return Err(KvqError::InvalidValue {
+            arg: "scale",
+            expected: "a finite positive logit scale",
+            value: f64::from(lay.scale),
+        });
+    }
+    Ok(())
+}
+
 /// Decode attention for `layout.rows` query rows per KV head over `layout.tokens` coded keys and
 /// values: `out = softmax(scale * (q . k_hat_j + side_j)) @ v_hat`, computed from the codes.
 ///
@@ -525,23 +550,7 @@ pub fn decode_attention_with(
 ) -> Result<Attention> {
     let isa = isa.checked()?;
     let lay = *layout;
-    check_head_dim("head_dim", lay.head_dim)?;
-    check_row_len("tokens", lay.tokens)?;
-    check_row_len("rows", lay.rows)?;
-    if lay.stride < lay.tokens {
-        return Err(KvqError::InvalidDimension {
-            arg: "stride",
-            expected: format!("token room per head >= the {} tokens", lay.tokens),
-            actual: lay.stride as i64,
-        });
-    }
-    if !(lay.scale.is_finite() && lay.scale > 0.0) {
-        return Err(KvqError::InvalidValue {
-            arg: "scale",
-            expected: "a finite positive logit scale",
-            value: f64::from(lay.scale),
-        });
-    }
+    check_shape(&lay)?;
     let qlen = reader::mul("q", reader::mul("q", lay.heads, lay.rows)?, lay.head_dim)?;
     check_len("q", q.len(), qlen, "heads x rows x head_dim")?;
     check_finite("q", q, lay.head_dim)?;
