@@ -525,6 +525,8 @@ def _calibrate(args: argparse.Namespace) -> int:
     src = _model_source(args)
     if args.ctx > src.context:
         raise KvqrsError(f"--ctx: expected at most the model's context of {src.context} tokens, got {args.ctx}")
+    if not args.out.endswith(".npz"):  # np.savez would write OUT.npz, not the file asked for
+        raise KvqrsError(f"--out: a calibration file is a NumPy .npz archive; give a name ending in .npz (not {args.out!r})")
     texts = _texts(args)
     torch_threads(1 if args.threads is None else args.threads)
     model, tok, info = _load_model(args, src)
@@ -846,7 +848,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ca.add_argument("--ctx", type=int, default=512, help="tokens per calibration window (default: %(default)s)")
     ca.add_argument("--windows", type=int, default=8, help="calibration windows (default: %(default)s)")
-    ca.add_argument("--out", default="matched-calibration.npz", help="output file (default: %(default)s)")
+    ca.add_argument("--out", default="matched-calibration.npz", help="output file, ending in .npz (default: %(default)s)")
     ca.add_argument("--no-progress", action="store_true", help="no progress bars")
     ca.set_defaults(func=_calibrate)
     return parser

@@ -277,10 +277,12 @@ def test_needle_rows_with_preset_calibrations(tmp_path):
     from kvqrs.hf import save_matched
     from kvqrs.schemes.matched import random_calibration
 
+    from tests.schemes.test_matched import preset_meta
+
     cal = {i: random_calibration(64, 4, i) for i in range(3)}
     paths = {}
     for name, preset in {"a": "4bit", "b": "2bit", "c": None, "d": "4bit"}.items():
-        meta = {"group": 256, "sink_tokens": 1, "source": "t"} | ({"budget": 3.0} if preset is None else {"preset": preset})
+        meta = {"group": 256, "sink_tokens": 1, "source": "t"} | ({"budget": 3.0} if preset is None else preset_meta(preset))
         paths[name] = save_matched(tmp_path / f"{name}.npz", cal, meta)
     cals = needle.preset_calibrations([paths["b"], paths["a"]])
     assert sorted(cals) == ["2bit", "4bit"] and sorted(cals["4bit"]) == [0, 1, 2]

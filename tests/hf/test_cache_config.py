@@ -275,3 +275,118 @@ def test_chunk_is_the_declared_layouts_alignment(make, chunk):
     if not config.has_value_classes:  # (whose classes fill the group they were fitted for)
         config.group = 2 * config.group  # a changed setting is read again
         assert config.chunk == (1 if chunk == 1 else 2 * chunk)
+
+
+# -- a calibration file's recorded settings -------------------------------------------------------
+
+RECORDED = {"group": 256, "sink_tokens": 1, "value_norms": "log8", "sink_dtype": "float16", "value_scale": "preserve_norm"}
+
+
+def _calibration_file(tmp_path, name="cal.npz", layers=2, d=64, **meta):
+    from kvqrs.hf import save_matched
+    from kvqrs.schemes.matched import random_calibration
+
+    return save_matched(tmp_path / name, {i: random_calibration(d, 3, i) for i in range(layers)}, {**RECORDED, **meta})
+
+
+def _settings(cfg):
+    return {k: getattr(cfg, k) for k in RECORDED}
+
+
+def test_config_takes_the_settings_its_calibration_file_records(tmp_path):
+    """``QuantConfig(calibration=load_matched(path))`` codes as the file was made (its group,
+    sinks, sink dtype, value norms and value scale), as ``QuantConfig.preset`` and
+    ``KVQRS_CALIBRATION`` do; a field passed explicitly keeps its value."""
+    import dataclasses
+
+    from kvqrs.hf import load_matched
+
+    path = _calibration_file(tmp_path)
+    cfg = QuantConfig("matched", 4, "matched", 4, calibration=load_matched(path))
+    assert _settings(cfg) == RECORDED
+    assert cfg.codec(0, 64).value_norms == "log8" and cfg.codec(0, 64).value_scale == "preserve_norm"
+    # Passed explicitly (by keyword or position), a setting is the caller's, even the default.
+    explicit = QuantConfig("matched", 4, "matched", 4, 0, 1, None, calibration=load_matched(path), group=32, value_scale="norm")
+    assert _settings(explicit) == {**RECORDED, "group": 32, "value_scale": "norm", "sink_dtype": None}
+    # No sinks asked for: the recorded sink dtype has nothing to store.
+    assert _settings(QuantConfig("matched", 4, "matched", 4, sink_tokens=0, calibration=load_matched(path)))["sink_dtype"] is None
+    # Keys only, or transform-coded values: no MSE value stage takes the value settings.
+    keys_only = QuantConfig("matched", 4, None, calibration=load_matched(path))
+    assert _settings(keys_only) == {**RECORDED, "value_norms": "float", "value_scale": "norm"}
+    # Set on a built config or replaced, a field is the caller's; a plain dict records nothing.
+    cfg.group = 64
+    assert cfg.group == 64
+    other = _calibration_file(tmp_path, "other.npz", group=128)
+    assert dataclasses.replace(cfg, calibration=load_matched(other)).group == 64
+    assert _settings(QuantConfig("matched", 4, "matched", 4, calibration=dict(load_matched(path)))) == {
+        "group": 32,
+        "sink_tokens": 0,
+        "value_norms": "float",
+        "sink_dtype": None,
+        "value_scale": "norm",
+    }
+    # Copies carry the recorded metadata; a config rebuilt from its fields is the same config.
+    import pickle
+
+    assert pickle.loads(pickle.dumps(load_matched(path))).meta == load_matched(path).meta
+    assert QuantConfig(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}) == cfg
+
+
+def test_kvqrs_calibration_reads_the_file_as_the_constructor_does(tmp_path):
+    from kvqrs.hf import load_matched, save_matched
+    from kvqrs.schemes.matched import MatchedCalibration, fit_basis
+    from kvqrs.vllm.settings import config_from_env
+
+    x = np.random.default_rng(0).standard_normal((2, 300, 16)).astype(np.float32)
+    cal = {0: MatchedCalibration(fit_basis(x, 3.0, 8, scales="tokens"), x.mean(axis=1))}
+    path = save_matched(
+        tmp_path / "tokens.npz", cal, {"group": 16, "sink_tokens": 0, "value_norms": "float", "value_scale": "least_squares"}
+    )
+    env = config_from_env({"KVQRS_SCHEME": "matched", "KVQRS_BITS": "3", "KVQRS_CALIBRATION": str(path), "KVQRS_GROUP": "64"})
+    assert env == QuantConfig("matched", 3, "matched", 3, calibration=load_matched(path))
+    assert (env.group, env.value_scale) == (16, "least_squares")
+
+
+def test_recorded_settings_the_config_refuses_name_the_file(tmp_path):
+    from kvqrs.hf import load_matched
+
+    bad = _calibration_file(tmp_path, group=12)
+    with pytest.raises(
+        KvqrsError, match=r"^group: the matched scheme .* got 12 \(taken from calibration file '.*cal.npz': \{'group': 12, "
+    ):
+        QuantConfig("matched", 4, "matched", 4, calibration=load_matched(bad))
+    garbled = _calibration_file(tmp_path, "garbled.npz", sink_tokens="one")
+    with pytest.raises(KvqrsError, match=r"^calibration: '.*garbled.npz' records sink_tokens 'one'; expected an integer of ASCII digits$"):
+        QuantConfig("matched", 4, "matched", 4, calibration=load_matched(garbled))
+
+
+def test_preset_checks_a_loaded_file_as_its_path(tmp_path):
+    """A dict read by load_matched carries what its file records: the preset refuses one made
+    for other settings, as it refuses the path."""
+    from kvqrs.hf import load_matched
+
+    from tests.schemes.test_matched import preset_meta
+
+    path = _calibration_file(tmp_path, **preset_meta("3bit"))
+    assert QuantConfig.preset("3bit", load_matched(path)).group == QuantConfig.preset("3bit", path).group
+    with pytest.raises(KvqrsError, match=r"^calibration: '.*cal.npz' was made for preset '3bit', not '4bit'"):
+        QuantConfig.preset("4bit", load_matched(path))
+
+
+def test_repr_summarises_calibrations_and_bases(tmp_path):
+    """The repr names every field, a calibration or HeadQ bases by class, layers and bits or
+    shapes, not by their arrays (a 30-layer calibration printed about 380k characters)."""
+    from kvqrs.hf import load_matched
+
+    path = _calibration_file(tmp_path, layers=30, d=128)
+    text = repr(QuantConfig("matched", 4, "matched", 4, calibration=load_matched(path)))
+    assert len(text) < 600, len(text)
+    assert f"calibration=<CalibrationFile {str(path)!r}: 30 layers of MatchedCalibration, key code bits 3, value bits the config>" in text
+    assert text.startswith("QuantConfig(key_scheme='matched', key_bits=4, value_scheme='matched', value_bits=4, residual_length=0, ")
+    assert "group=256" in text and "value_norms='log8'" in text
+    plain = repr(QuantConfig("matched", 4, "matched", 4, calibration=dict(load_matched(path))))
+    assert "calibration=<dict: 30 layers of MatchedCalibration" in plain and len(plain) < 600
+    bases = {i: np.zeros((3, 64, 4), np.float32) for i in range(30)}
+    text = repr(QuantConfig("headq", 2, "kqv", 2, bases=bases))
+    assert "bases=<dict: 30 layers, (3, 64, 4)>" in text and len(text) < 600
+    assert "calibration='prefill'" in repr(QuantConfig("matched", 4, "matched", 4, calibration="prefill"))

@@ -278,7 +278,7 @@ def test_token_keys_encode_natively_to_the_coders_bytes(data, widths, per_head, 
         t = native.tokens
         huge = np.full((2, heads, 1, D), 1e30, np.float32)
         assert not native.encode_append(huge, np.ones_like(huge), 1)
-        with pytest.raises(KvqrsError, match="overflows float16"):
+        with pytest.raises(KvqrsError, match=r"^keys: the key at \(batch 0, head 0, token 0\), .* overflows its float16 per-token scale"):
             codec.encode_keys(huge)
         assert native.tokens == t
 
@@ -742,7 +742,7 @@ def test_a_steady_step_whose_flush_the_native_encode_refuses_takes_the_python_en
         if not native:
             monkeypatch.setattr(store_mod, "_native_encoder", lambda coder, kv_heads: None)
         cache = QuantizedKVCache(cfg, 1)
-        with pytest.raises(KvqrsError, match="absmax scale overflows float16"):
+        with pytest.raises(KvqrsError, match=r"^keys: the key at \(batch 0, head \d, token 0\).* overflows its float16 per-token scale"):
             for k, v in zip(keys, values):
                 cache.attend(Module(), q, *cache.update(k, v, 0), None, 0.2)
         layer = cache.layers[0]

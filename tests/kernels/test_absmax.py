@@ -268,3 +268,26 @@ def _code(codes=None, scales=None, widths=None):
         np.ones(2, np.float16) if scales is None else scales,
         W if widths is None else widths,
     )
+
+
+@pytest.mark.parametrize("dtype", [np.int64, np.int8, np.uint16, np.int32])
+def test_integer_codes_of_any_dtype_decode_by_value(dtype):
+    """Codes of another integer dtype decode as the same uint8 codes (the rule of every kvqrs
+    kernel reading codes); a value that does not fit a byte is refused by index, never wrapped."""
+    x = np.random.default_rng(0).standard_normal((4, 3)).astype(np.float32)
+    code = kvqrs.absmax_encode(x, W)
+    want = kvqrs.absmax_decode(code)
+    np.testing.assert_array_equal(kvqrs.absmax_decode(code._replace(codes=code.codes.astype(dtype))), want)
+    if np.iinfo(dtype).max > 255:
+        wide = code.codes.astype(dtype)
+        wide[2, 1] = 256 + int(code.codes[2, 1])  # would wrap to the original code as uint8
+        with pytest.raises(kvqrs.KvqrsError, match=r"^code.codes: code \d+ at index \(2, 1\) does not fit \(expected 0 <= code < 256\)$"):
+            kvqrs.absmax_decode(code._replace(codes=wide))
+    if np.iinfo(dtype).min < 0:
+        neg = code.codes.astype(dtype)
+        neg[3, 0] = -1
+        with pytest.raises(kvqrs.KvqrsError, match=r"^code.codes: code -1 at index \(3, 0\) does not fit"):
+            kvqrs.absmax_decode(code._replace(codes=neg))
+    for bad in (code.codes.astype(np.float32), code.codes.astype(bool)):
+        with pytest.raises(kvqrs.KvqrsError, match=rf"^code.codes: expected an integer array \(uint8 codes\), got dtype {bad.dtype}$"):
+            kvqrs.absmax_decode(code._replace(codes=bad))

@@ -275,6 +275,9 @@ def test_eval_refuses_zero_calibration_windows(text_file, no_model, capsys, tmp_
         (["--ctx", "100000000"], "--ctx: expected at most the model's context of 8192 tokens, got 100000000"),
         (["--out", "{blocker}/cal.npz"], "--out: the folder '{blocker}' of '{blocker}/cal.npz' does not exist"),
         (["--out", "{tmp}"], "--out: cannot write '{tmp}' (a folder"),
+        # np.savez appends .npz to another name: the file written would not be the one asked for.
+        (["--out", "{tmp}/cal.pt"], "--out: a calibration file is a NumPy .npz archive; give a name ending in .npz (not '{tmp}/cal.pt')"),
+        (["--out", "{tmp}/cal.NPZ"], "give a name ending in .npz (not '{tmp}/cal.NPZ')"),
     ],
 )
 def test_calibrate_refuses_its_output_and_context_before_loading_the_model(text_file, no_model, capsys, tmp_path, argv, message):
@@ -282,6 +285,7 @@ def test_calibrate_refuses_its_output_and_context_before_loading_the_model(text_
     blocker.write_text("not a folder")
     argv = [a.format(blocker=blocker, tmp=tmp_path) for a in argv]
     assert message.format(blocker=blocker, tmp=tmp_path) in _refused(["calibrate", "--data", text_file, *argv], capsys)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "text.txt"]  # nothing written
 
 
 # -- saved caches: edited bytes behind valid checksums ----------------------------------------------

@@ -119,8 +119,42 @@ def test_token_keys_refuse_what_is_not_theirs():
         MatchedBasis(cal.keys.mean, cal.keys.basis, cal.keys.widths, np.zeros((2, 8)))
     with pytest.raises(KvqrsError, match="deviations"):
         MatchedBasis(cal.keys.mean, cal.keys.basis, cal.keys.widths, np.ones((1, 8)))
-    with pytest.raises(KvqrsError, match="overflows float16"):
+    with pytest.raises(KvqrsError, match="overflows its float16 per-token scale"):
         _codec(cal, 8).encode_keys(np.full((1, 2, 1, 8), 1e30, np.float32))
+
+
+def test_key_scale_overflow_names_the_keys_by_head_and_token():
+    """A key too far out for its float16 scale is named by (batch, head, token) in the keys the
+    caller gave, not by the kernel's row of the flattened leading axes."""
+    import torch
+    from kvqrs.hf import QuantizedKVCache
+    from kvqrs.hf.attention import active
+
+    _, cal = _token_calibration()
+    k = np.random.default_rng(1).standard_normal((1, 2, 5, 8)).astype(np.float32)
+    k[0, 1, 3], k[0, 0, 4, 2] = 1e30, -1e30
+    tail = r" overflows its float16 per-token scale: .*\|y_i / sigma_i\|, is [0-9.e+]+ \(expected below 65520"
+    with pytest.raises(
+        KvqrsError,
+        match=r"^keys: the key at \(batch 0, head 0, token 4\), \(batch 0, head 1, token 3\) of keys shape \(1, 2, 5, 8\)" + tail,
+    ):
+        _codec(cal, 8).encode_keys(k)
+    with pytest.raises(KvqrsError, match=r"^keys: the key at \(head 1, token 3\) of keys shape \(2, 4, 8\)" + tail):
+        _codec(cal, 8).encode_keys(k[0, :, :4])
+    many = np.full((2, 3, 8), 1e30, np.float32)
+    with pytest.raises(KvqrsError, match=r"token 0\), \(head 0, token 1\), \(head 0, token 2\) and 3 more of keys"):
+        _codec(cal, 8).encode_keys(many)
+    with np.errstate(invalid="ignore"), pytest.raises(KvqrsError, match=r"^keys: expected finite"):  # the kernel's own error
+        _codec(cal, 8).encode_keys(np.full((2, 3, 8), np.inf, np.float32))
+    # Through the cache (whose native encoder refuses the tokens; the Python path names them).
+    one = k.copy()
+    one[0, 0, 4] = 0.0
+    cache = QuantizedKVCache(QuantConfig("matched", 4, "matched", 4, group=8, calibration={0: cal}), 1)
+    with (
+        active(None),
+        pytest.raises(KvqrsError, match=r"^keys: the key at \(batch 0, head 1, token 3\) of keys shape \(1, 2, 5, 8\)" + tail),
+    ):
+        cache.update(torch.from_numpy(one), torch.zeros(1, 2, 5, 8), 0)
 
 
 def test_calibration_file_keeps_the_deviations(tmp_path):

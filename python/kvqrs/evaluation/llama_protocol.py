@@ -102,41 +102,27 @@ def matched_rows(calibration: dict) -> list[LlamaRow]:
 
 
 def file_row(path, value_scale: str | None = None) -> LlamaRow:
-    """The row of a ``kvqrs calibrate`` file: its group and sinks from the file's metadata,
-    values at its per-layer widths (``--budget``) or at ``ceil(bits)`` with the norms and sink
-    dtype the file records (``value_norms``, ``sink_dtype``), storing ``value_scale`` per value
-    token (:data:`kvqrs.kernels.mse.SCALES`; None: the file's ``value_scale``, else ``"norm"``)."""
+    """The row of a ``kvqrs calibrate`` file: the group, sinks, sink dtype, value norms and value
+    scale it records (:func:`kvqrs.hf.calibration.recorded_settings`, as ``QuantConfig`` applies
+    them), values at its per-layer widths (``--budget``) or at ``ceil(bits)``, storing
+    ``value_scale`` per value token instead of the file's when given
+    (:data:`kvqrs.kernels.mse.SCALES`)."""
     from ..hf import load_matched
-    from ..hf.calibration import calibration_meta
 
-    cal, meta = load_matched(path), calibration_meta(path)
+    cal = load_matched(path)
+    meta = cal.meta
     try:
-        group, sinks = int(meta.get("group", 128)), int(meta.get("sink_tokens", 1))
         bits = float(meta.get("bits", meta.get("budget", 4)))
     except ValueError:
         raise KvqrsError(f"calibration: {str(path)!r} has unreadable metadata {meta}") from None
     vb = max(1, math.ceil(bits))
     what = f"budget {meta['budget']}, per-layer widths" if "budget" in meta else f"k{bits:g} v{vb}"
-    scale, norms, sink_dtype = value_scale or meta.get("value_scale", "norm"), meta.get("value_norms", "float"), meta.get("sink_dtype")
-    # A file made with a sink dtype but no sinks (which `kvqrs calibrate` now refuses) stored
-    # nothing in that dtype: its row has none.
-    sink_dtype = sink_dtype if sinks else None
+    config = QuantConfig("matched", vb, "matched", vb, calibration=cal, **({} if value_scale is None else {"value_scale": value_scale}))
+    scale, norms, sink_dtype = config.value_scale, config.value_norms, config.sink_dtype
     tags = {"norm": "", "least_squares": " ls-scale"}.get(scale, f" {scale}") + (f" {norms}-norms" if norms != "float" else "")
     tags += f" {sink_dtype}-sinks" if sink_dtype else ""
     tags += " a2-classes" if any(c.value_classes for c in cal.values()) else ""
-    label = f"matched {what} g{group} sinks:{sinks}{tags} ({pathlib.Path(path).name})"
-    config = QuantConfig(
-        "matched",
-        vb,
-        "matched",
-        vb,
-        group=group,
-        sink_tokens=sinks,
-        sink_dtype=sink_dtype,
-        calibration=cal,
-        value_scale=scale,
-        value_norms=norms,
-    )
+    label = f"matched {what} g{config.group} sinks:{config.sink_tokens}{tags} ({pathlib.Path(path).name})"
     return LlamaRow(label, config)
 
 

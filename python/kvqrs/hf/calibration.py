@@ -8,6 +8,7 @@ import io
 import pathlib
 import re
 from collections.abc import Iterable
+from typing import Any
 
 import numpy as np
 import torch
@@ -611,7 +612,9 @@ MATCHED_FORMAT = "kvqrs-matched-calibration-v1"
 
 def save_matched(path: str | pathlib.Path | io.BytesIO, calibration: dict, meta: dict | None = None) -> pathlib.Path | io.BytesIO:
     """Write a ``matched`` calibration (``{layer: MatchedCalibration}``) to ``path`` (.npz), or
-    into a binary file object (a compressed cache embeds it that way)."""
+    into a binary file object (a compressed cache embeds it that way), with ``meta``'s values as
+    strings (:func:`calibration_meta`). Returns the path written: NumPy appends ``.npz`` to a
+    path without that suffix (``kvqrs calibrate --out`` refuses one instead)."""
     arrays = {}
     for layer, c in calibration.items():
         arrays.update({f"mean_{layer}": c.keys.mean, f"widths_{layer}": c.keys.widths, f"vmean_{layer}": c.value_mean})
@@ -637,9 +640,64 @@ def save_matched(path: str | pathlib.Path | io.BytesIO, calibration: dict, meta:
 def calibration_meta(path: str | pathlib.Path) -> dict[str, str]:
     """The metadata strings :func:`save_matched` wrote with a calibration (``kvqrs calibrate``
     records ``group``, ``sink_tokens``, ``value_norms``, ``bits`` or ``budget``, ``key_widths``
-    and ``value_widths``, and ``sink_dtype``, ``value_scale``, ``preset`` when set)."""
-    entries = _read_npz(path, str(path))
+    and ``value_widths``, and ``sink_dtype``, ``value_scale``, ``preset`` when set); also
+    :attr:`CalibrationFile.meta` of what :func:`load_matched` returns."""
+    return _meta(_read_npz(path, str(path)))
+
+
+def _meta(entries: dict[str, np.ndarray]) -> dict[str, str]:
     return {k[5:]: str(v) for k, v in entries.items() if k.startswith("meta_")}
+
+
+class CalibrationFile(dict):
+    """A ``matched`` calibration as :func:`load_matched` reads it: ``{layer: MatchedCalibration}``
+    (a dict, usable wherever one is), with what the file records about how it was made.
+
+    Attributes:
+        meta: ``{name: str}``, the metadata strings of the file (:func:`calibration_meta`).
+        path: the file's path as given, or ``"<bytes>"`` for a binary file object.
+
+    :class:`~kvqrs.hf.QuantConfig` applies the settings ``meta`` records
+    (:func:`recorded_settings`) to the fields its caller did not pass; ``dict(calibration)``
+    drops ``meta`` (a plain dict records nothing).
+    """
+
+    def __init__(self, layers: Any = (), meta: dict[str, str] | None = None, path: str = "<dict>") -> None:
+        super().__init__(layers)  # dict's own arguments first: copies made by type(d)(items) work
+        self.meta = dict(meta or {})
+        self.path = path
+
+
+def recorded_settings(meta: dict[str, str], name: str = "calibration") -> dict:
+    """The :class:`~kvqrs.hf.QuantConfig` settings a calibration file's metadata records: the one
+    reading of them, for ``QuantConfig(calibration=load_matched(path))``,
+    :meth:`QuantConfig.preset <kvqrs.hf.QuantConfig.preset>`, ``KVQRS_CALIBRATION`` and the
+    evaluation's file rows.
+
+    Args:
+        meta: ``{name: str}`` (:func:`calibration_meta`, :attr:`CalibrationFile.meta`).
+        name: the file, for the error message.
+
+    Returns:
+        ``{"group": int, "sink_tokens": int}`` where recorded (``kvqrs calibrate`` always records
+        them; absent from files saved by :func:`save_matched` without them), and always
+        ``value_norms`` (absent: ``"float"``), ``value_scale`` (absent: ``"norm"``; ``kvqrs
+        calibrate`` records it when not ``"norm"``) and ``sink_dtype`` (absent, or with
+        ``sink_tokens`` recorded as 0: None, nothing was stored in it).
+
+    Raises:
+        KvqrsError: a recorded ``group`` or ``sink_tokens`` that is not an integer.
+    """
+    out: dict = {}
+    for key in ("group", "sink_tokens"):
+        if key in meta:
+            if not re.fullmatch("[0-9]+", meta[key]):
+                raise KvqrsError(f"calibration: {name!r} records {key} {meta[key]!r}; expected an integer of ASCII digits")
+            out[key] = int(meta[key])
+    out["value_norms"] = meta.get("value_norms", "float")
+    out["value_scale"] = meta.get("value_scale", "norm")
+    out["sink_dtype"] = meta.get("sink_dtype") if out.get("sink_tokens") != 0 else None
+    return out
 
 
 # Errors of reading a damaged archive: zipfile's (a truncated or altered file), zlib's, NumPy's
@@ -687,9 +745,17 @@ def _permutation_basis(perm: np.ndarray) -> np.ndarray:
     return basis
 
 
-def load_matched(path: str | pathlib.Path | io.BytesIO) -> dict:
-    """Read a calibration written by :func:`save_matched` (a path or a binary file object);
-    raises :class:`KvqrsError` on another or a damaged file, naming the entry at fault."""
+def load_matched(path: str | pathlib.Path | io.BytesIO) -> CalibrationFile:
+    """Read a calibration written by :func:`save_matched` (a path or a binary file object).
+
+    Returns:
+        :class:`CalibrationFile`: ``{layer: MatchedCalibration}`` (layers in increasing order)
+        with the file's metadata strings as ``.meta`` (the settings it records apply in
+        :class:`~kvqrs.hf.QuantConfig`).
+
+    Raises:
+        KvqrsError: another or a damaged file, naming the entry at fault.
+    """
     name = "<bytes>" if isinstance(path, io.BytesIO) else str(path)
     z = _read_npz(path, name)
     if "format" not in z or z["format"].shape != () or str(z["format"]) != MATCHED_FORMAT:
@@ -707,7 +773,7 @@ def load_matched(path: str | pathlib.Path | io.BytesIO) -> dict:
             out[i] = _layer_calibration(z, i)
         except KvqrsError as e:
             raise KvqrsError(f"calibration: {name!r}, layer {i}: {e}") from None
-    return out
+    return CalibrationFile(out, _meta(z), name)
 
 
 _LAYER_ENTRIES = ("mean", "widths", "vmean", "basis", "perm", "vbasis", "vwidths", "vbits", "vclasses", "kdev")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -56,7 +57,17 @@ class QuantConfig:
         headq_base, rank, side_bits, sign: HeadQ settings (see :class:`KVCodec`).
         calibration: for the ``matched`` scheme, ``{layer: MatchedCalibration}``
             (:func:`kvqrs.hf.calibrate_matched`, saved by ``kvqrs calibrate``); ``group`` is then
-            its key scale group in tokens; ``"prefill"`` to self-calibrate: each layer fits its
+            its key scale group in tokens. A file read by :func:`kvqrs.hf.load_matched` (a
+            :class:`~kvqrs.hf.calibration.CalibrationFile`) brings the settings it was made
+            with: ``group``, ``sink_tokens``, ``sink_dtype``, ``value_norms`` and
+            ``value_scale`` (:func:`~kvqrs.hf.calibration.recorded_settings`) apply to those
+            of these fields the constructor was not given (the value settings where the values
+            are ``matched`` without ``value_transform``; a recorded ``sink_dtype`` only with
+            sinks), while a field passed explicitly keeps its value (e.g. another
+            ``value_scale`` to compare; :meth:`preset` refuses that instead). Set on a built
+            config or by ``dataclasses.replace`` (which passes every field), nothing is taken
+            from the file; a plain dict records nothing. A recorded setting the config refuses
+            raises naming the file. ``"prefill"`` to self-calibrate: each layer fits its
             calibration on the first forward (the prompt: its queries' second moment, its keys
             and values after the sinks, ``key_bits`` average key code bits) and codes every
             later token with it (:func:`kvqrs.schemes.matched.fit_layer`); ``"random"`` for
@@ -120,6 +131,12 @@ class QuantConfig:
         # that do not pickle): copies and pickles carry the settings only and build their own.
         return {**self.__dict__, "_codecs": {}, "_chunk": None, "_validating": False, "_in_use": False}
 
+    def __repr__(self) -> str:
+        # The generated repr printed every array of a calibration or HeadQ bases (hundreds of
+        # thousands of characters): those fields are summarised.
+        fields = ", ".join(f"{f.name}={_summary(getattr(self, f.name))}" for f in dataclasses.fields(self))
+        return f"{type(self).__name__}({fields})"
+
     def __eq__(self, other: object) -> bool:
         # Field by field, arrays by value (the generated __eq__ raised on NumPy HeadQ bases).
         return type(other) is type(self) and same_settings(self, other)
@@ -164,6 +181,35 @@ class QuantConfig:
         # not fields (replace, asdict and copies carry the settings only).
         self._codecs: dict = {}
         self._chunk: int | None = None
+        given = self.__dict__.pop("_given", None)  # set by the constructor alone (_recording_init)
+        applied = {} if given is None else self._apply_recorded(given)
+        try:
+            self._check_settings()
+        except KvqrsError as e:
+            if not applied:
+                raise
+            raise KvqrsError(f"{e} (taken from calibration file {self.calibration.path!r}: {applied})") from None
+
+    def _apply_recorded(self, given: frozenset) -> dict:
+        """Set the fields a :class:`~kvqrs.hf.calibration.CalibrationFile` records and the
+        constructor was not ``given`` (see ``calibration``); returns those set."""
+        meta = getattr(self.calibration, "meta", None)
+        if not isinstance(self.calibration, dict) or meta is None or "matched" not in (self.key_scheme, self.value_scheme):
+            return {}
+        from .calibration import recorded_settings
+
+        recorded = recorded_settings(meta, self.calibration.path)
+        if self.value_scheme != "matched" or self.value_transform:  # no MSE value stage takes them
+            recorded.pop("value_norms"), recorded.pop("value_scale")
+        sinks = self.sink_tokens if "sink_tokens" in given else recorded.get("sink_tokens", self.sink_tokens)
+        if not sinks:
+            recorded.pop("sink_dtype")  # nothing to store in it
+        applied = {k: v for k, v in recorded.items() if k not in given and getattr(self, k) != v}
+        for k, v in applied.items():
+            object.__setattr__(self, k, v)
+        return applied
+
+    def _check_settings(self) -> None:
         from .._arrays import check_bits, check_seed
         from ..schemes.registry import check_value_stage, names
 
@@ -366,7 +412,9 @@ class QuantConfig:
                 (``kvqrs calibrate --preset NAME``, or
                 :func:`kvqrs.hf.calibration.allocate_matched` with the preset's ``budget``,
                 ``key_widths``, ``value_widths``, ``group``, ``sink_tokens``, ``value_norms``,
-                ``sink_dtype`` and ``value_scale``), or the path of that file.
+                ``sink_dtype`` and ``value_scale``), or the path of that file (a dict read by
+                :func:`kvqrs.hf.load_matched` is checked against what its file records, as the
+                path would be).
             overrides: other :class:`QuantConfig` fields (``residual_length``, ``seed``, ...;
                 not the schemes, bits or calibration the preset sets); ``sink_tokens=0`` without
                 a ``sink_dtype`` also drops the preset's sink dtype (there are no sinks to store
@@ -423,11 +471,11 @@ class QuantConfig:
             kw["sink_dtype"] = None
         kw.update(overrides)
         if not isinstance(calibration, dict) and calibration != "prefill":  # a file ("prefill": fitted on the prompt)
-            from .calibration import calibration_meta, load_matched
+            from .calibration import load_matched
 
-            loaded = load_matched(calibration)  # first: another file is refused as not a calibration
-            _check_preset_file(name, p, calibration_meta(calibration), calibration, kw)
-            calibration = loaded
+            calibration = load_matched(calibration)  # first: another file is refused as not a calibration
+        if isinstance(getattr(calibration, "meta", None), dict):  # a file's, read by load_matched
+            _check_preset_file(name, p, calibration.meta, calibration.path, kw)
         return cls("matched", p["value_bits"], "matched", p["value_bits"], calibration=calibration, **kw)
 
     def _matched_calibration(self, layer: int, head_dim: int):
@@ -513,6 +561,47 @@ class QuantConfig:
         return f"{k} k{self.key_bits}{v}{sinks}"
 
 
+def _recording_init(init: Any) -> Any:
+    """The dataclass constructor, noting which fields its caller passed (``_given``, read once
+    by ``__post_init__``): a calibration file's settings apply to the others."""
+    names = [f.name for f in dataclasses.fields(QuantConfig) if f.init]
+
+    @functools.wraps(init)
+    def __init__(self: QuantConfig, *args: Any, **kwargs: Any) -> None:
+        object.__setattr__(self, "_given", frozenset(names[: len(args)]).union(kwargs))
+        init(self, *args, **kwargs)
+
+    return __init__
+
+
+QuantConfig.__init__ = _recording_init(QuantConfig.__init__)  # type: ignore[method-assign]
+
+
+def _span(values: list) -> str:
+    """``3`` or ``3..5``: the range of some numbers."""
+    lo, hi = min(values), max(values)
+    return f"{lo:g}" if lo == hi else f"{lo:g}..{hi:g}"
+
+
+def _summary(value: Any) -> str:
+    """A field of :class:`QuantConfig` in its repr: an array by dtype and shape, a per-layer dict
+    (a calibration, HeadQ bases) by its class, layers and bits or shapes; else ``repr``."""
+    if isinstance(value, np.ndarray):
+        return f"<{value.dtype} array {value.shape}>"
+    if not isinstance(value, dict) or not value:
+        return repr(value)
+    items = list(value.values())
+    layers = f"{len(value)} layers" if len(value) != 1 else f"layer {next(iter(value))!r}"
+    path = getattr(value, "path", None)
+    head = f"{type(value).__name__}{'' if path is None else f' {path!r}'}: {layers}"
+    if all(hasattr(getattr(c, "keys", None), "code_bits") for c in items):  # MatchedCalibration per layer
+        out = f"{head} of {type(items[0]).__name__}, key code bits {_span([c.keys.code_bits() for c in items])}"
+        widths = [c.value_bits for c in items if getattr(c, "value_bits", None) is not None]
+        return f"<{out}, value bits {_span(widths) if widths else 'the config'}>"
+    shapes = sorted({str(getattr(v, "shape", type(v).__name__)) for v in items})
+    return f"<{head}, {' '.join(shapes[:3])}{' ...' if len(shapes) > 3 else ''}>"
+
+
 def _check_preset_file(name: str, preset: dict, meta: dict, path: Any, settings: dict) -> None:
     """Refuse a calibration file made for another preset, or whose recorded settings differ from
     the config's ``settings`` (the preset's, overrides applied): its widths were allocated for
@@ -527,13 +616,9 @@ def _check_preset_file(name: str, preset: dict, meta: dict, path: Any, settings:
     missing = [k for k in needed if k not in meta]
     if missing:  # a file of an older version or written by hand: what it was fitted for is unknown
         raise KvqrsError(f"calibration: {str(path)!r} does not record its {', '.join(missing)}; {fix}")
-    recorded = {
-        "group": meta["group"],
-        "sink_tokens": meta["sink_tokens"],
-        "value_norms": meta.get("value_norms", "float"),
-        "sink_dtype": meta.get("sink_dtype"),
-        "value_scale": meta.get("value_scale", "norm"),
-    }
+    from .calibration import recorded_settings
+
+    recorded = {k: None if v is None else str(v) for k, v in recorded_settings(meta, str(path)).items()}
     wanted = {k: (None if settings[k] is None else str(settings[k])) for k in recorded}
     recorded.update({k: _numbers(meta[k]) for k in allocation})
     wanted.update({k: _numbers(preset[k]) for k in allocation})

@@ -98,7 +98,12 @@ def absmax_decode(code: AbsmaxCode, dtype: DTypeLike = np.float32) -> Array:
     uncoded ones.
 
     Args:
-        code: an :class:`AbsmaxCode` of :func:`absmax_encode`.
+        code: an :class:`AbsmaxCode` of :func:`absmax_encode`. Its codes are uint8 there; as in
+            every kvqrs kernel that reads codes (:func:`~kvqrs.mse_decode`,
+            :func:`~kvqrs.pack_bits`, ...), codes of another integer dtype (int64 from
+            arithmetic on them) are taken by value when every value fits in 0..255, never
+            wrapped: a value outside is refused naming its index, a float or bool array by its
+            dtype.
         dtype: the output's float dtype.
 
     Returns:
@@ -106,7 +111,8 @@ def absmax_decode(code: AbsmaxCode, dtype: DTypeLike = np.float32) -> Array:
 
     Raises:
         KvqrsError: not an :class:`AbsmaxCode`; widths of the wrong dtype, shape or range; codes
-            whose last axis is not ``len(widths)``; scales that are not float16 of the codes'
+            not of an integer dtype, with a value outside 0..255, or whose last axis is not
+            ``len(widths)``; scales that are not float16 of the codes'
             leading shape, or negative or non-finite; a code above its coordinate's ``2^w - 1``
             (any nonzero code where ``w = 0``), named by row and position.
     """

@@ -70,10 +70,40 @@ class MatchedTokenCoder(MatchedCoder):
         check_head_dim(x, self.head_dim, self.kind)
         mean, basis = self.heads(x)
         y = _rows_times(x.astype(np.float32) - mean, basis)  # (..., T, d)
-        code = self.k.absmax_encode(y / self._deviations(y), self.cal.widths)
+        z = y / self._deviations(y)
+        try:
+            code = self.k.absmax_encode(z, self.cal.widths)
+        except KvqrsError:
+            overflow = self._scale_overflow(z)
+            if overflow is None:
+                raise
+            raise overflow from None
         parts = {f"codes{b}": self.k.pack_bits(code.codes[..., lo:hi], b) for b, lo, hi in self.runs}
         parts["scales"] = code.scales
         return Encoded(self.scheme, self.kind, x.shape, x.dtype, parts, self.params)
+
+    def _scale_overflow(self, z: np.ndarray) -> KvqrsError | None:
+        """The error naming the tokens of ``z`` ``(..., T, d)`` whose scale the absmax kernel
+        refuses (largest coded ``|z_i|`` at or above 65520, float16 infinity once rounded) by
+        their index (batch, head, token), or None when there is none."""
+        if not np.isfinite(z).all():  # the kernel's own error names the non-finite value
+            return None
+        a = np.abs(np.where(self.cal.widths > 0, z, 0)).max(axis=-1, initial=0.0)
+        bad = np.argwhere(a >= 65520)
+        if bad.size == 0:
+            return None
+        names = ["token", "head", "batch"][: a.ndim][::-1]
+        names = [f"axis {i}" for i in range(a.ndim - len(names))] + names
+        where = [", ".join(f"{n} {int(i)}" for n, i in zip(names, idx)) for idx in bad[:3]]
+        more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+        first = float(a[tuple(bad[0])])
+        noun = self.kind[:-1] if self.kind.endswith("s") else self.kind
+        return KvqrsError(
+            f"{self.kind}: the {noun} at ({'), ('.join(where)}){more} of {self.kind} shape {(*z.shape[:-1], self.head_dim)} "
+            f"overflows its float16 per-token scale: its largest coded coordinate over the calibrated deviation, "
+            f"|y_i / sigma_i|, is {first:.6g} (expected below 65520, float16's largest finite value being 65504); "
+            f"the calibration's deviations are far below these {self.kind}' spread: recalibrate on data like them"
+        )
 
     def coordinates(self, enc: Encoded) -> np.ndarray:
         """The decoded transform coordinates ``y_hat = z_hat * sigma`` float32 ``(..., T, d)``

@@ -80,27 +80,17 @@ def config_from_env(env: Mapping[str, str] | None = None) -> QuantConfig:
 
 
 def _calibrated(env: Mapping[str, str], scheme: str) -> dict:
-    """The settings a ``KVQRS_CALIBRATION`` file brings (the calibration and the value norms,
-    value scale, sinks, sink dtype and group it was made with), or ``KVQRS_GROUP`` alone."""
+    """The ``KVQRS_CALIBRATION`` file's calibration, whose recorded value norms, value scale,
+    sinks, sink dtype and group the config takes (:class:`~kvqrs.hf.QuantConfig` applies what
+    a file read by ``load_matched`` records), or ``KVQRS_GROUP`` alone."""
     path = env.get("KVQRS_CALIBRATION", "").strip()
     if not path:
         return {"group": _int(env, "KVQRS_GROUP", 32)}
     if scheme != "matched":
         raise KvqrsError(f"KVQRS_CALIBRATION: a calibration file serves KVQRS_SCHEME=matched, not {scheme!r}")
-    from ..hf.calibration import calibration_meta, load_matched
+    from ..hf.calibration import load_matched
 
-    calibration = load_matched(path)
-    meta = calibration_meta(path)
-    out = {
-        "calibration": calibration,
-        "group": int(meta.get("group", 128)),
-        "sink_tokens": int(meta.get("sink_tokens", 0)),
-        "value_norms": meta.get("value_norms", "float"),
-        "value_scale": meta.get("value_scale", "norm"),
-    }
-    if "sink_dtype" in meta:
-        out["sink_dtype"] = meta["sink_dtype"]
-    return out
+    return {"calibration": load_matched(path)}
 
 
 def environment(
