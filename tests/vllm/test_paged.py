@@ -374,16 +374,17 @@ def test_the_paged_binding_takes_typed_per_token_rows():
 def test_the_native_slot_writer_stores_the_python_encodes_bytes(scheme, bits):
     """Schemes whose coders encode natively write their slots in one native call (encode and
     scatter, GIL released): the same bytes as encoding in Python and scattering with NumPy,
-    padding slots skipped, a prefill and a decode token alike."""
+    padding slots skipped, a prefill (one longer than a span the threads code apart) and a
+    decode token alike."""
     native = SlotLayout(QuantConfig(scheme, bits, scheme, bits), layer=2, head_dim=D)
     python = SlotLayout(QuantConfig(scheme, bits, scheme, bits), layer=2, head_dim=D)
     assert native._writer is not None
     python._writer = None
     rng = np.random.default_rng(5)
-    caches = [_cache(native, 4), _cache(native, 4)]
-    for n, scale in ((13, 1.0), (1, 3e3), (6, 1e-3)):
+    caches = [_cache(native, 40), _cache(native, 40)]
+    for n, scale in ((13, 1.0), (1, 3e3), (6, 1e-3), (600, 1.0)):
         keys, values = (rng.standard_normal((n, KV_HEADS, D)).astype(np.float32) * scale for _ in range(2))
-        slots = rng.choice(4 * BLOCK, n, replace=False)
+        slots = rng.choice(40 * BLOCK, n, replace=False)
         slots[::4] = -1
         for layout, cache in zip((native, python), caches):
             layout.write(cache, keys, values, slots)

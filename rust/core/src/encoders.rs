@@ -40,7 +40,7 @@ pub enum SideEncoder {
 }
 
 /// One encoded part: its name within the side, dtype and C-order bytes.
-type EncodedPart = (String, Dtype, Vec<u8>);
+pub type EncodedPart = (String, Dtype, Vec<u8>);
 
 fn plane_part(name: &str, plane: ScalarPlane) -> EncodedPart {
     match plane {

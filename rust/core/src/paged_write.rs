@@ -4,9 +4,13 @@
 //! (`kernels::paged`; docs/vllm.md).
 
 use crate::dtype::Dtype;
-use crate::encoders::SideEncoder;
+use crate::encoders::{EncodedPart, SideEncoder};
 use crate::error::{KvqError, Result};
 use crate::par;
+
+/// Tokens per unit of work of a write (keys or values): a prompt's tokens are coded in spans
+/// over the threads.
+const ENCODE_SPAN: usize = 256;
 
 /// One stored part of a slot: the part `name` of side `side` (0 keys, 1 values) as its encoder
 /// names it, `row_bytes` bytes per token at `offset` bytes into the slot (`block_size *
@@ -144,17 +148,35 @@ impl SlotWriter {
         };
         let padded = kept.len() < slots.len();
         let sides = [keys, values].map(|x| if padded { gather(x) } else { x.to_vec() });
-        // Keys and values on two threads for a prompt's many tokens (about head_dim
-        // multiply-adds per coordinate: the rotation and the QJL sketch or a basis).
-        let [ke, ve] = &self.encoders;
-        let encode = |enc: &SideEncoder, x: &[f32]| enc.encode(x, 1);
-        let work = sides[0].len().saturating_mul(d);
-        let encoded = if work >= par::par_min_attend() {
-            let (k, v) = rayon::join(|| encode(ke, &sides[0]), || encode(ve, &sides[1]));
-            [k?, v?]
-        } else {
-            [encode(ke, &sides[0])?, encode(ve, &sides[1])?]
-        };
+        // A prompt's many tokens in spans over the threads (keys and values alike: about
+        // head_dim multiply-adds per coordinate, a rotation and a sketch or a basis); each
+        // token is coded alone, so the spans join into the bytes of one call.
+        let tokens = kept.len();
+        let spans = tokens.div_ceil(ENCODE_SPAN).max(1);
+        let work = tokens.saturating_mul(2 * row * d);
+        let parts = par::map_range(2 * spans, work, par::par_min_attend(), |u| {
+            let (side, c) = (u / spans, u % spans);
+            let x = &sides[side][c * ENCODE_SPAN * row..((c + 1) * ENCODE_SPAN).min(tokens) * row];
+            self.encoders[side].encode(x, 1)
+        });
+        let mut spans_of = parts.into_iter();
+        let mut encoded: Vec<Vec<EncodedPart>> = Vec::with_capacity(2);
+        for (side, x) in sides.iter().enumerate() {
+            let mut joined: Vec<EncodedPart> = Vec::new();
+            for span in spans_of.by_ref().take(spans) {
+                // An error is the whole side's, as one call reports it (rows counted from its
+                // first token).
+                let span = span.or_else(|e| self.encoders[side].encode(x, 1).and(Err(e)))?;
+                if joined.is_empty() {
+                    joined = span;
+                } else {
+                    for (j, (_, _, bytes)) in joined.iter_mut().zip(span) {
+                        j.2.extend_from_slice(&bytes);
+                    }
+                }
+            }
+            encoded.push(joined);
+        }
         let mut sources = Vec::with_capacity(self.parts.len());
         for p in &self.parts {
             let (_, dtype, bytes) = encoded[p.side]

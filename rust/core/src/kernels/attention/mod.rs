@@ -319,6 +319,18 @@ impl<'a> Plan<'a> {
         })
     }
 
+    /// Head `h`'s rows `span` decoded to the head domain into `out` (span.len() x head_dim)
+    /// by the layout's own decoder; false (nothing written) for layouts without one.
+    fn decode(&self, isa: Isa, h: usize, span: Range<usize>, out: &mut [f32]) -> bool {
+        match self {
+            Plan::Mse(p) => p.decode(isa, h, span, out),
+            Plan::TokenRuns(p) => p.decode(isa, h, span, out),
+            Plan::Centred(p) => return p.decode(isa, h, span, out),
+            _ => return false,
+        }
+        true
+    }
+
     fn keys(&self) -> &dyn KeyRows {
         match self {
             Plan::Mse(p) => p,

@@ -104,6 +104,48 @@ impl<'a> MsePlan<'a> {
     fn cd(&self) -> usize {
         self.reader.n
     }
+
+    /// Head `h`'s rows `span` decoded to the head domain (span.len() x d into `out`):
+    /// `R^T (||x|| c + sqrt(pi/2)/m ||r|| S^T sigma)`, the rows the scores and value sums read.
+    pub(super) fn decode(&self, isa: Isa, h: usize, span: Range<usize>, out: &mut [f32]) {
+        let (cd, t, c0, n) = (self.cd(), self.stride, span.start, span.len());
+        let d = out.len() / n;
+        let mut z = vec![0.0f32; n * cd];
+        let mut nb = vec![0.0f32; n];
+        self.norms.read(isa, h * t + c0, &mut nb);
+        let ht = (h, t);
+        self.reader
+            .each_block(isa, self.codes, ht, span.clone(), |j0, block| {
+                for (r, row) in block.chunks_exact(cd).enumerate() {
+                    let (j, dst) = (
+                        j0 - c0 + r,
+                        &mut z[(j0 - c0 + r) * cd..(j0 - c0 + r + 1) * cd],
+                    );
+                    dst.iter_mut().zip(row).for_each(|(o, &c)| *o = nb[j] * c);
+                }
+            });
+        if let Some(q) = &self.qjl {
+            q.norms.read(isa, h * t + c0, &mut nb);
+            let s = q.sketcher.matrix();
+            let mut w = Vec::new();
+            q.reader.each_block(isa, q.signs, ht, span, |j0, block| {
+                // z_j += (k ||r_j|| sigma_j) S: the block's rows at once, S read once.
+                let (a, rows) = (j0 - c0, block.len() / cd);
+                w.clear();
+                for (r, signs) in block.chunks_exact(cd).enumerate() {
+                    w.extend(signs.iter().map(|&sign| q.k * nb[a + r] * sign));
+                }
+                let dst = &mut z[a * cd..(a + rows) * cd];
+                ops::axpy_rows(isa, (dst, rows), &w, (1, cd), s, cd);
+            });
+        }
+        for (zr, o) in z.chunks_exact_mut(cd).zip(out.chunks_exact_mut(d)) {
+            match &self.rot {
+                Some(r) => r.inverse_row_isa(isa, zr, o),
+                None => o.copy_from_slice(&zr[..d]),
+            }
+        }
+    }
 }
 
 impl KeyRows for MsePlan<'_> {

@@ -2,10 +2,12 @@
 //! for dense attention over many query rows at once (a prompt's prefill), where reading each
 //! token once per query row would cost more than decoding it once.
 //!
-//! No layout needs a decoder of its own: a key layout's scores of the unit query rows `e_i`
-//! are the coordinates `k_hat_j[i]` (plus the term it leaves to the log-sum-exp, a mean's
-//! `e_i . mu`), and a value layout's read-out of one-hot weights is `v_hat_j`. The decoded rows
-//! are those the fused kernel reads implicitly, up to float32 rounding.
+//! A layout with a decoder of its own (MSE rows with or without their QJL residual, per-token
+//! runs in a basis, either alone or around a mean) decodes its rows directly; any other is read through its attention reader: a
+//! key layout's scores of the unit query rows `e_i` are the coordinates `k_hat_j[i]` (plus the
+//! term it leaves to the log-sum-exp, a mean's `e_i . mu`), and a value layout's read-out of
+//! one-hot weights is `v_hat_j` (about head_dim times the multiply-adds of a decoder). The
+//! decoded rows are those the fused kernel reads implicitly, up to float32 rounding.
 
 use std::ops::Range;
 
@@ -57,10 +59,15 @@ pub fn reconstruct_with(
     let size = lay.heads * lay.tokens * d;
     let (mut k, mut v) = (vec![0.0f32; size], vec![0.0f32; size]);
     let per_head = lay.tokens * d;
+    let all = 0..lay.tokens;
     for h in 0..lay.heads {
         let at = h * per_head..(h + 1) * per_head;
-        decode_keys(isa, kplan.keys(), h, &klay, &mut k[at.clone()]);
-        decode_values(isa, vrows, h, &klay, &mut v[at]);
+        if !kplan.decode(isa, h, all.clone(), &mut k[at.clone()]) {
+            decode_keys(isa, kplan.keys(), h, &klay, &mut k[at.clone()]);
+        }
+        if !vplan.decode(isa, h, all.clone(), &mut v[at.clone()]) {
+            decode_values(isa, vrows, h, &klay, &mut v[at]);
+        }
     }
     super::check_finite("keys", &k, d)?;
     super::check_finite("values", &v, d)?;
@@ -189,7 +196,7 @@ mod tests {
     }
 
     #[test]
-    fn decoded_token_runs_and_uniform_tokens_give_the_fused_attention() {
+    fn decoded_token_runs_and_uniform_rows_give_the_fused_attention() {
         let (heads, t, g) = (2, 300, 32);
         let runs = [(5u32, 0usize, 6usize), (3, 6, 20), (2, 20, 64)];
         let packed: Vec<Vec<u8>> = (runs.iter().enumerate())
@@ -224,6 +231,8 @@ mod tests {
             seed: Some(3),
         };
         check(heads, t, &keys, &values);
+        // Uniform rows as keys: read through their scores (no decoder of their own).
+        check(heads, t, &values, &values);
     }
 
     #[test]

@@ -95,6 +95,14 @@ impl<'a> Basis<'a> {
         &bases[b * dd..(b + 1) * dd]
     }
 
+    /// `out += z U^T` for the rows `z` (rows x d) of head `h`: coordinates in the basis mapped
+    /// to the head domain, each row of `U^T` read once for the rows together.
+    pub(super) fn map_rows(&self, isa: Isa, h: usize, z: &[f32], out: &mut [f32]) {
+        let d = self.head_dim;
+        let rows = z.len() / d;
+        ops::axpy_rows(isa, (out, rows), z, (1, d), self.of(&self.basis_t, h), d);
+    }
+
     /// `q' = q U` per query row of head `h` (one section 8 dot per column), then the columns
     /// `cols` of every row, run after run (rows x width each): what each run's scores read.
     pub(super) fn queries<'r>(
@@ -268,6 +276,18 @@ impl<'a> CentredPlan<'a> {
     fn mean_of(&self, h: usize) -> &[f32] {
         let (d, b) = (self.head_dim, h % self.mean_heads);
         &self.mean[b * d..(b + 1) * d]
+    }
+
+    /// The inner rows' decode plus the mean; false when the inner layout has no decoder.
+    pub(super) fn decode(&self, isa: Isa, h: usize, span: Range<usize>, out: &mut [f32]) -> bool {
+        if !self.inner.decode(isa, h, span, out) {
+            return false;
+        }
+        let mu = self.mean_of(h);
+        for o in out.chunks_exact_mut(self.head_dim) {
+            o.iter_mut().zip(mu).for_each(|(a, &m)| *a += m);
+        }
+        true
     }
 }
 

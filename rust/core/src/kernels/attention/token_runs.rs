@@ -81,6 +81,33 @@ impl<'a> TokenRunsPlan<'a> {
     }
 }
 
+impl TokenRunsPlan<'_> {
+    /// Head `h`'s keys `span` decoded to the head domain (span.len() x d into `out`):
+    /// `z_hat B^T`, the runs' levels times each token's scale.
+    pub(super) fn decode(&self, isa: Isa, h: usize, span: Range<usize>, out: &mut [f32]) {
+        let (t, c0, n) = (self.stride, span.start, span.len());
+        let d = out.len() / n;
+        let mut sc = vec![0.0f32; n];
+        self.scales.read(isa, h * t + c0, &mut sc);
+        let mut z = vec![0.0f32; n * d];
+        for run in &self.runs {
+            let w = run.cols.len();
+            run.reader
+                .each_block(isa, run.codes, (h, t), span.clone(), |j0, block| {
+                    for (r, levels) in block.chunks_exact(w).enumerate() {
+                        let j = j0 - c0 + r;
+                        let dst = &mut z[j * d + run.cols.start..j * d + run.cols.end];
+                        dst.iter_mut()
+                            .zip(levels)
+                            .for_each(|(o, &l)| *o = l * sc[j]);
+                    }
+                });
+        }
+        out.fill(0.0);
+        self.basis.map_rows(isa, h, &z, out);
+    }
+}
+
 impl KeyRows for TokenRunsPlan<'_> {
     /// `q' = q B` per row, then each run's columns of every row (run after run: rows x width
     /// each).
