@@ -456,6 +456,7 @@ def _check_calibrate_args(args: argparse.Namespace) -> None:
     """``kvqrs calibrate``'s settings, checked before the model loads: a preset fills in its
     settings and refuses any given beside it; the rest get their defaults."""
     preset_keys = ("budget", "key_widths", "value_widths", "group", "sink_tokens", "value_norms", "sink_dtype", "value_scale")
+    explicit_key_widths = args.key_widths is not None
     if args.preset is not None:  # the recommended settings of QuantConfig.preset(NAME)
         from .hf.config import PRESETS
 
@@ -498,6 +499,20 @@ def _check_calibrate_args(args: argparse.Namespace) -> None:
     for ok, message in checks:
         if not ok:
             raise KvqrsError(message)
+    if args.uniform_layers:
+        uniform = [
+            (args.preset is None, "--uniform-layers: a preset allocates its --key-widths across layers; give --budget instead"),
+            (args.budget is not None, "--uniform-layers: allocates a --budget; give one"),
+            (args.key_scales == "tokens", "--uniform-layers: one slot size per token needs --key-scales tokens"),
+            (not args.value_classes, "--uniform-layers: value width classes give each token of a chunk its own size; drop --value-classes"),
+            (
+                not explicit_key_widths,
+                "--uniform-layers: the key widths follow from the bytes each --value-widths leaves; give no --key-widths",
+            ),
+        ]
+        for ok, message in uniform:
+            if not ok:
+                raise KvqrsError(message)
     if args.value_widths is None:
         from .hf.calibration import default_value_widths
 
@@ -506,7 +521,7 @@ def _check_calibrate_args(args: argparse.Namespace) -> None:
             raise KvqrsError(f"--value-widths: needed when no --key-widths is a whole number of bits (got {args.key_widths})")
     if not all(1 <= b <= 8 for b in args.value_widths):
         raise KvqrsError(f"--value-widths: expected integer bits in 1..8, got {args.value_widths}")
-    narrowest = (min(args.key_widths) + min(args.value_widths)) / 2
+    narrowest = min(args.value_widths) if args.uniform_layers else (min(args.key_widths) + min(args.value_widths)) / 2
     if args.budget is not None and not (narrowest < args.budget <= 16):
         # the narrowest widths cost more than their bits (scales, norms, sinks)
         raise KvqrsError(
@@ -572,8 +587,13 @@ def _calibrate(args: argparse.Namespace) -> int:
             args.samples,
             progress=not args.no_progress,
             key_scales=args.key_scales,
+            uniform_layers=args.uniform_layers,
         )
-        widths = {"key_widths": " ".join(map(str, kw)), "value_widths": " ".join(map(str, vw))}
+        widths = {"value_widths": " ".join(map(str, vw))}
+        if args.uniform_layers:  # files without it allocate widths across layers, as before the option existed
+            widths["uniform_layers"] = "true"
+        else:
+            widths = {"key_widths": " ".join(map(str, kw)), **widths}
         path = save_matched(args.out, cal, {**meta, "budget": args.budget, **widths})
         chosen = [f"{c.keys.code_bits():g}/{c.value_bits}" for _, c in sorted(cal.items())]
         what = (
@@ -806,6 +826,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         help="per-layer widths from measured sensitivity at this average of stored bits per element of keys and values, "
         "every byte counted (instead of --bits; default: none)",
+    )
+    ca.add_argument(
+        "--uniform-layers",
+        action="store_true",
+        help="with --budget and --key-scales tokens: every layer stores the same bytes per token (one vLLM slot size): "
+        "each layer's keys get the bytes its values leave of the budget's slot, water-filled over coordinates with every "
+        "run's padding counted, and each layer picks its value width among --value-widths (no --key-widths); recorded in the file",
     )
     ca.add_argument(
         "--preset",

@@ -12,6 +12,7 @@ import torch
 from kvqrs import KvqrsError
 from kvqrs.evaluation import llama_protocol as lp
 from kvqrs.hf import QuantConfig
+from kvqrs.schemes.matched import token_code_bytes
 
 CTX, CHUNKS = 64, 2
 
@@ -286,3 +287,34 @@ def test_channel_rows_stand_in_for_the_codec(model32, texts):
         lp.channel_rows(rows[0], ["both"])
     with pytest.raises(KvqrsError, match="matched transform-coded keys"):
         ChannelCodec(QuantConfig("kqv", 4, "kqv", 4).codec(0, 64), "keys", np.random.default_rng(0))
+
+
+def test_uniform_layers_give_every_layer_one_slot_within_the_budget(model32, texts):
+    """`allocate_matched(..., uniform_layers=True)`: every layer's paged slot (keys' runs padded
+    to whole bytes, their float16 scale, the value codes and norm) is the same size, at most
+    the budget's bytes, and the layers may split it between keys and values differently. The
+    default allocation across layers at the same budget gives the layers unequal slots."""
+    from kvqrs.hf.calibration import allocate_matched
+    from kvqrs.vllm.layout import SlotLayout
+
+    model, tok = model32
+    ch = lp.llama_chunks(tok, texts.calibration, CTX, 3)
+    opts = {"value_widths": (3, 4, 5), "group": 16, "sink_tokens": 0, "key_scales": "tokens", "value_scale": "preserve_norm"}
+    budget, d = 4.25, 64
+    slot = int(budget * 2 * d / 8)  # 68 bytes per token and KV head
+
+    def slots(cal):
+        cfg = QuantConfig("matched", 4, "matched", 4, group=16, sink_tokens=0, calibration=cal, value_scale="preserve_norm")
+        return [SlotLayout(cfg, layer, d).slot_bytes for layer in sorted(cal)]
+
+    uniform = allocate_matched(model, ch[:2], ch[2:], budget, key_widths=(3, 4, 5), uniform_layers=True, **opts)
+    assert set(uniform) == set(range(model.config.num_hidden_layers))
+    assert set(slots(uniform)) == {slot}
+    for c in uniform.values():  # the keys take what the values leave: 2 + 8 b bytes of values, a 2-byte key scale
+        assert token_code_bytes(c.keys.widths) == slot - (2 + 8 * c.value_bits) - 2
+    across = allocate_matched(model, ch[:2], ch[2:], budget, key_widths=(3, 4, 5), **opts)
+    assert len(set(slots(across))) > 1
+    with pytest.raises(KvqrsError, match="key_scales='tokens'"):
+        allocate_matched(model, ch[:2], ch[2:], budget, uniform_layers=True, **{**opts, "key_scales": "groups"})
+    with pytest.raises(KvqrsError, match="leaves the keys"):
+        allocate_matched(model, ch[:2], ch[2:], 2.8, uniform_layers=True, **{**opts, "value_widths": (5,)})

@@ -120,6 +120,21 @@ def test_eval_refuses_a_calibration_file_of_no_preset_before_loading_the_model(t
         (["--ctx", "5", "--sink-tokens", "4"], "--ctx: expected at least 6 tokens (4, and --sink-tokens + 2), got 5"),
         (["--preset", "5bit"], "expected one of ['2bit', '3bit', '4bit']"),
         (["--preset", "4bit", "--samples", "0"], "--samples: expected at least 1, got 0"),
+        (["--uniform-layers", "--key-scales", "tokens"], "--uniform-layers: allocates a --budget; give one"),
+        (["--uniform-layers", "--budget", "4.25"], "--uniform-layers: one slot size per token needs --key-scales tokens"),
+        (["--uniform-layers", "--preset", "4bit", "--key-scales", "tokens"], "--uniform-layers: a preset allocates its --key-widths"),
+        (
+            ["--uniform-layers", "--budget", "4.25", "--key-scales", "tokens", "--value-classes"],
+            "--uniform-layers: value width classes give each token of a chunk its own size",
+        ),
+        (
+            ["--uniform-layers", "--budget", "4.25", "--key-scales", "tokens", "--key-widths", "3", "4"],
+            "--uniform-layers: the key widths follow from the bytes each --value-widths leaves",
+        ),
+        (
+            ["--uniform-layers", "--budget", "3", "--key-scales", "tokens", "--value-widths", "3", "4"],
+            "more than the narrowest widths' 3 bits",
+        ),
     ],
 )
 def test_calibrate_refuses_impossible_budgets_before_loading_the_model(text_file, no_model, capsys, args, message):
@@ -246,11 +261,28 @@ def test_calibrate_preset_measures_and_records_its_value_scale(text_file, tmp_pa
     seen = {}
 
     def allocate(
-        model, fit, probe, budget, kw, vw, group, sinks, norms, sink_dtype, scale, classes, sensitivity, samples, progress, key_scales
+        model,
+        fit,
+        probe,
+        budget,
+        kw,
+        vw,
+        group,
+        sinks,
+        norms,
+        sink_dtype,
+        scale,
+        classes,
+        sensitivity,
+        samples,
+        progress,
+        key_scales,
+        uniform_layers,
     ):
         seen.update(
             budget=budget, norms=norms, scale=scale, classes=classes, sensitivity=sensitivity, samples=samples, key_scales=key_scales
         )
+        seen.update(uniform_layers=uniform_layers, vw=vw)
         return {0: dataclasses.replace(random_calibration(16, 3, 0), value_bits=3)}
 
     monkeypatch.setattr(model_mod, "load", lambda *a, **k: (object(), object()))
@@ -261,7 +293,16 @@ def test_calibrate_preset_measures_and_records_its_value_scale(text_file, tmp_pa
     assert main(["calibrate", "--data", text_file, "--preset", "3bit", "--no-progress", "--out", str(out)]) == 0
     p = PRESETS["3bit"]
     expect = {"budget": p["budget"], "norms": p["value_norms"], "scale": p["value_scale"], "classes": False}
-    assert seen == {**expect, "sensitivity": "fisher", "samples": 8, "key_scales": "groups"}  # the second-order estimate by default
+    defaults = {"sensitivity": "fisher", "samples": 8, "key_scales": "groups", "uniform_layers": False, "vw": tuple(p["value_widths"])}
+    assert seen == {**expect, **defaults}  # the second-order estimate by default
     meta = calibration_meta(out)
     assert meta["value_scale"] == p["value_scale"] and meta["preset"] == "3bit"
+    assert "uniform_layers" not in meta and "key_widths" in meta
     assert lp.file_row(out).config.value_scale == p["value_scale"]
+    # --uniform-layers: passed on and recorded; the key widths follow from the value widths, so none are recorded.
+    out = tmp_path / "u.npz"
+    argv = ["--budget", "4.25", "--key-scales", "tokens", "--uniform-layers", "--value-widths", "3", "4", "5", "--sink-tokens", "0"]
+    assert main(["calibrate", "--data", text_file, *argv, "--no-progress", "--out", str(out)]) == 0
+    assert seen["uniform_layers"] is True and seen["key_scales"] == "tokens" and seen["vw"] == (3, 4, 5)
+    meta = calibration_meta(out)
+    assert meta["uniform_layers"] == "true" and meta["value_widths"] == "3 4 5" and "key_widths" not in meta

@@ -13,7 +13,19 @@ from kvqrs.hf import QuantConfig, load_matched, save_matched
 from kvqrs.kernels.pack import packed_size
 from kvqrs.layout import fixed_per_token
 from kvqrs.schemes import KVCodec
-from kvqrs.schemes.matched import MatchedBasis, MatchedCalibration, absmax_distortion, coordinate_deviations, fit_basis
+from kvqrs.schemes.matched import (
+    MAX_WIDTH,
+    TOKEN_SCALE_BYTES,
+    MatchedBasis,
+    MatchedCalibration,
+    absmax_distortion,
+    coordinate_deviations,
+    fit_bases_bytes,
+    fit_basis,
+    token_code_bytes,
+    water_fill,
+    water_fill_bytes,
+)
 from kvqrs.schemes.matched_tokens import MatchedTokenCoder
 
 from .test_matched import _data
@@ -201,3 +213,59 @@ def test_fused_attention_equals_the_decoded_path(tokens):
     p = np.exp(logits - logits.max(-1, keepdims=True))
     ref = (p / p.sum(-1, keepdims=True)) @ values
     np.testing.assert_allclose(np.asarray(got.out).reshape(ref.shape), ref, atol=2e-5 * max(1.0, np.abs(values).max()))
+
+
+def test_token_code_bytes_counts_what_the_coder_stores():
+    """`token_code_bytes` is the coder's packed codes per token: each run of equal width
+    padded to whole bytes (the float16 scale on top)."""
+    x, cal = _token_calibration(h=2, n=300, d=16, bits=3.3)
+    coder = MatchedTokenCoder(16, cal.keys, "matched", "keys")
+    enc = coder.encode(x[:, :10])
+    assert enc.nbytes == 2 * 10 * (token_code_bytes(cal.keys.widths) + TOKEN_SCALE_BYTES)
+    assert token_code_bytes([3, 3, 3, 2, 0]) == 2 + 1  # 9 bits in 2 bytes, 2 bits in 1
+    assert token_code_bytes([5, 3, 5, 3, 3]) == 2 + 2  # order does not matter: runs by width
+
+
+@given(st.integers(0, 40), st.integers(0, 2**31 - 1))
+@settings(max_examples=40, deadline=None)
+def test_water_fill_bytes_fits_and_fills_the_budget(budget, seed):
+    """Under any byte budget the widths' padded bytes fit, and while a coordinate is left at
+    width 0 the greedy fills the budget exactly (a 0 -> 1 step costs at most one byte)."""
+    rng = np.random.default_rng(seed)
+    n = 24
+    # Distortions falling with the width, as measured ones do (about 4x per bit).
+    cost = rng.uniform(0.1, 10.0, (n, 1)) * 4.0 ** -np.arange(MAX_WIDTH + 1)
+    w = water_fill_bytes(cost, budget)
+    assert w.shape == (n,) and w.min() >= 0 and w.max() <= MAX_WIDTH
+    assert token_code_bytes(w) <= budget
+    if (w == 0).any():
+        assert token_code_bytes(w) == budget
+    with pytest.raises(KvqrsError, match="code_bytes"):
+        water_fill_bytes(cost, -1)
+
+
+def test_water_fill_bytes_spends_padding_that_water_fill_wastes():
+    """At the same budget in bytes, widths water-filled in bits lose padding bytes to their
+    runs, so fewer bits would fit; `water_fill_bytes` fills the bytes."""
+    cost = np.linspace(10.0, 1.0, 5)[:, None] * 4.0 ** -np.arange(MAX_WIDTH + 1)
+    by_bits = water_fill(cost, 16)  # 16 bits = 2 bytes, but in runs of different widths
+    assert token_code_bytes(by_bits) > 2
+    by_bytes = water_fill_bytes(cost, 2)
+    assert token_code_bytes(by_bytes) == 2
+
+
+def test_fit_bases_bytes_fits_each_byte_budget_with_one_transform():
+    """`fit_bases_bytes`: per-token keys (deviations carried) whose padded code bytes are each
+    budget, from the transform `fit_basis(scales="tokens")` uses (the same columns where the
+    widths agree); budgets out of range are refused."""
+    x, w = _data(h=2, n=400, d=16)
+    fits = fit_bases_bytes(x, [4, 6, 9], w)
+    assert [token_code_bytes(f.widths) for f in fits] == [4, 6, 9]
+    assert all(f.deviations is not None and f.kv_heads == 2 for f in fits)
+    assert [f.code_bits() for f in fits] == sorted(f.code_bits() for f in fits)
+    ref = fit_basis(x, 2.0, 8, w, scales="tokens")  # the same mean and deviations per column
+    np.testing.assert_array_equal(ref.mean, fits[0].mean)
+    with pytest.raises(KvqrsError, match="at most d = 16 bytes"):
+        fit_bases_bytes(x, [17], w)
+    with pytest.raises(KvqrsError, match="integer bytes"):
+        fit_bases_bytes(x, [2.5], w)

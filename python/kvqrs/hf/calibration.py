@@ -362,6 +362,7 @@ def allocate_matched(
     samples: int = 8,
     progress: bool = False,
     key_scales: str = "groups",
+    uniform_layers: bool = False,
 ) -> dict:
     """A ``matched`` calibration whose per-layer key and value widths come from measured
     sensitivity.
@@ -397,14 +398,27 @@ def allocate_matched(
             sampled outputs per probe window; progress: show progress bars (tqdm).
         key_scales: how keys store their scales (:func:`calibrate_matched`), measured and
             counted so.
+        uniform_layers: every layer stores the same bytes per token and KV head (one slot
+            size, what a vLLM cache gives every layer): ``floor(budget * 2 * d / 8)`` bytes of
+            keys and values of a coded token (the sinks, full precision, are stored apart and
+            not counted). For each value width ``b`` of ``value_widths``, the keys get the
+            bytes the values leave (their float16 scale and their codes), and their widths are
+            water-filled over the coordinates within that byte budget
+            (:func:`~kvqrs.schemes.matched.fit_bases_bytes`: each run of equal width padded to
+            whole bytes); each layer then takes the value width whose key and value KL is the
+            least (a value width that leaves the keys no code byte, or more than ``d``, is no
+            candidate). ``key_widths`` is not used; needs ``key_scales="tokens"`` and per-token
+            values (no ``value_classes``).
 
     Returns:
         ``{layer: MatchedCalibration}`` with ``value_bits`` set per layer.
 
     Raises:
         KvqrsError: no candidate widths, a value width that is not an integer in 1..8, the
-            budget below the narrowest widths, an unknown ``sensitivity``, or no attention
-            call was recorded.
+            budget below the narrowest widths, an unknown ``sensitivity``, no attention
+            call was recorded; with ``uniform_layers``: ``key_scales`` other than
+            ``"tokens"``, ``value_classes``, or a budget that leaves the keys no code byte at
+            any value width.
     """
     import dataclasses
     import itertools
@@ -420,7 +434,16 @@ def allocate_matched(
         raise KvqrsError(f"value_widths: expected integer bits in 1..8, got {vw}")
     if sensitivity not in ("fisher", "measured"):
         raise KvqrsError(f"sensitivity: expected 'fisher' or 'measured', got {sensitivity!r}")
+    if uniform_layers:
+        if key_scales != "tokens":
+            raise KvqrsError(f"uniform_layers: a fixed size per token needs key_scales='tokens', got {key_scales!r}")
+        if value_classes:
+            raise KvqrsError("uniform_layers: value width classes give each token of a chunk its own size; calibrate without value_classes")
     stats = record_matched(model, windows, sink_tokens, progress=progress)
+    if uniform_layers:
+        return _allocate_uniform(
+            model, probe, stats, budget, vw, group, sink_tokens, value_norms, sink_dtype, value_scale, sensitivity, samples, progress
+        )
     fits = fit_matched_widths(stats, kw, group, progress, key_scales)
     common = {"group": group, "sink_tokens": sink_tokens, "sink_dtype": sink_dtype}
     key_cfgs = [QuantConfig("matched", 4, None, **common, calibration=fits[a]) for a in kw]
@@ -452,6 +475,75 @@ def allocate_matched(
         chosen = fitted_values[vw[pairs[j][1]]][layer]
         out[layer] = dataclasses.replace(fits[kw[pairs[j][0]]][layer], value_bits=chosen.value_bits, value_classes=chosen.value_classes)
     return out
+
+
+def value_token_bytes(stats: dict, configs: list) -> np.ndarray:
+    """Bytes one value token of a KV head stores under each value config (per-token values:
+    codes and norm or scale), counted on the recorded calibration values of the first layer
+    of :func:`record_matched`'s ``stats``: int ``(len(configs),)``.
+
+    Raises:
+        KvqrsError: a config whose values do not store the same bytes for every token."""
+    layer = min(stats)
+    _, _, v = stats[layer]
+    h, n, d = v.shape
+    out = []
+    for cfg in configs:
+        codec = cfg.codec(layer, d)
+        nbytes = codec.encode_values(v[None], unit_weights(codec, v[None])).nbytes
+        if nbytes % (h * n):
+            raise KvqrsError(f"values: {nbytes} bytes for {h} heads x {n} tokens is not a fixed size per token")
+        out.append(nbytes // (h * n))
+    return np.array(out, dtype=np.int64)
+
+
+def _allocate_uniform(
+    model, probe, stats, budget, vw, group, sink_tokens, value_norms, sink_dtype, value_scale, sensitivity, samples, progress
+) -> dict:
+    """:func:`allocate_matched` with ``uniform_layers`` (see there), after its checks and
+    statistics."""
+    from tqdm import tqdm
+
+    from ..schemes.matched import TOKEN_SCALE_BYTES, MatchedBasis, MatchedCalibration, fit_bases_bytes
+    from .config import QuantConfig
+
+    _, k0, _ = stats[min(stats)]
+    d = k0.shape[-1]
+    slot = int(np.floor(float(budget) * 2 * d / 8 + 1e-9))  # bytes of keys and values per token and KV head
+    common = {"group": group, "sink_tokens": sink_tokens, "sink_dtype": sink_dtype}
+
+    # Values read only the value mean and width of a calibration: one whose keys code nothing
+    # (identity basis, zero widths) counts their bytes.
+    def keyless(v: np.ndarray, bits: int) -> MatchedCalibration:
+        h = v.shape[0]
+        none = MatchedBasis(np.zeros((h, d)), np.broadcast_to(np.eye(d), (h, d, d)), np.zeros(d, np.uint8))
+        return MatchedCalibration(none, v.mean(axis=1), value_bits=int(bits))
+
+    plain = {b: {layer: keyless(v, b) for layer, (_, _, v) in stats.items()} for b in vw}
+    value_cfgs = [
+        QuantConfig(None, int(b), "matched", int(b), **common, calibration=plain[b], value_norms=value_norms, value_scale=value_scale)
+        for b in vw
+    ]
+    key_bytes = slot - value_token_bytes(stats, value_cfgs) - TOKEN_SCALE_BYTES
+    keep = [i for i in range(len(vw)) if 0 < key_bytes[i] <= d]
+    if not keep:
+        raise KvqrsError(
+            f"budget: {budget} bits per element is a slot of {slot} bytes per token and KV head, which leaves the keys "
+            f"{key_bytes.tolist()} code bytes at value widths {list(vw)}; expected 1 to {d} at one of them"
+        )
+    vw, value_cfgs, key_bytes = [vw[i] for i in keep], [value_cfgs[i] for i in keep], [int(key_bytes[i]) for i in keep]
+    fits: list[dict] = [{} for _ in vw]
+    for layer, (w, k, v) in tqdm(stats.items(), desc="fit", unit="layer", disable=not progress):
+        for j, basis in enumerate(fit_bases_bytes(k, key_bytes, w)):
+            fits[j][layer] = MatchedCalibration(basis, v.mean(axis=1), value_bits=int(vw[j]))
+    key_cfgs = [QuantConfig("matched", 4, None, **common, calibration=f) for f in fits]
+    if sensitivity == "fisher":
+        kl = fisher_sensitivity(model, probe, key_cfgs + value_cfgs, samples, progress=progress)
+    else:
+        kl = layer_sensitivity(model, probe, key_cfgs + value_cfgs, progress=progress)
+    cost = kl[:, : len(vw)] + kl[:, len(vw) :]  # option j: keys in the bytes value width vw[j] leaves
+    pick = np.argmin(cost, axis=1)
+    return {layer: fits[j][layer] for layer, j in zip(sorted(stats), pick.tolist())}
 
 
 class _ClassRecorder(AttentionState):
@@ -640,7 +732,8 @@ def save_matched(path: str | pathlib.Path | io.BytesIO, calibration: dict, meta:
 def calibration_meta(path: str | pathlib.Path) -> dict[str, str]:
     """The metadata strings :func:`save_matched` wrote with a calibration (``kvqrs calibrate``
     records ``group``, ``sink_tokens``, ``value_norms``, ``bits`` or ``budget``, ``key_widths``
-    and ``value_widths``, and ``sink_dtype``, ``value_scale``, ``preset`` when set); also
+    (not with ``--uniform-layers``) and ``value_widths``, and ``sink_dtype``, ``value_scale``,
+    ``preset``, ``key_scales``, ``uniform_layers`` when set); also
     :attr:`CalibrationFile.meta` of what :func:`load_matched` returns."""
     return _meta(_read_npz(path, str(path)))
 

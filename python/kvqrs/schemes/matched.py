@@ -41,6 +41,7 @@ from .mse import decoded_scores
 
 MAX_WIDTH = 8
 KEY_SCALES = ("groups", "tokens")  # how matched keys store their scales (fit_basis's ``scales``)
+TOKEN_SCALE_BYTES = 2  # the float16 absmax scale each per-token key stores (scales="tokens")
 
 
 @dataclass(frozen=True)
@@ -211,6 +212,62 @@ def water_fill(cost: np.ndarray, total_bits: int) -> np.ndarray:
     return w
 
 
+def token_code_bytes(widths: Any) -> int:
+    """Code bytes one token's per-token keys store (:class:`~kvqrs.schemes.matched_tokens.MatchedTokenCoder`)
+    under the integer widths ``(d,)`` (0..8), in any order: the coordinates of equal width
+    ``b > 0`` form one run packed into ``ceil(count_b * b / 8)`` whole bytes. The float16 scale
+    (:data:`TOKEN_SCALE_BYTES`) comes on top."""
+    counts = np.bincount(np.asarray(widths, dtype=np.int64).reshape(-1), minlength=MAX_WIDTH + 1)
+    return int(sum(-(-int(counts[b]) * b // 8) for b in range(1, len(counts))))
+
+
+def water_fill_bytes(cost: np.ndarray, code_bytes: int) -> np.ndarray:
+    """Integer reverse water-filling under a byte budget: widths ``(n,)`` whose packed per-token
+    codes (:func:`token_code_bytes`, each run of equal width padded to whole bytes) fit in
+    ``code_bytes``, chosen greedily as :func:`water_fill` does (a step spends one or two bits on
+    the coordinate with the largest distortion drop per bit), among the steps whose padded
+    bytes still fit, until no step fits. A step that fills a run's padding costs no byte, so
+    the bits lost to padding are as few as the greedy order allows.
+
+    Args:
+        cost: float ``(n, MAX_WIDTH + 1)`` each coordinate's weighted distortion at every width.
+        code_bytes: the bytes one token's codes may take (0 or more).
+
+    Returns:
+        int ``(n,)`` widths 0..8 with ``token_code_bytes(widths) <= code_bytes``.
+
+    Raises:
+        KvqrsError: ``code_bytes`` negative or ``cost`` not ``(n, MAX_WIDTH + 1)``.
+    """
+    cost = np.asarray(cost, dtype=np.float64)
+    if cost.ndim != 2 or cost.shape[1] != MAX_WIDTH + 1:
+        raise KvqrsError(f"cost: expected (n, {MAX_WIDTH + 1}), got shape {cost.shape}")
+    if int(code_bytes) < 0:
+        raise KvqrsError(f"code_bytes: expected 0 or more bytes, got {code_bytes}")
+    n = cost.shape[0]
+    rows, w = np.arange(n), np.zeros(n, dtype=np.int64)
+    counts = np.zeros(MAX_WIDTH + 1, dtype=np.int64)
+    counts[0] = n
+    padded = lambda c, b: -(-c * b // 8)  # noqa: E731  bytes of a run of c coordinates at width b
+    used = 0
+    while True:
+        best, pick, step, spent = -np.inf, -1, 1, 0
+        for s in (1, 2):
+            up = np.minimum(w + s, MAX_WIDTH)
+            delta = padded(counts[w] - 1, w) - padded(counts[w], w) + padded(counts[up] + 1, up) - padded(counts[up], up)
+            ok = (w + s <= MAX_WIDTH) & (used + delta <= int(code_bytes))
+            gain = np.where(ok, (cost[rows, w] - cost[rows, up]) / s, -np.inf)
+            i = int(np.argmax(gain)) if n else -1
+            if i >= 0 and gain[i] > best:
+                best, pick, step, spent = gain[i], i, s, int(delta[i])
+        if pick < 0 or not np.isfinite(best):
+            return w
+        counts[w[pick]] -= 1
+        w[pick] += step
+        counts[w[pick]] += 1
+        used += spent
+
+
 def allocate_layers(cost: Any, bits: Any, budget: float) -> np.ndarray:
     """Per-layer choice among coding options at an average bit budget (a multiple-choice
     knapsack solved greedily on the measured trade-off, as :func:`water_fill` does within a
@@ -304,14 +361,57 @@ def fit_bases(
     """:func:`fit_basis` at each average width of ``bits`` (one :class:`MatchedBasis` each, in
     order), from one transform and one measurement of the distortions: each equals
     ``fit_basis(samples, b, ...)``. Raises as :func:`fit_basis` does, for any width of ``bits``."""
+    for b in bits:
+        if not 0 < float(b) <= MAX_WIDTH:
+            raise KvqrsError(f"bits: expected 0 < bits <= {MAX_WIDTH} average code bits, got {b}")
+    mean, bases, devs, cost = _fit_costs(samples, group, weight, backend, transform, scales)
+    d = cost.shape[0]
+    return [_ordered_basis(mean, bases, devs, water_fill(cost, int(round(float(b) * d)))) for b in bits]
+
+
+def fit_bases_bytes(
+    samples: Any, code_bytes: Sequence[int], weight: Any = None, backend: Backend = CPU, transform: str = "eigen"
+) -> list[MatchedBasis]:
+    """Per-token keys (``scales="tokens"``) fitted as :func:`fit_basis` does, but at a byte
+    budget instead of an average width: for each entry of ``code_bytes`` (the bytes one token's
+    packed codes may take, the float16 scale not included), the widths come from
+    :func:`water_fill_bytes`, so that every run's padding to whole bytes is counted and
+    ``token_code_bytes(result.widths) <= code_bytes``. One transform and one measurement of the
+    distortions serve every budget.
+
+    Args:
+        samples: ``(kv_heads, n, d)`` calibration keys; weight, backend, transform: as
+            :func:`fit_basis`.
+        code_bytes: integer budgets, each 0..d (8 bits per coordinate at most).
+
+    Returns:
+        one :class:`MatchedBasis` (with ``deviations``) per budget, in order.
+
+    Raises:
+        KvqrsError: as :func:`fit_basis`, or a budget that is not an integer in 0..d.
+    """
+    for c in code_bytes:
+        if isinstance(c, bool) or not isinstance(c, (int, np.integer)) or c < 0:
+            raise KvqrsError(f"code_bytes: expected integer bytes 0 or more, got {c!r}")
+    mean, bases, devs, cost = _fit_costs(samples, 1, weight, backend, transform, "tokens")
+    for c in code_bytes:
+        if c > cost.shape[0]:
+            raise KvqrsError(f"code_bytes: expected at most d = {cost.shape[0]} bytes (8 bits per coordinate), got {c}")
+    return [_ordered_basis(mean, bases, devs, water_fill_bytes(cost, int(c))) for c in code_bytes]
+
+
+def _fit_costs(
+    samples: Any, group: int, weight: Any, backend: Backend, transform: str, scales: str
+) -> tuple[np.ndarray, list[np.ndarray], list[np.ndarray], np.ndarray]:
+    """The transform and the measured distortions :func:`fit_bases` water-fills: the mean
+    float64 ``(kv_heads, d)``, each head's basis ``(d, d)`` (columns by importance), each
+    head's deviations ``(d,)`` (``scales="tokens"``; else an empty list), and the weighted
+    distortions float64 ``(d, MAX_WIDTH + 1)`` summed over heads. Raises as :func:`fit_basis`."""
     x = np.asarray(as_float_array(samples, "samples"), dtype=np.float64)
     if x.ndim != 3 or x.shape[1] < 2:
         raise KvqrsError(f"samples: expected (kv_heads, n >= 2, d), got shape {x.shape}")
     if not np.isfinite(x).all():
         raise KvqrsError("samples: calibration vectors must be finite")
-    for b in bits:
-        if not 0 < float(b) <= MAX_WIDTH:
-            raise KvqrsError(f"bits: expected 0 < bits <= {MAX_WIDTH} average code bits, got {b}")
     h, n, d = x.shape
     mean = x.mean(axis=1)
     xc = x - mean[:, None]
@@ -348,16 +448,17 @@ def fit_bases(
             sd = coordinate_deviations(y)
             devs.append(sd)
             cost += (lam * sd**2)[:, None] * absmax_distortion((y / sd).astype(np.float32), backend)
-    out = []
-    for b in bits:
-        widths = water_fill(cost, int(round(float(b) * d)))
-        # Ties in importance across heads can leave the pooled widths out of order: sort them with
-        # their columns (every head's column i keeps width i's rank).
-        perm = np.argsort(-widths, kind="stable")
-        basis = np.stack(bases)[:, :, perm]
-        dev = np.stack(devs)[:, perm].astype(np.float32) if devs else None
-        out.append(MatchedBasis(mean.astype(np.float32), basis.astype(np.float32), widths[perm].astype(np.uint8), dev))
-    return out
+    return mean, bases, devs, cost
+
+
+def _ordered_basis(mean: np.ndarray, bases: list[np.ndarray], devs: list[np.ndarray], widths: np.ndarray) -> MatchedBasis:
+    """The :class:`MatchedBasis` of :func:`_fit_costs`' transform under ``widths`` ``(d,)``."""
+    # Ties in importance across heads can leave the pooled widths out of order: sort them with
+    # their columns (every head's column i keeps width i's rank).
+    perm = np.argsort(-widths, kind="stable")
+    basis = np.stack(bases)[:, :, perm]
+    dev = np.stack(devs)[:, perm].astype(np.float32) if devs else None
+    return MatchedBasis(mean.astype(np.float32), basis.astype(np.float32), widths[perm].astype(np.uint8), dev)
 
 
 def query_moment(query: Any, kv_heads: int) -> np.ndarray:

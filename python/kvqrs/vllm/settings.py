@@ -9,7 +9,8 @@ variable                  meaning                                               
 ``KVQRS_SCHEME``          key scheme (``kv``, ``kqv``, ``qkqv``, ``block``,        unset: vLLM's
                           ``matched``); setting it turns the backend on            own backend
 ``KVQRS_CALIBRATION``     ``matched``: the calibration file (``kvqrs calibrate     unset
-                          --key-scales tokens --sink-tokens 0``); its recorded
+                          --key-scales tokens --sink-tokens 0``, best with
+                          ``--uniform-layers``: one slot size); its recorded
                           value norms, value scale, sinks and group apply
 ``KVQRS_BITS``            key bits n (1..8; ``qkqv`` and ``kqv`` values: >= 2)     4
 ``KVQRS_VALUE_SCHEME``    value scheme                                            the key scheme
