@@ -505,6 +505,7 @@ def _check_calibrate_args(args: argparse.Namespace) -> None:
             (args.budget is not None, "--uniform-layers: allocates a --budget; give one"),
             (args.key_scales == "tokens", "--uniform-layers: one slot size per token needs --key-scales tokens"),
             (not args.value_classes, "--uniform-layers: value width classes give each token of a chunk its own size; drop --value-classes"),
+            (args.value_norms != "log8", "--uniform-layers: log8 value norms are coded per chunk, not per token; use --value-norms float"),
             (
                 not explicit_key_widths,
                 "--uniform-layers: the key widths follow from the bytes each --value-widths leaves; give no --key-widths",

@@ -384,6 +384,10 @@ def test_repr_summarises_calibrations_and_bases(tmp_path):
     assert f"calibration=<CalibrationFile {str(path)!r}: 30 layers of MatchedCalibration, key code bits 3, value bits the config>" in text
     assert text.startswith("QuantConfig(key_scheme='matched', key_bits=4, value_scheme='matched', value_bits=4, residual_length=0, ")
     assert "group=256" in text and "value_norms='log8'" in text
+    assert (
+        repr(load_matched(path))
+        == f"<CalibrationFile {str(path)!r}: 30 layers of MatchedCalibration, key code bits 3, value bits the config>"
+    )
     plain = repr(QuantConfig("matched", 4, "matched", 4, calibration=dict(load_matched(path))))
     assert "calibration=<dict: 30 layers of MatchedCalibration" in plain and len(plain) < 600
     bases = {i: np.zeros((3, 64, 4), np.float32) for i in range(30)}

@@ -122,6 +122,10 @@ def test_eval_refuses_a_calibration_file_of_no_preset_before_loading_the_model(t
         (["--preset", "4bit", "--samples", "0"], "--samples: expected at least 1, got 0"),
         (["--uniform-layers", "--key-scales", "tokens"], "--uniform-layers: allocates a --budget; give one"),
         (["--uniform-layers", "--budget", "4.25"], "--uniform-layers: one slot size per token needs --key-scales tokens"),
+        (
+            ["--uniform-layers", "--budget", "4.25", "--key-scales", "tokens", "--value-norms", "log8"],
+            "--uniform-layers: log8 value norms are coded per chunk",
+        ),
         (["--uniform-layers", "--preset", "4bit", "--key-scales", "tokens"], "--uniform-layers: a preset allocates its --key-widths"),
         (
             ["--uniform-layers", "--budget", "4.25", "--key-scales", "tokens", "--value-classes"],

@@ -128,6 +128,15 @@ def test_reconstructed_rows_are_the_codecs_decode(config):
         layout.reconstruct(cache, np.array([0], np.int32), np.array([0], np.int32), table)
     with pytest.raises(KvqrsError, match="seq"):
         layout.reconstruct(cache, np.array([5], np.int32), np.array([3], np.int32), table)
+    # no silent cast: a float, a value beyond int32 and a string are refused by name
+    one = np.array([0], np.int32)
+    for bad in (np.array([20.9]), np.array([2**32 + 20]), np.array(["20"])):
+        with pytest.raises(KvqrsError, match="lengths: expected"):
+            layout.reconstruct(cache, one, bad, table)
+    with pytest.raises(KvqrsError, match="block_table: expected"):
+        layout.reconstruct(cache, one, np.array([3]), table + 0.5)
+    with pytest.raises(KvqrsError, match="seq: expected"):
+        layout.attend(cache, np.zeros((1, Q_HEADS, D), np.float32), np.array([2**32]), np.array([3]), table, 1.0)
 
 
 def test_layers_of_other_widths_share_the_largest_slot():

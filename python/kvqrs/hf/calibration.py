@@ -760,6 +760,13 @@ class CalibrationFile(dict):
         self.meta = dict(meta or {})
         self.path = path
 
+    def __repr__(self) -> str:
+        """The path, layers and bits (every array printed would run to hundreds of thousands of
+        characters)."""
+        from .config import _summary
+
+        return _summary(self)
+
 
 def recorded_settings(meta: dict[str, str], name: str = "calibration") -> dict:
     """The :class:`~kvqrs.hf.QuantConfig` settings a calibration file's metadata records: the one

@@ -334,12 +334,12 @@ class SlotLayout:
             KvqrsError: shapes or indices out of range (named), non-finite decoded rows.
         """
         b, h, n = self.check_cache(cache)
-        table = np.ascontiguousarray(block_table, dtype=np.int32)
+        table = _int32(block_table, "block_table")
         if table.ndim != 2 or table.shape[1] == 0:
             raise KvqrsError(f"block_table: expected (sequences, width >= 1), got {table.shape}")
-        lengths = np.ascontiguousarray(lengths, dtype=np.int32).reshape(-1)
+        lengths = _int32(lengths, "lengths").reshape(-1)
         rows = (self._page_rows("keys", n), self._page_rows("values", n))
-        seq = np.ascontiguousarray(seq, dtype=np.int32).reshape(-1)
+        seq = _int32(seq, "seq").reshape(-1)
         k, v = _native.paged_reconstruct(
             self._span(cache),
             b,
@@ -367,10 +367,9 @@ class SlotLayout:
         q = np.ascontiguousarray(queries, dtype=np.float32)
         if q.ndim != 3 or q.shape[2] != self.head_dim:
             raise KvqrsError(f"queries: expected (tokens, q_heads, {self.head_dim}), got {q.shape}")
-        table = np.ascontiguousarray(block_table, dtype=np.int32)
+        table = _int32(block_table, "block_table")
         if table.ndim != 2 or table.shape[1] == 0:
             raise KvqrsError(f"block_table: expected (sequences, width >= 1), got {table.shape}")
-        as_i32 = lambda a: np.ascontiguousarray(a, dtype=np.int32).reshape(-1)  # noqa: E731
         rows = (self._page_rows("keys", n), self._page_rows("values", n))
         return q, (
             *rows,
@@ -378,8 +377,8 @@ class SlotLayout:
             q.shape[1],
             self.head_dim,
             float(scale),
-            as_i32(seq),
-            as_i32(lengths),
+            _int32(seq, "seq").reshape(-1),
+            _int32(lengths, "lengths").reshape(-1),
             table.reshape(-1),
             table.shape[1],
         )
@@ -407,6 +406,17 @@ class SlotLayout:
         q, reads = self._reads(cache, queries, seq, lengths, block_table, scale)
         out = self._writer.step(self._span(cache), b, h, n, cache.strides[0], cache.strides[1], *new, slots, *reads)
         return out.reshape(q.shape)
+
+
+def _int32(a: Any, arg: str) -> np.ndarray:
+    """``a`` as contiguous int32; raises :class:`KvqrsError` naming ``arg`` for values that are
+    not integers or lie outside int32 (a cast would truncate or wrap them)."""
+    x = np.asarray(a)
+    if x.dtype.kind not in "iu":
+        raise KvqrsError(f"{arg}: expected integers, got dtype {x.dtype}")
+    if x.size and (int(x.min()) < -(2**31) or int(x.max()) >= 2**31):
+        raise KvqrsError(f"{arg}: expected values within int32, got {int(x.min())}..{int(x.max())}")
+    return np.ascontiguousarray(x, dtype=np.int32)
 
 
 def query_positions(query_start: np.ndarray, seq_lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -12,6 +12,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .._arrays import KvqrsError
+
 PREFILL_QUERIES = 16
 """Query tokens of one request from which its attention is dense: decoding a token costs about
 ``2 * head_dim`` multiply-adds per KV head and coordinate, the fused read ``2 * q_heads / kv_heads``
@@ -32,12 +34,16 @@ def prefill_attention(query: torch.Tensor, keys: np.ndarray, values: np.ndarray,
         ``(m, q_heads, head_dim)`` in ``query``'s dtype.
 
     Raises:
-        ValueError: shapes that do not match.
+        KvqrsError: shapes that do not match (named).
     """
-    m, heads, d = query.shape
-    kv_heads, length, dk = keys.shape
-    if values.shape != keys.shape or dk != d or length < m or heads % kv_heads:
-        raise ValueError(f"prefill: query {tuple(query.shape)} against keys {keys.shape} and values {values.shape}")
+    shapes = f"query {tuple(query.shape)}, keys {getattr(keys, 'shape', None)}, values {getattr(values, 'shape', None)}"
+    ok = isinstance(keys, np.ndarray) and isinstance(values, np.ndarray) and query.ndim == keys.ndim == 3
+    if not ok or values.shape != keys.shape or keys.shape[2] != query.shape[2] or keys.shape[0] == 0:
+        raise KvqrsError(f"prefill: expected query (m, q_heads, d) and keys, values (kv_heads, L, d) arrays; got {shapes}")
+    m, heads, _ = query.shape
+    kv_heads, length, _ = keys.shape
+    if length < m or heads % kv_heads:
+        raise KvqrsError(f"prefill: expected L >= m and q_heads a multiple of kv_heads; got {shapes}")
     q = query.transpose(0, 1).unsqueeze(0)  # (1, q_heads, m, d)
     k, v = (torch.from_numpy(x).to(query.dtype).unsqueeze(0) for x in (keys, values))
     if length == m:  # the whole sequence is new: causal from the first token (no mask to read)
