@@ -35,12 +35,13 @@ FUSED_GEN_RTOL = 2e-4
 # Those rounding differences reach the keys and values of the generated tokens, and one can land
 # on the other side of a decision boundary: a code flipped (qkqv 3-bit keys with no window on an
 # AMD EPYC: one value code of layer 28, then a few codes of layer 29, moved the later logits by up
-# to 0.14 on a largest |logit| of 34, 4e-3 of it). Steps that read a flipped code are held to this
-# looser bound, still an order below what a wrong part of attention does.
+# to 0.136 on a largest |logit| of 34.4, 4e-3 of it). Steps that read a flipped code are held to
+# this looser bound, a third of what a wrong part of attention does (whole units, 3e-2 of it);
+# after a flip the greedy tokens may part, and the steps after that are not compared.
 FLIPPED_GEN_RTOL = 1e-2
-# At most this share of the coded (layer, side, token) rows may differ between the two runs:
-# flips are rare, and a path that coded tokens differently would differ almost everywhere.
-FLIPPED_SHARE = 0.02
+# At most this share of the generated tokens' coded (layer, side, token) rows may differ between
+# the two runs: the flips above changed 2%, a fused attention 2% off in its outputs over 90%.
+FLIPPED_SHARE = 0.1
 
 
 def _centred_calibration(layers: int, head_dim: int, bits: int) -> dict:
@@ -294,29 +295,32 @@ def test_generation_with_fused_steps_matches_the_decoded_cache(model32, cfg, mon
     assert runs[False][2] == {"fused": 0, "materialize": layers * new}
     # fused run: decoded once at prefill, then every step attends from the codes
     assert runs[True][2] == {"fused": layers * (new - 1), "materialize": layers}
-    first, share = _flipped_rows(runs[False][3], runs[True][3])
+    prompt_len = prompt.shape[1]
+    first, share = _flipped_rows(runs[False][3], runs[True][3], prompt_len)
+    assert first is None or first >= prompt_len, first  # the prompt is coded alike in both runs
     assert share <= FLIPPED_SHARE, share
-    # step s reads the codes of positions up to 39 + s: the steps before the first flipped
-    # position agree to rounding, the later ones (while the tokens agree) to a flipped code
-    exact = new if first is None else min(new, max(0, first - prompt.shape[1] + 1))
+    # step s reads the codes of positions up to prompt_len - 1 + s (step 0: the prefill): the
+    # steps before the first flipped position agree to rounding, the later ones (while the
+    # tokens agree) to a flipped code
+    exact = new if first is None else min(new, first - prompt_len + 1)
     (seq_d, logits_d), (seq_f, logits_f) = runs[False][:2], runs[True][:2]
     scale = logits_d.abs().max().item()
-    assert torch.equal(seq_f[:, : prompt.shape[1] + exact], seq_d[:, : prompt.shape[1] + exact])
+    assert torch.equal(seq_f[:, : prompt_len + exact], seq_d[:, : prompt_len + exact])
     assert (logits_f[:exact] - logits_d[:exact]).abs().max().item() < FUSED_GEN_RTOL * scale
-    same = int((seq_f[0, prompt.shape[1] :] == seq_d[0, prompt.shape[1] :]).cumprod(0).sum())
-    later = slice(exact, max(exact, min(new, same + 1)))
+    same = int((seq_f[0, prompt_len:] == seq_d[0, prompt_len:]).cumprod(0).sum())
+    later = slice(exact, min(new, same + 1))
     if later.stop > later.start:
         assert (logits_f[later] - logits_d[later]).abs().max().item() < FLIPPED_GEN_RTOL * scale
 
 
-def _flipped_rows(a: QuantizedKVCache, b: QuantizedKVCache) -> tuple[int | None, float]:
+def _flipped_rows(a: QuantizedKVCache, b: QuantizedKVCache, since: int) -> tuple[int | None, float]:
     """The first position whose stored codes differ between two caches of one config (a part
     that is not one row per token counts from its layer's first coded position), and the share
-    of coded (layer, side, token) rows that differ."""
+    of the coded (layer, side, token) rows at positions ``since`` or later that differ."""
     first, differing, total = None, 0, 0
-    for la, lb in zip(a.layers, b.layers):
+    for la, lb in zip(a.layers, b.layers, strict=True):
         for side in ("chunks_k", "chunks_v"):
-            for ea, eb in zip(getattr(la, side), getattr(lb, side)):
+            for ea, eb in zip(getattr(la, side), getattr(lb, side), strict=True):
                 tokens = ea.shape[-2]
                 rows = np.zeros(tokens, dtype=bool)
                 for name, pa in ea.parts.items():
@@ -327,8 +331,9 @@ def _flipped_rows(a: QuantizedKVCache, b: QuantizedKVCache) -> tuple[int | None,
                         rows |= (pa != pb).reshape(*pa.shape[:3], -1).any(axis=(0, 1, 3))
                     elif not np.array_equal(pa, pb):
                         rows[:] = True
-                total += tokens
-                differing += int(rows.sum())
+                late = rows[max(0, since - la.q_start) :]
+                total += late.size
+                differing += int(late.sum())
                 if rows.any():
                     at = la.q_start + int(np.argmax(rows))
                     first = at if first is None else min(first, at)
