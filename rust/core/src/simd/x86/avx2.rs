@@ -858,52 +858,27 @@ fn axpy_rows_with(
     });
 }
 
-/// [`axpy_rows`] of `R` query rows (`o`: R x n, `w`: R x count x groups).
+/// [`axpy_rows`] of `R` query rows (`o`: R x n, `w`: R x count x groups): passes of two
+/// registers (16 values) over every token, so the 2 R accumulators, the decoded values and the
+/// table stay in the 16 ymm registers (four registers a pass spill on AVX2).
 #[inline]
 #[target_feature(enable = "avx2")]
 fn axpy_rows_r<const R: usize>(
     o: &mut [f32],
     w: &[f32],
-    (n, count, groups, group): (usize, usize, usize, usize),
+    shape: (usize, usize, usize, usize),
     x: &impl Fn(usize, usize, usize) -> __m256,
 ) {
+    let (n, count, groups, group) = shape;
     debug_assert!(o.len() == R * n && w.len() == R * count * groups);
     let n8 = n / 8 * 8;
     let mut i = 0;
-    while i < n8 {
-        let regs = ((n8 - i) / 8).min(4);
-        let g: [usize; 4] = std::array::from_fn(|v| (i + 8 * v.min(regs - 1)) / group);
-        // SAFETY: i + 8 * regs <= n8 <= n in each row of o; w holds R x count x groups
-        // weights and g[v] < groups.
-        unsafe {
-            let mut acc: [[__m256; 4]; R] = std::array::from_fn(|r| {
-                std::array::from_fn(|v| {
-                    _mm256_loadu_ps(o.as_ptr().add(r * n + i + 8 * v.min(regs - 1)))
-                })
-            });
-            for c in 0..count {
-                let xs: [__m256; 4] = std::array::from_fn(|v| {
-                    if v < regs {
-                        x(c, i + 8 * v, 8)
-                    } else {
-                        _mm256_setzero_ps()
-                    }
-                });
-                for (r, a) in acc.iter_mut().enumerate() {
-                    let wr = w.as_ptr().add((r * count + c) * groups);
-                    for v in 0..regs {
-                        let wv = _mm256_set1_ps(*wr.add(g[v]));
-                        a[v] = _mm256_add_ps(a[v], _mm256_mul_ps(wv, xs[v]));
-                    }
-                }
-            }
-            for (r, a) in acc.iter().enumerate() {
-                for (v, av) in a.iter().enumerate().take(regs) {
-                    _mm256_storeu_ps(o.as_mut_ptr().add(r * n + i + 8 * v), *av);
-                }
-            }
-        }
-        i += 8 * regs;
+    while i + 16 <= n8 {
+        axpy_pass::<R, 2>(o, w, shape, x, i);
+        i += 16;
+    }
+    if i < n8 {
+        axpy_pass::<R, 1>(o, w, shape, x, i);
     }
     if n8 < n {
         // The last n % 8 values: each row's term in scalar lanes, in increasing c.
@@ -916,6 +891,42 @@ fn axpy_rows_r<const R: usize>(
                 for (j, a) in or.iter_mut().enumerate().skip(n8) {
                     *a += wc[j / group] * xs[j - n8];
                 }
+            }
+        }
+    }
+}
+
+/// One pass of [`axpy_rows_r`]: values `i .. i + 8 V` of the `R` rows, every token's term
+/// added in increasing token order (the reference's order per value).
+#[inline]
+#[target_feature(enable = "avx2")]
+fn axpy_pass<const R: usize, const V: usize>(
+    o: &mut [f32],
+    w: &[f32],
+    (n, count, groups, group): (usize, usize, usize, usize),
+    x: &impl Fn(usize, usize, usize) -> __m256,
+    i: usize,
+) {
+    let g: [usize; V] = std::array::from_fn(|v| (i + 8 * v) / group);
+    // SAFETY: i + 8 V <= n in each row of o (the caller's passes); w holds R x count x groups
+    // weights and g[v] < groups.
+    unsafe {
+        let mut acc: [[__m256; V]; R] = std::array::from_fn(|r| {
+            std::array::from_fn(|v| _mm256_loadu_ps(o.as_ptr().add(r * n + i + 8 * v)))
+        });
+        for c in 0..count {
+            let xs: [__m256; V] = std::array::from_fn(|v| x(c, i + 8 * v, 8));
+            for (r, a) in acc.iter_mut().enumerate() {
+                let wr = w.as_ptr().add((r * count + c) * groups);
+                for v in 0..V {
+                    let wv = _mm256_set1_ps(*wr.add(g[v]));
+                    a[v] = _mm256_add_ps(a[v], _mm256_mul_ps(wv, xs[v]));
+                }
+            }
+        }
+        for (r, a) in acc.iter().enumerate() {
+            for (v, av) in a.iter().enumerate() {
+                _mm256_storeu_ps(o.as_mut_ptr().add(r * n + i + 8 * v), *av);
             }
         }
     }
