@@ -40,8 +40,11 @@ def test_vllm_calibration_file_is_for_matched_and_must_be_one(tmp_path):
 
     with pytest.raises(KvqrsError, match="^KVQRS_CALIBRATION: a calibration file serves KVQRS_SCHEME=matched, not 'kqv'"):
         config_from_env({"KVQRS_SCHEME": "kqv", "KVQRS_CALIBRATION": str(tmp_path / "cal.npz")})
-    with pytest.raises(KvqrsError, match="no such file"):
+    with pytest.raises(KvqrsError, match="^KVQRS_CALIBRATION='.*cal.npz': .*no such file"):
         config_from_env({"KVQRS_SCHEME": "matched", "KVQRS_CALIBRATION": str(tmp_path / "cal.npz")})
+    (tmp_path / "bad.npz").write_bytes(b"not a calibration")
+    with pytest.raises(KvqrsError, match="^KVQRS_CALIBRATION='.*bad.npz': calibration: "):
+        config_from_env({"KVQRS_SCHEME": "matched", "KVQRS_CALIBRATION": str(tmp_path / "bad.npz")})
     with pytest.raises(KvqrsError, match="^KVQRS_\\*: .*the matched scheme needs one"):
         config_from_env({"KVQRS_SCHEME": "matched"})
 

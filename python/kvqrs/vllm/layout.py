@@ -412,6 +412,8 @@ def _int32(a: Any, arg: str) -> np.ndarray:
     """``a`` as contiguous int32; raises :class:`KvqrsError` naming ``arg`` for values that are
     not integers or lie outside int32 (a cast would truncate or wrap them)."""
     x = np.asarray(a)
+    if x.dtype == np.int32:  # vLLM's block tables and the metadata's rows: nothing to check
+        return np.ascontiguousarray(x)
     if x.dtype.kind not in "iu":
         raise KvqrsError(f"{arg}: expected integers, got dtype {x.dtype}")
     if x.size and (int(x.min()) < -(2**31) or int(x.max()) >= 2**31):

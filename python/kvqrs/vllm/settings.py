@@ -91,7 +91,10 @@ def _calibrated(env: Mapping[str, str], scheme: str) -> dict:
         raise KvqrsError(f"KVQRS_CALIBRATION: a calibration file serves KVQRS_SCHEME=matched, not {scheme!r}")
     from ..hf.calibration import load_matched
 
-    return {"calibration": load_matched(path)}
+    try:
+        return {"calibration": load_matched(path)}
+    except (KvqrsError, OSError) as e:  # the file named by the variable: say which variable
+        raise KvqrsError(f"KVQRS_CALIBRATION={path!r}: {e}") from e
 
 
 def environment(
