@@ -74,6 +74,18 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _seed(text: str) -> int:
+    """A ``--seed`` value: an integer NumPy's generators and the kernels take, 0 .. 2**64 - 1
+    (checked when the arguments are parsed, before a model loads or a report is written)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if not 0 <= value < 2**64:
+        raise argparse.ArgumentTypeError(f"expected an integer in 0 .. 2**64 - 1, got {value}")
+    return value
+
+
 def _selfcheck(args: argparse.Namespace) -> int:
     if args.vectors < 2:
         raise KvqrsError(f"--vectors: expected at least 2 vectors per cell, got {args.vectors}")
@@ -309,7 +321,7 @@ def _eval(args: argparse.Namespace) -> int:
             + ", ".join(f"{k} thread(s) {t:.2f} s" for k, t in probe.items())
             + ")"
         )
-    print(f"kvqrs eval: {len(rows)} rows x {windows} windows of {window} tokens, text: {texts.source}")
+    print(f"kvqrs eval: {len(rows)} rows x {windows} window{'s' if windows != 1 else ''} of {window} tokens, text: {texts.source}")
     result = run_eval(
         model,
         tok,
@@ -666,7 +678,7 @@ def build_parser() -> argparse.ArgumentParser:
     sc.add_argument("--head-dims", type=int, nargs="+", default=[64, 96, 128, 256], help="head dimensions (default: 64 96 128 256)")
     sc.add_argument("--bits", type=int, nargs="+", default=[1, 2, 3, 4, 8], help="bit widths (default: 1 2 3 4 8)")
     sc.add_argument("--vectors", type=int, default=20000, help="random vectors per cell (default: %(default)s)")
-    sc.add_argument("--seed", type=int, default=0, help="rotation and data seed (default: %(default)s)")
+    sc.add_argument("--seed", type=_seed, default=0, help="rotation and data seed (default: %(default)s)")
     sc.set_defaults(func=_selfcheck)
     st = sub.add_parser("study", help="the synthetic study: scheme x n x distribution x head_dim over seeds")
     st.add_argument("--quick", action="store_true", help="a small grid that finishes in under two minutes")
@@ -762,7 +774,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--depths", type=float, nargs="+", help="needle: needle depths, fractions of the filler (default 0 .5 1, quick .25 .75)"
     )
     ev.add_argument("--trials", type=int, help="needle: prompts per (context, depth), each with its own key and filler (default 2)")
-    ev.add_argument("--seed", type=int, default=0, help="needle: seed of the keys and filler offsets")
+    ev.add_argument("--seed", type=_seed, default=0, help="needle: seed of the keys and filler offsets")
     ev.add_argument(
         "--resume",
         nargs="+",

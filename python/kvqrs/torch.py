@@ -30,6 +30,8 @@ def to_numpy(t: torch.Tensor, arg: str = "x") -> np.ndarray:
         raise KvqrsError(f"{arg}: expected a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in _FLOATS:
         raise KvqrsError(f"{arg}: expected a float32, float16, bfloat16 or float64 tensor, got {t.dtype}")
+    if t.layout != torch.strided:
+        raise KvqrsError(f"{arg}: expected a dense (strided) tensor, got layout {t.layout}; call .to_dense() first")
     warn_if_grad(t, arg)
     staged = t.detach()
     if staged.device.type != "cpu" or staged.dtype != torch.float32 or not staged.is_contiguous():

@@ -412,6 +412,18 @@ def test_report_files(tmp_path, result):
     assert "headq(kqv) k2 vs kqv k2" in body
 
 
+def test_held_note_names_the_coded_rows_held_partly_in_full_precision():
+    rows = [
+        {"row": "dense", "group": "dense", "bpe_k": 32.0, "bpe_v": 32.0},
+        {"row": "block k8 v8", "group": "full KV", "bpe_k": 9.0, "bpe_v": 9.0},
+        {"row": "matched 4bit (prompt)", "group": "full KV", "bpe_k": 18.115, "bpe_v": 18.094},
+        {"row": "kivi k4", "group": "key-only", "bpe_k": 5.0, "bpe_v": 32.0},
+    ]
+    note = model_report.held_note({"rows": rows})
+    assert len(note) == 2 and "side (matched 4bit (prompt)) held part of each window in full precision" in note[0]
+    assert model_report.held_note({"rows": [r for r in rows if not r["row"].startswith("matched")]}) == []
+
+
 # --- command line -------------------------------------------------------------------------------------
 
 

@@ -217,6 +217,18 @@ def test_selfcheck_refuses_bad_grid_values(capsys, argv, message):
     assert message in _refused(["selfcheck", "--vectors", "10", *argv], capsys)
 
 
+@pytest.mark.parametrize(
+    ("seed", "message"),
+    [("-1", "expected an integer in 0 .. 2**64 - 1, got -1"), (str(2**64), f"got {2**64}"), ("1.5", "expected an integer, got '1.5'")],
+)
+def test_seeds_outside_numpys_range_are_refused_when_parsed(capsys, tmp_path, seed, message):
+    """Before the model loads (eval) and before a report file is emptied (needle)."""
+    assert "argument --seed: " in (err := _refused(["selfcheck", "--seed", seed], capsys)) and message in err
+    out = tmp_path / "needle"
+    assert message in _refused(["eval", "--task", "needle", "--quick", "--seed", seed, "--out", str(out)], capsys)
+    assert not out.exists()
+
+
 @pytest.fixture
 def no_study(monkeypatch):
     """Fail the test if the study starts."""

@@ -240,6 +240,15 @@ def test_non_float_tensor_raises(dtype, fn):
         fn(t)
 
 
+@pytest.mark.parametrize("layout", ["sparse_coo", "sparse_csr"])
+@pytest.mark.parametrize("fn", ENTRY_POINTS, ids=ENTRY_IDS)
+def test_sparse_tensor_raises(layout, fn):
+    t = torch.randn(2, 64)
+    t = t.to_sparse() if layout == "sparse_coo" else t.to_sparse_csr()
+    with pytest.raises(kvqrs.KvqrsError, match="expected a dense \\(strided\\) tensor, got layout torch.sparse"):
+        fn(t)
+
+
 @pytest.mark.parametrize("obj", [np.ones((2, 64), np.float32), [[1.0] * 64], 3.0, None], ids=["ndarray", "list", "float", "None"])
 @pytest.mark.parametrize("fn", ENTRY_POINTS, ids=ENTRY_IDS)
 def test_non_tensor_raises(obj, fn):

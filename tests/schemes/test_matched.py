@@ -339,6 +339,8 @@ def test_prefill_calibration_is_refused_outside_matched():
         QuantConfig("kqv", 4, "kqv", 4, calibration="prefill")
     with pytest.raises(KvqrsError, match="'prefill' or 'random'"):
         QuantConfig("matched", 4, "matched", 4, calibration="self")
+    with pytest.raises(KvqrsError, match=r"got 'cal.npz' \(a calibration file is read by kvqrs.hf.load_matched\(path\)"):
+        QuantConfig("matched", 4, "matched", 4, calibration="cal.npz")
 
 
 def test_allocate_layers_matches_exhaustive_search_on_convex_costs():

@@ -24,6 +24,23 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def held_note(result: dict) -> list[str]:
+    """A paragraph naming the coded full-KV rows that held part of each window in full
+    precision (over 9 bits per element on either side, the widest coded row's: 8-bit blocks
+    with their scales; a ``matched`` group of 256 tokens is coded only once full, so a 512-token
+    window keeps its last, partial group), else none."""
+    held = [r["row"] for r in result["rows"] if r["group"] == "full KV" and max(r["bpe_k"], r["bpe_v"]) > 9]
+    if not held:
+        return []
+    return [
+        f"Rows above 9 bits per element on a side ({', '.join(held)}) held part of each window in full precision: a "
+        "`matched` key group is coded only once full, so the tokens after the window's last full group are read in "
+        "full precision (counted in the bits). Their quality is that of a mostly unquantized cache; compare the "
+        "presets at their budget with `--protocol llama` (docs/evaluation.md).",
+        "",
+    ]
+
+
 def model_title(result: dict) -> str:
     """The model a report's ``result`` was measured on (its ``model`` entry's summary: name,
     dtype and layer types; results from before ``--model`` were SmolLM2's)."""
@@ -49,6 +66,7 @@ def summary(result: dict, seconds: float) -> str:
         "",
         table(result),
         "",
+        *held_note(result),
     ]
     if result["headq_recovered"]:
         lines += ["Fraction of the 2-bit baseline's excess perplexity that HeadQ removes (the HeadQ paper: 84-94% on WikiText-103):", ""]

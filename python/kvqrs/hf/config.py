@@ -269,7 +269,10 @@ class QuantConfig:
             raise KvqrsError("calibration: an empty dict; expected {layer: MatchedCalibration} for every layer, 'prefill' or 'random'")
         if isinstance(self.calibration, str):
             if self.calibration not in ("random", "prefill"):
-                raise KvqrsError(f"calibration: expected {{layer: MatchedCalibration}}, 'prefill' or 'random', got {self.calibration!r}")
+                raise KvqrsError(
+                    f"calibration: expected {{layer: MatchedCalibration}}, 'prefill' or 'random', got {self.calibration!r} "
+                    "(a calibration file is read by kvqrs.hf.load_matched(path), or QuantConfig.preset(name, path))"
+                )
             if "matched" not in (self.key_scheme, self.value_scheme):
                 raise KvqrsError(
                     f"calibration: {self.calibration!r} applies to the matched scheme only, not {self.key_scheme!r}/{self.value_scheme!r}"
