@@ -195,7 +195,10 @@ def test_path_controls():
     assert _native.simd_level() in avail
 
 
-@pytest.mark.parametrize("value, forced", [("1", True), ("0", False)])
+@pytest.mark.parametrize(
+    "value, forced",
+    [("1", True), ("true", True), ("yes", True), ("0", False), ("", False), ("false", False), (" Off ", False), ("no", False)],
+)
 def test_environment_variable_forces_scalar(value, forced):
     env = {**os.environ, "KVQRS_FORCE_SCALAR": value}
     code = "from kvqrs import _native; print(_native.simd_level(), _native.simd_available()[-1])"

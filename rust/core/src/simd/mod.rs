@@ -141,11 +141,15 @@ pub fn default_isa() -> Isa {
     })
 }
 
-/// Whether `KVQRS_FORCE_SCALAR` is set to anything but `0` or the empty string (read once).
+/// Whether `KVQRS_FORCE_SCALAR` is set to anything but the empty string, `0`, `false`, `no` or
+/// `off` (any case, spaces around ignored; read once).
 pub fn force_scalar() -> bool {
     static FORCED: OnceLock<bool> = OnceLock::new();
     *FORCED.get_or_init(|| {
-        std::env::var("KVQRS_FORCE_SCALAR").is_ok_and(|v| !v.is_empty() && v != "0")
+        std::env::var("KVQRS_FORCE_SCALAR").is_ok_and(|v| {
+            let v = v.trim().to_ascii_lowercase();
+            !matches!(v.as_str(), "" | "0" | "false" | "no" | "off")
+        })
     })
 }
 
