@@ -681,7 +681,7 @@ def build_parser() -> argparse.ArgumentParser:
     sc.add_argument("--seed", type=_seed, default=0, help="rotation and data seed (default: %(default)s)")
     sc.set_defaults(func=_selfcheck)
     st = sub.add_parser("study", help="the synthetic study: scheme x n x distribution x head_dim over seeds")
-    st.add_argument("--quick", action="store_true", help="a small grid that finishes in under two minutes")
+    st.add_argument("--quick", action="store_true", help="a small grid: about two minutes on two cores")
     st.add_argument("--out", default="reports/study", help="report folder (default: %(default)s)")
     st.add_argument("--schemes", nargs="+")
     st.add_argument("--bits", type=int, nargs="+")

@@ -240,6 +240,7 @@ def test_non_float_tensor_raises(dtype, fn):
         fn(t)
 
 
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta state:UserWarning")
 @pytest.mark.parametrize("layout", ["sparse_coo", "sparse_csr"])
 @pytest.mark.parametrize("fn", ENTRY_POINTS, ids=ENTRY_IDS)
 def test_sparse_tensor_raises(layout, fn):

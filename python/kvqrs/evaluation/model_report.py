@@ -98,7 +98,7 @@ def plot(result: dict, path: pathlib.Path) -> pathlib.Path:
             ax.plot(*zip(*pts), marker="o", color=colours[scheme], label=scheme)
         ax.set_yscale("log")
         ax.set_xlabel("bits per element (keys)" if group == "key-only" else "bits per element (mean of K and V)")
-        ax.set_ylabel("excess perplexity over dense")
+        ax.set_ylabel("excess perplexity over dense (<= 0 drawn at 1e-3)")
         ax.set_title(group)
         if series:
             ax.legend(fontsize=7)
