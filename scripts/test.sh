@@ -29,7 +29,7 @@ case "${KVQRS_VLLM:-}" in
 esac
 [ -z "$skip_vllm" ] || echo "test: the vLLM tests will not run ($skip_vllm)"
 
-PY_SOURCES=(python tests benches)
+PY_SOURCES=(python tests benches scripts)
 step "cargo fmt --check" cargo fmt --all --check
 step "cargo clippy (kvqrs-core, kvqrs-py)" cargo clippy --workspace --all-targets -- -D warnings
 step "ruff check" .venv/bin/ruff check "${PY_SOURCES[@]}"
