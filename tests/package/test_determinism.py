@@ -24,7 +24,7 @@ import hashlib, numpy as np
 from kvqrs import format as fmt
 from kvqrs.schemes import KVCodec
 from kvqrs.schemes.registry import REGISTRY
-x = np.random.default_rng(7).standard_normal((2, 3, 300, 96)).astype(np.float32)
+x = np.random.default_rng(7).standard_normal((2, 3, 800, 96)).astype(np.float32)  # rows x 128 above par::PAR_MIN_WORK
 h = hashlib.sha256()
 for s in {schemes!r}:
     b = REGISTRY[s].keys.bits(3)

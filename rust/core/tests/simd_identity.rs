@@ -275,7 +275,7 @@ fn qjl_and_headq_are_bit_identical() {
 #[test]
 fn results_do_not_depend_on_the_thread_count() {
     // Large enough to be split over threads (above the single-thread threshold).
-    let (d, rows) = (128, 3000);
+    let (d, rows) = (128, 6000); // 768 k floats per MSE call: above par::PAR_MIN_WORK (2^19)
     let x = mixed_rows(9, rows, d);
     let q = MseQuantizer::new(d, 4, Some(2)).unwrap();
     let sk = QjlSketcher::new(d, d, 3).unwrap();
