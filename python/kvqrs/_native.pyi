@@ -38,6 +38,7 @@ __all__ = [
     "paged_decode_attention",
     "paged_reconstruct",
     "LayerStore",
+    "PageRows",
     "SlotWriter",
     "philox4x32_10",
     "qjl_inner_product",
@@ -170,10 +171,7 @@ def paged_decode_attention(
     page_bytes: int,
     block_stride: int,
     head_stride: int,
-    # each part's (offset, row_bytes) or (offset, row_bytes, dtype name) in a page: MSERows or
-    # per-token UniformRows (kvqrs.vllm.layout)
-    keys: _Rows,
-    values: _Rows,
+    rows: PageRows,
     q: _F32,
     q_heads: int,
     head_dim: int,
@@ -191,8 +189,7 @@ def paged_reconstruct(
     page_bytes: int,
     block_stride: int,
     head_stride: int,
-    keys: _Rows,
-    values: _Rows,
+    rows: PageRows,
     head_dim: int,
     seq: _I32,
     lengths: _I32,
@@ -204,6 +201,14 @@ def paged_reconstruct(
 # attribute; dtypes cross by their NumPy names ("uint8", "float16", "float32", ...).
 _PartSpec = Any
 _Part = tuple[str, Sequence[int], _U8]
+
+@final
+class PageRows:
+    """Both sides' rows of a paged cache layer, read once: each part's (offset, row_bytes) or
+    (offset, row_bytes, dtype name) in a page, in MSERows, per-token UniformRows or TokenRunRows,
+    alone or in CentredRows (kvqrs.vllm.layout)."""
+
+    def __new__(cls, keys: _Rows, values: _Rows) -> PageRows: ...
 
 @final
 class SlotWriter:
@@ -233,8 +238,7 @@ class SlotWriter:
         new_keys: _F32,
         new_values: _F32,
         slots: npt.NDArray[np.int64],
-        keys: _Rows,
-        values: _Rows,
+        rows: PageRows,
         q: _F32,
         q_heads: int,
         head_dim: int,

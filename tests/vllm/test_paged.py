@@ -304,18 +304,18 @@ def test_matched_tables_must_serve_the_caches_kv_heads():
     with pytest.raises(KvqrsError, match="tables are per KV head of 2 heads"):
         layout.attend(cache, q, [0], [2], np.array([[0, 1]]), 0.125)
     assert not cache.any()
-    keys, values = layout._page_rows("keys", BLOCK), layout._page_rows("values", BLOCK)
+    keys, values = layout._binding_rows(BLOCK)
     assert (keys.mean_heads, keys.rows.basis_heads, values.mean_heads) == (2, 2, 2)
     ints = (np.array([0], np.int32), np.array([2], np.int32), np.array([0, 1], np.int32))
     geometry = (cache.reshape(-1), 2, KV_HEADS, BLOCK, BLOCK * layout.slot_bytes, *cache.strides[:2])
     with pytest.raises(KvqrsError, match=r"keys.rows.basis: 1 table or one per KV head \(a divisor of the 3 KV heads\), got 2"):
-        _native.paged_decode_attention(*geometry, keys, values, q.reshape(-1), Q_HEADS, D, 0.125, *ints, 2)
-    shared = SlotLayout(_matched_config(1), layer=0, head_dim=D)._page_rows("keys", BLOCK)
+        _native.paged_decode_attention(*geometry, _native.PageRows(keys, values), q.reshape(-1), Q_HEADS, D, 0.125, *ints, 2)
+    shared = SlotLayout(_matched_config(1), layer=0, head_dim=D)._binding_rows(BLOCK)[0]
     assert (shared.mean_heads, shared.rows.basis_heads) == (1, 1)
     with pytest.raises(
         KvqrsError, match="values: expected MSERows or per-token UniformRows, alone or in CentredRows .*got CentredRows of TokenRunRows"
     ):
-        _native.paged_decode_attention(*geometry, shared, shared, q.reshape(-1), Q_HEADS, D, 0.125, *ints, 2)
+        _native.paged_decode_attention(*geometry, _native.PageRows(shared, shared), q.reshape(-1), Q_HEADS, D, 0.125, *ints, 2)
 
 
 def test_bad_input_is_a_clean_error():
@@ -345,8 +345,8 @@ def test_bad_input_is_a_clean_error():
 
 
 def test_the_paged_binding_takes_typed_per_token_rows():
-    """Each side reaches ``_native.paged_decode_attention`` as its row object with page
-    places in place of arrays: rows of another layout are a KvqrsError naming the side, a
+    """Each side reaches ``_native.paged_decode_attention`` (through ``_native.PageRows``) as its
+    row object with page places in place of arrays: rows of another layout are a KvqrsError naming the side, a
     malformed object a TypeError naming the field, never a panic."""
     from kvqrs import _native
     from kvqrs.kernels.attention import DenseRows, UniformRows
@@ -355,13 +355,25 @@ def test_the_paged_binding_takes_typed_per_token_rows():
     cache = _cache(layout, 2)
     x = np.ones((2, KV_HEADS, D), np.float32)
     layout.write(cache, x, x, np.array([0, 1]))
-    keys, values = layout._page_rows("keys", BLOCK), layout._page_rows("values", BLOCK)
+    keys, values = layout._binding_rows(BLOCK)
     q = np.ones(Q_HEADS * D, np.float32)
 
     def attend(k, v):
         ints = (np.array([0], np.int32), np.array([2], np.int32), np.array([0, 1], np.int32))
         return _native.paged_decode_attention(
-            cache.reshape(-1), 2, KV_HEADS, BLOCK, BLOCK * layout.slot_bytes, *cache.strides[:2], k, v, q, Q_HEADS, D, 0.125, *ints, 2
+            cache.reshape(-1),
+            2,
+            KV_HEADS,
+            BLOCK,
+            BLOCK * layout.slot_bytes,
+            *cache.strides[:2],
+            _native.PageRows(k, v),
+            q,
+            Q_HEADS,
+            D,
+            0.125,
+            *ints,
+            2,
         )
 
     want = layout.attend(cache, q.reshape(1, Q_HEADS, D), [0], [2], np.array([[0, 1]]), 0.125).reshape(-1)

@@ -204,8 +204,10 @@ class KvqrsAttentionImpl(AttentionImpl[KvqrsMetadata]):
                 fused = layout.step(cache, k, v, m.slot_mapping, q, m.seq[f], m.lengths[f], m.block_table, self.scale)
             else:  # every query token is a prefill's: store only
                 layout.write(cache, k, v, m.slot_mapping)
-        if fused is not None:
+        if fused is not None and m.prefill.size:
             out[tf] = torch.from_numpy(fused).to(output.dtype)
+        elif fused is not None:  # every query token's: converted in place, no temporary
+            out.copy_(torch.from_numpy(fused).view(out.shape))
         if m.prefill.size:
             decoded = layout.reconstruct(cache, m.prefill, m.prefill_lengths, m.block_table)
             for (k, v), start, count in zip(decoded, m.prefill_start, m.prefill_queries):

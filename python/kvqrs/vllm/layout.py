@@ -146,8 +146,8 @@ class SlotLayout:
             if slot_bytes < self.slot_bytes:
                 raise KvqrsError(f"slot_bytes: layer {layer} needs {self.slot_bytes} bytes per slot, got {slot_bytes}")
             self.slot_bytes = int(slot_bytes)
-        self._pages: dict[int, tuple] = {}
-        self._page_rows("keys", 1)  # the tables checked now
+        self._pages: dict[int, _native.PageRows] = {}
+        self._page_rows(1)  # the tables checked now
         self._writer = self._native_writer()
 
     def _native_writer(self) -> _native.SlotWriter | None:
@@ -164,7 +164,7 @@ class SlotLayout:
         """Append this side's parts; return its rows with each part (a
         :class:`~kvqrs.layout.PartRef` of ``enc``'s, resolved by name) replaced by
         ``(offset, row_bytes[, dtype])`` within a slot and its tables (a basis, a mean) as they
-        are (:meth:`_page_rows` scales the places to a page and flattens the tables for the
+        are (:meth:`_binding_rows` scales the places to a page and flattens the tables for the
         Rust entry point), each part's size and dtype those its declared layout gives one token
         (stored scalars float16: a norm or scale beyond it is refused when written). Per-token
         layouts only: MSE and per-token uniform rows, token runs as keys, alone or around a
@@ -188,15 +188,19 @@ class SlotLayout:
             raise KvqrsError(f"kvqrs paged cache: {side} rows do not read every stored part once")
         return out
 
-    def _page_rows(self, side: str, block_size: int) -> Any:
-        """The side's rows as the Rust entry point reads them, each part at its offset in a page
+    def _binding_rows(self, block_size: int) -> tuple:
+        """Both sides' rows as the Rust entry point reads them, each part at its offset in a page
         of ``block_size`` slots, its tables flat float32 with their count (1, or
-        :attr:`table_heads`); made once per block size."""
+        :attr:`table_heads`)."""
+        lead, d = (self.table_heads,), self.head_dim
+        scaled = lambda at, _: (block_size * at[0], *at[1:])  # noqa: E731
+        return tuple(binding_rows(self.rows[k], k, lead, d, scaled) for k in ("keys", "values"))
+
+    def _page_rows(self, block_size: int) -> _native.PageRows:
+        """:meth:`_binding_rows` read by the binding, once per block size."""
         if block_size not in self._pages:
-            lead, d = (self.table_heads,), self.head_dim
-            scaled = lambda at, _: (block_size * at[0], *at[1:])  # noqa: E731
-            self._pages[block_size] = tuple(binding_rows(self.rows[k], k, lead, d, scaled) for k in ("keys", "values"))
-        return self._pages[block_size][("keys", "values").index(side)]
+            self._pages[block_size] = _native.PageRows(*self._binding_rows(block_size))
+        return self._pages[block_size]
 
     def check_heads(self, kv_heads: int) -> None:
         """Raises :class:`KvqrsError` unless the calibrated tables serve ``kv_heads`` KV heads
@@ -273,14 +277,16 @@ class SlotLayout:
     def _new_tokens(self, keys, values, slots, blocks: int, heads: int, n: int, flat: bool = True) -> tuple[list, np.ndarray]:
         """The checked new tokens (flat float32 keys and values when ``flat``) and their int64
         slots. Raises :class:`KvqrsError` for shapes that do not match or a slot beyond the cache."""
-        slots = np.asarray(slots).reshape(-1).astype(np.int64)
+        slots = np.asarray(slots, dtype=np.int64).reshape(-1)
         if keys.shape != values.shape or keys.shape[1:] != (heads, self.head_dim) or keys.shape[0] != slots.shape[0]:
             raise KvqrsError(
                 f"keys, values: expected (tokens={slots.shape[0]}, kv_heads={heads}, head_dim={self.head_dim}), got {keys.shape} and {values.shape}"
             )
+        if flat:  # the native writer checks the slots (the same message)
+            return [np.ascontiguousarray(x, dtype=np.float32).reshape(-1) for x in (keys, values)], slots
         if slots.size and slots.max() >= blocks * n:
             raise KvqrsError(f"slots: expected slots below {blocks * n} ({blocks} blocks of {n}), got {int(slots.max())}")
-        return ([np.ascontiguousarray(x, dtype=np.float32).reshape(-1) for x in (keys, values)] if flat else []), slots
+        return [], slots
 
     def attend(
         self,
@@ -338,7 +344,6 @@ class SlotLayout:
         if table.ndim != 2 or table.shape[1] == 0:
             raise KvqrsError(f"block_table: expected (sequences, width >= 1), got {table.shape}")
         lengths = _int32(lengths, "lengths").reshape(-1)
-        rows = (self._page_rows("keys", n), self._page_rows("values", n))
         seq = _int32(seq, "seq").reshape(-1)
         k, v = _native.paged_reconstruct(
             self._span(cache),
@@ -348,7 +353,7 @@ class SlotLayout:
             n * self.slot_bytes,
             cache.strides[0],
             cache.strides[1],
-            *rows,
+            self._page_rows(n),
             self.head_dim,
             seq,
             lengths,
@@ -361,7 +366,7 @@ class SlotLayout:
 
     def _reads(self, cache: np.ndarray, queries, seq, lengths, block_table, scale: float) -> tuple[np.ndarray, tuple]:
         """The checked queries and the arguments of the paged attention after the cache's
-        geometry: ``(keys rows, values rows, flat queries, q_heads, head_dim, scale, seq,
+        geometry: ``(page rows, flat queries, q_heads, head_dim, scale, seq,
         lengths, flat block table, its width)``."""
         n = cache.shape[2]
         q = np.ascontiguousarray(queries, dtype=np.float32)
@@ -370,9 +375,8 @@ class SlotLayout:
         table = _int32(block_table, "block_table")
         if table.ndim != 2 or table.shape[1] == 0:
             raise KvqrsError(f"block_table: expected (sequences, width >= 1), got {table.shape}")
-        rows = (self._page_rows("keys", n), self._page_rows("values", n))
         return q, (
-            *rows,
+            self._page_rows(n),
             q.reshape(-1),
             q.shape[1],
             self.head_dim,

@@ -11,6 +11,7 @@ pub mod encoders;
 pub mod error;
 pub mod format;
 pub mod kernels;
+mod memo;
 pub mod paged_write;
 mod par;
 pub mod reduce;

@@ -69,6 +69,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(paged::paged_reconstruct, m)?)?;
     m.add_class::<store::PyLayerStore>()?;
     m.add_class::<paged::PySlotWriter>()?;
+    m.add_class::<paged::PyPageRows>()?;
     m.add_function(wrap_pyfunction!(store::window_append, m)?)?;
     m.add_function(wrap_pyfunction!(store::storable, m)?)?;
     Ok(())

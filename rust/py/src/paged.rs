@@ -1,9 +1,9 @@
 //! Binding of the paged decode attention kernel: the cache arrives as one flat uint8 array (the
-//! layer's pages, borrowed), each side's layout in a page as its typed row object (`rows.rs`:
-//! `MSERows`, per-token `UniformRows` or, as keys, `TokenRunRows`, alone or in `CentredRows`)
-//! with `(offset, row_bytes[, dtype])` tuples in place of arrays and its bases and means flat
-//! float32 by value (built and checked by `kvqrs.vllm.layout`); the GIL is released for the
-//! kernel.
+//! layer's pages, borrowed), both sides' layouts in a page as one `PageRows`, read once from
+//! their typed row objects (`rows.rs`: `MSERows`, per-token `UniformRows` or, as keys,
+//! `TokenRunRows`, alone or in `CentredRows`) with `(offset, row_bytes[, dtype])` tuples in
+//! place of arrays and bases and means flat float32 by value (built and checked by
+//! `kvqrs.vllm.layout`); the GIL is released for the kernel.
 
 use kvqrs_core::dtype::Dtype;
 use kvqrs_core::kernels::paged::{
@@ -79,6 +79,26 @@ fn rows(r: &PagedPyRows<'_>, side: &str) -> PyResult<PagedRows> {
     r.0.map(side, &mut Places)
 }
 
+/// Both sides' rows as the paged kernel reads them: each part's place in a page and the
+/// tables by value, read from the row objects once (per layer and block size) rather than on
+/// every call.
+#[pyclass(name = "PageRows", module = "kvqrs._native", frozen)]
+pub struct PyPageRows {
+    keys: PagedRows,
+    values: PagedRows,
+}
+
+#[pymethods]
+impl PyPageRows {
+    #[new]
+    fn new(keys: PagedPyRows<'_>, values: PagedPyRows<'_>) -> PyResult<Self> {
+        Ok(Self {
+            keys: rows(&keys, "keys")?,
+            values: rows(&values, "values")?,
+        })
+    }
+}
+
 /// The borrowed cache bytes with their geometry.
 fn paged_cache<'a>(
     cache: &'a PyReadonlyArray1<'_, u8>,
@@ -99,7 +119,7 @@ fn paged_cache<'a>(
 /// Returns float32 tokens x q_heads x head_dim, flat.
 #[pyfunction]
 #[allow(clippy::too_many_arguments)]
-#[pyo3(signature = (cache, blocks, kv_heads, block_size, page_bytes, block_stride, head_stride, keys, values, q, q_heads, head_dim, scale, seq, lengths, block_table, table_width))]
+#[pyo3(signature = (cache, blocks, kv_heads, block_size, page_bytes, block_stride, head_stride, rows, q, q_heads, head_dim, scale, seq, lengths, block_table, table_width))]
 pub fn paged_decode_attention<'py>(
     py: Python<'py>,
     cache: PyReadonlyArray1<'py, u8>,
@@ -109,8 +129,7 @@ pub fn paged_decode_attention<'py>(
     page_bytes: usize,
     block_stride: usize,
     head_stride: usize,
-    keys: PagedPyRows<'py>,
-    values: PagedPyRows<'py>,
+    rows: PyRef<'py, PyPageRows>,
     q: PyReadonlyArray1<'py, f32>,
     q_heads: usize,
     head_dim: usize,
@@ -120,7 +139,7 @@ pub fn paged_decode_attention<'py>(
     block_table: PyReadonlyArray1<'py, i32>,
     table_width: usize,
 ) -> PyResult<Bound<'py, PyArray1<f32>>> {
-    let (kr, vr) = (rows(&keys, "keys")?, rows(&values, "values")?);
+    let (kr, vr) = (&rows.keys, &rows.values);
     let c = paged_cache(
         &cache,
         (blocks, kv_heads, block_size),
@@ -136,7 +155,7 @@ pub fn paged_decode_attention<'py>(
         block_table: slice(&block_table, "block_table")?,
         table_width,
     };
-    let out = py_result(py.allow_threads(|| core_paged(&c, &kr, &vr, &qs)))?;
+    let out = py_result(py.allow_threads(|| core_paged(&c, kr, vr, &qs)))?;
     Ok(PyArray1::from_vec(py, out))
 }
 
@@ -146,7 +165,7 @@ type KeysValues<'py> = (Bound<'py, PyArray1<f32>>, Bound<'py, PyArray1<f32>>);
 /// Returns keys and values float32, each per sequence kv_heads x length x head_dim, flat.
 #[pyfunction]
 #[allow(clippy::too_many_arguments)]
-#[pyo3(signature = (cache, blocks, kv_heads, block_size, page_bytes, block_stride, head_stride, keys, values, head_dim, seq, lengths, block_table, table_width))]
+#[pyo3(signature = (cache, blocks, kv_heads, block_size, page_bytes, block_stride, head_stride, rows, head_dim, seq, lengths, block_table, table_width))]
 pub fn paged_reconstruct<'py>(
     py: Python<'py>,
     cache: PyReadonlyArray1<'py, u8>,
@@ -156,15 +175,14 @@ pub fn paged_reconstruct<'py>(
     page_bytes: usize,
     block_stride: usize,
     head_stride: usize,
-    keys: PagedPyRows<'py>,
-    values: PagedPyRows<'py>,
+    rows: PyRef<'py, PyPageRows>,
     head_dim: usize,
     seq: PyReadonlyArray1<'py, i32>,
     lengths: PyReadonlyArray1<'py, i32>,
     block_table: PyReadonlyArray1<'py, i32>,
     table_width: usize,
 ) -> PyResult<KeysValues<'py>> {
-    let (kr, vr) = (rows(&keys, "keys")?, rows(&values, "values")?);
+    let (kr, vr) = (&rows.keys, &rows.values);
     let c = paged_cache(
         &cache,
         (blocks, kv_heads, block_size),
@@ -176,7 +194,7 @@ pub fn paged_reconstruct<'py>(
         block_table: slice(&block_table, "block_table")?,
         table_width,
     };
-    let (k, v) = py_result(py.allow_threads(|| core_reconstruct(&c, &kr, &vr, &seqs, head_dim)))?;
+    let (k, v) = py_result(py.allow_threads(|| core_reconstruct(&c, kr, vr, &seqs, head_dim)))?;
     Ok((PyArray1::from_vec(py, k), PyArray1::from_vec(py, v)))
 }
 
@@ -264,7 +282,7 @@ impl PySlotWriter {
     /// new tokens included). Raises, nothing written, when the write refuses its input; the
     /// attention's errors after the write leave the new tokens written.
     #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (cache, blocks, kv_heads, block_size, block_stride, head_stride, new_keys, new_values, slots, keys, values, q, q_heads, head_dim, scale, seq, lengths, block_table, table_width))]
+    #[pyo3(signature = (cache, blocks, kv_heads, block_size, block_stride, head_stride, new_keys, new_values, slots, rows, q, q_heads, head_dim, scale, seq, lengths, block_table, table_width))]
     fn step<'py>(
         &self,
         py: Python<'py>,
@@ -277,8 +295,7 @@ impl PySlotWriter {
         new_keys: PyReadonlyArray1<'py, f32>,
         new_values: PyReadonlyArray1<'py, f32>,
         slots: PyReadonlyArray1<'py, i64>,
-        keys: PagedPyRows<'py>,
-        values: PagedPyRows<'py>,
+        rows: PyRef<'py, PyPageRows>,
         q: PyReadonlyArray1<'py, f32>,
         q_heads: usize,
         head_dim: usize,
@@ -294,7 +311,7 @@ impl PySlotWriter {
                 self.inner.head_dim()
             )));
         }
-        let (kr, vr) = (rows(&keys, "keys")?, rows(&values, "values")?);
+        let (kr, vr) = (&rows.keys, &rows.values);
         let mut rw = cache
             .try_readwrite()
             .map_err(|e| arg_error(format!("cache: cannot write the array ({e})")))?;
@@ -335,7 +352,7 @@ impl PySlotWriter {
                 block_stride,
                 head_stride,
             };
-            core_paged(&c, &kr, &vr, &qs)
+            core_paged(&c, kr, vr, &qs)
         }))?;
         Ok(PyArray1::from_vec(py, out))
     }

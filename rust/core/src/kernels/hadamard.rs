@@ -1,9 +1,12 @@
 //! Randomized Walsh-Hadamard rotation `R = H diag(s) / sqrt(d')` with zero padding to the next
 //! power of two (docs/kernels.md section 3).
 
+use std::sync::Arc;
+
 use super::{check_finite, check_head_dim, check_len, rows_of};
 use crate::alloc::output_vec;
 use crate::error::{KvqError, Result};
+use crate::memo::Memo;
 use crate::par;
 use crate::rng::rotation_signs;
 use crate::simd::{ops, Isa, IsaChoice};
@@ -59,6 +62,13 @@ impl Rotation {
             sign_bits,
             isa: IsaChoice::default(),
         })
+    }
+
+    /// A shared rotation for (head_dim, seed), built once (its signs are a keyed random
+    /// stream): decode attention builds one per call. The cache holds at most 256.
+    pub fn cached(head_dim: usize, seed: u64) -> Result<Arc<Self>> {
+        static CACHE: Memo<(usize, u64), Rotation> = Memo::new(256);
+        CACHE.get_or_try((head_dim, seed), || Self::new(head_dim, Some(seed)))
     }
 
     /// Pins the instruction set (tests, benches); errors if this CPU lacks it.
@@ -239,6 +249,20 @@ mod tests {
                 assert!((a - b).abs() < 1e-5 * (1.0 + a.abs()), "d={d}: {a} vs {b}");
             }
         }
+    }
+
+    #[test]
+    fn a_cached_rotation_is_shared_and_equals_a_new_one() {
+        let x: Vec<f32> = (0..96).map(|i| (i as f32 - 40.0) / 7.0).collect();
+        let (a, b) = (
+            Rotation::cached(96, 5).unwrap(),
+            Rotation::cached(96, 5).unwrap(),
+        );
+        assert!(Arc::ptr_eq(&a, &b));
+        let want = Rotation::new(96, Some(5)).unwrap().forward(&x).unwrap();
+        assert_eq!(a.forward(&x).unwrap(), want);
+        assert!(!Arc::ptr_eq(&a, &Rotation::cached(96, 6).unwrap()));
+        assert!(Rotation::cached(1, 5).is_err());
     }
 
     #[test]

@@ -1,13 +1,13 @@
 //! Lloyd-Max scalar codebooks for one coordinate of a uniformly random unit vector in R^D,
 //! whose density is `(1 - x^2)^((D-3)/2) / B(1/2, (D-1)/2)` on [-1, 1] (docs/kernels.md section 4). Computed once per (D, bits) and cached.
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::Arc;
 
 use statrs::function::beta::{checked_beta_reg, ln_beta};
 
 use super::{check_bits, check_head_dim};
 use crate::error::{KvqError, Result};
+use crate::memo::Memo;
 use crate::simd::{self, ops, Isa};
 
 /// Largest dimension whose codebook is computed (the incomplete beta stays accurate to it).
@@ -18,8 +18,6 @@ const RELATIVE_TOLERANCE: f64 = 1e-11;
 const MAX_ITERATIONS: usize = 20_000;
 /// Stop after this many iterations without a new best residual (round-off floor reached).
 const STALL_ITERATIONS: usize = 25;
-
-type CodebookCache = Mutex<HashMap<(usize, u32), Arc<Codebook>>>;
 
 /// An MSE-optimal scalar quantizer for the sphere marginal.
 #[derive(Debug, Clone)]
@@ -120,22 +118,8 @@ pub fn codebook(dim: usize, bits: u32) -> Result<Arc<Codebook>> {
             actual: dim as i64,
         });
     }
-    static CACHE: OnceLock<CodebookCache> = OnceLock::new();
-    let cache = CACHE.get_or_init(|| Mutex::new(HashMap::new()));
-    if let Some(cb) = cache
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .get(&(dim, bits))
-    {
-        return Ok(cb.clone());
-    }
-    // Computed outside the lock: two threads may both compute, and both get the same result.
-    let cb = Arc::new(compute(dim, bits));
-    cache
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .insert((dim, bits), cb.clone());
-    Ok(cb)
+    static CACHE: Memo<(usize, u32), Codebook> = Memo::new(usize::MAX);
+    CACHE.get_or_try((dim, bits), || Ok(compute(dim, bits)))
 }
 
 /// The marginal of one coordinate of a uniform unit vector in R^dim.

@@ -2,20 +2,18 @@
 //! and vector estimators (docs/kernels.md section 6). The reference sketch is the
 //! dense Gaussian matrix S (m x d') of the seeded generator.
 
-use std::collections::HashMap;
 use std::f64::consts::PI;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::Arc;
 
 use super::pack::packed_len;
 use super::{check_finite, rows_of};
 use crate::alloc::output_vec;
 use crate::error::{KvqError, Result};
+use crate::memo::Memo;
 use crate::par;
 use crate::rng::qjl_matrix;
 use crate::scalars::{ScalarPlane, ScalarView};
 use crate::simd::{ops, Isa, IsaChoice};
-
-type SketcherCache = Mutex<HashMap<(usize, usize, u64), Arc<QjlSketcher>>>;
 
 /// A sketch operator for residuals of dimension `dim` with `m` sign bits.
 #[derive(Debug, Clone)]
@@ -52,22 +50,8 @@ impl QjlSketcher {
     /// A shared sketcher for (dim, m, seed), built once: the Gaussian matrix costs m x dim
     /// Box-Muller draws. The cache holds at most 64 operators.
     pub fn cached(dim: usize, m: usize, seed: u64) -> Result<Arc<Self>> {
-        static CACHE: OnceLock<SketcherCache> = OnceLock::new();
-        let cache = CACHE.get_or_init(|| Mutex::new(HashMap::new()));
-        if let Some(s) = cache
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(&(dim, m, seed))
-        {
-            return Ok(s.clone());
-        }
-        let built = Arc::new(Self::new(dim, m, seed)?);
-        let mut guard = cache.lock().unwrap_or_else(|e| e.into_inner());
-        if guard.len() >= 64 {
-            guard.clear();
-        }
-        guard.insert((dim, m, seed), built.clone());
-        Ok(built)
+        static CACHE: Memo<(usize, usize, u64), QjlSketcher> = Memo::new(64);
+        CACHE.get_or_try((dim, m, seed), || Self::new(dim, m, seed))
     }
 
     /// Sketch size m (bits per row).

@@ -187,25 +187,11 @@ pub(crate) fn finish(y: &[f32], sign_bits: &[u32], mul: f32, out: &mut [f32]) {
     }
 }
 
-/// `acc[i] += w * f64(x[i])` for `i < acc.len()`: two f64 lanes per register.
+/// [`super::scalar::axpy_many_f64`] with 16 sums per pass (eight vectors: enough
+/// independent adds to hide their latency), the same multiplies and adds: the same bits.
 #[target_feature(enable = "neon")]
-pub(crate) fn axpy_f64(acc: &mut [f64], w: f64, x: &[f32]) {
-    let n = acc.len().min(x.len());
-    let n4 = n / 4 * 4;
-    let wv = vdupq_n_f64(w);
-    let mut i = 0;
-    while i < n4 {
-        // SAFETY: i + 4 <= n for acc and x.
-        unsafe {
-            let v = vld1q_f32(x.as_ptr().add(i));
-            let (lo, hi) = (vcvt_f64_f32(vget_low_f32(v)), vcvt_high_f64_f32(v));
-            let p = acc.as_mut_ptr().add(i);
-            vst1q_f64(p, vaddq_f64(vld1q_f64(p), vmulq_f64(wv, lo)));
-            vst1q_f64(p.add(2), vaddq_f64(vld1q_f64(p.add(2)), vmulq_f64(wv, hi)));
-        }
-        i += 4;
-    }
-    super::scalar::axpy_f64(&mut acc[n4..n], w, &x[n4..n]);
+pub(crate) fn axpy_many_f64(acc: &mut [f64], w: &[f64], m: &[f32]) {
+    super::scalar::axpy_many_f64_tiles::<16>(acc, w, m);
 }
 
 /// Four lanes of [`scalar::exp`](super::scalar::exp): the same multiplies and adds in the same

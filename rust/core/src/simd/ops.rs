@@ -332,18 +332,19 @@ pub(crate) fn scale(isa: Isa, o: &mut [f32], k: f32) {
     }
 }
 
-/// `acc[i] += w * f64(x[i])` for `i < acc.len()` (`x` at least as long): elementwise, so
-/// every path gives the same bits without any lane convention.
-pub(crate) fn axpy_f64(isa: Isa, acc: &mut [f64], w: f64, x: &[f32]) {
+/// `acc[j] += w[i] * f64(m[i * acc.len() + j])` for each row `i` of `m` in order, a multiply
+/// then an add each (never fused): the same bits on every path.
+pub(crate) fn axpy_many_f64(isa: Isa, acc: &mut [f64], w: &[f64], m: &[f32]) {
+    debug_assert!(m.len() >= w.len() * acc.len());
     match isa {
         // SAFETY (all arms): `isa` is supported.
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 => unsafe { avx512::axpy_f64(acc, w, x) },
+        Isa::Avx512 => unsafe { avx512::axpy_many_f64(acc, w, m) },
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => unsafe { avx2::axpy_f64(acc, w, x) },
+        Isa::Avx2 => unsafe { avx2::axpy_many_f64(acc, w, m) },
         #[cfg(target_arch = "aarch64")]
-        Isa::Neon => unsafe { neon::axpy_f64(acc, w, x) },
-        _ => scalar::axpy_f64(acc, w, x),
+        Isa::Neon => unsafe { neon::axpy_many_f64(acc, w, m) },
+        _ => scalar::axpy_many_f64(acc, w, m),
     }
 }
 
@@ -876,13 +877,23 @@ mod tests {
                     scale(Isa::Scalar, &mut b, mul);
                     assert_eq!(bits(&a), bits(&b));
                 }
+                // Five axpys in one pass against the same axpys one at a time in f64.
+                let rows = values(500 + n as u64, 5 * n);
                 for w in [1.0f32, -0.37, 1e-30, 3e20] {
+                    let ws: Vec<f64> = (0..5)
+                        .map(|i| f64::from(w) * (1.1 - 0.3 * i as f64))
+                        .collect();
                     let acc: Vec<f64> = x.iter().map(|&v| f64::from(v) * 1e-3).collect();
-                    let (mut a, mut b) = (acc.clone(), acc);
-                    axpy_f64(isa, &mut a, f64::from(w) * 1.1, &s);
-                    axpy_f64(Isa::Scalar, &mut b, f64::from(w) * 1.1, &s);
+                    let mut want = acc.clone();
+                    for (&wi, row) in ws.iter().zip(rows.chunks_exact(n.max(1))) {
+                        for (a, &v) in want.iter_mut().zip(row) {
+                            *a += wi * f64::from(v);
+                        }
+                    }
+                    let mut a = acc;
+                    axpy_many_f64(isa, &mut a, &ws, &rows);
                     let b64 = |v: &[f64]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-                    assert_eq!(b64(&a), b64(&b), "{isa:?} n={n}");
+                    assert_eq!(b64(&a), b64(&want), "{isa:?} n={n}");
                 }
                 let m: Vec<f64> = values(300 + n as u64, 9 * n)
                     .iter()

@@ -126,10 +126,36 @@ pub(crate) fn dot_side(qu: &[f32], codes: &[u8], s: f32, h: f32) -> f32 {
     combine_f32(&acc)
 }
 
-pub(crate) fn axpy_f64(acc: &mut [f64], w: f64, x: &[f32]) {
-    acc.iter_mut()
-        .zip(x)
-        .for_each(|(a, &v)| *a += w * f64::from(v));
+/// `acc[j] += w[i] * f64(m[i * n + j])` for each row `i` of `m` in order (`n = acc.len()`),
+/// each a multiply then an add (never fused): `w.len()` axpys in one pass over `m`, `T` sums
+/// kept in registers across the rows (the SIMD paths inline this with a wider `T`: the same
+/// bits for any `T`, and as the axpys one at a time).
+#[inline(always)]
+pub(crate) fn axpy_many_f64_tiles<const T: usize>(acc: &mut [f64], w: &[f64], m: &[f32]) {
+    let n = acc.len();
+    for (j0, a) in (0..n).step_by(T).zip(acc.chunks_mut(T)) {
+        if a.len() == T {
+            let mut s = [0.0f64; T];
+            s.copy_from_slice(a);
+            for (&wi, row) in w.iter().zip(m.chunks_exact(n)) {
+                let x = &row[j0..j0 + T];
+                for j in 0..T {
+                    s[j] += wi * f64::from(x[j]);
+                }
+            }
+            a.copy_from_slice(&s);
+        } else {
+            for (&wi, row) in w.iter().zip(m.chunks_exact(n)) {
+                for (s, &x) in a.iter_mut().zip(&row[j0..]) {
+                    *s += wi * f64::from(x);
+                }
+            }
+        }
+    }
+}
+
+pub(crate) fn axpy_many_f64(acc: &mut [f64], w: &[f64], m: &[f32]) {
+    axpy_many_f64_tiles::<4>(acc, w, m);
 }
 
 /// `out[i] = f32(sum_c x[c] m[c * out.len() + i])`: each sum in float64 over `c` in order, a

@@ -35,7 +35,7 @@ struct Qjl<'a> {
 pub(super) struct MsePlan<'a> {
     codes: &'a [u8],
     norms: ScalarView<'a>,
-    rot: Option<Rotation>,
+    rot: Option<Arc<Rotation>>,
     reader: RowReader,
     qjl: Option<Qjl<'a>>,
     /// Token room per head (rows of head `h` start at token `h * stride`).
@@ -226,11 +226,11 @@ impl ValueRows for MsePlan<'_> {
         let (cd, stride) = (self.cd(), self.acc_dim());
         if let Some(q) = &self.qjl {
             let k = f64::from(q.k);
+            let mut w = vec![0.0f64; cd];
             for row in acc.chunks_exact_mut(stride) {
                 let (ar, ur) = row.split_at_mut(cd);
-                for (srow, &ui) in q.sketcher.matrix().chunks_exact(cd).zip(ur.iter()) {
-                    ops::axpy_f64(isa, ar, k * ui, srow);
-                }
+                w.iter_mut().zip(ur.iter()).for_each(|(w, &u)| *w = k * u);
+                ops::axpy_many_f64(isa, ar, &w, q.sketcher.matrix());
             }
         }
         unrotate(isa, &self.rot, (acc, stride, cd), sums, out);

@@ -3,6 +3,7 @@
 //! query rotation and its inverse.
 
 use std::ops::Range;
+use std::sync::Arc;
 
 use super::super::hadamard::Rotation;
 use super::super::pack::{packed_len, unpack_range};
@@ -325,16 +326,16 @@ impl Lanes {
 }
 
 /// The rotation of `seed` (None: none) and the code-domain dimension (d', or d).
-pub(super) fn code_domain(seed: Option<u64>, d: usize) -> Result<(Option<Rotation>, usize)> {
-    let rot = seed.map(|s| Rotation::new(d, Some(s))).transpose()?;
-    let cd = rot.as_ref().map_or(d, Rotation::padded_dim);
+pub(super) fn code_domain(seed: Option<u64>, d: usize) -> Result<(Option<Arc<Rotation>>, usize)> {
+    let rot = seed.map(|s| Rotation::cached(d, s)).transpose()?;
+    let cd = rot.as_ref().map_or(d, |r| r.padded_dim());
     Ok((rot, cd))
 }
 
 /// The query rows (rows x d) in the code domain (rotated, or copied): rows x `cd`.
 pub(super) fn code_queries(
     isa: Isa,
-    rot: &Option<Rotation>,
+    rot: &Option<Arc<Rotation>>,
     q: &[f32],
     d: usize,
     cd: usize,
@@ -353,7 +354,7 @@ pub(super) fn code_queries(
 /// accumulator (rows x `stride`), divided by its softmax normaliser, into `out` (rows x d).
 pub(super) fn unrotate(
     isa: Isa,
-    rot: &Option<Rotation>,
+    rot: &Option<Arc<Rotation>>,
     (acc, stride, cd): (&[f64], usize, usize),
     sums: &[f64],
     out: &mut [f32],

@@ -8,6 +8,7 @@
 
 use std::cell::RefCell;
 use std::ops::Range;
+use std::sync::Arc;
 
 use super::super::hadamard::Rotation;
 use super::super::{check_bits, check_len, check_row_len};
@@ -25,7 +26,7 @@ pub(super) struct TokensPlan<'a> {
     codes: &'a [u8],
     scales: ScalarView<'a>,
     zeros: ScalarView<'a>,
-    rot: Option<Rotation>,
+    rot: Option<Arc<Rotation>>,
     reader: RowReader,
     group: usize,
     groups: usize,

@@ -381,28 +381,11 @@ pub(crate) fn decode_packed(packed: &[u8], bits: u32, table: &[f32], out: &mut [
     }
 }
 
-/// `acc[i] += w * f64(x[i])` for `i < acc.len()`: four f64 lanes per register.
+/// [`super::super::scalar::axpy_many_f64`] with 32 sums per pass (eight vectors: enough
+/// independent adds to hide their latency), the same multiplies and adds: the same bits.
 #[target_feature(enable = "avx2")]
-pub(crate) fn axpy_f64(acc: &mut [f64], w: f64, x: &[f32]) {
-    let n = acc.len().min(x.len());
-    let n8 = n / 8 * 8;
-    let wv = _mm256_set1_pd(w);
-    let (a, xp) = (acc.as_mut_ptr(), x.as_ptr());
-    let mut i = 0;
-    while i < n8 {
-        // SAFETY: i + 8 <= n for acc and x.
-        unsafe {
-            let v = _mm256_loadu_ps(xp.add(i));
-            let lo = _mm256_cvtps_pd(_mm256_castps256_ps128(v));
-            let hi = _mm256_cvtps_pd(_mm256_extractf128_ps::<1>(v));
-            let s0 = _mm256_add_pd(_mm256_loadu_pd(a.add(i)), _mm256_mul_pd(wv, lo));
-            let s1 = _mm256_add_pd(_mm256_loadu_pd(a.add(i + 4)), _mm256_mul_pd(wv, hi));
-            _mm256_storeu_pd(a.add(i), s0);
-            _mm256_storeu_pd(a.add(i + 4), s1);
-        }
-        i += 8;
-    }
-    super::super::scalar::axpy_f64(&mut acc[n8..n], w, &x[n8..n]);
+pub(crate) fn axpy_many_f64(acc: &mut [f64], w: &[f64], m: &[f32]) {
+    super::super::scalar::axpy_many_f64_tiles::<32>(acc, w, m);
 }
 
 /// [`super::super::scalar::project_f64`] with 16 outputs per pass (four vectors of sums),

@@ -390,23 +390,11 @@ pub(crate) fn add_signed(o: &mut [f32], s: &[f32], negative: bool) {
     }
 }
 
-/// `acc[i] += w * f64(x[i])` for `i < acc.len()`: eight f64 lanes, masked tail.
+/// [`super::super::scalar::axpy_many_f64`] with 64 sums per pass (eight vectors: enough
+/// independent adds to hide their latency), the same multiplies and adds: the same bits.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
-pub(crate) fn axpy_f64(acc: &mut [f64], w: f64, x: &[f32]) {
-    let n = acc.len().min(x.len());
-    let wv = _mm512_set1_pd(w);
-    let mut i = 0;
-    while i < n {
-        let k = ((1u32 << (n - i).min(8)) - 1) as __mmask8;
-        // SAFETY: the masked lanes stay below n for acc and x.
-        unsafe {
-            let v = _mm512_cvtps_pd(_mm256_maskz_loadu_ps(k, x.as_ptr().add(i)));
-            let a = _mm512_maskz_loadu_pd(k, acc.as_ptr().add(i));
-            let r = _mm512_add_pd(a, _mm512_mul_pd(wv, v));
-            _mm512_mask_storeu_pd(acc.as_mut_ptr().add(i), k, r);
-        }
-        i += 8;
-    }
+pub(crate) fn axpy_many_f64(acc: &mut [f64], w: &[f64], m: &[f32]) {
+    super::super::scalar::axpy_many_f64_tiles::<64>(acc, w, m);
 }
 
 /// [`super::super::scalar::project_f64`] with 32 outputs per pass (four vectors of sums),
