@@ -324,6 +324,13 @@ def test_bad_input_is_a_clean_error():
     x = np.ones((2, KV_HEADS, D), np.float32)
     with pytest.raises(KvqrsError, match="slots: expected slots below 32"):
         layout.write(cache, x, x, np.array([0, 32]))
+    for bad, match in (
+        ([0.0, np.nan], "slots: expected integers, got dtype float64"),
+        (np.array([0, 2**64 - 1], np.uint64), "within int64"),
+    ):
+        with pytest.raises(KvqrsError, match=match):
+            layout.write(cache, x, x, bad)
+    assert not cache.any()
     with pytest.raises(KvqrsError, match="cache: expected uint8"):
         layout.write(cache.astype(np.int16), x, x, np.array([0, 1]))
     with pytest.raises(KvqrsError, match="keys, values: expected"):

@@ -277,7 +277,7 @@ class SlotLayout:
     def _new_tokens(self, keys, values, slots, blocks: int, heads: int, n: int, flat: bool = True) -> tuple[list, np.ndarray]:
         """The checked new tokens (flat float32 keys and values when ``flat``) and their int64
         slots. Raises :class:`KvqrsError` for shapes that do not match or a slot beyond the cache."""
-        slots = np.asarray(slots, dtype=np.int64).reshape(-1)
+        slots = _int64_slots(slots)
         if keys.shape != values.shape or keys.shape[1:] != (heads, self.head_dim) or keys.shape[0] != slots.shape[0]:
             raise KvqrsError(
                 f"keys, values: expected (tokens={slots.shape[0]}, kv_heads={heads}, head_dim={self.head_dim}), got {keys.shape} and {values.shape}"
@@ -410,6 +410,19 @@ class SlotLayout:
         q, reads = self._reads(cache, queries, seq, lengths, block_table, scale)
         out = self._writer.step(self._span(cache), b, h, n, cache.strides[0], cache.strides[1], *new, slots, *reads)
         return out.reshape(q.shape)
+
+
+def _int64_slots(a: Any) -> np.ndarray:
+    """``a`` as flat int64 slots; raises :class:`KvqrsError` for values that are not integers
+    or lie beyond int64 (a cast would make a NaN or a huge slot a negative one: padding)."""
+    x = np.asarray(a)
+    if x.dtype == np.int64:  # vLLM's slot mapping: nothing to check
+        return x.reshape(-1)
+    if x.dtype.kind not in "iu":
+        raise KvqrsError(f"slots: expected integers, got dtype {x.dtype}")
+    if x.size and x.dtype.kind == "u" and int(x.max()) >= 2**63:
+        raise KvqrsError(f"slots: expected values within int64, got {int(x.max())}")
+    return x.astype(np.int64).reshape(-1)
 
 
 def _int32(a: Any, arg: str) -> np.ndarray:
