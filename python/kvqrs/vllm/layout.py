@@ -277,7 +277,7 @@ class SlotLayout:
     def _new_tokens(self, keys, values, slots, blocks: int, heads: int, n: int, flat: bool = True) -> tuple[list, np.ndarray]:
         """The checked new tokens (flat float32 keys and values when ``flat``) and their int64
         slots. Raises :class:`KvqrsError` for shapes that do not match or a slot beyond the cache."""
-        slots = _int64_slots(slots)
+        slots = _integers(slots, "slots", np.int64).reshape(-1)
         if keys.shape != values.shape or keys.shape[1:] != (heads, self.head_dim) or keys.shape[0] != slots.shape[0]:
             raise KvqrsError(
                 f"keys, values: expected (tokens={slots.shape[0]}, kv_heads={heads}, head_dim={self.head_dim}), got {keys.shape} and {values.shape}"
@@ -412,30 +412,24 @@ class SlotLayout:
         return out.reshape(q.shape)
 
 
-def _int64_slots(a: Any) -> np.ndarray:
-    """``a`` as flat int64 slots; raises :class:`KvqrsError` for values that are not integers
-    or lie beyond int64 (a cast would make a NaN or a huge slot a negative one: padding)."""
+def _integers(a: Any, arg: str, dtype: type[np.signedinteger]) -> np.ndarray:
+    """``a`` as contiguous ``dtype``; raises :class:`KvqrsError` naming ``arg`` for values that
+    are not integers or lie outside ``dtype`` (a cast would truncate or wrap them: a NaN slot
+    would become a negative one, padding)."""
     x = np.asarray(a)
-    if x.dtype == np.int64:  # vLLM's slot mapping: nothing to check
-        return x.reshape(-1)
-    if x.dtype.kind not in "iu":
-        raise KvqrsError(f"slots: expected integers, got dtype {x.dtype}")
-    if x.size and x.dtype.kind == "u" and int(x.max()) >= 2**63:
-        raise KvqrsError(f"slots: expected values within int64, got {int(x.max())}")
-    return x.astype(np.int64).reshape(-1)
-
-
-def _int32(a: Any, arg: str) -> np.ndarray:
-    """``a`` as contiguous int32; raises :class:`KvqrsError` naming ``arg`` for values that are
-    not integers or lie outside int32 (a cast would truncate or wrap them)."""
-    x = np.asarray(a)
-    if x.dtype == np.int32:  # vLLM's block tables and the metadata's rows: nothing to check
+    if x.dtype == dtype:  # vLLM's block tables, slot mapping and the metadata's rows: nothing to check
         return np.ascontiguousarray(x)
     if x.dtype.kind not in "iu":
         raise KvqrsError(f"{arg}: expected integers, got dtype {x.dtype}")
-    if x.size and (int(x.min()) < -(2**31) or int(x.max()) >= 2**31):
-        raise KvqrsError(f"{arg}: expected values within int32, got {int(x.min())}..{int(x.max())}")
-    return np.ascontiguousarray(x, dtype=np.int32)
+    info = np.iinfo(dtype)
+    if x.size and (int(x.min()) < info.min or int(x.max()) > info.max):
+        raise KvqrsError(f"{arg}: expected values within {info.dtype}, got {int(x.min())}..{int(x.max())}")
+    return np.ascontiguousarray(x, dtype=dtype)
+
+
+def _int32(a: Any, arg: str) -> np.ndarray:
+    """:func:`_integers` as int32."""
+    return _integers(a, arg, np.int32)
 
 
 def query_positions(query_start: np.ndarray, seq_lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
