@@ -11,11 +11,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def stdout_per_thread_count(code: str, counts: tuple[str, ...] = ("1", "4")) -> list[bytes]:
     """The stdout bytes of ``python -c code`` run from the repository root (``tests.*``
-    imports work) once per ``RAYON_NUM_THREADS`` value of ``counts``."""
+    imports work) once per ``RAYON_NUM_THREADS`` value of ``counts``, with every decode
+    attention call split over the pool (``KVQRS_ATTEND_SPLIT=0``) whatever its size."""
+    env = dict(os.environ, KVQRS_ATTEND_SPLIT="0")
     return [
-        subprocess.run(
-            [sys.executable, "-c", code], env=dict(os.environ, RAYON_NUM_THREADS=n), cwd=ROOT, capture_output=True, check=True
-        ).stdout
+        subprocess.run([sys.executable, "-c", code], env=dict(env, RAYON_NUM_THREADS=n), cwd=ROOT, capture_output=True, check=True).stdout
         for n in counts
     ]
 

@@ -85,22 +85,30 @@ where
 }
 
 /// Below this much work per call (about one multiply-add each), decode attention runs on the
-/// calling thread. Handing a job to the pool costs a worker's wake-up, and on a busy machine
-/// the wait for a descheduled worker: one SmolLM2 layer at 1,024 tokens (9 query rows, 3 KV
-/// heads, head_dim 64, about 0.6 M multiply-adds) took 4.6 ms split over two threads with the
-/// other core busy against 0.32 ms on the calling thread. The busy core is often torch's own:
-/// GNU OpenMP workers spin after each parallel region unless `OMP_WAIT_POLICY=PASSIVE`, and with
-/// passive waits the pool's worker finds its core, so smaller calls are split too (`generate` at
-/// 1k tokens of context: 1.08x dense's tokens/s split, 1.03x on the calling thread).
+/// calling thread; `KVQRS_ATTEND_SPLIT` (a count, read once) sets it. Handing a job to the pool
+/// costs a worker's wake-up, and the worker then spins (`sched_yield`) on the core that torch's
+/// next parallel region wants: in `generate` on SmolLM2 (2 cores, torch 2 threads,
+/// `OMP_WAIT_POLICY=PASSIVE`, AMD EPYC Zen 3) one rayon thread against two ran `kqv` 4/4 at
+/// 1.01x against 0.92x dense's step time at 1k tokens of context (1.2 M multiply-adds a layer)
+/// and 1.13x against 1.07x at 4k (4.7 M), while the split won at 16k (19 M: 1.42x against
+/// 1.25x). GNU OpenMP workers spin after each region unless the wait policy is passive, which
+/// makes a split dearer still (a 1k layer took 4.6 ms split against 0.32 ms on the calling
+/// thread), so that threshold is 4x higher.
 pub(crate) fn par_min_attend() -> usize {
     static MIN: OnceLock<usize> = OnceLock::new();
     *MIN.get_or_init(|| {
+        if let Some(n) = std::env::var("KVQRS_ATTEND_SPLIT")
+            .ok()
+            .and_then(|v| v.trim().parse().ok())
+        {
+            return n;
+        }
         let passive =
             std::env::var("OMP_WAIT_POLICY").is_ok_and(|v| v.eq_ignore_ascii_case("passive"));
         if passive {
-            1 << 19
+            1 << 23
         } else {
-            1 << 21
+            1 << 25
         }
     })
 }
