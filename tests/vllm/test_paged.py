@@ -337,6 +337,18 @@ def test_bad_input_is_a_clean_error():
         layout.write(cache, x[:, :2], x[:, :2], np.array([0, 1]))
     with pytest.raises(KvqrsError, match="non-finite|NaN|finite"):
         layout.write(cache, np.full_like(x, np.nan), x, np.array([0, 1]))
+    for bad, match in ((x.astype(np.complex64), "keys: expected a float array, got dtype complex64"), (None, "keys: .*dtype object")):
+        with pytest.raises(KvqrsError, match=match):
+            layout.write(cache, bad, x, np.array([0, 1]))
+    assert not cache.any()
+    for bad in ("0", -1, True):
+        with pytest.raises(KvqrsError, match="layer: expected an integer >= 0"):
+            SlotLayout(QuantConfig("kqv", 4, "kqv", 4), layer=bad, head_dim=D)
+    with pytest.raises(KvqrsError, match="query_start: expected"):
+        query_positions(np.array([], np.int64), np.array([], np.int64))
+    layout.write(cache, x.tolist(), x.tolist(), [0, 1])  # nested lists of floats are arrays
+    assert cache.any()
+    cache[:] = 0
     layout.write(cache, x, x, np.array([0, 1]))
     q = np.ones((1, Q_HEADS, D), np.float32)
     table = np.array([[0, 1]], np.int32)

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from .. import _native
-from .._arrays import KvqrsError
+from .._arrays import KvqrsError, check_positive_int
 from ..hf.config import QuantConfig
 from ..hf.store import _native_encoder
 from ..kernels.attention import CentredRows, MSERows, TokenRunRows, UniformRows, binding_rows, by_name, map_parts
@@ -118,14 +118,16 @@ class SlotLayout:
             widths); None: this layer's own size. The bytes past this layer's parts stay unused.
 
     Raises:
-        KvqrsError: a scheme without a fixed size per token (:func:`refuse_reason`), or
-            ``slot_bytes`` smaller than the layer's slot.
+        KvqrsError: a scheme without a fixed size per token (:func:`refuse_reason`),
+            ``slot_bytes`` smaller than the layer's slot, a ``layer`` that is not an integer
+            >= 0 or a ``head_dim`` that is not one >= 1.
     """
 
     def __init__(self, config: QuantConfig, layer: int, head_dim: int, slot_bytes: int | None = None):
         reason = refuse_reason(config)
         if reason is not None:
             raise KvqrsError(f"kvqrs paged cache: {reason}")
+        layer, head_dim = check_positive_int(layer, "layer", 0), check_positive_int(head_dim, "head_dim")
         self.config, self.layer, self.head_dim = config, layer, head_dim
         self.codec: KVCodec = config.codec(layer, head_dim)
         for kind in ("keys", "values"):
@@ -241,14 +243,15 @@ class SlotLayout:
         negative slots are padding and skipped), in place.
 
         Raises:
-            KvqrsError: shapes that do not match the cache, a slot beyond it, NaN/Inf inputs.
+            KvqrsError: keys or values that are not float arrays, shapes that do not match the
+                cache, a slot beyond it, NaN/Inf inputs.
         """
         b, h, n = self.check_cache(cache)
         if self._writer is not None:
             new, slots = self._new_tokens(keys, values, slots, b, h, n)
             self._writer.write(self._span(cache), b, h, n, cache.strides[0], cache.strides[1], *new, slots)
             return
-        _, slots = self._new_tokens(keys, values, slots, b, h, n, flat=False)
+        (keys, values), slots = self._new_tokens(keys, values, slots, b, h, n, flat=False)
         keep = slots >= 0
         if not keep.all():
             keys, values, slots = keys[keep], values[keep], slots[keep]
@@ -275,9 +278,11 @@ class SlotLayout:
             region[blocks, :, pos, :] = data
 
     def _new_tokens(self, keys, values, slots, blocks: int, heads: int, n: int, flat: bool = True) -> tuple[list, np.ndarray]:
-        """The checked new tokens (flat float32 keys and values when ``flat``) and their int64
-        slots. Raises :class:`KvqrsError` for shapes that do not match or a slot beyond the cache."""
+        """The checked new tokens (flat float32 keys and values when ``flat``, else the float
+        arrays as given) and their int64 slots. Raises :class:`KvqrsError` for keys or values
+        that are not float arrays, shapes that do not match or a slot beyond the cache."""
         slots = _integers(slots, "slots", np.int64).reshape(-1)
+        keys, values = _floats(keys, "keys"), _floats(values, "values")
         if keys.shape != values.shape or keys.shape[1:] != (heads, self.head_dim) or keys.shape[0] != slots.shape[0]:
             raise KvqrsError(
                 f"keys, values: expected (tokens={slots.shape[0]}, kv_heads={heads}, head_dim={self.head_dim}), got {keys.shape} and {values.shape}"
@@ -286,7 +291,7 @@ class SlotLayout:
             return [np.ascontiguousarray(x, dtype=np.float32).reshape(-1) for x in (keys, values)], slots
         if slots.size and slots.max() >= blocks * n:
             raise KvqrsError(f"slots: expected slots below {blocks * n} ({blocks} blocks of {n}), got {int(slots.max())}")
-        return [], slots
+        return [keys, values], slots
 
     def attend(
         self,
@@ -369,7 +374,7 @@ class SlotLayout:
         geometry: ``(page rows, flat queries, q_heads, head_dim, scale, seq,
         lengths, flat block table, its width)``."""
         n = cache.shape[2]
-        q = np.ascontiguousarray(queries, dtype=np.float32)
+        q = np.ascontiguousarray(_floats(queries, "queries"), dtype=np.float32)
         if q.ndim != 3 or q.shape[2] != self.head_dim:
             raise KvqrsError(f"queries: expected (tokens, q_heads, {self.head_dim}), got {q.shape}")
         table = _int32(block_table, "block_table")
@@ -427,6 +432,16 @@ def _integers(a: Any, arg: str, dtype: type[np.signedinteger]) -> np.ndarray:
     return np.ascontiguousarray(x, dtype=dtype)
 
 
+def _floats(a: Any, arg: str) -> np.ndarray:
+    """``a`` as a NumPy array of real floats (any float dtype, as given); raises
+    :class:`KvqrsError` naming ``arg`` for anything else (a complex array would lose its
+    imaginary part in the float32 cast, None or a string is no array of numbers)."""
+    x = np.asarray(a)
+    if x.dtype.kind != "f":
+        raise KvqrsError(f"{arg}: expected a float array, got dtype {x.dtype}")
+    return x
+
+
 def _int32(a: Any, arg: str) -> np.ndarray:
     """:func:`_integers` as int32."""
     return _integers(a, arg, np.int32)
@@ -435,10 +450,14 @@ def _int32(a: Any, arg: str) -> np.ndarray:
 def query_positions(query_start: np.ndarray, seq_lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``(seq, lengths)`` of every query token of a batch: request ``r``'s query tokens are rows
     ``query_start[r] .. query_start[r + 1]`` and the last ``q_len`` of its ``seq_lens[r]`` tokens,
-    so query token ``i`` of it attends causally to its first ``seq_lens[r] - q_len + i + 1``."""
-    qs = np.asarray(query_start, dtype=np.int64)
+    so query token ``i`` of it attends causally to its first ``seq_lens[r] - q_len + i + 1``.
+    Raises :class:`KvqrsError` for offsets or lengths that are not integers within int64, or no
+    offsets at all."""
+    qs = _integers(query_start, "query_start", np.int64).reshape(-1)
+    if qs.size == 0:
+        raise KvqrsError("query_start: expected the batch's query offsets (one more than its requests), got none")
     q_lens = np.diff(qs)
-    sl = np.asarray(seq_lens, dtype=np.int64)[: len(q_lens)]
+    sl = _integers(seq_lens, "seq_lens", np.int64).reshape(-1)[: len(q_lens)]
     seq = np.repeat(np.arange(len(q_lens), dtype=np.int32), q_lens)
     first = np.repeat(sl - q_lens + 1, q_lens)
     within = np.arange(int(qs[-1] - qs[0])) - np.repeat(qs[:-1] - qs[0], q_lens)
