@@ -361,6 +361,11 @@ def test_bad_input_is_a_clean_error():
     with pytest.raises(KvqrsError, match="q: expected finite"):
         layout.attend(cache, np.full_like(q, np.inf), [0], [2], table, 0.125)
     assert np.isfinite(layout.attend(cache, q, [0], [2], table, 0.125)).all()
+    # A step's attention error leaves its new tokens written (the docstring says so).
+    cache[:] = 0
+    with pytest.raises(KvqrsError, match="q: expected finite"):
+        layout.step(cache, x, x, [0, 1], np.full_like(q, np.inf), [0], [2], table, 0.125)
+    assert cache.any()
 
 
 def test_the_paged_binding_takes_typed_per_token_rows():
