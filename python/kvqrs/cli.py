@@ -86,6 +86,11 @@ def _seed(text: str) -> int:
     return value
 
 
+def _count(n: int, noun: str) -> str:
+    """``n`` and ``noun``, plural unless ``n`` is 1 ("1 window", "2 more windows")."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
 def _selfcheck(args: argparse.Namespace) -> int:
     if args.vectors < 2:
         raise KvqrsError(f"--vectors: expected at least 2 vectors per cell, got {args.vectors}")
@@ -609,10 +614,10 @@ def _calibrate(args: argparse.Namespace) -> int:
             widths = {"key_widths": " ".join(map(str, kw)), **widths}
         path = save_matched(args.out, cal, {**meta, "budget": args.budget, **widths})
         chosen = [f"{c.keys.code_bits():g}/{c.value_bits}" for _, c in sorted(cal.items())]
-        what = (
-            f"budget {args.budget} bits/element, per-layer key/value widths {' '.join(chosen)} (sensitivity on {len(probe)} more windows)"
-        )
-    print(f"kvqrs calibrate: {len(cal)} layers, {what}, group {args.group}, {args.windows} windows of {args.ctx} tokens; wrote {path}")
+        what = f"budget {args.budget} bits/element, per-layer key/value widths {' '.join(chosen)} (sensitivity on {_count(len(probe), 'more window')})"
+    print(
+        f"kvqrs calibrate: {len(cal)} layers, {what}, group {args.group}, {_count(args.windows, 'window')} of {args.ctx} tokens; wrote {path}"
+    )
     return 0
 
 

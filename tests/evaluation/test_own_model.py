@@ -146,6 +146,7 @@ def test_cli_calibrate_a_model_folder(tiny, tmp_path, monkeypatch, capsys):
     ]
     stdout = _cli([*args, "--out", "cal.npz"], tmp_path, monkeypatch, capsys)
     assert "model: tiny-llama (bfloat16); 2 layers, all full_attention" in stdout
+    assert "group 8, 1 window of 32 tokens; wrote" in stdout
     assert sorted(load_matched(tmp_path / "cal.npz")) == [0, 1]
     assert calibration_meta(tmp_path / "cal.npz")["model"] == "tiny-llama (bfloat16); 2 layers, all full_attention"
     # The file on another model (SmolLM2: 30 layers, head_dim 64) is refused once it loads, by name.
