@@ -335,8 +335,16 @@ def test_bad_input_is_a_clean_error():
         layout.write(cache.astype(np.int16), x, x, np.array([0, 1]))
     with pytest.raises(KvqrsError, match="keys, values: expected"):
         layout.write(cache, x[:, :2], x[:, :2], np.array([0, 1]))
-    with pytest.raises(KvqrsError, match="non-finite|NaN|finite"):
+    with pytest.raises(KvqrsError, match="keys: expected finite values, got NaN"):
         layout.write(cache, np.full_like(x, np.nan), x, np.array([0, 1]))
+    with pytest.raises(KvqrsError, match="values: expected finite values, got inf"):
+        layout.write(cache, x, np.where(np.arange(D) == 3, np.inf, x).astype(np.float32), np.array([0, 1]))
+    # A QJL residual norm below float16's normal range: the encoder widens the part to float32,
+    # which a fixed-size float16 slot cannot hold; the error names the side and the part.
+    tiny = np.random.default_rng(0).standard_normal(x.shape).astype(np.float32) * 1e-6
+    with pytest.raises(KvqrsError, match=r"values: expected qjl_norms in the slot's F16, got F32 \(a norm or scale outside"):
+        layout.write(cache, x, tiny, np.array([0, 1]))
+    assert not cache.any()
     for bad, match in ((x.astype(np.complex64), "keys: expected a float array, got dtype complex64"), (None, "keys: .*dtype object")):
         with pytest.raises(KvqrsError, match=match):
             layout.write(cache, bad, x, np.array([0, 1]))

@@ -46,6 +46,27 @@ pub struct SlotWriter {
     slot_bytes: usize,
 }
 
+/// The argument names of the two sides (`SlotPart::side`).
+const SIDES: [&str; 2] = ["keys", "values"];
+
+/// `e` of side `side`'s encoder, which names its input `x`, with the side's name in its place.
+fn of_side(e: KvqError, side: usize) -> KvqError {
+    match e {
+        KvqError::NonFinite {
+            arg: "x",
+            row,
+            col,
+            value,
+        } => KvqError::NonFinite {
+            arg: SIDES[side],
+            row,
+            col,
+            value,
+        },
+        e => e,
+    }
+}
+
 fn mismatch(arg: &'static str, expected: String, actual: String) -> KvqError {
     KvqError::ShapeMismatch {
         arg,
@@ -166,7 +187,9 @@ impl SlotWriter {
             for span in spans_of.by_ref().take(spans) {
                 // An error is the whole side's, as one call reports it (rows counted from its
                 // first token).
-                let span = span.or_else(|e| self.encoders[side].encode(x, 1).and(Err(e)))?;
+                let span = span
+                    .or_else(|e| self.encoders[side].encode(x, 1).and(Err(e)))
+                    .map_err(|e| of_side(e, side))?;
                 if joined.is_empty() {
                     joined = span;
                 } else {
@@ -183,7 +206,16 @@ impl SlotWriter {
                 .iter()
                 .find(|(name, _, _)| *name == p.name)
                 .ok_or_else(|| mismatch("parts", format!("a part {}", p.name), "none".into()))?;
-            if *dtype != p.dtype || bytes.len() != kept.len() * h * p.row_bytes {
+            if *dtype != p.dtype {
+                // The encoder widens a chunk's scalars to float32 when one lies outside
+                // float16's normal range; a fixed-size slot cannot hold the wider part.
+                return Err(mismatch(
+                    SIDES[p.side],
+                    format!("{} in the slot's {:?}", p.name, p.dtype),
+                    format!("{dtype:?} (a norm or scale outside float16's normal range)"),
+                ));
+            }
+            if bytes.len() != kept.len() * h * p.row_bytes {
                 return Err(mismatch(
                     "parts",
                     format!(
