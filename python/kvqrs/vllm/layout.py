@@ -406,11 +406,13 @@ class SlotLayout:
     ) -> np.ndarray:
         """:meth:`write` of a step's new ``keys``, ``values`` into ``slots``, then :meth:`attend`
         of its ``queries`` (the new tokens included): one native call (GIL released) where the
-        coders encode natively, else the two. Arguments, result and errors as theirs. The new
-        tokens are stored before the attention reads: an error of the attention's arguments (a
-        length beyond the block table, a query not finite) leaves them written, as a
-        :meth:`write` followed by a failing :meth:`attend` would; an error of the new tokens
-        themselves (a shape, a slot, a value not finite) writes nothing."""
+        coders encode natively, else the two. Arguments, result and errors as theirs. An error
+        of the new tokens (a shape, a slot, a value not finite) writes nothing. The new tokens
+        are stored before the attention reads the cache, so an error found there (a length
+        beyond the block table, a query not finite) leaves them written, as a :meth:`write`
+        followed by a failing :meth:`attend` would; a query or block table of the wrong shape
+        or dtype writes nothing where the coders encode natively (checked first) and leaves
+        the tokens written where they do not."""
         if self._writer is None:
             self.write(cache, keys, values, slots)
             return self.attend(cache, queries, seq, lengths, block_table, scale)

@@ -175,7 +175,7 @@ impl SlotWriter {
         let tokens = kept.len();
         let spans = tokens.div_ceil(ENCODE_SPAN).max(1);
         let work = tokens.saturating_mul(2 * row * d);
-        let parts = par::map_range(2 * spans, work, par::par_min_attend(), |u| {
+        let parts = par::map_range(2 * spans, work, par::par_min_bulk(), |u| {
             let (side, c) = (u / spans, u % spans);
             let x = &sides[side][c * ENCODE_SPAN * row..((c + 1) * ENCODE_SPAN).min(tokens) * row];
             self.encoders[side].encode(x, 1)

@@ -84,33 +84,46 @@ where
     )
 }
 
-/// Below this much work per call (about one multiply-add each), decode attention runs on the
-/// calling thread; `KVQRS_ATTEND_SPLIT` (a count, read once) sets it. Handing a job to the pool
+/// Whether torch's GNU OpenMP workers sleep between parallel regions (`OMP_WAIT_POLICY=PASSIVE`)
+/// instead of spinning on their cores.
+fn passive_waits() -> bool {
+    std::env::var("OMP_WAIT_POLICY").is_ok_and(|v| v.eq_ignore_ascii_case("passive"))
+}
+
+/// Below this much work per call (about one multiply-add each), decode attention (contiguous,
+/// paged and the full-precision window) runs on the calling thread; `KVQRS_ATTEND_SPLIT` (a
+/// count, read once; a value that does not parse is ignored) sets it. Handing a job to the pool
 /// costs a worker's wake-up, and the worker then spins (`sched_yield`) on the core that torch's
 /// next parallel region wants: in `generate` on SmolLM2 (2 cores, torch 2 threads,
-/// `OMP_WAIT_POLICY=PASSIVE`, AMD EPYC Zen 3) one rayon thread against two ran `kqv` 4/4 at
-/// 1.01x against 0.92x dense's step time at 1k tokens of context (1.2 M multiply-adds a layer)
-/// and 1.13x against 1.07x at 4k (4.7 M), while the split won at 16k (19 M: 1.42x against
-/// 1.25x). GNU OpenMP workers spin after each region unless the wait policy is passive, which
-/// makes a split dearer still (a 1k layer took 4.6 ms split against 0.32 ms on the calling
-/// thread), so that threshold is 4x higher.
+/// `OMP_WAIT_POLICY=PASSIVE`, AMD EPYC Zen 3; decode steps interleaved with dense's in one
+/// process, speed against dense) `kqv` 4/4 ran at 1.03x on the calling thread against 0.95x
+/// split from 2^19 at 1k tokens of context (1.2 M multiply-adds a layer) and at 1.04x against
+/// 0.98x-1.01x at 4k (4.7 M), while at 16k (19 M) two threads beat one (1.42x against 1.25x).
+/// GNU OpenMP workers spin after each region unless the wait policy is passive, which makes a
+/// split dearer still (a 1k layer took 4.6 ms split against 0.32 ms on the calling thread), so
+/// that threshold is 4x higher.
 pub(crate) fn par_min_attend() -> usize {
     static MIN: OnceLock<usize> = OnceLock::new();
     *MIN.get_or_init(|| {
-        if let Some(n) = std::env::var("KVQRS_ATTEND_SPLIT")
-            .ok()
-            .and_then(|v| v.trim().parse().ok())
-        {
+        let set = std::env::var("KVQRS_ATTEND_SPLIT").ok();
+        if let Some(n) = set.and_then(|v| v.trim().parse().ok()) {
             return n;
         }
-        let passive =
-            std::env::var("OMP_WAIT_POLICY").is_ok_and(|v| v.eq_ignore_ascii_case("passive"));
-        if passive {
+        if passive_waits() {
             1 << 23
         } else {
             1 << 25
         }
     })
+}
+
+/// Below this much work per call, a prompt's bulk work in the paged cache (the slot writer's
+/// encode, the reconstruction for a prefill's dense attention) runs on the calling thread: 2^19
+/// with passive OpenMP waits, 2^21 without. These calls come once per prompt and chunk, not
+/// once per decode step, and were not measured to lose when split.
+pub(crate) fn par_min_bulk() -> usize {
+    static MIN: OnceLock<usize> = OnceLock::new();
+    *MIN.get_or_init(|| if passive_waits() { 1 << 19 } else { 1 << 21 })
 }
 
 /// `f(0) .. f(n - 1)` collected in order, on the rayon pool when `work` (about one multiply-add

@@ -678,7 +678,7 @@ pub fn paged_reconstruct_with(
             (0..heads).flat_map(move |h| (0..spans).map(move |c| (i, h, c)))
         })
         .collect();
-    let parts = par::map_range(units.len(), work, par::par_min_attend(), |u| {
+    let parts = par::map_range(units.len(), work, par::par_min_bulk(), |u| {
         let (i, h, c) = units[u];
         let len = seqs.lengths[i] as usize;
         let blocks = blocks_of(cache, seqs, seqs.seq[i], len);
