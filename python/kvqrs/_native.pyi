@@ -15,6 +15,7 @@ __all__ = [
     "__version__",
     "absmax_decode",
     "absmax_encode",
+    "attend_full_precision",
     "container_read",
     "container_write",
     "decode_attention",
@@ -148,6 +149,24 @@ def log_encode(values: _F32, n: int, group: int) -> tuple[_U8, _U8]: ...
 def log_decode(codes: _U8, exps: _U8, n: int, group: int) -> _F32: ...
 def window_append(dst_k: _F32, dst_v: _F32, cap: int, at: int, k: _F32, v: _F32) -> bool: ...
 def storable(x: npt.NDArray[np.float32]) -> bool: ...
+def attend_full_precision(
+    q: _F32,
+    heads: int,
+    rows: int,
+    head_dim: int,
+    scale: float,
+    tokens: int,
+    sink_keys: _F32,
+    sink_values: _F32,
+    sinks: int,
+    window_keys: _F32,
+    window_values: _F32,
+    room: int,
+    start: int,
+    window: int,
+    mask: _F32 | None,
+    batch: int,
+) -> tuple[_F32, _F32]: ...
 def container_write(sections: list[tuple[str, int, list[int], bytes]]) -> bytes: ...
 def container_read(data: bytes) -> list[tuple[str, int, list[int], bytes]]: ...
 def decode_attention(

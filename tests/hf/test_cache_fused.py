@@ -243,6 +243,36 @@ def test_native_step_of_token_keys_equals_the_decoded_path(monkeypatch):
     test_native_matched_step_equals_the_decoded_path(TOKEN_KEYS, 1, monkeypatch)
 
 
+@pytest.mark.parametrize("sinks", [0, 2])
+@pytest.mark.parametrize("nq", [1, 3])
+def test_a_decode_step_before_any_code_reads_the_window_natively(sinks, nq, monkeypatch):
+    """A fused step on a layer that has coded nothing yet (a prompt shorter than the window)
+    attends over its sinks and window in one native call (no store), and its output equals
+    the decoded layer's eager softmax, under a causal mask whose batch row 0 hides a padded
+    first token (tolerance: FUSED_LAYER_RTOL)."""
+    import kvqrs.hf.layer_attention as la
+
+    calls = []
+    native = la.attend_full_precision
+    monkeypatch.setattr(la, "attend_full_precision", lambda *a, **kw: calls.append(1) or native(*a, **kw))
+    cfg = QuantConfig("kqv", 4, "kqv", 4, residual_length=64, sink_tokens=sinks)
+    k, v = _kv(tokens=20, seed=4)
+    k2, v2 = _kv(tokens=nq, seed=5)
+    q = torch.randn(2, 9, nq, HEAD_DIM, generator=torch.Generator().manual_seed(6))
+    module, scaling = _Module(3), HEAD_DIM**-0.5
+    mask = _causal_mask(2, nq, 20 + nq).clone()
+    mask[0, ..., 0] = torch.finfo(torch.float32).min
+    outs = []
+    for fused in (True, False):
+        layer = CompressedLayer(cfg, 0)
+        layer.attend(module, q[..., :1, :], *layer.update(k, v, fused=fused), None, scaling)
+        rk, rv = layer.update(k2, v2, fused=fused)
+        assert layer._fused == fused and layer.store is None
+        outs.append(layer.attend(module, q, rk, rv, mask, scaling)[0])
+    assert calls == [1]  # the fused layer's step alone
+    assert torch.allclose(outs[0], outs[1], rtol=0, atol=FUSED_LAYER_RTOL * v.abs().max().item())
+
+
 def test_fused_step_falls_back_where_a_mask_hides_codes():
     cfg = QuantConfig("kqv", 4, "kqv", 4, residual_length=2)
     k, v = _kv(tokens=20, seed=7)

@@ -33,6 +33,8 @@ def _configs() -> list:
     cal = {i: per_head_matched_calibration(KV_HEADS, HEAD_DIM, seed=i) for i in range(LAYERS)}
     return [
         pytest.param(QuantConfig("kqv", 4, "kqv", 4, residual_length=8), id="kqv-chunk1"),
+        # A prompt shorter than the window: the first steps read the window alone, natively.
+        pytest.param(QuantConfig("kqv", 4, "kqv", 4, residual_length=64), id="kqv-window-first"),
         pytest.param(QuantConfig("kivi", 4, "kivi", 4, residual_length=8, group=16), id="kivi-group16"),
         pytest.param(QuantConfig("kv", 4, "kv", 4, residual_length=4, sink_tokens=2), id="kv-sinks"),
         pytest.param(

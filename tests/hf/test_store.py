@@ -23,7 +23,7 @@ from kvqrs import KvqrsError, _native  # noqa: E402
 from kvqrs import format as fmt  # noqa: E402
 from kvqrs.hf import QuantConfig, QuantizedKVCache  # noqa: E402
 from kvqrs.hf.attention import _STATE  # noqa: E402
-from kvqrs.hf.store import CodeStore, StorePart, WindowRows  # noqa: E402
+from kvqrs.hf.store import CodeStore, StorePart, WindowRows, attend_full_precision  # noqa: E402
 from kvqrs.kernels.attention import (  # noqa: E402
     CentredRows,
     ChannelRun,
@@ -456,6 +456,45 @@ def test_decode_step_equals_the_kernel_merged_with_the_window(name, masked):
     lse = torch.logaddexp(lse_c, lse_w)
     want = (lse_c - lse).exp()[..., None] * torch.from_numpy(res.out).double() + (lse_w - lse).exp()[..., None] * out_w
     np.testing.assert_allclose(got, want.numpy(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("sinks", [0, 2])
+def test_attention_over_full_precision_tokens_alone_equals_a_float64_softmax(masked, sinks):
+    """``attend_full_precision`` (a layer that has coded nothing yet: one native call over the
+    sinks and the window) equals a float64 softmax to float32 rounding (rtol 1e-5, atol 1e-6),
+    the same bits whether the tokens come joined or as sinks and a window read in place from
+    a buffer with spare room (NaN outside the window: a read beyond it shows), and its
+    log-sum-exp is the softmax's. A query row whose every token is masked gets zeros and a
+    log-sum-exp of -inf; no token at all is an error naming the window."""
+    b, h, g, nq, w = 2, 2, 3, 2, 6
+    q = torch.from_numpy(_x(b, h * g, nq, 40))
+    fk, fv = torch.from_numpy(_x(b, h, w, 41)), torch.from_numpy(_x(b, h, w, 42))
+    mask = None
+    if masked:  # query 0 does not see the newest token; batch row 1's query 1 sees none
+        mask = torch.ones(b, 1, nq, w, dtype=torch.bool)
+        mask[:, :, 0, -1] = False
+        mask[1, :, 1, :] = False
+    out, lse = attend_full_precision(q, _no_sinks(fk), (fk, fv), mask, 0.2, with_lse=True)
+    buffers = [torch.full((b, h, w + 4, D), float("nan")) for _ in range(2)]
+    for buf, t in zip(buffers, (fk, fv)):
+        buf[..., 1 : w + 1 - sinks, :] = t[..., sinks:, :]
+    window = tuple(buf.narrow(2, 1, w - sinks) for buf in buffers)
+    split = attend_full_precision(q, (fk[..., :sinks, :], fv[..., :sinks, :]), window, mask, 0.2)
+    assert split.numpy().tobytes() == out.numpy().tobytes()
+    qg = q.double().reshape(b, h, g * nq, D)
+    s = (qg @ fk.double().transpose(2, 3)) * 0.2
+    if mask is not None:
+        m = mask.expand(b, 1, nq, w).repeat(1, 1, g, 1)
+        s = s.masked_fill(~m, float("-inf"))
+    want_lse = torch.logsumexp(s, dim=-1).reshape(b, h * g, nq, 1)
+    want = torch.nan_to_num(torch.softmax(s, dim=-1) @ fv.double()).reshape(b, h * g, nq, D)
+    np.testing.assert_allclose(out.numpy(), want.numpy(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(lse.numpy(), want_lse.numpy(), rtol=1e-5, atol=1e-6)
+    if masked:
+        assert np.all(out[1, :, 1].numpy() == 0) and np.all(lse[1, :, 1].numpy() == -np.inf)
+    with pytest.raises(KvqrsError, match="window: expected at least one full-precision token"):
+        attend_full_precision(q, _no_sinks(fk), _no_sinks(fk), None, 0.2)
 
 
 def _v2_bytes(cache) -> bytes:

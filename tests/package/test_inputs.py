@@ -565,6 +565,9 @@ def decode_logits(model, cache, ids, steps=3):
 # (measured at most 3.5e-7 of the largest |logit| over these cases); a wrong head mapping moves them
 # by 1e-2 or more.
 CACHE_ATOL = 1e-4
+# Nothing quantized, the full-precision window read natively against the dense cache's eager
+# attention: measured at most 4.6e-7 of the largest |logit| over these cases.
+FP_WINDOW_ATOL = 1e-5
 
 
 # Each GQA case runs another key scheme (HeadQ with KIVI values), so every scheme's fused read
@@ -585,9 +588,10 @@ def test_gqa_ratios_through_the_quantized_cache(g, kv_heads, d, scheme):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dense = decode_logits(model, DynamicCache(), ids)
-        # Nothing quantized: exactly the dense cache.
+        # Nothing quantized: the dense cache's logits to float32 rounding (its decode steps
+        # attend natively over the full-precision window, the dense cache by eager attention).
         off = decode_logits(model, QuantizedKVCache(QuantConfig(scheme, 3, values, 3, **dict(kw, residual_length=64)), 2), ids)
-        assert torch.equal(off, dense)
+        assert torch.allclose(off, dense, rtol=0, atol=FP_WINDOW_ATOL * dense.abs().max().item())
         fused_cache = QuantizedKVCache(QuantConfig(scheme, 3, values, 3, **kw), 2)
         fused = decode_logits(model, fused_cache, ids)
         assert all(layer._fused for layer in fused_cache.layers)  # the steps read the codes

@@ -494,8 +494,8 @@ class CompressedLayer(LayerAttention, CacheLayerMixin):
             return None
         seen = self.seen + 1
         n = st.sinks + max(0, (seen - st.sinks - st.residual) // st.chunk * st.chunk) - (self.q_start + self.quantized)
-        if n > 0 and (win.lo + n > win.hi or not self.store.encodes_natively()):
-            return None  # the general path encodes in Python
+        if n > 0 and (win.lo + n > win.hi or self.store is None or not self.store.encodes_natively()):
+            return None  # the general path makes the store, or encodes in Python
         # The token goes into its slot now, so the window handed back is whole; a value not
         # finite or beyond the storable range is left to the general path, which names it.
         if not _native.window_append(win.flat_k, win.flat_v, win.cap, win.hi, key_states.numpy(), value_states.numpy()):
@@ -608,8 +608,10 @@ class CompressedLayer(LayerAttention, CacheLayerMixin):
 
     def _can_fuse(self, new_tokens: int) -> bool:
         view = self._view
-        if not (self._attended and view.coded and not view.skip and new_tokens <= FUSED_MAX_QUERY and self.dtype != torch.float64):
+        if not (self._attended and not view.skip and new_tokens <= FUSED_MAX_QUERY and self.dtype != torch.float64):
             return False
+        if not view.coded:  # nothing coded yet: the sinks and the float32 window, natively
+            return view.store is None and self.dtype is torch.float32 and not self.awaits_calibration
         if view.flushed is not None and self.config.quantized_span(view.first_query + 1)[1] < self.window_start:
             return False  # an early query still reads some new codes in full precision
         return self.codec().has_fused_path()

@@ -23,7 +23,7 @@ import torch
 from ..torch import check_finite, from_numpy
 from .attention import SDPA_MIN_QUERY, LogitRule, _softmax_out, blocked_sdpa, current_rule, gqa_matmul, sdpa_prefill_active
 from .heap import release_freed
-from .store import WindowRows
+from .store import WindowRows, attend_full_precision
 
 if TYPE_CHECKING:
     from .layer import _View
@@ -50,7 +50,8 @@ class LayerAttention:
         then reads the decoded keys."""
         if rule is not None and rule.softcap is not None:
             return False, None
-        if not (view.store is not None and view.store.can_attend()):
+        readable = view.store.can_attend() if view.coded else view.store is None  # nothing coded: sinks and window alone
+        if not readable:
             return False, None
         # An explicit mask that hides nothing (one NumPy reduction: a decode step without
         # padding) shows every code and is not passed on; None means causal, checked as such.
@@ -76,10 +77,13 @@ class LayerAttention:
         must read the decoded keys (:meth:`_native_mask`), or the store no longer holds
         exactly the view's codes."""
         native, mask = self._native_mask(view, attention_mask, query.shape[-2], rule)
-        if not (native and view.live):
+        if not (native and (view.live or view.store is None)):
             return None
         sinks, window = (view.sink_k, view.sink_v), view.window_rows or (view.window_k, view.window_v)
-        out = view.store.attend(query, sinks, window, mask, float(scaling), with_lse=rule is not None)
+        if view.store is None:  # nothing coded yet
+            out = attend_full_precision(query, sinks, window, mask, float(scaling), with_lse=rule is not None)
+        else:
+            out = view.store.attend(query, sinks, window, mask, float(scaling), with_lse=rule is not None)
         return self._fused_out(out, query, rule)
 
     def _attend_step(self, query, attention_mask, scaling, rule: LogitRule | None):
@@ -95,8 +99,12 @@ class LayerAttention:
             return None
         self._deferred = None
         win = self._window
-        rows = WindowRows(win.flat_k, win.flat_v, win.cap, d.lo, d.hi - d.lo)
         sinks = (view.sink_k, view.sink_v)
+        if view.store is None:  # nothing coded, nothing to flush: the new tokens are in the buffer
+            rows = WindowRows(win.flat_k, win.flat_v, win.cap, d.lo, d.hi + d.keys.shape[-2] - d.lo)
+            out = attend_full_precision(query, sinks, rows, mask, float(scaling), with_lse=rule is not None)
+            return self._fused_out(out, query, rule)
+        rows = WindowRows(win.flat_k, win.flat_v, win.cap, d.lo, d.hi - d.lo)
         out = view.store.step(query, sinks, rows, (d.keys, d.values), d.flush, mask, float(scaling), with_lse=rule is not None)
         if out is None:  # a refused value or encode: named by the general path
             self._refuse_deferred(d)
@@ -152,6 +160,11 @@ class LayerAttention:
             key, value = self.materialize(view)  # the decoded path: the codes are not read natively
         elif redone:
             key, value = self.materialize(view)
+        if rule is None and not view.coded and query.shape[-2] < SDPA_MIN_QUERY and query.dtype is torch.float32:
+            # Sinks and window alone, all full precision: one SDPA call. The eager path's four
+            # small torch calls each wake torch's sleeping OpenMP threads (tens of microseconds
+            # apiece under passive waits), which made short-context decoding slower than dense.
+            return blocked_sdpa(query, key, value, attention_mask, scaling).transpose(1, 2).contiguous(), None
         sdpa = rule is None and sdpa_prefill_active() and query.shape[-2] >= SDPA_MIN_QUERY
         if sdpa and (view.codes_k is None or self.codec().scheme != "headq"):
             out = self._attend_sdpa(view, query, key, value, attention_mask, scaling)

@@ -238,6 +238,25 @@ def _from_part(dtype: str, shape: list[int], raw: np.ndarray, torch_out: bool = 
     return raw.view(np.dtype(dtype)).reshape(shape)
 
 
+def attend_full_precision(
+    query: torch.Tensor, sinks: tuple, window: tuple, mask: torch.Tensor | None, scale: float, with_lse: bool = False
+):
+    """:meth:`CodeStore.attend` for a layer that has coded nothing yet: the same native
+    arithmetic over the sinks and the window alone (one native call, GIL released; torch's
+    SDPA here would wake its OpenMP threads for a few microseconds of work). Arguments and
+    return as :meth:`CodeStore.attend`; the KV heads are those of ``sinks`` (their tensors,
+    ``(batch, kv_heads, tokens, d)``, may hold no token). Raises :class:`KvqrsError` when
+    there is no full-precision token, on non-finite logits or shapes that do not fit."""
+    b, hq, nq, d = query.shape
+    kv_heads = sinks[0].shape[1]
+    rows = window if isinstance(window, WindowRows) else _window_rows(*window)
+    sk, sv, ns = CodeStore._sink_args(sinks)
+    m = _additive_mask(mask, b, nq, ns + rows.tokens)
+    head = (_flat_f32(query), b * kv_heads, hq // kv_heads * nq, d, float(scale), nq)
+    res = _native.attend_full_precision(*head, sk, sv, ns, rows.keys, rows.values, rows.room, rows.start, rows.tokens, m, b)
+    return CodeStore._shaped(res, query, with_lse)
+
+
 class CodeStore:
     """The quantized tokens of one cache layer (see the module docstring).
 

@@ -16,7 +16,7 @@ use rayon::prelude::*;
 
 use crate::dtype::Dtype;
 use crate::error::{KvqError, Result};
-use crate::kernels::attention::{decode_attention, Attention, AttentionShape};
+use crate::kernels::attention::{check_queries, decode_attention, Attention, AttentionShape};
 use crate::par;
 use crate::rows::{Field, Resolve, Rows, ScalarParts, Side};
 use crate::scalars::ScalarRead;
@@ -299,22 +299,10 @@ fn window_sums(
     }
 }
 
-/// Errors: what [`decode_attention`] raises (the store must hold at least one token), a part
-/// index outside the store or a part whose dtype does not fit its place (as [`check_rows`]),
-/// full-precision buffers or a mask of other sizes, non-finite full-precision logits.
-pub fn attend(
-    store: &LayerStore,
-    keys: &PartRows,
-    side: Option<&PartSide>,
-    values: &PartRows,
-    step: &Step,
-) -> Result<Attention> {
-    let lay = AttentionShape {
-        tokens: store.tokens(),
-        stride: store.room(),
-        ..step.layout
-    };
-    let (heads, rows, d) = (lay.heads, lay.rows, lay.head_dim);
+/// Errors unless the full-precision buffers, the query tokens, the batch and the mask fit
+/// `step`'s layout.
+fn check_step(step: &Step) -> Result<()> {
+    let (heads, rows, d) = (step.layout.heads, step.layout.rows, step.layout.head_dim);
     step.sinks.check("sinks", heads, d)?;
     step.window.check("window", heads, d)?;
     let w = step.sinks.len + step.window.len;
@@ -334,6 +322,25 @@ pub fn attend(
             ));
         }
     }
+    Ok(())
+}
+
+/// Errors: what [`decode_attention`] raises (the store must hold at least one token), a part
+/// index outside the store or a part whose dtype does not fit its place (as [`check_rows`]),
+/// full-precision buffers or a mask of other sizes, non-finite full-precision logits.
+pub fn attend(
+    store: &LayerStore,
+    keys: &PartRows,
+    side: Option<&PartSide>,
+    values: &PartRows,
+    step: &Step,
+) -> Result<Attention> {
+    let lay = AttentionShape {
+        tokens: store.tokens(),
+        stride: store.room(),
+        ..step.layout
+    };
+    check_step(step)?;
     one_mean(keys, "keys")?;
     one_mean(values, "values")?;
     let (kr, vr) = (
@@ -342,7 +349,7 @@ pub fn attend(
     );
     let sr = side.map(|s| s.map(&mut Reader { store })).transpose()?;
     let side_rows = sr.as_ref().map(Side::view);
-    let mut coded = decode_attention(
+    let coded = decode_attention(
         step.q,
         &lay,
         &kr.view(),
@@ -350,6 +357,43 @@ pub fn attend(
         &vr.view(),
         false,
     )?;
+    merge_full_precision(step, coded)
+}
+
+/// Attention of `step.q` over its full-precision tokens alone (the attention sinks, then the
+/// window: a cache layer that has coded nothing yet), in the arithmetic of [`attend`]'s
+/// full-precision part: the same bits as that part merged with a coded part of no weight. A
+/// query row whose every token is masked gets zeros and a log-sum-exp of -inf.
+///
+/// Errors: head_dim < 2, no query rows, a non-finite or non-positive scale, query rows not
+/// finite or of another size, no full-precision token, what [`attend`] raises for the
+/// buffers, the mask and non-finite logits.
+pub fn attend_full_precision(step: &Step) -> Result<Attention> {
+    check_queries(step.q, &step.layout)?;
+    check_step(step)?;
+    if step.sinks.len + step.window.len == 0 {
+        return Err(arg(
+            "window",
+            "at least one full-precision token (sinks + window)".into(),
+            0,
+        ));
+    }
+    let (heads, rows, d) = (step.layout.heads, step.layout.rows, step.layout.head_dim);
+    let none = Attention {
+        out: vec![0.0; heads * rows * d],
+        lse: vec![f32::NEG_INFINITY; heads * rows],
+        probs: Vec::new(),
+    };
+    merge_full_precision(step, none)
+}
+
+/// `coded` (a softmax part over coded tokens, or none: log-sum-exp -inf) merged by
+/// log-sum-exp with the softmax part over `step`'s full-precision tokens (checked by
+/// [`check_step`]).
+fn merge_full_precision(step: &Step, mut coded: Attention) -> Result<Attention> {
+    let lay = step.layout;
+    let (heads, rows, d) = (lay.heads, lay.rows, lay.head_dim);
+    let w = step.sinks.len + step.window.len;
     if w == 0 {
         return Ok(coded);
     }
@@ -763,6 +807,43 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// Full-precision tokens alone (no store) equal a float64 softmax over them; a row whose
+    /// every token is masked gets zeros and -inf; no token is an error.
+    #[test]
+    fn full_precision_tokens_alone_equal_a_float64_softmax() {
+        let (heads, rows, d, w) = (2usize, 3usize, 16usize, 6usize);
+        let inputs = Inputs::new(31, heads, rows, d, w);
+        let step = inputs.step(heads, rows, d, 0.3);
+        let got = attend_full_precision(&step).unwrap();
+        let none = Attention {
+            out: vec![0.0; heads * rows * d],
+            lse: vec![f32::NEG_INFINITY; heads * rows],
+            probs: Vec::new(),
+        };
+        assert_merged(&got, &none, &step);
+        let mut mask = inputs.mask.clone();
+        mask[w..2 * w].fill(f32::NEG_INFINITY);
+        let hidden = attend_full_precision(&Step {
+            mask: Some(&mask),
+            ..step
+        })
+        .unwrap();
+        for h in 0..heads {
+            assert_eq!(hidden.lse[h * rows + 1], f32::NEG_INFINITY);
+            assert!(hidden.out[(h * rows + 1) * d..][..d]
+                .iter()
+                .all(|&o| o == 0.0));
+            assert_eq!(hidden.lse[h * rows], got.lse[h * rows]);
+        }
+        let empty = Step {
+            window: FpTokens::NONE,
+            mask: None,
+            ..step
+        };
+        let err = attend_full_precision(&empty).unwrap_err().to_string();
+        assert!(err.contains("window"), "{err}");
     }
 
     /// The matched rows (runs of basis columns around a mean; columns 6, 7 of width 0): keys

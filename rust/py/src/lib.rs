@@ -71,6 +71,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<paged::PySlotWriter>()?;
     m.add_class::<paged::PyPageRows>()?;
     m.add_function(wrap_pyfunction!(store::window_append, m)?)?;
+    m.add_function(wrap_pyfunction!(store::attend_full_precision, m)?)?;
     m.add_function(wrap_pyfunction!(store::storable, m)?)?;
     Ok(())
 }

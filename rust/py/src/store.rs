@@ -6,7 +6,8 @@
 //! The GIL is released for every copy and for the step.
 
 use kvqrs_core::decode_step::{
-    attend, check_rows, FpTokens, PartRows, PartScalars, PartSide, Step,
+    attend, attend_full_precision as core_attend_full_precision, check_rows, FpTokens, PartRows,
+    PartScalars, PartSide, Step,
 };
 use kvqrs_core::dtype::Dtype;
 use kvqrs_core::encoders::{
@@ -311,6 +312,87 @@ pub fn storable(py: Python<'_>, x: PyReadonlyArrayDyn<'_, f32>) -> bool {
     }
 }
 
+/// Float32 arrays, one flat and C-contiguous each, as the decode step's arguments borrow them.
+type F32In<'a, 'py> = &'a PyReadonlyArray1<'py, f32>;
+
+/// A decode step's [`Step`] over the arguments of `LayerStore.attend` and
+/// `attend_full_precision`: `shape` is (heads, rows, head_dim, scale, query tokens), `sinks`
+/// joined rows and their count, `window` rows read in place (room, start, tokens).
+fn fp_step<'a>(
+    q: F32In<'a, '_>,
+    (heads, rows, head_dim, scale, tokens): (usize, usize, usize, f32, usize),
+    (sink_keys, sink_values, sinks): (F32In<'a, '_>, F32In<'a, '_>, usize),
+    (window_keys, window_values, room, start, window): (
+        F32In<'a, '_>,
+        F32In<'a, '_>,
+        usize,
+        usize,
+        usize,
+    ),
+    (mask, batch): (Option<F32In<'a, '_>>, usize),
+) -> PyResult<Step<'a>> {
+    Ok(Step {
+        q: slice(q, "q")?,
+        layout: AttentionShape::new(heads, rows, 0, head_dim, scale),
+        tokens,
+        sinks: FpTokens::joined(
+            slice(sink_keys, "sink_keys")?,
+            slice(sink_values, "sink_values")?,
+            sinks,
+        ),
+        window: FpTokens {
+            keys: slice(window_keys, "window_keys")?,
+            values: slice(window_values, "window_values")?,
+            room,
+            start,
+            len: window,
+        },
+        mask: mask.map(|a| slice(a, "mask")).transpose()?,
+        batch,
+    })
+}
+
+/// A decode step's attention over full-precision tokens alone, for a cache layer that has
+/// coded nothing yet (GIL released): `LayerStore.attend`'s arguments and arithmetic without
+/// a store. Returns (out, lse) float32, flat; a query row whose every token is masked gets
+/// zeros and a log-sum-exp of -inf. Raises on shapes that do not fit, no full-precision
+/// token, non-finite queries or logits.
+#[allow(clippy::too_many_arguments)]
+#[pyfunction]
+#[pyo3(signature = (q, heads, rows, head_dim, scale, tokens, sink_keys, sink_values, sinks, window_keys, window_values, room, start, window, mask, batch))]
+pub fn attend_full_precision<'py>(
+    py: Python<'py>,
+    q: PyReadonlyArray1<'py, f32>,
+    heads: usize,
+    rows: usize,
+    head_dim: usize,
+    scale: f32,
+    tokens: usize,
+    sink_keys: PyReadonlyArray1<'py, f32>,
+    sink_values: PyReadonlyArray1<'py, f32>,
+    sinks: usize,
+    window_keys: PyReadonlyArray1<'py, f32>,
+    window_values: PyReadonlyArray1<'py, f32>,
+    room: usize,
+    start: usize,
+    window: usize,
+    mask: Option<PyReadonlyArray1<'py, f32>>,
+    batch: usize,
+) -> PyResult<(F32Out<'py>, F32Out<'py>)> {
+    let step = fp_step(
+        &q,
+        (heads, rows, head_dim, scale, tokens),
+        (&sink_keys, &sink_values, sinks),
+        (&window_keys, &window_values, room, start, window),
+        (mask.as_ref(), batch),
+    )?;
+    let res = py_result(py.allow_threads(|| core_attend_full_precision(&step)))?;
+    Ok((
+        PyArray1::from_vec(py, res.out),
+        PyArray1::from_vec(py, res.lse),
+    ))
+}
+
 /// Appends a decode step's new keys `k` and values `v` (float32 batch x kv_heads x n x
 /// head_dim, any strides) to a layer's window buffers `dst_k`, `dst_v` (flat float32 views of
 /// C-contiguous batch x kv_heads x `cap` x head_dim buffers) at token `at`. Returns False,
@@ -603,29 +685,13 @@ impl PyLayerStore {
             .rows
             .as_ref()
             .ok_or_else(|| arg_error("rows: call set_rows before a decode step".into()))?;
-        let m = match &mask {
-            Some(a) => Some(slice(a, "mask")?),
-            None => None,
-        };
-        let step = Step {
-            q: slice(&q, "q")?,
-            layout: AttentionShape::new(heads, rows, 0, head_dim, scale),
-            tokens,
-            sinks: FpTokens::joined(
-                slice(&sink_keys, "sink_keys")?,
-                slice(&sink_values, "sink_values")?,
-                sinks,
-            ),
-            window: FpTokens {
-                keys: slice(&window_keys, "window_keys")?,
-                values: slice(&window_values, "window_values")?,
-                room,
-                start,
-                len: window,
-            },
-            mask: m,
-            batch,
-        };
+        let step = fp_step(
+            &q,
+            (heads, rows, head_dim, scale, tokens),
+            (&sink_keys, &sink_values, sinks),
+            (&window_keys, &window_values, room, start, window),
+            (mask.as_ref(), batch),
+        )?;
         let inner = &self.inner;
         let res =
             py_result(py.allow_threads(|| {

@@ -521,6 +521,19 @@ fn check_shape(lay: &AttentionShape) -> Result<()> {
     Ok(())
 }
 
+/// The checks [`decode_attention`] makes of its query rows and layout, the token counts aside:
+/// for a call over full-precision tokens alone (no coded ones).
+pub fn check_queries(q: &[f32], layout: &AttentionShape) -> Result<()> {
+    check_shape(&layout.compact(1))?;
+    let qlen = reader::mul(
+        "q",
+        reader::mul("q", layout.heads, layout.rows)?,
+        layout.head_dim,
+    )?;
+    check_len("q", q.len(), qlen, "heads x rows x head_dim")?;
+    check_finite("q", q, layout.head_dim)
+}
+
 /// Decode attention for `layout.rows` query rows per KV head over `layout.tokens` coded keys and
 /// values: `out = softmax(scale * (q . k_hat_j + side_j)) @ v_hat`, computed from the codes.
 ///
