@@ -3,7 +3,9 @@
 //! would. Small batches stay on the calling thread (spawning costs more than it saves).
 
 use rayon::prelude::*;
-use std::sync::OnceLock;
+use std::mem::MaybeUninit;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
 
 /// Below this much work per call (in units of `work_per_row`, about one float each), a kernel
 /// runs on the calling thread. Handing a job to the pool costs a worker's wake-up, tens of
@@ -126,18 +128,187 @@ pub(crate) fn par_min_bulk() -> usize {
     *MIN.get_or_init(|| if passive_waits() { 1 << 19 } else { 1 << 21 })
 }
 
-/// `f(0) .. f(n - 1)` collected in order, on the rayon pool when `work` (about one multiply-add
-/// each) reaches `min_work` and the pool has two threads or more, else on the calling thread.
-/// Each item is computed the same way either way, so the result does not depend on the choice.
+/// `f(0) .. f(n - 1)` collected in order, on the calling thread and the rayon pool when `work`
+/// (about one multiply-add each) reaches `min_work` and the pool has two threads or more, else
+/// on the calling thread alone. Each item is computed the same way either way, so the result
+/// does not depend on the choice. A thread outside the pool works on the items itself
+/// ([`claim_map`]) instead of waiting for the pool's workers to wake.
 pub(crate) fn map_range<R: Send>(
     n: usize,
     work: usize,
     min_work: usize,
     f: impl Fn(usize) -> R + Sync + Send,
 ) -> Vec<R> {
-    if work < min_work || rayon::current_num_threads() < 2 {
+    if work < min_work || rayon::current_num_threads() < 2 || n < 2 {
         (0..n).map(f).collect()
-    } else {
+    } else if rayon::current_thread_index().is_some() {
         (0..n).into_par_iter().map(f).collect()
+    } else {
+        claim_map(n, &f)
+    }
+}
+
+/// How far the items of a [`claim_map`] call have gone: the next unclaimed item, the items
+/// finished, and whether one panicked on a worker.
+struct Claims {
+    next: AtomicUsize,
+    done: AtomicUsize,
+    panicked: AtomicBool,
+}
+
+/// `f(0) .. f(n - 1)` in order, computed by the calling thread (outside the pool) and the
+/// pool's workers together: each takes the next unclaimed item until none is left. The caller
+/// starts at once and waits only for items a worker has already taken, never for a worker to
+/// wake: inside `generate` the workers sleep through the model's work between two layers, and
+/// a sleeping worker's vCPU takes hundreds of microseconds to wake (docs/benchmarks.md), so a
+/// call that waited for them could lose to the calling thread alone. A worker that wakes after
+/// the last item was taken finds nothing to do.
+fn claim_map<R: Send>(n: usize, f: &(impl Fn(usize) -> R + Sync)) -> Vec<R> {
+    let mut out: Vec<MaybeUninit<R>> = Vec::with_capacity(n);
+    out.resize_with(n, MaybeUninit::uninit);
+    let slots = SendPtr(out.as_mut_ptr());
+    let claims = Arc::new(Claims {
+        next: AtomicUsize::new(0),
+        done: AtomicUsize::new(0),
+        panicked: AtomicBool::new(false),
+    });
+    // Item i writes slot i only, once: the slots are disjoint, and the caller reads them after
+    // every taken item is done.
+    let item = move |i: usize| {
+        let r = f(i);
+        // SAFETY: i < n lies in `out`, and only the thread that claimed i writes slot i.
+        unsafe { slots.at(i).write(MaybeUninit::new(r)) };
+    };
+    let item: &(dyn Fn(usize) + Sync) = &item;
+    // SAFETY: a worker calls `item` only after claiming an item below n, and the caller returns
+    // (or unwinds, through `Wait`) only once every claimed item is done; after that every claim
+    // fails, so the borrow is never used beyond this call.
+    let item: &'static (dyn Fn(usize) + Sync) = unsafe { std::mem::transmute(item) };
+    let wait = Wait(&claims, n);
+    for _ in 1..rayon::current_num_threads() {
+        let claims = Arc::clone(&claims);
+        rayon::spawn(move || {
+            while let Some(i) = claim(&claims.next, n) {
+                if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| item(i))).is_err() {
+                    claims.panicked.store(true, Ordering::Relaxed);
+                }
+                claims.done.fetch_add(1, Ordering::Release);
+            }
+        });
+    }
+    let mut caught = None;
+    while let Some(i) = claim(&claims.next, n) {
+        // An item that panics here is still counted done, so that `Wait` does not wait for it;
+        // the panic resumes once no worker reads the borrows any more.
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| item(i)));
+        claims.done.fetch_add(1, Ordering::Release);
+        if let Err(p) = r {
+            caught = Some(p);
+            break;
+        }
+    }
+    drop(wait);
+    if let Some(p) = caught {
+        std::panic::resume_unwind(p);
+    }
+    assert!(
+        !claims.panicked.load(Ordering::Relaxed),
+        "a worker's item panicked"
+    );
+    // SAFETY: every slot was written (each item below n was claimed once and is done).
+    out.into_iter()
+        .map(|r| unsafe { r.assume_init() })
+        .collect()
+}
+
+/// The next unclaimed item below `n`, if any.
+fn claim(next: &AtomicUsize, n: usize) -> Option<usize> {
+    let i = next.fetch_add(1, Ordering::Relaxed);
+    (i < n).then_some(i)
+}
+
+/// On drop (the caller's return or unwind): closes the claims and waits until every item taken
+/// is done, so that no worker still reads the caller's borrows.
+struct Wait<'a>(&'a Claims, usize);
+
+impl Drop for Wait<'_> {
+    fn drop(&mut self) {
+        let taken = self
+            .0
+            .next
+            .swap(usize::MAX / 2, Ordering::Relaxed)
+            .min(self.1);
+        let mut spins = 0u32;
+        while self.0.done.load(Ordering::Acquire) < taken {
+            spins += 1;
+            if spins < 64 {
+                std::hint::spin_loop();
+            } else {
+                std::thread::yield_now();
+            }
+        }
+    }
+}
+
+/// A raw pointer that the worker closures may carry (each item writes its own slot only).
+struct SendPtr<T>(*mut T);
+
+impl<T> Clone for SendPtr<T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<T> Copy for SendPtr<T> {}
+
+impl<T> SendPtr<T> {
+    /// The pointer to element `i` (a method, so that closures capture the whole `SendPtr`).
+    fn at(self, i: usize) -> *mut T {
+        self.0.wrapping_add(i)
+    }
+}
+// SAFETY: the pointee slots are written by one thread each and read after all writes are done.
+unsafe impl<T: Send> Send for SendPtr<T> {}
+// SAFETY: as above; shared references only copy the pointer.
+unsafe impl<T: Send> Sync for SendPtr<T> {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Items of uneven cost, so that the caller and the workers interleave their claims.
+    fn slow_square(i: usize) -> usize {
+        let mut x = i;
+        for _ in 0..(i % 7) * 2000 {
+            x = std::hint::black_box(x);
+        }
+        x * x
+    }
+
+    #[test]
+    fn split_calls_return_every_item_in_order() {
+        for n in [2usize, 3, 17, 1000] {
+            let want: Vec<usize> = (0..n).map(slow_square).collect();
+            assert_eq!(map_range(n, usize::MAX, 0, slow_square), want);
+            // From a pool worker: rayon's own split.
+            let inner = rayon::scope(|_| map_range(n, usize::MAX, 0, slow_square));
+            assert_eq!(inner, want);
+        }
+        assert!(map_range(0, usize::MAX, 0, slow_square).is_empty());
+    }
+
+    /// A panicking item ends the call with a panic (on whichever thread it ran), never a hang,
+    /// and later calls still work.
+    #[test]
+    fn a_panicking_item_panics_the_call() {
+        let r = std::panic::catch_unwind(|| {
+            map_range(64, usize::MAX, 0, |i| {
+                assert!(i != 40, "item 40");
+                slow_square(i)
+            })
+        });
+        assert!(r.is_err());
+        let want: Vec<usize> = (0..64).map(slow_square).collect();
+        assert_eq!(map_range(64, usize::MAX, 0, slow_square), want);
     }
 }
