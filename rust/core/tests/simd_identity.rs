@@ -447,6 +447,9 @@ fn fused_attention_is_bit_identical_on_every_isa_and_thread_count() {
         (64, 97, 1, 2, 16),
         (80, 33, 4, 1, 48),
         (48, 71, 2, 4, 16),
+        // Rows of 128 values: two passes of 64 over every token, groups of 32 and 64.
+        (128, 41, 3, 4, 32),
+        (128, 19, 4, 2, 64),
         // KIVI keys read packed in place per group of tokens (whole bytes per group): groups
         // that are not a multiple of 16 codes, a partial last group.
         (64, 75, 3, 1, 24),

@@ -626,23 +626,16 @@ fn dots_tokens_with(
     out: &mut [f32],
     stride: usize,
 ) {
-    let rows = q.len() / n;
-    let mut r = 0;
-    while r < rows {
-        let rb = (rows - r).min(3);
-        let (qb, ob) = (&q[r * n..(r + rb) * n], &mut out[r * stride..]);
-        let mut k = 0;
-        while k < count {
+    super::query_blocks((q, n), (out, stride), 3, |qb, ob, rb| {
+        for k in (0..count).step_by(4) {
             let (ks, ok) = ((k, (count - k).min(4)), &mut ob[k..]);
             match rb {
                 3 => dots_tokens4::<3>(qb, n, row, ks, ok, stride),
                 2 => dots_tokens4::<2>(qb, n, row, ks, ok, stride),
                 _ => dots_tokens4::<1>(qb, n, row, ks, ok, stride),
             }
-            k += 4;
         }
-        r += rb;
-    }
+    });
 }
 
 /// In-register table decode of eight packed codes of at most 4 bits from one little-endian word
@@ -741,6 +734,12 @@ fn dots_tokens_packed_b<const B: usize>(
 ) {
     assert!(n.is_multiple_of(8) && packed.len() >= count * n * B / 8);
     let (dec, p) = (Unpack8::new(B as u32, table), packed.as_ptr());
+    // Whole groups of four tokens: row pointers stepped, no per-code bounds choice.
+    let full = count / 4 * 4;
+    dots_tokens_blocks::<B>(q, n, (&dec, p), full, out, stride);
+    if full == count {
+        return;
+    }
     // Eight codes (B bytes from byte (k n + i) B / 8) of token k from value i; tokens past
     // `count` are never stored and read nothing.
     let row = |k: usize, i: usize| {
@@ -752,7 +751,77 @@ fn dots_tokens_packed_b<const B: usize>(
         };
         dec.decode(w)
     };
-    dots_tokens_with(q, n, count, &row, out, stride);
+    let (rest, ob) = (count - full, &mut out[full..]);
+    let row = |k: usize, i: usize| row(full + k, i);
+    dots_tokens_with(q, n, rest, &row, ob, stride);
+}
+
+/// [`dots_tokens_with`] of the first `full` (a multiple of 4) tokens of `B`-bit codes from
+/// `p` (token `k` at byte `k * n * B / 8`), read by [`dots_tokens4_packed`].
+#[inline]
+#[target_feature(enable = "avx2")]
+fn dots_tokens_blocks<const B: usize>(
+    q: &[f32],
+    n: usize,
+    (dec, p): (&Unpack8, *const u8),
+    full: usize,
+    out: &mut [f32],
+    stride: usize,
+) {
+    let token_bytes = n * B / 8;
+    super::query_blocks((q, n), (out, stride), 3, |qb, ob, rb| {
+        for k in (0..full).step_by(4) {
+            let at = p.wrapping_add(k * token_bytes);
+            // SAFETY: tokens k .. k + 4 <= full lie in the caller's codes.
+            unsafe {
+                match rb {
+                    3 => dots_tokens4_packed::<3, B>(qb, n, dec, at, &mut ob[k..], stride),
+                    2 => dots_tokens4_packed::<2, B>(qb, n, dec, at, &mut ob[k..], stride),
+                    _ => dots_tokens4_packed::<1, B>(qb, n, dec, at, &mut ob[k..], stride),
+                }
+            }
+        }
+    });
+}
+
+/// [`dots_tokens4`] of four whole tokens of `B`-bit codes from `p` (token `k` at
+/// `p + k * n * B / 8`).
+///
+/// # Safety
+/// The four tokens' `4 n B / 8` bytes are readable from `p`.
+#[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn dots_tokens4_packed<const R: usize, const B: usize>(
+    q: &[f32],
+    n: usize,
+    dec: &Unpack8,
+    p: *const u8,
+    out: &mut [f32],
+    stride: usize,
+) {
+    debug_assert!(q.len() >= R * n && n.is_multiple_of(8));
+    let token_bytes = n * B / 8;
+    let mut acc = [[_mm256_setzero_ps(); 4]; R];
+    let mut at = p;
+    let mut i = 0;
+    while i < n {
+        // SAFETY: values i .. i + 8 of token k: B bytes inside the caller's codes.
+        let t: [__m256; 4] =
+            std::array::from_fn(|k| dec.decode(unsafe { word(at.add(k * token_bytes), B) }));
+        for (r, a) in acc.iter_mut().enumerate() {
+            // SAFETY: row r < R of q holds n floats, and i + 8 <= n.
+            let qv = unsafe { _mm256_loadu_ps(q.as_ptr().add(r * n + i)) };
+            for (ak, &tk) in a.iter_mut().zip(&t) {
+                *ak = _mm256_add_ps(*ak, _mm256_mul_ps(tk, qv));
+            }
+        }
+        at = at.wrapping_add(B);
+        i += 8;
+    }
+    for (r, a) in acc.iter().enumerate() {
+        // SAFETY: out holds row r's four results at r * stride.
+        unsafe { _mm_storeu_ps(out.as_mut_ptr().add(r * stride), combine4(a)) };
+    }
 }
 
 /// [`super::super::ops::axpy_rows`] for one weight per token (`groups == 1`) or `group` a
@@ -814,6 +883,22 @@ fn axpy_rows_packed_b<const B: usize>(
     let count = w.len() / (rows * groups);
     assert!(count == 0 || packed.len() >= (count - 1) * row_bytes + (n * B).div_ceil(8));
     let (dec, p) = (Unpack8::new(B as u32, table), packed.as_ptr());
+    if n.is_multiple_of(16) {
+        let (gs, at) = ((groups, group), (p, row_bytes));
+        return super::row_blocks((o, rows), w, 3, |ob, wb, rb| {
+            // SAFETY: the `count` rows' codes lie in `packed` (asserted above).
+            unsafe {
+                match (rb, groups) {
+                    (3, 1) => axpy_rows_packed16::<3, B, false>(ob, wb, gs, &dec, at),
+                    (2, 1) => axpy_rows_packed16::<2, B, false>(ob, wb, gs, &dec, at),
+                    (_, 1) => axpy_rows_packed16::<1, B, false>(ob, wb, gs, &dec, at),
+                    (3, _) => axpy_rows_packed16::<3, B, true>(ob, wb, gs, &dec, at),
+                    (2, _) => axpy_rows_packed16::<2, B, true>(ob, wb, gs, &dec, at),
+                    _ => axpy_rows_packed16::<1, B, true>(ob, wb, gs, &dec, at),
+                }
+            }
+        });
+    }
     // Codes `at .. at + valid` of row c (`at` a multiple of 8: from a whole byte).
     let x = |c: usize, at: usize, valid: usize| {
         // SAFETY: the (valid B).div_ceil(8) bytes of the codes lie in row c (asserted above).
@@ -821,6 +906,61 @@ fn axpy_rows_packed_b<const B: usize>(
         dec.decode(w)
     };
     axpy_rows_with((o, rows), w, (groups, group), &x);
+}
+
+/// [`axpy_pass`] over rows of a multiple of 16 values of `B`-bit codes (row `c` at
+/// `p + c * row_bytes`): every pass of two registers, the row pointer stepped; one weight per
+/// token (`GROUPS` false) or per group of `group` (a multiple of 8) values.
+///
+/// # Safety
+/// The rows' codes lie in one allocation.
+#[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn axpy_rows_packed16<const R: usize, const B: usize, const GROUPS: bool>(
+    o: &mut [f32],
+    w: &[f32],
+    (groups, group): (usize, usize),
+    dec: &Unpack8,
+    (p, row_bytes): (*const u8, usize),
+) {
+    let (n, count) = (o.len() / R, w.len() / (R * groups));
+    debug_assert!(o.len() == R * n && n.is_multiple_of(16) && groups == n.div_ceil(group));
+    let mut i = 0;
+    while i < n {
+        // Each register's group (a register lies in one group).
+        let g: [usize; 2] = std::array::from_fn(|v| if GROUPS { (i + 8 * v) / group } else { 0 });
+        // SAFETY: lanes i .. i + 16 lie in each of the R rows of o; w holds R x count x groups
+        // weights and g[v] < groups; the rows' codes are the caller's, B bytes per eight
+        // values.
+        unsafe {
+            let mut acc: [[__m256; 2]; R] = std::array::from_fn(|r| {
+                std::array::from_fn(|v| _mm256_loadu_ps(o.as_ptr().add(r * n + i + 8 * v)))
+            });
+            let mut at = p.add(i * B / 8);
+            for c in 0..count {
+                let xs: [__m256; 2] = std::array::from_fn(|v| dec.decode(word(at.add(v * B), B)));
+                for (r, a) in acc.iter_mut().enumerate() {
+                    let wr = w.as_ptr().add((r * count + c) * groups);
+                    let one = _mm256_set1_ps(*wr);
+                    for ((av, &xv), &gv) in a.iter_mut().zip(&xs).zip(&g) {
+                        let wv = if GROUPS {
+                            _mm256_set1_ps(*wr.add(gv))
+                        } else {
+                            one
+                        };
+                        *av = _mm256_add_ps(*av, _mm256_mul_ps(wv, xv));
+                    }
+                }
+                at = at.wrapping_add(row_bytes);
+            }
+            for (r, a) in acc.iter().enumerate() {
+                for (v, av) in a.iter().enumerate() {
+                    _mm256_storeu_ps(o.as_mut_ptr().add(r * n + i + 8 * v), *av);
+                }
+            }
+        }
+        i += 16;
+    }
 }
 
 /// [`axpy_rows`] with row `c`'s values `at .. at + 8` (the first `valid`; the other lanes are

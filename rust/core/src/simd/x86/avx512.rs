@@ -723,13 +723,8 @@ fn dots_tokens_with(
     out: &mut [f32],
     stride: usize,
 ) {
-    let rows = q.len() / n;
-    let mut r = 0;
-    while r < rows {
-        let rb = (rows - r).min(4);
-        let (qb, ob) = (&q[r * n..(r + rb) * n], &mut out[r * stride..]);
-        let mut k = 0;
-        while k < count {
+    super::query_blocks((q, n), (out, stride), 4, |qb, ob, rb| {
+        for k in (0..count).step_by(8) {
             let (ks, ok) = ((k, (count - k).min(8)), &mut ob[k..]);
             match rb {
                 4 => dots_tokens8::<4>(qb, n, pair, ks, ok, stride),
@@ -737,10 +732,8 @@ fn dots_tokens_with(
                 2 => dots_tokens8::<2>(qb, n, pair, ks, ok, stride),
                 _ => dots_tokens8::<1>(qb, n, pair, ks, ok, stride),
             }
-            k += 8;
         }
-        r += rb;
-    }
+    });
 }
 
 /// In-register table decode of sixteen packed codes of 2..=4 bits: lanes below `split` take
@@ -825,37 +818,132 @@ pub(crate) fn dots_tokens_packed(
     let b = bits as usize;
     let used = count * n * b / 8;
     debug_assert!(n.is_multiple_of(8) && packed.len() >= used);
-    // Eight codes (b bytes) of token k from value i; tokens past `count` read nothing.
-    let at = |k: usize, i: usize| (k * n + i) * b / 8;
-    if bits == 1 {
-        let (zero, one) = (_mm512_set1_ps(table[0]), _mm512_set1_ps(table[1]));
-        let byte = |k: usize, i: usize| if k < count { packed[at(k, i)] } else { 0 };
-        let pair = |k: usize, i: usize| {
-            let m = u16::from_le_bytes([byte(k, i), byte(k + 1, i)]);
-            _mm512_mask_blend_ps(m, zero, one)
-        };
-        return dots_tokens_with(q, n, count, &pair, out, stride);
-    }
-    if packed.len() < used + 4 {
+    if bits > 1 && packed.len() < used + 4 {
         // The last token's 4-byte reads would leave `packed`: a padded copy (the end of a
         // buffer only).
         let mut padded = packed[..used].to_vec();
         padded.resize(used + 4, 0);
         return dots_tokens_packed(q, (&padded, count), (bits, table), n, out, stride);
     }
-    let dec = Unpack16::new(bits, table, (8, 8 * b));
+    // Values i .. i + 8 of tokens k and k + 1 from their first bytes: one bit per value
+    // selects a table entry, wider codes decode through `Unpack16`.
+    let (zero, one) = (_mm512_set1_ps(table[0]), _mm512_set1_ps(table[1]));
+    let dec = Unpack16::new(bits.max(2), table, (8, 8 * b.max(2)));
+    let pair = |lo: *const u8, hi: *const u8| {
+        // SAFETY: the caller's pointers hold the eight values' codes and, for 2..=4 bits,
+        // four readable bytes each.
+        unsafe {
+            if bits == 1 {
+                _mm512_mask_blend_ps(u16::from_le_bytes([*lo, *hi]), zero, one)
+            } else {
+                dec.decode(lo, hi)
+            }
+        }
+    };
+    // Whole blocks of eight tokens: row pointers stepped, no per-code bounds choice.
+    let full = count / 8 * 8;
+    let token_bytes = n * b / 8;
+    dots_tokens_blocks(
+        q,
+        n,
+        (&pair, packed.as_ptr(), token_bytes, b),
+        full,
+        out,
+        stride,
+    );
+    if full == count {
+        return;
+    }
+    // The last 1..7 tokens; those past `count` read a zeroed word.
+    let (packed, count, out) = (
+        &packed[full * token_bytes..],
+        count - full,
+        &mut out[full..],
+    );
     let (p, zeros) = (packed.as_ptr(), [0u8; 4]);
     let word = |k: usize, i: usize| {
         if k < count {
-            p.wrapping_add(at(k, i))
+            p.wrapping_add((k * n + i) * b / 8)
         } else {
             zeros.as_ptr()
         }
     };
-    // SAFETY: four bytes from at(k, i) lie in `packed` for k < count (used + 4 <= len), and
-    // `zeros` holds four.
-    let pair = |k: usize, i: usize| unsafe { dec.decode(word(k, i), word(k + 1, i)) };
+    let pair = |k: usize, i: usize| pair(word(k, i), word(k + 1, i));
     dots_tokens_with(q, n, count, &pair, out, stride);
+}
+
+/// [`dots_tokens_with`] of the first `full` (a multiple of 8) tokens of a packed stream whose
+/// token `k` starts at byte `k * token_bytes` of `base`: `pair(lo, hi)` decodes eight values
+/// of two tokens from their bytes at pointers stepped by `bits` bytes per eight values, the
+/// arithmetic of [`dots_tokens8`].
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
+fn dots_tokens_blocks(
+    q: &[f32],
+    n: usize,
+    (pair, base, token_bytes, b): (
+        &impl Fn(*const u8, *const u8) -> __m512,
+        *const u8,
+        usize,
+        usize,
+    ),
+    full: usize,
+    out: &mut [f32],
+    stride: usize,
+) {
+    super::query_blocks((q, n), (out, stride), 4, |qb, ob, rb| {
+        for k in (0..full).step_by(8) {
+            let at = (base.wrapping_add(k * token_bytes), token_bytes, b);
+            match rb {
+                4 => dots_tokens8_packed::<4>(qb, n, pair, at, &mut ob[k..], stride),
+                3 => dots_tokens8_packed::<3>(qb, n, pair, at, &mut ob[k..], stride),
+                2 => dots_tokens8_packed::<2>(qb, n, pair, at, &mut ob[k..], stride),
+                _ => dots_tokens8_packed::<1>(qb, n, pair, at, &mut ob[k..], stride),
+            }
+        }
+    });
+}
+
+/// [`dots_tokens8`] of eight whole tokens from `p` (token `k` at `p + k * token_bytes`, read
+/// by `pair` as in [`dots_tokens_blocks`]).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
+fn dots_tokens8_packed<const R: usize>(
+    q: &[f32],
+    n: usize,
+    pair: &impl Fn(*const u8, *const u8) -> __m512,
+    (p, token_bytes, b): (*const u8, usize, usize),
+    out: &mut [f32],
+    stride: usize,
+) {
+    debug_assert!(q.len() >= R * n && n.is_multiple_of(8));
+    let mut acc = [[_mm512_setzero_ps(); 4]; R];
+    let mut at = p;
+    let mut i = 0;
+    while i < n {
+        // Values i .. i + 8 of tokens 2 pp and 2 pp + 1.
+        let t: [__m512; 4] = std::array::from_fn(|pp| {
+            let lo = at.wrapping_add(2 * pp * token_bytes);
+            pair(lo, lo.wrapping_add(token_bytes))
+        });
+        for (r, a) in acc.iter_mut().enumerate() {
+            // SAFETY: row r < R of q holds n floats, and i + 8 <= n.
+            let qv = unsafe {
+                _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(_mm256_loadu_ps(
+                    q.as_ptr().add(r * n + i),
+                ))))
+            };
+            for (ap, &tp) in a.iter_mut().zip(&t) {
+                *ap = _mm512_add_ps(*ap, _mm512_mul_ps(tp, qv));
+            }
+        }
+        at = at.wrapping_add(b);
+        i += 8;
+    }
+    for (r, a) in acc.iter().enumerate() {
+        // SAFETY: out holds row r's eight results at r * stride.
+        unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(r * stride), combine8(a)) };
+    }
 }
 
 /// [`super::super::ops::axpy_rows`] for one weight per token (`groups == 1`) or `group` a
@@ -901,19 +989,49 @@ pub(crate) fn axpy_rows_packed(
     let bytes = |c: usize, at: usize, valid: usize| unsafe {
         load_bytes(p.add(start(c, at)), (valid * b).div_ceil(8))
     };
+    // The second word of sixteen codes: none (2 bits), codes 10.. from byte 2 (3 bits),
+    // codes 8.. from byte 4 (4 bits); neither read leaves the 2 * bits bytes of the codes.
+    let second = [0, 0, 0, 2, 4][b];
+    let split = [16, 16, 16, 10, 8][b];
+    let dec = Unpack16::new(bits.max(2), table, (split, 8 * second));
+    let (zero, one) = (_mm512_set1_ps(table[0]), _mm512_set1_ps(table[1]));
+    // Sixteen values from the first byte of their codes: one bit per value selects a table
+    // entry, wider codes decode through `Unpack16`.
+    let sixteen = |from: *const u8| {
+        // SAFETY: the caller's pointer holds the 2 * bits bytes of sixteen codes.
+        unsafe {
+            if bits == 1 {
+                _mm512_mask_blend_ps(from.cast::<u16>().read_unaligned(), zero, one)
+            } else {
+                dec.decode(from, from.add(second))
+            }
+        }
+    };
+    if n.is_multiple_of(64) {
+        let (rows_at, gs) = ((p, row_bytes, b), (groups, group));
+        return super::row_blocks((o, rows), w, 4, |ob, wb, rb| {
+            // SAFETY: the `count` rows' codes lie in `packed` (checked above).
+            unsafe {
+                match (rb, groups) {
+                    (4, 1) => axpy_rows_packed64::<4, false>(ob, wb, gs, &sixteen, rows_at),
+                    (3, 1) => axpy_rows_packed64::<3, false>(ob, wb, gs, &sixteen, rows_at),
+                    (2, 1) => axpy_rows_packed64::<2, false>(ob, wb, gs, &sixteen, rows_at),
+                    (_, 1) => axpy_rows_packed64::<1, false>(ob, wb, gs, &sixteen, rows_at),
+                    (4, _) => axpy_rows_packed64::<4, true>(ob, wb, gs, &sixteen, rows_at),
+                    (3, _) => axpy_rows_packed64::<3, true>(ob, wb, gs, &sixteen, rows_at),
+                    (2, _) => axpy_rows_packed64::<2, true>(ob, wb, gs, &sixteen, rows_at),
+                    _ => axpy_rows_packed64::<1, true>(ob, wb, gs, &sixteen, rows_at),
+                }
+            }
+        });
+    }
     if bits == 1 {
-        let (zero, one) = (_mm512_set1_ps(table[0]), _mm512_set1_ps(table[1]));
         let x = |c: usize, at: usize, valid: usize| {
             let m = _mm_cvtsi128_si32(bytes(c, at, valid)) as u16;
             _mm512_mask_blend_ps(m, zero, one)
         };
         return axpy_rows_with((o, rows), w, (groups, group), &x);
     }
-    // The second word of sixteen codes: none (2 bits), codes 10.. from byte 2 (3 bits),
-    // codes 8.. from byte 4 (4 bits); neither read leaves the 2 * bits bytes of the codes.
-    let second = [0, 0, 0, 2, 4][b];
-    let split = [16, 16, 16, 10, 8][b];
-    let dec = Unpack16::new(bits, table, (split, 8 * second));
     let x = |c: usize, at: usize, valid: usize| {
         let from = p.wrapping_add(start(c, at));
         if valid == 16 {
@@ -930,6 +1048,62 @@ pub(crate) fn axpy_rows_packed(
         }
     };
     axpy_rows_with((o, rows), w, (groups, group), &x);
+}
+
+/// [`axpy_rows_r`] for rows of a multiple of 64 values read from packed rows of `b`-bit codes
+/// (row `c` at `p + c * row_bytes`): sixty-four values of each row per pass, the row pointer
+/// stepped, `sixteen(from)` decoding sixteen values; one weight per token (`GROUPS` false) or
+/// per group of `group` (a multiple of 16) values.
+///
+/// # Safety
+/// The rows' codes lie in one allocation.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
+unsafe fn axpy_rows_packed64<const R: usize, const GROUPS: bool>(
+    o: &mut [f32],
+    w: &[f32],
+    (groups, group): (usize, usize),
+    sixteen: &impl Fn(*const u8) -> __m512,
+    (p, row_bytes, b): (*const u8, usize, usize),
+) {
+    let (n, count) = (o.len() / R, w.len() / (R * groups));
+    debug_assert!(o.len() == R * n && n.is_multiple_of(64) && groups == n.div_ceil(group));
+    let mut i = 0;
+    while i < n {
+        // Each register's group (a register lies in one group).
+        let g: [usize; 4] = std::array::from_fn(|v| if GROUPS { (i + 16 * v) / group } else { 0 });
+        // SAFETY: lanes i .. i + 64 lie in each of the R rows of o; w holds R x count x groups
+        // weights and g[v] < groups; the rows' codes are the caller's, 2 * b bytes per
+        // sixteen values.
+        unsafe {
+            let mut acc: [[__m512; 4]; R] = std::array::from_fn(|r| {
+                std::array::from_fn(|v| _mm512_loadu_ps(o.as_ptr().add(r * n + i + 16 * v)))
+            });
+            let mut at = p.add(i * b / 8);
+            for c in 0..count {
+                let xs: [__m512; 4] = std::array::from_fn(|v| sixteen(at.add(2 * b * v)));
+                for (r, a) in acc.iter_mut().enumerate() {
+                    let wr = w.as_ptr().add((r * count + c) * groups);
+                    let one = _mm512_set1_ps(*wr);
+                    for ((av, &xv), &gv) in a.iter_mut().zip(&xs).zip(&g) {
+                        let wv = if GROUPS {
+                            _mm512_set1_ps(*wr.add(gv))
+                        } else {
+                            one
+                        };
+                        *av = _mm512_add_ps(*av, _mm512_mul_ps(wv, xv));
+                    }
+                }
+                at = at.wrapping_add(row_bytes);
+            }
+            for (r, a) in acc.iter().enumerate() {
+                for (v, av) in a.iter().enumerate() {
+                    _mm512_storeu_ps(o.as_mut_ptr().add(r * n + i + 16 * v), *av);
+                }
+            }
+        }
+        i += 64;
+    }
 }
 
 /// [`axpy_rows`] with row `c`'s values `at .. at + 16` (the first `valid`; the other lanes are

@@ -36,6 +36,23 @@ fn row_blocks(
     }
 }
 
+/// The blocks of at most `max` query rows of a scores call (`q`: rows x n, row `r`'s scores at
+/// `out[r * stride..]`): `f(q block, out from the block's first row, rows in the block)`.
+fn query_blocks(
+    (q, n): (&[f32], usize),
+    (out, stride): (&mut [f32], usize),
+    max: usize,
+    mut f: impl FnMut(&[f32], &mut [f32], usize),
+) {
+    let rows = q.len() / n;
+    let mut r = 0;
+    while r < rows {
+        let rb = (rows - r).min(max);
+        f(&q[r * n..(r + rb) * n], &mut out[r * stride..], rb);
+        r += rb;
+    }
+}
+
 /// Finishes an 8-lane f32 accumulator: adds the tail `a[i] * b[i]` to lane `i` (the tail starts
 /// at a multiple of 8) and combines in the fixed order.
 #[inline]
