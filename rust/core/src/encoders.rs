@@ -496,31 +496,36 @@ impl LayerStore {
         values: (&SideEncoder, &[f32]),
         tokens: usize,
     ) -> Result<()> {
-        let mut named: Vec<(String, Dtype, Vec<u8>)> = Vec::new();
+        // (side, part name, dtype, bytes): a store part is named `{side}.{name}`, matched
+        // without building the names (this runs once per decode step and layer).
+        let mut named: Vec<(&str, EncodedPart)> = Vec::new();
         for (side, (enc, x)) in [("keys", keys), ("values", values)] {
-            for (name, dtype, bytes) in enc.encode(x, tokens)? {
-                named.push((format!("{side}.{name}"), dtype, bytes));
-            }
+            named.extend(enc.encode(x, tokens)?.into_iter().map(|p| (side, p)));
         }
+        let is = |full: &str, side: &str, name: &str| {
+            full.strip_prefix(side)
+                .and_then(|r| r.strip_prefix('.'))
+                .is_some_and(|r| r == name)
+        };
         let shapes: Vec<Vec<usize>> = self.specs().map(|s| s.shape(tokens)).collect();
         let mut chunk = Vec::with_capacity(shapes.len());
         for (spec, shape) in self.specs().zip(&shapes) {
             let part = named
                 .iter()
-                .find(|(n, _, _)| *n == spec.name)
+                .find(|(side, (n, _, _))| is(&spec.name, side, n))
                 .ok_or_else(|| KvqError::ShapeMismatch {
                     arg: "encoders",
                     expected: format!("a part {}", spec.name),
                     actual: named
                         .iter()
-                        .map(|p| p.0.as_str())
+                        .map(|(side, p)| format!("{side}.{}", p.0))
                         .collect::<Vec<_>>()
                         .join(", "),
                 })?;
             chunk.push(ChunkPart {
-                dtype: part.1,
+                dtype: part.1 .1,
                 shape,
-                bytes: &part.2,
+                bytes: &part.1 .2,
             });
         }
         if named.len() != chunk.len() {

@@ -94,16 +94,18 @@ fn passive_waits() -> bool {
 
 /// Below this much work per call (about one multiply-add each), decode attention (contiguous,
 /// paged and the full-precision window) runs on the calling thread; `KVQRS_ATTEND_SPLIT` (a
-/// count, read once; a value that does not parse is ignored) sets it. Handing a job to the pool
-/// costs a worker's wake-up, and the worker then spins (`sched_yield`) on the core that torch's
-/// next parallel region wants: in `generate` on SmolLM2 (2 cores, torch 2 threads,
-/// `OMP_WAIT_POLICY=PASSIVE`, AMD EPYC Zen 3; decode steps interleaved with dense's in one
-/// process, speed against dense) `kqv` 4/4 ran at 1.03x on the calling thread against 0.95x
-/// split from 2^19 at 1k tokens of context (1.2 M multiply-adds a layer) and at 1.04x against
-/// 0.98x-1.01x at 4k (4.7 M), while at 16k (19 M) two threads beat one (1.42x against 1.25x).
-/// GNU OpenMP workers spin after each region unless the wait policy is passive, which makes a
-/// split dearer still (a 1k layer took 4.6 ms split against 0.32 ms on the calling thread), so
-/// that threshold is 4x higher.
+/// count, read once; a value that does not parse is ignored) sets it. With passive OpenMP
+/// waits the threshold is 2^20: a SmolLM2 layer at 1k tokens of context (1.2 M multiply-adds)
+/// and longer splits. A split call from Python's thread works beside the pool's worker
+/// ([`claim_map`]), so it never waits for a sleeping worker to wake. In `generate` on
+/// SmolLM2 (Intel Xeon, 2 vCPUs, `benches/bench_speed.py --sections scoreboard`, speed against
+/// dense in one run) 2^20 gave `kqv` / `kivi` / `4bit` 1.08x / 1.02x / 1.05x at 1k and
+/// 1.63x / 1.44x / 1.51x at 4k (torch 1 thread), where 2^23 (4k calls on the calling thread)
+/// gave 1.07x / 1.00x / 1.01x and 1.33x / 1.23x / 1.31x (torch 2 threads), and splitting every
+/// call 1.11x / 1.08x / 1.10x and 1.31x / 1.29x / 1.32x (torch 2 threads). GNU OpenMP workers
+/// spin after each region unless the wait policy is passive, and a split worker then finds
+/// its core taken (a 1k layer took 4.6 ms split against 0.32 ms on the calling thread): that
+/// threshold is 2^25.
 pub(crate) fn par_min_attend() -> usize {
     static MIN: OnceLock<usize> = OnceLock::new();
     *MIN.get_or_init(|| {
@@ -112,7 +114,7 @@ pub(crate) fn par_min_attend() -> usize {
             return n;
         }
         if passive_waits() {
-            1 << 23
+            1 << 20
         } else {
             1 << 25
         }
