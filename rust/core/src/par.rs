@@ -95,17 +95,17 @@ fn passive_waits() -> bool {
 /// Below this much work per call (about one multiply-add each), decode attention (contiguous,
 /// paged and the full-precision window) runs on the calling thread; `KVQRS_ATTEND_SPLIT` (a
 /// count, read once; a value that does not parse is ignored) sets it. With passive OpenMP
-/// waits the threshold is 2^20: a SmolLM2 layer at 1k tokens of context (1.2 M multiply-adds)
-/// and longer splits. A split call from Python's thread works beside the pool's worker
-/// ([`claim_map`]), so it never waits for a sleeping worker to wake. In `generate` on
-/// SmolLM2 (Intel Xeon, 2 vCPUs, `benches/bench_speed.py --sections scoreboard`, speed against
-/// dense in one run) 2^20 gave `kqv` / `kivi` / `4bit` 1.08x / 1.02x / 1.05x at 1k and
-/// 1.63x / 1.44x / 1.51x at 4k (torch 1 thread), where 2^23 (4k calls on the calling thread)
-/// gave 1.07x / 1.00x / 1.01x and 1.33x / 1.23x / 1.31x (torch 2 threads), and splitting every
-/// call 1.11x / 1.08x / 1.10x and 1.31x / 1.29x / 1.32x (torch 2 threads). GNU OpenMP workers
-/// spin after each region unless the wait policy is passive, and a split worker then finds
-/// its core taken (a 1k layer took 4.6 ms split against 0.32 ms on the calling thread): that
-/// threshold is 2^25.
+/// waits the threshold is 2^21: a SmolLM2 layer at 4k tokens of context (4.7 M multiply-adds)
+/// splits, one at 1k (1.2 M) does not. A split call from Python's thread works beside the
+/// pool's worker ([`claim_map`]), so it never waits for a sleeping worker to wake. In
+/// `generate` on SmolLM2 (Intel Xeon, 2 vCPUs, `benches/bench_speed.py --sections
+/// scoreboard`, speed against dense in one run) splitting from 2^20 gave `kqv` / `kivi` /
+/// `4bit` 1.63x / 1.44x / 1.51x at 4k (torch 1 thread) where 4k calls on the calling thread
+/// (2^23) gave 1.33x / 1.23x / 1.31x (torch 2 threads); at 1k splitting gained 1-5% on the
+/// AVX-512 path and lost 2-6% on the AVX2 path (two runs each), so 1k calls stay whole. GNU
+/// OpenMP workers spin after each region unless the wait policy is passive, and a split worker
+/// then finds its core taken (a 1k layer took 4.6 ms split against 0.32 ms on the calling
+/// thread): that threshold is 2^25.
 pub(crate) fn par_min_attend() -> usize {
     static MIN: OnceLock<usize> = OnceLock::new();
     *MIN.get_or_init(|| {
@@ -114,7 +114,7 @@ pub(crate) fn par_min_attend() -> usize {
             return n;
         }
         if passive_waits() {
-            1 << 20
+            1 << 21
         } else {
             1 << 25
         }
