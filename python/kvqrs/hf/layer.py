@@ -119,6 +119,21 @@ class _Window:
         self.np_k, self.np_v = self.keys.numpy(), self.values.numpy()
         self.flat_k, self.flat_v = self.np_k.reshape(-1), self.np_v.reshape(-1)
         self.cap = self.keys.shape[-2]
+        # The views' geometry, so that showing a span is one as_strided per buffer (a narrow
+        # costs more on a decode step).
+        (b, h, _, dk), dv = self.keys.shape, self.values.shape[-1]
+        self._geom = (
+            ((b, h, dk), self.keys.stride(), self.keys.storage_offset(), dk),
+            ((b, h, dv), self.values.stride(), self.values.storage_offset(), dv),
+        )
+
+    def span(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of tokens ``lo .. hi - 1`` of the two buffers (as ``narrow`` gives them)."""
+        n, lo = self.hi - self.lo, self.lo
+        ((bh, ks, ko, dk), (vbh, vs, vo, dv)) = self._geom
+        k = self.keys.as_strided((bh[0], bh[1], n, dk), ks, ko + lo * ks[2])
+        v = self.values.as_strided((vbh[0], vbh[1], n, dv), vs, vo + lo * vs[2])
+        return k, v
 
     @classmethod
     def holding(cls, keys: torch.Tensor, values: torch.Tensor, room: int) -> _Window:
@@ -532,7 +547,8 @@ class CompressedLayer(LayerAttention, CacheLayerMixin):
     def _write_deferred(self) -> None:
         """The deferred step's flush without attention (one native call)."""
         d, self._deferred = self._deferred, None
-        if d.flush and not self.store.encode_append(self._window.np_k, self._window.np_v, d.flush, d.lo):
+        win = self._window
+        if d.flush and not self.store.encode_window(win.np_k, win.np_v, d.flush, d.lo, d.lo):
             self._refuse_deferred(d)
         self._after_write(d)
 
@@ -709,7 +725,7 @@ class CompressedLayer(LayerAttention, CacheLayerMixin):
 
     def _show(self, win: _Window) -> None:
         """Set the layer's window to the buffer's span."""
-        self.keys, self.values = win.keys.narrow(2, win.lo, win.hi - win.lo), win.values.narrow(2, win.lo, win.hi - win.lo)
+        self.keys, self.values = win.span()
         win.k_view, win.v_view, win.shown = self.keys, self.values, True
 
     def _drop_window(self, n: int) -> None:

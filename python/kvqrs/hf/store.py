@@ -355,10 +355,16 @@ class CodeStore:
         path, whose error names the token."""
         if not self.encodes_natively():
             return False
+        n = int(k.shape[-2]) - start if tokens is None else int(tokens)
+        (ka, k0), (va, v0) = _window_f32(k, start, n), _window_f32(v, start, n)
+        return self.encode_window(ka, va, n, k0, v0)
+
+    def encode_window(self, k: np.ndarray, v: np.ndarray, tokens: int, k_start: int, v_start: int) -> bool:
+        """:meth:`encode_append` of float32 NumPy keys and values ``(batch, kv_heads, window,
+        head_dim)``, tokens ``k_start ..`` of ``k`` and ``v_start ..`` of ``v``, for a codec
+        that :meth:`encodes_natively` (a decode step's flush from the window buffer)."""
         try:
-            n = int(k.shape[-2]) - start if tokens is None else int(tokens)
-            (ka, k0), (va, v0) = _window_f32(k, start, n), _window_f32(v, start, n)
-            self._native.encode_append(ka, va, n, k0, v0)
+            self._native.encode_append(k, v, tokens, k_start, v_start)
         except KvqrsError:
             return False
         return True

@@ -531,6 +531,33 @@ pub(crate) fn all_finite(isa: Isa, x: &[f32]) -> bool {
     }
 }
 
+/// `o *= k`, then the largest value, or None if a scaled value is not finite (the caller finds
+/// it). The maximum of finite values does not depend on the order, but for the sign of a zero.
+pub(crate) fn scale_max(isa: Isa, o: &mut [f32], k: f32) -> Option<f32> {
+    match isa {
+        // SAFETY (all arms): `isa` is supported.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => unsafe { avx512::scale_max(o, k) },
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe { avx2::scale_max(o, k) },
+        _ => scalar::scale_max(o, k),
+    }
+}
+
+/// `acc[i] += f64(x[i])`: exact widening, then one rounded add per element, the same bits on
+/// every path.
+pub(crate) fn add_to_f64(isa: Isa, acc: &mut [f64], x: &[f32]) {
+    debug_assert!(acc.len() == x.len());
+    match isa {
+        // SAFETY (all arms): `isa` is supported.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => unsafe { avx512::add_to_f64(acc, x) },
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe { avx2::add_to_f64(acc, x) },
+        _ => scalar::add_to_f64(acc, x),
+    }
+}
+
 /// `x[i] = exp(x[i] - m)` ([`scalar::exp`], a fixed polynomial, so every path agrees); returns
 /// the float64 sum of the results in the fixed 8-lane order of `reduce.rs`.
 pub(crate) fn exp_sum(isa: Isa, x: &mut [f32], m: f32) -> f64 {
@@ -949,6 +976,45 @@ mod tests {
                         assert!(!all_finite(isa, &y), "{isa:?} n={n} pos={pos}");
                     }
                 }
+            }
+        }
+    }
+
+    #[test]
+    fn scale_max_and_widening_sums_match_the_scalar_path() {
+        for isa in simd_isas() {
+            for n in 0..=70 {
+                let x = values(5000 + n as u64, n);
+                for k in [0.125f32, -3.0, 1e30] {
+                    let (mut a, mut b) = (x.clone(), x.clone());
+                    let (ma, mb) = (scale_max(isa, &mut a, k), scale_max(Isa::Scalar, &mut b, k));
+                    assert_eq!(bits(&a), bits(&b), "{isa:?} n={n} k={k}");
+                    // Equal values (a zero's sign may differ with the order of the comparisons).
+                    assert_eq!(ma, mb, "{isa:?} n={n} k={k}");
+                    assert_eq!(
+                        ma.is_none(),
+                        !b.iter().all(|v| v.is_finite()),
+                        "{isa:?} n={n} k={k}"
+                    );
+                    if n > 0 && mb.is_some() {
+                        let want = b.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                        assert_eq!(mb, Some(want));
+                    }
+                }
+                if n > 0 {
+                    let mut y = x.clone();
+                    y[n / 2] = f32::NAN;
+                    assert_eq!(scale_max(isa, &mut y, 1.0), None, "{isa:?} n={n}");
+                }
+                let acc0: Vec<f64> = values(7000 + n as u64, n)
+                    .iter()
+                    .map(|&v| f64::from(v) * 1.5)
+                    .collect();
+                let (mut a, mut b) = (acc0.clone(), acc0);
+                add_to_f64(isa, &mut a, &x);
+                add_to_f64(Isa::Scalar, &mut b, &x);
+                let bits64 = |v: &[f64]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits64(&a), bits64(&b), "{isa:?} n={n}");
             }
         }
     }

@@ -256,6 +256,17 @@ pub(crate) fn all_finite(x: &[f32]) -> bool {
     x.iter().all(|v| v.is_finite())
 }
 
+/// `o *= k`, then the largest value, or None if a scaled value is not finite.
+pub(crate) fn scale_max(o: &mut [f32], k: f32) -> Option<f32> {
+    scale(o, k);
+    all_finite(o).then(|| o.iter().copied().fold(f32::NEG_INFINITY, f32::max))
+}
+
+/// `acc[i] += f64(x[i])` (exact widening, one rounded add each).
+pub(crate) fn add_to_f64(acc: &mut [f64], x: &[f32]) {
+    acc.iter_mut().zip(x).for_each(|(a, &v)| *a += f64::from(v));
+}
+
 /// `out[i] = f32(f16 bits src[i])` (exact: every float16 is a float32).
 pub(crate) fn f16_to_f32(src: &[u16], out: &mut [f32]) {
     out.iter_mut()

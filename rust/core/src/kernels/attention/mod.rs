@@ -389,11 +389,13 @@ fn chunk(
     let mut max = vec![0.0f32; rows];
     let mut sums = vec![0.0f64; rows];
     for (r, sr) in s.chunks_exact_mut(n).enumerate() {
-        ops::scale(isa, sr, lay.scale);
-        if let Some(j) = sr.iter().position(|v| !v.is_finite()) {
-            return Err((r, span.start + j, sr[j]));
-        }
-        max[r] = sr.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        max[r] = match ops::scale_max(isa, sr, lay.scale) {
+            Some(m) => m,
+            None => {
+                let j = sr.iter().position(|v| !v.is_finite()).unwrap_or(0);
+                return Err((r, span.start + j, sr[j]));
+            }
+        };
         sums[r] = ops::exp_sum(isa, sr, max[r]);
     }
     let mut acc = vec![0.0f64; rows * values.acc_dim()];

@@ -290,7 +290,7 @@ impl Lanes {
             block,
             self.n,
         );
-        self.carry(acc, (stride, offset));
+        self.carry(isa, acc, (stride, offset));
     }
 
     /// Adds one block of `count` rows of `reader` (values or packed) with weight
@@ -312,14 +312,14 @@ impl Lanes {
         }
         let part = (&mut self.part[..], self.rows);
         reader.axpy_rows(isa, part, &self.w, (1, self.n), block);
-        self.carry(acc, so);
+        self.carry(isa, acc, so);
     }
 
     /// `acc[r * stride + offset + i] += part[r][i]`, then clears the lanes.
-    pub(super) fn carry(&mut self, acc: &mut [f64], (stride, offset): (usize, usize)) {
+    pub(super) fn carry(&mut self, isa: Isa, acc: &mut [f64], (stride, offset): (usize, usize)) {
         for (r, pr) in self.part.chunks_exact(self.n).enumerate() {
             let ar = &mut acc[r * stride + offset..r * stride + offset + self.n];
-            ar.iter_mut().zip(pr).for_each(|(t, &p)| *t += f64::from(p));
+            ops::add_to_f64(isa, ar, pr);
         }
         self.part.fill(0.0);
     }

@@ -157,7 +157,7 @@ impl ValueRows for TokensPlan<'_> {
                 let part = (&mut lanes.part[..], rows);
                 self.reader
                     .axpy_rows(isa, part, &lanes.w, (groups, group), &block);
-                lanes.carry(acc, (stride, 0));
+                lanes.carry(isa, acc, (stride, 0));
             });
     }
 

@@ -454,6 +454,49 @@ pub(crate) fn all_finite(x: &[f32]) -> bool {
     _mm256_testz_si256(bad, bad) == 1 && x[n8..].iter().all(|v| v.is_finite())
 }
 
+/// [`scalar::scale_max`](super::super::scalar::scale_max): `o *= k`, the exponent test and the
+/// maximum in one pass, eight lanes at a time.
+#[target_feature(enable = "avx2")]
+pub(crate) fn scale_max(o: &mut [f32], k: f32) -> Option<f32> {
+    let n8 = o.len() / 8 * 8;
+    let (kv, e) = (_mm256_set1_ps(k), _mm256_set1_epi32(0x7f80_0000));
+    let (mut bad, mut m) = (_mm256_setzero_si256(), _mm256_set1_ps(f32::NEG_INFINITY));
+    let mut i = 0;
+    while i < n8 {
+        // SAFETY: i + 8 <= o.len().
+        unsafe {
+            let p = o.as_mut_ptr().add(i);
+            let v = _mm256_mul_ps(_mm256_loadu_ps(p), kv);
+            _mm256_storeu_ps(p, v);
+            let bits = _mm256_and_si256(_mm256_castps_si256(v), e);
+            bad = _mm256_or_si256(bad, _mm256_cmpeq_epi32(bits, e));
+            m = _mm256_max_ps(m, v);
+        }
+        i += 8;
+    }
+    let tail = super::super::scalar::scale_max(&mut o[n8..], k)?;
+    let lanes = store8(m);
+    (_mm256_testz_si256(bad, bad) == 1).then(|| lanes.iter().fold(tail, |a, &v| a.max(v)))
+}
+
+/// `acc[i] += f64(x[i])`, four lanes at a time.
+#[target_feature(enable = "avx2")]
+pub(crate) fn add_to_f64(acc: &mut [f64], x: &[f32]) {
+    let n = acc.len().min(x.len());
+    let n4 = n / 4 * 4;
+    let mut i = 0;
+    while i < n4 {
+        // SAFETY: i + 4 <= n for acc and x.
+        unsafe {
+            let a = acc.as_mut_ptr().add(i);
+            let v = _mm256_cvtps_pd(_mm_loadu_ps(x.as_ptr().add(i)));
+            _mm256_storeu_pd(a, _mm256_add_pd(_mm256_loadu_pd(a), v));
+        }
+        i += 4;
+    }
+    super::super::scalar::add_to_f64(&mut acc[n4..n], &x[n4..n]);
+}
+
 /// Eight lanes of [`scalar::exp`](super::super::scalar::exp): the same multiplies and adds in
 /// the same order, round-to-nearest-even for `n`, 0 below `EXP_LO`.
 #[inline]

@@ -528,6 +528,46 @@ pub(crate) fn decode_packed4(packed: &[u8], table: &[f32], out: &mut [f32]) {
     }
 }
 
+/// [`scalar::scale_max`](super::super::scalar::scale_max): `o *= k`, the exponent test and the
+/// maximum in one pass, sixteen lanes at a time (the tail masked).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
+pub(crate) fn scale_max(o: &mut [f32], k: f32) -> Option<f32> {
+    let (kv, e) = (_mm512_set1_ps(k), _mm512_set1_epi32(0x7f80_0000));
+    let (mut bad, mut m): (__mmask16, _) = (0, _mm512_set1_ps(f32::NEG_INFINITY));
+    let mut i = 0;
+    while i < o.len() {
+        let km = mask16((o.len() - i).min(16));
+        // SAFETY: the masked lanes stay below o.len().
+        unsafe {
+            let p = o.as_mut_ptr().add(i);
+            let v = _mm512_mul_ps(_mm512_maskz_loadu_ps(km, p), kv);
+            _mm512_mask_storeu_ps(p, km, v);
+            let bits = _mm512_and_si512(_mm512_castps_si512(v), e);
+            bad |= _mm512_mask_cmpeq_epi32_mask(km, bits, e);
+            m = _mm512_mask_max_ps(m, km, m, v);
+        }
+        i += 16;
+    }
+    (bad == 0).then(|| _mm512_reduce_max_ps(m))
+}
+
+/// `acc[i] += f64(x[i])`, eight lanes at a time (the tail masked).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
+pub(crate) fn add_to_f64(acc: &mut [f64], x: &[f32]) {
+    let n = acc.len().min(x.len());
+    let mut i = 0;
+    while i < n {
+        let km = ((1u32 << (n - i).min(8)) - 1) as __mmask8;
+        // SAFETY: the masked lanes stay below n for acc and x.
+        unsafe {
+            let a = acc.as_mut_ptr().add(i);
+            let v = _mm512_cvtps_pd(_mm256_maskz_loadu_ps(km, x.as_ptr().add(i)));
+            _mm512_mask_storeu_pd(a, km, _mm512_add_pd(_mm512_maskz_loadu_pd(km, a), v));
+        }
+        i += 8;
+    }
+}
+
 /// Whether every value is finite (exponent not all ones).
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
 pub(crate) fn all_finite(x: &[f32]) -> bool {
