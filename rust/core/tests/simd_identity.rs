@@ -513,7 +513,12 @@ fn fused_matched_runs_are_bit_identical_on_every_isa_and_thread_count() {
         (24, 77, 3, 8),
     ] {
         let heads = 2;
-        let bounds = [(5u32, 0, d / 4), (4, d / 4, d / 2), (2, d / 2 + 1, d - 2)];
+        let bounds = [
+            (5u32, 0, d / 4),
+            (4, d / 4, d / 2),
+            (2, d / 2 + 1, d - 3),
+            (7, d - 3, d - 1),
+        ];
         let stored: Vec<Stored> = (0..bounds.len() as u64)
             .map(|i| Stored::new(31 + i, heads, t, d))
             .collect();

@@ -429,6 +429,13 @@ pub(crate) fn fuses_packed(isa: Isa, bits: u32) -> bool {
         && (1..=4).contains(&bits)
 }
 
+/// Whether [`axpy_rows_packed`] decodes `bits`-bit codes in registers on `isa`: as
+/// [`fuses_packed`], and 5 to 8 bits on AVX-512.
+pub(crate) fn fuses_packed_rows(isa: Isa, bits: u32) -> bool {
+    fuses_packed(isa, bits)
+        || (cfg!(target_arch = "x86_64") && isa == Isa::Avx512 && (5..=8).contains(&bits))
+}
+
 /// [`dots_tokens`] of the `count` rows of `n` codes of a packed bit stream (`packed`, row `k`
 /// from bit `k * n * bits`; `table` has 256 entries): the reference is [`decode_packed`] of
 /// the stream, then [`dots_tokens`]; on AVX-512 and AVX2 (up to 4 bits, `n` a multiple of 8)
@@ -464,9 +471,9 @@ pub(crate) fn dots_tokens_packed(
 /// [`axpy_rows`] of the `count = w.len() / (rows * groups)` rows of `n = o.len() / rows` codes
 /// of packed rows (`packed`, row `c` from byte `c * row_bytes`: `n * bits / 8` for one bit
 /// stream, more for the first codes of longer rows; `table` has 256 entries): the reference is
-/// [`decode_packed_rows`], then [`axpy_rows`] (stride `n`); on AVX-512 and AVX2 (up to 4 bits,
-/// `groups == 1` or `group` a multiple of 16, of 8 on AVX2) the codes are decoded in registers
-/// and fed to the same arithmetic, so every path agrees.
+/// [`decode_packed_rows`], then [`axpy_rows`] (stride `n`); on AVX-512 (up to 8 bits) and AVX2
+/// (up to 4 bits), `groups == 1` or `group` a multiple of 16 (of 8 on AVX2), the codes are
+/// decoded in registers and fed to the same arithmetic, so every path agrees.
 pub(crate) fn axpy_rows_packed(
     isa: Isa,
     (o, rows): (&mut [f32], usize),
@@ -482,7 +489,9 @@ pub(crate) fn axpy_rows_packed(
     match isa {
         // SAFETY: `isa` is supported; `table` has 256 entries.
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 if fuses_packed(isa, bits) && (groups == 1 || group.is_multiple_of(16)) => unsafe {
+        Isa::Avx512
+            if fuses_packed_rows(isa, bits) && (groups == 1 || group.is_multiple_of(16)) =>
+        unsafe {
             avx512::axpy_rows_packed(
                 (o, rows),
                 w,
@@ -726,7 +735,7 @@ mod tests {
         let signs: Vec<f32> = [1.0f32, -1.0].into_iter().chain([0.0; 254]).collect();
         let bits_of = bits;
         for isa in Isa::available() {
-            for bits in 1..=4u32 {
+            for bits in 1..=8u32 {
                 let table = if bits == 1 { &signs } else { &table };
                 for n in [8usize, 16, 24, 40, 64, 72, 128, 4, 6, 2, 12, 20] {
                     if !(n * bits as usize).is_multiple_of(8) {

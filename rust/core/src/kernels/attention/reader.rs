@@ -98,7 +98,7 @@ impl RowReader {
         (buf, scratch): (&mut Vec<f32>, &mut Vec<u8>),
     ) {
         let (rb, bit) = (self.row_bytes, start * self.bits as usize);
-        if ops::fuses_packed(isa, self.bits) && bit.is_multiple_of(8) {
+        if ops::fuses_packed_rows(isa, self.bits) && bit.is_multiple_of(8) {
             let packed = &codes[first * rb + bit / 8..];
             let rows = (packed, rb, self.bits, &self.table[..]);
             ops::axpy_rows_packed(isa, part, w, (1, len), rows);

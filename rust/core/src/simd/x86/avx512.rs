@@ -835,6 +835,75 @@ impl Unpack16 {
     }
 }
 
+/// Sixteen codes of 5 to 8 bits (`2 * bits` bytes) decoded in registers: the bytes broadcast
+/// to every 128-bit lane, each 32-bit lane gathering the two bytes its code lies in by a byte
+/// shuffle, then a per-lane shift, the code mask and the table lookup (a two-register permute
+/// for 5 bits, a gather from the 256-entry table above). The values are exact copies of table
+/// entries, as [`decode`] gives them.
+#[derive(Clone, Copy)]
+struct Wide16 {
+    pick: __m512i,
+    shifts: __m512i,
+    mask: __m512i,
+    lo: __m512,
+    hi: __m512,
+    table: *const f32,
+    bits: u32,
+}
+
+impl Wide16 {
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
+    fn new(bits: u32, table: &[f32]) -> Self {
+        debug_assert!((5..=8).contains(&bits) && table.len() >= 256);
+        let b = bits as usize;
+        // Lane i's code starts at bit i * b: bytes (i * b) / 8 and the next (when it lies
+        // among the 2 * b bytes of the sixteen codes; a code of at most 8 bits spans two).
+        let mut pick = [0x80u8; 64];
+        let sh: [i32; 16] = std::array::from_fn(|i| (i * b % 8) as i32);
+        for i in 0..16 {
+            let byte = i * b / 8;
+            pick[4 * i] = byte as u8;
+            if byte + 1 < 2 * b {
+                pick[4 * i + 1] = (byte + 1) as u8;
+            }
+        }
+        // SAFETY: pick holds 64 bytes, sh 16 lanes, table 256 >= 32 entries.
+        unsafe {
+            Self {
+                pick: _mm512_loadu_si512(pick.as_ptr().cast()),
+                shifts: _mm512_loadu_si512(sh.as_ptr().cast()),
+                mask: _mm512_set1_epi32((1 << b) - 1),
+                lo: _mm512_loadu_ps(table.as_ptr()),
+                hi: _mm512_loadu_ps(table.as_ptr().add(16)),
+                table: table.as_ptr(),
+                bits,
+            }
+        }
+    }
+
+    /// The sixteen values whose codes start at `from`, of which the first `bytes` bytes are
+    /// read (the codes past them decode as code 0).
+    ///
+    /// # Safety
+    /// `bytes` (at most 16) bytes are readable at `from`.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
+    unsafe fn decode(&self, from: *const u8, bytes: usize) -> __m512 {
+        let k = ((1u32 << bytes.min(16)) - 1) as __mmask16;
+        // SAFETY: the caller's `bytes` bytes; masked bytes are not accessed.
+        let v = unsafe { _mm_maskz_loadu_epi8(k, from.cast()) };
+        let w = _mm512_shuffle_epi8(_mm512_broadcast_i32x4(v), self.pick);
+        let c = _mm512_and_si512(_mm512_srlv_epi32(w, self.shifts), self.mask);
+        if self.bits == 5 {
+            _mm512_permutex2var_ps(self.lo, c, self.hi)
+        } else {
+            // SAFETY: the codes are below 256, the table's length.
+            unsafe { _mm512_i32gather_ps::<4>(c, self.table) }
+        }
+    }
+}
+
 /// The first `bytes` (at most 16) bytes from `p`, the rest zero; bytes past them are not read.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
@@ -1022,6 +1091,10 @@ pub(crate) fn axpy_rows_packed(
         count == 0 || packed.len() >= (count - 1) * row_bytes + (n * b).div_ceil(8),
         "packed rows"
     );
+    if bits > 4 {
+        let rows_at = (packed, row_bytes, bits, table);
+        return axpy_rows_wide((o, rows), w, (groups, group), rows_at);
+    }
     let p = packed.as_ptr();
     // The first byte of the codes of row c from code `at` (a multiple of 16: a whole byte).
     let start = move |c: usize, at: usize| c * row_bytes + at * b / 8;
@@ -1048,22 +1121,10 @@ pub(crate) fn axpy_rows_packed(
         }
     };
     if n.is_multiple_of(64) {
-        let (rows_at, gs) = ((p, row_bytes, b), (groups, group));
-        return super::row_blocks((o, rows), w, 4, |ob, wb, rb| {
-            // SAFETY: the `count` rows' codes lie in `packed` (checked above).
-            unsafe {
-                match (rb, groups) {
-                    (4, 1) => axpy_rows_packed64::<4, false>(ob, wb, gs, &sixteen, rows_at),
-                    (3, 1) => axpy_rows_packed64::<3, false>(ob, wb, gs, &sixteen, rows_at),
-                    (2, 1) => axpy_rows_packed64::<2, false>(ob, wb, gs, &sixteen, rows_at),
-                    (_, 1) => axpy_rows_packed64::<1, false>(ob, wb, gs, &sixteen, rows_at),
-                    (4, _) => axpy_rows_packed64::<4, true>(ob, wb, gs, &sixteen, rows_at),
-                    (3, _) => axpy_rows_packed64::<3, true>(ob, wb, gs, &sixteen, rows_at),
-                    (2, _) => axpy_rows_packed64::<2, true>(ob, wb, gs, &sixteen, rows_at),
-                    _ => axpy_rows_packed64::<1, true>(ob, wb, gs, &sixteen, rows_at),
-                }
-            }
-        });
+        // SAFETY: the `count` rows' codes lie in `packed` (checked above).
+        return unsafe {
+            packed64_blocks((o, rows), w, (groups, group), &sixteen, (p, row_bytes, b))
+        };
     }
     if bits == 1 {
         let x = |c: usize, at: usize, valid: usize| {
@@ -1086,6 +1147,65 @@ pub(crate) fn axpy_rows_packed(
                 dec.decode(buf.as_ptr(), buf.as_ptr().add(second))
             }
         }
+    };
+    axpy_rows_with((o, rows), w, (groups, group), &x);
+}
+
+/// [`axpy_rows_packed64`] over blocks of up to four query rows (rows of a multiple of 64
+/// values), one weight per token or per group.
+///
+/// # Safety
+/// The rows' codes lie in one allocation, `2 * b` bytes per sixteen values.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
+unsafe fn packed64_blocks(
+    (o, rows): (&mut [f32], usize),
+    w: &[f32],
+    gs: (usize, usize),
+    sixteen: &impl Fn(*const u8) -> __m512,
+    rows_at: (*const u8, usize, usize),
+) {
+    super::row_blocks((o, rows), w, 4, |ob, wb, rb| {
+        // SAFETY: the caller's codes.
+        unsafe {
+            match (rb, gs.0) {
+                (4, 1) => axpy_rows_packed64::<4, false>(ob, wb, gs, sixteen, rows_at),
+                (3, 1) => axpy_rows_packed64::<3, false>(ob, wb, gs, sixteen, rows_at),
+                (2, 1) => axpy_rows_packed64::<2, false>(ob, wb, gs, sixteen, rows_at),
+                (_, 1) => axpy_rows_packed64::<1, false>(ob, wb, gs, sixteen, rows_at),
+                (4, _) => axpy_rows_packed64::<4, true>(ob, wb, gs, sixteen, rows_at),
+                (3, _) => axpy_rows_packed64::<3, true>(ob, wb, gs, sixteen, rows_at),
+                (2, _) => axpy_rows_packed64::<2, true>(ob, wb, gs, sixteen, rows_at),
+                _ => axpy_rows_packed64::<1, true>(ob, wb, gs, sixteen, rows_at),
+            }
+        }
+    })
+}
+
+/// [`axpy_rows_packed`] of codes of 5 to 8 bits, decoded sixteen at a time by [`Wide16`]
+/// (rows of a multiple of 64 values by [`axpy_rows_packed64`], others by [`axpy_rows_with`]).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
+fn axpy_rows_wide(
+    (o, rows): (&mut [f32], usize),
+    w: &[f32],
+    (groups, group): (usize, usize),
+    (packed, row_bytes, bits, table): (&[u8], usize, u32, &[f32]),
+) {
+    let (b, n) = (bits as usize, o.len() / rows);
+    let dec = Wide16::new(bits, table);
+    let p = packed.as_ptr();
+    if n.is_multiple_of(64) {
+        // SAFETY: the caller's pointer holds the 2 * b bytes of sixteen codes.
+        let sixteen = |from: *const u8| unsafe { dec.decode(from, 2 * b) };
+        // SAFETY: the `count` rows' codes lie in `packed` (the caller's contract).
+        return unsafe {
+            packed64_blocks((o, rows), w, (groups, group), &sixteen, (p, row_bytes, b))
+        };
+    }
+    // A row's tail reads only its codes' bytes (the masked load).
+    let x = |c: usize, at: usize, valid: usize| {
+        // SAFETY: the bytes of the `valid` codes of row c from `at` lie in `packed`.
+        unsafe { dec.decode(p.add(c * row_bytes + at * b / 8), (valid * b).div_ceil(8)) }
     };
     axpy_rows_with((o, rows), w, (groups, group), &x);
 }
