@@ -755,10 +755,11 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument(
         "--channel",
         nargs="+",
-        choices=("keys", "values", "both"),
+        choices=("keys", "values", "both", "trellis-keys", "trellis-values", "trellis-both"),
         default=None,
         help="llama protocol, --calibration rows: also each file's row with its keys, values or both through the "
-        "Gaussian test channel at the file's widths (an ideal coder of a Gaussian model of each coordinate; "
+        "Gaussian test channel at the file's widths (an ideal coder of a Gaussian model of each coordinate), or "
+        "coded by the prototype trellis coder at the file's widths ('trellis-keys' ...: NumPy, slow; "
         "docs/evaluation.md)",
     )
     ev.add_argument(

@@ -22,6 +22,7 @@ reaches: it is the codec's design with its scalar quantizers replaced by ideal G
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Callable
 from typing import Any
 
@@ -78,34 +79,39 @@ def channel_values(coder: MatchedValueCoder, v: np.ndarray, rng: np.random.Gener
     return (gaussian_channel(y, var, np.float64(coder.bits), rng) + mean).astype(np.float32)
 
 
-class ChannelCodec:
-    """A ``matched`` :class:`~kvqrs.schemes.KVCodec` with its keys, values or both passed through
-    the Gaussian test channel instead (:func:`gaussian_channel`); what the fast path
+class StandIn(abc.ABC):
+    """A ``matched`` :class:`~kvqrs.schemes.KVCodec` with its keys, values or both (``keys``,
+    ``values``: whether each is stood in for) decoded by another coder, :meth:`stand_in_keys`
+    and :meth:`stand_in_values` of the originals; what the fast path
     (:func:`kvqrs.hf.fake_quant`) calls of a codec. The other side goes through the codec.
 
     Raises:
-        KvqrsError: ``sides`` not one of :data:`SIDES`, or a codec whose keys or values (the side
-            passed through the channel) are not the ``matched`` transform or Lloyd-Max coders.
+        KvqrsError: a codec whose keys or values (the side stood in for) are not the ``matched``
+            transform or Lloyd-Max coders (``what`` names the stand-in).
     """
 
-    def __init__(self, codec: Any, sides: str, rng: np.random.Generator):
-        if sides not in SIDES:
-            raise KvqrsError(f"channel: expected one of {SIDES}, got {sides!r}")
-        self.codec, self.rng = codec, rng
-        self.keys_through = sides in ("keys", "both")
-        self.values_through = sides in ("values", "both")
-        if self.keys_through and not isinstance(codec.keys, MatchedCoder):
-            raise KvqrsError(f"channel: the keys must be matched transform-coded keys, got {type(codec.keys).__name__}")
-        if self.values_through and not isinstance(codec.values, MatchedValueCoder):
-            raise KvqrsError(f"channel: the values must be matched Lloyd-Max values, got {type(codec.values).__name__}")
+    def __init__(self, codec: Any, keys: bool, values: bool, what: str):
+        self.codec, self.keys_through, self.values_through = codec, keys, values
+        if keys and not isinstance(codec.keys, MatchedCoder):
+            raise KvqrsError(f"{what}: the keys must be matched transform-coded keys, got {type(codec.keys).__name__}")
+        if values and not isinstance(codec.values, MatchedValueCoder):
+            raise KvqrsError(f"{what}: the values must be matched Lloyd-Max values, got {type(codec.values).__name__}")
         self.values = codec.values
-        self.needs_weights = codec.needs_weights and not self.values_through
+        self.needs_weights = codec.needs_weights and not values
+
+    @abc.abstractmethod
+    def stand_in_keys(self, k: np.ndarray) -> np.ndarray:
+        """Keys ``(..., kv_heads, T, d)`` as the stand-in decodes them (float32)."""
+
+    @abc.abstractmethod
+    def stand_in_values(self, v: np.ndarray) -> np.ndarray:
+        """Values ``(..., kv_heads, T, d)`` as the stand-in decodes them (float32)."""
 
     def encode_keys(self, k: np.ndarray) -> Any:
         return k if self.keys_through else self.codec.encode_keys(k)
 
     def decode_keys(self, ck: Any, base_only: bool = False) -> np.ndarray:
-        return channel_keys(self.codec.keys, ck, self.rng) if self.keys_through else self.codec.decode_keys(ck, base_only)
+        return self.stand_in_keys(ck) if self.keys_through else self.codec.decode_keys(ck, base_only)
 
     def score_correction(self, q: np.ndarray, ck: Any) -> np.ndarray | None:
         return None if self.keys_through else self.codec.score_correction(q, ck)
@@ -114,7 +120,28 @@ class ChannelCodec:
         return v if self.values_through else self.codec.encode_values(v, weights)
 
     def decode_values(self, cv: Any) -> np.ndarray:
-        return channel_values(self.codec.values, cv, self.rng) if self.values_through else self.codec.decode_values(cv)
+        return self.stand_in_values(cv) if self.values_through else self.codec.decode_values(cv)
+
+
+class ChannelCodec(StandIn):
+    """:class:`StandIn` with the keys, values or both (``sides``) passed through the Gaussian
+    test channel (:func:`gaussian_channel`).
+
+    Raises:
+        KvqrsError: ``sides`` not one of :data:`SIDES`, or as :class:`StandIn`.
+    """
+
+    def __init__(self, codec: Any, sides: str, rng: np.random.Generator):
+        if sides not in SIDES:
+            raise KvqrsError(f"channel: expected one of {SIDES}, got {sides!r}")
+        super().__init__(codec, sides in ("keys", "both"), sides in ("values", "both"), "channel")
+        self.rng = rng
+
+    def stand_in_keys(self, k: np.ndarray) -> np.ndarray:
+        return channel_keys(self.codec.keys, k, self.rng)
+
+    def stand_in_values(self, v: np.ndarray) -> np.ndarray:
+        return channel_values(self.codec.values, v, self.rng)
 
 
 def channel_wrap(sides: str, seed: int = 0) -> Callable[[Any], ChannelCodec]:

@@ -26,6 +26,7 @@ from .._arrays import KvqrsError
 from ..hf import QuantConfig, fake_quant
 from ..hf.attention import active
 from ..schemes.width_classes import unit_weights
+from . import trellis
 from .capture import Recorder
 from .channel import SIDES, channel_wrap
 from .model import DEFAULT_NAME
@@ -50,7 +51,9 @@ are quoted beside the kvqrs rows, never recomputed here."""
 class LlamaRow:
     """One row: a label and its config (None = dense). ``channel``: the side (``keys``,
     ``values`` or ``both``) passed through the Gaussian test channel at the config's widths
-    instead of its coder (:mod:`kvqrs.evaluation.channel`); None: the codec itself."""
+    instead of its coder (:mod:`kvqrs.evaluation.channel`), or coded by the prototype trellis
+    (``trellis-keys``, ``trellis-values``, ``trellis-both``: :mod:`kvqrs.evaluation.trellis`);
+    None: the codec itself."""
 
     name: str
     config: QuantConfig | None
@@ -128,22 +131,25 @@ def file_row(path, value_scale: str | None = None) -> LlamaRow:
 
 def channel_rows(row: LlamaRow, sides: list[str]) -> list[LlamaRow]:
     """``row`` (a ``matched`` row) with each of ``sides`` passed through the Gaussian test channel
-    (:data:`kvqrs.evaluation.channel.SIDES`): one row each, its bits those of the codec it stands
-    in for."""
+    (:data:`kvqrs.evaluation.channel.SIDES`) or coded by the prototype trellis
+    (:data:`kvqrs.evaluation.trellis.SIDES`): one row each, its bits those of the codec it
+    stands in for."""
     if row.config is None:
         raise KvqrsError(f"channel: the row {row.name!r} has no codec to stand in for")
-    if isinstance(sides, str) or len(set(sides)) != len(sides) or any(side not in SIDES for side in sides):
-        raise KvqrsError(f"channel: expected a list of distinct sides among {SIDES}, got {sides!r}")
+    known = SIDES + trellis.SIDES
+    if isinstance(sides, str) or len(set(sides)) != len(sides) or any(side not in known for side in sides):
+        raise KvqrsError(f"channel: expected a list of distinct sides among {known}, got {sides!r}")
     cal = row.config.calibration
     if row.config.key_scheme != "matched" or row.config.value_scheme not in ("matched", None):
         raise KvqrsError(f"channel: the row {row.name!r} is not a matched row (the channel stands in for matched coders)")
     fitted = cal.values() if isinstance(cal, dict) else ()
-    if any(s != "keys" for s in sides) and any(c.values is not None or c.value_classes for c in fitted):
+    if any(s not in ("keys", "trellis-keys") for s in sides) and any(c.values is not None or c.value_classes for c in fitted):
         raise KvqrsError(
             f"channel: the row {row.name!r} codes its values by transform or in width classes; the channel models the "
             "per-token Lloyd-Max value stage only (--channel keys runs)"
         )
-    return [LlamaRow(f"{row.name}, Gaussian test channel ({side})", row.config, side) for side in sides]
+    label = lambda side: f"{side} (prototype)" if side in trellis.SIDES else f"Gaussian test channel ({side})"  # noqa: E731
+    return [LlamaRow(f"{row.name}, {label(side)}", row.config, side) for side in sides]
 
 
 def llama_chunks(tokenizer, text: str, ctx: int, count: int) -> list[torch.Tensor]:
@@ -219,7 +225,7 @@ def run_llama(model, tokenizer, texts, rows: list[LlamaRow], ctx: int = 512, chu
     results = []
     for row in tqdm(rows, desc="llama protocol", unit="row", disable=not progress):
         nll, kls, agree, n = 0.0, [], 0, 0
-        wrap = None if row.channel is None else channel_wrap(row.channel)
+        wrap = None if row.channel is None else (trellis.trellis_wrap if row.channel in trellis.SIDES else channel_wrap)(row.channel)
         for ids, lpd in zip(ev, dense):
             if row.config is None:
                 lp = lpd
